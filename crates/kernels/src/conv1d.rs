@@ -1,0 +1,195 @@
+//! Causal depthwise conv1d with a fused SiLU, the short convolution in front of GDN
+//! (ARCHITECTURE §2.1 step 3).
+//!
+//! `y_t[c] = silu(Σ_j w[c, j] · x_{t-K+1+j}[c])`, tap `K-1` on the current token. The state is the
+//! last `K-1` **raw** inputs per channel (before conv and SiLU), oldest first, zeros for a fresh
+//! sequence; it is kept in the activation dtype like the reference.
+
+use candle_core::{Device, Tensor};
+
+use crate::{expect_rank, host_f32, Error, Result};
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Checks shapes and returns `(batch, len, channels, kernel)`.
+fn check(
+    x: &Tensor,
+    weight: &Tensor,
+    state: Option<&Tensor>,
+) -> Result<(usize, usize, usize, usize)> {
+    expect_rank("causal_conv1d", "x", x, 3)?;
+    let (b, t, c) = x.dims3()?;
+    let (wc, k) = match weight.dims() {
+        [wc, k] => (*wc, *k),
+        [wc, 1, k] => (*wc, *k),
+        d => {
+            return Err(Error::Shape {
+                op: "causal_conv1d",
+                msg: format!(
+                    "weight must be [channels, kernel] or [channels, 1, kernel], found {d:?}"
+                ),
+            })
+        }
+    };
+    if wc != c || k < 2 {
+        return Err(Error::Shape {
+            op: "causal_conv1d",
+            msg: format!(
+                "weight {:?} does not fit x {:?} (need {c} channels, kernel >= 2)",
+                weight.dims(),
+                x.dims()
+            ),
+        });
+    }
+    if let Some(s) = state {
+        if s.dims() != [b, c, k - 1] {
+            return Err(Error::Shape {
+                op: "causal_conv1d",
+                msg: format!("state must be [{b}, {c}, {}], found {:?}", k - 1, s.dims()),
+            });
+        }
+    }
+    Ok((b, t, c, k))
+}
+
+/// Causal conv1d + SiLU over `x: [batch, len, channels]` with `weight: [channels, (1,) kernel]`,
+/// continuing from `state: [batch, channels, kernel-1]` (`None` = fresh sequence).
+/// Returns `(y: [batch, len, channels], new_state: [batch, channels, kernel-1])`, both in `x`'s dtype.
+pub fn causal_conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    state: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, c, k) = check(x, weight, state)?;
+    let hist = k - 1;
+    let xs = host_f32(x)?;
+    let w = host_f32(weight)?;
+    let st = match state {
+        Some(s) => host_f32(s)?,
+        None => vec![0.0; b * c * hist],
+    };
+    let mut y = vec![0.0f32; b * t * c];
+    let mut new_state = vec![0.0f32; b * c * hist];
+    // The window for channel `ch`: `hist` state values then `t` inputs.
+    let mut window = vec![0.0f32; hist + t];
+    for bi in 0..b {
+        for ch in 0..c {
+            window[..hist].copy_from_slice(&st[(bi * c + ch) * hist..(bi * c + ch + 1) * hist]);
+            for ti in 0..t {
+                window[hist + ti] = xs[(bi * t + ti) * c + ch];
+            }
+            let wk = &w[ch * k..(ch + 1) * k];
+            for ti in 0..t {
+                let acc: f32 = wk.iter().zip(&window[ti..ti + k]).map(|(a, b)| a * b).sum();
+                y[(bi * t + ti) * c + ch] = silu(acc);
+            }
+            new_state[(bi * c + ch) * hist..(bi * c + ch + 1) * hist]
+                .copy_from_slice(&window[t..t + hist]);
+        }
+    }
+    let dev = x.device();
+    let y = Tensor::from_vec(y, (b, t, c), &Device::Cpu)?
+        .to_dtype(x.dtype())?
+        .to_device(dev)?;
+    let s = Tensor::from_vec(new_state, (b, c, hist), &Device::Cpu)?
+        .to_dtype(x.dtype())?
+        .to_device(dev)?;
+    Ok((y, s))
+}
+
+/// One decode step: `x: [batch, channels]`, `state: [batch, channels, kernel-1]`.
+/// Returns `(y: [batch, channels], new_state)`.
+pub fn causal_conv1d_step(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    expect_rank("causal_conv1d_step", "x", x, 2)?;
+    let (y, s) = causal_conv1d(&x.unsqueeze(1)?, weight, Some(state))?;
+    Ok((y.squeeze(1)?, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn prefill_matches_direct_sum_and_keeps_raw_inputs() -> Result<()> {
+        let (b, t, c, k) = (2, 5, 3, 4);
+        let x = rand_vec(b * t * c, 1);
+        let w = rand_vec(c * k, 2);
+        let dev = Device::Cpu;
+        let xt = Tensor::from_vec(x.clone(), (b, t, c), &dev)?;
+        let wt = Tensor::from_vec(w.clone(), (c, 1, k), &dev)?;
+        let (y, s) = causal_conv1d(&xt, &wt, None)?;
+        let y = y.flatten_all()?.to_vec1::<f32>()?;
+        for bi in 0..b {
+            for ti in 0..t {
+                for ch in 0..c {
+                    let mut acc = 0.0;
+                    for j in 0..k {
+                        let src = ti as isize - (k - 1) as isize + j as isize;
+                        if src >= 0 {
+                            acc += w[ch * k + j] * x[(bi * t + src as usize) * c + ch];
+                        }
+                    }
+                    assert!((y[(bi * t + ti) * c + ch] - silu(acc)).abs() < 1e-6);
+                }
+            }
+        }
+        // The state holds the last k-1 raw inputs, oldest first.
+        let s = s.to_vec3::<f32>()?;
+        for bi in 0..b {
+            for ch in 0..c {
+                for j in 0..k - 1 {
+                    assert_eq!(s[bi][ch][j], x[(bi * t + t - (k - 1) + j) * c + ch]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn prefill_then_steps_equals_one_prefill() -> Result<()> {
+        let (b, t, c, k) = (1, 7, 4, 4);
+        let dev = Device::Cpu;
+        let x = Tensor::from_vec(rand_vec(b * t * c, 3), (b, t, c), &dev)?;
+        let w = Tensor::from_vec(rand_vec(c * k, 4), (c, k), &dev)?;
+        let (y_all, s_all) = causal_conv1d(&x, &w, None)?;
+        // Short prompt (1 token < k-1) exercises the zero-filled state.
+        let (y0, mut s) = causal_conv1d(&x.narrow(1, 0, 1)?, &w, None)?;
+        let mut ys = vec![y0];
+        for ti in 1..t {
+            let (yt, st) = causal_conv1d_step(&x.narrow(1, ti, 1)?.squeeze(1)?, &w, &s)?;
+            ys.push(yt.unsqueeze(1)?);
+            s = st;
+        }
+        let y = Tensor::cat(&ys, 1)?;
+        let diff = (y - y_all)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "{diff}");
+        assert_eq!(s.to_vec3::<f32>()?, s_all.to_vec3::<f32>()?);
+        Ok(())
+    }
+
+    #[test]
+    fn bad_state_shape_is_an_error() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((1, 2, 3), DType::F32, &dev)?;
+        let w = Tensor::zeros((3, 4), DType::F32, &dev)?;
+        let s = Tensor::zeros((1, 3, 2), DType::F32, &dev)?;
+        let err = causal_conv1d(&x, &w, Some(&s)).unwrap_err().to_string();
+        assert!(err.contains("state must be [1, 3, 3]"), "{err}");
+        Ok(())
+    }
+}

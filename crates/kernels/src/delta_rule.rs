@@ -1,0 +1,634 @@
+//! The gated delta rule (ARCHITECTURE §2.2-2.3): the GDN recurrence, in f32.
+//!
+//! Per value head `h` with state `S ∈ R^{dk×dv}` and for each token:
+//! ```text
+//! S ← exp(g) · S;   δ ← β (v − Sᵀk);   S ← S + k δᵀ;   o ← Sᵀ (scale · q)
+//! ```
+//! (decay first, then read: the read uses the decayed state). Value head `h` uses key head
+//! `h / (Hv/Hk)`. q and k are expected L2-normalised already; `scale` is usually `dk^-1/2`.
+//!
+//! Two forms that agree to rounding: [`recurrent_gated_delta_rule`] (one token at a time, can keep
+//! every intermediate state for speculative rollback) and [`chunked_gated_delta_rule`] (the
+//! WY/UT-transform chunk form used for prefill, exact for any length).
+//!
+//! Shapes: `q, k: [batch, len, k_heads, dk]`, `v: [batch, len, v_heads, dv]`,
+//! `g, beta: [batch, len, v_heads]`, state `[batch, v_heads, dk, dv]` (f32 only).
+
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use crate::{expect_rank, host_f32, Error, Result};
+
+/// Outputs of a delta-rule call.
+#[derive(Debug, Clone)]
+pub struct DeltaRuleOutput {
+    /// `[batch, len, v_heads, dv]`, f32.
+    pub out: Tensor,
+    /// The state after the last token, `[batch, v_heads, dk, dv]`, f32.
+    pub state: Tensor,
+    /// With `keep_all_states`: the state after every token, `[batch, len, v_heads, dk, dv]`, f32.
+    pub all_states: Option<Tensor>,
+}
+
+/// Sizes shared by both forms, checked once.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+}
+
+fn check(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: Option<&Tensor>,
+) -> Result<Dims> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        expect_rank(op, name, t, 4)?;
+    }
+    let (b, t, hk, dk) = q.dims4()?;
+    let (_, _, hv, dv) = v.dims4()?;
+    let bad = |msg: String| Err(Error::Shape { op, msg });
+    if k.dims() != q.dims() {
+        return bad(format!("k {:?} must match q {:?}", k.dims(), q.dims()));
+    }
+    if v.dim(0)? != b || v.dim(1)? != t {
+        return bad(format!("v {:?} must be [{b}, {t}, v_heads, dv]", v.dims()));
+    }
+    if hk == 0 || hv % hk != 0 {
+        return bad(format!("v_heads {hv} must be a multiple of k_heads {hk}"));
+    }
+    for (name, x) in [("g", g), ("beta", beta)] {
+        if x.dims() != [b, t, hv] {
+            return bad(format!(
+                "{name} must be [{b}, {t}, {hv}], found {:?}",
+                x.dims()
+            ));
+        }
+    }
+    if let Some(s) = state {
+        if s.dims() != [b, hv, dk, dv] {
+            return bad(format!(
+                "state must be [{b}, {hv}, {dk}, {dv}], found {:?}",
+                s.dims()
+            ));
+        }
+        if s.dtype() != DType::F32 {
+            return bad(format!(
+                "the recurrent state must be f32, found {:?}",
+                s.dtype()
+            ));
+        }
+    }
+    Ok(Dims {
+        b,
+        t,
+        hk,
+        hv,
+        dk,
+        dv,
+    })
+}
+
+/// Host copies of the inputs, in the token-major layout of the tensors.
+struct Host {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    state: Vec<f32>,
+}
+
+impl Host {
+    fn new(
+        d: Dims,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: Option<&Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            q: host_f32(q)?,
+            k: host_f32(k)?,
+            v: host_f32(v)?,
+            g: host_f32(g)?,
+            beta: host_f32(beta)?,
+            state: match state {
+                Some(s) => host_f32(s)?,
+                None => vec![0.0; d.b * d.hv * d.dk * d.dv],
+            },
+        })
+    }
+    /// Range of the q/k row that value head `hv` reads at token `t`.
+    fn qk_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> std::ops::Range<usize> {
+        let h = hv / (d.hv / d.hk);
+        let off = ((b * d.t + t) * d.hk + h) * d.dk;
+        off..off + d.dk
+    }
+    fn v_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> std::ops::Range<usize> {
+        let off = ((b * d.t + t) * d.hv + hv) * d.dv;
+        off..off + d.dv
+    }
+    fn gate_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> usize {
+        (b * d.t + t) * d.hv + hv
+    }
+    fn state_of(&self, d: Dims, b: usize, hv: usize) -> &[f32] {
+        let n = d.dk * d.dv;
+        &self.state[(b * d.hv + hv) * n..(b * d.hv + hv + 1) * n]
+    }
+}
+
+/// What one (batch, value head) unit produces.
+struct HeadResult {
+    out: Vec<f32>,         // [t, dv]
+    state: Vec<f32>,       // [dk, dv]
+    all: Option<Vec<f32>>, // [t, dk, dv]
+}
+
+/// Assembles per-head results (ordered by `b * hv + h`) into the output tensors.
+fn assemble(d: Dims, heads: Vec<HeadResult>, device: &Device) -> Result<DeltaRuleOutput> {
+    let n = d.dk * d.dv;
+    let mut out = vec![0.0f32; d.b * d.t * d.hv * d.dv];
+    let mut state = vec![0.0f32; d.b * d.hv * n];
+    let keep = heads.first().is_some_and(|h| h.all.is_some());
+    let mut all = if keep {
+        vec![0.0f32; d.b * d.t * d.hv * n]
+    } else {
+        Vec::new()
+    };
+    for (unit, hr) in heads.into_iter().enumerate() {
+        let (b, h) = (unit / d.hv, unit % d.hv);
+        for t in 0..d.t {
+            let dst = ((b * d.t + t) * d.hv + h) * d.dv;
+            out[dst..dst + d.dv].copy_from_slice(&hr.out[t * d.dv..(t + 1) * d.dv]);
+            if let Some(a) = &hr.all {
+                let dst = ((b * d.t + t) * d.hv + h) * n;
+                all[dst..dst + n].copy_from_slice(&a[t * n..(t + 1) * n]);
+            }
+        }
+        state[unit * n..(unit + 1) * n].copy_from_slice(&hr.state);
+    }
+    let cpu = Device::Cpu;
+    Ok(DeltaRuleOutput {
+        out: Tensor::from_vec(out, (d.b, d.t, d.hv, d.dv), &cpu)?.to_device(device)?,
+        state: Tensor::from_vec(state, (d.b, d.hv, d.dk, d.dv), &cpu)?.to_device(device)?,
+        all_states: if keep {
+            Some(Tensor::from_vec(all, (d.b, d.t, d.hv, d.dk, d.dv), &cpu)?.to_device(device)?)
+        } else {
+            None
+        },
+    })
+}
+
+/// Token-by-token gated delta rule. With `keep_all_states`, also returns the state after every
+/// token (what a speculative verify needs to roll back to any accepted length).
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent_gated_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial_state: Option<&Tensor>,
+    scale: f32,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let d = check(
+        "recurrent_gated_delta_rule",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+    )?;
+    let x = Host::new(d, q, k, v, g, beta, initial_state)?;
+    let heads: Vec<HeadResult> = (0..d.b * d.hv)
+        .into_par_iter()
+        .map(|unit| {
+            let (b, h) = (unit / d.hv, unit % d.hv);
+            let mut s = x.state_of(d, b, h).to_vec();
+            let mut out = vec![0.0f32; d.t * d.dv];
+            let mut all = keep_all_states.then(|| Vec::with_capacity(d.t * d.dk * d.dv));
+            let mut delta = vec![0.0f32; d.dv];
+            for t in 0..d.t {
+                let kt = &x.k[x.qk_at(d, b, t, h)];
+                let qt = &x.q[x.qk_at(d, b, t, h)];
+                let vt = &x.v[x.v_at(d, b, t, h)];
+                let gi = x.gate_at(d, b, t, h);
+                let (decay, bt) = (x.g[gi].exp(), x.beta[gi]);
+                s.iter_mut().for_each(|e| *e *= decay);
+                // δ = β (v − Sᵀk), read from the decayed state.
+                delta.copy_from_slice(vt);
+                for (i, &ki) in kt.iter().enumerate() {
+                    for (dj, sij) in delta.iter_mut().zip(&s[i * d.dv..(i + 1) * d.dv]) {
+                        *dj -= sij * ki;
+                    }
+                }
+                delta.iter_mut().for_each(|e| *e *= bt);
+                // S += k δᵀ, then o = Sᵀ (scale q).
+                let o = &mut out[t * d.dv..(t + 1) * d.dv];
+                for i in 0..d.dk {
+                    let row = &mut s[i * d.dv..(i + 1) * d.dv];
+                    let qi = qt[i] * scale;
+                    for ((sij, dj), oj) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
+                        *sij += kt[i] * dj;
+                        *oj += *sij * qi;
+                    }
+                }
+                if let Some(a) = all.as_mut() {
+                    a.extend_from_slice(&s);
+                }
+            }
+            HeadResult { out, state: s, all }
+        })
+        .collect();
+    assemble(d, heads, q.device())
+}
+
+/// Chunk length of the chunked form (fla's default).
+pub const CHUNK_SIZE: usize = 64;
+
+/// Chunked (WY/UT transform) gated delta rule for prefill; exact for any length `T`
+/// (the last chunk is simply shorter, which equals zero padding with β = 0, g = 0).
+///
+/// Per chunk with entry state `S₀`, in-chunk cumulative decay `γ`, `Γ_rs = exp(γ_r − γ_s)`:
+/// `A_rs = β_r Γ_rs k_r·k_s (s < r)`, `U = (I+A)⁻¹ diag(β) V`, `W = (I+A)⁻¹ diag(β e^γ) K`,
+/// `Ṽ = U − W S₀`, `o_r = e^{γ_r} q_rᵀS₀ + Σ_{s≤r} Γ_rs (q_r·k_s) ṽ_s`,
+/// `S_exit = e^{γ_L} S₀ + Σ_s e^{γ_L−γ_s} k_s ṽ_sᵀ`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_gated_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial_state: Option<&Tensor>,
+    scale: f32,
+    chunk_size: usize,
+) -> Result<DeltaRuleOutput> {
+    let d = check("chunked_gated_delta_rule", q, k, v, g, beta, initial_state)?;
+    if chunk_size == 0 {
+        return Err(Error::Shape {
+            op: "chunked_gated_delta_rule",
+            msg: "chunk_size must be positive".into(),
+        });
+    }
+    let x = Host::new(d, q, k, v, g, beta, initial_state)?;
+    let (dk, dv) = (d.dk, d.dv);
+    let heads: Vec<HeadResult> = (0..d.b * d.hv)
+        .into_par_iter()
+        .map(|unit| {
+            let (b, h) = (unit / d.hv, unit % d.hv);
+            let mut s = x.state_of(d, b, h).to_vec();
+            let mut out = vec![0.0f32; d.t * dv];
+            let c = chunk_size;
+            let (mut gamma, mut bet) = (vec![0.0f32; c], vec![0.0f32; c]);
+            let mut kk = vec![0.0f32; c * c];
+            let mut a = vec![0.0f32; c * c];
+            let mut u = vec![0.0f32; c * dv];
+            let mut w = vec![0.0f32; c * dk];
+            let mut vt = vec![0.0f32; c * dv];
+            let mut start = 0;
+            while start < d.t {
+                let l = c.min(d.t - start);
+                let kr = |r: usize| &x.k[x.qk_at(d, b, start + r, h)];
+                let qr = |r: usize| &x.q[x.qk_at(d, b, start + r, h)];
+                let vr = |r: usize| &x.v[x.v_at(d, b, start + r, h)];
+                let dot = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f32>();
+                let mut acc = 0.0f32;
+                for r in 0..l {
+                    let gi = x.gate_at(d, b, start + r, h);
+                    acc += x.g[gi];
+                    gamma[r] = acc;
+                    bet[r] = x.beta[gi];
+                }
+                for r in 0..l {
+                    for s_ in 0..r {
+                        kk[r * c + s_] = dot(kr(r), kr(s_));
+                        a[r * c + s_] = bet[r] * (gamma[r] - gamma[s_]).exp() * kk[r * c + s_];
+                    }
+                }
+                // Forward substitution: rows of U and W.
+                for r in 0..l {
+                    let (vrow, krow) = (vr(r), kr(r));
+                    let eg = gamma[r].exp();
+                    for j in 0..dv {
+                        u[r * dv + j] = bet[r] * vrow[j];
+                    }
+                    for i in 0..dk {
+                        w[r * dk + i] = bet[r] * eg * krow[i];
+                    }
+                    for s_ in 0..r {
+                        let ars = a[r * c + s_];
+                        for j in 0..dv {
+                            u[r * dv + j] -= ars * u[s_ * dv + j];
+                        }
+                        for i in 0..dk {
+                            w[r * dk + i] -= ars * w[s_ * dk + i];
+                        }
+                    }
+                }
+                // Ṽ = U − W S₀ (the per-token deltas).
+                for r in 0..l {
+                    let vrow = &mut vt[r * dv..(r + 1) * dv];
+                    vrow.copy_from_slice(&u[r * dv..(r + 1) * dv]);
+                    for i in 0..dk {
+                        let wri = w[r * dk + i];
+                        for (vj, sij) in vrow.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                            *vj -= wri * sij;
+                        }
+                    }
+                }
+                // Outputs: inter-chunk read of S₀ plus intra-chunk attention (diagonal included).
+                for r in 0..l {
+                    let qrow = qr(r);
+                    let o = &mut out[(start + r) * dv..(start + r + 1) * dv];
+                    let eg = gamma[r].exp() * scale;
+                    for i in 0..dk {
+                        let qi = qrow[i] * eg;
+                        for (oj, sij) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                            *oj += qi * sij;
+                        }
+                    }
+                    for s_ in 0..=r {
+                        let coef = (gamma[r] - gamma[s_]).exp() * dot(qrow, kr(s_)) * scale;
+                        for (oj, vj) in o.iter_mut().zip(&vt[s_ * dv..(s_ + 1) * dv]) {
+                            *oj += coef * vj;
+                        }
+                    }
+                }
+                // Exit state.
+                let gl = gamma[l - 1];
+                let chunk_decay = gl.exp();
+                s.iter_mut().for_each(|e| *e *= chunk_decay);
+                for s_ in 0..l {
+                    let f = (gl - gamma[s_]).exp();
+                    let krow = kr(s_);
+                    for i in 0..dk {
+                        let ki = krow[i] * f;
+                        for (sij, vj) in s[i * dv..(i + 1) * dv]
+                            .iter_mut()
+                            .zip(&vt[s_ * dv..(s_ + 1) * dv])
+                        {
+                            *sij += ki * vj;
+                        }
+                    }
+                }
+                start += l;
+            }
+            HeadResult {
+                out,
+                state: s,
+                all: None,
+            }
+        })
+        .collect();
+    assemble(d, heads, q.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Case {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        s0: Tensor,
+    }
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn l2(x: Vec<f32>, d: usize) -> Vec<f32> {
+        x.chunks(d)
+            .flat_map(|r| {
+                let n = r.iter().map(|v| v * v).sum::<f32>().sqrt();
+                r.iter().map(move |v| v / n).collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Random inputs with realistic gates: g in [-1.2, -0.005], beta in (0, 1), unit q/k.
+    fn case(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize, seed: u64) -> Case {
+        let dev = Device::Cpu;
+        let mk = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &dev).unwrap();
+        let g: Vec<f32> = rand_vec(b * t * hv, seed + 3)
+            .iter()
+            .map(|x| -0.005 - 0.6 * (x + 1.0))
+            .collect();
+        let beta: Vec<f32> = rand_vec(b * t * hv, seed + 4)
+            .iter()
+            .map(|x| 0.5 + 0.49 * x)
+            .collect();
+        Case {
+            q: mk(l2(rand_vec(b * t * hk * dk, seed), dk), &[b, t, hk, dk]),
+            k: mk(l2(rand_vec(b * t * hk * dk, seed + 1), dk), &[b, t, hk, dk]),
+            v: mk(rand_vec(b * t * hv * dv, seed + 2), &[b, t, hv, dv]),
+            g: mk(g, &[b, t, hv]),
+            beta: mk(beta, &[b, t, hv]),
+            s0: mk(rand_vec(b * hv * dk * dv, seed + 5), &[b, hv, dk, dv]),
+        }
+    }
+
+    /// An independent naive reference in f64, in the matrix form
+    /// `S_t = e^{g}(I − β k kᵀ) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q scale`.
+    fn naive(c: &Case, scale: f64) -> (Vec<f64>, Vec<f64>) {
+        let (b, t, hk, dk) = c.q.dims4().unwrap();
+        let (_, _, hv, dv) = c.v.dims4().unwrap();
+        let f = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (q, k, v, g, be, s0) = (f(&c.q), f(&c.k), f(&c.v), f(&c.g), f(&c.beta), f(&c.s0));
+        let mut out = vec![0.0f64; b * t * hv * dv];
+        let mut fin = vec![0.0f64; b * hv * dk * dv];
+        for bi in 0..b {
+            for h in 0..hv {
+                let kh = h / (hv / hk);
+                let mut s: Vec<f64> = s0[(bi * hv + h) * dk * dv..][..dk * dv]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect();
+                for ti in 0..t {
+                    let kt: Vec<f64> = k[((bi * t + ti) * hk + kh) * dk..][..dk]
+                        .iter()
+                        .map(|&x| x as f64)
+                        .collect();
+                    let qt: Vec<f64> = q[((bi * t + ti) * hk + kh) * dk..][..dk]
+                        .iter()
+                        .map(|&x| x as f64)
+                        .collect();
+                    let vt = &v[((bi * t + ti) * hv + h) * dv..][..dv];
+                    let gi = (bi * t + ti) * hv + h;
+                    let (e, bt) = ((g[gi] as f64).exp(), be[gi] as f64);
+                    // (I − β k kᵀ) S
+                    let mut ks = vec![0.0f64; dv];
+                    for i in 0..dk {
+                        for j in 0..dv {
+                            ks[j] += kt[i] * s[i * dv + j];
+                        }
+                    }
+                    for i in 0..dk {
+                        for j in 0..dv {
+                            s[i * dv + j] = e * (s[i * dv + j] - bt * kt[i] * ks[j])
+                                + bt * kt[i] * vt[j] as f64;
+                        }
+                    }
+                    for j in 0..dv {
+                        out[((bi * t + ti) * hv + h) * dv + j] =
+                            (0..dk).map(|i| s[i * dv + j] * qt[i]).sum::<f64>() * scale;
+                    }
+                }
+                fin[(bi * hv + h) * dk * dv..][..dk * dv].copy_from_slice(&s);
+            }
+        }
+        (out, fin)
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &[f64]) -> f64 {
+        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - y).abs())
+            .fold(0.0, f64::max)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    // f32 accumulation over ~150 steps of O(1) values: errors of a few 1e-6 are expected; 1e-5 bounds them.
+    const TOL: f32 = 1e-5;
+
+    #[test]
+    fn recurrent_matches_naive_matrix_form() -> Result<()> {
+        let c = case(2, 37, 2, 6, 8, 12, 11);
+        let scale = 8f32.powf(-0.5);
+        let r =
+            recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, true)?;
+        let (out, fin) = naive(&c, scale as f64);
+        assert!(max_abs_diff(&r.out, &out) < TOL as f64);
+        assert!(max_abs_diff(&r.state, &fin) < TOL as f64);
+        // The last of the kept states is the final state; the first is the state after token 0.
+        let all = r.all_states.expect("kept states");
+        assert_eq!(all.dims(), &[2, 37, 6, 8, 12]);
+        assert_eq!(max_diff(&all.narrow(1, 36, 1)?.squeeze(1)?, &r.state), 0.0);
+        let one = recurrent_gated_delta_rule(
+            &c.q.narrow(1, 0, 1)?,
+            &c.k.narrow(1, 0, 1)?,
+            &c.v.narrow(1, 0, 1)?,
+            &c.g.narrow(1, 0, 1)?,
+            &c.beta.narrow(1, 0, 1)?,
+            Some(&c.s0),
+            scale,
+            false,
+        )?;
+        assert_eq!(max_diff(&all.narrow(1, 0, 1)?.squeeze(1)?, &one.state), 0.0);
+        Ok(())
+    }
+
+    #[test]
+    fn chunked_matches_recurrent_for_lengths_around_chunks() -> Result<()> {
+        // dk != dv, Hv/Hk = 3, lengths below, at and past chunk boundaries (150 = 2·64 + 22).
+        for (t, seed) in [(1usize, 1u64), (63, 2), (64, 3), (65, 4), (150, 5)] {
+            let c = case(1, t, 2, 6, 16, 24, seed);
+            let scale = 16f32.powf(-0.5);
+            let r = recurrent_gated_delta_rule(
+                &c.q,
+                &c.k,
+                &c.v,
+                &c.g,
+                &c.beta,
+                Some(&c.s0),
+                scale,
+                false,
+            )?;
+            let ch = chunked_gated_delta_rule(
+                &c.q,
+                &c.k,
+                &c.v,
+                &c.g,
+                &c.beta,
+                Some(&c.s0),
+                scale,
+                CHUNK_SIZE,
+            )?;
+            let (d_out, d_state) = (max_diff(&r.out, &ch.out), max_diff(&r.state, &ch.state));
+            assert!(
+                d_out < TOL && d_state < TOL,
+                "T={t}: out {d_out}, state {d_state}"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn chunked_continues_from_its_own_state() -> Result<()> {
+        let c = case(2, 100, 1, 2, 8, 8, 9);
+        let scale = 0.35;
+        let full = chunked_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, None, scale, 16)?;
+        let part = |x: &Tensor, s, l| x.narrow(1, s, l).unwrap();
+        let a = chunked_gated_delta_rule(
+            &part(&c.q, 0, 70),
+            &part(&c.k, 0, 70),
+            &part(&c.v, 0, 70),
+            &part(&c.g, 0, 70),
+            &part(&c.beta, 0, 70),
+            None,
+            scale,
+            16,
+        )?;
+        let b = chunked_gated_delta_rule(
+            &part(&c.q, 70, 30),
+            &part(&c.k, 70, 30),
+            &part(&c.v, 70, 30),
+            &part(&c.g, 70, 30),
+            &part(&c.beta, 70, 30),
+            Some(&a.state),
+            scale,
+            16,
+        )?;
+        assert!(max_diff(&Tensor::cat(&[&a.out, &b.out], 1)?, &full.out) < TOL);
+        assert!(max_diff(&b.state, &full.state) < TOL);
+        Ok(())
+    }
+
+    #[test]
+    fn non_f32_state_is_refused() -> Result<()> {
+        let c = case(1, 2, 1, 1, 4, 4, 1);
+        let s = c.s0.to_dtype(DType::BF16)?;
+        let err = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&s), 0.5, false)
+            .unwrap_err();
+        assert!(err.to_string().contains("must be f32"), "{err}");
+        Ok(())
+    }
+}

@@ -1,0 +1,134 @@
+//! RMSNorm variants and L2 normalisation, all computed in f32 and cast back to the input dtype.
+//!
+//! Qwen3.6 uses two RMSNorm conventions (ARCHITECTURE §3.2): the zero-centred `(1 + w)` norm for
+//! every decoder, final and q/k norm, and a plain-weight norm gated by `silu(z)` inside GDN.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::Result;
+
+/// `x / sqrt(mean(x²) + eps)` over the last dim, in f32.
+fn rms_normalise_f32(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let mean_sq = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_mul(&(mean_sq + eps)?.sqrt()?.recip()?)?)
+}
+
+/// L2 normalisation over the last dim: `x / sqrt(Σx² + eps)`, returned in f32.
+/// GDN applies it to q and k per head with `eps = 1e-6`.
+pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let sum_sq = x.sqr()?.sum_keepdim(D::Minus1)?;
+    Ok(x.broadcast_mul(&(sum_sq + eps)?.sqrt()?.recip()?)?)
+}
+
+/// Zero-centred RMSNorm (`Qwen3_5RMSNorm`, Gemma style): `y = norm(x) · (1 + w)`.
+/// The stored weight is `1 + w` in f32, so the checkpoint's `w` is added to once, at load.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    scale: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Builds the norm from the checkpoint weight `w` (`[dim]`, zero-initialised in training).
+    pub fn zero_centred(w: &Tensor, eps: f64) -> Result<Self> {
+        let scale = (w.to_dtype(DType::F32)? + 1.0)?;
+        Ok(Self { scale, eps })
+    }
+
+    /// Normalises over the last dim; `x: [..., dim]`, output in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.scale)?;
+        Ok(y.to_dtype(x.dtype())?)
+    }
+
+    /// `forward(x + residual)`, also returning the sum (the new residual stream).
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        let sum = (x + residual)?;
+        Ok((self.forward(&sum)?, sum))
+    }
+}
+
+/// Gated RMSNorm (`Qwen3_5RMSNormGated`): `y = (w ⊙ norm(x)) ⊙ silu(z)`, plain weight, not `1 + w`.
+#[derive(Debug, Clone)]
+pub struct GatedRmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl GatedRmsNorm {
+    /// Builds the norm from the checkpoint weight `w` (`[dim]`, initialised to ones).
+    pub fn new(w: &Tensor, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: w.to_dtype(DType::F32)?,
+            eps,
+        })
+    }
+
+    /// `x, z: [..., dim]`; the output has `out_dtype`. `x` may be f32 (the GDN read-out) to avoid
+    /// an f16 overflow before normalisation (ARCHITECTURE §6 pitfall 3).
+    pub fn forward(&self, x: &Tensor, z: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let n = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.weight)?;
+        let gate = candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?;
+        Ok((n * gate)?.to_dtype(out_dtype)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn naive_rms(x: &[f32], eps: f32) -> Vec<f32> {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+        x.iter().map(|v| v / (ms + eps).sqrt()).collect()
+    }
+
+    #[test]
+    fn zero_centred_uses_one_plus_w() -> Result<()> {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [0.1f32, -0.2, 0.0, 0.3];
+        let norm = RmsNorm::zero_centred(&Tensor::new(&w, &Device::Cpu)?, 1e-6)?;
+        let y = norm
+            .forward(&Tensor::new(&x, &Device::Cpu)?)?
+            .to_vec1::<f32>()?;
+        let n = naive_rms(&x, 1e-6);
+        for i in 0..4 {
+            assert!(
+                (y[i] - n[i] * (1.0 + w[i])).abs() < 1e-6,
+                "{i}: {} vs {}",
+                y[i],
+                n[i] * (1.0 + w[i])
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gated_uses_plain_weight_and_silu_gate() -> Result<()> {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let z = [0.5f32, -1.0, 2.0, 0.0];
+        let w = [1.5f32, 0.5, -1.0, 2.0];
+        let dev = Device::Cpu;
+        let norm = GatedRmsNorm::new(&Tensor::new(&w, &dev)?, 1e-6)?;
+        let y = norm
+            .forward(&Tensor::new(&x, &dev)?, &Tensor::new(&z, &dev)?, DType::F32)?
+            .to_vec1::<f32>()?;
+        let n = naive_rms(&x, 1e-6);
+        for i in 0..4 {
+            let silu = z[i] / (1.0 + (-z[i]).exp());
+            let want = w[i] * n[i] * silu;
+            assert!((y[i] - want).abs() < 1e-6, "{i}: {} vs {want}", y[i]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn l2_norm_gives_unit_rows() -> Result<()> {
+        let x = Tensor::new(&[[3.0f32, 4.0], [0.0, 2.0]], &Device::Cpu)?;
+        let y = l2_norm(&x, 0.0)?.to_vec2::<f32>()?;
+        assert_eq!(y, vec![vec![0.6, 0.8], vec![0.0, 1.0]]);
+        Ok(())
+    }
+}

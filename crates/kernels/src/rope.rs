@@ -1,0 +1,135 @@
+//! Partial rotate-half rotary position embedding (ARCHITECTURE §3.1 step 4).
+//!
+//! Only the first `rotary_dim` dims of each head rotate (64 of 256 for Qwen3.6, from
+//! `partial_rotary_factor = 0.25`); the rest pass through. Pairs are `(i, i + rotary_dim/2)`.
+//! For text-only input the interleaved mRoPE of Qwen3.6 is exactly this 1-D RoPE.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::{expect_rank, Error, Result};
+
+/// Inverse frequencies `θ^(-2j/rotary_dim)`, `j < rotary_dim/2`, in f32 like the reference.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    inv_freq: Vec<f32>,
+    rotary_dim: usize,
+}
+
+impl RotaryEmbedding {
+    /// `rotary_dim` must be even and positive.
+    pub fn new(rotary_dim: usize, theta: f64) -> Result<Self> {
+        if rotary_dim == 0 || rotary_dim % 2 != 0 {
+            return Err(Error::Shape {
+                op: "rope",
+                msg: format!("rotary_dim must be even and positive, found {rotary_dim}"),
+            });
+        }
+        let inv_freq = (0..rotary_dim / 2)
+            .map(|j| 1.0 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32))
+            .collect();
+        Ok(Self {
+            inv_freq,
+            rotary_dim,
+        })
+    }
+
+    /// Number of rotated dims per head.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+
+    /// `(cos, sin)` for positions `start..start+len`, each `[len, rotary_dim/2]`, in `dtype`.
+    pub fn cos_sin(
+        &self,
+        start: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(len * half);
+        let mut sin = Vec::with_capacity(len * half);
+        for p in start..start + len {
+            for &f in &self.inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
+        Ok((cos, sin))
+    }
+
+    /// Rotates the first `rotary_dim` dims of `x: [batch, len, heads, head_dim]` at positions
+    /// `start..start+len`; returns the same shape and dtype.
+    pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        expect_rank("rope", "x", x, 4)?;
+        let (_, len, _, head_dim) = x.dims4()?;
+        if head_dim < self.rotary_dim {
+            return Err(Error::Shape {
+                op: "rope",
+                msg: format!(
+                    "head_dim {head_dim} is smaller than rotary_dim {}",
+                    self.rotary_dim
+                ),
+            });
+        }
+        let (cos, sin) = self.cos_sin(start, len, x.dtype(), x.device())?;
+        apply_partial_rope(x, &cos, &sin)
+    }
+}
+
+/// Rotate-half RoPE on the first `2 * cos.dim(1)` dims of `x: [batch, len, heads, head_dim]`,
+/// with `cos, sin: [len, rotary_dim/2]` in `x`'s dtype.
+pub fn apply_partial_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    expect_rank("rope", "x", x, 4)?;
+    let head_dim = x.dim(D::Minus1)?;
+    let rotary_dim = 2 * cos.dim(D::Minus1)?;
+    let rot = x.narrow(D::Minus1, 0, rotary_dim)?.contiguous()?;
+    let rot = candle_nn::rotary_emb::rope_thd(&rot, cos, sin)?;
+    if rotary_dim == head_dim {
+        return Ok(rot);
+    }
+    let pass = x.narrow(D::Minus1, rotary_dim, head_dim - rotary_dim)?;
+    Ok(Tensor::cat(&[&rot, &pass], D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Naive rotate-half on one head vector.
+    fn naive(x: &[f32], pos: usize, rotary_dim: usize, theta: f32) -> Vec<f32> {
+        let half = rotary_dim / 2;
+        let mut y = x.to_vec();
+        for j in 0..half {
+            let f = 1.0 / theta.powf((2 * j) as f32 / rotary_dim as f32);
+            let (s, c) = (pos as f32 * f).sin_cos();
+            y[j] = x[j] * c - x[j + half] * s;
+            y[j + half] = x[j + half] * c + x[j] * s;
+        }
+        y
+    }
+
+    #[test]
+    fn partial_rope_matches_naive_and_keeps_tail() -> Result<()> {
+        let (b, t, h, d, rd) = (1, 5, 2, 8, 4);
+        let data: Vec<f32> = (0..b * t * h * d)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) / 3.0)
+            .collect();
+        let x = Tensor::from_vec(data.clone(), (b, t, h, d), &Device::Cpu)?;
+        let rope = RotaryEmbedding::new(rd, 10_000.0)?;
+        let y = rope.apply(&x, 7)?.flatten_all()?.to_vec1::<f32>()?;
+        for ti in 0..t {
+            for hi in 0..h {
+                let off = (ti * h + hi) * d;
+                let want = naive(&data[off..off + d], 7 + ti, rd, 10_000.0);
+                for k in 0..d {
+                    assert!((y[off + k] - want[k]).abs() < 1e-5, "t{ti} h{hi} d{k}");
+                }
+            }
+        }
+        Ok(())
+    }
+}
