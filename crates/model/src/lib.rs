@@ -1,1 +1,21 @@
-//! placeholder
+//! The Qwen3.6 (`qwen3_5` architecture) hybrid language model on candle.
+//!
+//! [`Config`] reads config.json (flat or nested), [`Weights`] maps the safetensors checkpoint,
+//! [`Qwen36Model`] stacks Gated DeltaNet and gated-attention decoder layers, and [`Cache`] holds one
+//! batch's KV caches and GDN states. See ARCHITECTURE.md for the math this follows.
+
+mod attention;
+mod cache;
+mod config;
+mod error;
+mod kv_cache;
+mod model;
+mod weights;
+
+pub use attention::GatedAttention;
+pub use cache::{Cache, LayerCache};
+pub use config::{Config, LayerType};
+pub use error::{Error, Result};
+pub use kv_cache::KvCache;
+pub use model::{Mlp, Qwen36Model};
+pub use weights::{LoadOptions, Weights};

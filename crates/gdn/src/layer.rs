@@ -1,0 +1,326 @@
+//! The GDN layer: projections → causal conv → gates → gated delta rule → gated norm → out_proj.
+
+use candle_core::{DType, Module, Tensor};
+use candle_nn::Linear;
+use qwen36_kernels::{
+    conv1d::causal_conv1d,
+    delta_rule::{chunked_gated_delta_rule, recurrent_gated_delta_rule, CHUNK_SIZE},
+    gating::gdn_gating,
+    norm::{l2_norm, GatedRmsNorm},
+};
+
+use crate::{Error, GdnConfig, GdnState, Result};
+
+/// Epsilon of the q/k L2 norm (fla's `use_qk_l2norm_in_kernel`).
+const L2_NORM_EPS: f64 = 1e-6;
+
+/// The weights of one GDN layer in the Qwen3.5/3.6 flat layout (`[out, in]` linears, no biases).
+#[derive(Debug, Clone)]
+pub struct GdnWeights {
+    /// `[2·Hk·dk + Hv·dv, hidden]`: rows `[Q all | K all | V all]`.
+    pub in_proj_qkv: Tensor,
+    /// `[Hv·dv, hidden]`: the output gate z.
+    pub in_proj_z: Tensor,
+    /// `[Hv, hidden]`: β logits.
+    pub in_proj_b: Tensor,
+    /// `[Hv, hidden]`: decay-rate input a.
+    pub in_proj_a: Tensor,
+    /// `[conv_dim, 1, K]`: depthwise conv, no bias.
+    pub conv1d: Tensor,
+    /// `[Hv]`: `log A`.
+    pub a_log: Tensor,
+    /// `[Hv]`: added to a before softplus.
+    pub dt_bias: Tensor,
+    /// `[dv]`: gated RMSNorm weight (plain, not 1+w).
+    pub norm: Tensor,
+    /// `[hidden, Hv·dv]`.
+    pub out_proj: Tensor,
+}
+
+impl GdnWeights {
+    /// Checkpoint names (relative to the layer's `linear_attn.`) and expected shapes.
+    pub fn shapes(cfg: &GdnConfig) -> [(&'static str, Vec<usize>); 9] {
+        let (h, hv) = (cfg.hidden_size, cfg.num_v_heads);
+        [
+            ("in_proj_qkv.weight", vec![cfg.conv_dim(), h]),
+            ("in_proj_z.weight", vec![cfg.value_dim(), h]),
+            ("in_proj_b.weight", vec![hv, h]),
+            ("in_proj_a.weight", vec![hv, h]),
+            ("conv1d.weight", vec![cfg.conv_dim(), 1, cfg.conv_kernel]),
+            ("A_log", vec![hv]),
+            ("dt_bias", vec![hv]),
+            ("norm.weight", vec![cfg.v_head_dim]),
+            ("out_proj.weight", vec![h, cfg.value_dim()]),
+        ]
+    }
+
+    /// Fetches every weight through `get(name, expected_shape)` (names as in [`Self::shapes`]).
+    pub fn load<E>(
+        cfg: &GdnConfig,
+        mut get: impl FnMut(&'static str, &[usize]) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        let [qkv, z, b, a, conv, alog, dt, norm, out] = Self::shapes(cfg);
+        Ok(Self {
+            in_proj_qkv: get(qkv.0, &qkv.1)?,
+            in_proj_z: get(z.0, &z.1)?,
+            in_proj_b: get(b.0, &b.1)?,
+            in_proj_a: get(a.0, &a.1)?,
+            conv1d: get(conv.0, &conv.1)?,
+            a_log: get(alog.0, &alog.1)?,
+            dt_bias: get(dt.0, &dt.1)?,
+            norm: get(norm.0, &norm.1)?,
+            out_proj: get(out.0, &out.1)?,
+        })
+    }
+
+    fn check(&self, cfg: &GdnConfig) -> Result<()> {
+        let got = [
+            &self.in_proj_qkv,
+            &self.in_proj_z,
+            &self.in_proj_b,
+            &self.in_proj_a,
+            &self.conv1d,
+            &self.a_log,
+            &self.dt_bias,
+            &self.norm,
+            &self.out_proj,
+        ];
+        for ((name, expected), t) in Self::shapes(cfg).into_iter().zip(got) {
+            if t.dims() != expected.as_slice() {
+                return Err(Error::WeightShape {
+                    name,
+                    expected,
+                    found: t.dims().to_vec(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One Gated DeltaNet layer. Input is the already-normalised hidden state `[batch, len, hidden]`.
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    cfg: GdnConfig,
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
+    /// `[conv_dim, K]`.
+    conv_weight: Tensor,
+    /// f32 `[Hv]`.
+    a_log: Tensor,
+    /// f32 `[Hv]`.
+    dt_bias: Tensor,
+    norm: GatedRmsNorm,
+    out_proj: Linear,
+}
+
+impl GatedDeltaNet {
+    /// Builds the layer, checking every weight's shape against `cfg`.
+    pub fn new(cfg: GdnConfig, w: GdnWeights) -> Result<Self> {
+        if cfg.num_k_heads == 0 || cfg.num_v_heads % cfg.num_k_heads != 0 || cfg.conv_kernel < 2 {
+            return Err(Error::Input(format!(
+                "bad GDN config: v_heads {} must be a multiple of k_heads {} and conv kernel {} >= 2",
+                cfg.num_v_heads, cfg.num_k_heads, cfg.conv_kernel
+            )));
+        }
+        w.check(&cfg)?;
+        Ok(Self {
+            cfg,
+            in_proj_qkv: Linear::new(w.in_proj_qkv, None),
+            in_proj_z: Linear::new(w.in_proj_z, None),
+            in_proj_b: Linear::new(w.in_proj_b, None),
+            in_proj_a: Linear::new(w.in_proj_a, None),
+            conv_weight: w.conv1d.squeeze(1)?,
+            a_log: w.a_log.to_dtype(DType::F32)?,
+            dt_bias: w.dt_bias.to_dtype(DType::F32)?,
+            norm: GatedRmsNorm::new(&w.norm, cfg.rms_norm_eps)?,
+            out_proj: Linear::new(w.out_proj, None),
+        })
+    }
+
+    /// The layer's sizes.
+    pub fn config(&self) -> &GdnConfig {
+        &self.cfg
+    }
+
+    /// A fresh state for `batch` sequences, conv window in `dtype` (the activation dtype).
+    pub fn new_state(&self, batch: usize, dtype: DType, state_dtype: DType) -> Result<GdnState> {
+        GdnState::new(
+            &self.cfg,
+            batch,
+            dtype,
+            state_dtype,
+            self.conv_weight.device(),
+        )
+    }
+
+    /// Runs `x: [batch, len, hidden]` from `state` and advances it. One token uses the recurrent
+    /// form; several use the chunked form (like the reference). Returns `[batch, len, hidden]`.
+    pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, h) = x.dims3()?;
+        if h != c.hidden_size || t == 0 {
+            return Err(Error::Input(format!(
+                "expected [batch, len>0, {}], found {:?}",
+                c.hidden_size,
+                x.dims()
+            )));
+        }
+        if state.conv().dims() != [b, c.conv_dim(), c.conv_kernel - 1] {
+            return Err(Error::State(format!(
+                "conv state {:?} does not fit batch {b} of this layer (want [{b}, {}, {}])",
+                state.conv().dims(),
+                c.conv_dim(),
+                c.conv_kernel - 1
+            )));
+        }
+        let mixed = self.in_proj_qkv.forward(x)?;
+        let z = self.in_proj_z.forward(x)?;
+        let beta_logits = self.in_proj_b.forward(x)?;
+        let a = self.in_proj_a.forward(x)?;
+
+        let (conv_out, conv_state) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
+        let (kd, vd) = (c.key_dim(), c.value_dim());
+        let q = conv_out
+            .narrow(2, 0, kd)?
+            .reshape((b, t, c.num_k_heads, c.k_head_dim))?;
+        let k = conv_out
+            .narrow(2, kd, kd)?
+            .reshape((b, t, c.num_k_heads, c.k_head_dim))?;
+        let v = conv_out
+            .narrow(2, 2 * kd, vd)?
+            .reshape((b, t, c.num_v_heads, c.v_head_dim))?
+            .to_dtype(DType::F32)?;
+        let q = l2_norm(&q, L2_NORM_EPS)?;
+        let k = l2_norm(&k, L2_NORM_EPS)?;
+        let (g, beta) = gdn_gating(&a, &beta_logits, &self.a_log, &self.dt_bias)?;
+        let scale = (c.k_head_dim as f32).powf(-0.5);
+        let s0 = Some(state.recurrent());
+        let r = if t == 1 {
+            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, false)?
+        } else {
+            chunked_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, CHUNK_SIZE)?
+        };
+        state.update(conv_state, r.state, t);
+
+        let z = z.reshape((b, t, c.num_v_heads, c.v_head_dim))?;
+        let y = self
+            .norm
+            .forward(&r.out, &z, x.dtype())?
+            .reshape((b, t, vd))?;
+        Ok(self.out_proj.forward(&y)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn cfg() -> GdnConfig {
+        GdnConfig {
+            hidden_size: 24,
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: 8,
+            v_head_dim: 6,
+            conv_kernel: 4,
+            rms_norm_eps: 1e-6,
+        }
+    }
+
+    fn layer(seed: u64) -> GatedDeltaNet {
+        let c = cfg();
+        let dev = Device::Cpu;
+        let mut n = seed;
+        let w = GdnWeights::load::<candle_core::Error>(&c, |name, shape| {
+            n += 1;
+            let t = Tensor::randn(0f32, 1.0, shape, &dev)?;
+            Ok(match name {
+                "A_log" => (t * 0.3)?,
+                "dt_bias" => ((t * 0.5)? - 2.0)?,
+                _ => (t / (*shape.last().unwrap() as f64).sqrt())?,
+            })
+        })
+        .unwrap();
+        GatedDeltaNet::new(c, w).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    #[test]
+    fn decode_steps_equal_prefill() -> Result<()> {
+        let l = layer(1);
+        let x = Tensor::randn(0f32, 1.0, (2, 70, 24), &Device::Cpu)?;
+        let mut s_full = l.new_state(2, DType::F32, DType::F32)?;
+        let full = l.forward(&x, &mut s_full)?;
+        let mut s = l.new_state(2, DType::F32, DType::F32)?;
+        let mut parts = vec![l.forward(&x.narrow(1, 0, 66)?, &mut s)?];
+        for t in 66..70 {
+            parts.push(l.forward(&x.narrow(1, t, 1)?, &mut s)?);
+        }
+        let stepped = Tensor::cat(&parts, 1)?;
+        assert!(max_diff(&full, &stepped) < 1e-5);
+        assert!(max_diff(s.recurrent(), s_full.recurrent()) < 1e-5);
+        assert_eq!(s.seen(), 70);
+        Ok(())
+    }
+
+    #[test]
+    fn reset_state_equals_fresh_state_and_snapshots_restore_exactly() -> Result<()> {
+        let l = layer(2);
+        let dev = Device::Cpu;
+        let a = Tensor::randn(0f32, 1.0, (1, 9, 24), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (1, 5, 24), &dev)?;
+        let mut fresh = l.new_state(1, DType::F32, DType::F32)?;
+        let b_alone = l.forward(&b, &mut fresh)?;
+        let mut s = l.new_state(1, DType::F32, DType::F32)?;
+        l.forward(&a, &mut s)?;
+        let snapshot = s.clone();
+        let after_a_then_b = l.forward(&b, &mut s)?;
+        s = snapshot;
+        assert_eq!(max_diff(&l.forward(&b, &mut s)?, &after_a_then_b), 0.0);
+        s.reset()?;
+        assert_eq!(s.recurrent().dtype(), DType::F32);
+        assert_eq!(max_diff(&l.forward(&b, &mut s)?, &b_alone), 0.0);
+        Ok(())
+    }
+
+    #[test]
+    fn non_f32_state_and_bad_shapes_are_errors() {
+        let l = layer(3);
+        let e = l.new_state(1, DType::BF16, DType::BF16).unwrap_err();
+        assert!(matches!(e, Error::StateDtype(DType::BF16)), "{e}");
+        let dev = Device::Cpu;
+        let e = GdnState::from_parts(
+            Tensor::zeros((1, 40, 3), DType::F32, &dev).unwrap(),
+            Tensor::zeros((1, 4, 8, 6), DType::F16, &dev).unwrap(),
+            0,
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::StateDtype(DType::F16)), "{e}");
+        let mut w = GdnWeights::load::<candle_core::Error>(&cfg(), |_, s| {
+            Tensor::zeros(s, DType::F32, &dev)
+        })
+        .unwrap();
+        w.a_log = Tensor::zeros(3, DType::F32, &dev).unwrap();
+        let e = GatedDeltaNet::new(cfg(), w).unwrap_err().to_string();
+        assert!(
+            e.contains("A_log") && e.contains("[4]") && e.contains("[3]"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,99 @@
+//! Per-sequence GDN state: the conv window and the f32 recurrent state.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, GdnConfig, Result};
+
+/// The state one GDN layer carries between calls for a batch of sequences.
+///
+/// * `conv`: the last `K-1` raw (pre-conv) inputs, `[batch, conv_dim, K-1]`, activation dtype;
+/// * `recurrent`: `[batch, Hv, dk, dv]`, always f32.
+///
+/// Tensors are replaced, never written in place, so a `clone()` is an exact snapshot (cheap: it
+/// shares storage) and restoring one is an exact rollback.
+#[derive(Debug, Clone)]
+pub struct GdnState {
+    conv: Tensor,
+    recurrent: Tensor,
+    /// Tokens seen since the last reset.
+    seen: usize,
+}
+
+impl GdnState {
+    /// A fresh (all-zero) state. `state_dtype` is the recurrent state's dtype requested by the
+    /// model config: only f32 is accepted.
+    pub fn new(
+        cfg: &GdnConfig,
+        batch: usize,
+        conv_dtype: DType,
+        state_dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if state_dtype != DType::F32 {
+            return Err(Error::StateDtype(state_dtype));
+        }
+        Ok(Self {
+            conv: Tensor::zeros(
+                (batch, cfg.conv_dim(), cfg.conv_kernel - 1),
+                conv_dtype,
+                device,
+            )?,
+            recurrent: Tensor::zeros(
+                (batch, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim),
+                DType::F32,
+                device,
+            )?,
+            seen: 0,
+        })
+    }
+
+    /// Builds a state from tensors (e.g. restored from elsewhere); refuses a non-f32 recurrent state
+    /// and mismatched batch sizes.
+    pub fn from_parts(conv: Tensor, recurrent: Tensor, seen: usize) -> Result<Self> {
+        if recurrent.dtype() != DType::F32 {
+            return Err(Error::StateDtype(recurrent.dtype()));
+        }
+        if conv.rank() != 3 || recurrent.rank() != 4 || conv.dim(0)? != recurrent.dim(0)? {
+            return Err(Error::State(format!(
+                "conv {:?} and recurrent {:?} must be [batch, conv_dim, K-1] and [batch, Hv, dk, dv]",
+                conv.dims(),
+                recurrent.dims()
+            )));
+        }
+        Ok(Self {
+            conv,
+            recurrent,
+            seen,
+        })
+    }
+
+    /// Zeroes both parts: the next call starts a new sequence.
+    pub fn reset(&mut self) -> Result<()> {
+        self.conv = self.conv.zeros_like()?;
+        self.recurrent = self.recurrent.zeros_like()?;
+        self.seen = 0;
+        Ok(())
+    }
+
+    /// The conv window `[batch, conv_dim, K-1]`.
+    pub fn conv(&self) -> &Tensor {
+        &self.conv
+    }
+
+    /// The recurrent state `[batch, Hv, dk, dv]`, f32.
+    pub fn recurrent(&self) -> &Tensor {
+        &self.recurrent
+    }
+
+    /// Tokens consumed since the last reset.
+    pub fn seen(&self) -> usize {
+        self.seen
+    }
+
+    pub(crate) fn update(&mut self, conv: Tensor, recurrent: Tensor, tokens: usize) {
+        debug_assert_eq!(recurrent.dtype(), DType::F32);
+        self.conv = conv;
+        self.recurrent = recurrent;
+        self.seen += tokens;
+    }
+}

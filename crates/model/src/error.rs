@@ -1,0 +1,73 @@
+//! The model crate's error type: every message names the file, field or tensor at fault.
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+
+/// Errors from loading or running a Qwen3.6 model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON file is malformed.
+    #[error("malformed JSON in {path}: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A config field is missing, has the wrong type, or an impossible value.
+    #[error("config field `{field}`: {msg}")]
+    Config { field: String, msg: String },
+    /// `layer_types` names a layer kind this model does not know.
+    #[error("config field `layer_types[{index}]`: unknown layer type {value:?} (expected \"linear_attention\" or \"full_attention\")")]
+    UnknownLayerType { index: usize, value: String },
+    /// The config asks for a GDN recurrent state dtype other than f32.
+    #[error("config field `mamba_ssm_dtype` = {0:?}: only float32 recurrent state is supported (a bf16/fp16 state drifts into repetition)")]
+    StateDtype(String),
+    /// A weight file named by the index or expected in the directory is absent.
+    #[error("missing weight file {0}")]
+    MissingFile(PathBuf),
+    /// A tensor the model needs is not in the checkpoint.
+    #[error("missing tensor {0}")]
+    MissingTensor(String),
+    /// A tensor has the wrong shape.
+    #[error("tensor {name}: expected shape {expected:?}, found {found:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    /// A tensor holds NaN or infinity.
+    #[error("tensor {0} contains NaN or infinite values")]
+    NonFinite(String),
+    /// The activation dtype is not one of f32, bf16, f16.
+    #[error("unsupported activation dtype {0:?} (use f32, bf16 or f16)")]
+    Dtype(DType),
+    /// Input ids are malformed (wrong rank, empty, out of the vocabulary).
+    #[error("input: {0}")]
+    Input(String),
+    /// The sequence would grow past the model's context.
+    #[error("context overflow: {needed} positions needed, the model allows {max} (max_position_embeddings)")]
+    ContextOverflow { needed: usize, max: usize },
+    /// The cache does not belong to this model or batch.
+    #[error("cache: {0}")]
+    Cache(String),
+    /// An error from a GDN layer.
+    #[error(transparent)]
+    Gdn(#[from] qwen36_gdn::Error),
+    /// An error from a kernel.
+    #[error(transparent)]
+    Kernel(#[from] qwen36_kernels::Error),
+    /// An error raised by candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Result alias for the model crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,263 @@
+//! The hybrid decoder stack: embedding → layers (GDN or gated attention, each + SwiGLU MLP) →
+//! final (1+w) norm → lm_head.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, Linear};
+use qwen36_gdn::{GatedDeltaNet, GdnWeights};
+use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
+
+use crate::{
+    Cache, Config, Error, GatedAttention, LayerCache, LayerType, LoadOptions, Result, Weights,
+};
+
+/// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    /// Loads `{prefix}{gate,up,down}_proj.weight` (`prefix` a full name ending in `mlp.`).
+    pub fn load(cfg: &Config, w: &Weights, prefix: &str) -> Result<Self> {
+        let (h, i, dt) = (cfg.hidden_size, cfg.intermediate_size, w.options().dtype);
+        let lin = |name: &str, shape: [usize; 2]| -> Result<Linear> {
+            Ok(Linear::new(
+                w.get(&format!("{prefix}{name}.weight"), &shape, dt)?,
+                None,
+            ))
+        };
+        Ok(Self {
+            gate: lin("gate_proj", [i, h])?,
+            up: lin("up_proj", [i, h])?,
+            down: lin("down_proj", [h, i])?,
+        })
+    }
+
+    /// `x: [..., hidden]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let act = candle_nn::ops::silu(&self.gate.forward(x)?)?;
+        Ok(self.down.forward(&(act * self.up.forward(x)?)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Mixer {
+    Gdn(GatedDeltaNet),
+    Attention(GatedAttention),
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
+    mixer: Mixer,
+    mlp: Mlp,
+}
+
+/// A loaded Qwen3.6 text model (no MTP head).
+#[derive(Debug, Clone)]
+pub struct Qwen36Model {
+    cfg: Config,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: RotaryEmbedding,
+    dtype: DType,
+    device: Device,
+}
+
+impl Qwen36Model {
+    /// Loads `dir/config.json` and the checkpoint in `dir`.
+    pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
+        let dir = dir.as_ref();
+        let cfg = Config::from_file(dir.join("config.json"))?;
+        let w = Weights::open(dir, opts)?;
+        Self::from_weights(cfg, &w)
+    }
+
+    /// Builds the model from a parsed config and an opened checkpoint.
+    pub fn from_weights(cfg: Config, w: &Weights) -> Result<Self> {
+        let dtype = w.options().dtype;
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Dtype(dtype));
+        }
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let norm =
+            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.lm(name, &[h])?, eps)?) };
+        let embed_w = w.lm("embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let lm_head_w = if cfg.tie_word_embeddings {
+            embed_w.clone()
+        } else {
+            w.get("lm_head.weight", &[cfg.vocab_size, h], dtype)?
+        };
+        let gdn_cfg = cfg.gdn();
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let p = format!("layers.{i}.");
+            let mixer = match kind {
+                LayerType::LinearAttention => {
+                    let gdn_w = GdnWeights::load(&gdn_cfg, |name, shape| {
+                        let full = w.lm_name(&format!("{p}linear_attn.{name}"));
+                        // A_log and dt_bias feed the f32 gate math; keep them f32 like vLLM.
+                        let dt = if matches!(name, "A_log" | "dt_bias") {
+                            DType::F32
+                        } else {
+                            dtype
+                        };
+                        w.get(&full, shape, dt)
+                    })?;
+                    Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?)
+                }
+                LayerType::FullAttention => Mixer::Attention(GatedAttention::load(
+                    &cfg,
+                    w,
+                    &w.lm_name(&format!("{p}self_attn.")),
+                )?),
+            };
+            layers.push(DecoderLayer {
+                input_norm: norm(&format!("{p}input_layernorm.weight"))?,
+                post_norm: norm(&format!("{p}post_attention_layernorm.weight"))?,
+                mixer,
+                mlp: Mlp::load(&cfg, w, &w.lm_name(&format!("{p}mlp.")))?,
+            });
+        }
+        Ok(Self {
+            embed: Embedding::new(embed_w, h),
+            norm: norm("norm.weight")?,
+            lm_head: Linear::new(lm_head_w, None),
+            rope: RotaryEmbedding::new(cfg.rotary_dim(), cfg.rope_theta)?,
+            layers,
+            dtype,
+            device: w.options().device.clone(),
+            cfg,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Activation dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Device holding the weights.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The token embedding table `[vocab, hidden]` (shared with the MTP head).
+    pub fn embedding(&self) -> &Embedding {
+        &self.embed
+    }
+
+    /// An empty cache for `batch` sequences.
+    pub fn new_cache(&self, batch: usize) -> Result<Cache> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match &l.mixer {
+                    Mixer::Gdn(g) => {
+                        LayerCache::Gdn(g.new_state(batch, self.dtype, self.cfg.mamba_ssm_dtype)?)
+                    }
+                    Mixer::Attention(_) => LayerCache::Attention(Default::default()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Cache {
+            layers,
+            batch,
+            seq_len: 0,
+        })
+    }
+
+    /// Checks ids `[batch, len]` (u32) against the vocabulary, the cache and the context.
+    fn check_input(&self, ids: &Tensor, cache: &Cache) -> Result<(usize, usize)> {
+        let (b, t) = ids.dims2().map_err(|_| {
+            Error::Input(format!(
+                "token ids must be [batch, len], found {:?}",
+                ids.dims()
+            ))
+        })?;
+        if t == 0 {
+            return Err(Error::Input("no tokens given".into()));
+        }
+        if ids.dtype() != DType::U32 {
+            return Err(Error::Input(format!(
+                "token ids must be u32, found {:?}",
+                ids.dtype()
+            )));
+        }
+        if cache.layers.len() != self.layers.len() || cache.batch != b {
+            return Err(Error::Cache(format!(
+                "cache for {} layers and batch {} used with a model of {} layers and batch {b}",
+                cache.layers.len(),
+                cache.batch,
+                self.layers.len()
+            )));
+        }
+        let max_id = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max_id as usize >= self.cfg.vocab_size {
+            return Err(Error::Input(format!(
+                "token id {max_id} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let needed = cache.seq_len + t;
+        if needed > self.cfg.max_position_embeddings {
+            return Err(Error::ContextOverflow {
+                needed,
+                max: self.cfg.max_position_embeddings,
+            });
+        }
+        Ok((b, t))
+    }
+
+    /// Runs `ids: [batch, len]` (u32) after what `cache` holds; returns the final-norm hidden
+    /// states `[batch, len, hidden]` (what lm_head and the MTP head read) and advances the cache.
+    pub fn forward_hidden(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let (_, t) = self.check_input(ids, cache)?;
+        let mut x = self.embed.forward(ids)?;
+        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let h = layer.input_norm.forward(&x)?;
+            let h = match (&layer.mixer, lc) {
+                (Mixer::Gdn(g), LayerCache::Gdn(s)) => g.forward(&h, s)?,
+                (Mixer::Attention(a), LayerCache::Attention(kv)) => {
+                    a.forward(&h, &self.rope, kv)?
+                }
+                _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
+            };
+            let (h, residual) = layer.post_norm.forward_residual(&h, &x)?;
+            x = (residual + layer.mlp.forward(&h)?)?;
+        }
+        cache.seq_len += t;
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// lm_head over hidden states `[..., hidden]`; logits in f32.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits for every new position, `[batch, len, vocab]` f32.
+    pub fn forward(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let h = self.forward_hidden(ids, cache)?;
+        self.logits(&h)
+    }
+
+    /// Logits for the last new position only, `[batch, vocab]` f32 (prefill without a
+    /// `[len, vocab]` matrix).
+    pub fn forward_last(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let h = self.forward_hidden(ids, cache)?;
+        let t = h.dim(1)?;
+        self.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
+    }
+}

@@ -1,0 +1,158 @@
+//! Memory-mapped safetensors checkpoints: one file or shards through `model.safetensors.index.json`.
+//!
+//! Language-model tensors live under `model.language_model.` (VL checkpoints) or `model.`
+//! (text-only); `lm_head.weight` and `mtp.*` are top level. Vision tensors are never read.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::{Load, MmapedSafetensors};
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Result};
+
+/// How tensors are materialised.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Activation / weight dtype: f32, bf16 or f16.
+    pub dtype: DType,
+    /// Where the tensors go.
+    pub device: Device,
+    /// Refuse tensors holding NaN or infinity (one extra pass over the weights).
+    pub check_finite: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            device: Device::Cpu,
+            check_finite: true,
+        }
+    }
+}
+
+/// An opened checkpoint with its language-model name prefix resolved.
+pub struct Weights {
+    st: MmapedSafetensors,
+    prefix: &'static str,
+    opts: LoadOptions,
+}
+
+const PREFIXES: [&str; 2] = ["model.language_model.", "model."];
+
+impl Weights {
+    /// Opens the safetensors files of `dir` (index first, else `model.safetensors`).
+    pub fn open(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
+        let dir = dir.as_ref();
+        let files = checkpoint_files(dir)?;
+        // SAFETY: the files are mapped read-only; like every mmap-based loader we rely on no other
+        // process truncating them while the model is alive (documented in candle's MmapedSafetensors).
+        let st = unsafe { MmapedSafetensors::multi(&files) }?;
+        let prefix = PREFIXES
+            .into_iter()
+            .find(|p| st.get(&format!("{p}embed_tokens.weight")).is_ok())
+            .ok_or_else(|| {
+                Error::MissingTensor(format!(
+                    "embed_tokens.weight (looked for model.language_model.embed_tokens.weight and model.embed_tokens.weight in {})",
+                    dir.display()
+                ))
+            })?;
+        Ok(Self { st, prefix, opts })
+    }
+
+    /// The prefix of language-model tensors in this checkpoint.
+    pub fn prefix(&self) -> &str {
+        self.prefix
+    }
+
+    /// The load options.
+    pub fn options(&self) -> &LoadOptions {
+        &self.opts
+    }
+
+    /// Whether a top-level tensor exists (e.g. `lm_head.weight`, `mtp.fc.weight`).
+    pub fn contains(&self, name: &str) -> bool {
+        self.st.get(name).is_ok()
+    }
+
+    /// The full name of a language-model tensor (`name` relative to the prefix).
+    pub fn lm_name(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// A language-model tensor (`name` relative to the prefix) with the expected shape, in the model dtype.
+    pub fn lm(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.get(&self.lm_name(name), shape, self.opts.dtype)
+    }
+
+    /// A tensor by its full name, checked against `shape`, converted to `dtype`.
+    pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let view = self
+            .st
+            .get(name)
+            .map_err(|_| Error::MissingTensor(name.to_string()))?;
+        if view.shape() != shape {
+            return Err(Error::TensorShape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let t = view.load(&self.opts.device)?.to_dtype(dtype)?;
+        if self.opts.check_finite
+            && !t
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?
+                .is_finite()
+        {
+            // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
+            return Err(Error::NonFinite(name.to_string()));
+        }
+        Ok(t)
+    }
+}
+
+/// The weight files of a checkpoint directory, each checked to exist.
+fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|source| Error::Io {
+            path: index.clone(),
+            source,
+        })?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| Error::Json {
+                path: index.clone(),
+                source,
+            })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Config {
+                field: format!("{}: weight_map", index.display()),
+                msg: "missing or not an object".into(),
+            })?;
+        let mut names = BTreeSet::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| Error::Config {
+                field: format!("{}: weight_map.{tensor}", index.display()),
+                msg: "expected a file name".into(),
+            })?;
+            names.insert(file.to_string());
+        }
+        let files: Vec<PathBuf> = names.into_iter().map(|n| dir.join(n)).collect();
+        if let Some(missing) = files.iter().find(|p| !p.exists()) {
+            return Err(Error::MissingFile(missing.clone()));
+        }
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(Error::MissingFile(dir.join(
+        "model.safetensors (or model.safetensors.index.json)",
+    )))
+}
