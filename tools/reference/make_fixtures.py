@@ -187,6 +187,16 @@ def write_model(kind: str, out_dir: str, seed: int) -> None:
         tensors[f"prompt{i}.greedy_margin"] = margins.contiguous()
         print(f"{kind} prompt{i}: T={plen} min greedy top1-top2 margin {margins.min():.4f} "
               f"logit range {logits.abs().max():.2f}", file=sys.stderr)
+    # HF's own half-precision error on prompt 0 (max over rows of max|Δ| / max|ref|): the yardstick
+    # for our bf16/f16 tolerance (ours must be within a small factor of the reference's own).
+    cls = type(model)
+    ref = tensors["prompt0.logits"]
+    for dt, key in [(torch.bfloat16, "bf16"), (torch.float16, "f16")]:
+        half = cls.from_pretrained(out_dir, dtype=dt, attn_implementation="eager").eval()
+        lg = half(input_ids=tensors["prompt0.ids"][None]).logits[0].float()
+        err = ((lg - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
+        tensors[f"prompt0.hf_{key}_rel_err"] = err.reshape(1).contiguous()
+        print(f"{kind}: HF {key} vs HF f32 logits error {err:.3e}", file=sys.stderr)
     save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__,
                         "seed": str(seed), "script": "tools/reference/make_fixtures.py"})
