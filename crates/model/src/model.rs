@@ -224,9 +224,34 @@ impl Qwen36Model {
     /// Runs `ids: [batch, len]` (u32) after what `cache` holds; returns the final-norm hidden
     /// states `[batch, len, hidden]` (what lm_head and the MTP head read) and advances the cache.
     pub fn forward_hidden(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        self.run(ids, cache, None)
+    }
+
+    /// Like [`Self::forward_hidden`], also returning the residual stream entering each layer and
+    /// leaving the last one (HF's `output_hidden_states` minus its final-norm entry):
+    /// `num_hidden_layers + 1` tensors `[batch, len, hidden]`.
+    pub fn forward_hidden_states(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut states = Vec::with_capacity(self.layers.len() + 1);
+        let h = self.run(ids, cache, Some(&mut states))?;
+        Ok((h, states))
+    }
+
+    fn run(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        mut states: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let (_, t) = self.check_input(ids, cache)?;
         let mut x = self.embed.forward(ids)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            if let Some(s) = states.as_deref_mut() {
+                s.push(x.clone());
+            }
             let h = layer.input_norm.forward(&x)?;
             let h = match (&layer.mixer, lc) {
                 (Mixer::Gdn(g), LayerCache::Gdn(s)) => g.forward(&h, s)?,
@@ -239,6 +264,9 @@ impl Qwen36Model {
             x = (residual + layer.mlp.forward(&h)?)?;
         }
         cache.seq_len += t;
+        if let Some(s) = states {
+            s.push(x.clone());
+        }
         Ok(self.norm.forward(&x)?)
     }
 
