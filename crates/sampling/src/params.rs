@@ -1,0 +1,90 @@
+//! Sampling parameters.
+
+use crate::{Error, Result};
+
+/// How one sequence samples. Defaults are plain greedy decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy (argmax); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose mass reaches top_p; 1 = off.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p · p_max`; 0 = off.
+    pub min_p: f32,
+    /// HF-style: seen tokens' positive logits are divided by it, negative ones multiplied; 1 = off.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated; 0 = off.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of tokens already generated; 0 = off.
+    pub frequency_penalty: f32,
+    /// Seed of the counter-based RNG.
+    pub seed: u64,
+    /// Return this many top log-probabilities per step (of the raw model distribution).
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+            top_logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// True when decoding takes the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks every parameter's range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name, value: f32, msg| {
+            Err(Error::Param {
+                name,
+                value: value as f64,
+                msg,
+            })
+        };
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", self.temperature, "must be finite and >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be finite and > 0",
+            );
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return bad(name, v, "must be finite");
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,282 @@
+//! The logits pipeline and the draw.
+
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+use crate::{rng, Error, Result, SamplingParams};
+
+/// One sampled token with its log-probability under the raw model distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// `log_softmax(logits)[token]` before any processing.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens of the raw distribution, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Applies [`SamplingParams`] to logits and draws tokens. Each call to [`Sampler::sample`] uses a
+/// new RNG step; rows of a batch use their row index, so results never depend on scheduling.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    step: u64,
+}
+
+/// Rejects NaN and +inf (−inf is a legal mask).
+pub(crate) fn check_logits(logits: &[f32], row: usize) -> Result<()> {
+    match logits
+        .iter()
+        .position(|v| v.is_nan() || *v == f32::INFINITY)
+    {
+        Some(index) => Err(Error::NonFiniteLogits {
+            row,
+            index,
+            value: logits[index],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Index of the largest value, lowest index on ties.
+pub(crate) fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Draws an index from unnormalised non-negative weights by inverse CDF with `u ∈ [0, 1)`.
+pub(crate) fn draw_index(weights: &[f32], u: f64, row: usize) -> Result<usize> {
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    if total <= 0.0 {
+        return Err(Error::Empty { row });
+    }
+    let target = u * total;
+    let mut acc = 0.0f64;
+    let mut last = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            acc += w as f64;
+            last = i;
+            if acc > target {
+                return Ok(i);
+            }
+        }
+    }
+    Ok(last) // rounding left target at the very end
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m as f64
+        + logits
+            .iter()
+            .map(|&l| ((l - m) as f64).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
+}
+
+impl Sampler {
+    /// A sampler; checks the parameters.
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        Ok(Self { params, step: 0 })
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Reserves a fresh RNG step (callers drawing several numbers per position use lanes of it).
+    pub fn next_step(&mut self) -> u64 {
+        let s = self.step;
+        self.step += 1;
+        s
+    }
+
+    /// A uniform draw for `(row, step, lane)` under this sampler's seed.
+    pub fn uniform(&self, row: usize, step: u64, lane: u64) -> f64 {
+        rng::uniform(self.params.seed, row as u64, step, lane)
+    }
+
+    /// Penalised logits: repetition over `prompt ∪ output`, presence/frequency over `output`.
+    pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
+        let p = &self.params;
+        let mut l = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; l.len()];
+            for &t in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(t as usize) {
+                    *s = true;
+                }
+            }
+            for (x, s) in l.iter_mut().zip(seen) {
+                if s {
+                    *x = if *x > 0.0 {
+                        *x / p.repetition_penalty
+                    } else {
+                        *x * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts = std::collections::HashMap::<u32, u32>::new();
+            for &t in output {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+        l
+    }
+
+    /// The distribution a token is drawn from (after every step of the pipeline), normalised.
+    /// Greedy gives a one-hot vector at the argmax of the penalised logits.
+    pub fn probs(
+        &self,
+        logits: &[f32],
+        prompt: &[u32],
+        output: &[u32],
+        row: usize,
+    ) -> Result<Vec<f32>> {
+        check_logits(logits, row)?;
+        let p = &self.params;
+        let l = self.penalised(logits, prompt, output);
+        let mut probs = vec![0.0f32; l.len()];
+        if p.is_greedy() {
+            if l.iter().all(|&x| x == f32::NEG_INFINITY) {
+                return Err(Error::Empty { row });
+            }
+            probs[argmax(&l)] = 1.0;
+            return Ok(probs);
+        }
+        let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            return Err(Error::Empty { row });
+        }
+        for (q, &x) in probs.iter_mut().zip(&l) {
+            *q = (((x - m) / p.temperature) as f64).exp() as f32;
+        }
+        // Candidates sorted by (probability desc, id asc); ties at a cut are kept together so the
+        // kept set never depends on an arbitrary order.
+        let mut order: Vec<u32> = (0..probs.len() as u32)
+            .filter(|&i| probs[i as usize] > 0.0)
+            .collect();
+        let by_prob = |a: &u32, b: &u32| {
+            probs[*b as usize]
+                .total_cmp(&probs[*a as usize])
+                .then(a.cmp(b))
+        };
+        if p.top_k > 0 && p.top_k < order.len() {
+            order.select_nth_unstable_by(p.top_k - 1, by_prob);
+            let kth = probs[order[p.top_k - 1] as usize];
+            order.retain(|&i| probs[i as usize] >= kth);
+        }
+        order.sort_unstable_by(by_prob);
+        let total: f64 = order.iter().map(|&i| probs[i as usize] as f64).sum();
+        let mut keep = order.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f64;
+            for (n, &i) in order.iter().enumerate() {
+                acc += probs[i as usize] as f64 / total;
+                if acc >= p.top_p as f64 {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            let cut = probs[order[keep - 1] as usize];
+            while keep < order.len() && probs[order[keep] as usize] == cut {
+                keep += 1;
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[order[0] as usize];
+            keep = order[..keep]
+                .iter()
+                .take_while(|&&i| probs[i as usize] >= floor)
+                .count();
+        }
+        let mut out = vec![0.0f32; probs.len()];
+        let kept_total: f64 = order[..keep]
+            .iter()
+            .map(|&i| probs[i as usize] as f64)
+            .sum();
+        for &i in &order[..keep] {
+            out[i as usize] = (probs[i as usize] as f64 / kept_total) as f32;
+        }
+        Ok(out)
+    }
+
+    /// Samples one token for batch row `row` at RNG `step` (no state change).
+    pub fn sample_at(
+        &self,
+        logits: &[f32],
+        prompt: &[u32],
+        output: &[u32],
+        row: usize,
+        step: u64,
+    ) -> Result<Sampled> {
+        let probs = self.probs(logits, prompt, output, row)?;
+        let token = if self.params.is_greedy() {
+            argmax(&probs)
+        } else {
+            draw_index(&probs, self.uniform(row, step, 0), row)?
+        };
+        let lp = log_softmax(logits);
+        let mut top_logprobs = Vec::new();
+        if self.params.top_logprobs > 0 {
+            let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+            let n = self.params.top_logprobs.min(idx.len());
+            let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+            if n < idx.len() {
+                idx.select_nth_unstable_by(n - 1, cmp);
+                idx.truncate(n);
+            }
+            idx.sort_unstable_by(cmp);
+            top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
+        }
+        Ok(Sampled {
+            token: token as u32,
+            logprob: lp[token],
+            top_logprobs,
+        })
+    }
+
+    /// Samples the next token of one sequence from `logits: [vocab]`.
+    pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Result<Sampled> {
+        let step = self.next_step();
+        self.sample_at(logits, prompt, output, 0, step)
+    }
+
+    /// Samples every row of `logits: [batch, vocab]` in parallel; `contexts[row] = (prompt, output)`.
+    pub fn sample_rows(
+        &mut self,
+        logits: &Tensor,
+        contexts: &[(&[u32], &[u32])],
+    ) -> Result<Vec<Sampled>> {
+        let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        if rows.len() != contexts.len() {
+            return Err(Error::Shape(format!(
+                "{} logits rows but {} contexts",
+                rows.len(),
+                contexts.len()
+            )));
+        }
+        let step = self.next_step();
+        rows.par_iter()
+            .zip(contexts.par_iter())
+            .enumerate()
+            .map(|(row, (l, (prompt, output)))| self.sample_at(l, prompt, output, row, step))
+            .collect()
+    }
+}

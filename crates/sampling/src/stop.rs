@@ -1,0 +1,62 @@
+//! Stop strings that may span token boundaries, checked on the decoded text.
+
+/// Where a stop string matched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopMatch {
+    /// Byte offset in the text where the stop string starts (the output ends there).
+    pub start: usize,
+    /// Which stop string matched.
+    pub index: usize,
+}
+
+/// A set of stop strings. Feed it the whole decoded output so far: a stop string split across
+/// tokens is found once its last piece arrives, and [`StopStrings::holdback`] tells a streamer how
+/// much of the tail to keep back because it may be the start of a stop string.
+#[derive(Debug, Clone, Default)]
+pub struct StopStrings {
+    strings: Vec<String>,
+}
+
+impl StopStrings {
+    /// Empty strings are ignored.
+    pub fn new(strings: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self {
+            strings: strings
+                .into_iter()
+                .map(Into::into)
+                .filter(|s: &String| !s.is_empty())
+                .collect(),
+        }
+    }
+
+    /// True when there is no stop string.
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
+
+    /// The earliest match in `text` (ties: the first listed string).
+    pub fn find(&self, text: &str) -> Option<StopMatch> {
+        self.strings
+            .iter()
+            .enumerate()
+            .filter_map(|(index, s)| {
+                text.find(s.as_str())
+                    .map(|start| StopMatch { start, index })
+            })
+            .min_by_key(|m| (m.start, m.index))
+    }
+
+    /// Bytes at the end of `text` that could begin a stop string (always on a char boundary).
+    pub fn holdback(&self, text: &str) -> usize {
+        let mut hold = 0;
+        for s in &self.strings {
+            for n in (1..s.len().min(text.len() + 1)).rev() {
+                if s.is_char_boundary(n) && text.ends_with(&s[..n]) {
+                    hold = hold.max(n);
+                    break;
+                }
+            }
+        }
+        hold
+    }
+}
