@@ -356,7 +356,7 @@ impl Config {
                 format!("gives rotary dim {rd}; it must be even and positive"),
             ));
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(f.err("rms_norm_eps", "must be positive"));
         }
         Ok(())

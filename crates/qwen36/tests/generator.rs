@@ -1,0 +1,86 @@
+//! The high-level generator on the HF fixture models.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use qwen36::{GenerateOptions, Generator, LoadOptions, SamplingParams, StopReason};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(name)
+}
+
+fn reference(name: &str, key: &str) -> Vec<u32> {
+    let r =
+        candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu)
+            .unwrap();
+    r[key].to_dtype(DType::U32).unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
+    let g = Generator::load(fixture("tiny-nested"), LoadOptions::default()).unwrap();
+    let prompt = reference("tiny-nested", "prompt1.ids");
+    let want = reference("tiny-nested", "prompt1.greedy");
+    let opts = GenerateOptions {
+        max_new_tokens: want.len(),
+        sampling: Some(SamplingParams::greedy()),
+        ..Default::default()
+    };
+    let mut streamed = Vec::new();
+    let out = g
+        .generate(&prompt, &opts, |ev| streamed.push(ev.token))
+        .unwrap();
+    assert_eq!(out.tokens, want);
+    assert_eq!(streamed, want);
+    assert_eq!(out.stop_reason, StopReason::MaxTokens);
+    assert!(out.text.is_none(), "fixture has no tokenizer");
+
+    // Stop on the 10th greedy token: output ends with it.
+    let stop = want[9];
+    let first = want.iter().position(|&t| t == stop).unwrap();
+    let out = g
+        .generate(
+            &prompt,
+            &GenerateOptions {
+                stop_token_ids: Some(vec![stop]),
+                ..opts.clone()
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(out.tokens, want[..=first]);
+    assert_eq!(out.stop_reason, StopReason::StopToken(stop));
+}
+
+#[test]
+fn sampled_generation_is_reproducible_by_seed() {
+    let g = Generator::load(fixture("tiny-flat"), LoadOptions::default()).unwrap();
+    let run = |seed| {
+        let s = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.95,
+            top_k: 50,
+            seed,
+            ..Default::default()
+        };
+        let opts = GenerateOptions {
+            max_new_tokens: 30,
+            sampling: Some(s),
+            ..Default::default()
+        };
+        g.generate(&[1, 2, 3], &opts, |_| {}).unwrap().tokens
+    };
+    assert_eq!(run(1), run(1));
+    assert_ne!(run(1), run(2));
+}
+
+#[test]
+fn text_prompt_without_tokenizer_is_an_error() {
+    let g = Generator::load(fixture("tiny-flat"), LoadOptions::default()).unwrap();
+    let e = g
+        .generate_text("hello", &GenerateOptions::default(), |_| {})
+        .unwrap_err();
+    assert!(matches!(e, qwen36::Error::NoTokenizer(_)), "{e}");
+}

@@ -1,0 +1,152 @@
+//! Generate text with a Qwen3.6-architecture model.
+//!
+//! ```text
+//! cargo run --release --example generate -- --model DIR --prompt "def fibonacci(n):"
+//! cargo run --release --example generate -- --model DIR --prompt-ids 1,2,3 --max-new-tokens 40 --json
+//! ```
+//! Without `--json` the text (or the ids, when the model has no tokenizer) streams to stdout and a
+//! tokens/s line goes to stderr. With `--json` one JSON object is printed.
+
+use std::io::Write;
+
+use candle_core::{DType, Device};
+use clap::Parser;
+use qwen36::{GenerateOptions, Generator, LoadOptions};
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with a Qwen3.6-architecture model")]
+struct Args {
+    /// Model directory (config.json, *.safetensors, optional tokenizer.json and generation_config.json).
+    #[arg(long)]
+    model: std::path::PathBuf,
+    /// Prompt text (needs tokenizer.json).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids (no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// 0 = greedy. Default: the model's generation_config.json, else greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Activation dtype: f32, bf16 or f16 (the GDN state is f32 regardless).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Run on the first CUDA GPU (needs a build with --features cuda).
+    #[arg(long)]
+    cuda: bool,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print one JSON object instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => return Err(format!("--dtype {other:?}: expected f32, bf16 or f16").into()),
+    };
+    let device = if args.cuda {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    };
+    let generator = Generator::load(
+        &args.model,
+        LoadOptions {
+            dtype,
+            device,
+            check_finite: true,
+        },
+    )?;
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (Some(text), _) => generator.encode(text)?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => return Err("give --prompt TEXT or --prompt-ids 1,2,3".into()),
+    };
+    let mut sampling = generator
+        .generation_config()
+        .sampling
+        .clone()
+        .unwrap_or_default();
+    if let Some(t) = args.temperature {
+        sampling.temperature = t;
+    }
+    sampling.top_k = args.top_k.unwrap_or(sampling.top_k);
+    sampling.top_p = args.top_p.unwrap_or(sampling.top_p);
+    sampling.min_p = args.min_p.unwrap_or(sampling.min_p);
+    sampling.repetition_penalty = args
+        .repetition_penalty
+        .unwrap_or(sampling.repetition_penalty);
+    sampling.presence_penalty = args.presence_penalty.unwrap_or(sampling.presence_penalty);
+    sampling.seed = args.seed;
+    let opts = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling: Some(sampling),
+        stop_token_ids: None,
+        stop_strings: args.stop.clone(),
+    };
+    let has_text = generator.tokenizer().is_some();
+    let stream = !args.json;
+    if stream {
+        if let Some(text) = &args.prompt {
+            print!("{text}");
+        }
+    }
+    let out = generator.generate(&prompt, &opts, |ev| {
+        if stream {
+            if has_text {
+                print!("{}", ev.text);
+            } else {
+                print!("{} ", ev.token);
+            }
+            let _ = std::io::stdout().flush();
+        }
+    })?;
+    if args.json {
+        let json = serde_json::json!({
+            "prompt_tokens": out.prompt_tokens,
+            "tokens": out.tokens,
+            "text": out.text,
+            "stop_reason": format!("{:?}", out.stop_reason),
+            "prefill_secs": out.prefill_secs,
+            "decode_tokens_per_sec": out.decode_tokens_per_sec(),
+        });
+        println!("{json}");
+    } else {
+        println!();
+        eprintln!(
+            "{} prompt tokens, {} generated; prefill {:.1} tok/s, decode {:.1} tok/s ({:?})",
+            out.prompt_tokens,
+            out.tokens.len(),
+            out.prompt_tokens as f64 / out.prefill_secs.max(1e-9),
+            out.decode_tokens_per_sec(),
+            out.stop_reason
+        );
+    }
+    Ok(())
+}
