@@ -88,20 +88,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (None, Some(ids)) => ids.clone(),
         (None, None) => return Err("give --prompt TEXT or --prompt-ids 1,2,3".into()),
     };
-    let mut sampling = generator
-        .generation_config()
-        .sampling
-        .clone()
-        .unwrap_or_default();
+    let mut sampling = generator.generation_config().sampling.clone().unwrap_or_default();
     if let Some(t) = args.temperature {
         sampling.temperature = t;
     }
     sampling.top_k = args.top_k.unwrap_or(sampling.top_k);
     sampling.top_p = args.top_p.unwrap_or(sampling.top_p);
     sampling.min_p = args.min_p.unwrap_or(sampling.min_p);
-    sampling.repetition_penalty = args
-        .repetition_penalty
-        .unwrap_or(sampling.repetition_penalty);
+    sampling.repetition_penalty = args.repetition_penalty.unwrap_or(sampling.repetition_penalty);
     sampling.presence_penalty = args.presence_penalty.unwrap_or(sampling.presence_penalty);
     sampling.seed = args.seed;
     let opts = GenerateOptions {

@@ -28,6 +28,8 @@ import sys
 import torch
 import transformers
 from safetensors.torch import save_file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mtp_reference import Qwen35MtpHead  # noqa: E402
 from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -197,9 +199,66 @@ def write_model(kind: str, out_dir: str, seed: int) -> None:
         err = ((lg - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         tensors[f"prompt0.hf_{key}_rel_err"] = err.reshape(1).contiguous()
         print(f"{kind}: HF {key} vs HF f32 logits error {err:.3e}", file=sys.stderr)
+    add_mtp_head(model, out_dir, gen, tensors)
     save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__,
                         "seed": str(seed), "script": "tools/reference/make_fixtures.py"})
+
+
+MTP_CHAIN = 3
+
+
+@torch.no_grad()
+def add_mtp_head(model, out_dir: str, gen: torch.Generator, tensors: dict) -> None:
+    """Adds random `mtp.*` weights to the checkpoint and the reference MTP logits for prompt 0:
+    `prompt0.mtp_logits` [T, V] for the pairs (h_i, x_{i+1}) with x_T the first greedy token, and
+    `prompt0.mtp_chain_{ids,logits}` for MTP_CHAIN chained greedy draft steps after it."""
+    text_cfg = model.config.get_text_config()
+    text_cfg.mtp_num_hidden_layers = 1
+    head = Qwen35MtpHead(text_cfg).float().eval()
+    randomise(head, gen)
+    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    embed, lm_head = lm.embed_tokens, model.lm_head
+
+    ids = tensors["prompt0.ids"]
+    hidden = tensors["prompt0.hidden"][-1]  # HF's final-norm hidden states [T, H]
+    nxt = torch.cat([ids[1:], tensors["prompt0.greedy"][:1]])
+    d = head(embed, hidden[None], nxt[None])[0]
+    tensors["prompt0.mtp_logits"] = lm_head(d).float().contiguous()
+    chain_h, chain_ids, chain_logits = hidden, nxt, []
+    last_d, last_tok = d[-1], lm_head(d[-1]).argmax()
+    for step in range(MTP_CHAIN):
+        chain_h = torch.cat([chain_h, last_d[None]])
+        chain_ids = torch.cat([chain_ids, last_tok[None]])
+        out = head(embed, chain_h[None], chain_ids[None], step=step + 1)[0]
+        last_d = out[-1]
+        row = lm_head(last_d).float()
+        chain_logits.append(row)
+        last_tok = row.argmax()
+    tensors["prompt0.mtp_chain_ids"] = chain_ids[len(nxt):].to(torch.int64).contiguous()
+    tensors["prompt0.mtp_chain_logits"] = torch.stack(chain_logits).contiguous()
+
+    mtp = {f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items() if "rotary_emb" not in k}
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        save_file(mtp, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"].update({k: "model-mtp.safetensors" for k in mtp})
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    else:
+        from safetensors.torch import load_file
+        path = os.path.join(out_dir, "model.safetensors")
+        allw = load_file(path)
+        allw.update(mtp)
+        save_file(allw, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg_json = json.load(f)
+    (cfg_json.get("text_config", cfg_json))["mtp_num_hidden_layers"] = 1
+    with open(cfg_path, "w") as f:
+        json.dump(cfg_json, f, indent=2, sort_keys=True)
 
 
 def main():

@@ -11,6 +11,30 @@ use qwen36_kernels::{
 
 use crate::{Error, GdnConfig, GdnState, Result};
 
+/// What a verify pass keeps to roll back to any accepted prefix: the recurrent state after every
+/// token and the raw conv inputs, from which the conv window after any token is a slice.
+#[derive(Debug, Clone)]
+pub struct VerifyCheckpoints {
+    /// `[batch, len, Hv, dk, dv]` f32: the state after token `i` at index `i`.
+    pub(crate) states: Tensor,
+    /// `[batch, conv_dim, K-1 + len]`: the conv window before the call, then the new raw inputs.
+    pub(crate) window: Tensor,
+    /// Tokens the state had seen before the verify pass.
+    pub(crate) seen_before: usize,
+}
+
+impl VerifyCheckpoints {
+    /// Tokens the verify pass ran.
+    pub fn len(&self) -> usize {
+        self.states.dim(1).unwrap_or(0)
+    }
+
+    /// True when the pass ran no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Epsilon of the q/k L2 norm (fla's `use_qk_l2norm_in_kernel`).
 const L2_NORM_EPS: f64 = 1e-6;
 
@@ -147,18 +171,31 @@ impl GatedDeltaNet {
 
     /// A fresh state for `batch` sequences, conv window in `dtype` (the activation dtype).
     pub fn new_state(&self, batch: usize, dtype: DType, state_dtype: DType) -> Result<GdnState> {
-        GdnState::new(
-            &self.cfg,
-            batch,
-            dtype,
-            state_dtype,
-            self.conv_weight.device(),
-        )
+        GdnState::new(&self.cfg, batch, dtype, state_dtype, self.conv_weight.device())
     }
 
     /// Runs `x: [batch, len, hidden]` from `state` and advances it. One token uses the recurrent
     /// form; several use the chunked form (like the reference). Returns `[batch, len, hidden]`.
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
+        let (y, _) = self.run(x, state, false)?;
+        Ok(y)
+    }
+
+    /// Speculative verify: like [`Self::forward`] over the `len = k + 1` tokens, but token by token
+    /// (the recurrent form, as plain decoding does) keeping the state after every token, so that
+    /// [`GdnState::commit`] can restore the state after any accepted prefix exactly, without
+    /// recomputing a projection. The state is left after the last token.
+    pub fn forward_verify(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, VerifyCheckpoints)> {
+        let (y, cp) = self.run(x, state, true)?;
+        Ok((y, cp.expect("verify keeps checkpoints")))
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        state: &mut GdnState,
+        verify: bool,
+    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let c = &self.cfg;
         let (b, t, h) = x.dims3()?;
         if h != c.hidden_size || t == 0 {
@@ -198,28 +235,37 @@ impl GatedDeltaNet {
         let (g, beta) = gdn_gating(&a, &beta_logits, &self.a_log, &self.dt_bias)?;
         let scale = (c.k_head_dim as f32).powf(-0.5);
         let s0 = Some(state.recurrent());
-        let r = if t == 1 {
-            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, false)?
+        let r = if t == 1 || verify {
+            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, verify)?
         } else {
             chunked_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, CHUNK_SIZE)?
+        };
+        let checkpoints = match (verify, r.all_states) {
+            (true, Some(states)) => {
+                // Raw conv inputs: the K-1 held before this call, then the t new ones.
+                let new_inputs = mixed.transpose(1, 2)?.to_dtype(state.conv().dtype())?;
+                Some(VerifyCheckpoints {
+                    window: Tensor::cat(&[state.conv(), &new_inputs], 2)?,
+                    states,
+                    seen_before: state.seen(),
+                })
+            }
+            _ => None,
         };
         state.update(conv_state, r.state, t);
 
         let z = z.reshape((b, t, c.num_v_heads, c.v_head_dim))?;
-        let y = self
-            .norm
-            .forward(&r.out, &z, x.dtype())?
-            .reshape((b, t, vd))?;
-        Ok(self.out_proj.forward(&y)?)
+        let y = self.norm.forward(&r.out, &z, x.dtype())?.reshape((b, t, vd))?;
+        Ok((self.out_proj.forward(&y)?, checkpoints))
     }
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
     use candle_core::Device;
 
-    fn cfg() -> GdnConfig {
+    pub fn cfg() -> GdnConfig {
         GdnConfig {
             hidden_size: 24,
             num_k_heads: 2,
@@ -231,12 +277,11 @@ mod tests {
         }
     }
 
-    fn layer(seed: u64) -> GatedDeltaNet {
+    /// A layer with random weights (candle's global RNG: `seed` only labels the call site).
+    pub fn layer(_seed: u64) -> GatedDeltaNet {
         let c = cfg();
         let dev = Device::Cpu;
-        let mut n = seed;
         let w = GdnWeights::load::<candle_core::Error>(&c, |name, shape| {
-            n += 1;
             let t = Tensor::randn(0f32, 1.0, shape, &dev)?;
             Ok(match name {
                 "A_log" => (t * 0.3)?,
@@ -248,7 +293,7 @@ mod tests {
         GatedDeltaNet::new(c, w).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
             .unwrap()
             .abs()
@@ -260,6 +305,13 @@ mod tests {
             .to_scalar()
             .unwrap()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
+    use candle_core::Device;
 
     #[test]
     fn decode_steps_equal_prefill() -> Result<()> {
@@ -312,15 +364,68 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, Error::StateDtype(DType::F16)), "{e}");
-        let mut w = GdnWeights::load::<candle_core::Error>(&cfg(), |_, s| {
-            Tensor::zeros(s, DType::F32, &dev)
-        })
-        .unwrap();
+        let mut w = GdnWeights::load::<candle_core::Error>(&cfg(), |_, s| Tensor::zeros(s, DType::F32, &dev))
+            .unwrap();
         w.a_log = Tensor::zeros(3, DType::F32, &dev).unwrap();
         let e = GatedDeltaNet::new(cfg(), w).unwrap_err().to_string();
         assert!(
             e.contains("A_log") && e.contains("[4]") && e.contains("[3]"),
             "{e}"
         );
+    }
+}
+
+#[cfg(test)]
+mod verify_tests {
+    use super::tests_support::*;
+    use super::*;
+    use candle_core::Device;
+
+    /// Every accepted length 0..=k: verify k+1 tokens, commit a+1, continue with one more token;
+    /// output and state equal a fresh token-by-token run over exactly the kept tokens. Tolerance
+    /// 1e-6: the verify pass projects all k+1 tokens in one matmul, whose blocking differs from
+    /// k+1 single-row products in the last bits of f32; the rollback itself is an exact copy
+    /// (committing all tokens equals the state the pass left, bit for bit).
+    #[test]
+    fn commit_restores_the_state_after_each_accepted_prefix() -> Result<()> {
+        let l = layer(4);
+        let dev = Device::Cpu;
+        let prompt = Tensor::randn(0f32, 1.0, (1, 10, 24), &dev)?;
+        let verify = Tensor::randn(0f32, 1.0, (1, 5, 24), &dev)?;
+        let next = Tensor::randn(0f32, 1.0, (1, 1, 24), &dev)?;
+        let mut base = l.new_state(1, DType::F32, DType::F32)?;
+        l.forward(&prompt, &mut base)?;
+        for keep in 1..=5 {
+            let mut s = base.clone();
+            let (y, cp) = l.forward_verify(&verify, &mut s)?;
+            s.commit(&cp, keep)?;
+
+            let mut fresh = base.clone();
+            let mut ys = Vec::new();
+            for i in 0..keep {
+                ys.push(l.forward(&verify.narrow(1, i, 1)?, &mut fresh)?);
+            }
+            // Verify outputs equal token-by-token decoding (to matmul-blocking rounding).
+            let tol = 1e-6;
+            assert!(
+                max_diff(&y.narrow(1, 0, keep)?, &Tensor::cat(&ys, 1)?) < tol,
+                "keep {keep}"
+            );
+            let dr = max_diff(s.recurrent(), fresh.recurrent());
+            assert!(dr < tol, "keep {keep}: recurrent {dr}");
+            assert!(max_diff(s.conv(), fresh.conv()) < tol, "keep {keep}: conv");
+            assert_eq!(s.seen(), fresh.seen());
+            let after = l.forward(&next, &mut s)?;
+            let cont = max_diff(&after, &l.forward(&next, &mut fresh)?);
+            assert!(cont < tol, "keep {keep}: continuation {cont}");
+        }
+        let mut s = base.clone();
+        let (_, cp) = l.forward_verify(&verify, &mut s)?;
+        let left = s.clone();
+        s.commit(&cp, 5)?;
+        assert_eq!(max_diff(s.recurrent(), left.recurrent()), 0.0);
+        assert_eq!(max_diff(s.conv(), left.conv()), 0.0);
+        assert!(s.commit(&cp, 0).is_err() && s.commit(&cp, 6).is_err());
+        Ok(())
     }
 }

@@ -33,11 +33,7 @@ impl GdnState {
             return Err(Error::StateDtype(state_dtype));
         }
         Ok(Self {
-            conv: Tensor::zeros(
-                (batch, cfg.conv_dim(), cfg.conv_kernel - 1),
-                conv_dtype,
-                device,
-            )?,
+            conv: Tensor::zeros((batch, cfg.conv_dim(), cfg.conv_kernel - 1), conv_dtype, device)?,
             recurrent: Tensor::zeros(
                 (batch, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim),
                 DType::F32,
@@ -88,6 +84,26 @@ impl GdnState {
     /// Tokens consumed since the last reset.
     pub fn seen(&self) -> usize {
         self.seen
+    }
+
+    /// Keeps the first `keep` tokens (1..=len) of a verify pass: the state becomes exactly the state
+    /// after token `keep - 1` of that pass, as if only those tokens had been run.
+    pub fn commit(&mut self, checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+        let n = checkpoints.len();
+        if keep == 0 || keep > n {
+            return Err(Error::State(format!(
+                "cannot keep {keep} of the {n} verified tokens (need 1..={n})"
+            )));
+        }
+        let hist = self.conv.dim(2)?;
+        self.recurrent = checkpoints
+            .states
+            .narrow(1, keep - 1, 1)?
+            .squeeze(1)?
+            .contiguous()?;
+        self.conv = checkpoints.window.narrow(2, keep, hist)?.contiguous()?;
+        self.seen = checkpoints.seen_before + keep;
+        Ok(())
     }
 
     pub(crate) fn update(&mut self, conv: Tensor, recurrent: Tensor, tokens: usize) {

@@ -14,11 +14,7 @@ fn silu(x: f32) -> f32 {
 }
 
 /// Checks shapes and returns `(batch, len, channels, kernel)`.
-fn check(
-    x: &Tensor,
-    weight: &Tensor,
-    state: Option<&Tensor>,
-) -> Result<(usize, usize, usize, usize)> {
+fn check(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(usize, usize, usize, usize)> {
     expect_rank("causal_conv1d", "x", x, 3)?;
     let (b, t, c) = x.dims3()?;
     let (wc, k) = match weight.dims() {
@@ -27,9 +23,7 @@ fn check(
         d => {
             return Err(Error::Shape {
                 op: "causal_conv1d",
-                msg: format!(
-                    "weight must be [channels, kernel] or [channels, 1, kernel], found {d:?}"
-                ),
+                msg: format!("weight must be [channels, kernel] or [channels, 1, kernel], found {d:?}"),
             })
         }
     };
@@ -57,11 +51,7 @@ fn check(
 /// Causal conv1d + SiLU over `x: [batch, len, channels]` with `weight: [channels, (1,) kernel]`,
 /// continuing from `state: [batch, channels, kernel-1]` (`None` = fresh sequence).
 /// Returns `(y: [batch, len, channels], new_state: [batch, channels, kernel-1])`, both in `x`'s dtype.
-pub fn causal_conv1d(
-    x: &Tensor,
-    weight: &Tensor,
-    state: Option<&Tensor>,
-) -> Result<(Tensor, Tensor)> {
+pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let (b, t, c, k) = check(x, weight, state)?;
     let hist = k - 1;
     let xs = host_f32(x)?;
@@ -85,8 +75,7 @@ pub fn causal_conv1d(
                 let acc: f32 = wk.iter().zip(&window[ti..ti + k]).map(|(a, b)| a * b).sum();
                 y[(bi * t + ti) * c + ch] = silu(acc);
             }
-            new_state[(bi * c + ch) * hist..(bi * c + ch + 1) * hist]
-                .copy_from_slice(&window[t..t + hist]);
+            new_state[(bi * c + ch) * hist..(bi * c + ch + 1) * hist].copy_from_slice(&window[t..t + hist]);
         }
     }
     let dev = x.device();

@@ -67,10 +67,7 @@ fn check(
     }
     for (name, x) in [("g", g), ("beta", beta)] {
         if x.dims() != [b, t, hv] {
-            return bad(format!(
-                "{name} must be [{b}, {t}, {hv}], found {:?}",
-                x.dims()
-            ));
+            return bad(format!("{name} must be [{b}, {t}, {hv}], found {:?}", x.dims()));
         }
     }
     if let Some(s) = state {
@@ -81,20 +78,10 @@ fn check(
             ));
         }
         if s.dtype() != DType::F32 {
-            return bad(format!(
-                "the recurrent state must be f32, found {:?}",
-                s.dtype()
-            ));
+            return bad(format!("the recurrent state must be f32, found {:?}", s.dtype()));
         }
     }
-    Ok(Dims {
-        b,
-        t,
-        hk,
-        hv,
-        dk,
-        dv,
-    })
+    Ok(Dims { b, t, hk, hv, dk, dv })
 }
 
 /// Host copies of the inputs, in the token-major layout of the tensors.
@@ -203,15 +190,7 @@ pub fn recurrent_gated_delta_rule(
     scale: f32,
     keep_all_states: bool,
 ) -> Result<DeltaRuleOutput> {
-    let d = check(
-        "recurrent_gated_delta_rule",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state,
-    )?;
+    let d = check("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)?;
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let heads: Vec<HeadResult> = (0..d.b * d.hv)
         .into_par_iter()
@@ -490,8 +469,8 @@ mod tests {
                     }
                     for i in 0..dk {
                         for j in 0..dv {
-                            s[i * dv + j] = e * (s[i * dv + j] - bt * kt[i] * ks[j])
-                                + bt * kt[i] * vt[j] as f64;
+                            s[i * dv + j] =
+                                e * (s[i * dv + j] - bt * kt[i] * ks[j]) + bt * kt[i] * vt[j] as f64;
                         }
                     }
                     for j in 0..dv {
@@ -533,8 +512,7 @@ mod tests {
     fn recurrent_matches_naive_matrix_form() -> Result<()> {
         let c = case(2, 37, 2, 6, 8, 12, 11);
         let scale = 8f32.powf(-0.5);
-        let r =
-            recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, true)?;
+        let r = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, true)?;
         let (out, fin) = naive(&c, scale as f64);
         assert!(max_abs_diff(&r.out, &out) < TOL as f64);
         assert!(max_abs_diff(&r.state, &fin) < TOL as f64);
@@ -562,26 +540,9 @@ mod tests {
         for (t, seed) in [(1usize, 1u64), (63, 2), (64, 3), (65, 4), (150, 5)] {
             let c = case(1, t, 2, 6, 16, 24, seed);
             let scale = 16f32.powf(-0.5);
-            let r = recurrent_gated_delta_rule(
-                &c.q,
-                &c.k,
-                &c.v,
-                &c.g,
-                &c.beta,
-                Some(&c.s0),
-                scale,
-                false,
-            )?;
-            let ch = chunked_gated_delta_rule(
-                &c.q,
-                &c.k,
-                &c.v,
-                &c.g,
-                &c.beta,
-                Some(&c.s0),
-                scale,
-                CHUNK_SIZE,
-            )?;
+            let r = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, false)?;
+            let ch =
+                chunked_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, CHUNK_SIZE)?;
             let (d_out, d_state) = (max_diff(&r.out, &ch.out), max_diff(&r.state, &ch.state));
             assert!(
                 d_out < TOL && d_state < TOL,
@@ -626,8 +587,8 @@ mod tests {
     fn non_f32_state_is_refused() -> Result<()> {
         let c = case(1, 2, 1, 1, 4, 4, 1);
         let s = c.s0.to_dtype(DType::BF16)?;
-        let err = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&s), 0.5, false)
-            .unwrap_err();
+        let err =
+            recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&s), 0.5, false).unwrap_err();
         assert!(err.to_string().contains("must be f32"), "{err}");
         Ok(())
     }

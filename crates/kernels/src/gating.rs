@@ -16,12 +16,7 @@ pub fn softplus(x: f32) -> f32 {
 
 /// Computes `(g, beta)`, both f32 `[batch, len, v_heads]`, from the projections
 /// `a, b: [batch, len, v_heads]` and the per-head parameters `a_log, dt_bias: [v_heads]`.
-pub fn gdn_gating(
-    a: &Tensor,
-    b: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+pub fn gdn_gating(a: &Tensor, b: &Tensor, a_log: &Tensor, dt_bias: &Tensor) -> Result<(Tensor, Tensor)> {
     expect_rank("gdn_gating", "a", a, 3)?;
     let heads = a.dim(2)?;
     if b.dims() != a.dims() || a_log.dims() != [heads] || dt_bias.dims() != [heads] {
@@ -73,10 +68,7 @@ mod tests {
             -(1.2f64.exp()) * sp(0.5),
         ];
         for (x, w) in g.iter().zip(want_g) {
-            assert!(
-                ((*x as f64) - w).abs() <= 1e-6 * w.abs().max(1e-12),
-                "{x} vs {w}"
-            );
+            assert!(((*x as f64) - w).abs() <= 1e-6 * w.abs().max(1e-12), "{x} vs {w}");
         }
         for (x, bb) in beta.iter().zip([0.0f64, 2.0, -1.0, 3.0]) {
             assert!(((*x as f64) - 1.0 / (1.0 + (-bb).exp())).abs() < 1e-7);

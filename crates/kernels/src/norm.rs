@@ -90,9 +90,7 @@ mod tests {
         let x = [1.0f32, -2.0, 3.0, 0.5];
         let w = [0.1f32, -0.2, 0.0, 0.3];
         let norm = RmsNorm::zero_centred(&Tensor::new(&w, &Device::Cpu)?, 1e-6)?;
-        let y = norm
-            .forward(&Tensor::new(&x, &Device::Cpu)?)?
-            .to_vec1::<f32>()?;
+        let y = norm.forward(&Tensor::new(&x, &Device::Cpu)?)?.to_vec1::<f32>()?;
         let n = naive_rms(&x, 1e-6);
         for i in 0..4 {
             assert!(

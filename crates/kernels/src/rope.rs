@@ -27,10 +27,7 @@ impl RotaryEmbedding {
         let inv_freq = (0..rotary_dim / 2)
             .map(|j| 1.0 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32))
             .collect();
-        Ok(Self {
-            inv_freq,
-            rotary_dim,
-        })
+        Ok(Self { inv_freq, rotary_dim })
     }
 
     /// Number of rotated dims per head.

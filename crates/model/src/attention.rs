@@ -56,12 +56,7 @@ impl GatedAttention {
     }
 
     /// `x: [batch, len, hidden]` at positions `cache.len()..`; appends to `cache`.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        rope: &RotaryEmbedding,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, cache: &mut KvCache) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let start = cache.len();
@@ -79,10 +74,7 @@ impl GatedAttention {
         // GQA without copying K/V: query heads h = j·g + r share KV head j, so fold the g heads of
         // a group into the row dimension: [b, nkv, g·t, hd].
         let g = nh / nkv;
-        let q = q
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, nkv, g * t, hd))?;
+        let q = q.transpose(1, 2)?.contiguous()?.reshape((b, nkv, g * t, hd))?;
         let scale = (hd as f64).powf(-0.5);
         let scores = (q.matmul(&k.t()?.contiguous()?)?.to_dtype(DType::F32)? * scale)?;
         let scores = match causal_mask(t, start, total, g, x.device())? {

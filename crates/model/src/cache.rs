@@ -1,8 +1,19 @@
 //! The per-sequence cache of the whole model: KV for attention layers, GDN state for linear layers.
 
-use qwen36_gdn::GdnState;
+use qwen36_gdn::{GdnState, VerifyCheckpoints};
 
-use crate::{KvCache, Result};
+use crate::{Error, KvCache, Result};
+
+/// Checkpoints of the last verify pass, until it is committed.
+#[derive(Debug, Clone)]
+pub(crate) struct Pending {
+    /// Sequence length before the pass.
+    pub base: usize,
+    /// Tokens the pass ran.
+    pub len: usize,
+    /// Per layer: the GDN checkpoints (`None` for attention layers).
+    pub checkpoints: Vec<Option<VerifyCheckpoints>>,
+}
 
 /// What one layer keeps between calls.
 #[derive(Debug, Clone)]
@@ -21,6 +32,7 @@ pub struct Cache {
     pub(crate) layers: Vec<LayerCache>,
     pub(crate) batch: usize,
     pub(crate) seq_len: usize,
+    pub(crate) pending: Option<Pending>,
 }
 
 impl Cache {
@@ -48,6 +60,35 @@ impl Cache {
             }
         }
         self.seq_len = 0;
+        self.pending = None;
+        Ok(())
+    }
+
+    /// After [`crate::Qwen36Model::forward_verify`] over `k+1` tokens: keeps the first `keep`
+    /// (1..=k+1) of them. GDN layers restore the state after token `keep-1` exactly (a copy of the
+    /// pass's checkpoint), attention layers drop the later KV positions.
+    pub fn commit(&mut self, keep: usize) -> Result<()> {
+        let p = self
+            .pending
+            .take()
+            .ok_or_else(|| Error::Cache("commit without a verify pass before it".into()))?;
+        if keep == 0 || keep > p.len {
+            let len = p.len;
+            self.pending = Some(p);
+            return Err(Error::Cache(format!(
+                "cannot keep {keep} of the {len} verified tokens"
+            )));
+        }
+        for (layer, cp) in self.layers.iter_mut().zip(&p.checkpoints) {
+            match (layer, cp) {
+                (LayerCache::Attention(kv), _) => kv.truncate(p.base + keep),
+                (LayerCache::Gdn(s), Some(cp)) => s.commit(cp, keep)?,
+                (LayerCache::Gdn(_), None) => {
+                    return Err(Error::Cache("GDN layer without checkpoints".into()))
+                }
+            }
+        }
+        self.seq_len = p.base + keep;
         Ok(())
     }
 }

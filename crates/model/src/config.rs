@@ -71,9 +71,10 @@ impl Fields<'_> {
     fn usize_or(&self, key: &str, default: Option<usize>) -> Result<usize> {
         match self.get(key) {
             None => default.ok_or_else(|| self.err(key, "missing")),
-            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                self.err(key, format!("expected a non-negative integer, found {v}"))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| self.err(key, format!("expected a non-negative integer, found {v}"))),
         }
     }
     fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
@@ -136,10 +137,7 @@ impl Config {
             _ => (top, "", false),
         };
         let f = Fields { obj, prefix };
-        let top_f = Fields {
-            obj: top,
-            prefix: "",
-        };
+        let top_f = Fields { obj: top, prefix: "" };
 
         let hidden_size = f.usize_or("hidden_size", Some(4096))?;
         let num_attention_heads = f.usize_or("num_attention_heads", Some(16))?;
@@ -156,19 +154,11 @@ impl Config {
                     Some("full_attention") | Some("attention") => Ok(LayerType::FullAttention),
                     _ => Err(Error::UnknownLayerType {
                         index,
-                        value: v
-                            .as_str()
-                            .map(str::to_owned)
-                            .unwrap_or_else(|| v.to_string()),
+                        value: v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string()),
                     }),
                 })
                 .collect::<Result<Vec<_>>>()?,
-            Some(v) => {
-                return Err(f.err(
-                    "layer_types",
-                    format!("expected a list of strings, found {v}"),
-                ))
-            }
+            Some(v) => return Err(f.err("layer_types", format!("expected a list of strings, found {v}"))),
             None => {
                 let interval = f.usize_or("full_attention_interval", Some(4))?;
                 if interval == 0 {
@@ -198,9 +188,7 @@ impl Config {
         // RoPE: `rope_parameters` (transformers 5), else legacy top-level fields.
         let rope = match f.get("rope_parameters").or_else(|| f.get("rope_scaling")) {
             Some(Value::Object(r)) => Some(r),
-            Some(v) => {
-                return Err(f.err("rope_parameters", format!("expected an object, found {v}")))
-            }
+            Some(v) => return Err(f.err("rope_parameters", format!("expected an object, found {v}"))),
             None => None,
         };
         let rf = rope.map(|obj| Fields {
@@ -254,10 +242,7 @@ impl Config {
         };
         if let Some(act) = f.str_opt("hidden_act")? {
             if act != "silu" {
-                return Err(f.err(
-                    "hidden_act",
-                    format!("{act:?} is not supported (only \"silu\")"),
-                ));
+                return Err(f.err("hidden_act", format!("{act:?} is not supported (only \"silu\")")));
             }
         }
         let eos_token_ids = match f.get("eos_token_id") {
@@ -388,8 +373,7 @@ mod tests {
 
     #[test]
     fn interval_used_only_without_list() {
-        let c = Config::from_json(&json!({"num_hidden_layers": 8, "full_attention_interval": 4}))
-            .unwrap();
+        let c = Config::from_json(&json!({"num_hidden_layers": 8, "full_attention_interval": 4})).unwrap();
         let full: Vec<usize> = (0..8)
             .filter(|&i| c.layer_types[i] == LayerType::FullAttention)
             .collect();
@@ -417,27 +401,25 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_field() {
-        let e = Config::from_json(&json!({"num_hidden_layers": 2, "layer_types": ["linear_attention", "sliding_attention"]}))
-            .unwrap_err();
+        let e = Config::from_json(
+            &json!({"num_hidden_layers": 2, "layer_types": ["linear_attention", "sliding_attention"]}),
+        )
+        .unwrap_err();
         assert!(
             matches!(&e, Error::UnknownLayerType { index: 1, value } if value == "sliding_attention"),
             "{e}"
         );
-        let e = Config::from_json(&json!({"text_config": {"mamba_ssm_dtype": "bfloat16"}}))
-            .unwrap_err();
+        let e = Config::from_json(&json!({"text_config": {"mamba_ssm_dtype": "bfloat16"}})).unwrap_err();
         assert!(matches!(&e, Error::StateDtype(s) if s == "bfloat16"), "{e}");
         let e = Config::from_json(&json!({"text_config": {"hidden_size": "big"}})).unwrap_err();
         assert!(e.to_string().contains("text_config.hidden_size"), "{e}");
-        let e = Config::from_json(
-            &json!({"num_hidden_layers": 2, "layer_types": ["linear_attention"]}),
-        )
-        .unwrap_err();
+        let e = Config::from_json(&json!({"num_hidden_layers": 2, "layer_types": ["linear_attention"]}))
+            .unwrap_err();
         assert!(e.to_string().contains("layer_types"), "{e}");
         let e = Config::from_json(&json!({"rope_parameters": {"rope_type": "yarn"}})).unwrap_err();
         assert!(e.to_string().contains("rope_type"), "{e}");
-        let e =
-            Config::from_json(&json!({"linear_num_key_heads": 16, "linear_num_value_heads": 40}))
-                .unwrap_err();
+        let e = Config::from_json(&json!({"linear_num_key_heads": 16, "linear_num_value_heads": 40}))
+            .unwrap_err();
         assert!(e.to_string().contains("linear_num_value_heads"), "{e}");
     }
 }

@@ -58,6 +58,9 @@ pub enum Error {
     /// The cache does not belong to this model or batch.
     #[error("cache: {0}")]
     Cache(String),
+    /// MTP was asked for but the checkpoint has no `mtp.*` tensors.
+    #[error("the checkpoint has no MTP head (no mtp.fc.weight): run without MTP or use another drafter")]
+    NoMtpHead,
     /// An error from a GDN layer.
     #[error(transparent)]
     Gdn(#[from] qwen36_gdn::Error),

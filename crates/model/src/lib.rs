@@ -10,6 +10,7 @@ mod config;
 mod error;
 mod kv_cache;
 mod model;
+mod mtp_head;
 mod weights;
 
 pub use attention::GatedAttention;
@@ -18,4 +19,5 @@ pub use config::{Config, LayerType};
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
+pub use mtp_head::{MtpCache, MtpHead};
 pub use weights::{LoadOptions, Weights};

@@ -5,12 +5,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear};
-use qwen36_gdn::{GatedDeltaNet, GdnWeights};
+use qwen36_gdn::{GatedDeltaNet, GdnWeights, VerifyCheckpoints};
 use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
 
-use crate::{
-    Cache, Config, Error, GatedAttention, LayerCache, LayerType, LoadOptions, Result, Weights,
-};
+use crate::{Cache, Config, Error, GatedAttention, LayerCache, LayerType, LoadOptions, Result, Weights};
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
 #[derive(Debug, Clone)]
@@ -51,11 +49,70 @@ enum Mixer {
 }
 
 #[derive(Debug, Clone)]
-struct DecoderLayer {
+pub(crate) struct DecoderLayer {
     input_norm: RmsNorm,
     post_norm: RmsNorm,
     mixer: Mixer,
     mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// Loads `{prefix}{input_layernorm,post_attention_layernorm,linear_attn|self_attn,mlp}`;
+    /// `prefix` is a full name prefix (main layers and the MTP layer share this).
+    pub(crate) fn load(cfg: &Config, w: &Weights, prefix: &str, kind: LayerType) -> Result<Self> {
+        let dtype = w.options().dtype;
+        let norm = |name: &str| -> Result<RmsNorm> {
+            let t = w.get(&format!("{prefix}{name}.weight"), &[cfg.hidden_size], dtype)?;
+            Ok(RmsNorm::zero_centred(&t, cfg.rms_norm_eps)?)
+        };
+        let mixer = match kind {
+            LayerType::LinearAttention => {
+                let gdn_cfg = cfg.gdn();
+                let gdn_w = GdnWeights::load(&gdn_cfg, |name, shape| {
+                    // A_log and dt_bias feed the f32 gate math; keep them f32 like vLLM.
+                    let dt = if matches!(name, "A_log" | "dt_bias") {
+                        DType::F32
+                    } else {
+                        dtype
+                    };
+                    w.get(&format!("{prefix}linear_attn.{name}"), shape, dt)
+                })?;
+                Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?)
+            }
+            LayerType::FullAttention => {
+                Mixer::Attention(GatedAttention::load(cfg, w, &format!("{prefix}self_attn."))?)
+            }
+        };
+        Ok(Self {
+            input_norm: norm("input_layernorm")?,
+            post_norm: norm("post_attention_layernorm")?,
+            mixer,
+            mlp: Mlp::load(cfg, w, &format!("{prefix}mlp."))?,
+        })
+    }
+
+    /// `x + mixer(norm(x))`, then `+ mlp(norm(·))`. With `verify`, a GDN layer runs token by token
+    /// and returns its per-token checkpoints.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        cache: &mut LayerCache,
+        rope: &RotaryEmbedding,
+        verify: bool,
+    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+        let h = self.input_norm.forward(x)?;
+        let (h, checkpoints) = match (&self.mixer, cache) {
+            (Mixer::Gdn(g), LayerCache::Gdn(s)) if verify => {
+                let (h, cp) = g.forward_verify(&h, s)?;
+                (h, Some(cp))
+            }
+            (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward(&h, s)?, None),
+            (Mixer::Attention(a), LayerCache::Attention(kv)) => (a.forward(&h, rope, kv)?, None),
+            _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
+        };
+        let (h, residual) = self.post_norm.forward_residual(&h, x)?;
+        Ok(((residual + self.mlp.forward(&h)?)?, checkpoints))
+    }
 }
 
 /// A loaded Qwen3.6 text model (no MTP head).
@@ -87,45 +144,16 @@ impl Qwen36Model {
             return Err(Error::Dtype(dtype));
         }
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let norm =
-            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.lm(name, &[h])?, eps)?) };
+        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.lm(name, &[h])?, eps)?) };
         let embed_w = w.lm("embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head_w = if cfg.tie_word_embeddings {
             embed_w.clone()
         } else {
             w.get("lm_head.weight", &[cfg.vocab_size, h], dtype)?
         };
-        let gdn_cfg = cfg.gdn();
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for (i, kind) in cfg.layer_types.iter().enumerate() {
-            let p = format!("layers.{i}.");
-            let mixer = match kind {
-                LayerType::LinearAttention => {
-                    let gdn_w = GdnWeights::load(&gdn_cfg, |name, shape| {
-                        let full = w.lm_name(&format!("{p}linear_attn.{name}"));
-                        // A_log and dt_bias feed the f32 gate math; keep them f32 like vLLM.
-                        let dt = if matches!(name, "A_log" | "dt_bias") {
-                            DType::F32
-                        } else {
-                            dtype
-                        };
-                        w.get(&full, shape, dt)
-                    })?;
-                    Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?)
-                }
-                LayerType::FullAttention => Mixer::Attention(GatedAttention::load(
-                    &cfg,
-                    w,
-                    &w.lm_name(&format!("{p}self_attn.")),
-                )?),
-            };
-            layers.push(DecoderLayer {
-                input_norm: norm(&format!("{p}input_layernorm.weight"))?,
-                post_norm: norm(&format!("{p}post_attention_layernorm.weight"))?,
-                mixer,
-                mlp: Mlp::load(&cfg, w, &w.lm_name(&format!("{p}mlp.")))?,
-            });
-        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(&cfg, w, &w.lm_name(&format!("layers.{i}.")), cfg.layer_types[i]))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             embed: Embedding::new(embed_w, h),
             norm: norm("norm.weight")?,
@@ -158,6 +186,11 @@ impl Qwen36Model {
         &self.embed
     }
 
+    /// The rotary embedding of the attention layers (shared with the MTP head).
+    pub fn rope(&self) -> &RotaryEmbedding {
+        &self.rope
+    }
+
     /// An empty cache for `batch` sequences.
     pub fn new_cache(&self, batch: usize) -> Result<Cache> {
         let layers = self
@@ -176,17 +209,15 @@ impl Qwen36Model {
             layers,
             batch,
             seq_len: 0,
+            pending: None,
         })
     }
 
     /// Checks ids `[batch, len]` (u32) against the vocabulary, the cache and the context.
     fn check_input(&self, ids: &Tensor, cache: &Cache) -> Result<(usize, usize)> {
-        let (b, t) = ids.dims2().map_err(|_| {
-            Error::Input(format!(
-                "token ids must be [batch, len], found {:?}",
-                ids.dims()
-            ))
-        })?;
+        let (b, t) = ids
+            .dims2()
+            .map_err(|_| Error::Input(format!("token ids must be [batch, len], found {:?}", ids.dims())))?;
         if t == 0 {
             return Err(Error::Input("no tokens given".into()));
         }
@@ -230,38 +261,50 @@ impl Qwen36Model {
     /// Like [`Self::forward_hidden`], also returning the residual stream entering each layer and
     /// leaving the last one (HF's `output_hidden_states` minus its final-norm entry):
     /// `num_hidden_layers + 1` tensors `[batch, len, hidden]`.
-    pub fn forward_hidden_states(
-        &self,
-        ids: &Tensor,
-        cache: &mut Cache,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+    pub fn forward_hidden_states(&self, ids: &Tensor, cache: &mut Cache) -> Result<(Tensor, Vec<Tensor>)> {
         let mut states = Vec::with_capacity(self.layers.len() + 1);
         let h = self.run(ids, cache, Some(&mut states))?;
         Ok((h, states))
     }
 
-    fn run(
+    /// Speculative verify: runs `ids: [batch, k+1]` like [`Self::forward_hidden`] (the cache is left
+    /// after all of them) but keeps per-token GDN checkpoints, so that [`Cache::commit`] can keep
+    /// any prefix exactly. Returns the final-norm hidden states `[batch, k+1, hidden]`.
+    pub fn forward_verify(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let base = cache.seq_len;
+        let mut checkpoints = Vec::with_capacity(self.layers.len());
+        let h = self.run_layers(ids, cache, None, Some(&mut checkpoints))?;
+        cache.pending = Some(crate::cache::Pending {
+            base,
+            len: ids.dim(1)?,
+            checkpoints,
+        });
+        Ok(h)
+    }
+
+    fn run(&self, ids: &Tensor, cache: &mut Cache, states: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
+        self.run_layers(ids, cache, states, None)
+    }
+
+    fn run_layers(
         &self,
         ids: &Tensor,
         cache: &mut Cache,
         mut states: Option<&mut Vec<Tensor>>,
+        mut checkpoints: Option<&mut Vec<Option<VerifyCheckpoints>>>,
     ) -> Result<Tensor> {
         let (_, t) = self.check_input(ids, cache)?;
+        cache.pending = None;
         let mut x = self.embed.forward(ids)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             if let Some(s) = states.as_deref_mut() {
                 s.push(x.clone());
             }
-            let h = layer.input_norm.forward(&x)?;
-            let h = match (&layer.mixer, lc) {
-                (Mixer::Gdn(g), LayerCache::Gdn(s)) => g.forward(&h, s)?,
-                (Mixer::Attention(a), LayerCache::Attention(kv)) => {
-                    a.forward(&h, &self.rope, kv)?
-                }
-                _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
-            };
-            let (h, residual) = layer.post_norm.forward_residual(&h, &x)?;
-            x = (residual + layer.mlp.forward(&h)?)?;
+            let (y, cp) = layer.forward(&x, lc, &self.rope, checkpoints.is_some())?;
+            if let Some(c) = checkpoints.as_deref_mut() {
+                c.push(cp);
+            }
+            x = y;
         }
         cache.seq_len += t;
         if let Some(s) = states {

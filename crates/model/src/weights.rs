@@ -100,13 +100,7 @@ impl Weights {
             });
         }
         let t = view.load(&self.opts.device)?.to_dtype(dtype)?;
-        if self.opts.check_finite
-            && !t
-                .to_dtype(DType::F32)?
-                .sum_all()?
-                .to_scalar::<f32>()?
-                .is_finite()
-        {
+        if self.opts.check_finite && !t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
             // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
             return Err(Error::NonFinite(name.to_string()));
         }
@@ -122,11 +116,10 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
             path: index.clone(),
             source,
         })?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| Error::Json {
-                path: index.clone(),
-                source,
-            })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: index.clone(),
+            source,
+        })?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
@@ -152,7 +145,7 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if single.exists() {
         return Ok(vec![single]);
     }
-    Err(Error::MissingFile(dir.join(
-        "model.safetensors (or model.safetensors.index.json)",
-    )))
+    Err(Error::MissingFile(
+        dir.join("model.safetensors (or model.safetensors.index.json)"),
+    ))
 }

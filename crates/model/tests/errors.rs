@@ -33,8 +33,7 @@ fn edit_tensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<String, T
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = dir.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     edit(&mut v);
     std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
 }
@@ -55,10 +54,7 @@ fn missing_tensor_is_named() {
 fn wrong_shape_is_named_with_both_shapes() {
     let dir = copy_fixture("tiny-flat");
     edit_tensors(dir.path(), "model.safetensors", |m| {
-        m.insert(
-            A_LOG.into(),
-            Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
-        );
+        m.insert(A_LOG.into(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
     });
     let e = load_dir(dir.path()).unwrap_err();
     assert!(
@@ -75,10 +71,7 @@ fn nan_in_weights_is_refused() {
         let t = &m[name];
         let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         v[5] = f32::NAN;
-        m.insert(
-            name.into(),
-            Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap(),
-        );
+        m.insert(name.into(), Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap());
     });
     let e = load_dir(dir.path()).unwrap_err();
     assert!(matches!(&e, Error::NonFinite(n) if n == name), "{e}");
@@ -150,31 +143,11 @@ fn prompt_over_context_bad_ids_and_wrong_cache_are_errors() {
     edit_config(dir.path(), |v| v["max_position_embeddings"] = 10.into());
     let model = load_dir(dir.path()).unwrap();
     let mut cache = model.new_cache(1).unwrap();
-    let e = model
-        .forward(&ids_tensor(&[1; 11]), &mut cache)
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::ContextOverflow {
-                needed: 11,
-                max: 10
-            }
-        ),
-        "{e}"
-    );
+    let e = model.forward(&ids_tensor(&[1; 11]), &mut cache).unwrap_err();
+    assert!(matches!(e, Error::ContextOverflow { needed: 11, max: 10 }), "{e}");
     model.forward(&ids_tensor(&[1; 8]), &mut cache).unwrap();
     let e = model.forward(&ids_tensor(&[1; 3]), &mut cache).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::ContextOverflow {
-                needed: 11,
-                max: 10
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, Error::ContextOverflow { needed: 11, max: 10 }), "{e}");
 
     let e = model
         .forward(&ids_tensor(&[1, 384]), &mut model.new_cache(1).unwrap())

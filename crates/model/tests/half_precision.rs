@@ -16,9 +16,7 @@ fn check(dtype: DType, key: &str, factor: f32) {
     for name in FIXTURES {
         let model = load(name, dtype);
         let r = reference(name);
-        let hf_err = r[&format!("prompt0.hf_{key}_rel_err")]
-            .to_vec1::<f32>()
-            .unwrap()[0];
+        let hf_err = r[&format!("prompt0.hf_{key}_rel_err")].to_vec1::<f32>().unwrap()[0];
         let tol = factor * hf_err;
         let ids = ids_of(&r["prompt0.ids"]);
         let mut cache = model.new_cache(1).unwrap();
@@ -28,9 +26,7 @@ fn check(dtype: DType, key: &str, factor: f32) {
             .squeeze(0)
             .unwrap();
         let err = max_row_rel_err(&logits, &r["prompt0.logits"]);
-        eprintln!(
-            "{name} {dtype:?}: logits max row-relative error {err:.3e} (HF's own: {hf_err:.3e})"
-        );
+        eprintln!("{name} {dtype:?}: logits max row-relative error {err:.3e} (HF's own: {hf_err:.3e})");
         assert!(err <= tol, "{name} {dtype:?}: {err} > {tol}");
         // The GDN recurrent state stays f32 whatever the activation dtype.
         for l in cache.layers() {
@@ -70,8 +66,7 @@ fn per_layer_errors() {
                 .forward_hidden_states(&ids_tensor(&ids), &mut cache)
                 .unwrap();
             let l = states.len() - 1;
-            let fin_err =
-                max_row_rel_err(&fin.squeeze(0).unwrap(), &r["prompt0.hidden"].i(l).unwrap());
+            let fin_err = max_row_rel_err(&fin.squeeze(0).unwrap(), &r["prompt0.hidden"].i(l).unwrap());
             let logit_err = max_row_rel_err(
                 &model.logits(&fin).unwrap().squeeze(0).unwrap(),
                 &r["prompt0.logits"],

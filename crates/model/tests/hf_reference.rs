@@ -56,10 +56,7 @@ fn greedy_continuation_matches_hf() {
             assert!(want.len() >= 40);
             let mut cache = model.new_cache(1).unwrap();
             let got = greedy(&model, &mut cache, &ids, want.len());
-            assert_eq!(
-                got, want,
-                "{name} prompt{p}: greedy continuation differs from HF"
-            );
+            assert_eq!(got, want, "{name} prompt{p}: greedy continuation differs from HF");
         }
     }
 }
@@ -84,10 +81,7 @@ fn prefill_then_decode_equals_prefill() {
             .squeeze(0)
             .unwrap();
         let err = max_row_rel_err(&step.unsqueeze(0).unwrap(), &full.unsqueeze(0).unwrap());
-        assert!(
-            err <= 1e-5,
-            "{name}: prefill(T-1)+decode(1) vs prefill(T): {err}"
-        );
+        assert!(err <= 1e-5, "{name}: prefill(T-1)+decode(1) vs prefill(T): {err}");
         assert_eq!(c2.seq_len(), t);
         // A multi-token continuation (chunked GDN from a non-zero state) too.
         let mut c3 = model.new_cache(1).unwrap();
@@ -135,8 +129,7 @@ fn batch_rows_equal_single_runs() {
     let (a, b) = (ids_of(&r["prompt0.ids"]), ids_of(&r["prompt1.ids"]));
     let n = b.len();
     let batch =
-        candle_core::Tensor::new(vec![a[..n].to_vec(), b.clone()], &candle_core::Device::Cpu)
-            .unwrap();
+        candle_core::Tensor::new(vec![a[..n].to_vec(), b.clone()], &candle_core::Device::Cpu).unwrap();
     let mut cache = model.new_cache(2).unwrap();
     let both = model.forward(&batch, &mut cache).unwrap();
     for (row, ids) in [&a[..n], &b[..]].into_iter().enumerate() {

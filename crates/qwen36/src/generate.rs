@@ -28,8 +28,7 @@ impl GenerationConfig {
             msg,
         };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        let v: Value =
-            serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
         let eos_token_ids = match v.get("eos_token_id") {
             None | Some(Value::Null) => vec![],
             Some(Value::Array(a)) => a
@@ -43,16 +42,15 @@ impl GenerationConfig {
                 as u32],
         };
         let num = |k: &str| v.get(k).and_then(Value::as_f64);
-        let sampling =
-            (v.get("do_sample").and_then(Value::as_bool) == Some(true)).then(|| SamplingParams {
-                temperature: num("temperature").unwrap_or(1.0) as f32,
-                top_k: num("top_k").unwrap_or(0.0) as usize,
-                top_p: num("top_p").unwrap_or(1.0) as f32,
-                min_p: num("min_p").unwrap_or(0.0) as f32,
-                repetition_penalty: num("repetition_penalty").unwrap_or(1.0) as f32,
-                presence_penalty: num("presence_penalty").unwrap_or(0.0) as f32,
-                ..Default::default()
-            });
+        let sampling = (v.get("do_sample").and_then(Value::as_bool) == Some(true)).then(|| SamplingParams {
+            temperature: num("temperature").unwrap_or(1.0) as f32,
+            top_k: num("top_k").unwrap_or(0.0) as usize,
+            top_p: num("top_p").unwrap_or(1.0) as f32,
+            min_p: num("min_p").unwrap_or(0.0) as f32,
+            repetition_penalty: num("repetition_penalty").unwrap_or(1.0) as f32,
+            presence_penalty: num("presence_penalty").unwrap_or(0.0) as f32,
+            ..Default::default()
+        });
         Ok(Self {
             eos_token_ids,
             sampling,
@@ -151,12 +149,10 @@ impl Generator {
         let model = Qwen36Model::load(&dir, opts)?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.exists() {
-            Some(
-                Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
-                    path: tok_path.clone(),
-                    msg: e.to_string(),
-                })?,
-            )
+            Some(Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
+                path: tok_path.clone(),
+                msg: e.to_string(),
+            })?)
         } else {
             None
         };
@@ -257,8 +253,7 @@ impl Generator {
         let stops = StopStrings::new(opts.stop_strings.iter().cloned());
         let max_ctx = self.model.config().max_position_embeddings;
         let dev = self.model.device().clone();
-        let ids =
-            |t: &[u32], dev: &Device| -> Result<Tensor> { Ok(Tensor::new(t, dev)?.unsqueeze(0)?) };
+        let ids = |t: &[u32], dev: &Device| -> Result<Tensor> { Ok(Tensor::new(t, dev)?.unsqueeze(0)?) };
 
         let mut cache = self.model.new_cache(1)?;
         let t0 = Instant::now();
@@ -297,9 +292,7 @@ impl Generator {
                 }
             }
             on_token(TokenEvent { token, text: piece });
-            if matches!(stop_reason, StopReason::StopString(_))
-                || tokens.len() >= opts.max_new_tokens
-            {
+            if matches!(stop_reason, StopReason::StopString(_)) || tokens.len() >= opts.max_new_tokens {
                 break;
             }
             if cache.seq_len() >= max_ctx {

@@ -13,8 +13,7 @@ fn fixture(name: &str) -> PathBuf {
 
 fn reference(name: &str, key: &str) -> Vec<u32> {
     let r =
-        candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu)
-            .unwrap();
+        candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu).unwrap();
     r[key].to_dtype(DType::U32).unwrap().to_vec1().unwrap()
 }
 
@@ -29,9 +28,7 @@ fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
         ..Default::default()
     };
     let mut streamed = Vec::new();
-    let out = g
-        .generate(&prompt, &opts, |ev| streamed.push(ev.token))
-        .unwrap();
+    let out = g.generate(&prompt, &opts, |ev| streamed.push(ev.token)).unwrap();
     assert_eq!(out.tokens, want);
     assert_eq!(streamed, want);
     assert_eq!(out.stop_reason, StopReason::MaxTokens);

@@ -5,11 +5,7 @@
 pub enum Error {
     /// A logit is NaN or +inf (a numerics bug upstream; sampling from it would hide it).
     #[error("logits row {row} has a non-finite value at token {index}: {value}")]
-    NonFiniteLogits {
-        row: usize,
-        index: usize,
-        value: f32,
-    },
+    NonFiniteLogits { row: usize, index: usize, value: f32 },
     /// Every token is masked out.
     #[error("logits row {row}: every token has probability zero")]
     Empty { row: usize },

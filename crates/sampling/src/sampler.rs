@@ -25,10 +25,7 @@ pub struct Sampler {
 
 /// Rejects NaN and +inf (−inf is a legal mask).
 pub(crate) fn check_logits(logits: &[f32], row: usize) -> Result<()> {
-    match logits
-        .iter()
-        .position(|v| v.is_nan() || *v == f32::INFINITY)
-    {
+    match logits.iter().position(|v| v.is_nan() || *v == f32::INFINITY) {
         Some(index) => Err(Error::NonFiniteLogits {
             row,
             index,
@@ -72,12 +69,7 @@ pub(crate) fn draw_index(weights: &[f32], u: f64, row: usize) -> Result<usize> {
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m as f64
-        + logits
-            .iter()
-            .map(|&l| ((l - m) as f64).exp())
-            .sum::<f64>()
-            .ln();
+    let lse = m as f64 + logits.iter().map(|&l| ((l - m) as f64).exp()).sum::<f64>().ln();
     logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
 }
 
@@ -142,13 +134,7 @@ impl Sampler {
 
     /// The distribution a token is drawn from (after every step of the pipeline), normalised.
     /// Greedy gives a one-hot vector at the argmax of the penalised logits.
-    pub fn probs(
-        &self,
-        logits: &[f32],
-        prompt: &[u32],
-        output: &[u32],
-        row: usize,
-    ) -> Result<Vec<f32>> {
+    pub fn probs(&self, logits: &[f32], prompt: &[u32], output: &[u32], row: usize) -> Result<Vec<f32>> {
         check_logits(logits, row)?;
         let p = &self.params;
         let l = self.penalised(logits, prompt, output);
@@ -172,11 +158,7 @@ impl Sampler {
         let mut order: Vec<u32> = (0..probs.len() as u32)
             .filter(|&i| probs[i as usize] > 0.0)
             .collect();
-        let by_prob = |a: &u32, b: &u32| {
-            probs[*b as usize]
-                .total_cmp(&probs[*a as usize])
-                .then(a.cmp(b))
-        };
+        let by_prob = |a: &u32, b: &u32| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b));
         if p.top_k > 0 && p.top_k < order.len() {
             order.select_nth_unstable_by(p.top_k - 1, by_prob);
             let kth = probs[order[p.top_k - 1] as usize];
@@ -207,10 +189,7 @@ impl Sampler {
                 .count();
         }
         let mut out = vec![0.0f32; probs.len()];
-        let kept_total: f64 = order[..keep]
-            .iter()
-            .map(|&i| probs[i as usize] as f64)
-            .sum();
+        let kept_total: f64 = order[..keep].iter().map(|&i| probs[i as usize] as f64).sum();
         for &i in &order[..keep] {
             out[i as usize] = (probs[i as usize] as f64 / kept_total) as f32;
         }
@@ -259,11 +238,7 @@ impl Sampler {
     }
 
     /// Samples every row of `logits: [batch, vocab]` in parallel; `contexts[row] = (prompt, output)`.
-    pub fn sample_rows(
-        &mut self,
-        logits: &Tensor,
-        contexts: &[(&[u32], &[u32])],
-    ) -> Result<Vec<Sampled>> {
+    pub fn sample_rows(&mut self, logits: &Tensor, contexts: &[(&[u32], &[u32])]) -> Result<Vec<Sampled>> {
         let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         if rows.len() != contexts.len() {
             return Err(Error::Shape(format!(

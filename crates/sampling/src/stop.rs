@@ -39,10 +39,7 @@ impl StopStrings {
         self.strings
             .iter()
             .enumerate()
-            .filter_map(|(index, s)| {
-                text.find(s.as_str())
-                    .map(|start| StopMatch { start, index })
-            })
+            .filter_map(|(index, s)| text.find(s.as_str()).map(|start| StopMatch { start, index }))
             .min_by_key(|m| (m.start, m.index))
     }
 

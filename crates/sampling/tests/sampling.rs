@@ -185,10 +185,7 @@ fn logprobs_are_of_the_raw_distribution() {
     let lse = (1.0f32 + 2f32.exp() + 1f32.exp()).ln();
     assert_eq!(r.token, 1);
     assert!((r.logprob - (2.0 - lse)).abs() < 1e-6);
-    assert_eq!(
-        r.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(),
-        vec![1, 2]
-    );
+    assert_eq!(r.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
 }
 
 #[test]
@@ -251,27 +248,12 @@ fn stop_strings_spanning_tokens() {
 #[test]
 fn greedy_acceptance() {
     let a = accept_greedy(&[5, 6, 7], &[5, 6, 9, 1]).unwrap();
-    assert_eq!(
-        a,
-        Acceptance {
-            accepted: 2,
-            next: 9
-        }
-    );
+    assert_eq!(a, Acceptance { accepted: 2, next: 9 });
     let a = accept_greedy(&[5, 6], &[5, 6, 4]).unwrap();
-    assert_eq!(
-        a,
-        Acceptance {
-            accepted: 2,
-            next: 4
-        }
-    );
+    assert_eq!(a, Acceptance { accepted: 2, next: 4 });
     assert_eq!(
         accept_greedy(&[], &[3]).unwrap(),
-        Acceptance {
-            accepted: 0,
-            next: 3
-        }
+        Acceptance { accepted: 0, next: 3 }
     );
     assert!(accept_greedy(&[1], &[1]).is_err());
 }

@@ -26,11 +26,7 @@ pub fn load(name: &str, dtype: DType) -> Qwen36Model {
 
 /// HF's outputs for a fixture model: `prompt{i}.{ids,logits,hidden,greedy,greedy_margin}`.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(
-        fixture_dir(name).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap()
+    candle_core::safetensors::load(fixture_dir(name).join("reference.safetensors"), &Device::Cpu).unwrap()
 }
 
 pub fn ids_of(t: &Tensor) -> Vec<u32> {
@@ -38,10 +34,7 @@ pub fn ids_of(t: &Tensor) -> Vec<u32> {
 }
 
 pub fn ids_tensor(ids: &[u32]) -> Tensor {
-    Tensor::new(ids, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap()
+    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
 }
 
 /// Greedy decoding from a prompt: prefill, then one token at a time through the cache.

@@ -1,0 +1,128 @@
+//! The Multi-Token-Prediction head (ARCHITECTURE §4.1): `mtp.fc`, two pre-fc norms, one (or more)
+//! gated-attention decoder layers with their own KV cache, `mtp.norm`; embedding and lm_head are
+//! the main model's.
+//!
+//! Pairing: the MTP KV entry at position `i` holds `(h_i, x_{i+1})`: the target's final-norm
+//! hidden state at `i` and the token that followed it. Its output at `i` predicts `x_{i+2}`.
+
+use candle_core::{Module, Tensor, D};
+use candle_nn::Linear;
+use qwen36_kernels::norm::RmsNorm;
+
+use crate::model::DecoderLayer;
+use crate::{Config, Error, KvCache, LayerCache, LayerType, Qwen36Model, Result, Weights};
+
+/// The MTP head of a Qwen3.6 checkpoint.
+#[derive(Debug, Clone)]
+pub struct MtpHead {
+    fc: Linear,
+    norm_embedding: RmsNorm,
+    norm_hidden: RmsNorm,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+}
+
+/// The MTP head's KV caches (one per MTP layer), `len` positions each.
+#[derive(Debug, Clone)]
+pub struct MtpCache {
+    layers: Vec<LayerCache>,
+}
+
+impl MtpCache {
+    /// Positions held (pairs fed).
+    pub fn len(&self) -> usize {
+        match self.layers.first() {
+            Some(LayerCache::Attention(kv)) => kv.len(),
+            _ => 0,
+        }
+    }
+
+    /// True when no pair was fed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps the first `len` positions (drops draft-chain entries after a verify).
+    pub fn truncate(&mut self, len: usize) {
+        for l in &mut self.layers {
+            if let LayerCache::Attention(kv) = l {
+                kv.truncate(len);
+            }
+        }
+    }
+
+    /// Forgets everything (a new sequence).
+    pub fn reset(&mut self) {
+        self.truncate(0);
+    }
+}
+
+impl MtpHead {
+    /// True when the checkpoint carries an MTP head.
+    pub fn present(w: &Weights) -> bool {
+        w.contains("mtp.fc.weight")
+    }
+
+    /// Loads `mtp.*`; [`Error::NoMtpHead`] when the checkpoint has none.
+    pub fn load(cfg: &Config, w: &Weights) -> Result<Self> {
+        if !Self::present(w) {
+            return Err(Error::NoMtpHead);
+        }
+        let (h, dt, eps) = (cfg.hidden_size, w.options().dtype, cfg.rms_norm_eps);
+        let norm =
+            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.get(name, &[h], dt)?, eps)?) };
+        let n = cfg.mtp_num_hidden_layers.max(1);
+        let layers = (0..n)
+            .map(|i| DecoderLayer::load(cfg, w, &format!("mtp.layers.{i}."), LayerType::FullAttention))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            fc: Linear::new(w.get("mtp.fc.weight", &[h, 2 * h], dt)?, None),
+            norm_embedding: norm("mtp.pre_fc_norm_embedding.weight")?,
+            norm_hidden: norm("mtp.pre_fc_norm_hidden.weight")?,
+            layers,
+            norm: norm("mtp.norm.weight")?,
+        })
+    }
+
+    /// Loads the head of the checkpoint in `dir` (config parsed by the caller).
+    pub fn load_dir(
+        dir: impl AsRef<std::path::Path>,
+        cfg: &Config,
+        opts: crate::LoadOptions,
+    ) -> Result<Self> {
+        Self::load(cfg, &Weights::open(dir, opts)?)
+    }
+
+    /// An empty cache.
+    pub fn new_cache(&self) -> MtpCache {
+        MtpCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| LayerCache::Attention(KvCache::new()))
+                .collect(),
+        }
+    }
+
+    /// Feeds pairs at positions `cache.len()..`: `hidden: [batch, len, hidden]` (target final-norm
+    /// hidden states, or the previous MTP output when chaining drafts) and `next_ids: [batch, len]`
+    /// (u32, the token after each position). Draft step `step` uses MTP layer `step % layers`.
+    /// Returns the post-`mtp.norm` states `[batch, len, hidden]`; `model.logits` scores them.
+    pub fn forward(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+    ) -> Result<Tensor> {
+        let e = self
+            .norm_embedding
+            .forward(&model.embedding().forward(next_ids)?)?;
+        let hn = self.norm_hidden.forward(&hidden.to_dtype(e.dtype())?)?;
+        let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
+        let i = step % self.layers.len();
+        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], model.rope(), false)?;
+        Ok(self.norm.forward(&y)?)
+    }
+}
