@@ -12,6 +12,8 @@ Two models:
   * `tiny-nested`: Qwen3_5ForConditionalGeneration, nested `text_config` (with a tiny vision tower
                    whose tensors the Rust loader must skip), names under `model.language_model.`,
                    untied lm_head, Hv/Hk = 3, several shards with an index.
+  * `tiny-vocab`:  a 16-token vocabulary, for chi-square tests of (speculative) sampling.
+Each gets a random MTP head (`mtp.*`, tools/reference/mtp_reference.py) and its reference logits.
 
 Every weight is random, norm weights included (HF zero-inits the (1+w) norms, which would hide a
 wrong convention). A_log and dt_bias follow the Mamba-style init real checkpoints start from.
@@ -120,7 +122,29 @@ def write_model(kind: str, out_dir: str, seed: int) -> None:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
-    if kind == "tiny-flat":
+    if kind == "tiny-vocab":
+        # A 16-token vocabulary: distributions small enough for chi-square tests of sampling.
+        cfg = Qwen3_5TextConfig(
+            **text_kwargs(
+                vocab_size=16,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=12,
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            )
+        )
+        model = Qwen3_5ForCausalLM(cfg)
+        shard = None
+    elif kind == "tiny-flat":
         cfg = Qwen3_5TextConfig(
             **text_kwargs(
                 num_hidden_layers=6,
@@ -268,6 +292,7 @@ def main():
     torch.set_grad_enabled(False)
     write_model("tiny-flat", os.path.join(args.out, "tiny-flat"), seed=1234)
     write_model("tiny-nested", os.path.join(args.out, "tiny-nested"), seed=5678)
+    write_model("tiny-vocab", os.path.join(args.out, "tiny-vocab"), seed=91011)
 
 
 if __name__ == "__main__":

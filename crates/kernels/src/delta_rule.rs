@@ -135,6 +135,17 @@ impl Host {
     }
 }
 
+/// Runs `f` over the (batch, value head) units: in parallel when there is enough work to pay for
+/// waking threads (a decode step of a tiny model has a few thousand flops per unit).
+fn per_unit<F: Fn(usize) -> HeadResult + Sync + Send>(d: Dims, f: F) -> Vec<HeadResult> {
+    let units = d.b * d.hv;
+    if units * d.t * d.dk * d.dv < 1 << 16 {
+        (0..units).map(f).collect()
+    } else {
+        (0..units).into_par_iter().map(f).collect()
+    }
+}
+
 /// What one (batch, value head) unit produces.
 struct HeadResult {
     out: Vec<f32>,         // [t, dv]
@@ -192,46 +203,43 @@ pub fn recurrent_gated_delta_rule(
 ) -> Result<DeltaRuleOutput> {
     let d = check("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)?;
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
-    let heads: Vec<HeadResult> = (0..d.b * d.hv)
-        .into_par_iter()
-        .map(|unit| {
-            let (b, h) = (unit / d.hv, unit % d.hv);
-            let mut s = x.state_of(d, b, h).to_vec();
-            let mut out = vec![0.0f32; d.t * d.dv];
-            let mut all = keep_all_states.then(|| Vec::with_capacity(d.t * d.dk * d.dv));
-            let mut delta = vec![0.0f32; d.dv];
-            for t in 0..d.t {
-                let kt = &x.k[x.qk_at(d, b, t, h)];
-                let qt = &x.q[x.qk_at(d, b, t, h)];
-                let vt = &x.v[x.v_at(d, b, t, h)];
-                let gi = x.gate_at(d, b, t, h);
-                let (decay, bt) = (x.g[gi].exp(), x.beta[gi]);
-                s.iter_mut().for_each(|e| *e *= decay);
-                // δ = β (v − Sᵀk), read from the decayed state.
-                delta.copy_from_slice(vt);
-                for (i, &ki) in kt.iter().enumerate() {
-                    for (dj, sij) in delta.iter_mut().zip(&s[i * d.dv..(i + 1) * d.dv]) {
-                        *dj -= sij * ki;
-                    }
-                }
-                delta.iter_mut().for_each(|e| *e *= bt);
-                // S += k δᵀ, then o = Sᵀ (scale q).
-                let o = &mut out[t * d.dv..(t + 1) * d.dv];
-                for i in 0..d.dk {
-                    let row = &mut s[i * d.dv..(i + 1) * d.dv];
-                    let qi = qt[i] * scale;
-                    for ((sij, dj), oj) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
-                        *sij += kt[i] * dj;
-                        *oj += *sij * qi;
-                    }
-                }
-                if let Some(a) = all.as_mut() {
-                    a.extend_from_slice(&s);
+    let heads: Vec<HeadResult> = per_unit(d, |unit| {
+        let (b, h) = (unit / d.hv, unit % d.hv);
+        let mut s = x.state_of(d, b, h).to_vec();
+        let mut out = vec![0.0f32; d.t * d.dv];
+        let mut all = keep_all_states.then(|| Vec::with_capacity(d.t * d.dk * d.dv));
+        let mut delta = vec![0.0f32; d.dv];
+        for t in 0..d.t {
+            let kt = &x.k[x.qk_at(d, b, t, h)];
+            let qt = &x.q[x.qk_at(d, b, t, h)];
+            let vt = &x.v[x.v_at(d, b, t, h)];
+            let gi = x.gate_at(d, b, t, h);
+            let (decay, bt) = (x.g[gi].exp(), x.beta[gi]);
+            s.iter_mut().for_each(|e| *e *= decay);
+            // δ = β (v − Sᵀk), read from the decayed state.
+            delta.copy_from_slice(vt);
+            for (i, &ki) in kt.iter().enumerate() {
+                for (dj, sij) in delta.iter_mut().zip(&s[i * d.dv..(i + 1) * d.dv]) {
+                    *dj -= sij * ki;
                 }
             }
-            HeadResult { out, state: s, all }
-        })
-        .collect();
+            delta.iter_mut().for_each(|e| *e *= bt);
+            // S += k δᵀ, then o = Sᵀ (scale q).
+            let o = &mut out[t * d.dv..(t + 1) * d.dv];
+            for i in 0..d.dk {
+                let row = &mut s[i * d.dv..(i + 1) * d.dv];
+                let qi = qt[i] * scale;
+                for ((sij, dj), oj) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
+                    *sij += kt[i] * dj;
+                    *oj += *sij * qi;
+                }
+            }
+            if let Some(a) = all.as_mut() {
+                a.extend_from_slice(&s);
+            }
+        }
+        HeadResult { out, state: s, all }
+    });
     assemble(d, heads, q.device())
 }
 
@@ -265,114 +273,111 @@ pub fn chunked_gated_delta_rule(
     }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let (dk, dv) = (d.dk, d.dv);
-    let heads: Vec<HeadResult> = (0..d.b * d.hv)
-        .into_par_iter()
-        .map(|unit| {
-            let (b, h) = (unit / d.hv, unit % d.hv);
-            let mut s = x.state_of(d, b, h).to_vec();
-            let mut out = vec![0.0f32; d.t * dv];
-            let c = chunk_size;
-            let (mut gamma, mut bet) = (vec![0.0f32; c], vec![0.0f32; c]);
-            let mut kk = vec![0.0f32; c * c];
-            let mut a = vec![0.0f32; c * c];
-            let mut u = vec![0.0f32; c * dv];
-            let mut w = vec![0.0f32; c * dk];
-            let mut vt = vec![0.0f32; c * dv];
-            let mut start = 0;
-            while start < d.t {
-                let l = c.min(d.t - start);
-                let kr = |r: usize| &x.k[x.qk_at(d, b, start + r, h)];
-                let qr = |r: usize| &x.q[x.qk_at(d, b, start + r, h)];
-                let vr = |r: usize| &x.v[x.v_at(d, b, start + r, h)];
-                let dot = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f32>();
-                let mut acc = 0.0f32;
-                for r in 0..l {
-                    let gi = x.gate_at(d, b, start + r, h);
-                    acc += x.g[gi];
-                    gamma[r] = acc;
-                    bet[r] = x.beta[gi];
+    let heads: Vec<HeadResult> = per_unit(d, |unit| {
+        let (b, h) = (unit / d.hv, unit % d.hv);
+        let mut s = x.state_of(d, b, h).to_vec();
+        let mut out = vec![0.0f32; d.t * dv];
+        let c = chunk_size;
+        let (mut gamma, mut bet) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let mut kk = vec![0.0f32; c * c];
+        let mut a = vec![0.0f32; c * c];
+        let mut u = vec![0.0f32; c * dv];
+        let mut w = vec![0.0f32; c * dk];
+        let mut vt = vec![0.0f32; c * dv];
+        let mut start = 0;
+        while start < d.t {
+            let l = c.min(d.t - start);
+            let kr = |r: usize| &x.k[x.qk_at(d, b, start + r, h)];
+            let qr = |r: usize| &x.q[x.qk_at(d, b, start + r, h)];
+            let vr = |r: usize| &x.v[x.v_at(d, b, start + r, h)];
+            let dot = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f32>();
+            let mut acc = 0.0f32;
+            for r in 0..l {
+                let gi = x.gate_at(d, b, start + r, h);
+                acc += x.g[gi];
+                gamma[r] = acc;
+                bet[r] = x.beta[gi];
+            }
+            for r in 0..l {
+                for s_ in 0..r {
+                    kk[r * c + s_] = dot(kr(r), kr(s_));
+                    a[r * c + s_] = bet[r] * (gamma[r] - gamma[s_]).exp() * kk[r * c + s_];
                 }
-                for r in 0..l {
-                    for s_ in 0..r {
-                        kk[r * c + s_] = dot(kr(r), kr(s_));
-                        a[r * c + s_] = bet[r] * (gamma[r] - gamma[s_]).exp() * kk[r * c + s_];
-                    }
+            }
+            // Forward substitution: rows of U and W.
+            for r in 0..l {
+                let (vrow, krow) = (vr(r), kr(r));
+                let eg = gamma[r].exp();
+                for j in 0..dv {
+                    u[r * dv + j] = bet[r] * vrow[j];
                 }
-                // Forward substitution: rows of U and W.
-                for r in 0..l {
-                    let (vrow, krow) = (vr(r), kr(r));
-                    let eg = gamma[r].exp();
+                for i in 0..dk {
+                    w[r * dk + i] = bet[r] * eg * krow[i];
+                }
+                for s_ in 0..r {
+                    let ars = a[r * c + s_];
                     for j in 0..dv {
-                        u[r * dv + j] = bet[r] * vrow[j];
+                        u[r * dv + j] -= ars * u[s_ * dv + j];
                     }
                     for i in 0..dk {
-                        w[r * dk + i] = bet[r] * eg * krow[i];
-                    }
-                    for s_ in 0..r {
-                        let ars = a[r * c + s_];
-                        for j in 0..dv {
-                            u[r * dv + j] -= ars * u[s_ * dv + j];
-                        }
-                        for i in 0..dk {
-                            w[r * dk + i] -= ars * w[s_ * dk + i];
-                        }
+                        w[r * dk + i] -= ars * w[s_ * dk + i];
                     }
                 }
-                // Ṽ = U − W S₀ (the per-token deltas).
-                for r in 0..l {
-                    let vrow = &mut vt[r * dv..(r + 1) * dv];
-                    vrow.copy_from_slice(&u[r * dv..(r + 1) * dv]);
-                    for i in 0..dk {
-                        let wri = w[r * dk + i];
-                        for (vj, sij) in vrow.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                            *vj -= wri * sij;
-                        }
-                    }
-                }
-                // Outputs: inter-chunk read of S₀ plus intra-chunk attention (diagonal included).
-                for r in 0..l {
-                    let qrow = qr(r);
-                    let o = &mut out[(start + r) * dv..(start + r + 1) * dv];
-                    let eg = gamma[r].exp() * scale;
-                    for i in 0..dk {
-                        let qi = qrow[i] * eg;
-                        for (oj, sij) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                            *oj += qi * sij;
-                        }
-                    }
-                    for s_ in 0..=r {
-                        let coef = (gamma[r] - gamma[s_]).exp() * dot(qrow, kr(s_)) * scale;
-                        for (oj, vj) in o.iter_mut().zip(&vt[s_ * dv..(s_ + 1) * dv]) {
-                            *oj += coef * vj;
-                        }
-                    }
-                }
-                // Exit state.
-                let gl = gamma[l - 1];
-                let chunk_decay = gl.exp();
-                s.iter_mut().for_each(|e| *e *= chunk_decay);
-                for s_ in 0..l {
-                    let f = (gl - gamma[s_]).exp();
-                    let krow = kr(s_);
-                    for i in 0..dk {
-                        let ki = krow[i] * f;
-                        for (sij, vj) in s[i * dv..(i + 1) * dv]
-                            .iter_mut()
-                            .zip(&vt[s_ * dv..(s_ + 1) * dv])
-                        {
-                            *sij += ki * vj;
-                        }
-                    }
-                }
-                start += l;
             }
-            HeadResult {
-                out,
-                state: s,
-                all: None,
+            // Ṽ = U − W S₀ (the per-token deltas).
+            for r in 0..l {
+                let vrow = &mut vt[r * dv..(r + 1) * dv];
+                vrow.copy_from_slice(&u[r * dv..(r + 1) * dv]);
+                for i in 0..dk {
+                    let wri = w[r * dk + i];
+                    for (vj, sij) in vrow.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *vj -= wri * sij;
+                    }
+                }
             }
-        })
-        .collect();
+            // Outputs: inter-chunk read of S₀ plus intra-chunk attention (diagonal included).
+            for r in 0..l {
+                let qrow = qr(r);
+                let o = &mut out[(start + r) * dv..(start + r + 1) * dv];
+                let eg = gamma[r].exp() * scale;
+                for i in 0..dk {
+                    let qi = qrow[i] * eg;
+                    for (oj, sij) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *oj += qi * sij;
+                    }
+                }
+                for s_ in 0..=r {
+                    let coef = (gamma[r] - gamma[s_]).exp() * dot(qrow, kr(s_)) * scale;
+                    for (oj, vj) in o.iter_mut().zip(&vt[s_ * dv..(s_ + 1) * dv]) {
+                        *oj += coef * vj;
+                    }
+                }
+            }
+            // Exit state.
+            let gl = gamma[l - 1];
+            let chunk_decay = gl.exp();
+            s.iter_mut().for_each(|e| *e *= chunk_decay);
+            for s_ in 0..l {
+                let f = (gl - gamma[s_]).exp();
+                let krow = kr(s_);
+                for i in 0..dk {
+                    let ki = krow[i] * f;
+                    for (sij, vj) in s[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .zip(&vt[s_ * dv..(s_ + 1) * dv])
+                    {
+                        *sij += ki * vj;
+                    }
+                }
+            }
+            start += l;
+        }
+        HeadResult {
+            out,
+            state: s,
+            all: None,
+        }
+    });
     assemble(d, heads, q.device())
 }
 

@@ -1,0 +1,168 @@
+//! The speculative decoding loop: draft, verify, accept, commit.
+
+use candle_core::Tensor;
+use qwen36_model::Qwen36Model;
+use qwen36_sampling::{accept_greedy, accept_stochastic, Sampler, SamplingParams};
+
+use crate::{DraftContext, Drafter, Error, Result, SpecStats};
+
+/// Settings of one speculative generation.
+#[derive(Debug, Clone)]
+pub struct SpecConfig {
+    /// Drafts per verify pass (0 = plain decoding through the same loop).
+    pub k: usize,
+    /// Upper bound on generated tokens.
+    pub max_new_tokens: usize,
+    /// Generation ends after any of these (included in the output).
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Why a speculative generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecStopReason {
+    MaxTokens,
+    StopToken(u32),
+    ContextFull,
+}
+
+/// Output of a speculative generation.
+#[derive(Debug, Clone)]
+pub struct SpecOutput {
+    /// Generated ids (a stop token included).
+    pub tokens: Vec<u32>,
+    pub stop_reason: SpecStopReason,
+    pub stats: SpecStats,
+}
+
+/// Runs speculative decoding of one sequence on a target model.
+///
+/// Lossless: with greedy sampling the output is the target's own greedy continuation; with
+/// sampling each token follows the target's processed distribution (drafts are the drafter's
+/// argmax picks, so `q` is one-hot: accept with probability `p(d)`, else draw from `p` without `d`).
+pub struct SpeculativeDecoder<'m> {
+    model: &'m Qwen36Model,
+    sampler: Sampler,
+}
+
+impl<'m> SpeculativeDecoder<'m> {
+    /// A decoder sampling with `params`.
+    pub fn new(model: &'m Qwen36Model, params: SamplingParams) -> Result<Self> {
+        Ok(Self {
+            model,
+            sampler: Sampler::new(params)?,
+        })
+    }
+
+    /// Generates after `prompt`, calling `on_token` for every emitted token.
+    pub fn generate(
+        &mut self,
+        drafter: &mut dyn Drafter,
+        prompt: &[u32],
+        cfg: &SpecConfig,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<SpecOutput> {
+        if prompt.is_empty() {
+            return Err(Error::Input("empty prompt".into()));
+        }
+        let model = self.model;
+        let dev = model.device();
+        let max_ctx = model.config().max_position_embeddings;
+        let mut stats = SpecStats::default();
+        let mut cache = model.new_cache(1)?;
+        drafter.reset();
+
+        let hidden = model.forward_hidden(&Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?;
+        let last = model
+            .logits(&hidden.narrow(1, prompt.len() - 1, 1)?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let first = self.sampler.sample(&last, prompt, &[])?.token;
+        let mut output = vec![first];
+        on_token(first);
+        let mut tokens: Vec<u32> = prompt.iter().copied().chain([first]).collect();
+        let mut new_hidden = hidden;
+        let mut reason = SpecStopReason::MaxTokens;
+        if cfg.stop_token_ids.contains(&first) {
+            reason = SpecStopReason::StopToken(first);
+        }
+
+        while reason == SpecStopReason::MaxTokens && output.len() < cfg.max_new_tokens {
+            // The verify pass runs the last token plus the drafts: all must fit the context, and
+            // drafts past max_new_tokens would be wasted.
+            if cache.seq_len() + 1 > max_ctx {
+                reason = SpecStopReason::ContextFull;
+                break;
+            }
+            let room = max_ctx - cache.seq_len() - 1;
+            let k = cfg.k.min(room).min(cfg.max_new_tokens - output.len());
+            let ctx = DraftContext {
+                tokens: &tokens,
+                new_hidden: &new_hidden,
+            };
+            let mut drafts = if k > 0 {
+                drafter.propose(&ctx, k)?
+            } else {
+                Vec::new()
+            };
+            drafts.truncate(k);
+
+            let x = *tokens.last().expect("non-empty");
+            let ids: Vec<u32> = std::iter::once(x).chain(drafts.iter().copied()).collect();
+            let h = model.forward_verify(&Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?, &mut cache)?;
+            let rows = model.logits(&h)?.squeeze(0)?.to_vec2::<f32>()?;
+            let acc = self.accept(&drafts, &rows, prompt, &output)?;
+            cache.commit(acc.accepted + 1)?;
+            stats.record(drafts.len(), acc.accepted, cfg.k);
+
+            let fresh: Vec<u32> = drafts[..acc.accepted].iter().copied().chain([acc.next]).collect();
+            for &t in &fresh {
+                output.push(t);
+                tokens.push(t);
+                on_token(t);
+                if cfg.stop_token_ids.contains(&t) {
+                    reason = SpecStopReason::StopToken(t);
+                    break;
+                }
+                if output.len() >= cfg.max_new_tokens {
+                    break;
+                }
+            }
+            new_hidden = h.narrow(1, 0, acc.accepted + 1)?;
+        }
+        Ok(SpecOutput {
+            tokens: output,
+            stop_reason: reason,
+            stats,
+        })
+    }
+
+    /// Accepts a prefix of `drafts` given the target rows (row j follows `output + drafts[..j]`).
+    fn accept(
+        &mut self,
+        drafts: &[u32],
+        rows: &[Vec<f32>],
+        prompt: &[u32],
+        output: &[u32],
+    ) -> Result<qwen36_sampling::Acceptance> {
+        let mut ctx = output.to_vec();
+        let mut probs = Vec::with_capacity(rows.len());
+        for (j, row) in rows.iter().enumerate() {
+            probs.push(self.sampler.probs(row, prompt, &ctx, j)?);
+            if let Some(&d) = drafts.get(j) {
+                ctx.push(d);
+            }
+        }
+        if self.sampler.params().is_greedy() {
+            let argmax: Vec<u32> = probs
+                .iter()
+                .map(|p| p.iter().position(|&v| v == 1.0).unwrap_or(0) as u32)
+                .collect();
+            return Ok(accept_greedy(drafts, &argmax)?);
+        }
+        let step = self.sampler.next_step();
+        let s = &self.sampler;
+        Ok(accept_stochastic(drafts, None, &probs, |lane| {
+            s.uniform(0, step, lane)
+        })?)
+    }
+}

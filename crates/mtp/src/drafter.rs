@@ -1,0 +1,127 @@
+//! Drafters: what proposes the tokens the target verifies.
+
+use candle_core::{Tensor, D};
+use qwen36_model::{MtpCache, MtpHead, Qwen36Model};
+
+use crate::Result;
+
+/// What a drafter sees before proposing.
+#[derive(Debug, Clone, Copy)]
+pub struct DraftContext<'a> {
+    /// Every token so far, prompt included; the last one was sampled but not yet run by the target.
+    pub tokens: &'a [u32],
+    /// The target's final-norm hidden states `[1, m, hidden]` of the `m` positions committed since
+    /// the previous call: positions `tokens.len() - 1 - m ..= tokens.len() - 2`.
+    pub new_hidden: &'a Tensor,
+}
+
+/// Proposes draft tokens for the target to verify.
+pub trait Drafter {
+    /// Up to `k` tokens to follow `ctx.tokens` (fewer, or none, when it has no guess).
+    fn propose(&mut self, ctx: &DraftContext, k: usize) -> Result<Vec<u32>>;
+    /// Forgets the sequence (called before a new one).
+    fn reset(&mut self);
+}
+
+/// Drafts with the checkpoint's MTP head: greedy chain of `k` steps, the first step fed the
+/// target's hidden states, the next ones the head's own output.
+pub struct MtpDrafter<'m> {
+    model: &'m Qwen36Model,
+    head: &'m MtpHead,
+    cache: MtpCache,
+}
+
+impl<'m> MtpDrafter<'m> {
+    /// A drafter over `model` and its `head`.
+    pub fn new(model: &'m Qwen36Model, head: &'m MtpHead) -> Self {
+        Self {
+            model,
+            head,
+            cache: head.new_cache(),
+        }
+    }
+
+    fn argmax_last(&self, d: &Tensor) -> Result<(Tensor, u32)> {
+        let last = d.narrow(1, d.dim(1)? - 1, 1)?;
+        let tok = self
+            .model
+            .logits(&last)?
+            .argmax(D::Minus1)?
+            .flatten_all()?
+            .to_vec1::<u32>()?[0];
+        Ok((last, tok))
+    }
+}
+
+impl Drafter for MtpDrafter<'_> {
+    fn propose(&mut self, ctx: &DraftContext, k: usize) -> Result<Vec<u32>> {
+        let m = ctx.new_hidden.dim(1)?;
+        let n = ctx.tokens.len();
+        if k == 0 || m == 0 || n < m + 1 {
+            return Ok(Vec::new());
+        }
+        // Positions before the new ones hold real pairs; later entries were last round's draft
+        // chain: drop them, then feed the pairs (h_i, x_{i+1}) of the newly committed positions.
+        let committed = n - 1 - m;
+        self.cache.truncate(committed);
+        let dev = self.model.device();
+        let next = Tensor::new(&ctx.tokens[committed + 1..n], dev)?.unsqueeze(0)?;
+        let d = self
+            .head
+            .forward(self.model, ctx.new_hidden, &next, &mut self.cache, 0)?;
+        let (mut last, mut tok) = self.argmax_last(&d)?;
+        let mut drafts = vec![tok];
+        for step in 1..k {
+            let t = Tensor::new(&[[tok]], dev)?;
+            let d = self.head.forward(self.model, &last, &t, &mut self.cache, step)?;
+            (last, tok) = self.argmax_last(&d)?;
+            drafts.push(tok);
+        }
+        Ok(drafts)
+    }
+
+    fn reset(&mut self) {
+        self.cache.reset();
+    }
+}
+
+/// Prompt-lookup drafting: find the longest recent n-gram (`max_n` down to `min_n` tokens) that
+/// ends the context and occurred before; propose what followed its latest earlier occurrence. A
+/// continuation that runs into the end of the context continues with its own proposal, so a
+/// repeating pattern is drafted for all `k` tokens.
+#[derive(Debug, Clone)]
+pub struct NgramDrafter {
+    /// Shortest suffix to match.
+    pub min_n: usize,
+    /// Longest suffix to match.
+    pub max_n: usize,
+}
+
+impl Default for NgramDrafter {
+    fn default() -> Self {
+        Self { min_n: 1, max_n: 4 }
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, ctx: &DraftContext, k: usize) -> Result<Vec<u32>> {
+        let t = ctx.tokens;
+        for n in (self.min_n.max(1)..=self.max_n).rev() {
+            if t.len() <= n {
+                continue;
+            }
+            let suffix = &t[t.len() - n..];
+            // Latest earlier occurrence whose continuation exists.
+            if let Some(start) = (0..t.len() - n).rev().find(|&i| &t[i..i + n] == suffix) {
+                let mut out: Vec<u32> = Vec::with_capacity(k);
+                for j in start + n..start + n + k {
+                    out.push(if j < t.len() { t[j] } else { out[j - t.len()] });
+                }
+                return Ok(out);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn reset(&mut self) {}
+}

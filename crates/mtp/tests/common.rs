@@ -1,0 +1,45 @@
+#![allow(dead_code)]
+//! Shared helpers: fixture models and plain (non-speculative) greedy decoding.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use qwen36_model::{LoadOptions, MtpHead, Qwen36Model};
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(name)
+}
+
+pub fn load(name: &str) -> (Qwen36Model, MtpHead) {
+    let model = Qwen36Model::load(fixture_dir(name), LoadOptions::default()).unwrap();
+    let head = MtpHead::load_dir(fixture_dir(name), model.config(), LoadOptions::default()).unwrap();
+    (model, head)
+}
+
+pub fn prompt(name: &str, key: &str, len: usize) -> Vec<u32> {
+    let r = candle_core::safetensors::load(fixture_dir(name).join("reference.safetensors"), &Device::Cpu)
+        .unwrap();
+    let ids: Vec<u32> = r[key].to_dtype(DType::U32).unwrap().to_vec1().unwrap();
+    ids[..len.min(ids.len())].to_vec()
+}
+
+pub fn ids(t: &[u32]) -> Tensor {
+    Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+}
+
+/// Plain greedy decoding, one token per forward.
+pub fn plain_greedy(model: &Qwen36Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = model.new_cache(1).unwrap();
+    let mut logits = model.forward_last(&ids(prompt), &mut cache).unwrap();
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let t = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
+        out.push(t);
+        if out.len() < n {
+            logits = model.forward_last(&ids(&[t]), &mut cache).unwrap();
+        }
+    }
+    out
+}
