@@ -11,7 +11,7 @@ use std::io::Write;
 
 use candle_core::{DType, Device};
 use clap::Parser;
-use qwen36::{GenerateOptions, Generator, LoadOptions};
+use qwen36::{DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Qwen3.6-architecture model")]
@@ -48,6 +48,12 @@ struct Args {
     /// Run on the first CUDA GPU (needs a build with --features cuda).
     #[arg(long)]
     cuda: bool,
+    /// Speculative decoding: drafts per verify pass (0 = off).
+    #[arg(long, default_value_t = 0)]
+    mtp: usize,
+    /// Drafter for speculative decoding: mtp (the checkpoint's MTP head) or ngram (prompt lookup).
+    #[arg(long, default_value = "mtp")]
+    drafter: String,
     /// Stop string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -98,11 +104,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     sampling.repetition_penalty = args.repetition_penalty.unwrap_or(sampling.repetition_penalty);
     sampling.presence_penalty = args.presence_penalty.unwrap_or(sampling.presence_penalty);
     sampling.seed = args.seed;
+    let drafter = match args.drafter.as_str() {
+        "mtp" => DrafterKind::Mtp,
+        "ngram" => DrafterKind::Ngram,
+        other => return Err(format!("--drafter {other:?}: expected mtp or ngram").into()),
+    };
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: Some(sampling),
         stop_token_ids: None,
         stop_strings: args.stop.clone(),
+        speculative: (args.mtp > 0).then_some(Speculative { k: args.mtp, drafter }),
     };
     let has_text = generator.tokenizer().is_some();
     let stream = !args.json;
@@ -122,7 +134,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     })?;
     if args.json {
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "prompt_tokens": out.prompt_tokens,
             "tokens": out.tokens,
             "text": out.text,
@@ -130,9 +142,27 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "prefill_secs": out.prefill_secs,
             "decode_tokens_per_sec": out.decode_tokens_per_sec(),
         });
+        if let Some(s) = &out.spec_stats {
+            json["accepted_len_mean"] = s.accepted_len_mean().into();
+            json["acceptance_by_position"] = s.acceptance_by_position().into();
+            json["verify_passes"] = s.cycles.into();
+        }
         println!("{json}");
     } else {
         println!();
+        if let Some(s) = &out.spec_stats {
+            let by_pos: Vec<String> = s
+                .acceptance_by_position()
+                .iter()
+                .map(|x| format!("{x:.2}"))
+                .collect();
+            eprintln!(
+                "speculative: {} verify passes, accepted length {:.2}, acceptance by position [{}]",
+                s.cycles,
+                s.accepted_len_mean(),
+                by_pos.join(", ")
+            );
+        }
         eprintln!(
             "{} prompt tokens, {} generated; prefill {:.1} tok/s, decode {:.1} tok/s ({:?})",
             out.prompt_tokens,

@@ -20,9 +20,14 @@ pub struct SpecConfig {
 /// Why a speculative generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpecStopReason {
+    /// `max_new_tokens` reached.
     MaxTokens,
+    /// A stop token was emitted (the last of `tokens`).
     StopToken(u32),
+    /// The model's context is full.
     ContextFull,
+    /// The `on_token` callback asked to stop (e.g. a stop string matched).
+    Callback,
 }
 
 /// Output of a speculative generation.
@@ -53,13 +58,14 @@ impl<'m> SpeculativeDecoder<'m> {
         })
     }
 
-    /// Generates after `prompt`, calling `on_token` for every emitted token.
+    /// Generates after `prompt`, calling `on_token` for every emitted token; it returns `false` to
+    /// stop generation after that token.
     pub fn generate(
         &mut self,
         drafter: &mut dyn Drafter,
         prompt: &[u32],
         cfg: &SpecConfig,
-        mut on_token: impl FnMut(u32),
+        mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<SpecOutput> {
         if prompt.is_empty() {
             return Err(Error::Input("empty prompt".into()));
@@ -78,12 +84,14 @@ impl<'m> SpeculativeDecoder<'m> {
             .to_vec1::<f32>()?;
         let first = self.sampler.sample(&last, prompt, &[])?.token;
         let mut output = vec![first];
-        on_token(first);
         let mut tokens: Vec<u32> = prompt.iter().copied().chain([first]).collect();
         let mut new_hidden = hidden;
         let mut reason = SpecStopReason::MaxTokens;
         if cfg.stop_token_ids.contains(&first) {
             reason = SpecStopReason::StopToken(first);
+        }
+        if !on_token(first) && reason == SpecStopReason::MaxTokens {
+            reason = SpecStopReason::Callback;
         }
 
         while reason == SpecStopReason::MaxTokens && output.len() < cfg.max_new_tokens {
@@ -118,9 +126,13 @@ impl<'m> SpeculativeDecoder<'m> {
             for &t in &fresh {
                 output.push(t);
                 tokens.push(t);
-                on_token(t);
+                let go_on = on_token(t);
                 if cfg.stop_token_ids.contains(&t) {
                     reason = SpecStopReason::StopToken(t);
+                    break;
+                }
+                if !go_on {
+                    reason = SpecStopReason::Callback;
                     break;
                 }
                 if output.len() >= cfg.max_new_tokens {

@@ -26,7 +26,7 @@ fn greedy_speculative_equals_plain_greedy() {
                     max_new_tokens: N,
                     stop_token_ids: vec![],
                 };
-                let out = dec.generate(drafter, &p, &cfg, |_| {}).unwrap();
+                let out = dec.generate(drafter, &p, &cfg, |_| true).unwrap();
                 let first_diff = out.tokens.iter().zip(&want).position(|(a, b)| a != b);
                 assert_eq!(first_diff, None, "{name} {dname} k={k}: diverged");
                 assert_eq!(out.tokens.len(), N);

@@ -54,7 +54,7 @@ fn every_accepted_length_occurs_and_output_stays_greedy() {
             max_new_tokens: n,
             stop_token_ids: vec![],
         };
-        let out = dec.generate(&mut oracle, &p, &cfg, |_| {}).unwrap();
+        let out = dec.generate(&mut oracle, &p, &cfg, |_| true).unwrap();
         assert_eq!(out.tokens, truth[..n], "k={k}");
         let hist = &out.stats.accepted_len_hist;
         assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");

@@ -114,7 +114,7 @@ fn speculative_sampling_matches_target_distribution() {
                 max_new_tokens: 3,
                 stop_token_ids: vec![],
             };
-            let out = dec.generate(drafter, &prompt, &cfg, |_| {}).unwrap();
+            let out = dec.generate(drafter, &prompt, &cfg, |_| true).unwrap();
             accepted += out.stats.accepted;
             let t = &out.tokens;
             if t[0] == m1 {

@@ -8,6 +8,9 @@ pub enum Error {
     /// Loading or running the model failed.
     #[error(transparent)]
     Model(#[from] qwen36_model::Error),
+    /// Speculative decoding failed.
+    #[error(transparent)]
+    Speculative(#[from] qwen36_mtp::Error),
     /// Sampling failed (bad parameters, non-finite logits).
     #[error(transparent)]
     Sampling(#[from] qwen36_sampling::Error),

@@ -3,8 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
-use qwen36_model::{LoadOptions, Qwen36Model};
+use candle_core::Tensor;
+use qwen36_model::{LoadOptions, MtpHead, Qwen36Model};
+use qwen36_mtp::{
+    Drafter, MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder,
+};
 use qwen36_sampling::{Sampler, SamplingParams, StopStrings};
 use serde_json::Value;
 use tokenizers::Tokenizer;
@@ -69,6 +72,26 @@ pub struct GenerateOptions {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Stop strings (may span tokens); the output text ends before the match.
     pub stop_strings: Vec<String>,
+    /// Speculative decoding (`None`: one token per forward).
+    pub speculative: Option<Speculative>,
+}
+
+/// Which drafter proposes tokens in speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrafterKind {
+    /// The checkpoint's MTP head.
+    Mtp,
+    /// Prompt lookup (n-gram match in the context); needs no weights.
+    Ngram,
+}
+
+/// Speculative decoding settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculative {
+    /// Drafts per verify pass.
+    pub k: usize,
+    /// The drafter.
+    pub drafter: DrafterKind,
 }
 
 impl Default for GenerateOptions {
@@ -78,6 +101,7 @@ impl Default for GenerateOptions {
             sampling: None,
             stop_token_ids: None,
             stop_strings: Vec::new(),
+            speculative: None,
         }
     }
 }
@@ -116,10 +140,12 @@ pub struct GenerationOutput {
     pub text: Option<String>,
     /// Why it ended.
     pub stop_reason: StopReason,
-    /// Wall time of the prompt forward.
+    /// Time to the first generated token: the prompt forward and one sampling.
     pub prefill_secs: f64,
-    /// Wall time of every later step (sampling included).
+    /// Wall time after the first token (every later step, sampling included).
     pub decode_secs: f64,
+    /// Acceptance statistics when decoding speculatively.
+    pub spec_stats: Option<SpecStats>,
 }
 
 impl GenerationOutput {
@@ -137,6 +163,7 @@ impl GenerationOutput {
 /// A model with its tokenizer and generation defaults, generating one sequence at a time.
 pub struct Generator {
     model: Qwen36Model,
+    mtp_head: Option<MtpHead>,
     tokenizer: Option<Tokenizer>,
     dir: PathBuf,
     generation_config: GenerationConfig,
@@ -146,7 +173,14 @@ impl Generator {
     /// Loads the model in `dir`, plus `tokenizer.json` and `generation_config.json` when present.
     pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let model = Qwen36Model::load(&dir, opts)?;
+        let cfg = qwen36_model::Config::from_file(dir.join("config.json"))?;
+        let weights = qwen36_model::Weights::open(&dir, opts)?;
+        let mtp_head = if MtpHead::present(&weights) {
+            Some(MtpHead::load(&cfg, &weights)?)
+        } else {
+            None
+        };
+        let model = Qwen36Model::from_weights(cfg, &weights)?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.exists() {
             Some(Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
@@ -164,6 +198,7 @@ impl Generator {
         };
         Ok(Self {
             model,
+            mtp_head,
             tokenizer,
             dir,
             generation_config,
@@ -173,6 +208,11 @@ impl Generator {
     /// The model.
     pub fn model(&self) -> &Qwen36Model {
         &self.model
+    }
+
+    /// The MTP head, if the checkpoint has one.
+    pub fn mtp_head(&self) -> Option<&MtpHead> {
+        self.mtp_head.as_ref()
     }
 
     /// The tokenizer, if the model directory has one.
@@ -245,78 +285,205 @@ impl Generator {
             .clone()
             .or_else(|| self.generation_config.sampling.clone())
             .unwrap_or_default();
-        let mut sampler = Sampler::new(params)?;
         let stop_ids = opts
             .stop_token_ids
             .clone()
             .unwrap_or_else(|| self.default_stop_ids());
-        let stops = StopStrings::new(opts.stop_strings.iter().cloned());
-        let max_ctx = self.model.config().max_position_embeddings;
-        let dev = self.model.device().clone();
-        let ids = |t: &[u32], dev: &Device| -> Result<Tensor> { Ok(Tensor::new(t, dev)?.unsqueeze(0)?) };
-
-        let mut cache = self.model.new_cache(1)?;
+        let mut stream = TextStream::new(self, &opts.stop_strings);
+        let mut failure = None;
         let t0 = Instant::now();
-        let mut logits = self.model.forward_last(&ids(prompt, &dev)?, &mut cache)?;
-        let prefill_secs = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-
-        let mut tokens = Vec::new();
-        let mut emitted = 0usize; // bytes of text already streamed
-        let mut text = self.tokenizer.as_ref().map(|_| String::new());
-        let mut stop_reason = StopReason::MaxTokens;
-        while tokens.len() < opts.max_new_tokens {
-            let row = logits.squeeze(0)?.to_vec1::<f32>()?;
-            let token = sampler.sample(&row, prompt, &tokens)?.token;
-            tokens.push(token);
+        let mut first_token_secs = None;
+        // Called for every token; false ends generation (a stop string matched or decoding failed).
+        let mut push = |token: u32| -> bool {
+            first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
             if stop_ids.contains(&token) {
                 on_token(TokenEvent { token, text: "" });
-                stop_reason = StopReason::StopToken(token);
-                break;
+                return false;
             }
-            let mut piece = "";
-            if let Some(t) = text.as_mut() {
-                *t = self.decode(&tokens)?;
-                if let Some(m) = stops.find(t) {
-                    t.truncate(m.start);
-                    stop_reason = StopReason::StopString(m.index);
+            match stream.push(token) {
+                Ok((piece, go_on)) => {
+                    on_token(TokenEvent { token, text: &piece });
+                    go_on
                 }
-                // Hold back a possible stop-string prefix and an incomplete UTF-8 sequence.
-                let mut end = t.len() - stops.holdback(t);
-                while t[..end].ends_with('\u{FFFD}') {
-                    end -= '\u{FFFD}'.len_utf8();
-                }
-                if end > emitted {
-                    piece = &t[emitted..end];
-                    emitted = end;
+                Err(e) => {
+                    failure = Some(e);
+                    false
                 }
             }
-            on_token(TokenEvent { token, text: piece });
-            if matches!(stop_reason, StopReason::StopString(_)) || tokens.len() >= opts.max_new_tokens {
-                break;
+        };
+        let ((tokens, reason), spec_stats) = match &opts.speculative {
+            None => (self.plain(prompt, params, opts, &stop_ids, &mut push)?, None),
+            Some(spec) => {
+                let (tokens, reason, stats) =
+                    self.speculative(prompt, params, opts, spec, &stop_ids, &mut push)?;
+                ((tokens, reason), Some(stats))
             }
-            if cache.seq_len() >= max_ctx {
-                stop_reason = StopReason::ContextFull;
-                break;
-            }
-            logits = self.model.forward_last(&ids(&[token], &dev)?, &mut cache)?;
+        };
+        let total = t0.elapsed().as_secs_f64();
+        let prefill_secs = first_token_secs.unwrap_or(total);
+        if let Some(e) = failure {
+            return Err(e);
         }
-        if let Some(t) = text.as_ref() {
-            if t.len() > emitted {
-                // Generation is over: the held-back tail is final text.
-                on_token(TokenEvent {
-                    token: *tokens.last().unwrap_or(&0),
-                    text: &t[emitted..],
-                });
-            }
+        let stop_reason = match reason {
+            StopReason::StopString(_) => StopReason::StopString(stream.stopped_by.unwrap_or(0)),
+            r => r,
+        };
+        let tail = stream.finish();
+        if !tail.is_empty() {
+            on_token(TokenEvent {
+                token: *tokens.last().unwrap_or(&0),
+                text: &tail,
+            });
         }
         Ok(GenerationOutput {
             prompt_tokens: prompt.len(),
             tokens,
-            text,
+            text: stream.text,
             stop_reason,
             prefill_secs,
-            decode_secs: t1.elapsed().as_secs_f64(),
+            decode_secs: total - prefill_secs,
+            spec_stats,
         })
+    }
+
+    /// One token per forward. Returns the tokens and why it stopped.
+    fn plain(
+        &self,
+        prompt: &[u32],
+        params: SamplingParams,
+        opts: &GenerateOptions,
+        stop_ids: &[u32],
+        push: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, StopReason)> {
+        let mut sampler = Sampler::new(params)?;
+        let max_ctx = self.model.config().max_position_embeddings;
+        let dev = self.model.device().clone();
+        let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
+        let mut cache = self.model.new_cache(1)?;
+        let mut logits = self.model.forward_last(&ids(prompt)?, &mut cache)?;
+        let mut tokens = Vec::new();
+        while tokens.len() < opts.max_new_tokens {
+            let row = logits.squeeze(0)?.to_vec1::<f32>()?;
+            let token = sampler.sample(&row, prompt, &tokens)?.token;
+            tokens.push(token);
+            if !push(token) {
+                let reason = if stop_ids.contains(&token) {
+                    StopReason::StopToken(token)
+                } else {
+                    StopReason::StopString(0)
+                };
+                return Ok((tokens, reason));
+            }
+            if tokens.len() >= opts.max_new_tokens {
+                break;
+            }
+            if cache.seq_len() >= max_ctx {
+                return Ok((tokens, StopReason::ContextFull));
+            }
+            logits = self.model.forward_last(&ids(&[token])?, &mut cache)?;
+        }
+        Ok((tokens, StopReason::MaxTokens))
+    }
+
+    /// Speculative decoding with the chosen drafter.
+    fn speculative(
+        &self,
+        prompt: &[u32],
+        params: SamplingParams,
+        opts: &GenerateOptions,
+        spec: &Speculative,
+        stop_ids: &[u32],
+        push: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, StopReason, SpecStats)> {
+        let mut decoder = SpeculativeDecoder::new(&self.model, params)?;
+        let cfg = SpecConfig {
+            k: spec.k,
+            max_new_tokens: opts.max_new_tokens,
+            stop_token_ids: stop_ids.to_vec(),
+        };
+        let mut mtp;
+        let mut ngram;
+        let drafter: &mut dyn Drafter = match spec.drafter {
+            DrafterKind::Mtp => {
+                let head = self.mtp_head.as_ref().ok_or(qwen36_model::Error::NoMtpHead)?;
+                mtp = MtpDrafter::new(&self.model, head);
+                &mut mtp
+            }
+            DrafterKind::Ngram => {
+                ngram = NgramDrafter::default();
+                &mut ngram
+            }
+        };
+        let out = decoder.generate(drafter, prompt, &cfg, push)?;
+        let reason = match out.stop_reason {
+            SpecStopReason::MaxTokens => StopReason::MaxTokens,
+            SpecStopReason::StopToken(t) => StopReason::StopToken(t),
+            SpecStopReason::ContextFull => StopReason::ContextFull,
+            SpecStopReason::Callback => StopReason::StopString(0),
+        };
+        Ok((out.tokens, reason, out.stats))
+    }
+}
+
+/// Incremental detokenisation for streaming: decodes the output so far, cuts it at a stop string,
+/// and holds back a tail that may start a stop string or is an incomplete UTF-8 sequence.
+struct TextStream<'g> {
+    generator: &'g Generator,
+    stops: StopStrings,
+    tokens: Vec<u32>,
+    text: Option<String>,
+    emitted: usize,
+    stopped_by: Option<usize>,
+}
+
+impl<'g> TextStream<'g> {
+    fn new(generator: &'g Generator, stop_strings: &[String]) -> Self {
+        Self {
+            generator,
+            stops: StopStrings::new(stop_strings.iter().cloned()),
+            tokens: Vec::new(),
+            text: generator.tokenizer.as_ref().map(|_| String::new()),
+            emitted: 0,
+            stopped_by: None,
+        }
+    }
+
+    /// Adds a token; returns the newly printable text and whether generation may go on.
+    fn push(&mut self, token: u32) -> Result<(String, bool)> {
+        self.tokens.push(token);
+        let Some(_) = self.text else {
+            return Ok((String::new(), true));
+        };
+        let mut t = self.generator.decode(&self.tokens)?;
+        let mut go_on = true;
+        if let Some(m) = self.stops.find(&t) {
+            t.truncate(m.start);
+            self.stopped_by = Some(m.index);
+            go_on = false;
+        }
+        let mut end = t.len() - if go_on { self.stops.holdback(&t) } else { 0 };
+        while go_on && t[..end].ends_with('\u{FFFD}') {
+            end -= '\u{FFFD}'.len_utf8();
+        }
+        let piece = if end > self.emitted {
+            t[self.emitted..end].to_string()
+        } else {
+            String::new()
+        };
+        self.emitted = self.emitted.max(end);
+        self.text = Some(t);
+        Ok((piece, go_on))
+    }
+
+    /// Text still held back when generation ends.
+    fn finish(&mut self) -> String {
+        match &self.text {
+            Some(t) if t.len() > self.emitted => {
+                let tail = t[self.emitted..].to_string();
+                self.emitted = t.len();
+                tail
+            }
+            _ => String::new(),
+        }
     }
 }

@@ -16,7 +16,10 @@ mod error;
 mod generate;
 
 pub use error::{Error, Result};
-pub use generate::{GenerateOptions, GenerationConfig, GenerationOutput, Generator, StopReason, TokenEvent};
+pub use generate::{
+    DrafterKind, GenerateOptions, GenerationConfig, GenerationOutput, Generator, Speculative, StopReason,
+    TokenEvent,
+};
 pub use qwen36_gdn as gdn;
 pub use qwen36_kernels as kernels;
 pub use qwen36_model as model;

@@ -82,3 +82,57 @@ fn text_prompt_without_tokenizer_is_an_error() {
         .unwrap_err();
     assert!(matches!(e, qwen36::Error::NoTokenizer(_)), "{e}");
 }
+
+#[test]
+fn speculative_generation_equals_plain_greedy() {
+    use qwen36::{DrafterKind, Speculative};
+    let g = Generator::load(fixture("tiny-nested"), LoadOptions::default()).unwrap();
+    assert!(g.mtp_head().is_some());
+    let prompt = reference("tiny-nested", "prompt1.ids");
+    let base = GenerateOptions {
+        max_new_tokens: 60,
+        sampling: Some(SamplingParams::greedy()),
+        ..Default::default()
+    };
+    let plain = g.generate(&prompt, &base, |_| {}).unwrap();
+    for drafter in [DrafterKind::Mtp, DrafterKind::Ngram] {
+        let opts = GenerateOptions {
+            speculative: Some(Speculative { k: 3, drafter }),
+            ..base.clone()
+        };
+        let mut streamed = Vec::new();
+        let out = g.generate(&prompt, &opts, |ev| streamed.push(ev.token)).unwrap();
+        assert_eq!(out.tokens, plain.tokens, "{drafter:?}");
+        assert_eq!(streamed, plain.tokens);
+        assert!(out.spec_stats.unwrap().cycles > 0);
+    }
+}
+
+#[test]
+fn mtp_without_head_is_a_typed_error() {
+    use qwen36::{DrafterKind, Speculative};
+    let dir = tempfile_dir();
+    let g = Generator::load(&dir, LoadOptions::default()).unwrap();
+    let opts = GenerateOptions {
+        speculative: Some(Speculative {
+            k: 2,
+            drafter: DrafterKind::Mtp,
+        }),
+        ..Default::default()
+    };
+    let e = g.generate(&[1, 2], &opts, |_| {}).unwrap_err();
+    assert!(e.to_string().contains("no MTP head"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// tiny-flat without its `mtp.*` tensors, in a fresh temp dir.
+fn tempfile_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qwen36-nomtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture("tiny-flat").join("config.json"), dir.join("config.json")).unwrap();
+    let mut map =
+        candle_core::safetensors::load(fixture("tiny-flat").join("model.safetensors"), &Device::Cpu).unwrap();
+    map.retain(|k, _| !k.starts_with("mtp."));
+    candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
+    dir
+}
