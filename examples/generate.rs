@@ -1,6 +1,8 @@
 //! Generate text with a Qwen3.6-architecture model.
 //!
 //! ```text
+//! cargo run --release --example generate -- --prompt "def fibonacci(n):"   # the bundled model
+//! cargo run --release --example generate -- --chat --prompt "Write a Python function to reverse a list."
 //! cargo run --release --example generate -- --model DIR --prompt "def fibonacci(n):"
 //! cargo run --release --example generate -- --model DIR --prompt-ids 1,2,3 --max-new-tokens 40 --json
 //! ```
@@ -11,14 +13,21 @@ use std::io::Write;
 
 use candle_core::{DType, Device};
 use clap::Parser;
-use qwen36::{DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
+use qwen36::{ChatMessage, DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Qwen3.6-architecture model")]
 struct Args {
-    /// Model directory (config.json, *.safetensors, optional tokenizer.json and generation_config.json).
+    /// Model directory (config.json, *.safetensors, optional tokenizer.json, tokenizer_config.json
+    /// and generation_config.json). Default: the small model that ships with the repository.
     #[arg(long)]
-    model: std::path::PathBuf,
+    model: Option<std::path::PathBuf>,
+    /// Wrap the prompt as a user turn with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: ask for an empty think block (Qwen's enable_thinking = false).
+    #[arg(long)]
+    no_think: bool,
     /// Prompt text (needs tokenizer.json).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -81,16 +90,26 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Device::Cpu
     };
+    let model_dir = args
+        .model
+        .clone()
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny"));
     let generator = Generator::load(
-        &args.model,
+        &model_dir,
         LoadOptions {
             dtype,
             device,
             check_finite: true,
         },
     )?;
+    let chat_text = match (&args.prompt, args.chat) {
+        (Some(text), true) => {
+            Some(generator.apply_chat_template(&[ChatMessage::new("user", text)], !args.no_think)?)
+        }
+        _ => None,
+    };
     let prompt = match (&args.prompt, &args.prompt_ids) {
-        (Some(text), _) => generator.encode(text)?,
+        (Some(text), _) => generator.encode(chat_text.as_deref().unwrap_or(text))?,
         (None, Some(ids)) => ids.clone(),
         (None, None) => return Err("give --prompt TEXT or --prompt-ids 1,2,3".into()),
     };
@@ -119,7 +138,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let has_text = generator.tokenizer().is_some();
     let stream = !args.json;
     if stream {
-        if let Some(text) = &args.prompt {
+        if let Some(text) = chat_text.as_ref().or(args.prompt.as_ref()) {
             print!("{text}");
         }
     }

@@ -12,7 +12,7 @@ use qwen36_sampling::{Sampler, SamplingParams, StopStrings};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use crate::{Error, Result};
+use crate::{ChatMessage, ChatTemplate, Error, Result};
 
 /// The parts of `generation_config.json` that change decoding.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -165,6 +165,7 @@ pub struct Generator {
     model: Qwen36Model,
     mtp_head: Option<MtpHead>,
     tokenizer: Option<Tokenizer>,
+    chat_template: Option<ChatTemplate>,
     dir: PathBuf,
     generation_config: GenerationConfig,
 }
@@ -190,6 +191,12 @@ impl Generator {
         } else {
             None
         };
+        let tc_path = dir.join("tokenizer_config.json");
+        let chat_template = if tc_path.exists() {
+            ChatTemplate::from_tokenizer_config(&tc_path)?
+        } else {
+            None
+        };
         let gc_path = dir.join("generation_config.json");
         let generation_config = if gc_path.exists() {
             GenerationConfig::from_file(&gc_path)?
@@ -200,6 +207,7 @@ impl Generator {
             model,
             mtp_head,
             tokenizer,
+            chat_template,
             dir,
             generation_config,
         })
@@ -218,6 +226,20 @@ impl Generator {
     /// The tokenizer, if the model directory has one.
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_ref()
+    }
+
+    /// The chat template of tokenizer_config.json, if any.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Renders `messages` with the model's chat template and opens the assistant turn.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], enable_thinking: bool) -> Result<String> {
+        let t = self.chat_template.as_ref().ok_or_else(|| Error::File {
+            path: self.dir.join("tokenizer_config.json"),
+            msg: "no chat_template".into(),
+        })?;
+        t.render(messages, true, enable_thinking)
     }
 
     /// The generation defaults read from the model directory.

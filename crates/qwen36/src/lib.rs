@@ -12,9 +12,11 @@
 //! The building blocks are re-exported: [`model`] (config, loading, layers, caches), [`gdn`] (the
 //! Gated DeltaNet layer and its f32 state), [`kernels`], [`sampling`] and [`mtp`].
 
+mod chat;
 mod error;
 mod generate;
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use error::{Error, Result};
 pub use generate::{
     DrafterKind, GenerateOptions, GenerationConfig, GenerationOutput, Generator, Speculative, StopReason,
