@@ -4,9 +4,8 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 use qwen36_kernels::{
     conv1d::causal_conv1d,
-    delta_rule::{chunked_gated_delta_rule, recurrent_gated_delta_rule, CHUNK_SIZE},
-    gating::gdn_gating,
-    norm::{l2_norm, GatedRmsNorm},
+    delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads},
+    norm::GatedRmsNorm,
 };
 
 use crate::{Error, GdnConfig, GdnState, Result};
@@ -34,9 +33,6 @@ impl VerifyCheckpoints {
         self.len() == 0
     }
 }
-
-/// Epsilon of the q/k L2 norm (fla's `use_qk_l2norm_in_kernel`).
-const L2_NORM_EPS: f64 = 1e-6;
 
 /// The weights of one GDN layer in the Qwen3.5/3.6 flat layout (`[out, in]` linears, no biases).
 #[derive(Debug, Clone)]
@@ -219,27 +215,32 @@ impl GatedDeltaNet {
         let a = self.in_proj_a.forward(x)?;
 
         let (conv_out, conv_state) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
-        let (kd, vd) = (c.key_dim(), c.value_dim());
-        let q = conv_out
-            .narrow(2, 0, kd)?
-            .reshape((b, t, c.num_k_heads, c.k_head_dim))?;
-        let k = conv_out
-            .narrow(2, kd, kd)?
-            .reshape((b, t, c.num_k_heads, c.k_head_dim))?;
-        let v = conv_out
-            .narrow(2, 2 * kd, vd)?
-            .reshape((b, t, c.num_v_heads, c.v_head_dim))?
-            .to_dtype(DType::F32)?;
-        let q = l2_norm(&q, L2_NORM_EPS)?;
-        let k = l2_norm(&k, L2_NORM_EPS)?;
-        let (g, beta) = gdn_gating(&a, &beta_logits, &self.a_log, &self.dt_bias)?;
-        let scale = (c.k_head_dim as f32).powf(-0.5);
-        let s0 = Some(state.recurrent());
-        let r = if t == 1 || verify {
-            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, verify)?
-        } else {
-            chunked_gated_delta_rule(&q, &k, &v, &g, &beta, s0, scale, CHUNK_SIZE)?
+        let vd = c.value_dim();
+        let heads = GdnHeads {
+            k_heads: c.num_k_heads,
+            v_heads: c.num_v_heads,
+            k_dim: c.k_head_dim,
+            v_dim: c.v_head_dim,
         };
+        // Like the reference: one token uses the recurrent form, several the chunked form; a
+        // verify pass runs token by token and keeps every state.
+        let mode = if verify || t == 1 {
+            DeltaRuleMode::Recurrent {
+                keep_all_states: verify,
+            }
+        } else {
+            DeltaRuleMode::Chunked
+        };
+        let r = fused_gated_delta_rule(
+            &conv_out,
+            &a,
+            &beta_logits,
+            &self.a_log,
+            &self.dt_bias,
+            Some(state.recurrent()),
+            heads,
+            mode,
+        )?;
         let checkpoints = match (verify, r.all_states) {
             (true, Some(states)) => {
                 // Raw conv inputs: the K-1 held before this call, then the t new ones.

@@ -53,6 +53,10 @@ fn check(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(usize, 
 /// Returns `(y: [batch, len, channels], new_state: [batch, channels, kernel-1])`, both in `x`'s dtype.
 pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let (b, t, c, k) = check(x, weight, state)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::conv1d(x, weight, state, k);
+    }
     let hist = k - 1;
     let xs = host_f32(x)?;
     let w = host_f32(weight)?;

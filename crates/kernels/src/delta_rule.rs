@@ -84,6 +84,20 @@ fn check(
     Ok(Dims { b, t, hk, hv, dk, dv })
 }
 
+#[cfg(feature = "cuda")]
+impl Dims {
+    fn launch(self) -> crate::cuda::Launch {
+        crate::cuda::Launch {
+            b: self.b,
+            t: self.t,
+            hk: self.hk,
+            hv: self.hv,
+            dk: self.dk,
+            dv: self.dv,
+        }
+    }
+}
+
 /// Host copies of the inputs, in the token-major layout of the tensors.
 struct Host {
     q: Vec<f32>,
@@ -202,6 +216,20 @@ pub fn recurrent_gated_delta_rule(
     keep_all_states: bool,
 ) -> Result<DeltaRuleOutput> {
     let d = check("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::cuda::recurrent(
+            d.launch(),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            scale,
+            keep_all_states,
+        );
+    }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let heads: Vec<HeadResult> = per_unit(d, |unit| {
         let (b, h) = (unit / d.hv, unit % d.hv);
@@ -270,6 +298,12 @@ pub fn chunked_gated_delta_rule(
             op: "chunked_gated_delta_rule",
             msg: "chunk_size must be positive".into(),
         });
+    }
+    // CUDA runs prefill through the token-by-token kernel for now (exact, slower than a chunked
+    // kernel for long prompts).
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::cuda::recurrent(d.launch(), q, k, v, g, beta, initial_state, scale, false);
     }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let (dk, dv) = (d.dk, d.dv);
@@ -379,6 +413,98 @@ pub fn chunked_gated_delta_rule(
         }
     });
     assemble(d, heads, q.device())
+}
+
+/// Head layout of a GDN layer: q and k have `k_heads × k_dim`, v has `v_heads × v_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnHeads {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+}
+
+/// Which form of the delta rule [`fused_gated_delta_rule`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaRuleMode {
+    /// Prefill: the chunked form (no intermediate states).
+    Chunked,
+    /// Decode / speculative verify: token by token, optionally keeping every state.
+    Recurrent { keep_all_states: bool },
+}
+
+/// GDN's core in one call, from the conv output to the read-out: splits `qkv: [batch, len,
+/// 2·Hk·dk + Hv·dv]` into q, k, v, L2-normalises q and k per head (eps 1e-6), computes the gates
+/// from `a, b: [batch, len, Hv]`, `a_log, dt_bias: [Hv]` and runs the delta rule with scale
+/// `dk^-1/2`. CPU: the composition of [`crate::norm::l2_norm`], [`crate::gating::gdn_gating`] and
+/// the delta-rule forms; CUDA: one kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gated_delta_rule(
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    state: Option<&Tensor>,
+    heads: GdnHeads,
+    mode: DeltaRuleMode,
+) -> Result<DeltaRuleOutput> {
+    expect_rank("fused_gated_delta_rule", "qkv", qkv, 3)?;
+    let (bs, t, width) = qkv.dims3()?;
+    let GdnHeads {
+        k_heads: hk,
+        v_heads: hv,
+        k_dim: dk,
+        v_dim: dv,
+    } = heads;
+    let kd = hk * dk;
+    if width != 2 * kd + hv * dv {
+        return Err(Error::Shape {
+            op: "fused_gated_delta_rule",
+            msg: format!("qkv width {width} != 2·{hk}·{dk} + {hv}·{dv}"),
+        });
+    }
+    let q = qkv.narrow(2, 0, kd)?.reshape((bs, t, hk, dk))?;
+    let k = qkv.narrow(2, kd, kd)?.reshape((bs, t, hk, dk))?;
+    let v = qkv.narrow(2, 2 * kd, hv * dv)?.reshape((bs, t, hv, dv))?;
+    // Validates every shape (a, b against v's heads, the state) before any kernel runs.
+    let zeros = Tensor::zeros((bs, t, hv), DType::F32, &Device::Cpu)?;
+    let _ = check("fused_gated_delta_rule", &q, &k, &v, &zeros, &zeros, state)?;
+    if a.dims() != [bs, t, hv] || b.dims() != [bs, t, hv] {
+        return Err(Error::Shape {
+            op: "fused_gated_delta_rule",
+            msg: format!("a {:?} and b {:?} must be [{bs}, {t}, {hv}]", a.dims(), b.dims()),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        let keep = matches!(
+            mode,
+            DeltaRuleMode::Recurrent {
+                keep_all_states: true
+            }
+        );
+        let d = crate::cuda::Launch {
+            b: bs,
+            t,
+            hk,
+            hv,
+            dk,
+            dv,
+        };
+        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep);
+    }
+    let q = crate::norm::l2_norm(&q, 1e-6)?;
+    let k = crate::norm::l2_norm(&k, 1e-6)?;
+    let v = v.to_dtype(DType::F32)?;
+    let (g, beta) = crate::gating::gdn_gating(a, b, a_log, dt_bias)?;
+    let scale = (dk as f32).powf(-0.5);
+    match mode {
+        DeltaRuleMode::Chunked => chunked_gated_delta_rule(&q, &k, &v, &g, &beta, state, scale, CHUNK_SIZE),
+        DeltaRuleMode::Recurrent { keep_all_states } => {
+            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, state, scale, keep_all_states)
+        }
+    }
 }
 
 #[cfg(test)]

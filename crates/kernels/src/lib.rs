@@ -5,6 +5,8 @@
 //! token-major `[batch, len, heads, dim]`, so projection outputs need no transpose.
 
 pub mod conv1d;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod delta_rule;
 pub mod error;
 pub mod gating;

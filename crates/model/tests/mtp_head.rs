@@ -5,13 +5,13 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::*;
-use qwen36_model::{Error, LoadOptions, MtpHead};
+use qwen36_model::{Error, MtpHead};
 
 #[test]
 fn mtp_logits_and_chained_drafts_match_reference() {
     for name in FIXTURES {
         let model = load(name, DType::F32);
-        let head = MtpHead::load_dir(fixture_dir(name), model.config(), LoadOptions::default()).unwrap();
+        let head = MtpHead::load_dir(fixture_dir(name), model.config(), opts(DType::F32)).unwrap();
         let r = reference(name);
         let ids = ids_of(&r["prompt0.ids"]);
         let first = ids_of(&r["prompt0.greedy"])[0];
@@ -44,7 +44,7 @@ fn mtp_logits_and_chained_drafts_match_reference() {
             .unwrap();
         for (step, want) in want_ids.iter().enumerate() {
             assert_eq!(tok, *want, "{name}: chain token {step}");
-            let tokt = Tensor::new(&[[tok]], &Device::Cpu).unwrap();
+            let tokt = Tensor::new(&[[tok]], &device()).unwrap();
             last_d = head
                 .forward(&model, &last_d, &tokt, &mut mcache, step + 1)
                 .unwrap();
@@ -87,8 +87,8 @@ fn missing_mtp_head_is_a_clear_error_only_when_asked() {
     map.retain(|k, _| !k.starts_with("mtp."));
     candle_core::safetensors::save(&map, &path).unwrap();
     // The main model loads fine without it...
-    let model = qwen36_model::Qwen36Model::load(dir.path(), LoadOptions::default()).unwrap();
+    let model = qwen36_model::Qwen36Model::load(dir.path(), opts(DType::F32)).unwrap();
     // ...and asking for the head names the problem.
-    let e = MtpHead::load_dir(dir.path(), model.config(), LoadOptions::default()).unwrap_err();
+    let e = MtpHead::load_dir(dir.path(), model.config(), opts(DType::F32)).unwrap_err();
     assert!(matches!(e, Error::NoMtpHead), "{e}");
 }

@@ -12,9 +12,21 @@ pub fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The device tests run on: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`.
+pub fn device() -> Device {
+    match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
+        _ => Device::Cpu,
+    }
+}
+
 pub fn load(name: &str) -> (Qwen36Model, MtpHead) {
-    let model = Qwen36Model::load(fixture_dir(name), LoadOptions::default()).unwrap();
-    let head = MtpHead::load_dir(fixture_dir(name), model.config(), LoadOptions::default()).unwrap();
+    let opts = LoadOptions {
+        device: device(),
+        ..Default::default()
+    };
+    let model = Qwen36Model::load(fixture_dir(name), opts.clone()).unwrap();
+    let head = MtpHead::load_dir(fixture_dir(name), model.config(), opts).unwrap();
     (model, head)
 }
 
@@ -26,7 +38,7 @@ pub fn prompt(name: &str, key: &str, len: usize) -> Vec<u32> {
 }
 
 pub fn ids(t: &[u32]) -> Tensor {
-    Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(t, &device()).unwrap().unsqueeze(0).unwrap()
 }
 
 /// Plain greedy decoding, one token per forward.

@@ -100,7 +100,15 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             let next = truth[a + 1];
             let l1 = model.forward_last(&ids(&[next]), &mut cache).unwrap();
             let l2 = model.forward_last(&ids(&[next]), &mut fresh).unwrap();
-            let rel = max_abs(&l1, &l2) / l2.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let rel = max_abs(&l1, &l2)
+                / l2.abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_device(&candle_core::Device::Cpu)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
             assert!(rel < 1e-5, "{name} a={a}: next logits differ by {rel} (relative)");
             assert_eq!(
                 l1.i(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap(),
@@ -111,8 +119,9 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
 }
 
 fn max_abs(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
+    let cpu = candle_core::Device::Cpu;
+    let a = a.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let b = b.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap();
     (a - b)
         .unwrap()
         .abs()

@@ -19,7 +19,7 @@ fn reference(name: &str, key: &str) -> Vec<u32> {
 
 #[test]
 fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
-    let g = Generator::load(fixture("tiny-nested"), LoadOptions::default()).unwrap();
+    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
     let prompt = reference("tiny-nested", "prompt1.ids");
     let want = reference("tiny-nested", "prompt1.greedy");
     let opts = GenerateOptions {
@@ -54,7 +54,7 @@ fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
 #[test]
 fn sampled_generation_is_reproducible_by_seed() {
     // tiny-nested spreads logits over ~10 units (tiny-flat over ~50: sampling there is near-greedy).
-    let g = Generator::load(fixture("tiny-nested"), LoadOptions::default()).unwrap();
+    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
     let run = |seed| {
         let s = SamplingParams {
             temperature: 1.5,
@@ -76,7 +76,7 @@ fn sampled_generation_is_reproducible_by_seed() {
 
 #[test]
 fn text_prompt_without_tokenizer_is_an_error() {
-    let g = Generator::load(fixture("tiny-flat"), LoadOptions::default()).unwrap();
+    let g = Generator::load(fixture("tiny-flat"), test_opts()).unwrap();
     let e = g
         .generate_text("hello", &GenerateOptions::default(), |_| {})
         .unwrap_err();
@@ -86,7 +86,7 @@ fn text_prompt_without_tokenizer_is_an_error() {
 #[test]
 fn speculative_generation_equals_plain_greedy() {
     use qwen36::{DrafterKind, Speculative};
-    let g = Generator::load(fixture("tiny-nested"), LoadOptions::default()).unwrap();
+    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
     assert!(g.mtp_head().is_some());
     let prompt = reference("tiny-nested", "prompt1.ids");
     let base = GenerateOptions {
@@ -112,7 +112,7 @@ fn speculative_generation_equals_plain_greedy() {
 fn mtp_without_head_is_a_typed_error() {
     use qwen36::{DrafterKind, Speculative};
     let dir = tempfile_dir();
-    let g = Generator::load(&dir, LoadOptions::default()).unwrap();
+    let g = Generator::load(&dir, test_opts()).unwrap();
     let opts = GenerateOptions {
         speculative: Some(Speculative {
             k: 2,
@@ -135,4 +135,16 @@ fn tempfile_dir() -> PathBuf {
     map.retain(|k, _| !k.starts_with("mtp."));
     candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
     dir
+}
+
+/// Load options for the test device: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`.
+fn test_opts() -> LoadOptions {
+    let device = match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
+        _ => Device::Cpu,
+    };
+    LoadOptions {
+        device,
+        ..Default::default()
+    }
 }

@@ -26,7 +26,7 @@ fn scalar(r: &HashMap<String, Tensor>, key: &str) -> f64 {
 }
 
 fn generator() -> Generator {
-    Generator::load(dir(), LoadOptions::default()).unwrap()
+    Generator::load(dir(), test_opts()).unwrap()
 }
 
 /// Mean next-token NLL over 4 windows of 512 held-out tokens equals PyTorch's to 1e-3 relative
@@ -41,15 +41,15 @@ fn heldout_perplexity_matches_pytorch() {
     for w in 0..windows {
         let x = &all[w * 512..(w + 1) * 512 + 1];
         let mut cache = g.model().new_cache(1).unwrap();
+        let input = Tensor::new(&x[..512], g.model().device())
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = g
             .model()
-            .forward(
-                &Tensor::new(&x[..512], &Device::Cpu)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap(),
-                &mut cache,
-            )
+            .forward(&input, &mut cache)
+            .unwrap()
+            .to_device(&Device::Cpu)
             .unwrap();
         let lp = candle_nn_log_softmax(&logits.squeeze(0).unwrap());
         for (t, &next) in x[1..].iter().enumerate() {
@@ -161,5 +161,17 @@ fn default_sampling_does_not_loop() {
             "seed {seed}: only {} distinct tokens in the last 256",
             distinct.len()
         );
+    }
+}
+
+/// Load options for the test device: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`.
+fn test_opts() -> LoadOptions {
+    let device = match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
+        _ => Device::Cpu,
+    };
+    LoadOptions {
+        device,
+        ..Default::default()
     }
 }

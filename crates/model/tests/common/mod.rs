@@ -16,11 +16,26 @@ pub fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-pub fn load(name: &str, dtype: DType) -> Qwen36Model {
-    let opts = LoadOptions {
+/// The device tests run on: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`
+/// (scripts/gpu-check runs every test both ways).
+pub fn device() -> Device {
+    match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
+        _ => Device::Cpu,
+    }
+}
+
+/// Load options for the test device.
+pub fn opts(dtype: DType) -> LoadOptions {
+    LoadOptions {
         dtype,
+        device: device(),
         ..Default::default()
-    };
+    }
+}
+
+pub fn load(name: &str, dtype: DType) -> Qwen36Model {
+    let opts = opts(dtype);
     Qwen36Model::load(fixture_dir(name), opts).unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
@@ -34,7 +49,7 @@ pub fn ids_of(t: &Tensor) -> Vec<u32> {
 }
 
 pub fn ids_tensor(ids: &[u32]) -> Tensor {
-    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(ids, &device()).unwrap().unsqueeze(0).unwrap()
 }
 
 /// Greedy decoding from a prompt: prefill, then one token at a time through the cache.
@@ -51,8 +66,8 @@ pub fn greedy(model: &Qwen36Model, cache: &mut Cache, prompt: &[u32], n: usize) 
 
 /// Max over rows of `max_j |a_j − b_j| / max_j |b_j|`: error relative to each row's scale.
 pub fn max_row_rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
+    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
     let d = a.dims().len() - 1;
     let err = (a - &b).unwrap().abs().unwrap().max_keepdim(d).unwrap();
     let scale = b.abs().unwrap().max_keepdim(d).unwrap();

@@ -1,0 +1,322 @@
+//! CUDA launches of `cuda/gdn.cu` (compiled to PTX by build.rs). Same signatures as the CPU
+//! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+
+use crate::delta_rule::DeltaRuleOutput;
+use crate::{Error, Result};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
+const MODULE: &str = "qwen36_gdn";
+/// Threads per block of the delta-rule kernels (4 warps), and state columns per block.
+const THREADS: u32 = 128;
+const BV: usize = 32;
+
+fn err(op: &'static str, msg: impl Into<String>) -> Error {
+    Error::Shape { op, msg: msg.into() }
+}
+
+/// The device data of a contiguous tensor (the storage guard must outlive the view).
+fn view<'a, T: CudaDType>(op: &'static str, st: &'a Storage, layout: &Layout) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(cs) = st else {
+        return Err(err(op, "expected a CUDA tensor"));
+    };
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| err(op, "expected a contiguous tensor"))?;
+    Ok(cs.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+fn device(op: &'static str, t: &Tensor) -> Result<CudaDevice> {
+    Ok(t.device()
+        .as_cuda_device()
+        .map_err(|_| err(op, "expected a CUDA tensor"))?
+        .clone())
+}
+
+/// Wraps a freshly written device buffer as a tensor.
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+/// Register rows per thread for a key dim: the smallest compiled variant with 4·rows ≥ dk.
+fn rows_variant(op: &'static str, dk: usize) -> Result<usize> {
+    [2usize, 4, 8, 16, 32, 64]
+        .into_iter()
+        .find(|&r| 4 * r >= dk)
+        .ok_or_else(|| err(op, format!("key head dim {dk} > 256 is not supported on CUDA")))
+}
+
+fn dtype_suffix(op: &'static str, dt: DType) -> Result<&'static str> {
+    Ok(match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => return Err(err(op, format!("unsupported dtype {other:?}"))),
+    })
+}
+
+/// Sizes of one delta-rule launch.
+#[derive(Clone, Copy)]
+pub(crate) struct Launch {
+    pub b: usize,
+    pub t: usize,
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// Runs the recurrent kernel. `fused`: q/k/v are raw views into `qkv` rows of `qk_stride` elements
+/// (the conv output), `ga`/`gb` are the a/b projections; otherwise q, k, v, g, beta are separate
+/// f32 tensors and q, k are already normalised.
+#[allow(clippy::too_many_arguments)]
+fn launch_recurrent<T: CudaDType>(
+    op: &'static str,
+    name: String,
+    d: Launch,
+    q: (&Tensor, usize),
+    k: (&Tensor, usize),
+    v: (&Tensor, usize),
+    strides: (usize, usize),
+    ga: &Tensor,
+    gb: &Tensor,
+    a_log: Option<&Tensor>,
+    dt_bias: Option<&Tensor>,
+    state: Option<&Tensor>,
+    scale: f32,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let dev = device(op, q.0)?;
+    let (qs, ql) = q.0.storage_and_layout();
+    let (ks, kl) = k.0.storage_and_layout();
+    let (vs, vl) = v.0.storage_and_layout();
+    let (gas, gal) = ga.storage_and_layout();
+    let (gbs, gbl) = gb.storage_and_layout();
+    let qv = view::<T>(op, &qs, ql)?.slice(q.1..);
+    let kv = view::<T>(op, &ks, kl)?.slice(k.1..);
+    let vv = view::<T>(op, &vs, vl)?.slice(v.1..);
+    let gav = view::<T>(op, &gas, gal)?;
+    let gbv = view::<T>(op, &gbs, gbl)?;
+    let null = 0u64;
+    let params = match (a_log, dt_bias) {
+        (Some(a), Some(b)) => Some((a.storage_and_layout(), b.storage_and_layout())),
+        _ => None,
+    };
+    let param_views = match &params {
+        Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
+        None => None,
+    };
+    let s0 = state.map(|s| s.storage_and_layout());
+    let s0v = match &s0 {
+        Some((s, l)) => Some(view::<f32>(op, s, l)?),
+        None => None,
+    };
+    let n_out = d.b * d.t * d.hv * d.dv;
+    let n_state = d.b * d.hv * d.dk * d.dv;
+    let out = dev.alloc_zeros::<f32>(n_out)?;
+    let s_final = dev.alloc_zeros::<f32>(n_state)?;
+    let s_all = if keep_all_states {
+        Some(dev.alloc_zeros::<f32>(n_state * d.t)?)
+    } else {
+        None
+    };
+
+    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let mut lb = func.builder();
+    lb.arg(&qv).arg(&kv).arg(&vv);
+    let (qk_stride, v_stride) = (strides.0 as i64, strides.1 as i64);
+    lb.arg(&qk_stride).arg(&v_stride).arg(&gav).arg(&gbv);
+    match &param_views {
+        Some((a, b)) => lb.arg(a).arg(b),
+        None => lb.arg(&null).arg(&null),
+    };
+    match &s0v {
+        Some(s) => lb.arg(s),
+        None => lb.arg(&null),
+    };
+    lb.arg(&out).arg(&s_final);
+    match &s_all {
+        Some(s) => lb.arg(s),
+        None => lb.arg(&null),
+    };
+    let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+    for x in &dims {
+        lb.arg(x);
+    }
+    let eps = 1e-6f32;
+    lb.arg(&scale).arg(&eps);
+    let tiles = d.dv.div_ceil(BV);
+    let cfg = LaunchConfig {
+        grid_dim: ((d.b * d.hv * tiles) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (pointers to buffers
+    // of the sizes checked by the callers, then i64 strides, i32 dims, f32 scale and eps); outputs
+    // are fresh allocations of the sizes the kernel writes; null (0) is passed only where the
+    // kernel tests for null.
+    unsafe { lb.launch(cfg) }.w()?;
+    drop((qv, kv, vv, gav, gbv, param_views, s0v));
+    Ok(DeltaRuleOutput {
+        out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
+        state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
+        all_states: s_all.map(|s| wrap(s, &dev, (d.b, d.t, d.hv, d.dk, d.dv))),
+    })
+}
+
+/// CUDA twin of `recurrent_gated_delta_rule` (f32 inputs; shapes checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn recurrent(
+    d: Launch,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: Option<&Tensor>,
+    scale: f32,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let op = "recurrent_gated_delta_rule";
+    let f = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+    let (q, k, v, g, beta) = (f(q)?, f(k)?, f(v)?, f(g)?, f(beta)?);
+    let state = state.map(f).transpose()?;
+    let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
+    let strides = (d.hk * d.dk, d.hv * d.dv);
+    launch_recurrent::<f32>(
+        op,
+        name,
+        d,
+        (&q, 0),
+        (&k, 0),
+        (&v, 0),
+        strides,
+        &g,
+        &beta,
+        None,
+        None,
+        state.as_ref(),
+        scale,
+        keep_all_states,
+    )
+}
+
+/// CUDA twin of `fused_gated_delta_rule`: `qkv: [b, t, 2·hk·dk + hv·dv]` and `a, b: [b, t, hv]` in
+/// one activation dtype; `a_log, dt_bias: [hv]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused(
+    d: Launch,
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    state: Option<&Tensor>,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let op = "fused_gated_delta_rule";
+    let dt = qkv.dtype();
+    let name = format!("gdn_fused_{}_r{}", dtype_suffix(op, dt)?, rows_variant(op, d.dk)?);
+    let qkv = qkv.contiguous()?;
+    let (a, b) = (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?);
+    let (a_log, dt_bias) = (
+        a_log.to_dtype(DType::F32)?.contiguous()?,
+        dt_bias.to_dtype(DType::F32)?.contiguous()?,
+    );
+    let state = state.map(|s| s.contiguous()).transpose()?;
+    let kd = d.hk * d.dk;
+    let row = 2 * kd + d.hv * d.dv;
+    let scale = (d.dk as f32).powf(-0.5);
+    macro_rules! go {
+        ($t:ty) => {
+            launch_recurrent::<$t>(
+                op,
+                name,
+                d,
+                (&qkv, 0),
+                (&qkv, kd),
+                (&qkv, 2 * kd),
+                (row, row),
+                &a,
+                &b,
+                Some(&a_log),
+                Some(&dt_bias),
+                state.as_ref(),
+                scale,
+                keep_all_states,
+            )
+        };
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+/// CUDA twin of `causal_conv1d`: `x: [b, t, c]`, `weight: [c, k]`, `state: [b, c, k-1]`.
+pub(crate) fn conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    state: Option<&Tensor>,
+    k: usize,
+) -> Result<(Tensor, Tensor)> {
+    let op = "causal_conv1d";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
+    }
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    let (b, t, c) = x.dims3()?;
+    let x = x.contiguous()?;
+    let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
+    let state = state.map(|s| s.to_dtype(dt)?.contiguous()).transpose()?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            let st = state.as_ref().map(|s| s.storage_and_layout());
+            let stv = match &st {
+                Some((s, l)) => Some(view::<$t>(op, s, l)?),
+                None => None,
+            };
+            let y = dev.alloc_zeros::<$t>(b * t * c)?;
+            let st_out = dev.alloc_zeros::<$t>(b * c * (k - 1))?;
+            let func =
+                dev.get_or_load_custom_func(&format!("conv1d_{}", dtype_suffix(op, dt)?), MODULE, PTX)?;
+            let mut lb = func.builder();
+            let null = 0u64;
+            lb.arg(&xv).arg(&wv);
+            match &stv {
+                Some(s) => lb.arg(s),
+                None => lb.arg(&null),
+            };
+            lb.arg(&y).arg(&st_out);
+            let dims = [b as i32, t as i32, c as i32, k as i32];
+            for v in &dims {
+                lb.arg(v);
+            }
+            let n = (b * c) as u32;
+            // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x [b·t·c], w [c·k], state
+            // [b·c·(k-1)] or null, fresh outputs of the sizes it writes, then i32 dims.
+            unsafe { lb.launch(LaunchConfig::for_num_elems(n)) }.w()?;
+            drop((xv, wv, stv));
+            Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
