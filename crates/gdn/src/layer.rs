@@ -294,18 +294,7 @@ mod tests_support {
         GatedDeltaNet::new(c, w).unwrap()
     }
 
-    pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
+    pub use qwen36_testutil::max_abs_diff as max_diff;
 }
 
 #[cfg(test)]

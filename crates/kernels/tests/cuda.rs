@@ -10,24 +10,10 @@ use qwen36_kernels::delta_rule::{
     CHUNK_SIZE,
 };
 use qwen36_kernels::norm::l2_norm;
+use qwen36_testutil::max_abs_diff as max_diff;
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 struct Inputs {

@@ -44,7 +44,7 @@ fn mtp_logits_and_chained_drafts_match_reference() {
             .unwrap();
         for (step, want) in want_ids.iter().enumerate() {
             assert_eq!(tok, *want, "{name}: chain token {step}");
-            let tokt = Tensor::new(&[[tok]], &device()).unwrap();
+            let tokt = Tensor::new(&[[tok]], &test_device()).unwrap();
             last_d = head
                 .forward(&model, &last_d, &tokt, &mut mcache, step + 1)
                 .unwrap();

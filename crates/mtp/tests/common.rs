@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use qwen36_model::{LoadOptions, MtpHead, Qwen36Model};
+#[allow(unused_imports)]
+pub use qwen36_testutil::{max_abs_diff, test_device};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -12,17 +14,9 @@ pub fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// The device tests run on: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`.
-pub fn device() -> Device {
-    match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
-        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
-        _ => Device::Cpu,
-    }
-}
-
 pub fn load(name: &str) -> (Qwen36Model, MtpHead) {
     let opts = LoadOptions {
-        device: device(),
+        device: test_device(),
         ..Default::default()
     };
     let model = Qwen36Model::load(fixture_dir(name), opts.clone()).unwrap();
@@ -38,7 +32,7 @@ pub fn prompt(name: &str, key: &str, len: usize) -> Vec<u32> {
 }
 
 pub fn ids(t: &[u32]) -> Tensor {
-    Tensor::new(t, &device()).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(t, &test_device()).unwrap().unsqueeze(0).unwrap()
 }
 
 /// Plain greedy decoding, one token per forward.

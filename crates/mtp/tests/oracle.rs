@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::{DType, IndexOp};
+use candle_core::IndexOp;
 use common::*;
 use qwen36_model::LayerCache;
 use qwen36_mtp::{DraftContext, Drafter, SpecConfig, SpeculativeDecoder};
@@ -87,7 +87,8 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             for (l, (x, y)) in cache.layers().iter().zip(fresh.layers()).enumerate() {
                 match (x, y) {
                     (LayerCache::Gdn(x), LayerCache::Gdn(y)) => {
-                        let d = max_abs(x.recurrent(), y.recurrent()).max(max_abs(x.conv(), y.conv()));
+                        let d =
+                            max_abs_diff(x.recurrent(), y.recurrent()).max(max_abs_diff(x.conv(), y.conv()));
                         // f32 chunked (fresh) vs token-by-token (verify) forms: ~1e-6.
                         assert!(d < 1e-5, "{name} a={a} layer {l}: GDN state differs by {d}");
                         assert_eq!(x.seen(), y.seen());
@@ -100,7 +101,7 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             let next = truth[a + 1];
             let l1 = model.forward_last(&ids(&[next]), &mut cache).unwrap();
             let l2 = model.forward_last(&ids(&[next]), &mut fresh).unwrap();
-            let rel = max_abs(&l1, &l2)
+            let rel = max_abs_diff(&l1, &l2)
                 / l2.abs()
                     .unwrap()
                     .max_all()
@@ -116,20 +117,4 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             );
         }
     }
-}
-
-fn max_abs(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
-    let cpu = candle_core::Device::Cpu;
-    let a = a.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap();
-    let b = b.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }

@@ -137,14 +137,10 @@ fn tempfile_dir() -> PathBuf {
     dir
 }
 
-/// Load options for the test device: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`.
+/// Load options for the test device.
 fn test_opts() -> LoadOptions {
-    let device = match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
-        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
-        _ => Device::Cpu,
-    };
     LoadOptions {
-        device,
+        device: qwen36_testutil::test_device(),
         ..Default::default()
     }
 }

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use qwen36_model::{Cache, LoadOptions, Qwen36Model};
+#[allow(unused_imports)]
+pub use qwen36_testutil::{max_abs_diff, max_row_rel_err, test_device};
 
 /// The two HF-made fixture models (tools/reference/make_fixtures.py).
 pub const FIXTURES: [&str; 2] = ["tiny-flat", "tiny-nested"];
@@ -16,20 +18,11 @@ pub fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// The device tests run on: CPU, or the first CUDA GPU with `QWEN36_TEST_DEVICE=cuda`
-/// (scripts/gpu-check runs every test both ways).
-pub fn device() -> Device {
-    match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
-        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
-        _ => Device::Cpu,
-    }
-}
-
 /// Load options for the test device.
 pub fn opts(dtype: DType) -> LoadOptions {
     LoadOptions {
         dtype,
-        device: device(),
+        device: test_device(),
         ..Default::default()
     }
 }
@@ -49,7 +42,7 @@ pub fn ids_of(t: &Tensor) -> Vec<u32> {
 }
 
 pub fn ids_tensor(ids: &[u32]) -> Tensor {
-    Tensor::new(ids, &device()).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(ids, &test_device()).unwrap().unsqueeze(0).unwrap()
 }
 
 /// Greedy decoding from a prompt: prefill, then one token at a time through the cache.
@@ -62,21 +55,4 @@ pub fn greedy(model: &Qwen36Model, cache: &mut Cache, prompt: &[u32], n: usize) 
         logits = model.forward_last(&ids_tensor(&[next]), cache).unwrap();
     }
     out
-}
-
-/// Max over rows of `max_j |a_j − b_j| / max_j |b_j|`: error relative to each row's scale.
-pub fn max_row_rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    let d = a.dims().len() - 1;
-    let err = (a - &b).unwrap().abs().unwrap().max_keepdim(d).unwrap();
-    let scale = b.abs().unwrap().max_keepdim(d).unwrap();
-    (err / scale)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
