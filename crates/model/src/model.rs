@@ -295,7 +295,9 @@ impl Qwen36Model {
     ) -> Result<Tensor> {
         let (_, t) = self.check_input(ids, cache)?;
         cache.pending = None;
-        let mut x = self.embed.forward(ids)?;
+        // Token ids may come from the host whatever the model's device.
+        let ids = ids.to_device(&self.device)?;
+        let mut x = self.embed.forward(&ids)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             if let Some(s) = states.as_deref_mut() {
                 s.push(x.clone());

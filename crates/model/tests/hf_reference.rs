@@ -128,8 +128,7 @@ fn batch_rows_equal_single_runs() {
     let r = reference(name);
     let (a, b) = (ids_of(&r["prompt0.ids"]), ids_of(&r["prompt1.ids"]));
     let n = b.len();
-    let batch =
-        candle_core::Tensor::new(vec![a[..n].to_vec(), b.clone()], &candle_core::Device::Cpu).unwrap();
+    let batch = candle_core::Tensor::new(vec![a[..n].to_vec(), b.clone()], &test_device()).unwrap();
     let mut cache = model.new_cache(2).unwrap();
     let both = model.forward(&batch, &mut cache).unwrap();
     for (row, ids) in [&a[..n], &b[..]].into_iter().enumerate() {
