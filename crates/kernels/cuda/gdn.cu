@@ -175,31 +175,37 @@ GDN_ROWS(gdn_fused_f32, float, float, true)
 GDN_ROWS(gdn_fused_bf16, __nv_bfloat16, __nv_bfloat16, true)
 GDN_ROWS(gdn_fused_f16, __half, __half, true)
 
-// Causal depthwise conv1d + SiLU. One thread per (batch, channel), sliding over time with the
-// K-1 previous raw inputs in registers. x: [B, T, C]; w: [C, K]; state: [B, C, K-1] (or null);
-// out: y [B, T, C] then the new state [B, C, K-1], packed.
-constexpr int MAXK = 8;
+// Causal depthwise conv1d + SiLU, one thread per output element (b, t, c): fully parallel over
+// time. The window of token t is concat(state, x)[t .. t+K) where concat = [K-1 state | T inputs];
+// state positions before a fresh sequence are zero (st == null). x: [B, T, C]; w: [C, K];
+// st: [B, C, K-1]; y: [B, T, C]; st_out: [B, C, K-1] = the last K-1 entries of concat.
+template <typename T>
+__device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, int c, int Tn, int C, int H) {
+    // concat index i: state for i < H, else x[t = i - H]
+    if (i < H) return st != nullptr ? to_f(st[((long)b * C + c) * H + i]) : 0.f;
+    return to_f(x[((long)b * Tn + (i - H)) * C + c]);
+}
+
 template <typename T>
 __device__ void conv1d(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ st,
                        T* __restrict__ y, T* __restrict__ st_out, int B, int Tn, int C, int K) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)B * C) return;
-    const int b = idx / C, c = idx % C;
     const int H = K - 1;
-    float win[MAXK], wk[MAXK];
-    for (int i = 0; i < H; i++) win[i] = st != nullptr ? to_f(st[idx * H + i]) : 0.f;
-    for (int i = 0; i < K; i++) wk[i] = to_f(w[(long)c * K + i]);
-    for (int t = 0; t < Tn; t++) {
-        const long at = ((long)b * Tn + t) * C + c;
-        const float xt = to_f(x[at]);
+    const long n_y = (long)B * Tn * C;
+    if (idx < n_y) {
+        const int c = idx % C;
+        const long bt = idx / C;
+        const int t = bt % Tn, b = bt / Tn;
         float acc = 0.f;
-        for (int i = 0; i < H; i++) acc += wk[i] * win[i];
-        acc += wk[H] * xt;
-        y[at] = from_f<T>(acc / (1.f + expf(-acc)));
-        for (int i = 0; i + 1 < H; i++) win[i] = win[i + 1];
-        if (H > 0) win[H - 1] = xt;
+        for (int j = 0; j < K; j++) acc += to_f(w[(long)c * K + j]) * conv_in(x, st, b, t + j, c, Tn, C, H);
+        y[idx] = from_f<T>(acc / (1.f + expf(-acc)));
+    } else if (idx < n_y + (long)B * C * H) {
+        const long r = idx - n_y;  // (b, c, j) in st_out
+        const int j = r % H;
+        const long bc = r / H;
+        const int c = bc % C, b = bc / C;
+        st_out[r] = from_f<T>(conv_in(x, st, b, Tn + j, c, Tn, C, H));
     }
-    for (int i = 0; i < H; i++) st_out[idx * H + i] = from_f<T>(win[i]);
 }
 
 #define CONV_KERNEL(NAME, T)                                                                                  \

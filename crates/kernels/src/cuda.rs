@@ -289,8 +289,9 @@ pub(crate) fn conv1d(
                 Some((s, l)) => Some(view::<$t>(op, s, l)?),
                 None => None,
             };
-            let y = dev.alloc_zeros::<$t>(b * t * c)?;
-            let st_out = dev.alloc_zeros::<$t>(b * c * (k - 1))?;
+            // SAFETY: uninitialised; the kernel writes every element of y and of the new state.
+            let y = unsafe { dev.alloc::<$t>(b * t * c)? };
+            let st_out = unsafe { dev.alloc::<$t>(b * c * (k - 1))? };
             let func =
                 dev.get_or_load_custom_func(&format!("conv1d_{}", dtype_suffix(op, dt)?), MODULE, PTX)?;
             let mut lb = func.builder();
@@ -305,9 +306,10 @@ pub(crate) fn conv1d(
             for v in &dims {
                 lb.arg(v);
             }
-            let n = (b * c) as u32;
+            let n = (b * t * c + b * c * (k - 1)) as u32;
             // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x [b·t·c], w [c·k], state
-            // [b·c·(k-1)] or null, fresh outputs of the sizes it writes, then i32 dims.
+            // [b·c·(k-1)] or null, fresh outputs of the sizes it writes, then i32 dims; one thread
+            // per output element of y and of the new state.
             unsafe { lb.launch(LaunchConfig::for_num_elems(n)) }.w()?;
             drop((xv, wv, stv));
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))

@@ -1,0 +1,106 @@
+//! GDN kernel timings on a CUDA GPU at the Qwen3.6-27B layer shapes (Hk 16, Hv 48, dk = dv = 128),
+//! with the device's copy bandwidth measured in the same run as the yardstick.
+//!
+//! ```text
+//! cargo run --release -p qwen36-kernels --features cuda --example bench_gdn
+//! ```
+//! Times are wall-clock per call after warm-up, averaged over many calls with a device sync at the
+//! end (so they include candle's host-side launch cost, as an eager decode step would).
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use qwen36_kernels::conv1d::causal_conv1d;
+use qwen36_kernels::delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads};
+
+const HK: usize = 16;
+const HV: usize = 48;
+const D: usize = 128;
+
+fn time<F: FnMut() -> candle_core::Result<()>>(
+    dev: &Device,
+    iters: usize,
+    mut f: F,
+) -> candle_core::Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dev = Device::new_cuda(0)?;
+    // Copy bandwidth: read + write of a 2 GiB f32 buffer.
+    let n = 512 * 1024 * 1024;
+    let big = Tensor::zeros(n, DType::F32, &dev)?;
+    let copy_s = time(&dev, 20, || big.copy().map(|_| ()))?;
+    let copy_bw = 2.0 * 4.0 * n as f64 / copy_s;
+    println!("copy bandwidth (read + write): {:.2} TB/s", copy_bw / 1e12);
+    drop(big);
+
+    let heads = GdnHeads {
+        k_heads: HK,
+        v_heads: HV,
+        k_dim: D,
+        v_dim: D,
+    };
+    let width = 2 * HK * D + HV * D;
+    let a_log = Tensor::rand(0f32, 2.5, HV, &dev)?;
+    let dt_bias = (Tensor::rand(0f32, 1.0, HV, &dev)? - 3.0)?;
+    println!("| case | time | state+io bytes | achieved | of copy bw |");
+    println!("|---|---|---|---|---|");
+    let cases: [(&str, usize, usize, bool); 7] = [
+        ("decode B=1", 1, 1, false),
+        ("decode B=8", 8, 1, false),
+        ("decode B=64", 64, 1, false),
+        ("verify B=1 T=4 (keep states)", 1, 4, true),
+        ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false),
+        ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false),
+        ("verify B=8 T=4 (keep states)", 8, 4, true),
+    ];
+    for (name, b, t, keep) in cases {
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &dev)?.to_dtype(DType::BF16)?;
+        let a = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
+        let bb = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
+        let s0 = Tensor::randn(0f32, 0.1, (b, HV, D, D), &dev)?;
+        let mode = DeltaRuleMode::Recurrent {
+            keep_all_states: keep,
+        };
+        let iters = if t > 1000 { 3 } else { 200 };
+        let s = time(&dev, iters, || {
+            fused_gated_delta_rule(&qkv, &a, &bb, &a_log, &dt_bias, Some(&s0), heads, mode)
+                .map(|_| ())
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        let state = (b * HV * D * D * 4) as f64;
+        let io = (b * t * (width * 2 + HV * 4 + HV * D * 4)) as f64;
+        let bytes = 2.0 * state + io + if keep { state * t as f64 } else { 0.0 };
+        let bw = bytes / s;
+        println!(
+            "| {name} | {:.1} µs | {:.1} MB | {:.2} TB/s | {:.0}% |",
+            s * 1e6,
+            bytes / 1e6,
+            bw / 1e12,
+            100.0 * bw / copy_bw
+        );
+    }
+    // Short conv of one layer at decode and prefill.
+    for (b, t) in [(1usize, 1usize), (1, 8192)] {
+        let x = Tensor::randn(0f32, 1.0, (b, t, width), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(0f32, 0.3, (width, 4), &dev)?.to_dtype(DType::BF16)?;
+        let st = Tensor::zeros((b, width, 3), DType::BF16, &dev)?;
+        let s = time(&dev, 100, || {
+            causal_conv1d(&x, &w, Some(&st))
+                .map(|_| ())
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        println!("| conv1d B={b} T={t} | {:.1} µs | | | |", s * 1e6);
+    }
+    Ok(())
+}
