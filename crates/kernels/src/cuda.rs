@@ -1,7 +1,6 @@
 //! CUDA launches of `cuda/gdn.cu` (compiled to PTX by build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
