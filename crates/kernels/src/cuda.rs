@@ -6,7 +6,7 @@ use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
 
-use crate::delta_rule::DeltaRuleOutput;
+use crate::delta_rule::{DeltaRuleOutput, Dims as Launch};
 use crate::{Error, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
@@ -58,17 +58,6 @@ fn dtype_suffix(op: &'static str, dt: DType) -> Result<&'static str> {
         DType::F16 => "f16",
         other => return Err(err(op, format!("unsupported dtype {other:?}"))),
     })
-}
-
-/// Sizes of one delta-rule launch.
-#[derive(Clone, Copy)]
-pub(crate) struct Launch {
-    pub b: usize,
-    pub t: usize,
-    pub hk: usize,
-    pub hv: usize,
-    pub dk: usize,
-    pub dv: usize,
 }
 
 /// Runs the recurrent kernel. `fused`: q/k/v are raw views into `qkv` rows of `qk_stride` elements
@@ -161,7 +150,6 @@ fn launch_recurrent<T: CudaDType>(
     // are fresh allocations of the sizes the kernel writes; null (0) is passed only where the
     // kernel tests for null.
     unsafe { lb.launch(cfg) }.w()?;
-    drop((qv, kv, vv, gav, gbv, param_views, s0v));
     Ok(DeltaRuleOutput {
         out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
         state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
@@ -310,7 +298,6 @@ pub(crate) fn conv1d(
             // [b·c·(k-1)] or null, fresh outputs of the sizes it writes, then i32 dims; one thread
             // per output element of y and of the new state.
             unsafe { lb.launch(LaunchConfig::for_num_elems(n)) }.w()?;
-            drop((xv, wv, stv));
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
         }};
     }

@@ -30,15 +30,15 @@ pub struct DeltaRuleOutput {
     pub all_states: Option<Tensor>,
 }
 
-/// Sizes shared by both forms, checked once.
+/// Sizes shared by both forms (and the CUDA launches), checked once.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    t: usize,
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
+pub(crate) struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
 }
 
 fn check(
@@ -82,20 +82,6 @@ fn check(
         }
     }
     Ok(Dims { b, t, hk, hv, dk, dv })
-}
-
-#[cfg(feature = "cuda")]
-impl Dims {
-    fn launch(self) -> crate::cuda::Launch {
-        crate::cuda::Launch {
-            b: self.b,
-            t: self.t,
-            hk: self.hk,
-            hv: self.hv,
-            dk: self.dk,
-            dv: self.dv,
-        }
-    }
 }
 
 /// Host copies of the inputs, in the token-major layout of the tensors.
@@ -218,17 +204,7 @@ pub fn recurrent_gated_delta_rule(
     let d = check("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::cuda::recurrent(
-            d.launch(),
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
-            scale,
-            keep_all_states,
-        );
+        return crate::cuda::recurrent(d, q, k, v, g, beta, initial_state, scale, keep_all_states);
     }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let heads: Vec<HeadResult> = per_unit(d, |unit| {
@@ -303,7 +279,7 @@ pub fn chunked_gated_delta_rule(
     // kernel for long prompts).
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::cuda::recurrent(d.launch(), q, k, v, g, beta, initial_state, scale, false);
+        return crate::cuda::recurrent(d, q, k, v, g, beta, initial_state, scale, false);
     }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let (dk, dv) = (d.dk, d.dv);
@@ -484,7 +460,7 @@ pub fn fused_gated_delta_rule(
                 keep_all_states: true
             }
         );
-        let d = crate::cuda::Launch {
+        let d = Dims {
             b: bs,
             t,
             hk,
@@ -623,18 +599,7 @@ mod tests {
             .fold(0.0, f64::max)
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use qwen36_testutil::max_abs_diff as max_diff;
 
     // f32 accumulation over ~150 steps of O(1) values: errors of a few 1e-6 are expected; 1e-5 bounds them.
     const TOL: f32 = 1e-5;
