@@ -447,24 +447,44 @@ impl Generator {
     }
 }
 
-/// Incremental detokenisation for streaming: decodes the output so far, cuts it at a stop string,
-/// and holds back a tail that may start a stop string or is an incomplete UTF-8 sequence.
+/// Incremental detokenisation for streaming: decodes only the tokens after the last complete
+/// character (so a long generation costs O(n), not O(n²)), cuts the text at a stop string, and
+/// holds back a tail that may start a stop string or is an incomplete UTF-8 sequence.
 struct TextStream<'g> {
     generator: &'g Generator,
     stops: StopStrings,
+    /// Longest stop string in bytes: how far back a new match can start.
+    stop_len: usize,
     tokens: Vec<u32>,
+    /// Decoded text so far (`None` without a tokenizer).
     text: Option<String>,
+    /// `text[..settled_bytes]` is the decode of `tokens[..settled_tokens]` and ends on a complete
+    /// character; the rest is the decode of the newer tokens, redone on every push.
+    settled_tokens: usize,
+    settled_bytes: usize,
     emitted: usize,
     stopped_by: Option<usize>,
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
 
 impl<'g> TextStream<'g> {
     fn new(generator: &'g Generator, stop_strings: &[String]) -> Self {
         Self {
             generator,
+            stop_len: stop_strings.iter().map(String::len).max().unwrap_or(0),
             stops: StopStrings::new(stop_strings.iter().cloned()),
             tokens: Vec::new(),
             text: generator.tokenizer.as_ref().map(|_| String::new()),
+            settled_tokens: 0,
+            settled_bytes: 0,
             emitted: 0,
             stopped_by: None,
         }
@@ -473,17 +493,26 @@ impl<'g> TextStream<'g> {
     /// Adds a token; returns the newly printable text and whether generation may go on.
     fn push(&mut self, token: u32) -> Result<(String, bool)> {
         self.tokens.push(token);
-        let Some(_) = self.text else {
+        let Some(t) = self.text.as_mut() else {
             return Ok((String::new(), true));
         };
-        let mut t = self.generator.decode(&self.tokens)?;
+        let tail = self.generator.decode(&self.tokens[self.settled_tokens..])?;
+        t.truncate(self.settled_bytes);
+        t.push_str(&tail);
+        if !tail.ends_with('\u{FFFD}') {
+            self.settled_tokens = self.tokens.len();
+            self.settled_bytes = t.len();
+        }
         let mut go_on = true;
-        if let Some(m) = self.stops.find(&t) {
-            t.truncate(m.start);
+        // Only text that could contain a new match: the stop length back from the last emission.
+        let from = floor_boundary(t, self.emitted.saturating_sub(self.stop_len));
+        if let Some(m) = self.stops.find(&t[from..]) {
+            t.truncate(from + m.start);
+            self.settled_bytes = self.settled_bytes.min(t.len());
             self.stopped_by = Some(m.index);
             go_on = false;
         }
-        let mut end = t.len() - if go_on { self.stops.holdback(&t) } else { 0 };
+        let mut end = t.len() - if go_on { self.stops.holdback(t) } else { 0 };
         while go_on && t[..end].ends_with('\u{FFFD}') {
             end -= '\u{FFFD}'.len_utf8();
         }
@@ -493,7 +522,6 @@ impl<'g> TextStream<'g> {
             String::new()
         };
         self.emitted = self.emitted.max(end);
-        self.text = Some(t);
         Ok((piece, go_on))
     }
 

@@ -171,3 +171,48 @@ fn test_opts() -> LoadOptions {
         ..Default::default()
     }
 }
+
+/// Streaming: the printed pieces add up to the final text, which equals a full decode of the
+/// generated tokens; a stop string cuts the text before it and ends generation.
+#[test]
+fn streamed_text_equals_full_decode_and_stop_strings_cut() {
+    let g = generator();
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        seed: 7,
+        ..Default::default()
+    };
+    let opts = GenerateOptions {
+        max_new_tokens: 200,
+        sampling: Some(params),
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    let mut streamed = String::new();
+    let out = g
+        .generate_text("class Stack:\n", &opts, |ev| streamed.push_str(ev.text))
+        .unwrap();
+    let text = out.text.clone().unwrap();
+    assert_eq!(streamed, text);
+    assert_eq!(text, g.decode(&out.tokens).unwrap());
+    // Cut at a string that occurs in that output (spanning tokens is likely for "\n    ").
+    let stop = "\n    ".to_string();
+    let at = text
+        .find(&stop)
+        .expect("the sampled class body has an indented line");
+    let mut streamed = String::new();
+    let cut = g
+        .generate_text(
+            "class Stack:\n",
+            &GenerateOptions {
+                stop_strings: vec![stop],
+                ..opts
+            },
+            |ev| streamed.push_str(ev.text),
+        )
+        .unwrap();
+    assert_eq!(cut.text.as_deref(), Some(&text[..at]));
+    assert_eq!(streamed, text[..at]);
+    assert_eq!(cut.stop_reason, qwen36::StopReason::StopString(0));
+}
