@@ -55,24 +55,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dt_bias = (Tensor::rand(0f32, 1.0, HV, &dev)? - 3.0)?;
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
-    let cases: [(&str, usize, usize, bool); 7] = [
-        ("decode B=1", 1, 1, false),
-        ("decode B=8", 8, 1, false),
-        ("decode B=64", 64, 1, false),
-        ("verify B=1 T=4 (keep states)", 1, 4, true),
-        ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false),
-        ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false),
-        ("verify B=8 T=4 (keep states)", 8, 4, true),
+    // (name, batch, tokens, keep every state, chunked)
+    let cases: [(&str, usize, usize, bool, bool); 10] = [
+        ("decode B=1", 1, 1, false, false),
+        ("decode B=8", 8, 1, false, false),
+        ("decode B=64", 64, 1, false, false),
+        ("verify B=1 T=4 (keep states)", 1, 4, true, false),
+        ("verify B=8 T=4 (keep states)", 8, 4, true, false),
+        (
+            "prefill B=1 T=1024 (token-by-token kernel)",
+            1,
+            1024,
+            false,
+            false,
+        ),
+        (
+            "prefill B=1 T=8192 (token-by-token kernel)",
+            1,
+            8192,
+            false,
+            false,
+        ),
+        ("prefill B=1 T=1024 (chunked kernels)", 1, 1024, false, true),
+        ("prefill B=1 T=8192 (chunked kernels)", 1, 8192, false, true),
+        ("prefill B=1 T=32768 (chunked kernels)", 1, 32768, false, true),
     ];
-    for (name, b, t, keep) in cases {
+    for (name, b, t, keep, chunked) in cases {
         let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &dev)?.to_dtype(DType::BF16)?;
         let a = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let bb = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let s0 = Tensor::randn(0f32, 0.1, (b, HV, D, D), &dev)?;
-        let mode = DeltaRuleMode::Recurrent {
-            keep_all_states: keep,
+        let mode = if chunked {
+            DeltaRuleMode::Chunked
+        } else {
+            DeltaRuleMode::Recurrent {
+                keep_all_states: keep,
+            }
         };
-        let iters = if t > 1000 { 3 } else { 200 };
+        let iters = if t > 1000 { 5 } else { 200 };
         let s = time(&dev, iters, || {
             fused_gated_delta_rule(&qkv, &a, &bb, &a_log, &dt_bias, Some(&s0), heads, mode)
                 .map(|_| ())

@@ -157,6 +157,183 @@ fn launch_recurrent<T: CudaDType>(
     })
 }
 
+/// Chunk length of the chunked kernels (cuda/gdn.cu `CH`) and their largest key dim.
+const CHUNK: usize = 64;
+const CHUNK_MAX_DK: usize = 128;
+
+/// Runs the two chunked kernels (prep per chunk, then the scan over chunks); same inputs as
+/// [`launch_recurrent`], no intermediate states.
+#[allow(clippy::too_many_arguments)]
+fn launch_chunked<T: CudaDType>(
+    op: &'static str,
+    prep_name: &str,
+    d: Launch,
+    q: (&Tensor, usize),
+    k: (&Tensor, usize),
+    v: (&Tensor, usize),
+    strides: (usize, usize),
+    ga: &Tensor,
+    gb: &Tensor,
+    a_log: Option<&Tensor>,
+    dt_bias: Option<&Tensor>,
+    state: Option<&Tensor>,
+    scale: f32,
+) -> Result<DeltaRuleOutput> {
+    let dev = device(op, q.0)?;
+    let (qs, ql) = q.0.storage_and_layout();
+    let (ks, kl) = k.0.storage_and_layout();
+    let (vs, vl) = v.0.storage_and_layout();
+    let (gas, gal) = ga.storage_and_layout();
+    let (gbs, gbl) = gb.storage_and_layout();
+    let qv = view::<T>(op, &qs, ql)?.slice(q.1..);
+    let kv = view::<T>(op, &ks, kl)?.slice(k.1..);
+    let vv = view::<T>(op, &vs, vl)?.slice(v.1..);
+    let gav = view::<T>(op, &gas, gal)?;
+    let gbv = view::<T>(op, &gbs, gbl)?;
+    let null = 0u64;
+    let params = match (a_log, dt_bias) {
+        (Some(a), Some(b)) => Some((a.storage_and_layout(), b.storage_and_layout())),
+        _ => None,
+    };
+    let param_views = match &params {
+        Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
+        None => None,
+    };
+    let s0 = state.map(|s| s.storage_and_layout());
+    let s0v = match &s0 {
+        Some((s, l)) => Some(view::<f32>(op, s, l)?),
+        None => None,
+    };
+    let nc = d.t.div_ceil(CHUNK);
+    let nb = d.b * d.hv * nc;
+    let rows = nb * CHUNK;
+    // Scratch: U [rows, dv], W, Qt, Kt [rows, dk], P [rows, CHUNK], gL [nb].
+    let sizes = [
+        rows * d.dv,
+        rows * d.dk,
+        rows * d.dk,
+        rows * d.dk,
+        rows * CHUNK,
+        nb,
+    ];
+    // SAFETY: uninitialised; the prep kernel writes every element of every part (rows past the
+    // sequence end as zeros) before the scan kernel reads them.
+    let scratch = unsafe { dev.alloc::<f32>(sizes.iter().sum())? };
+    let mut parts = Vec::with_capacity(sizes.len());
+    let mut off = 0;
+    for n in sizes {
+        parts.push(scratch.slice(off..off + n));
+        off += n;
+    }
+    let eps = 1e-6f32;
+    let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+    {
+        let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
+        let mut lb = func.builder();
+        let (qk_stride, v_stride) = (strides.0 as i64, strides.1 as i64);
+        lb.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&qk_stride)
+            .arg(&v_stride)
+            .arg(&gav)
+            .arg(&gbv);
+        match &param_views {
+            Some((a, b)) => lb.arg(a).arg(b),
+            None => lb.arg(&null).arg(&null),
+        };
+        for p in &parts {
+            lb.arg(p);
+        }
+        for x in &dims {
+            lb.arg(x);
+        }
+        lb.arg(&scale).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (nb as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (inputs as for the recurrent
+        // kernel, then the six scratch parts of the sizes above, i32 dims, f32 scale and eps).
+        unsafe { lb.launch(cfg) }.w()?;
+    }
+    // SAFETY: uninitialised; the scan writes every output row and the whole final state.
+    let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
+    let s_final = unsafe { dev.alloc::<f32>(d.b * d.hv * d.dk * d.dv)? };
+    {
+        let name = format!(
+            "gdn_chunk_scan_r{}",
+            rows_variant("chunked_gated_delta_rule", d.dk)?
+        );
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut lb = func.builder();
+        for p in &parts {
+            lb.arg(p);
+        }
+        match &s0v {
+            Some(s) => lb.arg(s),
+            None => lb.arg(&null),
+        };
+        lb.arg(&out).arg(&s_final);
+        let scan_dims = [d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+        for x in &scan_dims {
+            lb.arg(x);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((d.b * d.hv * d.dv.div_ceil(BV)) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `gdn_chunk_scan_r*`: the six scratch parts written above, the
+        // initial state or null, fresh outputs of the sizes it writes, then i32 dims.
+        unsafe { lb.launch(cfg) }.w()?;
+    }
+    Ok(DeltaRuleOutput {
+        out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
+        state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
+        all_states: None,
+    })
+}
+
+/// CUDA twin of `chunked_gated_delta_rule` (f32 inputs): the chunked kernels for dk <= 128, the
+/// token-by-token kernel otherwise.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chunked(
+    d: Launch,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: Option<&Tensor>,
+    scale: f32,
+) -> Result<DeltaRuleOutput> {
+    if d.dk > CHUNK_MAX_DK {
+        return recurrent(d, q, k, v, g, beta, state, scale, false);
+    }
+    let op = "chunked_gated_delta_rule";
+    let f = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+    let (q, k, v, g, beta) = (f(q)?, f(k)?, f(v)?, f(g)?, f(beta)?);
+    let state = state.map(f).transpose()?;
+    let strides = (d.hk * d.dk, d.hv * d.dv);
+    launch_chunked::<f32>(
+        op,
+        "gdn_chunk_prep_f32",
+        d,
+        (&q, 0),
+        (&k, 0),
+        (&v, 0),
+        strides,
+        &g,
+        &beta,
+        None,
+        None,
+        state.as_ref(),
+        scale,
+    )
+}
+
 /// CUDA twin of `recurrent_gated_delta_rule` (f32 inputs; shapes checked by the caller).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn recurrent(
@@ -206,6 +383,7 @@ pub(crate) fn fused(
     dt_bias: &Tensor,
     state: Option<&Tensor>,
     keep_all_states: bool,
+    chunked: bool,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule";
     let dt = qkv.dtype();
@@ -220,24 +398,44 @@ pub(crate) fn fused(
     let kd = d.hk * d.dk;
     let row = 2 * kd + d.hv * d.dv;
     let scale = (d.dk as f32).powf(-0.5);
+    let use_chunks = chunked && !keep_all_states && d.dk <= CHUNK_MAX_DK;
+    let prep = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);
     macro_rules! go {
         ($t:ty) => {
-            launch_recurrent::<$t>(
-                op,
-                name,
-                d,
-                (&qkv, 0),
-                (&qkv, kd),
-                (&qkv, 2 * kd),
-                (row, row),
-                &a,
-                &b,
-                Some(&a_log),
-                Some(&dt_bias),
-                state.as_ref(),
-                scale,
-                keep_all_states,
-            )
+            if use_chunks {
+                launch_chunked::<$t>(
+                    op,
+                    &prep,
+                    d,
+                    (&qkv, 0),
+                    (&qkv, kd),
+                    (&qkv, 2 * kd),
+                    (row, row),
+                    &a,
+                    &b,
+                    Some(&a_log),
+                    Some(&dt_bias),
+                    state.as_ref(),
+                    scale,
+                )
+            } else {
+                launch_recurrent::<$t>(
+                    op,
+                    name,
+                    d,
+                    (&qkv, 0),
+                    (&qkv, kd),
+                    (&qkv, 2 * kd),
+                    (row, row),
+                    &a,
+                    &b,
+                    Some(&a_log),
+                    Some(&dt_bias),
+                    state.as_ref(),
+                    scale,
+                    keep_all_states,
+                )
+            }
         };
     }
     match dt {

@@ -275,11 +275,9 @@ pub fn chunked_gated_delta_rule(
             msg: "chunk_size must be positive".into(),
         });
     }
-    // CUDA runs prefill through the token-by-token kernel for now (exact, slower than a chunked
-    // kernel for long prompts).
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return crate::cuda::recurrent(d, q, k, v, g, beta, initial_state, scale, false);
+        return crate::cuda::chunked(d, q, k, v, g, beta, initial_state, scale);
     }
     let x = Host::new(d, q, k, v, g, beta, initial_state)?;
     let (dk, dv) = (d.dk, d.dv);
@@ -468,7 +466,8 @@ pub fn fused_gated_delta_rule(
             dk,
             dv,
         };
-        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep);
+        let chunked = mode == DeltaRuleMode::Chunked;
+        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep, chunked);
     }
     let q = crate::norm::l2_norm(&q, 1e-6)?;
     let k = crate::norm::l2_norm(&k, 1e-6)?;
