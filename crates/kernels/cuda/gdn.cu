@@ -380,9 +380,8 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
                                       gL, T, Hk, Hv, dk, dv, scale, eps);                                      \
     }
 CHUNK_PREP(gdn_chunk_prep_f32, float, float, false)
-CHUNK_PREP(gdn_chunk_prep_fused_f32, float, float, true)
-CHUNK_PREP(gdn_chunk_prep_fused_bf16, __nv_bfloat16, __nv_bfloat16, true)
-CHUNK_PREP(gdn_chunk_prep_fused_f16, __half, __half, true)
+// Fused variants (raw q/k and a/b, like gdn_fused_*) are one line each once the scan is fast
+// enough for the model to use the chunked path: CHUNK_PREP(gdn_chunk_prep_fused_bf16, ...).
 
 template <int ROWS>
 __device__ void gdn_chunk_scan(const float* __restrict__ U, const float* __restrict__ W,

@@ -383,7 +383,6 @@ pub(crate) fn fused(
     dt_bias: &Tensor,
     state: Option<&Tensor>,
     keep_all_states: bool,
-    chunked: bool,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule";
     let dt = qkv.dtype();
@@ -398,44 +397,24 @@ pub(crate) fn fused(
     let kd = d.hk * d.dk;
     let row = 2 * kd + d.hv * d.dv;
     let scale = (d.dk as f32).powf(-0.5);
-    let use_chunks = chunked && !keep_all_states && d.dk <= CHUNK_MAX_DK;
-    let prep = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);
     macro_rules! go {
         ($t:ty) => {
-            if use_chunks {
-                launch_chunked::<$t>(
-                    op,
-                    &prep,
-                    d,
-                    (&qkv, 0),
-                    (&qkv, kd),
-                    (&qkv, 2 * kd),
-                    (row, row),
-                    &a,
-                    &b,
-                    Some(&a_log),
-                    Some(&dt_bias),
-                    state.as_ref(),
-                    scale,
-                )
-            } else {
-                launch_recurrent::<$t>(
-                    op,
-                    name,
-                    d,
-                    (&qkv, 0),
-                    (&qkv, kd),
-                    (&qkv, 2 * kd),
-                    (row, row),
-                    &a,
-                    &b,
-                    Some(&a_log),
-                    Some(&dt_bias),
-                    state.as_ref(),
-                    scale,
-                    keep_all_states,
-                )
-            }
+            launch_recurrent::<$t>(
+                op,
+                name,
+                d,
+                (&qkv, 0),
+                (&qkv, kd),
+                (&qkv, 2 * kd),
+                (row, row),
+                &a,
+                &b,
+                Some(&a_log),
+                Some(&dt_bias),
+                state.as_ref(),
+                scale,
+                keep_all_states,
+            )
         };
     }
     match dt {

@@ -466,8 +466,9 @@ pub fn fused_gated_delta_rule(
             dk,
             dv,
         };
-        let chunked = mode == DeltaRuleMode::Chunked;
-        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep, chunked);
+        // Prefill too runs the fused token-by-token kernel on CUDA: it is 1.6x faster than our
+        // chunked kernels today (docs/BENCHMARKS.md, run 3); `chunked_gated_delta_rule` keeps them.
+        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep);
     }
     let q = crate::norm::l2_norm(&q, 1e-6)?;
     let k = crate::norm::l2_norm(&k, 1e-6)?;
