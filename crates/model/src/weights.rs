@@ -34,9 +34,17 @@ impl Default for LoadOptions {
 
 /// An opened checkpoint with its language-model name prefix resolved.
 pub struct Weights {
-    st: MmapedSafetensors,
+    source: Source,
     prefix: &'static str,
     opts: LoadOptions,
+}
+
+enum Source {
+    Files(MmapedSafetensors),
+    /// Every tensor exists and is made on request; `std` is the spread of the random matrices.
+    Random {
+        std: f64,
+    },
 }
 
 const PREFIXES: [&str; 2] = ["model.language_model.", "model."];
@@ -58,7 +66,23 @@ impl Weights {
                     dir.display()
                 ))
             })?;
-        Ok(Self { st, prefix, opts })
+        Ok(Self {
+            source: Source::Files(st),
+            prefix,
+            opts,
+        })
+    }
+
+    /// A stand-in checkpoint with every tensor present and random, made on `opts.device` when a
+    /// layer asks for it (seed the device for repeatable values). Matrices are N(0, 0.02²) like
+    /// HF's initialiser; norms are the identity, `A_log` ≈ 0 and `dt_bias` = 1, so activations
+    /// stay finite through any depth. For benchmarks: the outputs are meaningless.
+    pub fn random(opts: LoadOptions) -> Self {
+        Self {
+            source: Source::Random { std: 0.02 },
+            prefix: PREFIXES[1],
+            opts,
+        }
     }
 
     /// The prefix of language-model tensors in this checkpoint.
@@ -73,7 +97,10 @@ impl Weights {
 
     /// Whether a top-level tensor exists (e.g. `lm_head.weight`, `mtp.fc.weight`).
     pub fn contains(&self, name: &str) -> bool {
-        self.st.get(name).is_ok()
+        match &self.source {
+            Source::Files(st) => st.get(name).is_ok(),
+            Source::Random { .. } => true,
+        }
     }
 
     /// The full name of a language-model tensor (`name` relative to the prefix).
@@ -88,10 +115,11 @@ impl Weights {
 
     /// A tensor by its full name, checked against `shape`, converted to `dtype`.
     pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let view = self
-            .st
-            .get(name)
-            .map_err(|_| Error::MissingTensor(name.to_string()))?;
+        let st = match &self.source {
+            Source::Files(st) => st,
+            Source::Random { std } => return random_tensor(name, shape, dtype, *std, &self.opts.device),
+        };
+        let view = st.get(name).map_err(|_| Error::MissingTensor(name.to_string()))?;
         if view.shape() != shape {
             return Err(Error::TensorShape {
                 name: name.to_string(),
@@ -106,6 +134,19 @@ impl Weights {
         }
         Ok(t)
     }
+}
+
+/// A random stand-in for tensor `name`: (1+w) norms get w = 0, the GDN gated norm (plain w) and
+/// `dt_bias` get ones, `A_log` zeros, everything else N(0, std²).
+fn random_tensor(name: &str, shape: &[usize], dtype: DType, std: f64, dev: &Device) -> Result<Tensor> {
+    let t = if name.ends_with("linear_attn.norm.weight") || name.ends_with("dt_bias") {
+        Tensor::ones(shape, dtype, dev)?
+    } else if name.contains("norm") || name.ends_with("A_log") {
+        Tensor::zeros(shape, dtype, dev)?
+    } else {
+        Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(dtype)?
+    };
+    Ok(t)
 }
 
 /// The weight files of a checkpoint directory, each checked to exist.

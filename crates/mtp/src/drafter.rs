@@ -41,14 +41,11 @@ impl<'m> MtpDrafter<'m> {
         }
     }
 
-    fn argmax_last(&self, d: &Tensor) -> Result<(Tensor, u32)> {
+    /// The last position of `d: [1, len, hidden]` and its greedy token `[1, 1]` (u32), left on the
+    /// device so the chain needs no host round trip.
+    fn argmax_last(&self, d: &Tensor) -> Result<(Tensor, Tensor)> {
         let last = d.narrow(1, d.dim(1)? - 1, 1)?;
-        let tok = self
-            .model
-            .logits(&last)?
-            .argmax(D::Minus1)?
-            .flatten_all()?
-            .to_vec1::<u32>()?[0];
+        let tok = self.model.logits(&last)?.argmax_keepdim(D::Minus1)?.squeeze(2)?;
         Ok((last, tok))
     }
 }
@@ -70,14 +67,16 @@ impl Drafter for MtpDrafter<'_> {
             .head
             .forward(self.model, ctx.new_hidden, &next, &mut self.cache, 0)?;
         let (mut last, mut tok) = self.argmax_last(&d)?;
-        let mut drafts = vec![tok];
+        let mut drafts = vec![tok.clone()];
         for step in 1..k {
-            let t = Tensor::new(&[[tok]], dev)?;
-            let d = self.head.forward(self.model, &last, &t, &mut self.cache, step)?;
+            let d = self
+                .head
+                .forward(self.model, &last, &tok, &mut self.cache, step)?;
             (last, tok) = self.argmax_last(&d)?;
-            drafts.push(tok);
+            drafts.push(tok.clone());
         }
-        Ok(drafts)
+        // The only host synchronisation of the chain.
+        Ok(Tensor::cat(&drafts, 1)?.flatten_all()?.to_vec1::<u32>()?)
     }
 
     fn reset(&mut self) {

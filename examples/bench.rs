@@ -1,0 +1,494 @@
+//! End-to-end speed of a Qwen3.6 model: prefill, decode and MTP cycles, each against the
+//! hardware limit measured in the same run.
+//!
+//! ```text
+//! # Qwen3.6-27B shapes, random bf16 weights made on the GPU (no files needed):
+//! cargo run --release --features cuda --example bench -- --cuda
+//! # a real checkpoint, or the bundled model on CPU:
+//! cargo run --release --features cuda --example bench -- --cuda --model DIR
+//! cargo run --release --example bench -- --model models/qwen36-tiny --prefill 64,256 --dtype f32
+//! ```
+//! Rows: prefill tok/s (FLOPs against the measured bf16 GEMM rate), decode ms/token at each
+//! prefill's context, and the MTP cycle (k drafts + a verify of k+1 tokens) for k = 1..4 (bytes
+//! against the measured copy bandwidth). Peak memory per row is the CUDA pool's high-water mark.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, D};
+use clap::Parser;
+use qwen36::model::{LayerType, MtpHead, Weights};
+use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
+use qwen36::{Cache, Config, LoadOptions, Qwen36Model};
+
+#[derive(Parser, Debug)]
+#[command(about = "Time prefill, decode and MTP cycles of a Qwen3.6 model")]
+struct Args {
+    /// config.json to build with random weights (default: Qwen3.6-27B's).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A checkpoint directory to load instead of random weights.
+    #[arg(long, conflicts_with = "config")]
+    model: Option<PathBuf>,
+    /// Keep only the first N decoder layers (quick runs; the table then describes that model).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Prompt lengths; decode and MTP rows run at each of these contexts.
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768")]
+    prefill: Vec<usize>,
+    /// Decode steps timed per context.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    /// MTP cycles timed per k (k = 1..=max_k, at the first prefill length's context).
+    #[arg(long, default_value_t = 8)]
+    mtp_cycles: usize,
+    #[arg(long, default_value_t = 4)]
+    max_k: usize,
+    /// Activation and weight dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Run on the first CUDA GPU (needs --features cuda).
+    #[arg(long)]
+    cuda: bool,
+    /// Print the table as one JSON object too.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Bytes and FLOPs one forward must move or do, from the config alone.
+struct Cost {
+    /// Linear weights read by one forward of the main model (embedding excluded, lm_head included).
+    weight_bytes: f64,
+    /// Weights of one MTP draft step: the MTP layer, its fc, and lm_head.
+    draft_bytes: f64,
+    /// Linear parameters applied to every prompt token (no lm_head: prefill scores one position).
+    prefill_params: f64,
+    elt: f64,
+    cfg: Config,
+}
+
+impl Cost {
+    fn new(cfg: &Config, elt: usize) -> Self {
+        let h = cfg.hidden_size as f64;
+        let g = cfg.gdn();
+        let (hv, dv, conv) = (g.num_v_heads as f64, g.v_head_dim as f64, g.conv_dim() as f64);
+        let gdn = h * (conv + hv * dv + 2.0 * hv) + hv * dv * h + conv * g.conv_kernel as f64;
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads as f64,
+            cfg.num_key_value_heads as f64,
+            cfg.head_dim as f64,
+        );
+        let attn = h * (2.0 * nh * hd + 2.0 * nkv * hd) + nh * hd * h;
+        let mlp = 3.0 * h * cfg.intermediate_size as f64;
+        let n_attn = cfg
+            .layer_types
+            .iter()
+            .filter(|t| matches!(t, LayerType::FullAttention))
+            .count() as f64;
+        let n_gdn = cfg.num_hidden_layers as f64 - n_attn;
+        let layers = n_gdn * (gdn + mlp) + n_attn * (attn + mlp);
+        let lm_head = cfg.vocab_size as f64 * h;
+        let mtp_layer = 2.0 * h * h + attn + mlp;
+        let elt_f = elt as f64;
+        Self {
+            weight_bytes: (layers + lm_head) * elt_f,
+            draft_bytes: (mtp_layer + lm_head) * elt_f,
+            prefill_params: layers,
+            elt: elt_f,
+            cfg: cfg.clone(),
+        }
+    }
+
+    fn n_attn(&self) -> f64 {
+        self.cfg
+            .layer_types
+            .iter()
+            .filter(|t| matches!(t, LayerType::FullAttention))
+            .count() as f64
+    }
+
+    /// K and V read by `tokens` new positions attending over `ctx` cached ones (all layers).
+    fn kv_bytes(&self, ctx: usize) -> f64 {
+        let c = &self.cfg;
+        self.n_attn() * 2.0 * (c.num_key_value_heads * c.head_dim * ctx) as f64 * self.elt
+    }
+
+    /// f32 GDN state traffic of a pass over `t` tokens keeping `kept` states (read once, written
+    /// `kept` times: 1 for decode, t for a verify).
+    fn state_bytes(&self, kept: usize) -> f64 {
+        let g = self.cfg.gdn();
+        let n_gdn = self.cfg.num_hidden_layers as f64 - self.n_attn();
+        n_gdn * (1 + kept) as f64 * (g.num_v_heads * g.k_head_dim * g.v_head_dim * 4) as f64
+    }
+
+    /// FLOPs of a `t`-token prefill: linear layers plus causal attention (QKᵀ and PV).
+    fn prefill_flops(&self, t: usize) -> f64 {
+        let c = &self.cfg;
+        let t = t as f64;
+        let attn = self.n_attn() * 2.0 * 2.0 * (c.num_attention_heads * c.head_dim) as f64 * t * t / 2.0;
+        2.0 * self.prefill_params * t + attn
+    }
+}
+
+/// One table row.
+struct Row {
+    what: String,
+    ms: f64,
+    /// tok/s for prefill rows.
+    rate: Option<f64>,
+    /// What the limit is computed from, and the time at the limit.
+    limit: String,
+    limit_ms: f64,
+    peak_gb: Option<f64>,
+}
+
+fn main() -> anyhow_like::Result<()> {
+    let args = Args::parse();
+    let device = if args.cuda {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    };
+    let dtype = match args.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
+    };
+    let opts = LoadOptions {
+        dtype,
+        device: device.clone(),
+        check_finite: false,
+    };
+    let (mut cfg, weights) = match &args.model {
+        Some(dir) => (
+            Config::from_file(dir.join("config.json"))?,
+            Weights::open(dir, opts)?,
+        ),
+        None => {
+            let path = args.config.clone().unwrap_or_else(|| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/configs/qwen3.6-27b.json")
+            });
+            device.set_seed(0)?;
+            (Config::from_file(&path)?, Weights::random(opts))
+        }
+    };
+    if let Some(n) = args.layers {
+        cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
+        cfg.layer_types.truncate(cfg.num_hidden_layers);
+    }
+    let max_ctx =
+        args.prefill.iter().max().copied().unwrap_or(0) + args.decode_steps + 5 * args.mtp_cycles * 2;
+    cfg.max_position_embeddings = cfg.max_position_embeddings.max(max_ctx);
+
+    let (copy_bw, gemm_rate) = (copy_bandwidth(&device, dtype)?, gemm_rate(&device, dtype)?);
+    eprintln!(
+        "measured: copy {:.2} TB/s (read + write), {dtype:?} GEMM {:.0} TFLOP/s",
+        copy_bw / 1e12,
+        gemm_rate / 1e12
+    );
+
+    let t0 = Instant::now();
+    let model = Qwen36Model::from_weights(cfg.clone(), &weights)?;
+    let head = if MtpHead::present(&weights) && cfg.mtp_num_hidden_layers > 0 {
+        Some(MtpHead::load(&cfg, &weights)?)
+    } else {
+        None
+    };
+    device.synchronize()?;
+    eprintln!(
+        "model ready in {:.1} s ({} layers, MTP head: {})",
+        t0.elapsed().as_secs_f64(),
+        cfg.num_hidden_layers,
+        head.is_some()
+    );
+    let cost = Cost::new(&cfg, dtype.size_in_bytes());
+    let mut rows = Vec::new();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next_id = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % cfg.vocab_size as u64) as u32
+    };
+
+    for (i, &t) in args.prefill.iter().enumerate() {
+        // Prefill.
+        let prompt: Vec<u32> = (0..t).map(|_| next_id()).collect();
+        let ids = Tensor::new(prompt.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+        let mut cache = model.new_cache(1)?;
+        if i == 0 {
+            // Warm-up: loads every kernel module once (first calls cost up to 100 ms each).
+            let mut warm = model.new_cache(1)?;
+            model.forward_last(&ids.narrow(1, 0, t.min(64))?, &mut warm)?;
+            device.synchronize()?;
+        }
+        reset_peak(&device);
+        let mut start = Instant::now();
+        let hidden = model.forward_hidden(&ids, &mut cache)?;
+        let last = hidden.narrow(1, t - 1, 1)?;
+        let mut tok = greedy(&model, &last)?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let flops = cost.prefill_flops(t);
+        rows.push(Row {
+            what: format!("prefill {t}"),
+            ms,
+            rate: Some(t as f64 / ms * 1e3),
+            limit: format!("{:.1} TFLOP at the GEMM rate", flops / 1e12),
+            limit_ms: flops / gemm_rate * 1e3,
+            peak_gb: peak_gb(&device),
+        });
+        drop(hidden);
+
+        // Decode: a real greedy loop (the sampled id goes through the host each step).
+        let mut tokens = prompt;
+        let mut last = last;
+        for step in 0..args.decode_steps + 2 {
+            if step == 2 {
+                device.synchronize()?;
+                reset_peak(&device);
+                start = Instant::now();
+            }
+            tokens.push(tok);
+            (last, tok) = decode_step(&model, tok, &mut cache)?;
+        }
+        let ms = start.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64;
+        let bytes = cost.weight_bytes + cost.kv_bytes(t) + cost.state_bytes(1);
+        rows.push(Row {
+            what: format!("decode @{t}"),
+            ms,
+            rate: None,
+            limit: format!("{:.1} GB at copy bw", bytes / 1e9),
+            limit_ms: bytes / copy_bw * 1e3,
+            peak_gb: peak_gb(&device),
+        });
+
+        // MTP cycles at the first context.
+        let Some(head) = head.as_ref().filter(|_| i == 0) else {
+            continue;
+        };
+        tokens.push(tok);
+        for k in 1..=args.max_k {
+            let mut drafter = MtpDrafter::new(&model, head);
+            let mut new_hidden = last.clone();
+            let mut timed = 0.0;
+            for cycle in 0..args.mtp_cycles + 1 {
+                device.synchronize()?;
+                if cycle == 1 {
+                    reset_peak(&device);
+                }
+                let start = Instant::now();
+                let ctx = DraftContext {
+                    tokens: &tokens,
+                    new_hidden: &new_hidden,
+                };
+                let drafts = drafter.propose(&ctx, k)?;
+                let mut verify = vec![*tokens.last().expect("a token")];
+                verify.extend(&drafts);
+                let ids = Tensor::new(verify.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+                let h = model.forward_verify(&ids, &mut cache)?;
+                let target = model
+                    .logits(&h)?
+                    .argmax(D::Minus1)?
+                    .flatten_all()?
+                    .to_vec1::<u32>()?;
+                // Keep every draft (random weights accept nothing; the cost does not depend on it).
+                cache.commit(verify.len())?;
+                tokens.extend(&drafts);
+                tokens.push(target[target.len() - 1]);
+                new_hidden = h;
+                if cycle > 0 {
+                    timed += start.elapsed().as_secs_f64();
+                }
+            }
+            let ms = timed * 1e3 / args.mtp_cycles as f64;
+            let ctx = tokens.len();
+            let bytes = cost.weight_bytes
+                + cost.kv_bytes(ctx)
+                + cost.state_bytes(k + 1)
+                + k as f64 * cost.draft_bytes;
+            rows.push(Row {
+                what: format!("MTP cycle k={k} @{t}"),
+                ms,
+                rate: None,
+                limit: format!("{:.1} GB at copy bw", bytes / 1e9),
+                limit_ms: bytes / copy_bw * 1e3,
+                peak_gb: peak_gb(&device),
+            });
+        }
+    }
+
+    print_table(&rows, args.max_k);
+    if args.json {
+        let rows_json: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"row": r.what, "ms": r.ms, "tok_per_s": r.rate, "limit": r.limit,
+                "limit_ms": r.limit_ms, "ratio": r.ms / r.limit_ms, "peak_gb": r.peak_gb})
+            })
+            .collect();
+        let j = serde_json::json!({"copy_tb_s": copy_bw / 1e12, "gemm_tflop_s": gemm_rate / 1e12,
+            "layers": cfg.num_hidden_layers, "dtype": args.dtype, "rows": rows_json});
+        println!("{j}");
+    }
+    Ok(())
+}
+
+/// One greedy decode step from host token `tok`: returns the new final-norm hidden state and token.
+fn decode_step(model: &Qwen36Model, tok: u32, cache: &mut Cache) -> qwen36::model::Result<(Tensor, u32)> {
+    let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
+    let h = model.forward_hidden(&ids, cache)?;
+    let next = greedy(model, &h)?;
+    Ok((h, next))
+}
+
+/// Argmax of the logits of `hidden: [1, 1, hidden]`, read back to the host.
+fn greedy(model: &Qwen36Model, hidden: &Tensor) -> qwen36::model::Result<u32> {
+    Ok(model
+        .logits(hidden)?
+        .argmax(D::Minus1)?
+        .flatten_all()?
+        .to_vec1::<u32>()?[0])
+}
+
+fn print_table(rows: &[Row], max_k: usize) {
+    println!("| row | time | tok/s | limit | time at limit | measured / limit | peak GB |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {:.2} ms | {} | {} | {:.2} ms | {:.2}× | {} |",
+            r.what,
+            r.ms,
+            r.rate.map(|x| format!("{x:.0}")).unwrap_or_else(|| "-".into()),
+            r.limit,
+            r.limit_ms,
+            r.ms / r.limit_ms,
+            r.peak_gb.map(|g| format!("{g:.1}")).unwrap_or_else(|| "-".into()),
+        );
+    }
+    let cycles: Vec<&Row> = rows.iter().filter(|r| r.what.starts_with("MTP")).collect();
+    if cycles.is_empty() {
+        return;
+    }
+    println!("\nProjected tok/s = accepted length / cycle time:\n");
+    println!("| k | cycle | at 2.0 | at 2.5 | at 3.0 |");
+    println!("|---|---|---|---|---|");
+    for (k, r) in (1..=max_k).zip(cycles) {
+        let at = |a: f64| {
+            if a > (k + 1) as f64 {
+                "-".to_string()
+            } else {
+                format!("{:.0}", a / r.ms * 1e3)
+            }
+        };
+        println!(
+            "| {k} | {:.2} ms | {} | {} | {} |",
+            r.ms,
+            at(2.0),
+            at(2.5),
+            at(3.0)
+        );
+    }
+}
+
+/// Device-to-device copy rate, counting read + write, of a 2 GiB (CPU: 256 MiB) buffer.
+fn copy_bandwidth(dev: &Device, dtype: DType) -> candle_core::Result<f64> {
+    let n = if dev.is_cpu() { 1 << 27 } else { 1 << 30 } / dtype.size_in_bytes() * 2;
+    let x = Tensor::zeros(n, dtype, dev)?;
+    let mut copies = Vec::new();
+    for _ in 0..2 {
+        copies.push(x.copy()?);
+    }
+    dev.synchronize()?;
+    drop(copies);
+    let reps = 10;
+    let start = Instant::now();
+    for _ in 0..reps {
+        let _ = x.copy()?;
+    }
+    dev.synchronize()?;
+    let s = start.elapsed().as_secs_f64() / reps as f64;
+    Ok(2.0 * (n * dtype.size_in_bytes()) as f64 / s)
+}
+
+/// Square GEMM rate in FLOP/s (8192³ on a GPU, 1024³ on CPU).
+fn gemm_rate(dev: &Device, dtype: DType) -> candle_core::Result<f64> {
+    let n = if dev.is_cpu() { 1024 } else { 8192 };
+    let a = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    let _ = a.matmul(&b)?;
+    dev.synchronize()?;
+    let reps = if dev.is_cpu() { 2 } else { 10 };
+    let start = Instant::now();
+    for _ in 0..reps {
+        let _ = a.matmul(&b)?;
+    }
+    dev.synchronize()?;
+    let s = start.elapsed().as_secs_f64() / reps as f64;
+    Ok(2.0 * (n * n * n) as f64 / s)
+}
+
+#[cfg(feature = "cuda")]
+fn with_pool<R>(
+    dev: &Device,
+    f: impl FnOnce(candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool) -> Option<R>,
+) -> Option<R> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let Device::Cuda(cd) = dev else { return None };
+    let stream = cd.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().ok()?;
+    // SAFETY: `cu_device` comes from a live context, as `get_default_mem_pool` requires.
+    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()?;
+    f(pool)
+}
+
+/// Resets the high-water mark of the device's default memory pool (candle allocates from it).
+fn reset_peak(dev: &Device) {
+    #[cfg(feature = "cuda")]
+    with_pool(dev, |pool| {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let mut zero: u64 = 0;
+        // SAFETY: the pool is valid and USED_MEM_HIGH takes a u64 (reset by writing 0).
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut _,
+            )
+        }
+        .ok()
+    });
+    let _ = dev;
+}
+
+/// The pool's high-water mark since the last reset, in GB (None on CPU).
+fn peak_gb(dev: &Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    {
+        with_pool(dev, |pool| {
+            use candle_core::cuda_backend::cudarc::driver::{result, sys};
+            let mut v: u64 = 0;
+            // SAFETY: the pool is valid and USED_MEM_HIGH is a u64 attribute.
+            unsafe {
+                result::mem_pool::get_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut v as *mut u64 as *mut _,
+                )
+            }
+            .ok()?;
+            Some(v as f64 / 1e9)
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dev;
+        None
+    }
+}
+
+/// Errors of any kind, printed by `main`.
+mod anyhow_like {
+    pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+}
