@@ -144,11 +144,7 @@ struct Row {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
-    let device = if args.cuda {
-        Device::new_cuda(0)?
-    } else {
-        Device::Cpu
-    };
+    let device = if args.cuda { cuda_device()? } else { Device::Cpu };
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
@@ -263,6 +259,34 @@ fn main() -> anyhow_like::Result<()> {
             peak_gb: peak_gb(&device),
         });
 
+        #[cfg(feature = "cuda")]
+        if args.cuda {
+            // The same loop with GDN layers replayed from CUDA graphs.
+            let mut graph = qwen36::model::DecodeGraph::new(&device, 1)?;
+            for step in 0..args.decode_steps + 2 {
+                if step == 2 {
+                    device.synchronize()?;
+                    reset_peak(&device);
+                    start = Instant::now();
+                }
+                tokens.push(tok);
+                let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
+                last = model.forward_hidden_graphed(&ids, &mut cache, &mut graph)?;
+                tok = greedy(&model, &last)?;
+            }
+            let ms = start.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64;
+            let ctx = tokens.len();
+            let bytes = cost.weight_bytes + cost.kv_bytes(ctx) + cost.state_bytes(1);
+            rows.push(Row {
+                what: format!("decode @{t}, CUDA graphs"),
+                ms,
+                rate: None,
+                limit: format!("{:.1} GB at copy bw", bytes / 1e9),
+                limit_ms: bytes / copy_bw * 1e3,
+                peak_gb: peak_gb(&device),
+            });
+        }
+
         // MTP cycles at the first context.
         let Some(head) = head.as_ref().filter(|_| i == 0) else {
             continue;
@@ -334,6 +358,14 @@ fn main() -> anyhow_like::Result<()> {
     Ok(())
 }
 
+/// A CUDA device that can record graphs (needs the `cuda` feature).
+fn cuda_device() -> qwen36::model::Result<Device> {
+    #[cfg(feature = "cuda")]
+    return qwen36::model::graph_device(0);
+    #[cfg(not(feature = "cuda"))]
+    Ok(Device::new_cuda(0)?)
+}
+
 /// One greedy decode step from host token `tok`: returns the new final-norm hidden state and token.
 fn decode_step(model: &Qwen36Model, tok: u32, cache: &mut Cache) -> qwen36::model::Result<(Tensor, u32)> {
     let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
@@ -391,8 +423,26 @@ fn print_table(rows: &[Row], max_k: usize) {
     }
 }
 
-/// Device-to-device copy rate, counting read + write, of a 2 GiB (CPU: 256 MiB) buffer.
+/// Device-to-device copy rate, counting read + write, of a 2 GiB (CPU: 256 MiB) buffer: the
+/// driver's memcpy on a GPU (candle's copy kernel reaches less), a tensor copy on CPU.
 fn copy_bandwidth(dev: &Device, dtype: DType) -> candle_core::Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cd) = dev {
+        let stream = cd.cuda_stream();
+        let n = 1usize << 31;
+        let w = candle_core::Error::wrap;
+        let src = stream.alloc_zeros::<u8>(n).map_err(w)?;
+        let mut dst = stream.alloc_zeros::<u8>(n).map_err(w)?;
+        stream.memcpy_dtod(&src, &mut dst).map_err(w)?;
+        stream.synchronize().map_err(w)?;
+        let reps = 10;
+        let start = Instant::now();
+        for _ in 0..reps {
+            stream.memcpy_dtod(&src, &mut dst).map_err(w)?;
+        }
+        stream.synchronize().map_err(w)?;
+        return Ok(2.0 * n as f64 * reps as f64 / start.elapsed().as_secs_f64());
+    }
     let n = if dev.is_cpu() { 1 << 27 } else { 1 << 30 } / dtype.size_in_bytes() * 2;
     let x = Tensor::zeros(n, dtype, dev)?;
     let mut copies = Vec::new();

@@ -253,7 +253,7 @@ impl GatedDeltaNet {
             }
             _ => None,
         };
-        state.update(conv_state, r.state, t);
+        state.update(conv_state, r.state, t)?;
 
         let z = z.reshape((b, t, c.num_v_heads, c.v_head_dim))?;
         let y = self.norm.forward(&r.out, &z, x.dtype())?.reshape((b, t, vd))?;
@@ -338,6 +338,37 @@ mod tests {
         s.reset()?;
         assert_eq!(s.recurrent().dtype(), DType::F32);
         assert_eq!(max_diff(&l.forward(&b, &mut s)?, &b_alone), 0.0);
+        Ok(())
+    }
+
+    /// In-place mode (what CUDA graphs need): forward, verify + commit and reset give bit-identical
+    /// results to the replacing mode, and the buffers never move.
+    #[test]
+    fn in_place_state_matches_and_keeps_its_buffers() -> Result<()> {
+        let l = layer(5);
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (2, 3, 24), &dev)?;
+        let mut plain = l.new_state(2, DType::F32, DType::F32)?;
+        let mut pinned = l.new_state(2, DType::F32, DType::F32)?;
+        pinned.set_in_place()?;
+        let ids = |s: &GdnState| (s.conv().id(), s.recurrent().id());
+        let before = ids(&pinned);
+        assert_eq!(
+            max_diff(&l.forward(&x, &mut plain)?, &l.forward(&x, &mut pinned)?),
+            0.0
+        );
+        let (yp, cp) = l.forward_verify(&v, &mut plain)?;
+        let (yq, cq) = l.forward_verify(&v, &mut pinned)?;
+        assert_eq!(max_diff(&yp, &yq), 0.0);
+        plain.commit(&cp, 2)?;
+        pinned.commit(&cq, 2)?;
+        assert_eq!(max_diff(plain.recurrent(), pinned.recurrent()), 0.0);
+        assert_eq!(max_diff(plain.conv(), pinned.conv()), 0.0);
+        assert_eq!(plain.seen(), pinned.seen());
+        pinned.reset()?;
+        assert_eq!(pinned.recurrent().abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        assert_eq!(ids(&pinned), before);
         Ok(())
     }
 

@@ -9,14 +9,17 @@ use crate::{Error, GdnConfig, Result};
 /// * `conv`: the last `K-1` raw (pre-conv) inputs, `[batch, conv_dim, K-1]`, activation dtype;
 /// * `recurrent`: `[batch, Hv, dk, dv]`, always f32.
 ///
-/// Tensors are replaced, never written in place, so a `clone()` is an exact snapshot (cheap: it
-/// shares storage) and restoring one is an exact rollback.
+/// By default tensors are replaced, never written in place, so a `clone()` is an exact snapshot
+/// (cheap: it shares storage) and restoring one is an exact rollback. [`Self::set_in_place`]
+/// switches to writing into the same buffers instead, which a recorded CUDA graph needs (it bakes
+/// in the addresses); a clone is then no longer a snapshot.
 #[derive(Debug, Clone)]
 pub struct GdnState {
     conv: Tensor,
     recurrent: Tensor,
     /// Tokens seen since the last reset.
     seen: usize,
+    in_place: bool,
 }
 
 impl GdnState {
@@ -40,6 +43,7 @@ impl GdnState {
                 device,
             )?,
             seen: 0,
+            in_place: false,
         })
     }
 
@@ -60,15 +64,43 @@ impl GdnState {
             conv,
             recurrent,
             seen,
+            in_place: false,
         })
     }
 
     /// Zeroes both parts: the next call starts a new sequence.
     pub fn reset(&mut self) -> Result<()> {
-        self.conv = self.conv.zeros_like()?;
-        self.recurrent = self.recurrent.zeros_like()?;
+        if self.in_place {
+            self.conv.zero_set()?;
+            self.recurrent.zero_set()?;
+        } else {
+            self.conv = self.conv.zeros_like()?;
+            self.recurrent = self.recurrent.zeros_like()?;
+        }
         self.seen = 0;
         Ok(())
+    }
+
+    /// Whether updates write into the existing buffers (see the type's docs).
+    pub fn in_place(&self) -> bool {
+        self.in_place
+    }
+
+    /// From now on, write every update into the current buffers (made contiguous and private to
+    /// this state first), so their device addresses never change.
+    pub fn set_in_place(&mut self) -> Result<()> {
+        if !self.in_place {
+            self.conv = self.conv.copy()?;
+            self.recurrent = self.recurrent.copy()?;
+            self.in_place = true;
+        }
+        Ok(())
+    }
+
+    /// Counts `tokens` more tokens as seen: for a caller that replays a recorded update (a CUDA
+    /// graph) whose host-side bookkeeping did not run.
+    pub fn advance(&mut self, tokens: usize) {
+        self.seen += tokens;
     }
 
     /// The conv window `[batch, conv_dim, K-1]`.
@@ -96,20 +128,28 @@ impl GdnState {
             )));
         }
         let hist = self.conv.dim(2)?;
-        self.recurrent = checkpoints
-            .states
-            .narrow(1, keep - 1, 1)?
-            .squeeze(1)?
-            .contiguous()?;
-        self.conv = checkpoints.window.narrow(2, keep, hist)?.contiguous()?;
+        let recurrent = checkpoints.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
+        let conv = checkpoints.window.narrow(2, keep, hist)?;
+        self.set(conv, recurrent)?;
         self.seen = checkpoints.seen_before + keep;
         Ok(())
     }
 
-    pub(crate) fn update(&mut self, conv: Tensor, recurrent: Tensor, tokens: usize) {
+    pub(crate) fn update(&mut self, conv: Tensor, recurrent: Tensor, tokens: usize) -> Result<()> {
         debug_assert_eq!(recurrent.dtype(), DType::F32);
-        self.conv = conv;
-        self.recurrent = recurrent;
+        self.set(conv, recurrent)?;
         self.seen += tokens;
+        Ok(())
+    }
+
+    fn set(&mut self, conv: Tensor, recurrent: Tensor) -> Result<()> {
+        if self.in_place {
+            self.conv.slice_set(&conv.contiguous()?, 0, 0)?;
+            self.recurrent.slice_set(&recurrent.contiguous()?, 0, 0)?;
+        } else {
+            self.conv = conv.contiguous()?;
+            self.recurrent = recurrent.contiguous()?;
+        }
+        Ok(())
     }
 }

@@ -8,6 +8,8 @@ mod attention;
 mod cache;
 mod config;
 mod error;
+#[cfg(feature = "cuda")]
+mod graph;
 mod kv_cache;
 mod model;
 mod mtp_head;
@@ -17,6 +19,8 @@ pub use attention::GatedAttention;
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use error::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use graph::{graph_device, DecodeGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{MtpCache, MtpHead};

@@ -315,6 +315,57 @@ impl Qwen36Model {
         Ok(self.norm.forward(&x)?)
     }
 
+    /// [`Self::forward_hidden`] for one-token steps (`ids: [batch, 1]`) with every run of GDN
+    /// layers replayed from a CUDA graph that `graph` records on first use (see [`DecodeGraph`]).
+    /// Bit-identical to the eager path; the cache's GDN states switch to in-place updates.
+    ///
+    /// [`DecodeGraph`]: crate::DecodeGraph
+    #[cfg(feature = "cuda")]
+    pub fn forward_hidden_graphed(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        graph: &mut crate::DecodeGraph,
+    ) -> Result<Tensor> {
+        let (b, t) = self.check_input(ids, cache)?;
+        if t != 1 || b != graph.batch() {
+            return Err(Error::Input(format!(
+                "a graphed step takes ids [{}, 1], found [{b}, {t}]",
+                graph.batch()
+            )));
+        }
+        graph.bind(cache)?;
+        cache.pending = None;
+        let ids = ids.to_device(&self.device)?;
+        let mut x = self.embed.forward(&ids)?;
+        let n = self.layers.len();
+        let mut i = 0;
+        while i < n {
+            let end = (i..n)
+                .find(|&l| !matches!(self.layers[l].mixer, Mixer::Gdn(_)))
+                .unwrap_or(n);
+            if end == i {
+                x = self.layers[i]
+                    .forward(&x, &mut cache.layers[i], &self.rope, false)?
+                    .0;
+                i += 1;
+                continue;
+            }
+            x = graph.run_segment(i..end, &x, cache, |x, cache| {
+                let mut x = x.clone();
+                for l in i..end {
+                    x = self.layers[l]
+                        .forward(&x, &mut cache.layers[l], &self.rope, false)?
+                        .0;
+                }
+                Ok(x)
+            })?;
+            i = end;
+        }
+        cache.seq_len += 1;
+        Ok(self.norm.forward(&x)?)
+    }
+
     /// lm_head over hidden states `[..., hidden]`; logits in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)

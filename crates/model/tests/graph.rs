@@ -1,0 +1,120 @@
+//! CUDA-graph decode against the eager path on the bundled model (GPU only: scripts/gpu-check).
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, D};
+use qwen36_model::{graph_device, Cache, DecodeGraph, LoadOptions, Qwen36Model};
+use qwen36_testutil::max_abs_diff;
+
+fn model(dtype: DType) -> (Qwen36Model, Device) {
+    let dev = graph_device(0).expect("a CUDA device");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny");
+    let opts = LoadOptions {
+        dtype,
+        device: dev.clone(),
+        check_finite: true,
+    };
+    (Qwen36Model::load(dir, opts).unwrap(), dev)
+}
+
+fn ids(tokens: &[u32]) -> Tensor {
+    Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+}
+
+fn greedy(m: &Qwen36Model, h: &Tensor) -> u32 {
+    let last = h.narrow(1, h.dim(1).unwrap() - 1, 1).unwrap();
+    m.logits(&last)
+        .unwrap()
+        .argmax(D::Minus1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap()[0]
+}
+
+/// `steps` greedy steps from `tok` on both caches, eager on `a`, graphed on `b`; returns the
+/// largest hidden-state difference and the last token (the paths must agree on every token).
+fn steps(
+    m: &Qwen36Model,
+    a: &mut Cache,
+    b: &mut Cache,
+    g: &mut DecodeGraph,
+    mut tok: u32,
+    n: usize,
+) -> (f32, u32) {
+    let mut worst = 0f32;
+    for _ in 0..n {
+        let ha = m.forward_hidden(&ids(&[tok]), a).unwrap();
+        let hb = m.forward_hidden_graphed(&ids(&[tok]), b, g).unwrap();
+        worst = worst.max(max_abs_diff(&ha, &hb));
+        let (ta, tb) = (greedy(m, &ha), greedy(m, &hb));
+        assert_eq!(ta, tb);
+        tok = ta;
+    }
+    (worst, tok)
+}
+
+/// Graphed steps equal eager ones (f32 and bf16) through: the first recording, replays, an eager
+/// verify + commit in between (states stay in their buffers), a reset and a new sequence, and a
+/// second cache (the graphs re-record for its buffers). Tolerance 0 in f32 would hold unless
+/// cuBLAS picks another algorithm under capture; 1e-5 (f32) / 1e-2 (bf16, one ulp at |h|≈4) bounds that.
+#[test]
+fn graphed_decode_equals_eager() {
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-2)] {
+        let (m, dev) = model(dtype);
+        let mut g = DecodeGraph::new(&dev, 1).unwrap();
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 97 + 11) % 4000).collect();
+        let (mut a, mut b) = (m.new_cache(1).unwrap(), m.new_cache(1).unwrap());
+        let tok = greedy(&m, &m.forward_hidden(&ids(&prompt), &mut a).unwrap());
+        m.forward_hidden(&ids(&prompt), &mut b).unwrap();
+        let (d1, tok) = steps(&m, &mut a, &mut b, &mut g, tok, 12);
+        assert_eq!(g.recorded(), 3, "the tiny model has three runs of GDN layers");
+
+        // An eager verify of 3 tokens keeping 2, on both caches.
+        let v = ids(&[tok, 5, 6]);
+        m.forward_verify(&v, &mut a).unwrap();
+        m.forward_verify(&v, &mut b).unwrap();
+        a.commit(2).unwrap();
+        b.commit(2).unwrap();
+        let (d2, _) = steps(&m, &mut a, &mut b, &mut g, 6, 8);
+
+        // Reset and a new sequence: equal to a fresh cache.
+        b.reset().unwrap();
+        let mut fresh = m.new_cache(1).unwrap();
+        let tok = greedy(&m, &m.forward_hidden(&ids(&prompt[..20]), &mut fresh).unwrap());
+        m.forward_hidden(&ids(&prompt[..20]), &mut b).unwrap();
+        let (d3, _) = steps(&m, &mut fresh, &mut b, &mut g, tok, 8);
+
+        // Another cache with the same recorder.
+        let (mut c, mut e) = (m.new_cache(1).unwrap(), m.new_cache(1).unwrap());
+        m.forward_hidden(&ids(&prompt), &mut c).unwrap();
+        m.forward_hidden(&ids(&prompt), &mut e).unwrap();
+        let (d4, _) = steps(&m, &mut e, &mut c, &mut g, tok, 8);
+        assert_eq!(c.seq_len(), e.seq_len());
+        for (x, y) in c.layers().iter().zip(e.layers()) {
+            if let (qwen36_model::LayerCache::Gdn(x), qwen36_model::LayerCache::Gdn(y)) = (x, y) {
+                assert_eq!(x.seen(), y.seen());
+            }
+        }
+        let worst = d1.max(d2).max(d3).max(d4);
+        println!("{dtype:?}: max |graphed - eager| = {d1:e} {d2:e} {d3:e} {d4:e}");
+        assert!(worst <= tol, "{dtype:?}: {worst}");
+    }
+}
+
+/// Prompts (more than one token per step) and non-CUDA devices are refused with typed errors.
+#[test]
+fn graph_misuse_is_an_error() {
+    let (m, dev) = model(DType::F32);
+    let mut g = DecodeGraph::new(&dev, 1).unwrap();
+    let mut c = m.new_cache(1).unwrap();
+    let e = m
+        .forward_hidden_graphed(&ids(&[1, 2]), &mut c, &mut g)
+        .unwrap_err();
+    assert!(e.to_string().contains("[1, 1]"), "{e}");
+    assert!(DecodeGraph::new(&Device::Cpu, 1).is_err());
+    let e = DecodeGraph::new(&Device::new_cuda(0).unwrap(), 1).err().unwrap();
+    assert!(e.to_string().contains("graph_device"), "{e}");
+}
