@@ -1,28 +1,32 @@
-//! With the `cuda` feature: compiles cuda/*.cu to PTX with nvcc (from $NVCC or PATH) for
+//! With the `cuda` feature: compiles cuda/{gdn,norm}.cu to PTX with nvcc (from $NVCC or PATH) for
 //! compute capability $CUDA_COMPUTE_CAP (default 80: the PTX then also JIT-compiles for Hopper).
 use std::{env, path::PathBuf, process::Command};
 
 fn main() {
-    println!("cargo:rerun-if-changed=cuda/gdn.cu");
+    for f in ["cuda/common.cuh", "cuda/gdn.cu", "cuda/norm.cu"] {
+        println!("cargo:rerun-if-changed={f}");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("gdn.ptx");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    let status = Command::new(&nvcc)
-        .args([
-            "--ptx",
-            "-O3",
-            "-std=c++17",
-            &format!("-arch=compute_{cap}"),
-            "-o",
-        ])
-        .arg(&out)
-        .arg("cuda/gdn.cu")
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {nvcc} (the cuda feature needs a CUDA toolkit): {e}"));
-    assert!(status.success(), "nvcc failed on cuda/gdn.cu");
+    for name in ["gdn", "norm"] {
+        let status = Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                &format!("-arch=compute_{cap}"),
+                "-o",
+            ])
+            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(format!("cuda/{name}.cu"))
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {nvcc} (the cuda feature needs a CUDA toolkit): {e}"));
+        assert!(status.success(), "nvcc failed on cuda/{name}.cu");
+    }
 }

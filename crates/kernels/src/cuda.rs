@@ -1,4 +1,4 @@
-//! CUDA launches of `cuda/gdn.cu` (compiled to PTX by build.rs). Same signatures as the CPU
+//! CUDA launches of `cuda/gdn.cu` and `cuda/norm.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -476,6 +476,158 @@ pub(crate) fn conv1d(
             // per output element of y and of the new state.
             unsafe { lb.launch(LaunchConfig::for_num_elems(n)) }.w()?;
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
+const NORM_MODULE: &str = "qwen36_norm";
+/// Threads per block of the norm kernels (one block per row).
+const NORM_THREADS: u32 = 256;
+
+fn norm_launch(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// CUDA twin of `RmsNorm::forward` (`residual: None`) and `RmsNorm::forward_residual`: rows of
+/// `x` (plus `residual`, same shape and dtype), f32 `scale: [D]`. Returns `(y, Some(x + residual))`.
+pub(crate) fn rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = "rms_norm";
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    let d = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / d.max(1);
+    if let Some(r) = residual {
+        if r.dims() != x.dims() || r.dtype() != dt {
+            return Err(err(
+                op,
+                format!(
+                    "residual {:?} {:?} must match x {:?} {dt:?}",
+                    r.dims(),
+                    r.dtype(),
+                    x.dims()
+                ),
+            ));
+        }
+    }
+    let x = x.contiguous()?;
+    let res = residual.map(|r| r.contiguous()).transpose()?;
+    let scale = scale.to_dtype(DType::F32)?.contiguous()?;
+    if scale.elem_count() != d {
+        return Err(err(
+            op,
+            format!("scale has {} elements for rows of {d}", scale.elem_count()),
+        ));
+    }
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ss, sl) = scale.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let sv = view::<f32>(op, &ss, sl)?;
+            let rs = res.as_ref().map(|r| r.storage_and_layout());
+            let rv = match &rs {
+                Some((s, l)) => Some(view::<$t>(op, s, l)?),
+                None => None,
+            };
+            // SAFETY: uninitialised; the kernel writes every element of y (and of sum).
+            let y = unsafe { dev.alloc::<$t>(rows * d)? };
+            let sum = match rv {
+                Some(_) => Some(unsafe { dev.alloc::<$t>(rows * d)? }),
+                None => None,
+            };
+            let func = dev.get_or_load_custom_func(
+                &format!("rms_norm_{}", dtype_suffix(op, dt)?),
+                NORM_MODULE,
+                NORM_PTX,
+            )?;
+            let mut lb = func.builder();
+            let null = 0u64;
+            lb.arg(&xv);
+            match (&rv, &sum) {
+                (Some(r), Some(s)) => lb.arg(r).arg(s),
+                _ => lb.arg(&null).arg(&null),
+            };
+            let (d32, eps32) = (d as i32, eps as f32);
+            lb.arg(&sv).arg(&y).arg(&d32).arg(&eps32);
+            if rows > 0 {
+                // SAFETY: arguments match `rms_norm_*` in cuda/norm.cu: x [rows·d], residual and
+                // sum [rows·d] (or both null), scale [d] f32, y [rows·d], i32 d, f32 eps; one
+                // block per row.
+                unsafe { lb.launch(norm_launch(rows)) }.w()?;
+            }
+            let shape = x.shape().clone();
+            Ok((wrap(y, &dev, shape.clone()), sum.map(|s| wrap(s, &dev, shape))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+/// CUDA twin of `GatedRmsNorm::forward` for an f32 `x` and a gate `z` (same shape) already in the
+/// output dtype; `weight: [D]` f32.
+pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = "gated_rms_norm";
+    let dt = z.dtype();
+    let dev = device(op, x)?;
+    let d = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / d.max(1);
+    if x.dtype() != DType::F32 || z.dims() != x.dims() || weight.elem_count() != d {
+        return Err(err(
+            op,
+            format!(
+                "x {:?} {:?} must be f32, z {:?} the same shape, weight [{d}]",
+                x.dims(),
+                x.dtype(),
+                z.dims()
+            ),
+        ));
+    }
+    let (x, z) = (x.contiguous()?, z.contiguous()?);
+    let w = weight.to_dtype(DType::F32)?.contiguous()?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (zs, zl) = z.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = view::<f32>(op, &xs, xl)?;
+            let zv = view::<$t>(op, &zs, zl)?;
+            let wv = view::<f32>(op, &ws, wl)?;
+            // SAFETY: uninitialised; the kernel writes every element.
+            let y = unsafe { dev.alloc::<$t>(rows * d)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("gated_rms_norm_{}", dtype_suffix(op, dt)?),
+                NORM_MODULE,
+                NORM_PTX,
+            )?;
+            let mut lb = func.builder();
+            let (d32, eps32) = (d as i32, eps as f32);
+            lb.arg(&xv).arg(&zv).arg(&wv).arg(&y).arg(&d32).arg(&eps32);
+            if rows > 0 {
+                // SAFETY: arguments match `gated_rms_norm_*` in cuda/norm.cu: x [rows·d] f32, z
+                // [rows·d], w [d] f32, y [rows·d], i32 d, f32 eps; one block per row.
+                unsafe { lb.launch(norm_launch(rows)) }.w()?;
+            }
+            Ok(wrap(y, &dev, x.shape().clone()))
         }};
     }
     match dt {

@@ -39,12 +39,21 @@ impl RmsNorm {
 
     /// Normalises over the last dim; `x: [..., dim]`, output in `x`'s dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return Ok(crate::cuda::rms_norm(x, None, &self.scale, self.eps)?.0);
+        }
         let y = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.scale)?;
         Ok(y.to_dtype(x.dtype())?)
     }
 
     /// `forward(x + residual)`, also returning the sum (the new residual stream).
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && x.dims() == residual.dims() && x.dtype() == residual.dtype() {
+            let (y, sum) = crate::cuda::rms_norm(x, Some(residual), &self.scale, self.eps)?;
+            return Ok((y, sum.expect("a residual gives a sum")));
+        }
         let sum = (x + residual)?;
         Ok((self.forward(&sum)?, sum))
     }
@@ -69,6 +78,10 @@ impl GatedRmsNorm {
     /// `x, z: [..., dim]`; the output has `out_dtype`. `x` may be f32 (the GDN read-out) to avoid
     /// an f16 overflow before normalisation (ARCHITECTURE §6 pitfall 3).
     pub fn forward(&self, x: &Tensor, z: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && x.dtype() == DType::F32 && z.dtype() == out_dtype && z.dims() == x.dims() {
+            return crate::cuda::gated_rms_norm(x, z, &self.weight, self.eps);
+        }
         let n = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.weight)?;
         let gate = candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?;
         Ok((n * gate)?.to_dtype(out_dtype)?)

@@ -138,3 +138,55 @@ fn conv1d_matches_cpu() {
         }
     }
 }
+
+/// The (1+w) RMSNorm, its residual-add form and the gated norm against the CPU reference in each
+/// dtype. Both compute in f32 and round once; the GPU sums in another order and uses 1/sqrtf, so
+/// f32 agrees to ~1e-6 relative and half types to one ulp of the output (bf16 2^-7, f16 2^-10
+/// relative). The residual sum is one rounding of an exact f32 sum on both sides: equal.
+#[test]
+fn norms_match_cpu() {
+    use qwen36_kernels::norm::{GatedRmsNorm, RmsNorm};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [
+        (DType::F32, 2e-6f32),
+        (DType::BF16, 2f32.powi(-7)),
+        (DType::F16, 2f32.powi(-10)),
+    ] {
+        for dim in [64usize, 128, 5120] {
+            let x = Tensor::randn(0f32, 2.0, (3, 5, dim), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let r = Tensor::randn(0f32, 2.0, (3, 5, dim), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let w = Tensor::randn(0f32, 0.3, dim, &cpu).unwrap();
+            let (norm_c, norm_g) = (
+                RmsNorm::zero_centred(&w, 1e-6).unwrap(),
+                RmsNorm::zero_centred(&w.to_device(&d).unwrap(), 1e-6).unwrap(),
+            );
+            let (xg, rg) = (x.to_device(&d).unwrap(), r.to_device(&d).unwrap());
+            let e = max_row_rel_err(&norm_g.forward(&xg).unwrap(), &norm_c.forward(&x).unwrap());
+            assert!(e <= tol, "{dt:?} {dim}: rms_norm {e}");
+            let (yc, sc) = norm_c.forward_residual(&x, &r).unwrap();
+            let (yg, sg) = norm_g.forward_residual(&xg, &rg).unwrap();
+            assert_eq!(max_diff(&sc, &sg), 0.0, "{dt:?} {dim}: residual sum");
+            let e = max_row_rel_err(&yg, &yc);
+            assert!(e <= tol, "{dt:?} {dim}: residual rms_norm {e}");
+
+            let o = Tensor::randn(0f32, 0.1, (3, 5, dim), &cpu).unwrap();
+            let (gated_c, gated_g) = (
+                GatedRmsNorm::new(&w, 1e-6).unwrap(),
+                GatedRmsNorm::new(&w.to_device(&d).unwrap(), 1e-6).unwrap(),
+            );
+            let yc = gated_c.forward(&o, &r, dt).unwrap();
+            let yg = gated_g.forward(&o.to_device(&d).unwrap(), &rg, dt).unwrap();
+            assert_eq!(yg.dtype(), dt);
+            let e = max_row_rel_err(&yg, &yc);
+            assert!(e <= tol, "{dt:?} {dim}: gated {e}");
+        }
+    }
+}

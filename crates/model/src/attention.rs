@@ -116,13 +116,15 @@ impl GatedAttention {
         let g = nh / nkv;
         let q = q.contiguous()?.reshape((b, nkv, g * tb, hd))?;
         let scale = (hd as f64).powf(-0.5);
-        let scores = (q.matmul(&k.t()?.contiguous()?)?.to_dtype(DType::F32)? * scale)?;
+        // K and V stay views into the cache buffer: both matmul backends take the per-head row
+        // stride and the transposed K as they are (copying them cost O(context) per step).
+        let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
         let scores = match causal_mask(tb, pos0, visible, g, q.device())? {
             Some(mask) => scores.broadcast_add(&mask)?,
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-        let out = probs.matmul(&v.contiguous()?)?; // [b, nkv, g·tb, hd]
+        let out = probs.matmul(&v)?; // [b, nkv, g·tb, hd]
         Ok(out.reshape((b, nh, tb, hd))?)
     }
 }

@@ -1,0 +1,78 @@
+// CUDA twins of the RMSNorm variants in src/norm.rs: one block per row, sums in f32, one rounding
+// at the output (the reference rounds the same way: f32 math, then a cast). Built to PTX by build.rs.
+#include "common.cuh"
+
+constexpr int NORM_THREADS = 256;
+
+// Sum of `v` over the block (NORM_THREADS threads); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[NORM_THREADS / 32];
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < NORM_THREADS / 32 ? part[lane] : 0.f;
+    t = warp_sum(t);
+    __syncthreads();  // `part` may be reused by a later call
+    return t;
+}
+
+// y = s * rsqrt(mean(s^2) + eps) * scale, s = x (+ res, rounded to T and written to sum when res
+// is given). Rows of D elements, contiguous.
+template <typename T>
+__device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ sum,
+                         const float* __restrict__ scale, T* __restrict__ y, int D, float eps) {
+    const size_t row = (size_t)blockIdx.x * D;
+    x += row;
+    y += row;
+    if (res) {
+        res += row;
+        sum += row;
+    }
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
+        float v = to_f(x[i]);
+        if (res) {
+            const T s = from_f<T>(v + to_f(res[i]));
+            sum[i] = s;
+            v = to_f(s);
+        }
+        acc += v * v;
+    }
+    const float inv = 1.f / sqrtf(block_sum(acc) / D + eps);
+    for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
+        // Re-read what this thread wrote (or read) above: same thread, so no barrier is needed.
+        const float v = res ? to_f(sum[i]) : to_f(x[i]);
+        y[i] = from_f<T>(v * inv * scale[i]);
+    }
+}
+
+// y = (x * rsqrt(mean(x^2) + eps) * w) * silu(z): GDN's gated norm; x is the f32 delta-rule output.
+template <typename T>
+__device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict__ z, const float* __restrict__ w,
+                               T* __restrict__ y, int D, float eps) {
+    const size_t row = (size_t)blockIdx.x * D;
+    x += row;
+    z += row;
+    y += row;
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < D; i += NORM_THREADS) acc += x[i] * x[i];
+    const float inv = 1.f / sqrtf(block_sum(acc) / D + eps);
+    for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
+        const float g = to_f(z[i]);
+        y[i] = from_f<T>(x[i] * inv * w[i] * (g / (1.f + expf(-g))));
+    }
+}
+
+#define NORM_KERNELS(SUFFIX, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
+        rms_norm_##SUFFIX(const T* x, const T* res, T* sum, const float* scale, T* y, int D, float eps) { \
+        rms_norm<T>(x, res, sum, scale, y, D, eps);                                                      \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
+        gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int D, float eps) {     \
+        gated_rms_norm<T>(x, z, w, y, D, eps);                                                           \
+    }
+NORM_KERNELS(f32, float)
+NORM_KERNELS(bf16, __nv_bfloat16)
+NORM_KERNELS(f16, __half)
