@@ -121,12 +121,31 @@ impl Cost {
         n_gdn * (1 + kept) as f64 * (g.num_v_heads * g.k_head_dim * g.v_head_dim * 4) as f64
     }
 
+    /// Bytes of one decode step at context `ctx`: weights, K/V, one GDN state update.
+    fn decode_bytes(&self, ctx: usize) -> f64 {
+        self.weight_bytes + self.kv_bytes(ctx) + self.state_bytes(1)
+    }
+
     /// FLOPs of a `t`-token prefill: linear layers plus causal attention (QKᵀ and PV).
     fn prefill_flops(&self, t: usize) -> f64 {
         let c = &self.cfg;
         let t = t as f64;
         let attn = self.n_attn() * 2.0 * 2.0 * (c.num_attention_heads * c.head_dim) as f64 * t * t / 2.0;
         2.0 * self.prefill_params * t + attn
+    }
+}
+
+impl Row {
+    /// A memory-bound row: `bytes` moved at `copy_bw` is the limit.
+    fn bytes(what: String, ms: f64, bytes: f64, copy_bw: f64, dev: &Device) -> Self {
+        Self {
+            what,
+            ms,
+            rate: None,
+            limit: format!("{:.1} GB at copy bw", bytes / 1e9),
+            limit_ms: bytes / copy_bw * 1e3,
+            peak_gb: peak_gb(dev),
+        }
     }
 }
 
@@ -220,7 +239,7 @@ fn main() -> anyhow_like::Result<()> {
             device.synchronize()?;
         }
         reset_peak(&device);
-        let mut start = Instant::now();
+        let start = Instant::now();
         let hidden = model.forward_hidden(&ids, &mut cache)?;
         let last = hidden.narrow(1, t - 1, 1)?;
         let mut tok = greedy(&model, &last)?;
@@ -236,55 +255,38 @@ fn main() -> anyhow_like::Result<()> {
         });
         drop(hidden);
 
-        // Decode: a real greedy loop (the sampled id goes through the host each step).
+        // Decode: a real greedy loop (the sampled id goes through the host each step), eager,
+        // then with GDN layers replayed from CUDA graphs.
         let mut tokens = prompt;
         let mut last = last;
-        for step in 0..args.decode_steps + 2 {
-            if step == 2 {
-                device.synchronize()?;
-                reset_peak(&device);
-                start = Instant::now();
-            }
-            tokens.push(tok);
-            (last, tok) = decode_step(&model, tok, &mut cache)?;
-        }
-        let ms = start.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64;
-        let bytes = cost.weight_bytes + cost.kv_bytes(t) + cost.state_bytes(1);
-        rows.push(Row {
-            what: format!("decode @{t}"),
+        let ms = decode_loop(&device, args.decode_steps, &mut tokens, &mut tok, |tok| {
+            let (h, next) = decode_step(&model, tok, &mut cache)?;
+            last = h;
+            Ok(next)
+        })?;
+        rows.push(Row::bytes(
+            format!("decode @{t}"),
             ms,
-            rate: None,
-            limit: format!("{:.1} GB at copy bw", bytes / 1e9),
-            limit_ms: bytes / copy_bw * 1e3,
-            peak_gb: peak_gb(&device),
-        });
-
+            cost.decode_bytes(t),
+            copy_bw,
+            &device,
+        ));
         #[cfg(feature = "cuda")]
         if args.cuda {
-            // The same loop with GDN layers replayed from CUDA graphs.
             let mut graph = qwen36::model::DecodeGraph::new(&device, 1)?;
-            for step in 0..args.decode_steps + 2 {
-                if step == 2 {
-                    device.synchronize()?;
-                    reset_peak(&device);
-                    start = Instant::now();
-                }
-                tokens.push(tok);
+            let ms = decode_loop(&device, args.decode_steps, &mut tokens, &mut tok, |tok| {
                 let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
                 last = model.forward_hidden_graphed(&ids, &mut cache, &mut graph)?;
-                tok = greedy(&model, &last)?;
-            }
-            let ms = start.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64;
-            let ctx = tokens.len();
-            let bytes = cost.weight_bytes + cost.kv_bytes(ctx) + cost.state_bytes(1);
-            rows.push(Row {
-                what: format!("decode @{t}, CUDA graphs"),
+                greedy(&model, &last)
+            })?;
+            let what = format!("decode @{t}, CUDA graphs");
+            rows.push(Row::bytes(
+                what,
                 ms,
-                rate: None,
-                limit: format!("{:.1} GB at copy bw", bytes / 1e9),
-                limit_ms: bytes / copy_bw * 1e3,
-                peak_gb: peak_gb(&device),
-            });
+                cost.decode_bytes(tokens.len()),
+                copy_bw,
+                &device,
+            ));
         }
 
         // MTP cycles at the first context.
@@ -326,19 +328,17 @@ fn main() -> anyhow_like::Result<()> {
                 }
             }
             let ms = timed * 1e3 / args.mtp_cycles as f64;
-            let ctx = tokens.len();
             let bytes = cost.weight_bytes
-                + cost.kv_bytes(ctx)
+                + cost.kv_bytes(tokens.len())
                 + cost.state_bytes(k + 1)
                 + k as f64 * cost.draft_bytes;
-            rows.push(Row {
-                what: format!("MTP cycle k={k} @{t}"),
+            rows.push(Row::bytes(
+                format!("MTP cycle k={k} @{t}"),
                 ms,
-                rate: None,
-                limit: format!("{:.1} GB at copy bw", bytes / 1e9),
-                limit_ms: bytes / copy_bw * 1e3,
-                peak_gb: peak_gb(&device),
-            });
+                bytes,
+                copy_bw,
+                &device,
+            ));
         }
     }
 
@@ -364,6 +364,28 @@ fn cuda_device() -> qwen36::model::Result<Device> {
     return qwen36::model::graph_device(0);
     #[cfg(not(feature = "cuda"))]
     Ok(Device::new_cuda(0)?)
+}
+
+/// Runs `steps` + 2 greedy steps through `step` (token in, next token out), appending each input to
+/// `tokens`; returns the mean ms of the last `steps` (the first two warm up and record graphs).
+fn decode_loop(
+    dev: &Device,
+    steps: usize,
+    tokens: &mut Vec<u32>,
+    tok: &mut u32,
+    mut step: impl FnMut(u32) -> qwen36::model::Result<u32>,
+) -> qwen36::model::Result<f64> {
+    let mut start = Instant::now();
+    for i in 0..steps + 2 {
+        if i == 2 {
+            dev.synchronize()?;
+            reset_peak(dev);
+            start = Instant::now();
+        }
+        tokens.push(*tok);
+        *tok = step(*tok)?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
 }
 
 /// One greedy decode step from host token `tok`: returns the new final-norm hidden state and token.
@@ -433,32 +455,29 @@ fn copy_bandwidth(dev: &Device, dtype: DType) -> candle_core::Result<f64> {
         let w = candle_core::Error::wrap;
         let src = stream.alloc_zeros::<u8>(n).map_err(w)?;
         let mut dst = stream.alloc_zeros::<u8>(n).map_err(w)?;
-        stream.memcpy_dtod(&src, &mut dst).map_err(w)?;
-        stream.synchronize().map_err(w)?;
-        let reps = 10;
-        let start = Instant::now();
-        for _ in 0..reps {
-            stream.memcpy_dtod(&src, &mut dst).map_err(w)?;
-        }
-        stream.synchronize().map_err(w)?;
-        return Ok(2.0 * n as f64 * reps as f64 / start.elapsed().as_secs_f64());
+        let s = mean_seconds(dev, 10, || stream.memcpy_dtod(&src, &mut dst).map_err(w))?;
+        return Ok(2.0 * n as f64 / s);
     }
     let n = if dev.is_cpu() { 1 << 27 } else { 1 << 30 } / dtype.size_in_bytes() * 2;
     let x = Tensor::zeros(n, dtype, dev)?;
-    let mut copies = Vec::new();
-    for _ in 0..2 {
-        copies.push(x.copy()?);
-    }
+    let s = mean_seconds(dev, 10, || x.copy().map(drop))?;
+    Ok(2.0 * (n * dtype.size_in_bytes()) as f64 / s)
+}
+
+/// Mean seconds of `f` over `reps` calls after one warm-up call, synchronised before and after.
+fn mean_seconds(
+    dev: &Device,
+    reps: usize,
+    mut f: impl FnMut() -> candle_core::Result<()>,
+) -> candle_core::Result<f64> {
+    f()?;
     dev.synchronize()?;
-    drop(copies);
-    let reps = 10;
     let start = Instant::now();
     for _ in 0..reps {
-        let _ = x.copy()?;
+        f()?;
     }
     dev.synchronize()?;
-    let s = start.elapsed().as_secs_f64() / reps as f64;
-    Ok(2.0 * (n * dtype.size_in_bytes()) as f64 / s)
+    Ok(start.elapsed().as_secs_f64() / reps as f64)
 }
 
 /// Square GEMM rate in FLOP/s (8192³ on a GPU, 1024³ on CPU).
@@ -466,76 +485,46 @@ fn gemm_rate(dev: &Device, dtype: DType) -> candle_core::Result<f64> {
     let n = if dev.is_cpu() { 1024 } else { 8192 };
     let a = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
     let b = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
-    let _ = a.matmul(&b)?;
-    dev.synchronize()?;
-    let reps = if dev.is_cpu() { 2 } else { 10 };
-    let start = Instant::now();
-    for _ in 0..reps {
-        let _ = a.matmul(&b)?;
-    }
-    dev.synchronize()?;
-    let s = start.elapsed().as_secs_f64() / reps as f64;
+    let s = mean_seconds(dev, if dev.is_cpu() { 2 } else { 10 }, || a.matmul(&b).map(drop))?;
     Ok(2.0 * (n * n * n) as f64 / s)
 }
 
-#[cfg(feature = "cuda")]
-fn with_pool<R>(
-    dev: &Device,
-    f: impl FnOnce(candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool) -> Option<R>,
-) -> Option<R> {
-    use candle_core::cuda_backend::cudarc::driver::result;
-    let Device::Cuda(cd) = dev else { return None };
-    let stream = cd.cuda_stream();
-    let ctx = stream.context();
-    ctx.bind_to_thread().ok()?;
-    // SAFETY: `cu_device` comes from a live context, as `get_default_mem_pool` requires.
-    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()?;
-    f(pool)
-}
-
-/// Resets the high-water mark of the device's default memory pool (candle allocates from it).
-fn reset_peak(dev: &Device) {
+/// Reads the high-water mark of the device's default memory pool (candle allocates from it),
+/// or with `reset`, sets it back to 0. None on CPU.
+fn pool_high_water(dev: &Device, reset: bool) -> Option<u64> {
     #[cfg(feature = "cuda")]
-    with_pool(dev, |pool| {
+    if let Device::Cuda(cd) = dev {
         use candle_core::cuda_backend::cudarc::driver::{result, sys};
-        let mut zero: u64 = 0;
-        // SAFETY: the pool is valid and USED_MEM_HIGH takes a u64 (reset by writing 0).
+        let stream = cd.cuda_stream();
+        let ctx = stream.context();
+        ctx.bind_to_thread().ok()?;
+        // SAFETY: `cu_device` comes from a live context, as `get_default_mem_pool` requires.
+        let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        let mut v: u64 = 0;
+        let value = &mut v as *mut u64 as *mut _;
+        // SAFETY: the pool is valid and USED_MEM_HIGH is a u64 attribute (reset by writing 0).
         unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut zero as *mut u64 as *mut _,
-            )
+            if reset {
+                result::mem_pool::set_attribute(pool, attr, value)
+            } else {
+                result::mem_pool::get_attribute(pool, attr, value)
+            }
         }
-        .ok()
-    });
-    let _ = dev;
+        .ok()?;
+        return Some(v);
+    }
+    let _ = (dev, reset);
+    None
 }
 
-/// The pool's high-water mark since the last reset, in GB (None on CPU).
+fn reset_peak(dev: &Device) {
+    pool_high_water(dev, true);
+}
+
+/// The pool's high-water mark since the last reset, in GB.
 fn peak_gb(dev: &Device) -> Option<f64> {
-    #[cfg(feature = "cuda")]
-    {
-        with_pool(dev, |pool| {
-            use candle_core::cuda_backend::cudarc::driver::{result, sys};
-            let mut v: u64 = 0;
-            // SAFETY: the pool is valid and USED_MEM_HIGH is a u64 attribute.
-            unsafe {
-                result::mem_pool::get_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    &mut v as *mut u64 as *mut _,
-                )
-            }
-            .ok()?;
-            Some(v as f64 / 1e9)
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = dev;
-        None
-    }
+    pool_high_water(dev, false).map(|v| v as f64 / 1e9)
 }
 
 /// Errors of any kind, printed by `main`.

@@ -1,7 +1,7 @@
 //! CUDA launches of `cuda/gdn.cu` and `cuda/norm.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -60,51 +60,106 @@ fn dtype_suffix(op: &'static str, dt: DType) -> Result<&'static str> {
     })
 }
 
-/// Runs the recurrent kernel. `fused`: q/k/v are raw views into `qkv` rows of `qk_stride` elements
-/// (the conv output), `ga`/`gb` are the a/b projections; otherwise q, k, v, g, beta are separate
-/// f32 tensors and q, k are already normalised.
-#[allow(clippy::too_many_arguments)]
+/// The inputs every delta-rule kernel takes, in its argument order. `q`, `k`, `v` are
+/// `(tensor, element offset)`: separate f32 tensors at offset 0, or three views into the fused
+/// `qkv` rows; `strides` are the (q/k, v) row lengths. `ga`/`gb` are g/beta, or the raw a/b
+/// projections when `a_log`/`dt_bias` are given (the kernel then computes the gates).
+struct DeltaRuleInputs<'t> {
+    q: (&'t Tensor, usize),
+    k: (&'t Tensor, usize),
+    v: (&'t Tensor, usize),
+    strides: (usize, usize),
+    ga: &'t Tensor,
+    gb: &'t Tensor,
+    gate_params: Option<(&'t Tensor, &'t Tensor)>,
+    state: Option<&'t Tensor>,
+}
+
+/// Device views of [`DeltaRuleInputs`], alive while their storage guards are.
+struct DeltaRuleViews<'a, T> {
+    q: CudaView<'a, T>,
+    k: CudaView<'a, T>,
+    v: CudaView<'a, T>,
+    strides: (i64, i64),
+    ga: CudaView<'a, T>,
+    gb: CudaView<'a, T>,
+    gate_params: Option<(CudaView<'a, f32>, CudaView<'a, f32>)>,
+    state: Option<CudaView<'a, f32>>,
+    /// A null pointer for absent optional buffers.
+    null: u64,
+}
+
+impl<'a, T: CudaDType> DeltaRuleViews<'a, T> {
+    /// Pushes the argument prefix shared by `gdn_recurrent_*`, `gdn_fused_*` and
+    /// `gdn_chunk_prep_*`: q, k, v, the two i64 row strides, ga, gb, a_log and dt_bias (or nulls).
+    fn push_inputs<'s>(&'s self, lb: &mut LaunchArgs<'s>) {
+        lb.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.strides.0)
+            .arg(&self.strides.1)
+            .arg(&self.ga)
+            .arg(&self.gb);
+        match &self.gate_params {
+            Some((a, b)) => lb.arg(a).arg(b),
+            None => lb.arg(&self.null).arg(&self.null),
+        };
+    }
+
+    /// Pushes the initial state, or null for a zero state.
+    fn push_state<'s>(&'s self, lb: &mut LaunchArgs<'s>) {
+        match &self.state {
+            Some(s) => lb.arg(s),
+            None => lb.arg(&self.null),
+        };
+    }
+}
+
+/// Locks the inputs' storage and hands their device views to `f`.
+fn with_views<T: CudaDType, R>(
+    op: &'static str,
+    inp: &DeltaRuleInputs,
+    f: impl FnOnce(&DeltaRuleViews<T>) -> Result<R>,
+) -> Result<R> {
+    let (qs, ql) = inp.q.0.storage_and_layout();
+    let (ks, kl) = inp.k.0.storage_and_layout();
+    let (vs, vl) = inp.v.0.storage_and_layout();
+    let (gas, gal) = inp.ga.storage_and_layout();
+    let (gbs, gbl) = inp.gb.storage_and_layout();
+    let params = inp
+        .gate_params
+        .map(|(a, b)| (a.storage_and_layout(), b.storage_and_layout()));
+    let s0 = inp.state.map(|s| s.storage_and_layout());
+    let views = DeltaRuleViews {
+        q: view::<T>(op, &qs, ql)?.slice(inp.q.1..),
+        k: view::<T>(op, &ks, kl)?.slice(inp.k.1..),
+        v: view::<T>(op, &vs, vl)?.slice(inp.v.1..),
+        strides: (inp.strides.0 as i64, inp.strides.1 as i64),
+        ga: view::<T>(op, &gas, gal)?,
+        gb: view::<T>(op, &gbs, gbl)?,
+        gate_params: match &params {
+            Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
+            None => None,
+        },
+        state: match &s0 {
+            Some((s, l)) => Some(view::<f32>(op, s, l)?),
+            None => None,
+        },
+        null: 0,
+    };
+    f(&views)
+}
+
+/// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`DeltaRuleInputs`]).
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
     name: String,
     d: Launch,
-    q: (&Tensor, usize),
-    k: (&Tensor, usize),
-    v: (&Tensor, usize),
-    strides: (usize, usize),
-    ga: &Tensor,
-    gb: &Tensor,
-    a_log: Option<&Tensor>,
-    dt_bias: Option<&Tensor>,
-    state: Option<&Tensor>,
+    inp: DeltaRuleInputs,
     scale: f32,
     keep_all_states: bool,
 ) -> Result<DeltaRuleOutput> {
-    let dev = device(op, q.0)?;
-    let (qs, ql) = q.0.storage_and_layout();
-    let (ks, kl) = k.0.storage_and_layout();
-    let (vs, vl) = v.0.storage_and_layout();
-    let (gas, gal) = ga.storage_and_layout();
-    let (gbs, gbl) = gb.storage_and_layout();
-    let qv = view::<T>(op, &qs, ql)?.slice(q.1..);
-    let kv = view::<T>(op, &ks, kl)?.slice(k.1..);
-    let vv = view::<T>(op, &vs, vl)?.slice(v.1..);
-    let gav = view::<T>(op, &gas, gal)?;
-    let gbv = view::<T>(op, &gbs, gbl)?;
-    let null = 0u64;
-    let params = match (a_log, dt_bias) {
-        (Some(a), Some(b)) => Some((a.storage_and_layout(), b.storage_and_layout())),
-        _ => None,
-    };
-    let param_views = match &params {
-        Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
-        None => None,
-    };
-    let s0 = state.map(|s| s.storage_and_layout());
-    let s0v = match &s0 {
-        Some((s, l)) => Some(view::<f32>(op, s, l)?),
-        None => None,
-    };
+    let dev = device(op, inp.q.0)?;
     let n_out = d.b * d.t * d.hv * d.dv;
     let n_state = d.b * d.hv * d.dk * d.dv;
     let out = dev.alloc_zeros::<f32>(n_out)?;
@@ -114,42 +169,35 @@ fn launch_recurrent<T: CudaDType>(
     } else {
         None
     };
-
-    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut lb = func.builder();
-    lb.arg(&qv).arg(&kv).arg(&vv);
-    let (qk_stride, v_stride) = (strides.0 as i64, strides.1 as i64);
-    lb.arg(&qk_stride).arg(&v_stride).arg(&gav).arg(&gbv);
-    match &param_views {
-        Some((a, b)) => lb.arg(a).arg(b),
-        None => lb.arg(&null).arg(&null),
-    };
-    match &s0v {
-        Some(s) => lb.arg(s),
-        None => lb.arg(&null),
-    };
-    lb.arg(&out).arg(&s_final);
-    match &s_all {
-        Some(s) => lb.arg(s),
-        None => lb.arg(&null),
-    };
-    let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
-    for x in &dims {
-        lb.arg(x);
-    }
-    let eps = 1e-6f32;
-    lb.arg(&scale).arg(&eps);
-    let tiles = d.dv.div_ceil(BV);
-    let cfg = LaunchConfig {
-        grid_dim: ((d.b * d.hv * tiles) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (pointers to buffers
-    // of the sizes checked by the callers, then i64 strides, i32 dims, f32 scale and eps); outputs
-    // are fresh allocations of the sizes the kernel writes; null (0) is passed only where the
-    // kernel tests for null.
-    unsafe { lb.launch(cfg) }.w()?;
+    with_views::<T, _>(op, &inp, |v| {
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut lb = func.builder();
+        v.push_inputs(&mut lb);
+        v.push_state(&mut lb);
+        lb.arg(&out).arg(&s_final);
+        match &s_all {
+            Some(s) => lb.arg(s),
+            None => lb.arg(&v.null),
+        };
+        let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+        for x in &dims {
+            lb.arg(x);
+        }
+        let eps = 1e-6f32;
+        lb.arg(&scale).arg(&eps);
+        let tiles = d.dv.div_ceil(BV);
+        let cfg = LaunchConfig {
+            grid_dim: ((d.b * d.hv * tiles) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (the shared
+        // input prefix, the initial state or null, then the outputs, i32 dims, f32 scale and
+        // eps); buffers have the sizes checked by the callers, outputs are fresh allocations of
+        // the sizes the kernel writes, and null (0) is passed only where the kernel tests for it.
+        unsafe { lb.launch(cfg) }.w()?;
+        Ok(())
+    })?;
     Ok(DeltaRuleOutput {
         out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
         state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
@@ -163,47 +211,14 @@ const CHUNK_MAX_DK: usize = 128;
 
 /// Runs the two chunked kernels (prep per chunk, then the scan over chunks); same inputs as
 /// [`launch_recurrent`], no intermediate states.
-#[allow(clippy::too_many_arguments)]
 fn launch_chunked<T: CudaDType>(
     op: &'static str,
     prep_name: &str,
     d: Launch,
-    q: (&Tensor, usize),
-    k: (&Tensor, usize),
-    v: (&Tensor, usize),
-    strides: (usize, usize),
-    ga: &Tensor,
-    gb: &Tensor,
-    a_log: Option<&Tensor>,
-    dt_bias: Option<&Tensor>,
-    state: Option<&Tensor>,
+    inp: DeltaRuleInputs,
     scale: f32,
 ) -> Result<DeltaRuleOutput> {
-    let dev = device(op, q.0)?;
-    let (qs, ql) = q.0.storage_and_layout();
-    let (ks, kl) = k.0.storage_and_layout();
-    let (vs, vl) = v.0.storage_and_layout();
-    let (gas, gal) = ga.storage_and_layout();
-    let (gbs, gbl) = gb.storage_and_layout();
-    let qv = view::<T>(op, &qs, ql)?.slice(q.1..);
-    let kv = view::<T>(op, &ks, kl)?.slice(k.1..);
-    let vv = view::<T>(op, &vs, vl)?.slice(v.1..);
-    let gav = view::<T>(op, &gas, gal)?;
-    let gbv = view::<T>(op, &gbs, gbl)?;
-    let null = 0u64;
-    let params = match (a_log, dt_bias) {
-        (Some(a), Some(b)) => Some((a.storage_and_layout(), b.storage_and_layout())),
-        _ => None,
-    };
-    let param_views = match &params {
-        Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
-        None => None,
-    };
-    let s0 = state.map(|s| s.storage_and_layout());
-    let s0v = match &s0 {
-        Some((s, l)) => Some(view::<f32>(op, s, l)?),
-        None => None,
-    };
+    let dev = device(op, inp.q.0)?;
     let nc = d.t.div_ceil(CHUNK);
     let nb = d.b * d.hv * nc;
     let rows = nb * CHUNK;
@@ -225,23 +240,15 @@ fn launch_chunked<T: CudaDType>(
         parts.push(scratch.slice(off..off + n));
         off += n;
     }
-    let eps = 1e-6f32;
-    let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
-    {
+    // SAFETY: uninitialised; the scan writes every output row and the whole final state.
+    let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
+    let s_final = unsafe { dev.alloc::<f32>(d.b * d.hv * d.dk * d.dv)? };
+    with_views::<T, _>(op, &inp, |v| {
+        let eps = 1e-6f32;
+        let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
         let mut lb = func.builder();
-        let (qk_stride, v_stride) = (strides.0 as i64, strides.1 as i64);
-        lb.arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&qk_stride)
-            .arg(&v_stride)
-            .arg(&gav)
-            .arg(&gbv);
-        match &param_views {
-            Some((a, b)) => lb.arg(a).arg(b),
-            None => lb.arg(&null).arg(&null),
-        };
+        v.push_inputs(&mut lb);
         for p in &parts {
             lb.arg(p);
         }
@@ -254,27 +261,17 @@ fn launch_chunked<T: CudaDType>(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (inputs as for the recurrent
-        // kernel, then the six scratch parts of the sizes above, i32 dims, f32 scale and eps).
+        // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (the shared input prefix,
+        // then the six scratch parts of the sizes above, i32 dims, f32 scale and eps).
         unsafe { lb.launch(cfg) }.w()?;
-    }
-    // SAFETY: uninitialised; the scan writes every output row and the whole final state.
-    let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
-    let s_final = unsafe { dev.alloc::<f32>(d.b * d.hv * d.dk * d.dv)? };
-    {
-        let name = format!(
-            "gdn_chunk_scan_r{}",
-            rows_variant("chunked_gated_delta_rule", d.dk)?
-        );
+
+        let name = format!("gdn_chunk_scan_r{}", rows_variant(op, d.dk)?);
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut lb = func.builder();
         for p in &parts {
             lb.arg(p);
         }
-        match &s0v {
-            Some(s) => lb.arg(s),
-            None => lb.arg(&null),
-        };
+        v.push_state(&mut lb);
         lb.arg(&out).arg(&s_final);
         let scan_dims = [d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         for x in &scan_dims {
@@ -288,7 +285,8 @@ fn launch_chunked<T: CudaDType>(
         // SAFETY: arguments match `gdn_chunk_scan_r*`: the six scratch parts written above, the
         // initial state or null, fresh outputs of the sizes it writes, then i32 dims.
         unsafe { lb.launch(cfg) }.w()?;
-    }
+        Ok(())
+    })?;
     Ok(DeltaRuleOutput {
         out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
         state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
@@ -317,21 +315,17 @@ pub(crate) fn chunked(
     let (q, k, v, g, beta) = (f(q)?, f(k)?, f(v)?, f(g)?, f(beta)?);
     let state = state.map(f).transpose()?;
     let strides = (d.hk * d.dk, d.hv * d.dv);
-    launch_chunked::<f32>(
-        op,
-        "gdn_chunk_prep_f32",
-        d,
-        (&q, 0),
-        (&k, 0),
-        (&v, 0),
+    let inp = DeltaRuleInputs {
+        q: (&q, 0),
+        k: (&k, 0),
+        v: (&v, 0),
         strides,
-        &g,
-        &beta,
-        None,
-        None,
-        state.as_ref(),
-        scale,
-    )
+        ga: &g,
+        gb: &beta,
+        gate_params: None,
+        state: state.as_ref(),
+    };
+    launch_chunked::<f32>(op, "gdn_chunk_prep_f32", d, inp, scale)
 }
 
 /// CUDA twin of `recurrent_gated_delta_rule` (f32 inputs; shapes checked by the caller).
@@ -353,22 +347,17 @@ pub(crate) fn recurrent(
     let state = state.map(f).transpose()?;
     let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
     let strides = (d.hk * d.dk, d.hv * d.dv);
-    launch_recurrent::<f32>(
-        op,
-        name,
-        d,
-        (&q, 0),
-        (&k, 0),
-        (&v, 0),
+    let inp = DeltaRuleInputs {
+        q: (&q, 0),
+        k: (&k, 0),
+        v: (&v, 0),
         strides,
-        &g,
-        &beta,
-        None,
-        None,
-        state.as_ref(),
-        scale,
-        keep_all_states,
-    )
+        ga: &g,
+        gb: &beta,
+        gate_params: None,
+        state: state.as_ref(),
+    };
+    launch_recurrent::<f32>(op, name, d, inp, scale, keep_all_states)
 }
 
 /// CUDA twin of `fused_gated_delta_rule`: `qkv: [b, t, 2·hk·dk + hv·dv]` and `a, b: [b, t, hv]` in
@@ -397,24 +386,20 @@ pub(crate) fn fused(
     let kd = d.hk * d.dk;
     let row = 2 * kd + d.hv * d.dv;
     let scale = (d.dk as f32).powf(-0.5);
+    // q, k, v are views into each qkv row: [Q all | K all | V all].
+    let inp = DeltaRuleInputs {
+        q: (&qkv, 0),
+        k: (&qkv, kd),
+        v: (&qkv, 2 * kd),
+        strides: (row, row),
+        ga: &a,
+        gb: &b,
+        gate_params: Some((&a_log, &dt_bias)),
+        state: state.as_ref(),
+    };
     macro_rules! go {
         ($t:ty) => {
-            launch_recurrent::<$t>(
-                op,
-                name,
-                d,
-                (&qkv, 0),
-                (&qkv, kd),
-                (&qkv, 2 * kd),
-                (row, row),
-                &a,
-                &b,
-                Some(&a_log),
-                Some(&dt_bias),
-                state.as_ref(),
-                scale,
-                keep_all_states,
-            )
+            launch_recurrent::<$t>(op, name, d, inp, scale, keep_all_states)
         };
     }
     match dt {
