@@ -294,55 +294,59 @@ fn main() -> anyhow_like::Result<()> {
             continue;
         };
         tokens.push(tok);
-        for k in 1..=args.max_k {
-            let mut drafter = MtpDrafter::new(&model, head);
-            let mut new_hidden = last.clone();
-            let mut timed = 0.0;
-            for cycle in 0..args.mtp_cycles + 1 {
-                device.synchronize()?;
-                if cycle == 1 {
-                    reset_peak(&device);
+        // Eager verify passes, then (CUDA) verify passes replayed from graphs.
+        let mut graph = new_graph(&device, args.cuda)?;
+        let modes = if graph.is_some() { 2 } else { 1 };
+        for graphed in (0..modes).map(|m| m == 1) {
+            for k in 1..=args.max_k {
+                let mut drafter = MtpDrafter::new(&model, head);
+                let mut new_hidden = last.clone();
+                let mut timed = 0.0;
+                for cycle in 0..args.mtp_cycles + 1 {
+                    device.synchronize()?;
+                    if cycle == 1 {
+                        reset_peak(&device);
+                    }
+                    let start = Instant::now();
+                    let ctx = DraftContext {
+                        tokens: &tokens,
+                        new_hidden: &new_hidden,
+                    };
+                    let drafts = drafter.propose(&ctx, k)?;
+                    let mut verify = vec![*tokens.last().expect("a token")];
+                    verify.extend(&drafts);
+                    let ids = Tensor::new(verify.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+                    let g = if graphed { graph.as_mut() } else { None };
+                    let h = verify_pass(&model, &ids, &mut cache, g)?;
+                    let target = model
+                        .logits(&h)?
+                        .argmax(D::Minus1)?
+                        .flatten_all()?
+                        .to_vec1::<u32>()?;
+                    // Keep every draft (random weights accept nothing; the cost does not depend on it).
+                    cache.commit(verify.len())?;
+                    tokens.extend(&drafts);
+                    tokens.push(target[target.len() - 1]);
+                    new_hidden = h;
+                    if cycle > 0 {
+                        timed += start.elapsed().as_secs_f64();
+                    }
                 }
-                let start = Instant::now();
-                let ctx = DraftContext {
-                    tokens: &tokens,
-                    new_hidden: &new_hidden,
-                };
-                let drafts = drafter.propose(&ctx, k)?;
-                let mut verify = vec![*tokens.last().expect("a token")];
-                verify.extend(&drafts);
-                let ids = Tensor::new(verify.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
-                let h = model.forward_verify(&ids, &mut cache)?;
-                let target = model
-                    .logits(&h)?
-                    .argmax(D::Minus1)?
-                    .flatten_all()?
-                    .to_vec1::<u32>()?;
-                // Keep every draft (random weights accept nothing; the cost does not depend on it).
-                cache.commit(verify.len())?;
-                tokens.extend(&drafts);
-                tokens.push(target[target.len() - 1]);
-                new_hidden = h;
-                if cycle > 0 {
-                    timed += start.elapsed().as_secs_f64();
-                }
+                let ms = timed * 1e3 / args.mtp_cycles as f64;
+                let bytes = cost.weight_bytes
+                    + cost.kv_bytes(tokens.len())
+                    + cost.state_bytes(k + 1)
+                    + k as f64 * cost.draft_bytes;
+                let what = format!(
+                    "MTP cycle k={k} @{t}{}",
+                    if graphed { ", verify graphed" } else { "" }
+                );
+                rows.push(Row::bytes(what, ms, bytes, copy_bw, &device));
             }
-            let ms = timed * 1e3 / args.mtp_cycles as f64;
-            let bytes = cost.weight_bytes
-                + cost.kv_bytes(tokens.len())
-                + cost.state_bytes(k + 1)
-                + k as f64 * cost.draft_bytes;
-            rows.push(Row::bytes(
-                format!("MTP cycle k={k} @{t}"),
-                ms,
-                bytes,
-                copy_bw,
-                &device,
-            ));
         }
     }
 
-    print_table(&rows, args.max_k);
+    print_table(&rows);
     if args.json {
         let rows_json: Vec<_> = rows
             .iter()
@@ -388,6 +392,36 @@ fn decode_loop(
     Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
 }
 
+#[cfg(feature = "cuda")]
+type Graph = qwen36::model::DecodeGraph;
+/// Without CUDA there are no graphs; the type only fills the signatures.
+#[cfg(not(feature = "cuda"))]
+type Graph = ();
+
+/// A recorder of CUDA graphs for batch 1 when running on CUDA.
+fn new_graph(dev: &Device, cuda: bool) -> qwen36::model::Result<Option<Graph>> {
+    #[cfg(feature = "cuda")]
+    if cuda {
+        return Ok(Some(qwen36::model::DecodeGraph::new(dev, 1)?));
+    }
+    let _ = (dev, cuda);
+    Ok(None)
+}
+
+/// A speculative verify pass, replayed from CUDA graphs when `graph` is given.
+fn verify_pass(
+    model: &Qwen36Model,
+    ids: &Tensor,
+    cache: &mut Cache,
+    graph: Option<&mut Graph>,
+) -> qwen36::model::Result<Tensor> {
+    match graph {
+        #[cfg(feature = "cuda")]
+        Some(g) => model.forward_verify_graphed(ids, cache, g),
+        _ => model.forward_verify(ids, cache),
+    }
+}
+
 /// One greedy decode step from host token `tok`: returns the new final-norm hidden state and token.
 fn decode_step(model: &Qwen36Model, tok: u32, cache: &mut Cache) -> qwen36::model::Result<(Tensor, u32)> {
     let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
@@ -405,7 +439,7 @@ fn greedy(model: &Qwen36Model, hidden: &Tensor) -> qwen36::model::Result<u32> {
         .to_vec1::<u32>()?[0])
 }
 
-fn print_table(rows: &[Row], max_k: usize) {
+fn print_table(rows: &[Row]) {
     println!("| row | time | tok/s | limit | time at limit | measured / limit | peak GB |");
     println!("|---|---|---|---|---|---|---|");
     for r in rows {
@@ -425,9 +459,16 @@ fn print_table(rows: &[Row], max_k: usize) {
         return;
     }
     println!("\nProjected tok/s = accepted length / cycle time:\n");
-    println!("| k | cycle | at 2.0 | at 2.5 | at 3.0 |");
+    println!("| cycle | time | at 2.0 | at 2.5 | at 3.0 |");
     println!("|---|---|---|---|---|");
-    for (k, r) in (1..=max_k).zip(cycles) {
+    for r in cycles {
+        // Labels read "MTP cycle k=K @..."; an accepted length above k + 1 cannot happen.
+        let k: usize = r
+            .what
+            .split("k=")
+            .nth(1)
+            .and_then(|x| x.split(' ').next()?.parse().ok())
+            .unwrap_or(0);
         let at = |a: f64| {
             if a > (k + 1) as f64 {
                 "-".to_string()
@@ -436,7 +477,8 @@ fn print_table(rows: &[Row], max_k: usize) {
             }
         };
         println!(
-            "| {k} | {:.2} ms | {} | {} | {} |",
+            "| {} | {:.2} ms | {} | {} | {} |",
+            r.what,
             r.ms,
             at(2.0),
             at(2.5),

@@ -23,6 +23,36 @@ pub struct VerifyCheckpoints {
 }
 
 impl VerifyCheckpoints {
+    /// A private copy (own buffers): a place to keep checkpoints that a recorded CUDA graph
+    /// rewrites on every replay.
+    pub fn deep_copy(&self) -> Result<Self> {
+        Ok(Self {
+            states: self.states.copy()?,
+            window: self.window.copy()?,
+            seen_before: self.seen_before,
+        })
+    }
+
+    /// Copies the tensors of `self` into the buffers of `dst` (same shapes), in place.
+    pub fn write_into(&self, dst: &Self) -> Result<()> {
+        dst.states.slice_set(&self.states.contiguous()?, 0, 0)?;
+        dst.window.slice_set(&self.window.contiguous()?, 0, 0)?;
+        Ok(())
+    }
+
+    /// The same tensors (shared) for a pass that started after `seen_before` tokens.
+    pub fn rebased(&self, seen_before: usize) -> Self {
+        Self {
+            seen_before,
+            ..self.clone()
+        }
+    }
+
+    /// Tokens the state had seen before the verify pass.
+    pub fn seen_before(&self) -> usize {
+        self.seen_before
+    }
+
     /// Tokens the verify pass ran.
     pub fn len(&self) -> usize {
         self.states.dim(1).unwrap_or(0)

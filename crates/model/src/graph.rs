@@ -1,5 +1,5 @@
-//! CUDA-graph decode (feature `cuda`): one-token steps with every run of consecutive GDN layers
-//! replayed from a recorded graph.
+//! CUDA-graph decode (feature `cuda`): one-token steps and speculative verify passes with every run
+//! of consecutive GDN layers replayed from a recorded graph.
 //!
 //! A graph bakes in device addresses and shapes. GDN layers fit: their state has a fixed size and
 //! is written in place ([`GdnState::set_in_place`]), and nothing in them depends on the position.
@@ -16,9 +16,16 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{Device, Tensor, TensorId};
 use qwen36_gdn::GdnState;
 
+use qwen36_gdn::VerifyCheckpoints;
+
 use crate::{Cache, Error, LayerCache, Result};
 
-/// Recorded graphs for one-token steps of one batch size, bound to one [`Cache`] (its GDN state
+/// What a run of layers returns: the hidden state `[batch, len, hidden]` and, for a verify pass,
+/// the checkpoints of its GDN layers in layer order.
+pub(crate) type SegmentOut = (Tensor, Vec<VerifyCheckpoints>);
+
+/// Recorded graphs for steps of one batch size (one graph per run of GDN layers and per step
+/// shape: a one-token decode, a verify of `len` tokens), bound to one [`Cache`] (its GDN state
 /// buffers). Reusing it with another cache re-records; dropping it frees the graphs.
 pub struct DecodeGraph {
     stream: Arc<CudaStream>,
@@ -29,11 +36,15 @@ pub struct DecodeGraph {
     bound_to: Vec<TensorId>,
 }
 
-/// One run of consecutive GDN layers: `output = layers(input)`, `[batch, 1, hidden]` each.
+/// One run of consecutive GDN layers for one step shape: `output = layers(input)`, each
+/// `[batch, tokens, hidden]`; a verify also leaves its checkpoints in `checkpoints`.
 struct Segment {
     layers: Range<usize>,
+    tokens: usize,
+    verify: bool,
     input: Tensor,
     output: Tensor,
+    checkpoints: Vec<VerifyCheckpoints>,
     graph: CudaGraph,
 }
 
@@ -99,26 +110,39 @@ impl DecodeGraph {
         Ok(())
     }
 
-    /// Runs layers `layers` on `x: [batch, 1, hidden]`: replays their graph, recording it first
-    /// when there is none. `run` is the eager forward of those layers (it updates the states'
-    /// buffers in place and their host-side token counts).
+    /// Runs layers `layers` on `x: [batch, len, hidden]` (with per-token checkpoints when
+    /// `verify`): replays their graph for this step shape, recording it first when there is none.
+    /// `run` is the eager forward of those layers (it updates the states' buffers in place and
+    /// their host-side token counts). The returned tensors are the graph's own buffers: valid until
+    /// the next replay of the same graph.
     pub(crate) fn run_segment(
         &mut self,
         layers: Range<usize>,
+        verify: bool,
         x: &Tensor,
         cache: &mut Cache,
-        run: impl Fn(&Tensor, &mut Cache) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        if let Some(seg) = self.segments.iter().find(|s| s.layers == layers) {
+        run: impl Fn(&Tensor, &mut Cache) -> Result<SegmentOut>,
+    ) -> Result<SegmentOut> {
+        let tokens = x.dim(1)?;
+        if let Some(seg) = self
+            .segments
+            .iter()
+            .find(|s| s.layers == layers && s.tokens == tokens && s.verify == verify)
+        {
             seg.input.slice_set(x, 0, 0)?;
             seg.graph.launch().map_err(candle_core::Error::wrap)?;
             // The replay skipped the host-side bookkeeping of the recorded forward.
+            let mut checkpoints = Vec::with_capacity(seg.checkpoints.len());
+            let mut kept = seg.checkpoints.iter();
             for lc in &mut cache.layers[layers] {
                 if let LayerCache::Gdn(s) = lc {
-                    s.advance(1);
+                    if let Some(cp) = kept.next() {
+                        checkpoints.push(cp.rebased(s.seen()));
+                    }
+                    s.advance(tokens);
                 }
             }
-            return Ok(seg.output.clone());
+            return Ok((seg.output.clone(), checkpoints));
         }
         // Inputs and outputs live outside the graph, so their addresses stay valid between
         // replays; everything the layers allocate is freed inside it.
@@ -128,6 +152,7 @@ impl DecodeGraph {
         let htod_cache = cuda.enable_cuda_graph_htod_cache();
         // Candle uploads small parameter vectors (shapes, strides) that a capture may only read
         // from its cache: run the layers once eagerly to fill it, on scratch copies of the states.
+        // That run also gives the shapes of the checkpoint buffers.
         let mut originals = Vec::new();
         for l in layers.clone() {
             if let LayerCache::Gdn(s) = &mut cache.layers[l] {
@@ -140,25 +165,43 @@ impl DecodeGraph {
         for (l, s) in originals {
             cache.layers[l] = LayerCache::Gdn(s);
         }
-        warm?;
+        let kept = warm?
+            .1
+            .iter()
+            .map(|cp| Ok(cp.deep_copy()?))
+            .collect::<Result<Vec<_>>>()?;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(candle_core::Error::wrap)?;
-        let recorded = run(&input, cache).and_then(|y| Ok(output.slice_set(&y, 0, 0)?));
+        let recorded = run(&input, cache).and_then(|(y, cps)| {
+            output.slice_set(&y, 0, 0)?;
+            for (cp, dst) in cps.iter().zip(&kept) {
+                cp.write_into(dst)?;
+            }
+            Ok(cps.iter().map(|cp| cp.seen_before()).collect::<Vec<_>>())
+        });
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         drop(htod_cache);
-        recorded?;
+        let seen_before = recorded?;
         let graph = graph
             .map_err(candle_core::Error::wrap)?
             .ok_or_else(|| Error::Cache("CUDA graph capture recorded nothing".into()))?;
         // Capturing ran nothing: run the step now.
         graph.launch().map_err(candle_core::Error::wrap)?;
+        let checkpoints = kept
+            .iter()
+            .zip(seen_before)
+            .map(|(cp, n)| cp.rebased(n))
+            .collect();
         self.segments.push(Segment {
             layers,
+            tokens,
+            verify,
             input,
             output: output.clone(),
+            checkpoints: kept,
             graph,
         });
-        Ok(output)
+        Ok((output, checkpoints))
     }
 }

@@ -317,7 +317,7 @@ impl Qwen36Model {
 
     /// [`Self::forward_hidden`] for one-token steps (`ids: [batch, 1]`) with every run of GDN
     /// layers replayed from a CUDA graph that `graph` records on first use (see [`DecodeGraph`]).
-    /// Bit-identical to the eager path; the cache's GDN states switch to in-place updates.
+    /// Same kernels as the eager path; the cache's GDN states switch to in-place updates.
     ///
     /// [`DecodeGraph`]: crate::DecodeGraph
     #[cfg(feature = "cuda")]
@@ -334,36 +334,81 @@ impl Qwen36Model {
                 graph.batch()
             )));
         }
+        Ok(self.run_graphed(ids, cache, graph, false)?.0)
+    }
+
+    /// [`Self::forward_verify`] with every run of GDN layers replayed from a CUDA graph (one per
+    /// verify length, recorded on first use). [`Cache::commit`] works as after the eager pass.
+    #[cfg(feature = "cuda")]
+    pub fn forward_verify_graphed(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        graph: &mut crate::DecodeGraph,
+    ) -> Result<Tensor> {
+        let (b, t) = self.check_input(ids, cache)?;
+        if b != graph.batch() {
+            return Err(Error::Input(format!(
+                "graphs recorded for batch {} used with batch {b}",
+                graph.batch()
+            )));
+        }
+        let base = cache.seq_len;
+        let (h, checkpoints) = self.run_graphed(ids, cache, graph, true)?;
+        cache.pending = Some(crate::cache::Pending {
+            base,
+            len: t,
+            checkpoints,
+        });
+        Ok(h)
+    }
+
+    /// The layer loop of the graphed passes: attention layers eagerly, runs of GDN layers through
+    /// `graph`. Returns the final-norm hidden states and, per layer, the verify checkpoints.
+    #[cfg(feature = "cuda")]
+    fn run_graphed(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        graph: &mut crate::DecodeGraph,
+        verify: bool,
+    ) -> Result<(Tensor, Vec<Option<VerifyCheckpoints>>)> {
         graph.bind(cache)?;
         cache.pending = None;
         let ids = ids.to_device(&self.device)?;
         let mut x = self.embed.forward(&ids)?;
         let n = self.layers.len();
+        let mut checkpoints = Vec::with_capacity(n);
         let mut i = 0;
         while i < n {
             let end = (i..n)
                 .find(|&l| !matches!(self.layers[l].mixer, Mixer::Gdn(_)))
                 .unwrap_or(n);
             if end == i {
-                x = self.layers[i]
-                    .forward(&x, &mut cache.layers[i], &self.rope, false)?
-                    .0;
-                i += 1;
+                let (y, cp) = self.layers[i].forward(&x, &mut cache.layers[i], &self.rope, verify)?;
+                (x, i) = (y, i + 1);
+                checkpoints.push(cp);
                 continue;
             }
-            x = graph.run_segment(i..end, &x, cache, |x, cache| {
+            let (y, cps) = graph.run_segment(i..end, verify, &x, cache, |x, cache| {
                 let mut x = x.clone();
+                let mut cps = Vec::new();
                 for l in i..end {
-                    x = self.layers[l]
-                        .forward(&x, &mut cache.layers[l], &self.rope, false)?
-                        .0;
+                    let (y, cp) = self.layers[l].forward(&x, &mut cache.layers[l], &self.rope, verify)?;
+                    x = y;
+                    cps.extend(cp);
                 }
-                Ok(x)
+                Ok((x, cps))
             })?;
-            i = end;
+            if verify {
+                checkpoints.extend(cps.into_iter().map(Some));
+            } else {
+                checkpoints.extend((i..end).map(|_| None));
+            }
+            (x, i) = (y, end);
         }
-        cache.seq_len += 1;
-        Ok(self.norm.forward(&x)?)
+        cache.seq_len += ids.dim(1)?;
+        Ok((self.norm.forward(&x)?, checkpoints))
     }
 
     /// lm_head over hidden states `[..., hidden]`; logits in f32.

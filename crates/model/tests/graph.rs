@@ -57,8 +57,9 @@ fn steps(
 }
 
 /// Graphed steps equal eager ones (f32 and bf16) through: the first recording, replays, an eager
-/// verify + commit in between (states stay in their buffers), a reset and a new sequence, and a
-/// second cache (the graphs re-record for its buffers). Tolerance 0 in f32 would hold unless
+/// verify + commit in between (states stay in their buffers), graphed verify passes of two lengths
+/// with commits of every kind, a reset and a new sequence, and a second cache (the graphs
+/// re-record for its buffers). Tolerance 0 in f32 would hold unless
 /// cuBLAS picks another algorithm under capture; 1e-5 (f32) / 1e-2 (bf16, one ulp at |h|≈4) bounds that.
 #[test]
 fn graphed_decode_equals_eager() {
@@ -78,7 +79,25 @@ fn graphed_decode_equals_eager() {
         m.forward_verify(&v, &mut b).unwrap();
         a.commit(2).unwrap();
         b.commit(2).unwrap();
-        let (d2, _) = steps(&m, &mut a, &mut b, &mut g, 6, 8);
+        let (mut d2, mut tok) = steps(&m, &mut a, &mut b, &mut g, 6, 8);
+
+        // Graphed verify passes (the first records, the next replay) against eager ones, each
+        // followed by a commit of a different length and a graphed step.
+        for (len, keep) in [(4usize, 2usize), (4, 4), (4, 1), (2, 1)] {
+            let v: Vec<u32> = (0..len as u32).map(|i| (tok + 7 * i) % 4000).collect();
+            let ha = m.forward_verify(&ids(&v), &mut a).unwrap();
+            let hb = m.forward_verify_graphed(&ids(&v), &mut b, &mut g).unwrap();
+            d2 = d2.max(max_abs_diff(&ha, &hb));
+            a.commit(keep).unwrap();
+            b.commit(keep).unwrap();
+            let (d, t) = steps(&m, &mut a, &mut b, &mut g, v[keep - 1], 2);
+            (d2, tok) = (d2.max(d), t);
+        }
+        assert_eq!(
+            g.recorded(),
+            9,
+            "3 runs of GDN layers × (decode, verify of 4, verify of 2)"
+        );
 
         // Reset and a new sequence: equal to a fresh cache.
         b.reset().unwrap();
