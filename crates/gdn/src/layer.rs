@@ -26,9 +26,17 @@ impl VerifyCheckpoints {
     /// A private copy (own buffers): a place to keep checkpoints that a recorded CUDA graph
     /// rewrites on every replay.
     pub fn deep_copy(&self) -> Result<Self> {
+        // Contiguous buffers of their own (`copy` alone would keep a view's strides).
+        let own = |t: &Tensor| -> Result<Tensor> {
+            Ok(if t.is_contiguous() {
+                t.copy()?
+            } else {
+                t.contiguous()?
+            })
+        };
         Ok(Self {
-            states: self.states.copy()?,
-            window: self.window.copy()?,
+            states: own(&self.states)?,
+            window: own(&self.window)?,
             seen_before: self.seen_before,
         })
     }
@@ -470,6 +478,31 @@ mod verify_tests {
             let cont = max_diff(&after, &l.forward(&next, &mut fresh)?);
             assert!(cont < tol, "keep {keep}: continuation {cont}");
         }
+        // Checkpoints copied into separate buffers (as CUDA graphs keep them) commit the same.
+        let mut s = base.clone();
+        let (_, cp) = l.forward_verify(&verify, &mut s)?;
+        let kept = cp.deep_copy()?;
+        let (_, cp2) = l.forward_verify(&next, &mut base.clone())?;
+        assert!(cp2.deep_copy().is_ok());
+        cp.write_into(&kept)?;
+        // A strided view (as a kernel may return) still gets contiguous buffers of its own.
+        let strided = VerifyCheckpoints {
+            states: cp.states.transpose(3, 4)?.contiguous()?.transpose(3, 4)?,
+            ..cp.clone()
+        };
+        assert!(!strided.states.is_contiguous());
+        let own = strided.deep_copy()?;
+        assert!(own.states.is_contiguous() && own.window.is_contiguous());
+        strided.write_into(&own)?;
+        assert_eq!(max_diff(&own.states, &cp.states), 0.0);
+        let mut t = base.clone();
+        t.commit(&kept.rebased(cp.seen_before()), 3)?;
+        let mut u = base.clone();
+        u.commit(&cp, 3)?;
+        assert_eq!(max_diff(t.recurrent(), u.recurrent()), 0.0);
+        assert_eq!(max_diff(t.conv(), u.conv()), 0.0);
+        assert_eq!(t.seen(), u.seen());
+
         let mut s = base.clone();
         let (_, cp) = l.forward_verify(&verify, &mut s)?;
         let left = s.clone();

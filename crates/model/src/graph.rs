@@ -165,11 +165,16 @@ impl DecodeGraph {
         for (l, s) in originals {
             cache.layers[l] = LayerCache::Gdn(s);
         }
-        let kept = warm?
-            .1
+        let warm_cps = warm?.1;
+        let kept = warm_cps
             .iter()
             .map(|cp| Ok(cp.deep_copy()?))
             .collect::<Result<Vec<_>>>()?;
+        // The capture below copies checkpoints into `kept`: run those copies once eagerly too.
+        for (cp, dst) in warm_cps.iter().zip(&kept) {
+            cp.write_into(dst)?;
+        }
+        drop(warm_cps);
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(candle_core::Error::wrap)?;
