@@ -163,7 +163,11 @@ struct Row {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
-    let device = if args.cuda { cuda_device()? } else { Device::Cpu };
+    let device = if args.cuda {
+        qwen36::model::cuda_device(0)?
+    } else {
+        Device::Cpu
+    };
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
@@ -360,14 +364,6 @@ fn main() -> anyhow_like::Result<()> {
         println!("{j}");
     }
     Ok(())
-}
-
-/// A CUDA device that can record graphs (needs the `cuda` feature).
-fn cuda_device() -> qwen36::model::Result<Device> {
-    #[cfg(feature = "cuda")]
-    return qwen36::model::graph_device(0);
-    #[cfg(not(feature = "cuda"))]
-    Ok(Device::new_cuda(0)?)
 }
 
 /// Runs `steps` + 2 greedy steps through `step` (token in, next token out), appending each input to

@@ -86,7 +86,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--dtype {other:?}: expected f32, bf16 or f16").into()),
     };
     let device = if args.cuda {
-        Device::new_cuda(0)?
+        qwen36::model::cuda_device(0)?
     } else {
         Device::Cpu
     };

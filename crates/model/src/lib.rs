@@ -13,6 +13,7 @@ mod graph;
 mod kv_cache;
 mod model;
 mod mtp_head;
+mod stepper;
 mod weights;
 
 pub use attention::GatedAttention;
@@ -24,4 +25,5 @@ pub use graph::{graph_device, DecodeGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{MtpCache, MtpHead};
+pub use stepper::{cuda_device, Stepper};
 pub use weights::{LoadOptions, Weights};

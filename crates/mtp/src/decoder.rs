@@ -1,7 +1,7 @@
 //! The speculative decoding loop: draft, verify, accept, commit.
 
 use candle_core::Tensor;
-use qwen36_model::Qwen36Model;
+use qwen36_model::{Qwen36Model, Stepper};
 use qwen36_sampling::{accept_greedy, accept_stochastic, Sampler, SamplingParams};
 
 use crate::{DraftContext, Drafter, Error, Result, SpecStats};
@@ -47,6 +47,8 @@ pub struct SpecOutput {
 pub struct SpeculativeDecoder<'m> {
     model: &'m Qwen36Model,
     sampler: Sampler,
+    /// Verify passes replay CUDA graphs where the device allows.
+    stepper: Stepper,
 }
 
 impl<'m> SpeculativeDecoder<'m> {
@@ -55,6 +57,7 @@ impl<'m> SpeculativeDecoder<'m> {
         Ok(Self {
             model,
             sampler: Sampler::new(params)?,
+            stepper: Stepper::new(model, 1),
         })
     }
 
@@ -116,7 +119,8 @@ impl<'m> SpeculativeDecoder<'m> {
 
             let x = *tokens.last().expect("non-empty");
             let ids: Vec<u32> = std::iter::once(x).chain(drafts.iter().copied()).collect();
-            let h = model.forward_verify(&Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?, &mut cache)?;
+            let ids = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
+            let h = self.stepper.forward_verify(model, &ids, &mut cache)?;
             let rows = model.logits(&h)?.squeeze(0)?.to_vec2::<f32>()?;
             let acc = self.accept(&drafts, &rows, prompt, &output)?;
             cache.commit(acc.accepted + 1)?;

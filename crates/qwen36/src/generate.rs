@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use qwen36_model::{LoadOptions, MtpHead, Qwen36Model};
+use qwen36_model::{LoadOptions, MtpHead, Qwen36Model, Stepper};
 use qwen36_mtp::{
     Drafter, MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder,
 };
@@ -382,6 +382,8 @@ impl Generator {
         let dev = self.model.device().clone();
         let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
         let mut cache = self.model.new_cache(1)?;
+        // One-token steps replay CUDA graphs where the device allows.
+        let mut stepper = Stepper::new(&self.model, 1);
         let mut logits = self.model.forward_last(&ids(prompt)?, &mut cache)?;
         let mut tokens = Vec::new();
         while tokens.len() < opts.max_new_tokens {
@@ -402,7 +404,8 @@ impl Generator {
             if cache.seq_len() >= max_ctx {
                 return Ok((tokens, StopReason::ContextFull));
             }
-            logits = self.model.forward_last(&ids(&[token])?, &mut cache)?;
+            let h = stepper.forward_hidden(&self.model, &ids(&[token])?, &mut cache)?;
+            logits = self.model.logits(&h.squeeze(1)?)?;
         }
         Ok((tokens, StopReason::MaxTokens))
     }

@@ -3,12 +3,31 @@
 use candle_core::{DType, Device, Tensor};
 
 /// The device tests run on: the CPU, or the first CUDA GPU when `QWEN36_TEST_DEVICE=cuda`
-/// (scripts/gpu-check runs every suite both ways).
+/// (scripts/gpu-check runs every suite both ways). The GPU device is made like
+/// `qwen36_model::graph_device`, so generation loops under test replay CUDA graphs.
 pub fn test_device() -> Device {
     match std::env::var("QWEN36_TEST_DEVICE").as_deref() {
-        Ok("cuda") => Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device"),
+        Ok("cuda") => cuda_device(),
         _ => Device::Cpu,
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Device {
+    let d = Device::new_cuda_with_stream(0).expect("QWEN36_TEST_DEVICE=cuda but no CUDA device");
+    // SAFETY: every tensor of this device is made and used on its single stream (see
+    // qwen36_model::graph_device).
+    unsafe {
+        d.as_cuda_device()
+            .expect("a CUDA device")
+            .disable_event_tracking()
+    };
+    d
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Device {
+    Device::new_cuda(0).expect("QWEN36_TEST_DEVICE=cuda needs a build with --features cuda")
 }
 
 fn host_f32(t: &Tensor) -> Tensor {

@@ -1,0 +1,75 @@
+//! Decode steps and verify passes for a generation loop: through CUDA graphs where the model's
+//! device can record them, eagerly everywhere else, with one call site either way.
+
+use candle_core::Tensor;
+
+use crate::{Cache, Qwen36Model, Result};
+
+/// Runs the per-token passes of one generation. On a CUDA device made by
+/// [`graph_device`](crate::graph_device) (feature `cuda`) one-token steps and verify passes replay
+/// recorded graphs ([`DecodeGraph`](crate::DecodeGraph)); on any other device they run eagerly.
+/// Graphs are bound to one [`Cache`]: keep the stepper and the cache together (a new cache
+/// re-records, which costs two eager passes per run of GDN layers).
+pub struct Stepper {
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::DecodeGraph>,
+}
+
+impl Stepper {
+    /// A stepper for `batch` sequences of `model`.
+    pub fn new(model: &Qwen36Model, batch: usize) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let graph = model
+                .device()
+                .is_cuda()
+                .then(|| crate::DecodeGraph::new(model.device(), batch).ok())
+                .flatten();
+            Self { graph }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (model, batch);
+            Self {}
+        }
+    }
+
+    /// Whether passes replay CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graph.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// [`Qwen36Model::forward_hidden`]; one-token steps replay graphs when available.
+    pub fn forward_hidden(&mut self, model: &Qwen36Model, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            if ids.dims() == [g.batch(), 1] {
+                return model.forward_hidden_graphed(ids, cache, g);
+            }
+        }
+        model.forward_hidden(ids, cache)
+    }
+
+    /// [`Qwen36Model::forward_verify`], replaying graphs when available.
+    pub fn forward_verify(&mut self, model: &Qwen36Model, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            if ids.rank() == 2 && ids.dim(0)? == g.batch() {
+                return model.forward_verify_graphed(ids, cache, g);
+            }
+        }
+        model.forward_verify(ids, cache)
+    }
+}
+
+/// CUDA device `ordinal`, made so that [`Stepper`] can record graphs on it (see
+/// [`graph_device`](crate::graph_device)); without the `cuda` feature, candle's error saying so.
+pub fn cuda_device(ordinal: usize) -> Result<candle_core::Device> {
+    #[cfg(feature = "cuda")]
+    return crate::graph_device(ordinal);
+    #[cfg(not(feature = "cuda"))]
+    Ok(candle_core::Device::new_cuda(ordinal)?)
+}
