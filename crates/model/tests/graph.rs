@@ -4,11 +4,14 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, D};
-use qwen36_model::{graph_device, Cache, DecodeGraph, LoadOptions, Qwen36Model};
+use qwen36_model::{graph_device, Cache, DecodeGraph, LoadOptions, Qwen36Model, Stepper};
 use qwen36_testutil::max_abs_diff;
 
 fn model(dtype: DType) -> (Qwen36Model, Device) {
-    let dev = graph_device(0).expect("a CUDA device");
+    model_on(dtype, graph_device(0).expect("a CUDA device"))
+}
+
+fn model_on(dtype: DType, dev: Device) -> (Qwen36Model, Device) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny");
     let opts = LoadOptions {
         dtype,
@@ -136,4 +139,17 @@ fn graph_misuse_is_an_error() {
     assert!(DecodeGraph::new(&Device::Cpu, 1).is_err());
     let e = DecodeGraph::new(&Device::new_cuda(0).unwrap(), 1).err().unwrap();
     assert!(e.to_string().contains("graph_device"), "{e}");
+}
+
+/// The generation loops' stepper records graphs on a graph-capable device (the one every GPU suite
+/// runs on, through `test_device`), and falls back to eager passes on a plain CUDA device.
+#[test]
+fn stepper_uses_graphs_where_it_can() {
+    let dev = qwen36_testutil::test_device();
+    if dev.is_cuda() {
+        let (m, _) = model_on(DType::F32, dev);
+        assert!(Stepper::new(&m, 1).uses_graphs());
+    }
+    let (m, _) = model_on(DType::F32, Device::new_cuda(0).unwrap());
+    assert!(!Stepper::new(&m, 1).uses_graphs());
 }
