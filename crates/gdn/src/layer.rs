@@ -442,8 +442,10 @@ mod verify_tests {
 
     /// Every accepted length 0..=k: verify k+1 tokens, commit a+1, continue with one more token;
     /// output and state equal a fresh token-by-token run over exactly the kept tokens. Tolerance
-    /// 1e-6: the verify pass projects all k+1 tokens in one matmul, whose blocking differs from
-    /// k+1 single-row products in the last bits of f32; the rollback itself is an exact copy
+    /// 4e-6: the verify pass projects all k+1 tokens in one matmul, whose blocking differs from
+    /// k+1 single-row products in the last bits of f32, and the outputs reach magnitudes of ~8
+    /// (f32 ulp 9.5e-7), so a few ulps (1.07e-6 was seen on a fresh CI run with these random
+    /// inputs); a wrong rollback moves them by O(0.1). The rollback itself is an exact copy
     /// (committing all tokens equals the state the pass left, bit for bit).
     #[test]
     fn commit_restores_the_state_after_each_accepted_prefix() -> Result<()> {
@@ -465,7 +467,7 @@ mod verify_tests {
                 ys.push(l.forward(&verify.narrow(1, i, 1)?, &mut fresh)?);
             }
             // Verify outputs equal token-by-token decoding (to matmul-blocking rounding).
-            let tol = 1e-6;
+            let tol = 4e-6;
             assert!(
                 max_diff(&y.narrow(1, 0, keep)?, &Tensor::cat(&ys, 1)?) < tol,
                 "keep {keep}"
