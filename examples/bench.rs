@@ -21,10 +21,14 @@ use qwen36::model::{LayerType, MtpHead, Weights};
 use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
 use qwen36::{Cache, Config, LoadOptions, Qwen36Model};
 
+/// The Qwen3.6-27B text config (ARCHITECTURE-qwen36 §1.2), the default model.
+const QWEN36_27B: &str = include_str!("configs/qwen3.6-27b.json");
+
 #[derive(Parser, Debug)]
 #[command(about = "Time prefill, decode and MTP cycles of a Qwen3.6 model")]
 struct Args {
-    /// config.json to build with random weights (default: Qwen3.6-27B's).
+    /// config.json to build with random weights (default: Qwen3.6-27B's,
+    /// examples/configs/qwen3.6-27b.json, built in).
     #[arg(long)]
     config: Option<PathBuf>,
     /// A checkpoint directory to load instead of random weights.
@@ -185,11 +189,16 @@ fn main() -> anyhow_like::Result<()> {
             Weights::open(dir, opts)?,
         ),
         None => {
-            let path = args.config.clone().unwrap_or_else(|| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/configs/qwen3.6-27b.json")
-            });
-            device.set_seed(0)?;
-            (Config::from_file(&path)?, Weights::random(opts))
+            let cfg = match &args.config {
+                Some(path) => Config::from_file(path)?,
+                // Built in, so the binary runs from any directory (e.g. on a GPU machine).
+                None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
+            };
+            if !device.is_cpu() {
+                // Repeatable weights on a GPU (candle's CPU generator cannot be seeded).
+                device.set_seed(0)?;
+            }
+            (cfg, Weights::random(opts))
         }
     };
     if let Some(n) = args.layers {
