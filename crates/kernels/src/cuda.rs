@@ -150,6 +150,16 @@ fn with_views<T: CudaDType, R>(
     f(&views)
 }
 
+/// The grid of the kernels that keep the state in registers (recurrent, fused, chunk scan): one
+/// block of THREADS per (sequence, value head, BV state columns).
+fn state_column_blocks(d: Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((d.b * d.hv * d.dv.div_ceil(BV)) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`DeltaRuleInputs`]).
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
@@ -185,12 +195,7 @@ fn launch_recurrent<T: CudaDType>(
         }
         let eps = 1e-6f32;
         lb.arg(&scale).arg(&eps);
-        let tiles = d.dv.div_ceil(BV);
-        let cfg = LaunchConfig {
-            grid_dim: ((d.b * d.hv * tiles) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = state_column_blocks(d);
         // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (the shared
         // input prefix, the initial state or null, then the outputs, i32 dims, f32 scale and
         // eps); buffers have the sizes checked by the callers, outputs are fresh allocations of
@@ -277,11 +282,7 @@ fn launch_chunked<T: CudaDType>(
         for x in &scan_dims {
             lb.arg(x);
         }
-        let cfg = LaunchConfig {
-            grid_dim: ((d.b * d.hv * d.dv.div_ceil(BV)) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = state_column_blocks(d);
         // SAFETY: arguments match `gdn_chunk_scan_r*`: the six scratch parts written above, the
         // initial state or null, fresh outputs of the sizes it writes, then i32 dims.
         unsafe { lb.launch(cfg) }.w()?;
@@ -292,6 +293,51 @@ fn launch_chunked<T: CudaDType>(
         state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
         all_states: None,
     })
+}
+
+/// Separate q, k, v, g, beta and initial state as contiguous f32 tensors: the inputs of the
+/// unfused kernels (q, k already normalised, gates already computed).
+struct SeparateF32 {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Option<Tensor>,
+}
+
+impl SeparateF32 {
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: Option<&Tensor>,
+    ) -> Result<Self> {
+        let f = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+        Ok(Self {
+            q: f(q)?,
+            k: f(k)?,
+            v: f(v)?,
+            g: f(g)?,
+            beta: f(beta)?,
+            state: state.map(f).transpose()?,
+        })
+    }
+
+    fn inputs(&self, d: Launch) -> DeltaRuleInputs<'_> {
+        DeltaRuleInputs {
+            q: (&self.q, 0),
+            k: (&self.k, 0),
+            v: (&self.v, 0),
+            strides: (d.hk * d.dk, d.hv * d.dv),
+            ga: &self.g,
+            gb: &self.beta,
+            gate_params: None,
+            state: self.state.as_ref(),
+        }
+    }
 }
 
 /// CUDA twin of `chunked_gated_delta_rule` (f32 inputs): the chunked kernels for dk <= 128, the
@@ -310,22 +356,14 @@ pub(crate) fn chunked(
     if d.dk > CHUNK_MAX_DK {
         return recurrent(d, q, k, v, g, beta, state, scale, false);
     }
-    let op = "chunked_gated_delta_rule";
-    let f = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
-    let (q, k, v, g, beta) = (f(q)?, f(k)?, f(v)?, f(g)?, f(beta)?);
-    let state = state.map(f).transpose()?;
-    let strides = (d.hk * d.dk, d.hv * d.dv);
-    let inp = DeltaRuleInputs {
-        q: (&q, 0),
-        k: (&k, 0),
-        v: (&v, 0),
-        strides,
-        ga: &g,
-        gb: &beta,
-        gate_params: None,
-        state: state.as_ref(),
-    };
-    launch_chunked::<f32>(op, "gdn_chunk_prep_f32", d, inp, scale)
+    let x = SeparateF32::new(q, k, v, g, beta, state)?;
+    launch_chunked::<f32>(
+        "chunked_gated_delta_rule",
+        "gdn_chunk_prep_f32",
+        d,
+        x.inputs(d),
+        scale,
+    )
 }
 
 /// CUDA twin of `recurrent_gated_delta_rule` (f32 inputs; shapes checked by the caller).
@@ -342,22 +380,9 @@ pub(crate) fn recurrent(
     keep_all_states: bool,
 ) -> Result<DeltaRuleOutput> {
     let op = "recurrent_gated_delta_rule";
-    let f = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
-    let (q, k, v, g, beta) = (f(q)?, f(k)?, f(v)?, f(g)?, f(beta)?);
-    let state = state.map(f).transpose()?;
     let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
-    let strides = (d.hk * d.dk, d.hv * d.dv);
-    let inp = DeltaRuleInputs {
-        q: (&q, 0),
-        k: (&k, 0),
-        v: (&v, 0),
-        strides,
-        ga: &g,
-        gb: &beta,
-        gate_params: None,
-        state: state.as_ref(),
-    };
-    launch_recurrent::<f32>(op, name, d, inp, scale, keep_all_states)
+    let x = SeparateF32::new(q, k, v, g, beta, state)?;
+    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep_all_states)
 }
 
 /// CUDA twin of `fused_gated_delta_rule`: `qkv: [b, t, 2·hk·dk + hv·dv]` and `a, b: [b, t, hv]` in

@@ -195,7 +195,7 @@ mod tests {
         // 2 batches × 4 heads × 13 keys: budgets of 1, 3 and 8 query rows per block.
         for budget in [1, 2 * 4 * 13 * 3, 2 * 4 * 13 * 8 - 1] {
             let blocked = run(budget)?;
-            let diff = (&blocked - &whole)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let diff = qwen36_testutil::max_abs_diff(&blocked, &whole);
             assert!(diff < 1e-6, "budget {budget}: max diff {diff}");
         }
         Ok(())

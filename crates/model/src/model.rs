@@ -327,11 +327,11 @@ impl Qwen36Model {
         cache: &mut Cache,
         graph: &mut crate::DecodeGraph,
     ) -> Result<Tensor> {
-        let (b, t) = self.check_input(ids, cache)?;
-        if t != 1 || b != graph.batch() {
+        if ids.dims() != [graph.batch(), 1] {
             return Err(Error::Input(format!(
-                "a graphed step takes ids [{}, 1], found [{b}, {t}]",
-                graph.batch()
+                "a graphed step takes ids [{}, 1], found {:?}",
+                graph.batch(),
+                ids.dims()
             )));
         }
         Ok(self.run_graphed(ids, cache, graph, false)?.0)
@@ -346,18 +346,11 @@ impl Qwen36Model {
         cache: &mut Cache,
         graph: &mut crate::DecodeGraph,
     ) -> Result<Tensor> {
-        let (b, t) = self.check_input(ids, cache)?;
-        if b != graph.batch() {
-            return Err(Error::Input(format!(
-                "graphs recorded for batch {} used with batch {b}",
-                graph.batch()
-            )));
-        }
         let base = cache.seq_len;
         let (h, checkpoints) = self.run_graphed(ids, cache, graph, true)?;
         cache.pending = Some(crate::cache::Pending {
             base,
-            len: t,
+            len: ids.dim(1)?,
             checkpoints,
         });
         Ok(h)
@@ -373,6 +366,13 @@ impl Qwen36Model {
         graph: &mut crate::DecodeGraph,
         verify: bool,
     ) -> Result<(Tensor, Vec<Option<VerifyCheckpoints>>)> {
+        let (b, _) = self.check_input(ids, cache)?;
+        if b != graph.batch() {
+            return Err(Error::Input(format!(
+                "graphs recorded for batch {} used with batch {b}",
+                graph.batch()
+            )));
+        }
         graph.bind(cache)?;
         cache.pending = None;
         let ids = ids.to_device(&self.device)?;

@@ -36,16 +36,11 @@ fn host_f32(t: &Tensor) -> Tensor {
 
 /// `max |a − b|` over all elements (any devices and dtypes), in f32.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (host_f32(a) - host_f32(b))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    max_all(&(host_f32(a) - host_f32(b)).unwrap().abs().unwrap())
+}
+
+fn max_all(t: &Tensor) -> f32 {
+    t.flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
 }
 
 /// Max over rows (last dim) of `max_j |a_j − b_j| / max_j |b_j|`: the error relative to each row's
@@ -55,12 +50,5 @@ pub fn max_row_rel_err(a: &Tensor, b: &Tensor) -> f32 {
     let d = a.dims().len() - 1;
     let err = (a - &b).unwrap().abs().unwrap().max_keepdim(d).unwrap();
     let scale = b.abs().unwrap().max_keepdim(d).unwrap();
-    (err / scale)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    max_all(&(err / scale).unwrap())
 }
