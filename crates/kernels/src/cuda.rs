@@ -1,4 +1,4 @@
-//! CUDA launches of `cuda/gdn.cu` and `cuda/norm.cu` (PTX from build.rs). Same signatures as the CPU
+//! CUDA launches of `cuda/{gdn,norm,linear,attention,argmax}.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -573,12 +573,21 @@ pub(crate) fn rms_norm(
                 (Some(r), Some(s)) => lb.arg(r).arg(s),
                 _ => lb.arg(&null).arg(&null),
             };
-            let (d32, eps32) = (d as i32, eps as f32);
-            lb.arg(&sv).arg(&y).arg(&d32).arg(&eps32);
+            // The vectorised path: 16-byte rows (fresh buffers and contiguous views at a
+            // 16-byte offset) of at most NORM_THREADS · NORM_VECS vectors (cuda/norm.cu).
+            let size = dt.size_in_bytes();
+            let at16 = |l: &Layout| (l.start_offset() * size) % 16 == 0;
+            let vec = (d * size) % 16 == 0
+                && d * size <= NORM_THREADS as usize * 4 * 16
+                && at16(xl)
+                && rs.as_ref().is_none_or(|(_, l)| at16(l));
+            let (d32, eps32, vec32) = (d as i32, eps as f32, vec as i32);
+            lb.arg(&sv).arg(&y).arg(&d32).arg(&eps32).arg(&vec32);
             if rows > 0 {
                 // SAFETY: arguments match `rms_norm_*` in cuda/norm.cu: x [rows·d], residual and
-                // sum [rows·d] (or both null), scale [d] f32, y [rows·d], i32 d, f32 eps; one
-                // block per row.
+                // sum [rows·d] (or both null), scale [d] f32, y [rows·d], i32 d, f32 eps, i32
+                // vec (set only for 16-byte aligned rows that fit the registers, checked above;
+                // y and sum are fresh allocations); one block per row.
                 unsafe { lb.launch(norm_launch(rows)) }.w()?;
             }
             let shape = x.shape().clone();
@@ -638,6 +647,298 @@ pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) 
                 unsafe { lb.launch(norm_launch(rows)) }.w()?;
             }
             Ok(wrap(y, &dev, x.shape().clone()))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+const LINEAR_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear.ptx"));
+const LINEAR_MODULE: &str = "qwen36_linear";
+/// Threads per block of the skinny linear kernel: 8 warps.
+const LINEAR_THREADS: usize = 256;
+
+/// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
+/// same dtype, each warp computing `columns` ∈ {1, 2, 4} outputs. `None` when the kernel cannot take the operands (rows not 16-byte multiples or not
+/// 16-byte aligned, `w` not contiguous): the caller falls back to the matmul.
+pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, columns: usize) -> Result<Option<Tensor>> {
+    let op = "skinny_linear";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    if kw != k
+        || w.dtype() != dt
+        || !(1..=crate::linear::SKINNY_MAX_ROWS).contains(&m)
+        || ![1, 2, 4].contains(&columns)
+    {
+        return Err(err(
+            op,
+            format!(
+                "x {:?} {dt:?} and w {:?} {:?} do not fit ({columns} columns per warp)",
+                x.dims(),
+                w.dims(),
+                w.dtype()
+            ),
+        ));
+    }
+    let size = dt.size_in_bytes();
+    let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    if (k * size) % 16 != 0 || !aligned(x.layout()) || !aligned(w.layout()) {
+        return Ok(None);
+    }
+    let dev = device(op, x)?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            // SAFETY: uninitialised; the kernel writes every element (each warp its `columns`
+            // columns, for every row m).
+            let y = unsafe { dev.alloc::<$t>(m * n)? };
+            let name = format!("skinny_linear_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
+            let func = dev.get_or_load_custom_func(&name, LINEAR_MODULE, LINEAR_PTX)?;
+            let mut lb = func.builder();
+            let (n32, k32) = (n as i32, k as i32);
+            lb.arg(&xv).arg(&wv).arg(&y).arg(&n32).arg(&k32);
+            let cfg = LaunchConfig {
+                grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
+                block_dim: (LINEAR_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if n > 0 {
+                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` in cuda/linear.cu: x
+                // [m·k] and w [n·k] contiguous and 16-byte aligned with k·size a multiple of 16
+                // (checked above), y [m·n], i32 n and k; one warp per `columns` columns.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some(wrap(y, &dev, (m, n))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        _ => Ok(None),
+    }
+}
+
+const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+const ATTENTION_MODULE: &str = "qwen36_attention";
+/// Threads per block of the attention kernels.
+const ATTENTION_THREADS: u32 = 128;
+/// Spans one block of the first merge level combines (`GROUP` in cuda/attention.cu).
+const ATTENTION_GROUP: usize = 32;
+
+/// CUDA twin of `decode_attention` (shapes checked by the caller): the split-K partial kernel
+/// over spans of `KEYS_PER_SPAN` keys, then the merge. Grids cover the whole buffer (`cap`); spans
+/// past the device-side length return at once, so a recorded graph stays valid as `len` grows.
+pub(crate) fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    len: &Tensor,
+    t: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    use crate::attention::{decode_attention_fits, KEYS_PER_SPAN};
+    let op = "decode_attention";
+    let dt = q.dtype();
+    let dev = device(op, q)?;
+    let (b, h, r, d) = q.dims4()?;
+    let cap = k.dim(2)?;
+    if !decode_attention_fits(r, d, dt) || k.dtype() != dt || v.dtype() != dt {
+        return Err(err(
+            op,
+            format!(
+                "{r} rows of head dim {d} in {dt:?} (k {:?}, v {:?}) do not fit the kernel",
+                k.dtype(),
+                v.dtype()
+            ),
+        ));
+    }
+    let spans = cap.div_ceil(KEYS_PER_SPAN).max(1);
+    if spans * 4 > 48 * 1024 {
+        return Err(err(
+            op,
+            format!("a buffer of {cap} keys is longer than the merge kernel takes"),
+        ));
+    }
+    let (q, k, v, len) = (
+        q.contiguous()?,
+        k.contiguous()?,
+        v.contiguous()?,
+        len.contiguous()?,
+    );
+    macro_rules! go {
+        ($t:ty) => {{
+            let (qs, ql) = q.storage_and_layout();
+            let (ks, kl) = k.storage_and_layout();
+            let (vs, vl) = v.storage_and_layout();
+            let (ls, ll) = len.storage_and_layout();
+            let qv = view::<$t>(op, &qs, ql)?;
+            let kv = view::<$t>(op, &ks, kl)?;
+            let vv = view::<$t>(op, &vs, vl)?;
+            let lv = view::<u32>(op, &ls, ll)?;
+            let bh = b * h;
+            // SAFETY: uninitialised scratch and output. The partial kernel writes every span below
+            // the device-side length, which is all the merge reads; the merge writes every output.
+            let part_o = unsafe { dev.alloc::<f32>(bh * spans * r * d)? };
+            let part_ml = unsafe { dev.alloc::<f32>(bh * spans * r * 2)? };
+            let out = unsafe { dev.alloc::<$t>(bh * r * d)? };
+            let sfx = dtype_suffix(op, dt)?;
+            let (r32, d32, cap32, t32, s32, scale32) = (
+                r as i32,
+                d as i32,
+                cap as i32,
+                t as i32,
+                spans as i32,
+                scale as f32,
+            );
+            let partial = dev.get_or_load_custom_func(
+                &format!("attn_decode_partial_{sfx}"),
+                ATTENTION_MODULE,
+                ATTENTION_PTX,
+            )?;
+            let mut lb = partial.builder();
+            lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
+            lb.arg(&r32).arg(&d32).arg(&cap32).arg(&t32).arg(&scale32);
+            let cfg = LaunchConfig {
+                grid_dim: (spans as u32, bh as u32, 1),
+                block_dim: (ATTENTION_THREADS, 1, 1),
+                shared_mem_bytes: (r * (d + KEYS_PER_SPAN) * 4) as u32,
+            };
+            // SAFETY: arguments match `attn_decode_partial_*` in cuda/attention.cu: q [bh·r·d],
+            // k and v [bh·cap·d] contiguous (16-byte rows: `decode_attention_fits`), len [1] u32
+            // (the kernel clamps it to cap), scratch of bh·spans·r·(d | 2) f32, i32 r, d, cap, t,
+            // f32 scale; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
+            unsafe { lb.launch(cfg) }.w()?;
+            // Long buffers: merge groups of ATTENTION_GROUP spans first, in parallel, so that the
+            // final merge reads few entries.
+            let grouped = if spans > ATTENTION_GROUP {
+                let groups = spans.div_ceil(ATTENTION_GROUP);
+                // SAFETY: uninitialised; the group kernel writes every group below the
+                // device-side length, which is all the final merge reads.
+                let o2 = unsafe { dev.alloc::<f32>(bh * groups * r * d)? };
+                let ml2 = unsafe { dev.alloc::<f32>(bh * groups * r * 2)? };
+                let f =
+                    dev.get_or_load_custom_func("attn_decode_merge_group", ATTENTION_MODULE, ATTENTION_PTX)?;
+                let mut lb = f.builder();
+                let one = 1i32;
+                lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one);
+                let cfg = LaunchConfig {
+                    grid_dim: (r as u32, bh as u32, groups as u32),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `attn_decode_merge_group`: the scratch written above,
+                // len [1] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span per
+                // input entry; grid (r, bh, groups).
+                unsafe { lb.launch(cfg) }.w()?;
+                Some((o2, ml2, groups))
+            } else {
+                None
+            };
+            let (o_in, ml_in, entries, per) = match &grouped {
+                Some((o2, ml2, groups)) => (o2, ml2, *groups, ATTENTION_GROUP),
+                None => (&part_o, &part_ml, spans, 1),
+            };
+            let merge = dev.get_or_load_custom_func(
+                &format!("attn_decode_merge_{sfx}"),
+                ATTENTION_MODULE,
+                ATTENTION_PTX,
+            )?;
+            let mut lb = merge.builder();
+            let (e32, per32) = (entries as i32, per as i32);
+            lb.arg(o_in)
+                .arg(ml_in)
+                .arg(&lv)
+                .arg(&out)
+                .arg(&r32)
+                .arg(&d32)
+                .arg(&e32)
+                .arg(&per32);
+            let cfg = LaunchConfig {
+                grid_dim: (r as u32, bh as u32, 1),
+                block_dim: (ATTENTION_THREADS, 1, 1),
+                shared_mem_bytes: (entries * 4) as u32,
+            };
+            // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
+            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d], i32 r, d, entries and
+            // spans per entry; shared memory one f32 per entry (≤ 48 KiB: checked above).
+            unsafe { lb.launch(cfg) }.w()?;
+            Ok(wrap(out, &dev, (b, h, r, d)))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+const ARGMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
+const ARGMAX_MODULE: &str = "qwen36_argmax";
+const ARGMAX_THREADS: u32 = 256;
+
+/// CUDA twin of `argmax_last_dim`: chunks of each row in parallel, then one block per row.
+pub(crate) fn argmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let op = "argmax_last_dim";
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    let n = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / n.max(1);
+    let out_shape: Vec<usize> = x.dims()[..x.rank() - 1].to_vec();
+    if n == 0 || n > i32::MAX as usize {
+        return Err(err(op, format!("rows of {n} elements")));
+    }
+    let chunks = n.div_ceil(crate::argmax::CHUNK);
+    let x = x.contiguous()?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            // SAFETY: uninitialised; stage 1 writes every (row, chunk) pair, stage 2 every row.
+            let pv = unsafe { dev.alloc::<f32>(rows * chunks)? };
+            let pi = unsafe { dev.alloc::<i32>(rows * chunks)? };
+            let out = unsafe { dev.alloc::<u32>(rows)? };
+            if rows > 0 {
+                let f = dev.get_or_load_custom_func(
+                    &format!("argmax_chunks_{}", dtype_suffix(op, dt)?),
+                    ARGMAX_MODULE,
+                    ARGMAX_PTX,
+                )?;
+                let mut lb = f.builder();
+                let (n32, c32) = (n as i32, crate::argmax::CHUNK as i32);
+                lb.arg(&xv).arg(&pv).arg(&pi).arg(&n32).arg(&c32);
+                let cfg = LaunchConfig {
+                    grid_dim: (chunks as u32, rows as u32, 1),
+                    block_dim: (ARGMAX_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `argmax_chunks_*` in cuda/argmax.cu: x [rows·n]
+                // contiguous, pv and pi [rows·chunks], i32 n and chunk; grid (chunks, rows).
+                unsafe { lb.launch(cfg) }.w()?;
+                let f = dev.get_or_load_custom_func("argmax_merge", ARGMAX_MODULE, ARGMAX_PTX)?;
+                let mut lb = f.builder();
+                let c32 = chunks as i32;
+                lb.arg(&pv).arg(&pi).arg(&out).arg(&c32);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (ARGMAX_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `argmax_merge`: the pairs written above, out [rows] u32,
+                // i32 chunks; one block per row.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(wrap(out, &dev, out_shape))
         }};
     }
     match dt {

@@ -4,12 +4,15 @@
 //! a CUDA twin with the same signature lives behind the `cuda` feature. Layouts follow fla:
 //! token-major `[batch, len, heads, dim]`, so projection outputs need no transpose.
 
+pub mod argmax;
+pub mod attention;
 pub mod conv1d;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod delta_rule;
 pub mod error;
 pub mod gating;
+pub mod linear;
 pub mod norm;
 pub mod rope;
 

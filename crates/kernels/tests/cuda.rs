@@ -190,3 +190,154 @@ fn norms_match_cpu() {
         }
     }
 }
+
+/// The weight-streaming linear kernel (1..=8 rows) and its matmul fallback (more rows, K not a
+/// multiple of 16 bytes, unaligned x) against the CPU matmul of the same rounded inputs, with a
+/// bias. Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11
+/// f16) plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
+#[test]
+fn linear_matches_cpu() {
+    use qwen36_kernels::linear::{force_skinny_variant, Linear};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [
+        (DType::F32, 2e-6f32),
+        (DType::BF16, 2f32.powi(-7)),
+        (DType::F16, 2f32.powi(-10)),
+    ] {
+        for (rows, k, n) in [
+            (1, 5120, 300),
+            (2, 64, 33),
+            (3, 520, 17),
+            (4, 5120, 96),
+            (5, 2048, 64),
+        ]
+        .into_iter()
+        .chain([
+            (6, 256, 40),
+            (7, 128, 9),
+            (8, 1024, 70),
+            (9, 512, 50),
+            (4, 20, 12),
+        ]) {
+            let x = Tensor::randn(0f32, 1.0, (1, rows, k + 1), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let w = (Tensor::randn(0f32, 1.0, (n, k), &cpu).unwrap() / (k as f64).sqrt())
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let b = Tensor::randn(0f32, 1.0, n, &cpu).unwrap().to_dtype(dt).unwrap();
+            let (lc, lg) = (
+                Linear::new(
+                    w.to_dtype(DType::F32).unwrap(),
+                    Some(b.to_dtype(DType::F32).unwrap()),
+                ),
+                Linear::new(w.to_device(&d).unwrap(), Some(b.to_device(&d).unwrap())),
+            );
+            let xg = x.to_device(&d).unwrap();
+            // Aligned rows (a fresh contiguous copy) and, for the fallback, a view at offset 1.
+            for (xc, xg) in [
+                (
+                    x.narrow(2, 0, k).unwrap(),
+                    xg.narrow(2, 0, k).unwrap().contiguous().unwrap(),
+                ),
+                (x.narrow(2, 1, k).unwrap(), xg.narrow(2, 1, k).unwrap()),
+            ] {
+                let want = lc.forward(&xc.to_dtype(DType::F32).unwrap()).unwrap();
+                // Every kernel variant (1, 2, 4 columns per warp; n not a multiple of 4 covers
+                // the partial last warp) and the default choice.
+                for variant in [Some(1), Some(2), Some(4), None] {
+                    force_skinny_variant(variant);
+                    let got = lg.forward(&xg).unwrap();
+                    assert_eq!(got.dims(), [1, rows, n]);
+                    assert_eq!(got.dtype(), dt);
+                    let e = max_row_rel_err(&got, &want);
+                    assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {variant:?}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// The split-K decode attention kernel against the CPU reference: one and five new tokens, six
+/// query heads per KV head (Qwen3.6-27B's grouping), head dims 256 and 64, lengths inside one
+/// span, across spans, filling the buffer, and buffers of more than 32 spans (the two-level
+/// merge, with a partial last group). f32: sums in another order over ≤ 2047 keys, 1e-5;
+/// bf16/f16: the reference rounds the same f32 result once, so one output ulp (2^-8 / 2^-11 of
+/// the row scale) plus the f32 difference.
+#[test]
+fn decode_attention_matches_cpu() {
+    use qwen36_kernels::attention::decode_attention;
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::BF16, 2f32.powi(-7)),
+        (DType::F16, 2f32.powi(-10)),
+    ] {
+        for (t, hd, cap, len) in [
+            (1, 256, 64, 1),
+            (1, 256, 300, 217),
+            (5, 256, 96, 96),
+            (5, 64, 80, 37),
+            (2, 64, 40, 33),
+            (1, 256, 2100, 2047),
+            (5, 64, 1500, 1100),
+        ] {
+            let (b, h, g) = (2, 2, 6);
+            let q = Tensor::randn(0f32, 1.0, (b, h, g * t, hd), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let k = Tensor::randn(0f32, 1.0, (b, h, cap, hd), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let v = Tensor::randn(0f32, 1.0, (b, h, cap, hd), &cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let l = Tensor::new(&[len as u32], &cpu).unwrap();
+            let scale = (hd as f64).powf(-0.5);
+            let want = decode_attention(&q, &k, &v, &l, t, scale).unwrap();
+            let on = |x: &Tensor| x.to_device(&d).unwrap();
+            let got = decode_attention(&on(&q), &on(&k), &on(&v), &on(&l), t, scale).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let e = max_row_rel_err(&got, &want);
+            assert!(e <= tol, "{dt:?} t {t} hd {hd} cap {cap} len {len}: {e}");
+        }
+    }
+}
+
+/// The two-stage argmax against candle's CPU argmax: vocabulary-sized rows (several chunks, a
+/// partial last one), short rows, ties (the lowest index wins on both sides), three dtypes.
+#[test]
+fn argmax_matches_cpu() {
+    use qwen36_kernels::argmax::argmax_last_dim;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for (rows, n) in [(1, 248_320), (3, 10_000), (2, 7), (4, 4096)] {
+            let x = Tensor::randn(0f32, 1.0, (rows, n), &cpu).unwrap();
+            // Rounded to steps of 1/4: many ties in every row.
+            let x = (x * 4.0)
+                .unwrap()
+                .round()
+                .unwrap()
+                .affine(0.25, 0.0)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let want = argmax_last_dim(&x).unwrap().to_vec1::<u32>().unwrap();
+            let got = argmax_last_dim(&x.to_device(&d).unwrap())
+                .unwrap()
+                .to_vec1::<u32>()
+                .unwrap();
+            assert_eq!(got, want, "{dt:?} rows {rows} n {n}");
+        }
+    }
+}

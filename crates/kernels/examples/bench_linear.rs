@@ -1,0 +1,70 @@
+//! The CUDA weight-streaming linear kernel against candle's matmul (cuBLAS) at the Qwen3.6-27B
+//! projection shapes, for 1..=8 rows (decode and MTP verify), bf16. Prints the weight bytes read
+//! per second of each variant; the yardstick is the device-to-device copy bandwidth measured in
+//! the same run.
+//!
+//! ```text
+//! cargo run --release -p qwen36-kernels --features cuda --example bench_linear
+//! ```
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use qwen36_kernels::linear::{force_skinny_variant, Linear};
+
+fn time(
+    dev: &Device,
+    iters: usize,
+    mut f: impl FnMut() -> qwen36_kernels::Result<()>,
+) -> qwen36_kernels::Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dev = Device::new_cuda(0)?;
+    let n = 512 * 1024 * 1024;
+    let big = Tensor::zeros(n, DType::F32, &dev)?;
+    let copy_s = time(&dev, 20, || Ok(big.copy().map(|_| ())?))?;
+    println!(
+        "copy bandwidth (read + write): {:.2} TB/s",
+        8.0 * n as f64 / copy_s / 1e12
+    );
+    drop(big);
+    // (name, in, out)
+    let shapes = [
+        ("GDN in_proj (qkv+z+b+a)", 5120, 16480),
+        ("MLP gate+up", 5120, 34816),
+        ("MLP down", 17408, 5120),
+        ("GDN out_proj", 6144, 5120),
+        ("attention q+k+v", 5120, 14336),
+        ("lm_head", 5120, 248320),
+    ];
+    println!("| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | (TB/s of weights read) |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, k, o) in shapes {
+        let w = Tensor::randn(0f32, 0.02, (o, k), &dev)?.to_dtype(DType::BF16)?;
+        let lin = Linear::new(w, None);
+        let bytes = (2 * k * o) as f64;
+        for rows in 1..=8 {
+            let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
+            let mut cells = Vec::new();
+            for variant in [usize::MAX, 1, 2, 4] {
+                force_skinny_variant(Some(variant));
+                let s = time(&dev, 50, || lin.forward(&x).map(|_| ()))?;
+                cells.push(format!("{:.2}", bytes / s / 1e12));
+            }
+            println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
+        }
+    }
+    force_skinny_variant(None);
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! Causal attention of a few new queries (a decode step, an MTP verify pass) over a KV cache
+//! buffer whose valid length is a tensor, not a host number: on CUDA the kernels read it from
+//! device memory, so one recorded graph serves every position. The CPU function is the plain
+//! reference (f32 loops); prefill keeps the matmul path of the model.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{expect_rank, Error, Result};
+
+/// Keys per span of the CUDA split-K kernel (one per lane in its softmax step).
+pub const KEYS_PER_SPAN: usize = 32;
+/// Shared memory the CUDA kernel may use per block without opting in.
+const SHARED_BYTES: usize = 48 * 1024;
+
+/// True when the CUDA kernel takes `rows` query rows per KV head of `head_dim` in `dtype` (its
+/// shared memory holds the rows in f32 and their scores over one span; rows are 16-byte vectors).
+pub fn decode_attention_fits(rows: usize, head_dim: usize, dtype: DType) -> bool {
+    rows > 0
+        && (head_dim * dtype.size_in_bytes()) % 16 == 0
+        && rows * (head_dim + KEYS_PER_SPAN) * 4 <= SHARED_BYTES
+}
+
+/// `q: [b, kv_heads, g·t, hd]` (row `r` is query head `kv·g + r / t` at new token `r % t`),
+/// `k, v: [b, kv_heads, cap, hd]` (the cache buffers), `len`: u32 `[1]`, the valid keys including
+/// the `t` new ones, `len ≤ cap`. New token `i` sits at position `len − t + i` and attends to
+/// keys `0..=len − t + i`, scaled by `scale`. Returns `[b, kv_heads, g·t, hd]` in `q`'s dtype.
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    len: &Tensor,
+    new_tokens: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let op = "decode_attention";
+    for (arg, t) in [("q", q), ("k", k), ("v", v)] {
+        expect_rank(op, arg, t, 4)?;
+    }
+    let (b, h, r, d) = q.dims4()?;
+    let (kb, kh, _, kd) = k.dims4()?;
+    if (kb, kh, kd) != (b, h, d) || v.dims() != k.dims() || new_tokens == 0 || r % new_tokens != 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "q {:?}, k {:?}, v {:?} and {new_tokens} new tokens do not fit",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        });
+    }
+    if len.dims() != [1] || len.dtype() != DType::U32 {
+        return Err(Error::Shape {
+            op,
+            msg: format!("len must be u32 [1], found {:?} {:?}", len.dtype(), len.dims()),
+        });
+    }
+    if q.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::decode_attention(q, k, v, len, new_tokens, scale);
+    }
+    reference(q, k, v, len, new_tokens, scale)
+}
+
+/// The CPU reference: f32 loops over every (batch, head, row), softmax over the visible keys.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, len: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
+    let (b, h, r, d) = q.dims4()?;
+    let cap = k.dim(2)?;
+    let l = (len.to_device(&Device::Cpu)?.to_vec1::<u32>()?[0] as usize).min(cap);
+    let (qh, kh, vh) = (crate::host_f32(q)?, crate::host_f32(k)?, crate::host_f32(v)?);
+    let mut out = vec![0f32; b * h * r * d];
+    let mut p = vec![0f32; l];
+    for bh in 0..b * h {
+        for row in 0..r {
+            let qr = &qh[(bh * r + row) * d..][..d];
+            // Visible keys: 0..=position of this row's token.
+            let seen = (l + 1 + row % t).saturating_sub(t).min(l);
+            let mut m = f32::NEG_INFINITY;
+            for (j, pj) in p[..seen].iter_mut().enumerate() {
+                let kr = &kh[(bh * cap + j) * d..][..d];
+                *pj = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale as f32;
+                m = m.max(*pj);
+            }
+            let mut sum = 0f32;
+            for pj in &mut p[..seen] {
+                *pj = (*pj - m).exp();
+                sum += *pj;
+            }
+            let o = &mut out[(bh * r + row) * d..][..d];
+            for (j, pj) in p[..seen].iter().enumerate() {
+                let vr = &vh[(bh * cap + j) * d..][..d];
+                for (oe, ve) in o.iter_mut().zip(vr) {
+                    *oe += pj / sum * ve;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(out, (b, h, r, d), &Device::Cpu)?
+        .to_dtype(q.dtype())?
+        .to_device(q.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::D;
+
+    /// The reference against softmax(q·kᵀ·scale + causal mask)·v built from candle ops, for a
+    /// verify of 3 new tokens with 2 query heads per KV head over a buffer longer than `len`.
+    #[test]
+    fn reference_matches_masked_softmax() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, g, t, d, cap, len) = (2, 2, 2, 3, 8, 20, 11);
+        let q = Tensor::randn(0f32, 1.0, (b, h, g * t, d), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
+        let lt = Tensor::new(&[len as u32], &dev)?;
+        let got = decode_attention(&q, &k, &v, &lt, t, 0.3)?;
+        let (kv, vv) = (k.narrow(2, 0, len)?, v.narrow(2, 0, len)?);
+        let scores = (q.matmul(&kv.t()?)? * 0.3)?; // [b, h, g·t, len]
+        let mask: Vec<f32> = (0..g * t)
+            .flat_map(|row| (0..len).map(move |j| if j + t > len + row % t { -1e30 } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (g * t, len), &dev)?;
+        let probs = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+        let want = probs.matmul(&vv)?;
+        let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "max diff {diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn bad_shapes_are_named() {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((1, 2, 3, 8), DType::F32, &dev).unwrap();
+        let k = Tensor::zeros((1, 2, 5, 8), DType::F32, &dev).unwrap();
+        let len = Tensor::new(&[4u32], &dev).unwrap();
+        let e = decode_attention(&q, &k, &k, &len, 2, 1.0).unwrap_err();
+        assert!(e.to_string().contains("new tokens"), "{e}");
+        let e = decode_attention(&q, &k, &k, &Tensor::new(&[4f32], &dev).unwrap(), 1, 1.0).unwrap_err();
+        assert!(e.to_string().contains("len must be u32"), "{e}");
+    }
+}
