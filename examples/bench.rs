@@ -15,7 +15,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use qwen36::model::{LayerType, MtpHead, Weights};
 use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
@@ -331,11 +331,7 @@ fn main() -> anyhow_like::Result<()> {
                     let ids = Tensor::new(verify.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
                     let g = if graphed { graph.as_mut() } else { None };
                     let h = verify_pass(&model, &ids, &mut cache, g)?;
-                    let target = model
-                        .logits(&h)?
-                        .argmax(D::Minus1)?
-                        .flatten_all()?
-                        .to_vec1::<u32>()?;
+                    let target = model.greedy_ids(&h)?.flatten_all()?.to_vec1::<u32>()?;
                     // Keep every draft (random weights accept nothing; the cost does not depend on it).
                     cache.commit(verify.len())?;
                     tokens.extend(&drafts);
@@ -437,11 +433,7 @@ fn decode_step(model: &Qwen36Model, tok: u32, cache: &mut Cache) -> qwen36::mode
 
 /// Argmax of the logits of `hidden: [1, 1, hidden]`, read back to the host.
 fn greedy(model: &Qwen36Model, hidden: &Tensor) -> qwen36::model::Result<u32> {
-    Ok(model
-        .logits(hidden)?
-        .argmax(D::Minus1)?
-        .flatten_all()?
-        .to_vec1::<u32>()?[0])
+    Ok(model.greedy_ids(hidden)?.flatten_all()?.to_vec1::<u32>()?[0])
 }
 
 fn print_table(rows: &[Row]) {

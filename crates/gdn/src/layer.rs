@@ -1,10 +1,10 @@
 //! The GDN layer: projections → causal conv → gates → gated delta rule → gated norm → out_proj.
 
-use candle_core::{DType, Module, Tensor};
-use candle_nn::Linear;
+use candle_core::{DType, Tensor, D};
 use qwen36_kernels::{
     conv1d::causal_conv1d,
     delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads},
+    linear::Linear,
     norm::GatedRmsNorm,
 };
 
@@ -160,10 +160,10 @@ impl GdnWeights {
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
     cfg: GdnConfig,
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` stacked: one read of the weights for
+    /// all four projections of the same input; the output splits at `conv_dim`, `+ value_dim`,
+    /// `+ Hv`.
+    in_proj: Linear,
     /// `[conv_dim, K]`.
     conv_weight: Tensor,
     /// f32 `[Hv]`.
@@ -186,10 +186,12 @@ impl GatedDeltaNet {
         w.check(&cfg)?;
         Ok(Self {
             cfg,
-            in_proj_qkv: Linear::new(w.in_proj_qkv, None),
-            in_proj_z: Linear::new(w.in_proj_z, None),
-            in_proj_b: Linear::new(w.in_proj_b, None),
-            in_proj_a: Linear::new(w.in_proj_a, None),
+            in_proj: Linear::fused(
+                [w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a]
+                    .into_iter()
+                    .map(|w| Linear::new(w, None))
+                    .collect(),
+            )?,
             conv_weight: w.conv1d.squeeze(1)?,
             a_log: w.a_log.to_dtype(DType::F32)?,
             dt_bias: w.dt_bias.to_dtype(DType::F32)?,
@@ -247,13 +249,14 @@ impl GatedDeltaNet {
                 c.conv_kernel - 1
             )));
         }
-        let mixed = self.in_proj_qkv.forward(x)?;
-        let z = self.in_proj_z.forward(x)?;
-        let beta_logits = self.in_proj_b.forward(x)?;
-        let a = self.in_proj_a.forward(x)?;
+        let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
+        let proj = self.in_proj.forward(x)?;
+        let mixed = proj.narrow(D::Minus1, 0, cd)?;
+        let z = proj.narrow(D::Minus1, cd, vd)?;
+        let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
+        let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
 
         let (conv_out, conv_state) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
-        let vd = c.value_dim();
         let heads = GdnHeads {
             k_heads: c.num_k_heads,
             v_heads: c.num_v_heads,

@@ -1,21 +1,80 @@
 //! Gated softmax attention (ARCHITECTURE §3.1): per-head q/gate split, (1+w) q/k norms, partial
 //! RoPE, GQA, causal softmax, sigmoid output gate.
 
-use candle_core::{DType, Module, Tensor, D};
-use candle_nn::Linear;
-use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
+use candle_core::{DType, Device, Tensor, D};
+use qwen36_kernels::attention::{decode_attention, decode_attention_fits};
+use qwen36_kernels::rope::apply_partial_rope;
+use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::{Config, KvCache, Result, Weights};
 
 /// Elements of one query block's f32 score matrix `[batch, heads, block, keys]` (1 GiB).
 const SCORE_BUDGET: usize = 1 << 28;
+/// The most new tokens a pass may have to use the decode kernel (a decode step, an MTP verify).
+const DECODE_MAX_TOKENS: usize = 8;
+
+/// What every attention layer of one forward shares: the RoPE angles of the new positions, and
+/// the positions and the valid length as device tensors, which the KV write and the decode kernel
+/// read (so a recorded CUDA graph replays at any position once they are rewritten).
+#[derive(Debug, Clone)]
+pub(crate) struct AttnStep {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tokens: usize,
+    /// `[tokens, rotary_dim/2]` in the activation dtype.
+    cos: Tensor,
+    sin: Tensor,
+    /// u32 `[tokens]`: the new positions `start..start+tokens`.
+    positions: Tensor,
+    /// u32 `[1]`: `start + tokens`, the valid keys once the new ones are written.
+    len: Tensor,
+}
+
+impl AttnStep {
+    /// The step of `tokens` new positions after `start` cached ones.
+    pub(crate) fn new(
+        rope: &RotaryEmbedding,
+        start: usize,
+        tokens: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let (cos, sin) = rope.cos_sin(start, tokens, dtype, device)?;
+        let positions: Vec<u32> = (start..start + tokens).map(|p| p as u32).collect();
+        Ok(Self {
+            tokens,
+            cos,
+            sin,
+            positions: Tensor::new(positions.as_slice(), device)?,
+            len: Tensor::new(&[(start + tokens) as u32], device)?,
+        })
+    }
+
+    /// New tokens of the step.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Copies `src` (same token count) into this step's buffers, in place.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn write_from(&self, src: &AttnStep) -> Result<()> {
+        for (dst, src) in [
+            (&self.cos, &src.cos),
+            (&self.sin, &src.sin),
+            (&self.positions, &src.positions),
+            (&self.len, &src.len),
+        ] {
+            dst.slice_set(src, 0, 0)?;
+        }
+        Ok(())
+    }
+}
 
 /// One gated-attention mixer.
 #[derive(Debug, Clone)]
 pub struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// `q_proj` (queries and gates, `[2·nh·hd, hidden]`), `k_proj`, `v_proj` stacked: one read.
+    qkv_proj: Linear,
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
@@ -46,9 +105,11 @@ impl GatedAttention {
         };
         let eps = cfg.rms_norm_eps;
         Ok(Self {
-            q_proj: linear("q_proj", nh * hd * 2, h)?,
-            k_proj: linear("k_proj", nkv * hd, h)?,
-            v_proj: linear("v_proj", nkv * hd, h)?,
+            qkv_proj: Linear::fused(vec![
+                linear("q_proj", nh * hd * 2, h)?,
+                linear("k_proj", nkv * hd, h)?,
+                linear("v_proj", nkv * hd, h)?,
+            ])?,
             o_proj: linear("o_proj", h, nh * hd)?,
             q_norm: RmsNorm::zero_centred(&get(&format!("{prefix}q_norm.weight"), &[hd])?, eps)?,
             k_norm: RmsNorm::zero_centred(&get(&format!("{prefix}k_norm.weight"), &[hd])?, eps)?,
@@ -60,32 +121,76 @@ impl GatedAttention {
 
     /// `x: [batch, len, hidden]` at positions `cache.len()..`; appends to `cache`.
     pub fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, cache: &mut KvCache) -> Result<Tensor> {
-        self.forward_blocked(x, rope, cache, SCORE_BUDGET)
+        let step = AttnStep::new(rope, cache.len(), x.dim(1)?, x.dtype(), x.device())?;
+        self.forward_step(x, &step, cache)
     }
 
-    /// [`Self::forward`] with queries split so one block's scores hold at most `budget` elements.
-    fn forward_blocked(
+    /// True when a pass of `tokens` new tokens in `dtype` on `device` runs the decode kernel (on
+    /// CUDA, up to [`DECODE_MAX_TOKENS`]); otherwise the matmul path runs.
+    pub(crate) fn uses_decode_kernel(&self, tokens: usize, dtype: DType, device: &Device) -> bool {
+        let rows = tokens * self.n_heads / self.n_kv_heads;
+        device.is_cuda() && tokens <= DECODE_MAX_TOKENS && decode_attention_fits(rows, self.head_dim, dtype)
+    }
+
+    /// [`Self::forward`] with the positions of `step` (which must start at `cache.len()`).
+    pub(crate) fn forward_step(&self, x: &Tensor, step: &AttnStep, cache: &mut KvCache) -> Result<Tensor> {
+        let kernel = self.uses_decode_kernel(x.dim(1)?, x.dtype(), x.device());
+        self.forward_with(x, step, cache, kernel, SCORE_BUDGET)
+    }
+
+    /// The layer with either the decode kernel over the whole KV buffer (`kernel`) or the
+    /// matmul path, its queries split so one block's scores hold at most `budget` elements.
+    fn forward_with(
         &self,
         x: &Tensor,
-        rope: &RotaryEmbedding,
+        step: &AttnStep,
         cache: &mut KvCache,
+        kernel: bool,
         budget: usize,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let start = cache.len();
+        let qkv = self.qkv_proj.forward(x)?;
+        let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat.
-        let qg = self.q_proj.forward(x)?.reshape((b, t, nh, 2 * hd))?;
+        let qg = qkv.narrow(D::Minus1, 0, qd)?.reshape((b, t, nh, 2 * hd))?;
         let q = qg.narrow(D::Minus1, 0, hd)?;
         let gate = qg.narrow(D::Minus1, hd, hd)?.reshape((b, t, nh * hd))?;
-        let q = rope.apply(&self.q_norm.forward(&q)?, start)?;
-        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
-        let k = rope.apply(&self.k_norm.forward(&k)?, start)?;
-        let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
-
-        let (k, v) = cache.append(&k.transpose(1, 2)?, &v.transpose(1, 2)?)?; // [b, nkv, L, hd]
+        let q = apply_partial_rope(&self.q_norm.forward(&q)?, &step.cos, &step.sin)?;
+        let k = qkv.narrow(D::Minus1, qd, kd)?.reshape((b, t, nkv, hd))?;
+        let k = apply_partial_rope(&self.k_norm.forward(&k)?, &step.cos, &step.sin)?;
+        let v = qkv.narrow(D::Minus1, qd + kd, kd)?.reshape((b, t, nkv, hd))?;
+        let (k, v) = (k.transpose(1, 2)?, v.transpose(1, 2)?); // [b, nkv, t, hd]
         let q = q.transpose(1, 2)?.contiguous()?; // [b, nh, t, hd]
-                                                  // Query blocks bound the f32 score matrix (about 2^28 elements) so long prompts fit.
+
+        let out = if kernel {
+            // Rows r = member·t + token of each KV head's group, as the kernel wants them.
+            let (kb, vb) = cache.append_at(&k, &v, &step.positions)?;
+            let q = q.reshape((b, nkv, nh / nkv * t, hd))?;
+            let scale = (hd as f64).powf(-0.5);
+            decode_attention(&q, &kb, &vb, &step.len, t, scale)?.reshape((b, nh, t, hd))?
+        } else {
+            let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
+            self.attend_blocks(&q, &k, &v, start, budget)?
+        };
+        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
+        Ok(self.o_proj.forward(&out)?)
+    }
+
+    /// Causal attention of `q: [b, nh, t, hd]` at positions `start..` over all cached `k, v`
+    /// `[b, nkv, L, hd]`, in query blocks that bound the f32 score matrix (about `budget`
+    /// elements) so long prompts fit. Returns `[b, nh, t, hd]`.
+    fn attend_blocks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        start: usize,
+        budget: usize,
+    ) -> Result<Tensor> {
+        let (b, nh, t, _) = q.dims4()?;
         let total = k.dim(2)?;
         let block = (budget / (b * nh * total).max(1)).clamp(1, t);
         let mut outs = Vec::with_capacity(t.div_ceil(block));
@@ -93,16 +198,13 @@ impl GatedAttention {
             let tb = block.min(t - t0);
             // Keys after the block's last query are masked for every row: leave them out.
             let visible = start + t0 + tb;
-            outs.push(self.attend(&q.narrow(2, t0, tb)?, &k, &v, start + t0, visible)?);
+            outs.push(self.attend(&q.narrow(2, t0, tb)?, k, v, start + t0, visible)?);
         }
-        let out = if outs.len() == 1 {
+        Ok(if outs.len() == 1 {
             outs.pop().expect("one block")
         } else {
             Tensor::cat(&outs, 2)?
-        };
-        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
-        Ok(self.o_proj.forward(&out)?)
+        })
     }
 
     /// Causal attention of queries `q: [b, nh, tb, hd]` at positions `pos0..pos0+tb` over the first
@@ -165,9 +267,11 @@ mod tests {
         };
         let norm_w = Tensor::from_vec((0..hd).map(|j| j as f32 * 0.01).collect(), hd, dev)?;
         Ok(GatedAttention {
-            q_proj: w(nh * hd * 2, h, 0.1)?,
-            k_proj: w(nkv * hd, h, 0.2)?,
-            v_proj: w(nkv * hd, h, 0.3)?,
+            qkv_proj: Linear::fused(vec![
+                w(nh * hd * 2, h, 0.1)?,
+                w(nkv * hd, h, 0.2)?,
+                w(nkv * hd, h, 0.3)?,
+            ])?,
             o_proj: w(h, nh * hd, 0.4)?,
             q_norm: RmsNorm::zero_centred(&norm_w, 1e-6)?,
             k_norm: RmsNorm::zero_centred(&norm_w, 1e-6)?,
@@ -175,6 +279,44 @@ mod tests {
             n_kv_heads: nkv,
             head_dim: hd,
         })
+    }
+
+    /// One pass at positions `cache.len()..` through the kernel path or the matmul path.
+    fn pass(
+        attn: &GatedAttention,
+        rope: &RotaryEmbedding,
+        x: &Tensor,
+        cache: &mut KvCache,
+        kernel: bool,
+        budget: usize,
+    ) -> Result<Tensor> {
+        let step = AttnStep::new(rope, cache.len(), x.dim(1)?, x.dtype(), x.device())?;
+        attn.forward_with(x, &step, cache, kernel, budget)
+    }
+
+    /// The decode path (KV written at tensor positions, the decode attention reference over the
+    /// whole buffer with the length as a tensor) equals the matmul path for one-token steps and
+    /// a 3-token verify after a prefix, including across a buffer growth (capacity 64).
+    #[test]
+    fn decode_path_matches_matmul_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let attn = attention(&dev)?;
+        let rope = RotaryEmbedding::new(4, 10_000.0)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 70, 16), &dev)?;
+        let (mut a, mut b) = (KvCache::new(), KvCache::new());
+        let prefix = x.narrow(1, 0, 60)?;
+        pass(&attn, &rope, &prefix, &mut a, false, usize::MAX)?;
+        pass(&attn, &rope, &prefix, &mut b, false, usize::MAX)?;
+        for (t0, len) in [(60, 1), (61, 3), (64, 1), (65, 5)] {
+            let xs = x.narrow(1, t0, len)?;
+            let want = pass(&attn, &rope, &xs, &mut a, false, usize::MAX)?;
+            let got = pass(&attn, &rope, &xs, &mut b, true, usize::MAX)?;
+            let diff = qwen36_testutil::max_abs_diff(&got, &want);
+            assert!(diff < 1e-5, "tokens {t0}..+{len}: max diff {diff}");
+            assert_eq!(a.len(), b.len());
+        }
+        assert!(b.capacity() > 64, "the verify grew the buffer");
+        Ok(())
     }
 
     /// Query blocks (down to one query per block, after a cached prefix) give the same output as
@@ -188,8 +330,8 @@ mod tests {
         let (prefix, rest) = (x.narrow(1, 0, 5)?, x.narrow(1, 5, 8)?);
         let run = |budget: usize| -> Result<Tensor> {
             let mut cache = KvCache::new();
-            attn.forward_blocked(&prefix, &rope, &mut cache, usize::MAX)?;
-            attn.forward_blocked(&rest, &rope, &mut cache, budget)
+            pass(&attn, &rope, &prefix, &mut cache, false, usize::MAX)?;
+            pass(&attn, &rope, &rest, &mut cache, false, budget)
         };
         let whole = run(usize::MAX)?;
         // 2 batches × 4 heads × 13 keys: budgets of 1, 3 and 8 query rows per block.

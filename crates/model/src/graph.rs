@@ -1,11 +1,13 @@
-//! CUDA-graph decode (feature `cuda`): one-token steps and speculative verify passes with every run
-//! of consecutive GDN layers replayed from a recorded graph.
+//! CUDA-graph decode (feature `cuda`): one-token steps and speculative verify passes replayed from
+//! recorded graphs, one per run of graph-safe layers (normally the whole stack: one launch per
+//! token instead of ~2,500).
 //!
 //! A graph bakes in device addresses and shapes. GDN layers fit: their state has a fixed size and
 //! is written in place ([`GdnState::set_in_place`]), and nothing in them depends on the position.
-//! Attention layers do (the KV length and the RoPE angle change every step), so they run eagerly
-//! between the replays. With Qwen3.6-27B's 3:1 layout that is 16 graph launches and 16 eager
-//! attention layers per token instead of ~2,500 eager launches: the host stays ahead of the GPU.
+//! Attention layers fit when they run the decode kernel: the KV buffers are reserved before
+//! recording, and the position-dependent inputs (RoPE angles, write positions, valid length) are
+//! device buffers of the graph's [`AttnStep`], rewritten before each replay. Layers that cannot
+//! (a pass too long for the kernel) run eagerly between the replays.
 //!
 //! [`GdnState::set_in_place`]: qwen36_gdn::GdnState::set_in_place
 
@@ -18,6 +20,7 @@ use qwen36_gdn::GdnState;
 
 use qwen36_gdn::VerifyCheckpoints;
 
+use crate::attention::AttnStep;
 use crate::{Cache, Error, LayerCache, Result};
 
 /// What a run of layers returns: the hidden state `[batch, len, hidden]` and, for a verify pass,
@@ -32,8 +35,11 @@ pub struct DecodeGraph {
     device: Device,
     batch: usize,
     segments: Vec<Segment>,
-    /// The state tensors the graphs were recorded with (conv, recurrent per GDN layer).
+    /// The state tensors the graphs were recorded with (conv, recurrent per GDN layer; keys,
+    /// values per attention layer).
     bound_to: Vec<TensorId>,
+    /// The attention inputs the graphs read, one per step length.
+    steps: Vec<AttnStep>,
 }
 
 /// One run of consecutive GDN layers for one step shape: `output = layers(input)`, each
@@ -80,6 +86,7 @@ impl DecodeGraph {
             batch,
             segments: Vec::new(),
             bound_to: Vec::new(),
+            steps: Vec::new(),
         })
     }
 
@@ -94,13 +101,18 @@ impl DecodeGraph {
     }
 
     /// Binds to `cache`: puts its GDN states in place mode and drops the graphs when they were
-    /// recorded with other buffers.
+    /// recorded with other buffers (another cache, or KV buffers that grew: reserve first).
     pub(crate) fn bind(&mut self, cache: &mut Cache) -> Result<()> {
         let mut ids = Vec::new();
         for lc in cache.layers.iter_mut() {
-            if let LayerCache::Gdn(s) = lc {
-                s.set_in_place()?;
-                ids.extend([s.conv().id(), s.recurrent().id()]);
+            match lc {
+                LayerCache::Gdn(s) => {
+                    s.set_in_place()?;
+                    ids.extend([s.conv().id(), s.recurrent().id()]);
+                }
+                LayerCache::Attention(kv) => {
+                    ids.extend(kv.buffers().map(|(k, v)| [k.id(), v.id()]).into_iter().flatten())
+                }
             }
         }
         if ids != self.bound_to {
@@ -108,6 +120,17 @@ impl DecodeGraph {
             self.bound_to = ids;
         }
         Ok(())
+    }
+
+    /// The graphs' attention inputs for a step like `fresh`: `fresh` copied into the buffers kept
+    /// for its length (which it becomes on first use).
+    pub(crate) fn step(&mut self, fresh: AttnStep) -> Result<AttnStep> {
+        if let Some(kept) = self.steps.iter().find(|s| s.tokens() == fresh.tokens()) {
+            kept.write_from(&fresh)?;
+            return Ok(kept.clone());
+        }
+        self.steps.push(fresh.clone());
+        Ok(fresh)
     }
 
     /// Runs layers `layers` on `x: [batch, len, hidden]` (with per-token checkpoints when
@@ -135,11 +158,14 @@ impl DecodeGraph {
             let mut checkpoints = Vec::with_capacity(seg.checkpoints.len());
             let mut kept = seg.checkpoints.iter();
             for lc in &mut cache.layers[layers] {
-                if let LayerCache::Gdn(s) = lc {
-                    if let Some(cp) = kept.next() {
-                        checkpoints.push(cp.rebased(s.seen()));
+                match lc {
+                    LayerCache::Gdn(s) => {
+                        if let Some(cp) = kept.next() {
+                            checkpoints.push(cp.rebased(s.seen()));
+                        }
+                        s.advance(tokens);
                     }
-                    s.advance(tokens);
+                    LayerCache::Attention(kv) => kv.advance(tokens),
                 }
             }
             return Ok((seg.output.clone(), checkpoints));
@@ -152,18 +178,30 @@ impl DecodeGraph {
         let htod_cache = cuda.enable_cuda_graph_htod_cache();
         // Candle uploads small parameter vectors (shapes, strides) that a capture may only read
         // from its cache: run the layers once eagerly to fill it, on scratch copies of the states.
-        // That run also gives the shapes of the checkpoint buffers.
+        // That run also gives the shapes of the checkpoint buffers. Attention layers write their
+        // new keys and values into the real buffers (the recorded run writes the same ones again)
+        // and get their lengths back.
         let mut originals = Vec::new();
+        let mut kv_lens = Vec::new();
         for l in layers.clone() {
-            if let LayerCache::Gdn(s) = &mut cache.layers[l] {
-                let mut scratch = GdnState::from_parts(s.conv().copy()?, s.recurrent().copy()?, s.seen())?;
-                scratch.set_in_place()?;
-                originals.push((l, std::mem::replace(s, scratch)));
+            match &mut cache.layers[l] {
+                LayerCache::Gdn(s) => {
+                    let mut scratch =
+                        GdnState::from_parts(s.conv().copy()?, s.recurrent().copy()?, s.seen())?;
+                    scratch.set_in_place()?;
+                    originals.push((l, std::mem::replace(s, scratch)));
+                }
+                LayerCache::Attention(kv) => kv_lens.push((l, kv.len())),
             }
         }
         let warm = run(&input, cache);
         for (l, s) in originals {
             cache.layers[l] = LayerCache::Gdn(s);
+        }
+        for (l, len) in kv_lens {
+            if let LayerCache::Attention(kv) = &mut cache.layers[l] {
+                kv.set_len(len);
+            }
         }
         let warm_cps = warm?.1;
         let kept = warm_cps

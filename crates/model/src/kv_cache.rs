@@ -38,31 +38,90 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// Allocated positions (the buffer's length).
+    pub fn capacity(&self) -> usize {
+        self.k.as_ref().and_then(|t| t.dim(2).ok()).unwrap_or(0)
+    }
+
+    /// The whole key and value buffers `[batch, kv_heads, capacity, head_dim]` (positions past
+    /// [`Self::len`] hold stale data), when allocated.
+    pub fn buffers(&self) -> Option<(&Tensor, &Tensor)> {
+        self.k.as_ref().zip(self.v.as_ref())
+    }
+
+    /// Makes room for `needed` positions of `[batch, kv_heads, ·, head_dim]` rows in `dtype` on
+    /// `device` (buffers grow by doubling, keeping what they hold). A recorded CUDA graph writes
+    /// into the buffers it saw: reserve before recording.
+    pub fn reserve(
+        &mut self,
+        needed: usize,
+        (b, h, d): (usize, usize, usize),
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> Result<()> {
+        let capacity = self.capacity();
+        if needed <= capacity {
+            return Ok(());
+        }
+        let cap = needed.max(2 * capacity).max(64);
+        let len = self.len;
+        let grow = |old: &Option<Tensor>| -> Result<Tensor> {
+            let buf = Tensor::zeros((b, h, cap, d), dtype, device)?;
+            if let (Some(old), true) = (old, len > 0) {
+                buf.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            }
+            Ok(buf)
+        };
+        self.k = Some(grow(&self.k)?);
+        self.v = Some(grow(&self.v)?);
+        Ok(())
+    }
+
     /// Appends `k, v: [batch, kv_heads, new, head_dim]` and returns all valid keys and values.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let new = k.dim(2)?;
         let needed = self.len + new;
-        let capacity = self.k.as_ref().map(|t| t.dim(2)).transpose()?.unwrap_or(0);
-        if needed > capacity {
-            let cap = needed.max(2 * capacity).max(64);
-            let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor> {
-                let (b, h, _, d) = like.dims4()?;
-                let buf = Tensor::zeros((b, h, cap, d), like.dtype(), like.device())?;
-                if let (Some(old), true) = (old, self.len > 0) {
-                    buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
-                }
-                Ok(buf)
-            };
-            self.k = Some(grow(&self.k, k)?);
-            self.v = Some(grow(&self.v, v)?);
-        }
-        let (kb, vb) = (
-            self.k.as_ref().expect("allocated"),
-            self.v.as_ref().expect("allocated"),
-        );
+        let (b, h, _, d) = k.dims4()?;
+        self.reserve(needed, (b, h, d), k.dtype(), k.device())?;
+        let (kb, vb) = self
+            .buffers()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .expect("reserved");
         kb.slice_set(&k.contiguous()?, 2, self.len)?;
         vb.slice_set(&v.contiguous()?, 2, self.len)?;
         self.len = needed;
         Ok((kb.narrow(2, 0, needed)?, vb.narrow(2, 0, needed)?))
+    }
+
+    /// Like [`Self::append`], but the positions come from a tensor, `positions`: u32
+    /// `[new]` holding `len..len+new` (what a recorded CUDA graph reads at replay). Returns the
+    /// whole buffers (see [`Self::buffers`]).
+    pub fn append_at(&mut self, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, h, new, d) = k.dims4()?;
+        self.reserve(self.len + new, (b, h, d), k.dtype(), k.device())?;
+        let index = positions
+            .reshape((1, 1, new, 1))?
+            .broadcast_as((b, h, new, d))?
+            .contiguous()?;
+        let (kb, vb) = self
+            .buffers()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .expect("reserved");
+        kb.scatter_set(&index, &k.contiguous()?, 2)?;
+        vb.scatter_set(&index, &v.contiguous()?, 2)?;
+        self.len += new;
+        Ok((kb, vb))
+    }
+
+    /// Counts `new` positions as written (a graph replay wrote them).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn advance(&mut self, new: usize) {
+        self.len += new;
+    }
+
+    /// Sets the valid length back to `len` (after a graph's warm-up run).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn set_len(&mut self, len: usize) {
+        self.len = len;
     }
 }

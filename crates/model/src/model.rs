@@ -3,19 +3,21 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Embedding;
 use qwen36_gdn::{GatedDeltaNet, GdnWeights, VerifyCheckpoints};
-use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
+use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
+use crate::attention::AttnStep;
 use crate::{Cache, Config, Error, GatedAttention, LayerCache, LayerType, LoadOptions, Result, Weights};
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// `gate_proj` and `up_proj` stacked (`[2·intermediate, hidden]`): one read for both.
+    gate_up: Linear,
     down: Linear,
+    intermediate: usize,
 }
 
 impl Mlp {
@@ -29,16 +31,18 @@ impl Mlp {
             ))
         };
         Ok(Self {
-            gate: lin("gate_proj", [i, h])?,
-            up: lin("up_proj", [i, h])?,
+            gate_up: Linear::fused(vec![lin("gate_proj", [i, h])?, lin("up_proj", [i, h])?])?,
             down: lin("down_proj", [h, i])?,
+            intermediate: i,
         })
     }
 
     /// `x: [..., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let act = candle_nn::ops::silu(&self.gate.forward(x)?)?;
-        Ok(self.down.forward(&(act * self.up.forward(x)?)?)?)
+        let gate_up = self.gate_up.forward(x)?;
+        let i = self.intermediate;
+        let act = candle_nn::ops::silu(&gate_up.narrow(D::Minus1, 0, i)?)?;
+        Ok(self.down.forward(&(act * gate_up.narrow(D::Minus1, i, i)?)?)?)
     }
 }
 
@@ -97,7 +101,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         cache: &mut LayerCache,
-        rope: &RotaryEmbedding,
+        step: &AttnStep,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let h = self.input_norm.forward(x)?;
@@ -107,7 +111,7 @@ impl DecoderLayer {
                 (h, Some(cp))
             }
             (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward(&h, s)?, None),
-            (Mixer::Attention(a), LayerCache::Attention(kv)) => (a.forward(&h, rope, kv)?, None),
+            (Mixer::Attention(a), LayerCache::Attention(kv)) => (a.forward_step(&h, step, kv)?, None),
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
         let (h, residual) = self.post_norm.forward_residual(&h, x)?;
@@ -298,11 +302,12 @@ impl Qwen36Model {
         // Token ids may come from the host whatever the model's device.
         let ids = ids.to_device(&self.device)?;
         let mut x = self.embed.forward(&ids)?;
+        let step = self.attn_step(cache.seq_len, t)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             if let Some(s) = states.as_deref_mut() {
                 s.push(x.clone());
             }
-            let (y, cp) = layer.forward(&x, lc, &self.rope, checkpoints.is_some())?;
+            let (y, cp) = layer.forward(&x, lc, &step, checkpoints.is_some())?;
             if let Some(c) = checkpoints.as_deref_mut() {
                 c.push(cp);
             }
@@ -313,6 +318,11 @@ impl Qwen36Model {
             s.push(x.clone());
         }
         Ok(self.norm.forward(&x)?)
+    }
+
+    /// The attention layers' shared inputs for `tokens` new positions after `start`.
+    pub(crate) fn attn_step(&self, start: usize, tokens: usize) -> Result<AttnStep> {
+        AttnStep::new(&self.rope, start, tokens, self.dtype, &self.device)
     }
 
     /// [`Self::forward_hidden`] for one-token steps (`ids: [batch, 1]`) with every run of GDN
@@ -356,8 +366,9 @@ impl Qwen36Model {
         Ok(h)
     }
 
-    /// The layer loop of the graphed passes: attention layers eagerly, runs of GDN layers through
-    /// `graph`. Returns the final-norm hidden states and, per layer, the verify checkpoints.
+    /// The layer loop of the graphed passes: each run of graph-safe layers (GDN layers, attention
+    /// layers that use the decode kernel: normally all) through `graph`, any other layer eagerly.
+    /// Returns the final-norm hidden states and, per layer, the verify checkpoints.
     #[cfg(feature = "cuda")]
     fn run_graphed(
         &self,
@@ -366,26 +377,36 @@ impl Qwen36Model {
         graph: &mut crate::DecodeGraph,
         verify: bool,
     ) -> Result<(Tensor, Vec<Option<VerifyCheckpoints>>)> {
-        let (b, _) = self.check_input(ids, cache)?;
+        let (b, t) = self.check_input(ids, cache)?;
         if b != graph.batch() {
             return Err(Error::Input(format!(
                 "graphs recorded for batch {} used with batch {b}",
                 graph.batch()
             )));
         }
+        // Recorded graphs write into the KV buffers they saw: make room before binding.
+        let kv_shape = (b, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        for lc in cache.layers.iter_mut() {
+            if let LayerCache::Attention(kv) = lc {
+                kv.reserve(cache.seq_len + t, kv_shape, self.dtype, &self.device)?;
+            }
+        }
         graph.bind(cache)?;
         cache.pending = None;
+        let step = graph.step(self.attn_step(cache.seq_len, t)?)?;
         let ids = ids.to_device(&self.device)?;
         let mut x = self.embed.forward(&ids)?;
+        let graphable = |l: usize| match &self.layers[l].mixer {
+            Mixer::Gdn(_) => true,
+            Mixer::Attention(a) => a.uses_decode_kernel(t, self.dtype, &self.device),
+        };
         let n = self.layers.len();
         let mut checkpoints = Vec::with_capacity(n);
         let mut i = 0;
         while i < n {
-            let end = (i..n)
-                .find(|&l| !matches!(self.layers[l].mixer, Mixer::Gdn(_)))
-                .unwrap_or(n);
+            let end = (i..n).find(|&l| !graphable(l)).unwrap_or(n);
             if end == i {
-                let (y, cp) = self.layers[i].forward(&x, &mut cache.layers[i], &self.rope, verify)?;
+                let (y, cp) = self.layers[i].forward(&x, &mut cache.layers[i], &step, verify)?;
                 (x, i) = (y, i + 1);
                 checkpoints.push(cp);
                 continue;
@@ -394,26 +415,33 @@ impl Qwen36Model {
                 let mut x = x.clone();
                 let mut cps = Vec::new();
                 for l in i..end {
-                    let (y, cp) = self.layers[l].forward(&x, &mut cache.layers[l], &self.rope, verify)?;
+                    let (y, cp) = self.layers[l].forward(&x, &mut cache.layers[l], &step, verify)?;
                     x = y;
                     cps.extend(cp);
                 }
                 Ok((x, cps))
             })?;
-            if verify {
-                checkpoints.extend(cps.into_iter().map(Some));
-            } else {
-                checkpoints.extend((i..end).map(|_| None));
+            // The segment's checkpoints are its GDN layers', in order.
+            let mut cps = cps.into_iter();
+            for l in i..end {
+                let gdn = matches!(self.layers[l].mixer, Mixer::Gdn(_));
+                checkpoints.push(if gdn && verify { cps.next() } else { None });
             }
             (x, i) = (y, end);
         }
-        cache.seq_len += ids.dim(1)?;
+        cache.seq_len += t;
         Ok((self.norm.forward(&x)?, checkpoints))
     }
 
     /// lm_head over hidden states `[..., hidden]`; logits in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// Greedy token ids of hidden states `[..., hidden]`: the argmax of their logits, u32 `[...]`,
+    /// left on the device (ties to the lowest id).
+    pub fn greedy_ids(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(qwen36_kernels::argmax::argmax_last_dim(&self.logits(hidden)?)?)
     }
 
     /// Logits for every new position, `[batch, len, vocab]` f32.

@@ -6,7 +6,7 @@
 //! hidden state at `i` and the token that followed it. Its output at `i` predicts `x_{i+2}`.
 
 use candle_core::{Module, Tensor, D};
-use candle_nn::Linear;
+use qwen36_kernels::linear::Linear;
 use qwen36_kernels::norm::RmsNorm;
 
 use crate::model::DecoderLayer;
@@ -122,7 +122,12 @@ impl MtpHead {
         let hn = self.norm_hidden.forward(&hidden.to_dtype(e.dtype())?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = step % self.layers.len();
-        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], model.rope(), false)?;
+        let start = match &cache.layers[i] {
+            LayerCache::Attention(kv) => kv.len(),
+            LayerCache::Gdn(_) => return Err(crate::Error::Cache("the MTP layer has a GDN cache".into())),
+        };
+        let step = model.attn_step(start, x.dim(1)?)?;
+        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], &step, false)?;
         Ok(self.norm.forward(&y)?)
     }
 }

@@ -61,8 +61,8 @@ fn steps(
 
 /// Graphed steps equal eager ones (f32 and bf16) through: the first recording, replays, an eager
 /// verify + commit in between (states stay in their buffers), graphed verify passes of two lengths
-/// with commits of every kind, a reset and a new sequence, and a second cache (the graphs
-/// re-record for its buffers). Tolerance 0 in f32 would hold unless
+/// with commits of every kind, a growth of the KV buffers, a reset and a new sequence, and a second
+/// cache (the graphs re-record for its buffers). Tolerance 0 in f32 would hold unless
 /// cuBLAS picks another algorithm under capture; 1e-5 (f32) / 1e-2 (bf16, one ulp at |h|≈4) bounds that.
 #[test]
 fn graphed_decode_equals_eager() {
@@ -74,7 +74,7 @@ fn graphed_decode_equals_eager() {
         let tok = greedy(&m, &m.forward_hidden(&ids(&prompt), &mut a).unwrap());
         m.forward_hidden(&ids(&prompt), &mut b).unwrap();
         let (d1, tok) = steps(&m, &mut a, &mut b, &mut g, tok, 12);
-        assert_eq!(g.recorded(), 3, "the tiny model has three runs of GDN layers");
+        assert_eq!(g.recorded(), 1, "the whole stack is one graph");
 
         // An eager verify of 3 tokens keeping 2, on both caches.
         let v = ids(&[tok, 5, 6]);
@@ -96,11 +96,9 @@ fn graphed_decode_equals_eager() {
             let (d, t) = steps(&m, &mut a, &mut b, &mut g, v[keep - 1], 2);
             (d2, tok) = (d2.max(d), t);
         }
-        assert_eq!(
-            g.recorded(),
-            9,
-            "3 runs of GDN layers × (decode, verify of 4, verify of 2)"
-        );
+        // The KV buffers grew from 64 to 128 positions at the second verify (63 + 4 tokens): the
+        // graphs were dropped and recorded again for the new buffers.
+        assert_eq!(g.recorded(), 3, "decode, verify of 4, verify of 2");
 
         // Reset and a new sequence: equal to a fresh cache.
         b.reset().unwrap();

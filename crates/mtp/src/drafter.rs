@@ -1,6 +1,6 @@
 //! Drafters: what proposes the tokens the target verifies.
 
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use qwen36_model::{MtpCache, MtpHead, Qwen36Model};
 
 use crate::Result;
@@ -45,7 +45,7 @@ impl<'m> MtpDrafter<'m> {
     /// device so the chain needs no host round trip.
     fn argmax_last(&self, d: &Tensor) -> Result<(Tensor, Tensor)> {
         let last = d.narrow(1, d.dim(1)? - 1, 1)?;
-        let tok = self.model.logits(&last)?.argmax_keepdim(D::Minus1)?.squeeze(2)?;
+        let tok = self.model.greedy_ids(&last)?; // [1, 1]
         Ok((last, tok))
     }
 }
