@@ -1,4 +1,4 @@
-//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax}.cu to PTX with nvcc (from $NVCC or PATH) for
+//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation}.cu to PTX with nvcc (from $NVCC or PATH) for
 //! compute capability $CUDA_COMPUTE_CAP (default 80: the PTX then also JIT-compiles for Hopper).
 use std::{env, path::PathBuf, process::Command};
 
@@ -20,7 +20,7 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    for name in ["gdn", "norm", "linear", "attention", "argmax"] {
+    for name in ["gdn", "norm", "linear", "attention", "argmax", "activation"] {
         let status = Command::new(&nvcc)
             .args([
                 "--ptx",

@@ -1,4 +1,4 @@
-//! CUDA launches of `cuda/{gdn,norm,linear,attention,argmax}.cu` (PTX from build.rs). Same signatures as the CPU
+//! CUDA launches of `cuda/*.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -939,6 +939,51 @@ pub(crate) fn argmax_last_dim(x: &Tensor) -> Result<Tensor> {
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(wrap(out, &dev, out_shape))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
+}
+
+const ACTIVATION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/activation.ptx"));
+const ACTIVATION_MODULE: &str = "qwen36_activation";
+
+/// CUDA twin of `swiglu`: `x: [..., 2·I]` → `[..., I]`.
+pub(crate) fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let op = "swiglu";
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    let two_i = x.dim(candle_core::D::Minus1)?;
+    let i = two_i / 2;
+    let rows = x.elem_count() / two_i.max(1);
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().expect("rank > 0") = i;
+    let x = x.contiguous()?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            // SAFETY: uninitialised; the kernel writes every element (grid-stride loop).
+            let y = unsafe { dev.alloc::<$t>(rows * i)? };
+            if rows * i > 0 {
+                let f = dev.get_or_load_custom_func(
+                    &format!("swiglu_{}", dtype_suffix(op, dt)?),
+                    ACTIVATION_MODULE,
+                    ACTIVATION_PTX,
+                )?;
+                let mut lb = f.builder();
+                let (r32, i32_) = (rows as i32, i as i32);
+                lb.arg(&xv).arg(&y).arg(&r32).arg(&i32_);
+                let cfg = LaunchConfig::for_num_elems((rows * i).min(1 << 24) as u32);
+                // SAFETY: arguments match `swiglu_*` in cuda/activation.cu: x [rows·2I]
+                // contiguous, y [rows·I], i32 rows and I; a grid-stride loop covers every output.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(wrap(y, &dev, shape))
         }};
     }
     match dt {

@@ -4,6 +4,7 @@
 //! a CUDA twin with the same signature lives behind the `cuda` feature. Layouts follow fla:
 //! token-major `[batch, len, heads, dim]`, so projection outputs need no transpose.
 
+pub mod activation;
 pub mod argmax;
 pub mod attention;
 pub mod conv1d;

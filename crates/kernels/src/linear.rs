@@ -22,13 +22,16 @@ pub fn force_skinny_variant(columns_per_warp: Option<usize>) {
     SKINNY_VARIANT.store(columns_per_warp.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// Output columns per warp of the CUDA kernel for `rows` rows, or `None` for the matmul.
+/// Output columns per warp of the CUDA kernel for `rows` rows of outputs `columns` wide, or
+/// `None` for the matmul.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn skinny_variant(rows: usize) -> Option<usize> {
+pub(crate) fn skinny_variant(rows: usize, columns: usize) -> Option<usize> {
     match SKINNY_VARIANT.load(Ordering::Relaxed) {
-        // Measured on the H200 (docs/BENCHMARKS.md, bench_linear): 2 columns per warp beat
-        // cuBLAS by 0-10% at one row; from two rows on cuBLAS is as fast or faster.
-        0 if rows == 1 => Some(2),
+        // Measured on the H200 (docs/BENCHMARKS.md, bench_linear): at one row the kernel beats
+        // cuBLAS by 0-10% with one column per warp, or two for 8k-32k wide outputs; from two
+        // rows on cuBLAS is as fast or faster.
+        0 if rows == 1 && (8192..32768).contains(&columns) => Some(2),
+        0 if rows == 1 => Some(1),
         0 => None,
         c @ (1 | 2 | 4) => Some(c),
         _ => None,
@@ -118,7 +121,7 @@ impl Linear {
         if rows == 0 || rows > SKINNY_MAX_ROWS || w.dim(1)? != k {
             return Ok(None);
         }
-        let Some(columns) = skinny_variant(rows) else {
+        let Some(columns) = skinny_variant(rows, w.dim(0)?) else {
             return Ok(None);
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;

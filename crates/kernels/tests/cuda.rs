@@ -191,8 +191,9 @@ fn norms_match_cpu() {
     }
 }
 
-/// The weight-streaming linear kernel (1..=8 rows) and its matmul fallback (more rows, K not a
-/// multiple of 16 bytes, unaligned x) against the CPU matmul of the same rounded inputs, with a
+/// The weight-streaming linear kernel (1..=8 rows; outputs narrower and wider than 8192, where
+/// the default choice changes) and its matmul fallback (more rows, K not a multiple of 16 bytes,
+/// unaligned x) against the CPU matmul of the same rounded inputs, with a
 /// bias. Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11
 /// f16) plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
 #[test]
@@ -220,6 +221,7 @@ fn linear_matches_cpu() {
             (8, 1024, 70),
             (9, 512, 50),
             (4, 20, 12),
+            (1, 512, 8200),
         ]) {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k + 1), &cpu)
                 .unwrap()
@@ -338,6 +340,32 @@ fn argmax_matches_cpu() {
                 .to_vec1::<u32>()
                 .unwrap();
             assert_eq!(got, want, "{dt:?} rows {rows} n {n}");
+        }
+    }
+}
+
+/// SwiGLU against the CPU reference (candle's SiLU then product, each rounded to the dtype; the
+/// kernel rounds once): f32 within 1e-6 relative, half types within two output ulps.
+#[test]
+fn swiglu_matches_cpu() {
+    use qwen36_kernels::activation::swiglu;
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    for (dt, tol) in [
+        (DType::F32, 1e-6f32),
+        (DType::BF16, 2f32.powi(-6)),
+        (DType::F16, 2f32.powi(-9)),
+    ] {
+        for (rows, i) in [(1, 17408), (5, 300), (3, 7)] {
+            let x = Tensor::randn(0f32, 2.0, (1, rows, 2 * i), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let want = swiglu(&x).unwrap();
+            let got = swiglu(&x.to_device(&d).unwrap()).unwrap();
+            assert_eq!(got.dims(), [1, rows, i]);
+            let e = max_row_rel_err(&got, &want);
+            assert!(e <= tol, "{dt:?} rows {rows} I {i}: {e}");
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use qwen36_gdn::{GatedDeltaNet, GdnWeights, VerifyCheckpoints};
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
@@ -17,7 +17,6 @@ pub struct Mlp {
     /// `gate_proj` and `up_proj` stacked (`[2·intermediate, hidden]`): one read for both.
     gate_up: Linear,
     down: Linear,
-    intermediate: usize,
 }
 
 impl Mlp {
@@ -33,16 +32,13 @@ impl Mlp {
         Ok(Self {
             gate_up: Linear::fused(vec![lin("gate_proj", [i, h])?, lin("up_proj", [i, h])?])?,
             down: lin("down_proj", [h, i])?,
-            intermediate: i,
         })
     }
 
     /// `x: [..., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate_up = self.gate_up.forward(x)?;
-        let i = self.intermediate;
-        let act = candle_nn::ops::silu(&gate_up.narrow(D::Minus1, 0, i)?)?;
-        Ok(self.down.forward(&(act * gate_up.narrow(D::Minus1, i, i)?)?)?)
+        let act = qwen36_kernels::activation::swiglu(&self.gate_up.forward(x)?)?;
+        Ok(self.down.forward(&act)?)
     }
 }
 
