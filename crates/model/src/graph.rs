@@ -27,9 +27,10 @@ use crate::{Cache, Error, LayerCache, Result};
 /// the checkpoints of its GDN layers in layer order.
 pub(crate) type SegmentOut = (Tensor, Vec<VerifyCheckpoints>);
 
-/// Recorded graphs for steps of one batch size (one graph per run of GDN layers and per step
-/// shape: a one-token decode, a verify of `len` tokens), bound to one [`Cache`] (its GDN state
-/// buffers). Reusing it with another cache re-records; dropping it frees the graphs.
+/// Recorded graphs for steps of one batch size (one graph per run of graph-safe layers, normally
+/// the whole stack, and per step shape: a one-token decode, a verify of `len` tokens), bound to
+/// one [`Cache`] (its GDN state and KV buffers). Reusing it with another cache, or after the KV
+/// buffers grew, re-records; dropping it frees the graphs.
 pub struct DecodeGraph {
     stream: Arc<CudaStream>,
     device: Device,
@@ -42,7 +43,7 @@ pub struct DecodeGraph {
     steps: Vec<AttnStep>,
 }
 
-/// One run of consecutive GDN layers for one step shape: `output = layers(input)`, each
+/// One run of consecutive graph-safe layers for one step shape: `output = layers(input)`, each
 /// `[batch, tokens, hidden]`; a verify also leaves its checkpoints in `checkpoints`.
 struct Segment {
     layers: Range<usize>,

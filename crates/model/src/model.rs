@@ -321,9 +321,10 @@ impl Qwen36Model {
         AttnStep::new(&self.rope, start, tokens, self.dtype, &self.device)
     }
 
-    /// [`Self::forward_hidden`] for one-token steps (`ids: [batch, 1]`) with every run of GDN
-    /// layers replayed from a CUDA graph that `graph` records on first use (see [`DecodeGraph`]).
-    /// Same kernels as the eager path; the cache's GDN states switch to in-place updates.
+    /// [`Self::forward_hidden`] for one-token steps (`ids: [batch, 1]`) replayed from a CUDA graph
+    /// of the layer stack that `graph` records on first use (see [`DecodeGraph`]). Same kernels as
+    /// the eager path; the cache's GDN states switch to in-place updates and its KV buffers are
+    /// reserved ahead.
     ///
     /// [`DecodeGraph`]: crate::DecodeGraph
     #[cfg(feature = "cuda")]
@@ -343,8 +344,8 @@ impl Qwen36Model {
         Ok(self.run_graphed(ids, cache, graph, false)?.0)
     }
 
-    /// [`Self::forward_verify`] with every run of GDN layers replayed from a CUDA graph (one per
-    /// verify length, recorded on first use). [`Cache::commit`] works as after the eager pass.
+    /// [`Self::forward_verify`] replayed from a CUDA graph of the layer stack (one per verify
+    /// length, recorded on first use). [`Cache::commit`] works as after the eager pass.
     #[cfg(feature = "cuda")]
     pub fn forward_verify_graphed(
         &self,

@@ -9,7 +9,7 @@ use crate::{Cache, Qwen36Model, Result};
 /// [`graph_device`](crate::graph_device) (feature `cuda`) one-token steps and verify passes replay
 /// recorded graphs ([`DecodeGraph`](crate::DecodeGraph)); on any other device they run eagerly.
 /// Graphs are bound to one [`Cache`]: keep the stepper and the cache together (a new cache
-/// re-records, which costs two eager passes per run of GDN layers).
+/// re-records, which costs two eager passes of the stack).
 pub struct Stepper {
     #[cfg(feature = "cuda")]
     graph: Option<crate::DecodeGraph>,
