@@ -172,10 +172,14 @@ fn launch_recurrent<T: CudaDType>(
     let dev = device(op, inp.q.0)?;
     let n_out = d.b * d.t * d.hv * d.dv;
     let n_state = d.b * d.hv * d.dk * d.dv;
-    let out = dev.alloc_zeros::<f32>(n_out)?;
-    let s_final = dev.alloc_zeros::<f32>(n_state)?;
+    // SAFETY: uninitialised (no memset per call): the kernels write every element. Blocks cover
+    // every (sequence, value head, column tile); in each, the threads of columns j < dv write
+    // `out` at every token (warp 0), and every state row r < dk of their column into `s_all` at
+    // every token and into `s_final` at the end (cuda/gdn.cu, `gdn_recurrent`).
+    let out = unsafe { dev.alloc::<f32>(n_out)? };
+    let s_final = unsafe { dev.alloc::<f32>(n_state)? };
     let s_all = if keep_all_states {
-        Some(dev.alloc_zeros::<f32>(n_state * d.t)?)
+        Some(unsafe { dev.alloc::<f32>(n_state * d.t)? })
     } else {
         None
     };
