@@ -7,9 +7,10 @@
 //! Times are wall-clock per call after warm-up, averaged over many calls with a device sync at the
 //! end (so they include candle's host-side launch cost, as an eager decode step would).
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{DType, Device, Tensor};
+use common::{copy_bandwidth, time};
 use qwen36_kernels::conv1d::causal_conv1d;
 use qwen36_kernels::delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads};
 
@@ -17,32 +18,9 @@ const HK: usize = 16;
 const HV: usize = 48;
 const D: usize = 128;
 
-fn time<F: FnMut() -> candle_core::Result<()>>(
-    dev: &Device,
-    iters: usize,
-    mut f: F,
-) -> candle_core::Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() / iters as f64)
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::new_cuda(0)?;
-    // Copy bandwidth: read + write of a 2 GiB f32 buffer.
-    let n = 512 * 1024 * 1024;
-    let big = Tensor::zeros(n, DType::F32, &dev)?;
-    let copy_s = time(&dev, 20, || big.copy().map(|_| ()))?;
-    let copy_bw = 2.0 * 4.0 * n as f64 / copy_s;
-    println!("copy bandwidth (read + write): {:.2} TB/s", copy_bw / 1e12);
-    drop(big);
+    let copy_bw = copy_bandwidth(&dev)?;
 
     let heads = GdnHeads {
         k_heads: HK,

@@ -7,38 +7,15 @@
 //! cargo run --release -p qwen36-kernels --features cuda --example bench_linear
 //! ```
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{DType, Device, Tensor};
+use common::{copy_bandwidth, time};
 use qwen36_kernels::linear::{force_skinny_variant, Linear};
-
-fn time(
-    dev: &Device,
-    iters: usize,
-    mut f: impl FnMut() -> qwen36_kernels::Result<()>,
-) -> qwen36_kernels::Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() / iters as f64)
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::new_cuda(0)?;
-    let n = 512 * 1024 * 1024;
-    let big = Tensor::zeros(n, DType::F32, &dev)?;
-    let copy_s = time(&dev, 20, || Ok(big.copy().map(|_| ())?))?;
-    println!(
-        "copy bandwidth (read + write): {:.2} TB/s",
-        8.0 * n as f64 / copy_s / 1e12
-    );
-    drop(big);
+    copy_bandwidth(&dev)?;
     // (name, in, out)
     let shapes = [
         ("GDN in_proj (qkv+z+b+a)", 5120, 16480),

@@ -15,6 +15,19 @@ const MODULE: &str = "qwen36_gdn";
 const THREADS: u32 = 128;
 const BV: usize = 32;
 
+/// Runs the calling function's local `go!` macro with the Rust element type of `$dt` (f32, bf16
+/// or f16); any other dtype is an error naming `$op`.
+macro_rules! for_float_dtype {
+    ($op:expr, $dt:expr) => {
+        match $dt {
+            DType::F32 => go!(f32),
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            other => Err(err($op, format!("unsupported dtype {other:?}"))),
+        }
+    };
+}
+
 fn err(op: &'static str, msg: impl Into<String>) -> Error {
     Error::Shape { op, msg: msg.into() }
 }
@@ -431,12 +444,7 @@ pub(crate) fn fused(
             launch_recurrent::<$t>(op, name, d, inp, scale, keep_all_states)
         };
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 /// CUDA twin of `causal_conv1d`: `x: [b, t, c]`, `weight: [c, k]`, `state: [b, c, k-1]`.
@@ -492,12 +500,7 @@ pub(crate) fn conv1d(
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
@@ -598,12 +601,7 @@ pub(crate) fn rms_norm(
             Ok((wrap(y, &dev, shape.clone()), sum.map(|s| wrap(s, &dev, shape))))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 /// CUDA twin of `GatedRmsNorm::forward` for an f32 `x` and a gate `z` (same shape) already in the
@@ -653,12 +651,7 @@ pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) 
             Ok(wrap(y, &dev, x.shape().clone()))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 const LINEAR_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear.ptx"));
@@ -879,12 +872,7 @@ pub(crate) fn decode_attention(
             Ok(wrap(out, &dev, (b, h, r, d)))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 const ARGMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
@@ -945,12 +933,7 @@ pub(crate) fn argmax_last_dim(x: &Tensor) -> Result<Tensor> {
             Ok(wrap(out, &dev, out_shape))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }
 
 const ACTIVATION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/activation.ptx"));
@@ -990,10 +973,5 @@ pub(crate) fn swiglu(x: &Tensor) -> Result<Tensor> {
             Ok(wrap(y, &dev, shape))
         }};
     }
-    match dt {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        other => Err(err(op, format!("unsupported dtype {other:?}"))),
-    }
+    for_float_dtype!(op, dt)
 }

@@ -12,6 +12,14 @@ use qwen36_kernels::delta_rule::{
 use qwen36_kernels::norm::l2_norm;
 use qwen36_testutil::max_abs_diff as max_diff;
 
+/// Normal samples with standard deviation `std` on the CPU, rounded to `dt`.
+fn randn(std: f32, shape: impl Into<candle_core::Shape>, dt: DType) -> Tensor {
+    Tensor::randn(0f32, std, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+}
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
 }
@@ -155,14 +163,8 @@ fn norms_match_cpu() {
         (DType::F16, 2f32.powi(-10)),
     ] {
         for dim in [64usize, 128, 5120] {
-            let x = Tensor::randn(0f32, 2.0, (3, 5, dim), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let r = Tensor::randn(0f32, 2.0, (3, 5, dim), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let x = randn(2.0, (3, 5, dim), dt);
+            let r = randn(2.0, (3, 5, dim), dt);
             let w = Tensor::randn(0f32, 0.3, dim, &cpu).unwrap();
             let (norm_c, norm_g) = (
                 RmsNorm::zero_centred(&w, 1e-6).unwrap(),
@@ -223,15 +225,12 @@ fn linear_matches_cpu() {
             (4, 20, 12),
             (1, 512, 8200),
         ]) {
-            let x = Tensor::randn(0f32, 1.0, (1, rows, k + 1), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let x = randn(1.0, (1, rows, k + 1), dt);
             let w = (Tensor::randn(0f32, 1.0, (n, k), &cpu).unwrap() / (k as f64).sqrt())
                 .unwrap()
                 .to_dtype(dt)
                 .unwrap();
-            let b = Tensor::randn(0f32, 1.0, n, &cpu).unwrap().to_dtype(dt).unwrap();
+            let b = randn(1.0, n, dt);
             let (lc, lg) = (
                 Linear::new(
                     w.to_dtype(DType::F32).unwrap(),
@@ -291,18 +290,9 @@ fn decode_attention_matches_cpu() {
             (5, 64, 1500, 1100),
         ] {
             let (b, h, g) = (2, 2, 6);
-            let q = Tensor::randn(0f32, 1.0, (b, h, g * t, hd), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let k = Tensor::randn(0f32, 1.0, (b, h, cap, hd), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let v = Tensor::randn(0f32, 1.0, (b, h, cap, hd), &cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let q = randn(1.0, (b, h, g * t, hd), dt);
+            let k = randn(1.0, (b, h, cap, hd), dt);
+            let v = randn(1.0, (b, h, cap, hd), dt);
             let l = Tensor::new(&[len as u32], &cpu).unwrap();
             let scale = (hd as f64).powf(-0.5);
             let want = decode_attention(&q, &k, &v, &l, t, scale).unwrap();
@@ -357,10 +347,7 @@ fn swiglu_matches_cpu() {
         (DType::F16, 2f32.powi(-9)),
     ] {
         for (rows, i) in [(1, 17408), (5, 300), (3, 7)] {
-            let x = Tensor::randn(0f32, 2.0, (1, rows, 2 * i), &Device::Cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let x = randn(2.0, (1, rows, 2 * i), dt);
             let want = swiglu(&x).unwrap();
             let got = swiglu(&x.to_device(&d).unwrap()).unwrap();
             assert_eq!(got.dims(), [1, rows, i]);
