@@ -2,15 +2,13 @@
 //! compute capability $CUDA_COMPUTE_CAP (default 80: the PTX then also JIT-compiles for Hopper).
 use std::{env, path::PathBuf, process::Command};
 
+/// The kernel sources, each compiled to `<name>.ptx`.
+const KERNELS: [&str; 6] = ["gdn", "norm", "linear", "attention", "argmax", "activation"];
+
 fn main() {
-    for f in [
-        "cuda/common.cuh",
-        "cuda/gdn.cu",
-        "cuda/norm.cu",
-        "cuda/linear.cu",
-        "cuda/attention.cu",
-    ] {
-        println!("cargo:rerun-if-changed={f}");
+    println!("cargo:rerun-if-changed=cuda/common.cuh");
+    for name in KERNELS {
+        println!("cargo:rerun-if-changed=cuda/{name}.cu");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
@@ -20,7 +18,7 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    for name in ["gdn", "norm", "linear", "attention", "argmax", "activation"] {
+    for name in KERNELS {
         let status = Command::new(&nvcc)
             .args([
                 "--ptx",

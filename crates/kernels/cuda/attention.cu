@@ -204,3 +204,95 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                             float* out_ml, int R, int D, int S, int per_in) {
     attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in);
 }
+
+// Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
+// src/attention.rs: one kernel instead of a cast, a scale, a device-built mask, its add, the
+// softmax and a cast back. x, y: [rows, keys]; row r is the query at position pos0 + r % tb and
+// sees keys 0..=that position; y = softmax(scale·x) over those keys, 0 past them. One block of
+// SM_THREADS per row: an online (max, sum) pass, then a normalising pass. VEC: 16-byte vectors
+// (keys·sizeof(T) a multiple of 16 and 16-byte aligned rows, checked by the launcher).
+constexpr int SM_THREADS = 256;
+
+__device__ __forceinline__ void online_add(float& m, float& s, float v) {
+    if (v > m) {
+        s = s * expf(m - v) + 1.f;  // m = -inf at the start: expf(-inf) = 0
+        m = v;
+    } else {
+        s += expf(v - m);
+    }
+}
+
+__device__ __forceinline__ void online_merge(float& m, float& s, float m2, float s2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) {
+        m = m2;
+        s = s2;
+        return;
+    }
+    const float mm = fmaxf(m, m2);
+    s = s * expf(m - mm) + s2 * expf(m2 - mm);
+    m = mm;
+}
+
+template <typename T, bool VEC>
+__device__ void causal_softmax(const T* __restrict__ x, T* __restrict__ y, int keys, int tb, int pos0,
+                               float scale) {
+    __shared__ float red_m[SM_THREADS / 32], red_s[SM_THREADS / 32];
+    const long row = blockIdx.x;
+    const int vis = min(keys, pos0 + (int)(row % tb) + 1);
+    x += row * keys;
+    y += row * keys;
+    constexpr int V = VEC ? Vec16<T>::N : 1;
+    float m = -INFINITY, s = 0.f;
+    for (int j0 = threadIdx.x * V; j0 < vis; j0 += SM_THREADS * V) {
+        if (VEC) {
+            Vec16<T> a;
+            a.raw = *reinterpret_cast<const uint4*>(x + j0);
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (j0 + e < vis) online_add(m, s, to_f(a.e[e]) * scale);
+        } else {
+            online_add(m, s, to_f(x[j0]) * scale);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        online_merge(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        red_m[warp] = m;
+        red_s[warp] = s;
+    }
+    __syncthreads();
+    m = red_m[0];
+    s = red_s[0];
+    for (int w = 1; w < SM_THREADS / 32; ++w) online_merge(m, s, red_m[w], red_s[w]);
+    const float inv = 1.f / s;
+    for (int j0 = threadIdx.x * V; j0 < keys; j0 += SM_THREADS * V) {
+        if (VEC) {
+            Vec16<T> a, b;
+            a.raw = *reinterpret_cast<const uint4*>(x + j0);
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                b.e[e] = from_f<T>(j0 + e < vis ? expf(to_f(a.e[e]) * scale - m) * inv : 0.f);
+            *reinterpret_cast<uint4*>(y + j0) = b.raw;
+        } else {
+            y[j0] = from_f<T>(j0 < vis ? expf(to_f(x[j0]) * scale - m) * inv : 0.f);
+        }
+    }
+}
+
+#define CAUSAL_SOFTMAX(SUFFIX, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(SM_THREADS)                                         \
+        causal_softmax_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) {         \
+        causal_softmax<T, false>(x, y, keys, tb, pos0, scale);                                       \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(SM_THREADS)                                         \
+        causal_softmax_vec_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) {     \
+        causal_softmax<T, true>(x, y, keys, tb, pos0, scale);                                        \
+    }
+CAUSAL_SOFTMAX(f32, float)
+CAUSAL_SOFTMAX(bf16, __nv_bfloat16)
+CAUSAL_SOFTMAX(f16, __half)

@@ -203,8 +203,9 @@ CONV_KERNEL(conv1d_bf16, __nv_bfloat16)
 CONV_KERNEL(conv1d_f16, __half)
 
 // ---------------------------------------------------------------------------------------------
-// Chunked (WY / UT transform) gated delta rule for prefill, chunk C = 64, dk <= 128.
-// Kernel 1 (`gdn_chunk_prep`, one block of 256 threads per (b, hv, chunk)) turns a chunk into
+// Chunked (WY / UT transform) gated delta rule for prefill, chunk C = 64, dk <= 128, dk % 4 == 0.
+// Kernel 1 (`gdn_chunk_prep_*`, one block of 256 threads per (b, hv, chunk), all chunks in
+// parallel) turns a chunk into
 //   U  = (I + A)^-1 diag(beta) V           [C, dv]     ("new values")
 //   W  = (I + A)^-1 diag(beta e^gamma) K   [C, dk]
 //   Qt = scale e^gamma_r q_r               [C, dk]     (reads the chunk-entry state)
@@ -212,14 +213,23 @@ CONV_KERNEL(conv1d_f16, __half)
 //   P  = scale e^(gamma_r - gamma_s) q_r.k_s, s <= r   [C, C]
 //   gL = e^gamma_L
 // with A_rs = beta_r e^(gamma_r - gamma_s) k_r.k_s (s < r), q and k L2-normalised; rows past the
-// sequence end are zero. Kernel 2 (`gdn_chunk_scan`, one block per (b, hv, 32 state columns), the
-// state in registers like the recurrent kernel) walks the chunks in order:
-//   Vt = U - W S;  o = Qt S + P Vt;  S = gL S + Kt^T Vt.
+// sequence end are zero. Kernel 2 (`gdn_chunk_scan_c*`, one block per (b, hv, SBV state columns))
+// walks the chunks in order with the state tile in shared memory, keeping each chunk's entry
+// state hs:  Vt = U - W S;  hs = S;  S = gL S + Kt^T Vt.  Kernel 3 (`gdn_chunk_out`) then forms
+// every chunk's output in parallel:  o = Qt hs + P Vt.
+// Both stage their tiles in (dynamic) shared memory and give each thread a 4x4 or 4x2 register
+// tile of every product, so the inner loops do 4 FMAs per shared-memory load.
 constexpr int CH = 64;
 constexpr int CHUNK_DK = 128;
+constexpr int KS = CH + 4;        // row stride of the transposed [dk][C] tiles (16-byte rows)
+constexpr int XS = CHUNK_DK + 4;  // row stride of the [C][dk] tiles
+constexpr int PS = CH + 4;        // row stride of the [C][C] tile
 
-// Strictly-lower-triangular index of (r, s), s < r.
-__device__ __forceinline__ int tri(int r, int s) { return r * (r - 1) / 2 + s; }
+// Shared memory of the prep kernel: 2 CHUNK_DK KS + CH CH + 6 CH floats (cuda.rs PREP_SMEM).
+
+__device__ __forceinline__ float f4(const float4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 template <typename TQ, typename TG, bool FUSED>
 __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
@@ -236,20 +246,37 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
     const int t0 = c * CH;
     const int L = min(CH, T - t0);
     const int tid = threadIdx.x, nt = blockDim.x;
-    __shared__ float kn[CH][CHUNK_DK];       // normalised k rows
-    __shared__ float At[CH * (CH - 1) / 2];  // strictly lower A
-    __shared__ float qb[8][CHUNK_DK];        // a batch of 8 normalised, scaled q rows (48 KiB budget)
-    __shared__ float gam[CH], bet[CH], inq[CH];
+    extern __shared__ float4 smem4[];
+    float* kT = reinterpret_cast<float*>(smem4);  // [CHUNK_DK][KS]: raw k, transposed
+    float* qT = kT + CHUNK_DK * KS;               // [CHUNK_DK][KS]: raw q, transposed
+    float* A = qT + CHUNK_DK * KS;                // [CH][CH]: strictly lower A, zeros elsewhere
+    float* gam = A + CH * CH;                     // cumulative log decay gamma
+    float* bet = gam + CH;
+    float* inq = bet + CH;                        // q row factor (scale / |q|)
+    float* ink = inq + CH;                        // k row factor (1 / |k|)
+    float* eg = ink + CH;                         // e^gamma_r
+    float* egl = eg + CH;                         // e^(gamma_L - gamma_r)
 
-    // Row statistics: 4 threads per row (256 threads, 64 rows).
+    // Raw q and k rows, transposed (rows past L and columns past dk are zero); 8 loads per
+    // thread in flight.
+#pragma unroll 8
+    for (int e = tid; e < CH * CHUNK_DK; e += 256) {
+        const int r = e / CHUNK_DK, i = e % CHUNK_DK;
+        const long off = ((long)b * T + t0 + r) * qk_stride + hk * dk + i;
+        const bool ok = r < L && i < dk;
+        kT[i * KS + r] = ok ? to_f(k[off]) : 0.f;
+        qT[i * KS + r] = ok ? to_f(q[off]) : 0.f;
+    }
+    __syncthreads();
+    // Row statistics and gates: 4 threads per row (256 threads, 64 rows). The L2-norm factors
+    // are applied where the rows are used (products, outputs), not to the tiles.
     {
         const int r = tid >> 2, part = tid & 3;
         float sq = 0.f, sk = 0.f;
-        const long row = (long)b * T + t0 + r;
-        if (r < L) {
-            for (int i = part; i < dk; i += 4) {
-                const float qq = to_f(q[row * qk_stride + hk * dk + i]);
-                const float kk = to_f(k[row * qk_stride + hk * dk + i]);
+        if (FUSED) {
+#pragma unroll 8
+            for (int i = part; i < CHUNK_DK; i += 4) {
+                const float qq = qT[i * KS + r], kk = kT[i * KS + r];
                 sq += qq * qq;
                 sk += kk * kk;
             }
@@ -258,106 +285,131 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
         sk += __shfl_xor_sync(0xffffffffu, sk, 1);
         sk += __shfl_xor_sync(0xffffffffu, sk, 2);
-        float ik = 1.f;
         if (part == 0) {
-            float g = 0.f, be = 0.f, iq = scale;
+            const long row = (long)b * T + t0 + r;
+            float g = 0.f, be = 0.f, iq = scale, ik = 1.f;
             if (r < L) {
                 if (FUSED) {
                     const float a = to_f(ga[row * Hv + hv]), bb = to_f(gb[row * Hv + hv]);
                     g = -expf(a_log[hv]) * softplus(a + dt_bias[hv]);
                     be = 1.f / (1.f + expf(-bb));
                     iq = scale / sqrtf(sq + eps);
+                    ik = 1.f / sqrtf(sk + eps);
                 } else {
                     g = to_f(ga[row * Hv + hv]);
                     be = to_f(gb[row * Hv + hv]);
                 }
             }
-            gam[r] = g;  // cumulated below
+            gam[r] = g;  // cumulated below; rows past L add g = 0, so gamma stays at gamma_L
             bet[r] = be;
             inq[r] = iq;
-        }
-        if (FUSED) ik = 1.f / sqrtf(sk + eps);
-        for (int i = part; i < dk; i += 4)
-            kn[r][i] = r < L ? to_f(k[row * qk_stride + hk * dk + i]) * ik : 0.f;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        float acc = 0.f;
-        for (int r = 0; r < CH; r++) {
-            acc += gam[r];
-            gam[r] = acc;  // rows past L add g = 0: gamma stays at gamma_L
+            ink[r] = ik;
         }
     }
     __syncthreads();
-    // A (strictly lower).
-    for (int p = tid; p < CH * (CH - 1) / 2; p += nt) {
-        // invert tri(r, s) = p
-        int r = (int)((1.f + sqrtf(1.f + 8.f * p)) * 0.5f);
-        while (tri(r, 0) > p) r--;
-        while (tri(r + 1, 0) <= p) r++;
-        const int s = p - tri(r, 0);
-        float dot = 0.f;
-        if (r < L)
-            for (int i = 0; i < dk; i++) dot += kn[r][i] * kn[s][i];
-        At[p] = r < L ? bet[r] * expf(gam[r] - gam[s]) * dot : 0.f;
-    }
-    const long base = blk * CH;
-    // P and Qt, 8 q rows at a time.
-    for (int r0 = 0; r0 < CH; r0 += 8) {
-        __syncthreads();
-        for (int e = tid; e < 8 * dk; e += nt) {
-            const int rr = e / dk, i = e % dk, r = r0 + rr;
-            const long row = (long)b * T + t0 + r;
-            const float val = r < L ? to_f(q[row * qk_stride + hk * dk + i]) * inq[r] : 0.f;
-            qb[rr][i] = val;
-            Qt[(base + r) * dk + i] = val * expf(gam[r]);
+    // Inclusive scan of gamma in warp 0 (two rows per lane).
+    if (tid < 32) {
+        const float g0 = gam[2 * tid], g1 = gam[2 * tid + 1];
+        float sum = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float n = __shfl_up_sync(0xffffffffu, sum, o);
+            if (tid >= o) sum += n;
         }
-        __syncthreads();
-        for (int e = tid; e < 8 * CH; e += nt) {
-            const int rr = e / CH, s = e % CH, r = r0 + rr;
-            float dot = 0.f;
-            if (s <= r && r < L)
-                for (int i = 0; i < dk; i++) dot += qb[rr][i] * kn[s][i];
-            P[(base + r) * CH + s] = (s <= r && r < L) ? expf(gam[r] - gam[s]) * dot : 0.f;
-        }
+        gam[2 * tid] = sum - g1;
+        gam[2 * tid + 1] = sum;
     }
     __syncthreads();
-    // Forward substitution, one column of [U | W] per thread, 64 rows in registers.
     const float gl = gam[L - 1];
+    if (tid < CH) {
+        eg[tid] = expf(gam[tid]);
+        egl[tid] = expf(gl - gam[tid]);
+    }
+    // K K^T and Q K^T, a 4x4 tile per thread: rows 4tr.., columns 4ts...
+    const long base = blk * CH;
+    {
+        const int tr = tid >> 4, ts = tid & 15;
+        float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll 4
+        for (int i = 0; i < CHUNK_DK; i++) {
+            const float4 kr = *reinterpret_cast<const float4*>(&kT[i * KS + 4 * tr]);
+            const float4 qr = *reinterpret_cast<const float4*>(&qT[i * KS + 4 * tr]);
+            const float4 ks = *reinterpret_cast<const float4*>(&kT[i * KS + 4 * ts]);
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    kk[x][y] += f4(kr, x) * f4(ks, y);
+                    qk[x][y] += f4(qr, x) * f4(ks, y);
+                }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = 4 * tr + x;
+            float4 pa, aa;
+            float* pp = &pa.x;
+            float* ap = &aa.x;
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                const int s = 4 * ts + y;
+                const float d = r < L ? expf(gam[r] - gam[s]) * ink[s] : 0.f;
+                pp[y] = s <= r ? d * inq[r] * qk[x][y] : 0.f;
+                ap[y] = s < r ? bet[r] * d * ink[r] * kk[x][y] : 0.f;
+            }
+            *reinterpret_cast<float4*>(&P[(base + r) * CH + 4 * ts]) = pa;
+            *reinterpret_cast<float4*>(&A[r * CH + 4 * ts]) = aa;
+        }
+    }
+    __syncthreads();
+    // Forward substitution, one column of [U | W] per thread, 64 rows in registers: x starts as
+    // the right-hand side and row r is finished from the rows above it, four A_rs at a time.
     for (int j = tid; j < dv + dk; j += nt) {
         float x[CH];
+        if (j < dv) {
+            const TQ* src = v + ((long)b * T + t0) * v_stride + (long)hv * dv + j;
 #pragma unroll
-        for (int r = 0; r < CH; r++) {
-            float rhs = 0.f;
-            if (r < L) {
-                if (j < dv) {
-                    const long row = (long)b * T + t0 + r;
-                    rhs = bet[r] * to_f(v[row * v_stride + (long)hv * dv + j]);
-                } else {
-                    rhs = bet[r] * expf(gam[r]) * kn[r][j - dv];
-                }
+            for (int r = 0; r < CH; r++, src += v_stride) x[r] = r < L ? bet[r] * to_f(*src) : 0.f;
+        } else {
+#pragma unroll
+            for (int r = 0; r < CH; r++) x[r] = bet[r] * eg[r] * ink[r] * kT[(j - dv) * KS + r];  // 0 past L
+        }
+#pragma unroll
+        for (int r = 1; r < CH; r++) {
+            float acc = x[r];
+#pragma unroll
+            for (int s = 0; s < r; s += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(&A[r * CH + s]);
+                acc -= a.x * x[s];
+                if (s + 1 < r) acc -= a.y * x[s + 1];
+                if (s + 2 < r) acc -= a.z * x[s + 2];
+                if (s + 3 < r) acc -= a.w * x[s + 3];
             }
-#pragma unroll
-            for (int s = 0; s < r; s++) rhs -= At[tri(r, s)] * x[s];
-            x[r] = rhs;
+            x[r] = acc;
         }
         if (j < dv) {
+            float* dst = U + base * dv + j;
 #pragma unroll
-            for (int r = 0; r < CH; r++) U[(base + r) * dv + j] = x[r];
+            for (int r = 0; r < CH; r++, dst += dv) *dst = x[r];
         } else {
             const int i = j - dv;
+            float* dw = W + base * dk + i;
+            float* dkt = Kt + base * dk + i;
 #pragma unroll
-            for (int r = 0; r < CH; r++) {
-                W[(base + r) * dk + i] = x[r];
-                Kt[(base + r) * dk + i] = r < L ? kn[r][i] * expf(gl - gam[r]) : 0.f;
+            for (int r = 0; r < CH; r++, dw += dk, dkt += dk) {
+                *dw = x[r];
+                *dkt = kT[i * KS + r] * ink[r] * egl[r];
             }
         }
+    }
+    for (int e = tid; e < CH * dk; e += nt) {
+        const int r = e / dk, i = e % dk;
+        Qt[(base + r) * dk + i] = qT[i * KS + r] * inq[r] * eg[r];
     }
     if (tid == 0) gL[blk] = expf(gl);
 }
 
 #define CHUNK_PREP(NAME, TQ, TG, FUSED)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb,  \
              const float* a_log, const float* dt_bias, float* U, float* W, float* Qt, float* Kt, float* P,    \
              float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                       \
@@ -365,102 +417,242 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
                                       gL, T, Hk, Hv, dk, dv, scale, eps);                                      \
     }
 CHUNK_PREP(gdn_chunk_prep_f32, float, float, false)
-// Fused variants (raw q/k and a/b, like gdn_fused_*) are one line each once the scan is fast
-// enough for the model to use the chunked path: CHUNK_PREP(gdn_chunk_prep_fused_bf16, ...).
+CHUNK_PREP(gdn_chunk_prep_fused_f32, float, float, true)
+CHUNK_PREP(gdn_chunk_prep_fused_bf16, __nv_bfloat16, __nv_bfloat16, true)
+CHUNK_PREP(gdn_chunk_prep_fused_f16, __half, __half, true)
 
-template <int ROWS>
-__device__ void gdn_chunk_scan(const float* __restrict__ U, const float* __restrict__ W,
-                               const float* __restrict__ Qt, const float* __restrict__ Kt,
-                               const float* __restrict__ P, const float* __restrict__ gL,
-                               const float* __restrict__ s0, float* __restrict__ out,
-                               float* __restrict__ s_final, int B, int T, int Hv, int dk, int dv) {
-    const int nc = (T + CH - 1) / CH;
-    const int tiles = (dv + BV - 1) / BV;
-    const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-    const int b = bh / Hv, hv = bh % Hv;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int j = tile * BV + lane;
-    const bool col_ok = j < dv;
-    __shared__ float red[CH][NW][BV];
-    __shared__ float vt[CH][BV];
-    float s[ROWS];
-    const long head = (long)bh * dk * dv;
-#pragma unroll
-    for (int i = 0; i < ROWS; i++) {
-        const int r = w + NW * i;
-        s[i] = (s0 != nullptr && col_ok && r < dk) ? s0[head + (long)r * dv + j] : 0.f;
-    }
-    for (int c = 0; c < nc; c++) {
-        const long blk = (long)bh * nc + c;
-        const long base = blk * CH;
-        const int L = min(CH, T - c * CH);
-        // Vt = U - W S
-        for (int r = 0; r < CH; r++) {
-            float p = 0.f;
-#pragma unroll
-            for (int i = 0; i < ROWS; i++) {
-                const int row = w + NW * i;
-                if (row < dk) p += W[(base + r) * dk + row] * s[i];
-            }
-            red[r][w][lane] = p;
-        }
-        __syncthreads();
-        for (int r = w; r < CH; r += NW) {
-            float tot = 0.f;
-#pragma unroll
-            for (int x = 0; x < NW; x++) tot += red[r][x][lane];
-            vt[r][lane] = col_ok ? U[(base + r) * dv + j] - tot : 0.f;
-        }
-        __syncthreads();
-        // o = Qt S + P Vt
-        for (int r = 0; r < CH; r++) {
-            float p = 0.f;
-#pragma unroll
-            for (int i = 0; i < ROWS; i++) {
-                const int row = w + NW * i;
-                if (row < dk) p += Qt[(base + r) * dk + row] * s[i];
-            }
-            red[r][w][lane] = p;
-        }
-        __syncthreads();
-        for (int r = w; r < L; r += NW) {
-            float o = 0.f;
-#pragma unroll
-            for (int x = 0; x < NW; x++) o += red[r][x][lane];
-            for (int s2 = 0; s2 <= r; s2++) o += P[(base + r) * CH + s2] * vt[s2][lane];
-            if (col_ok) out[(((long)b * T + c * CH + r) * Hv + hv) * dv + j] = o;
-        }
-        // S = gL S + Kt^T Vt
-        const float g = gL[blk];
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const int row = w + NW * i;
-            if (row < dk) {
-                float acc = g * s[i];
-                for (int s2 = 0; s2 < L; s2++) acc += Kt[(base + s2) * dk + row] * vt[s2][lane];
-                s[i] = acc;
-            }
-        }
-        __syncthreads();  // red and vt are rewritten by the next chunk
-    }
-    if (col_ok) {
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const int r = w + NW * i;
-            if (r < dk) s_final[head + (long)r * dv + j] = s[i];
-        }
+// Asynchronous 16-byte global -> shared copies (sm_80+): the scan issues a chunk's next tile
+// before computing on the current one.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Starts copying a [CH][dk] f32 tile (16-byte aligned rows, dk % 4 == 0) into X[CH][XS];
+// columns dk..CHUNK_DK keep the zeros written once at the start.
+template <int NT>
+__device__ __forceinline__ void load_rows_async(float* X, const float* __restrict__ src, int dk) {
+    const int q4 = dk / 4;
+    for (int e = threadIdx.x; e < CH * q4; e += NT) {
+        const int r = e / q4, c4 = 4 * (e % q4);
+        cp_async16(&X[r * XS + c4], &src[(long)r * dk + c4]);
     }
 }
 
-#define CHUNK_SCAN(NAME, ROWS)                                                                                \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                     \
-        NAME(const float* U, const float* W, const float* Qt, const float* Kt, const float* P,               \
-             const float* gL, const float* s0, float* out, float* s_final, int B, int T, int Hv, int dk,      \
-             int dv) {                                                                                        \
-        gdn_chunk_scan<ROWS>(U, W, Qt, Kt, P, gL, s0, out, s_final, B, T, Hv, dk, dv);                        \
+// Shared memory of the scan kernel with SBV state columns, in floats: the W and Kt tiles, the
+// state tile and Vt.
+constexpr int scan_smem_floats(int sbv) { return 2 * CH * XS + CHUNK_DK * sbv + CH * sbv; }
+
+// The scan: NT = 8 SBV threads. Phase 1 gives thread (tr, tc) rows 4tr..4tr+3 and columns 2tc,
+// 2tc+1 of Vt [C, SBV]; phase 3 gives thread (ti, tq) state rows 4ti..4ti+3 and columns
+// 4tq..4tq+3. Each chunk's Kt lands while phase 1 runs, the next chunk's W while phase 3 runs.
+// Vt overwrites U in place (each thread reads and writes the same elements), and the state at
+// each chunk's entry goes to hs for the output kernel.
+template <int SBV>
+__device__ void gdn_chunk_scan(float* U, const float* __restrict__ W, const float* __restrict__ Kt,
+                               const float* __restrict__ gL, const float* __restrict__ s0,
+                               float* __restrict__ hs, float* __restrict__ s_final, int B, int T, int Hv,
+                               int dk, int dv) {
+    constexpr int NT = 8 * SBV;
+    const int nc = (T + CH - 1) / CH;
+    const int tiles = (dv + SBV - 1) / SBV;
+    const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * SBV;
+    const int tid = threadIdx.x;
+    extern __shared__ float4 smem4[];
+    float* XW = reinterpret_cast<float*>(smem4);  // [CH][XS]: W of the chunk
+    float* XK = XW + CH * XS;                      // [CH][XS]: Kt of the chunk
+    float* S = XK + CH * XS;                       // [CHUNK_DK][SBV]: the state tile
+    float* Vt = S + CHUNK_DK * SBV;                // [CH][SBV]
+    const long head = (long)bh * dk * dv;
+    for (int e = tid; e < CHUNK_DK * SBV; e += NT) {
+        const int r = e / SBV, j = j0 + e % SBV;
+        S[e] = (s0 != nullptr && r < dk && j < dv) ? s0[head + (long)r * dv + j] : 0.f;
     }
-CHUNK_SCAN(gdn_chunk_scan_r2, 2)
-CHUNK_SCAN(gdn_chunk_scan_r4, 4)
-CHUNK_SCAN(gdn_chunk_scan_r8, 8)
-CHUNK_SCAN(gdn_chunk_scan_r16, 16)
-CHUNK_SCAN(gdn_chunk_scan_r32, 32)
+    if (dk < CHUNK_DK)
+        for (int e = tid; e < 2 * CH * XS; e += NT) XW[e] = 0.f;
+    __syncthreads();
+    const long first = (long)bh * nc * CH;  // row of this head's first chunk
+    load_rows_async<NT>(XW, W + first * dk, dk);
+    cp_async_commit();
+    load_rows_async<NT>(XK, Kt + first * dk, dk);
+    cp_async_commit();
+    const int tr = tid / (SBV / 2), tc = tid % (SBV / 2);
+    const int ti = tid / (SBV / 4), tq = tid % (SBV / 4);
+    const int ja = j0 + 2 * tc;
+    for (int c = 0; c < nc; c++) {
+        const long base = first + (long)c * CH;
+        const int L = min(CH, T - c * CH);
+        cp_async_wait<1>();  // W of this chunk (its Kt may still be in flight)
+        __syncthreads();
+        // Phase 1: Vt = U - W S.
+        float acc[4][2];
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 2; y++)
+                acc[x][y] = ja + y < dv ? U[(base + 4 * tr + x) * dv + ja + y] : 0.f;
+#pragma unroll 2
+        for (int i = 0; i < CHUNK_DK; i += 4) {
+            float2 s[4];
+#pragma unroll
+            for (int z = 0; z < 4; z++) s[z] = *reinterpret_cast<const float2*>(&S[(i + z) * SBV + 2 * tc]);
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const float4 w = *reinterpret_cast<const float4*>(&XW[(4 * tr + x) * XS + i]);
+                acc[x][0] -= w.x * s[0].x + w.y * s[1].x + w.z * s[2].x + w.w * s[3].x;
+                acc[x][1] -= w.x * s[0].y + w.y * s[1].y + w.z * s[2].y + w.w * s[3].y;
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            *reinterpret_cast<float2*>(&Vt[(4 * tr + x) * SBV + 2 * tc]) = make_float2(acc[x][0], acc[x][1]);
+#pragma unroll
+            for (int y = 0; y < 2; y++)
+                if (ja + y < dv) U[(base + 4 * tr + x) * dv + ja + y] = acc[x][y];
+        }
+        __syncthreads();  // Vt complete, XW free
+        if (c + 1 < nc) load_rows_async<NT>(XW, W + (base + CH) * dk, dk);
+        cp_async_commit();   // (an empty group on the last chunk keeps the counting uniform)
+        cp_async_wait<1>();  // Kt of this chunk
+        __syncthreads();
+        // Phase 3: hs = S; S = gL S + Kt^T Vt (Kt and Vt rows past L are zero).
+        const float g = gL[(long)bh * nc + c];
+        const bool col_ok = j0 + 4 * tq < dv;  // dv % 4 == 0: all four columns or none
+        float4 sv[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = 4 * ti + x;
+            sv[x] = *reinterpret_cast<const float4*>(&S[r * SBV + 4 * tq]);
+            if (col_ok && r < dk)
+                *reinterpret_cast<float4*>(&hs[((long)bh * nc + c) * dk * dv + (long)r * dv + j0 + 4 * tq]) =
+                    sv[x];
+            sv[x].x *= g;
+            sv[x].y *= g;
+            sv[x].z *= g;
+            sv[x].w *= g;
+        }
+#pragma unroll 4
+        for (int s = 0; s < L; s++) {
+            const float4 kk = *reinterpret_cast<const float4*>(&XK[s * XS + 4 * ti]);
+            const float4 vv = *reinterpret_cast<const float4*>(&Vt[s * SBV + 4 * tq]);
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const float kx = f4(kk, x);
+                sv[x].x += kx * vv.x;
+                sv[x].y += kx * vv.y;
+                sv[x].z += kx * vv.z;
+                sv[x].w += kx * vv.w;
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++) *reinterpret_cast<float4*>(&S[(4 * ti + x) * SBV + 4 * tq]) = sv[x];
+        __syncthreads();  // XK and S are done with
+        if (c + 1 < nc) load_rows_async<NT>(XK, Kt + (base + CH) * dk, dk);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int e = tid; e < CHUNK_DK * SBV; e += NT) {
+        const int r = e / SBV, j = j0 + e % SBV;
+        if (r < dk && j < dv) s_final[head + (long)r * dv + j] = S[e];
+    }
+}
+
+#define CHUNK_SCAN(NAME, SBV)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(8 * SBV)                                                     \
+        NAME(float* U, const float* W, const float* Kt, const float* gL, const float* s0, float* hs,          \
+             float* s_final, int B, int T, int Hv, int dk, int dv) {                                          \
+        gdn_chunk_scan<SBV>(U, W, Kt, gL, s0, hs, s_final, B, T, Hv, dk, dv);                                 \
+    }
+CHUNK_SCAN(gdn_chunk_scan_c16, 16)
+CHUNK_SCAN(gdn_chunk_scan_c32, 32)
+
+// Kernel 3: the outputs of every chunk in parallel, o = Qt hs + P Vt, one block of 256 threads
+// per (b, hv, chunk, 32 output columns); thread (tr, tc) computes rows 4tr..4tr+3, columns
+// 2tc, 2tc+1. Shared memory (floats): Qt [CH][XS], hs tile [CHUNK_DK][32], P [CH][PS], Vt [CH][32]
+// (cuda.rs OUT_SMEM).
+constexpr int OUT_COLS = 32;
+
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_out(const float* __restrict__ Vt_all, const float* __restrict__ Qt, const float* __restrict__ P,
+                  const float* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) {
+    const int nc = (T + CH - 1) / CH;
+    const int tiles = (dv + OUT_COLS - 1) / OUT_COLS;
+    const long blk = blockIdx.x / tiles;  // (b, hv, chunk)
+    const int j0 = (blockIdx.x % tiles) * OUT_COLS;
+    const int c = blk % nc;
+    const long bh = blk / nc;
+    const int b = bh / Hv, hv = bh % Hv;
+    const int L = min(CH, T - c * CH);
+    const long base = blk * CH;
+    const int tid = threadIdx.x;
+    extern __shared__ float4 out_smem[];
+    float* XQ = reinterpret_cast<float*>(out_smem);
+    float* Hs = XQ + CH * XS;
+    float* Ps = Hs + CHUNK_DK * OUT_COLS;
+    float* Vs = Ps + CH * PS;
+    const int ncol = min(OUT_COLS, dv - j0);  // a multiple of 4
+    if (dk < CHUNK_DK)
+        for (int e = tid; e < CH * XS; e += 256) XQ[e] = 0.f;
+    if (dk < CHUNK_DK || ncol < OUT_COLS) {
+        for (int e = tid; e < CHUNK_DK * OUT_COLS; e += 256) Hs[e] = 0.f;
+        for (int e = tid; e < CH * OUT_COLS; e += 256) Vs[e] = 0.f;
+    }
+    __syncthreads();
+    load_rows_async<256>(XQ, Qt + base * dk, dk);
+    for (int e = tid; e < CH * CH / 4; e += 256) {
+        const int r = e / (CH / 4), s4 = 4 * (e % (CH / 4));
+        cp_async16(&Ps[r * PS + s4], &P[(base + r) * CH + s4]);
+    }
+    const int q4 = ncol / 4;
+    for (int e = tid; e < dk * q4; e += 256) {
+        const int r = e / q4, c4 = 4 * (e % q4);
+        cp_async16(&Hs[r * OUT_COLS + c4], &hs[blk * dk * dv + (long)r * dv + j0 + c4]);
+    }
+    for (int e = tid; e < CH * q4; e += 256) {
+        const int r = e / q4, c4 = 4 * (e % q4);
+        cp_async16(&Vs[r * OUT_COLS + c4], &Vt_all[(base + r) * dv + j0 + c4]);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int tr = tid / (OUT_COLS / 2), tc = tid % (OUT_COLS / 2);
+    float o[4][2] = {};
+#pragma unroll 2
+    for (int i = 0; i < CHUNK_DK; i += 4) {
+        float2 s[4];
+#pragma unroll
+        for (int z = 0; z < 4; z++) s[z] = *reinterpret_cast<const float2*>(&Hs[(i + z) * OUT_COLS + 2 * tc]);
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const float4 w = *reinterpret_cast<const float4*>(&XQ[(4 * tr + x) * XS + i]);
+            o[x][0] += w.x * s[0].x + w.y * s[1].x + w.z * s[2].x + w.w * s[3].x;
+            o[x][1] += w.x * s[0].y + w.y * s[1].y + w.z * s[2].y + w.w * s[3].y;
+        }
+    }
+    // P_rs = 0 for s > r: s stops at the tile's last row.
+    for (int s = 0; s < 4 * tr + 4; s += 4) {
+        float2 vv[4];
+#pragma unroll
+        for (int z = 0; z < 4; z++) vv[z] = *reinterpret_cast<const float2*>(&Vs[(s + z) * OUT_COLS + 2 * tc]);
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const float4 p = *reinterpret_cast<const float4*>(&Ps[(4 * tr + x) * PS + s]);
+            o[x][0] += p.x * vv[0].x + p.y * vv[1].x + p.z * vv[2].x + p.w * vv[3].x;
+            o[x][1] += p.x * vv[0].y + p.y * vv[1].y + p.z * vv[2].y + p.w * vv[3].y;
+        }
+    }
+    const int ja = j0 + 2 * tc;
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        const int r = 4 * tr + x;
+        if (r < L && ja < dv)
+            *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + ja]) =
+                make_float2(o[x][0], o[x][1]);
+    }
+}

@@ -2,8 +2,9 @@
 //! with the device's copy bandwidth measured in the same run as the yardstick.
 //!
 //! ```text
-//! cargo run --release -p qwen36-kernels --features cuda --example bench_gdn
+//! cargo run --release -p qwen36-kernels --features cuda --example bench_gdn [FILTER]
 //! ```
+//! FILTER (optional) keeps the cases whose name contains it.
 //! Times are wall-clock per call after warm-up, averaged over many calls with a device sync at the
 //! end (so they include candle's host-side launch cost, as an eager decode step would).
 
@@ -12,7 +13,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
 use qwen36_kernels::conv1d::causal_conv1d;
-use qwen36_kernels::delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads};
+use qwen36_kernels::delta_rule::{force_chunk_scan_columns, fused_gated_delta_rule, DeltaRuleMode, GdnHeads};
 
 const HK: usize = 16;
 const HV: usize = 48;
@@ -33,42 +34,65 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dt_bias = (Tensor::rand(0f32, 1.0, HV, &dev)? - 3.0)?;
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
-    // (name, batch, tokens, keep every state, chunked)
-    let cases: [(&str, usize, usize, bool, bool); 10] = [
-        ("decode B=1", 1, 1, false, false),
-        ("decode B=8", 8, 1, false, false),
-        ("decode B=64", 64, 1, false, false),
-        ("verify B=1 T=4 (keep states)", 1, 4, true, false),
-        ("verify B=8 T=4 (keep states)", 8, 4, true, false),
+    // (name, batch, tokens, keep every state, chunked with this many scan columns per block,
+    // 0 for the default)
+    let cases: [(&str, usize, usize, bool, Option<usize>); 14] = [
+        ("decode B=1", 1, 1, false, None),
+        ("decode B=8", 8, 1, false, None),
+        ("decode B=64", 64, 1, false, None),
+        ("verify B=1 T=4 (keep states)", 1, 4, true, None),
+        ("verify B=8 T=4 (keep states)", 8, 4, true, None),
+        ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false, None),
+        ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false, None),
+        ("prefill B=1 T=1024 (chunked, default)", 1, 1024, false, Some(0)),
+        ("prefill B=1 T=8192 (chunked, default)", 1, 8192, false, Some(0)),
+        ("prefill B=1 T=32768 (chunked, default)", 1, 32768, false, Some(0)),
         (
-            "prefill B=1 T=1024 (token-by-token kernel)",
-            1,
-            1024,
-            false,
-            false,
-        ),
-        (
-            "prefill B=1 T=8192 (token-by-token kernel)",
+            "prefill B=1 T=8192 (chunked, 16 columns)",
             1,
             8192,
             false,
-            false,
+            Some(16),
         ),
-        ("prefill B=1 T=1024 (chunked kernels)", 1, 1024, false, true),
-        ("prefill B=1 T=8192 (chunked kernels)", 1, 8192, false, true),
-        ("prefill B=1 T=32768 (chunked kernels)", 1, 32768, false, true),
+        (
+            "prefill B=1 T=8192 (chunked, 32 columns)",
+            1,
+            8192,
+            false,
+            Some(32),
+        ),
+        (
+            "prefill B=4 T=8192 (chunked, 16 columns)",
+            4,
+            8192,
+            false,
+            Some(16),
+        ),
+        (
+            "prefill B=4 T=8192 (chunked, 32 columns)",
+            4,
+            8192,
+            false,
+            Some(32),
+        ),
     ];
+    let filter = std::env::args().nth(1).unwrap_or_default();
     for (name, b, t, keep, chunked) in cases {
+        if !name.contains(&filter) {
+            continue;
+        }
         let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &dev)?.to_dtype(DType::BF16)?;
         let a = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let bb = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let s0 = Tensor::randn(0f32, 0.1, (b, HV, D, D), &dev)?;
-        let mode = if chunked {
-            DeltaRuleMode::Chunked
-        } else {
-            DeltaRuleMode::Recurrent {
-                keep_all_states: keep,
+        let mode = match chunked {
+            Some(cols) => {
+                force_chunk_scan_columns(Some(cols).filter(|&c| c > 0));
+                DeltaRuleMode::Chunked
             }
+            None => DeltaRuleMode::Recurrent {
+                keep_all_states: keep,
+            },
         };
         let iters = if t > 1000 { 5 } else { 200 };
         let s = time(&dev, iters, || {
@@ -90,6 +114,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // Short conv of one layer at decode and prefill.
     for (b, t) in [(1usize, 1usize), (1, 8192)] {
+        if !"conv1d".contains(&filter) {
+            continue;
+        }
         let x = Tensor::randn(0f32, 1.0, (b, t, width), &dev)?.to_dtype(DType::BF16)?;
         let w = Tensor::randn(0f32, 0.3, (width, 4), &dev)?.to_dtype(DType::BF16)?;
         let st = Tensor::zeros((b, width, 3), DType::BF16, &dev)?;

@@ -1,9 +1,10 @@
 //! Causal attention of a few new queries (a decode step, an MTP verify pass) over a KV cache
 //! buffer whose valid length is a tensor, not a host number: on CUDA the kernels read it from
 //! device memory, so one recorded graph serves every position. The CPU function is the plain
-//! reference (f32 loops); prefill keeps the matmul path of the model.
+//! reference (f32 loops). Prefill keeps the matmul path of the model, with [`causal_softmax`]
+//! between its two matmuls.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
 
 use crate::{expect_rank, Error, Result};
 
@@ -100,10 +101,43 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, len: &Tensor, t: usize, scale: 
         .to_device(q.device())?)
 }
 
+/// Causal softmax of a prefill block's attention scores `[..., rows, keys]`: row `r` (counted over
+/// all leading dims) is the query at position `pos0 + r % block` and sees keys `0..=pos0 + r %
+/// block`. Returns `softmax(scale · scores)` over those keys and 0 past them, in the scores' dtype
+/// (computed in f32). CPU: the scale, an additive mask and candle's softmax; CUDA: one kernel.
+pub fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: usize) -> Result<Tensor> {
+    let op = "causal_softmax";
+    let keys = scores.dim(D::Minus1)?;
+    let rows = scores.elem_count() / keys.max(1);
+    if block == 0 || rows % block != 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "{rows} score rows of {:?} are not whole blocks of {block}",
+                scores.dims()
+            ),
+        });
+    }
+    if scores.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::causal_softmax(scores, scale, pos0, block);
+    }
+    let dev = scores.device();
+    let x = (scores.to_dtype(DType::F32)?.reshape((rows, keys))? * scale)?;
+    let pos = Tensor::arange(pos0 as u32, (pos0 + block) as u32, dev)?
+        .repeat(rows / block)?
+        .reshape((rows, 1))?;
+    let key = Tensor::arange(0u32, keys as u32, dev)?.reshape((1, keys))?;
+    // A large finite negative rather than -inf: exp underflows to exactly 0 either way, and
+    // 0 * -inf would be NaN.
+    let mask = (key.broadcast_gt(&pos)?.to_dtype(DType::F32)? * -1e30)?;
+    let probs = candle_nn::ops::softmax_last_dim(&x.broadcast_add(&mask)?)?;
+    Ok(probs.to_dtype(scores.dtype())?.reshape(scores.dims())?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::D;
 
     /// The reference against softmax(q·kᵀ·scale + causal mask)·v built from candle ops, for a
     /// verify of 3 new tokens with 2 query heads per KV head over a buffer longer than `len`.
@@ -126,6 +160,34 @@ mod tests {
         let want = probs.matmul(&vv)?;
         let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max diff {diff}");
+        Ok(())
+    }
+
+    /// Rows of 2 blocks of 3 queries at positions 4..7 over 7 keys: each row sums to 1 over its
+    /// visible keys, matches a softmax of just those keys, and is 0 past them.
+    #[test]
+    fn causal_softmax_masks_future_keys() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 6, 7), &dev)?;
+        let y = causal_softmax(&x, 0.5, 4, 3)?.to_vec3::<f32>()?;
+        let xs = x.to_vec3::<f32>()?;
+        for (xb, yb) in xs.iter().zip(&y) {
+            for (r, (xr, yr)) in xb.iter().zip(yb).enumerate() {
+                let vis = 4 + r % 3 + 1;
+                let e: Vec<f32> = xr[..vis].iter().map(|v| (v * 0.5).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                for j in 0..7 {
+                    let want = if j < vis { e[j] / sum } else { 0.0 };
+                    assert!(
+                        (yr[j] - want).abs() < 1e-6,
+                        "row {r} key {j}: {} vs {want}",
+                        yr[j]
+                    );
+                }
+            }
+        }
+        let e = causal_softmax(&x, 1.0, 0, 5).unwrap_err();
+        assert!(e.to_string().contains("whole blocks"), "{e}");
         Ok(())
     }
 

@@ -1,12 +1,15 @@
 //! CUDA launches of `cuda/*.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
+use std::sync::atomic::Ordering;
+
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
 
-use crate::delta_rule::{DeltaRuleOutput, Dims as Launch};
+use crate::delta_rule::{DeltaRuleMode, DeltaRuleOutput, Dims as Launch};
 use crate::{Error, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
@@ -230,9 +233,44 @@ fn launch_recurrent<T: CudaDType>(
 /// Chunk length of the chunked kernels (cuda/gdn.cu `CH`) and their largest key dim.
 const CHUNK: usize = 64;
 const CHUNK_MAX_DK: usize = 128;
+/// Shared memory of `gdn_chunk_prep_*` (cuda/gdn.cu `PREP_SMEM_FLOATS`): transposed q and k tiles
+/// with rows of CHUNK + 4 floats, the [CHUNK, CHUNK] A, six per-row vectors.
+const PREP_SMEM: usize = 4 * (2 * CHUNK_MAX_DK * (CHUNK + 4) + CHUNK * CHUNK + 6 * CHUNK);
 
-/// Runs the two chunked kernels (prep per chunk, then the scan over chunks); same inputs as
-/// [`launch_recurrent`], no intermediate states.
+/// Shared memory of `gdn_chunk_scan_c{cols}` (cuda/gdn.cu `scan_smem_floats`): the W and Kt
+/// tiles [CHUNK, dk + 4], the [dk, cols] state tile, [CHUNK, cols] Vt.
+fn scan_smem(cols: usize) -> usize {
+    4 * (2 * CHUNK * (CHUNK_MAX_DK + 4) + CHUNK_MAX_DK * cols + CHUNK * cols)
+}
+/// Output columns per block of `gdn_chunk_out` and its shared memory: the Qt tile, a
+/// [dk, 32] state tile, [CHUNK, CHUNK + 4] P, [CHUNK, 32] Vt.
+const OUT_COLS: usize = 32;
+const OUT_SMEM: usize =
+    4 * (CHUNK * (CHUNK_MAX_DK + 4) + CHUNK_MAX_DK * OUT_COLS + CHUNK * (CHUNK + 4) + CHUNK * OUT_COLS);
+
+/// Whether the chunked kernels take this shape (else the token-by-token kernel runs).
+fn chunked_supported(d: Launch) -> bool {
+    d.dk <= CHUNK_MAX_DK && d.dk % 4 == 0 && d.dv % 4 == 0
+}
+
+/// Lets kernel `name` take `smem` bytes of dynamic shared memory (past the default 48 KiB).
+fn allow_smem(dev: &CudaDevice, name: &str, smem: usize) -> Result<()> {
+    if smem > 48 * 1024 {
+        // The attribute belongs to the module's function, shared by every handle to it.
+        dev.get_or_load_custom_func(name, MODULE, PTX)?
+            .into_cuda_function()
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .w()?;
+    }
+    Ok(())
+}
+
+/// Runs the three chunked kernels (prep per chunk, the scan over chunks, the outputs per chunk); same inputs as
+/// [`launch_recurrent`], no intermediate states. `prep_name` picks the prep variant (unfused f32,
+/// or fused in the activation dtype).
 fn launch_chunked<T: CudaDType>(
     op: &'static str,
     prep_name: &str,
@@ -244,17 +282,22 @@ fn launch_chunked<T: CudaDType>(
     let nc = d.t.div_ceil(CHUNK);
     let nb = d.b * d.hv * nc;
     let rows = nb * CHUNK;
-    // Scratch: U [rows, dv], W, Qt, Kt [rows, dk], P [rows, CHUNK], gL [nb].
+    // Scratch: U [rows, dv] (the scan overwrites it with Vt), W, Qt, Kt [rows, dk], P [rows,
+    // CHUNK], gL [nb], then the chunk-entry states hs [nb, dk, dv]. Every part before gL spans a
+    // multiple of 64 rows and gL is padded to a multiple of 4, so each part starts 16-byte aligned
+    // for the kernels' vector loads.
     let sizes = [
         rows * d.dv,
         rows * d.dk,
         rows * d.dk,
         rows * d.dk,
         rows * CHUNK,
-        nb,
+        nb.next_multiple_of(4),
+        nb * d.dk * d.dv,
     ];
-    // SAFETY: uninitialised; the prep kernel writes every element of every part (rows past the
-    // sequence end as zeros) before the scan kernel reads them.
+    // SAFETY: uninitialised; the prep kernel writes every element of the first five parts (rows
+    // past the sequence end as zeros) and gL's first nb before the scan reads them, and the scan
+    // writes all of hs before the output kernel reads it.
     let scratch = unsafe { dev.alloc::<f32>(sizes.iter().sum())? };
     let mut parts = Vec::with_capacity(sizes.len());
     let mut off = 0;
@@ -262,16 +305,23 @@ fn launch_chunked<T: CudaDType>(
         parts.push(scratch.slice(off..off + n));
         off += n;
     }
-    // SAFETY: uninitialised; the scan writes every output row and the whole final state.
+    // SAFETY: uninitialised; the output kernel writes every output row, the scan the whole final
+    // state.
     let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
     let s_final = unsafe { dev.alloc::<f32>(d.b * d.hv * d.dk * d.dv)? };
+    // 32 state columns per block measured faster than 16 at B = 1 and 4 (docs/BENCHMARKS.md).
+    let cols = match crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) {
+        16 => 16,
+        _ => 32,
+    };
     with_views::<T, _>(op, &inp, |v| {
         let eps = 1e-6f32;
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+        allow_smem(&dev, prep_name, PREP_SMEM)?;
         let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
         let mut lb = func.builder();
         v.push_inputs(&mut lb);
-        for p in &parts {
+        for p in &parts[..6] {
             lb.arg(p);
         }
         for x in &dims {
@@ -281,27 +331,52 @@ fn launch_chunked<T: CudaDType>(
         let cfg = LaunchConfig {
             grid_dim: (nb as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: PREP_SMEM as u32,
         };
         // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (the shared input prefix,
-        // then the six scratch parts of the sizes above, i32 dims, f32 scale and eps).
+        // then the six scratch parts of the sizes above, i32 dims, f32 scale and eps); the
+        // dynamic shared memory is the size the kernel lays out, its limit raised above.
         unsafe { lb.launch(cfg) }.w()?;
 
-        let name = format!("gdn_chunk_scan_r{}", rows_variant(op, d.dk)?);
+        let name = format!("gdn_chunk_scan_c{cols}");
+        allow_smem(&dev, &name, scan_smem(cols))?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut lb = func.builder();
-        for p in &parts {
-            lb.arg(p);
-        }
+        // U (overwritten with Vt), W, Kt, gL
+        lb.arg(&parts[0]).arg(&parts[1]).arg(&parts[3]).arg(&parts[5]);
         v.push_state(&mut lb);
-        lb.arg(&out).arg(&s_final);
+        lb.arg(&parts[6]).arg(&s_final);
         let scan_dims = [d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         for x in &scan_dims {
             lb.arg(x);
         }
-        let cfg = state_column_blocks(d);
-        // SAFETY: arguments match `gdn_chunk_scan_r*`: the six scratch parts written above, the
-        // initial state or null, fresh outputs of the sizes it writes, then i32 dims.
+        let cfg = LaunchConfig {
+            grid_dim: ((d.b * d.hv * d.dv.div_ceil(cols)) as u32, 1, 1),
+            block_dim: (8 * cols as u32, 1, 1),
+            shared_mem_bytes: scan_smem(cols) as u32,
+        };
+        // SAFETY: arguments match `gdn_chunk_scan_c*`: the scratch parts written above, the
+        // initial state or null, hs and the final state (sizes it writes), then i32 dims; one block
+        // of 8·cols threads per (sequence, value head, cols state columns), as the kernel expects.
+        unsafe { lb.launch(cfg) }.w()?;
+
+        allow_smem(&dev, "gdn_chunk_out", OUT_SMEM)?;
+        let func = dev.get_or_load_custom_func("gdn_chunk_out", MODULE, PTX)?;
+        let mut lb = func.builder();
+        // Vt (in U's place), Qt, P, hs
+        lb.arg(&parts[0]).arg(&parts[2]).arg(&parts[4]).arg(&parts[6]);
+        lb.arg(&out);
+        for x in &scan_dims {
+            lb.arg(x);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((nb * d.dv.div_ceil(OUT_COLS)) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: OUT_SMEM as u32,
+        };
+        // SAFETY: arguments match `gdn_chunk_out`: Vt, Qt, P and hs as written by the two kernels
+        // before it on this stream, the fresh output, i32 dims; one block of 256 threads per
+        // (sequence, value head, chunk, 32 output columns).
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
@@ -357,8 +432,8 @@ impl SeparateF32 {
     }
 }
 
-/// CUDA twin of `chunked_gated_delta_rule` (f32 inputs): the chunked kernels for dk <= 128, the
-/// token-by-token kernel otherwise.
+/// CUDA twin of `chunked_gated_delta_rule` (f32 inputs): the chunked kernels where
+/// [`chunked_supported`], the token-by-token kernel otherwise.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn chunked(
     d: Launch,
@@ -370,7 +445,7 @@ pub(crate) fn chunked(
     state: Option<&Tensor>,
     scale: f32,
 ) -> Result<DeltaRuleOutput> {
-    if d.dk > CHUNK_MAX_DK {
+    if !chunked_supported(d) {
         return recurrent(d, q, k, v, g, beta, state, scale, false);
     }
     let x = SeparateF32::new(q, k, v, g, beta, state)?;
@@ -413,11 +488,10 @@ pub(crate) fn fused(
     a_log: &Tensor,
     dt_bias: &Tensor,
     state: Option<&Tensor>,
-    keep_all_states: bool,
+    mode: DeltaRuleMode,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule";
     let dt = qkv.dtype();
-    let name = format!("gdn_fused_{}_r{}", dtype_suffix(op, dt)?, rows_variant(op, d.dk)?);
     let qkv = qkv.contiguous()?;
     let (a, b) = (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?);
     let (a_log, dt_bias) = (
@@ -439,12 +513,31 @@ pub(crate) fn fused(
         gate_params: Some((&a_log, &dt_bias)),
         state: state.as_ref(),
     };
-    macro_rules! go {
-        ($t:ty) => {
-            launch_recurrent::<$t>(op, name, d, inp, scale, keep_all_states)
-        };
+    let suffix = dtype_suffix(op, dt)?;
+    match mode {
+        DeltaRuleMode::Chunked if chunked_supported(d) => {
+            let name = format!("gdn_chunk_prep_fused_{suffix}");
+            macro_rules! go {
+                ($t:ty) => {
+                    launch_chunked::<$t>(op, &name, d, inp, scale)
+                };
+            }
+            for_float_dtype!(op, dt)
+        }
+        _ => {
+            let keep = mode
+                == DeltaRuleMode::Recurrent {
+                    keep_all_states: true,
+                };
+            let name = format!("gdn_fused_{suffix}_r{}", rows_variant(op, d.dk)?);
+            macro_rules! go {
+                ($t:ty) => {
+                    launch_recurrent::<$t>(op, name, d, inp, scale, keep)
+                };
+            }
+            for_float_dtype!(op, dt)
+        }
     }
-    for_float_dtype!(op, dt)
 }
 
 /// CUDA twin of `causal_conv1d`: `x: [b, t, c]`, `weight: [c, k]`, `state: [b, c, k-1]`.
@@ -971,6 +1064,57 @@ pub(crate) fn swiglu(x: &Tensor) -> Result<Tensor> {
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(wrap(y, &dev, shape))
+        }};
+    }
+    for_float_dtype!(op, dt)
+}
+
+/// CUDA twin of `causal_softmax` (shapes checked by the caller): one block per score row.
+pub(crate) fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: usize) -> Result<Tensor> {
+    let op = "causal_softmax";
+    let dt = scores.dtype();
+    let dev = device(op, scores)?;
+    let keys = scores.dim(candle_core::D::Minus1)?;
+    let rows = scores.elem_count() / keys.max(1);
+    let x = scores.contiguous()?;
+    let to_i32 = |v: usize| i32::try_from(v).map_err(|_| err(op, format!("{v} does not fit in i32")));
+    let (keys32, block32, pos32) = (to_i32(keys)?, to_i32(block)?, to_i32(pos0)?);
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            // SAFETY: uninitialised; the kernel writes every element (one block per row, its
+            // threads stride over every key).
+            let y = unsafe { dev.alloc::<$t>(rows * keys)? };
+            if rows * keys > 0 {
+                // 16-byte vectors when every row starts 16-byte aligned.
+                let vec = (keys * dt.size_in_bytes()) % 16 == 0
+                    && (xl.start_offset() * dt.size_in_bytes()) % 16 == 0;
+                let name = format!(
+                    "causal_softmax{}_{}",
+                    if vec { "_vec" } else { "" },
+                    dtype_suffix(op, dt)?
+                );
+                let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
+                let mut lb = f.builder();
+                let sc = scale as f32;
+                lb.arg(&xv)
+                    .arg(&y)
+                    .arg(&keys32)
+                    .arg(&block32)
+                    .arg(&pos32)
+                    .arg(&sc);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `causal_softmax[_vec]_*` in cuda/attention.cu: x and y
+                // [rows, keys] contiguous, i32 keys, block, pos0, f32 scale; the vector variant
+                // only with 16-byte aligned rows (checked above).
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(wrap(y, &dev, scores.dims()))
         }};
     }
     for_float_dtype!(op, dt)

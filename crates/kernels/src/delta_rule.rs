@@ -14,6 +14,8 @@
 //! Shapes: `q, k: [batch, len, k_heads, dk]`, `v: [batch, len, v_heads, dv]`,
 //! `g, beta: [batch, len, v_heads]`, state `[batch, v_heads, dk, dv]` (f32 only).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -398,6 +400,17 @@ pub struct GdnHeads {
     pub v_dim: usize,
 }
 
+/// Chunk-scan state columns per CUDA block forced by [`force_chunk_scan_columns`] (0: default).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) static SCAN_COLUMNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Benchmark knob (process-wide): `Some(c)` forces the CUDA chunk-scan variant with `c` ∈ {16, 32}
+/// state columns per block; `None` restores the default.
+#[doc(hidden)]
+pub fn force_chunk_scan_columns(columns: Option<usize>) {
+    SCAN_COLUMNS.store(columns.unwrap_or(0), Ordering::Relaxed);
+}
+
 /// Which form of the delta rule [`fused_gated_delta_rule`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeltaRuleMode {
@@ -452,12 +465,6 @@ pub fn fused_gated_delta_rule(
     }
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        let keep = matches!(
-            mode,
-            DeltaRuleMode::Recurrent {
-                keep_all_states: true
-            }
-        );
         let d = Dims {
             b: bs,
             t,
@@ -466,9 +473,7 @@ pub fn fused_gated_delta_rule(
             dk,
             dv,
         };
-        // Prefill too runs the fused token-by-token kernel on CUDA: it is 1.6x faster than our
-        // chunked kernels today (docs/BENCHMARKS.md, run 3); `chunked_gated_delta_rule` keeps them.
-        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, keep);
+        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, mode);
     }
     let q = crate::norm::l2_norm(&q, 1e-6)?;
     let k = crate::norm::l2_norm(&k, 1e-6)?;

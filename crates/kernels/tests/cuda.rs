@@ -4,10 +4,11 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
+use qwen36_kernels::attention::causal_softmax;
 use qwen36_kernels::conv1d::causal_conv1d;
 use qwen36_kernels::delta_rule::{
-    chunked_gated_delta_rule, fused_gated_delta_rule, recurrent_gated_delta_rule, DeltaRuleMode, GdnHeads,
-    CHUNK_SIZE,
+    chunked_gated_delta_rule, force_chunk_scan_columns, fused_gated_delta_rule, recurrent_gated_delta_rule,
+    DeltaRuleMode, GdnHeads, CHUNK_SIZE,
 };
 use qwen36_kernels::norm::l2_norm;
 use qwen36_testutil::max_abs_diff as max_diff;
@@ -64,51 +65,89 @@ fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
         let (ca, ga) = (cpu.all_states.unwrap(), gpu_r.all_states.unwrap());
         assert!(max_diff(&ca, &ga) < 1e-5, "dk {dk}: intermediate states");
         let ch = chunked_gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, None, scale, CHUNK_SIZE).unwrap();
-        let gch = chunked_gated_delta_rule(&q, &k, &v, &g, &beta, None, scale, CHUNK_SIZE).unwrap();
-        assert!(max_diff(&ch.out, &gch.out) < 1e-5, "dk {dk}: chunked out");
-        assert!(max_diff(&ch.state, &gch.state) < 1e-5, "dk {dk}: chunked state");
+        for cols in [16, 32] {
+            force_chunk_scan_columns(Some(cols));
+            let gch = chunked_gated_delta_rule(&q, &k, &v, &g, &beta, None, scale, CHUNK_SIZE).unwrap();
+            force_chunk_scan_columns(None);
+            assert!(
+                max_diff(&ch.out, &gch.out) < 1e-5,
+                "dk {dk} cols {cols}: chunked out"
+            );
+            assert!(
+                max_diff(&ch.state, &gch.state) < 1e-5,
+                "dk {dk} cols {cols}: chunked state"
+            );
+        }
     }
 }
 
 #[test]
 fn fused_kernel_matches_cpu_composition() {
-    let (b, t, hk, hv, dk, dv) = (2, 33, 2, 4, 64, 48);
-    let cpu = Device::Cpu;
-    let width = 2 * hk * dk + hv * dv;
-    let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &cpu).unwrap();
-    let a = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
-    let bb = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
-    let a_log = Tensor::rand(0f32, 2.5, hv, &cpu).unwrap();
-    let dt = (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap();
-    let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap();
-    let heads = GdnHeads {
-        k_heads: hk,
-        v_heads: hv,
-        k_dim: dk,
-        v_dim: dv,
-    };
-    let d = gpu();
-    let on = |t: &Tensor| t.to_device(&d).unwrap();
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-4), (DType::F16, 1e-4)] {
-        for mode in [
-            DeltaRuleMode::Recurrent {
-                keep_all_states: true,
-            },
-            DeltaRuleMode::Chunked,
-        ] {
-            let x = qkv.to_dtype(dtype).unwrap();
-            let (aa, bx) = (a.to_dtype(dtype).unwrap(), bb.to_dtype(dtype).unwrap());
-            let want = fused_gated_delta_rule(&x, &aa, &bx, &a_log, &dt, Some(&s0), heads, mode).unwrap();
-            let (gx, ga, gb) = (on(&x), on(&aa), on(&bx));
-            let got =
-                fused_gated_delta_rule(&gx, &ga, &gb, &on(&a_log), &on(&dt), Some(&on(&s0)), heads, mode)
-                    .unwrap();
-            // Inputs are the same rounded values on both sides; only the f32 op order differs.
-            let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
-            assert!(e < tol, "{dtype:?} {mode:?}: {e}");
-            if let (Some(w), Some(g)) = (&want.all_states, &got.all_states) {
-                assert!(max_diff(w, g) < tol, "{dtype:?}: intermediate states");
+    // 33 tokens: one partial chunk; 150 = 2·64 + 22: chunk boundaries and a partial last chunk.
+    for t in [33, 150] {
+        let (b, hk, hv, dk, dv) = (2, 2, 4, 64, 48);
+        let cpu = Device::Cpu;
+        let width = 2 * hk * dk + hv * dv;
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &cpu).unwrap();
+        let a = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
+        let bb = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
+        let a_log = Tensor::rand(0f32, 2.5, hv, &cpu).unwrap();
+        let dt = (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap();
+        let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap();
+        let heads = GdnHeads {
+            k_heads: hk,
+            v_heads: hv,
+            k_dim: dk,
+            v_dim: dv,
+        };
+        let d = gpu();
+        let on = |t: &Tensor| t.to_device(&d).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-4), (DType::F16, 1e-4)] {
+            // The chunked mode runs once per compiled chunk-scan variant (16 and 32 state columns
+            // per block; dv = 48 leaves the 32-column variant a partial tile).
+            for (mode, cols) in [
+                (
+                    DeltaRuleMode::Recurrent {
+                        keep_all_states: true,
+                    },
+                    None,
+                ),
+                (DeltaRuleMode::Chunked, Some(16)),
+                (DeltaRuleMode::Chunked, Some(32)),
+            ] {
+                let x = qkv.to_dtype(dtype).unwrap();
+                let (aa, bx) = (a.to_dtype(dtype).unwrap(), bb.to_dtype(dtype).unwrap());
+                let want = fused_gated_delta_rule(&x, &aa, &bx, &a_log, &dt, Some(&s0), heads, mode).unwrap();
+                let (gx, ga, gb) = (on(&x), on(&aa), on(&bx));
+                force_chunk_scan_columns(cols);
+                let got =
+                    fused_gated_delta_rule(&gx, &ga, &gb, &on(&a_log), &on(&dt), Some(&on(&s0)), heads, mode)
+                        .unwrap();
+                force_chunk_scan_columns(None);
+                // Inputs are the same rounded values on both sides; only the f32 op order differs.
+                let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
+                assert!(e < tol, "t {t} {dtype:?} {mode:?} {cols:?}: {e}");
+                if let (Some(w), Some(g)) = (&want.all_states, &got.all_states) {
+                    assert!(max_diff(w, g) < tol, "{dtype:?}: intermediate states");
+                }
             }
+        }
+    }
+}
+
+/// The fused causal softmax against the CPU composition (scale, additive mask, softmax): odd key
+/// counts take the scalar kernel, multiples of 8 the vector one; rows of several query blocks.
+#[test]
+fn causal_softmax_matches_cpu() {
+    let d = gpu();
+    for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::BF16, 4e-3), (DType::F16, 5e-4)] {
+        for (lead, block, keys, pos0) in [(3, 5, 37, 30), (2, 16, 64, 48), (1, 1, 1000, 999), (2, 7, 8, 0)] {
+            let x = randn(2.0, (lead, 2 * block, keys), dtype);
+            let want = causal_softmax(&x, 0.25, pos0, block).unwrap();
+            let got = causal_softmax(&x.to_device(&d).unwrap(), 0.25, pos0, block).unwrap();
+            // One rounding of a probability in [0, 1] to the dtype apart at most.
+            let e = max_diff(&want, &got);
+            assert!(e < tol, "{dtype:?} keys {keys}: {e}");
         }
     }
 }

@@ -2,13 +2,14 @@
 //! RoPE, GQA, causal softmax, sigmoid output gate.
 
 use candle_core::{DType, Device, Tensor, D};
-use qwen36_kernels::attention::{decode_attention, decode_attention_fits};
+use qwen36_kernels::attention::{causal_softmax, decode_attention, decode_attention_fits};
 use qwen36_kernels::rope::apply_partial_rope;
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::{Config, KvCache, Result, Weights};
 
-/// Elements of one query block's f32 score matrix `[batch, heads, block, keys]` (1 GiB).
+/// Elements of one query block's score matrix `[batch, heads, block, keys]` (the CPU path also
+/// holds it in f32: 1 GiB).
 const SCORE_BUDGET: usize = 1 << 28;
 /// The most new tokens a pass may have to use the decode kernel (a decode step, an MTP verify).
 const DECODE_MAX_TOKENS: usize = 8;
@@ -220,37 +221,13 @@ impl GatedAttention {
         let scale = (hd as f64).powf(-0.5);
         // K and V stay views into the cache buffer: both matmul backends take the per-head row
         // stride and the transposed K as they are (copying them cost O(context) per step).
-        let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
-        let scores = match causal_mask(tb, pos0, visible, g, q.device())? {
-            Some(mask) => scores.broadcast_add(&mask)?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        // Scores in the activation dtype (as the reference's matmul gives them); scale, causal
+        // mask and softmax in f32 in one op.
+        let scores = q.matmul(&k.t()?)?;
+        let probs = causal_softmax(&scores, scale, pos0, tb)?;
         let out = probs.matmul(&v)?; // [b, nkv, g·tb, hd]
         Ok(out.reshape((b, nh, tb, hd))?)
     }
-}
-
-/// Additive mask `[g·tb, keys]` built on the device: row `r` is the query at position
-/// `pos0 + r % tb` and sees keys `0..=pos0 + r % tb`. `None` when every row sees every key.
-fn causal_mask(
-    tb: usize,
-    pos0: usize,
-    keys: usize,
-    g: usize,
-    dev: &candle_core::Device,
-) -> Result<Option<Tensor>> {
-    if pos0 + tb == keys && tb == 1 {
-        return Ok(None);
-    }
-    let pos = Tensor::arange(pos0 as u32, (pos0 + tb) as u32, dev)?
-        .repeat(g)?
-        .reshape((g * tb, 1))?;
-    let key = Tensor::arange(0u32, keys as u32, dev)?.reshape((1, keys))?;
-    // A large finite negative rather than -inf: exp underflows to exactly 0 either way, and
-    // 0 * -inf would be NaN.
-    let future = key.broadcast_gt(&pos)?.to_dtype(DType::F32)?;
-    Ok(Some((future * -1e30)?))
 }
 
 #[cfg(test)]
