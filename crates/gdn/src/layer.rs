@@ -296,7 +296,7 @@ impl GatedDeltaNet {
         };
         state.update(conv_state, r.state, t)?;
 
-        let z = z.reshape((b, t, c.num_v_heads, c.v_head_dim))?;
+        // z stays a view of the projection ([b, t, hv·dv]); the norm reads it per head.
         let y = self.norm.forward(&r.out, &z, x.dtype())?.reshape((b, t, vd))?;
         Ok((self.out_proj.forward(&y)?, checkpoints))
     }

@@ -162,41 +162,41 @@ GDN_ROWS(gdn_fused_f16, __half, __half, true)
 
 // Causal depthwise conv1d + SiLU, one thread per output element (b, t, c): fully parallel over
 // time. The window of token t is concat(state, x)[t .. t+K) where concat = [K-1 state | T inputs];
-// state positions before a fresh sequence are zero (st == null). x: [B, T, C]; w: [C, K];
-// st: [B, C, K-1]; y: [B, T, C]; st_out: [B, C, K-1] = the last K-1 entries of concat.
+// state positions before a fresh sequence are zero (st == null). x: [B, T, C] rows of C elements
+// xs apart (a view into a wider projection); w: [C, K]; st: [B, C, K-1]; y: [B, T, C];
+// st_out: [B, C, K-1] = the last K-1 entries of concat. Grid: x = B·T output rows, then B rows
+// for st_out; y = blocks of channels (no integer division per element).
 template <typename T>
-__device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, int c, int Tn, int C, int H) {
+__device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, int c, int Tn, int C, int H,
+                                         long xs) {
     // concat index i: state for i < H, else x[t = i - H]
     if (i < H) return st != nullptr ? to_f(st[((long)b * C + c) * H + i]) : 0.f;
-    return to_f(x[((long)b * Tn + (i - H)) * C + c]);
+    return to_f(x[((long)b * Tn + (i - H)) * xs + c]);
 }
 
 template <typename T>
-__device__ void conv1d(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ st,
+__device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w, const T* __restrict__ st,
                        T* __restrict__ y, T* __restrict__ st_out, int B, int Tn, int C, int K) {
-    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
     const int H = K - 1;
-    const long n_y = (long)B * Tn * C;
-    if (idx < n_y) {
-        const int c = idx % C;
-        const long bt = idx / C;
-        const int t = bt % Tn, b = bt / Tn;
+    const long row = blockIdx.x;
+    if (row < (long)B * Tn) {
+        const int b = row / Tn, t = row % Tn;
         float acc = 0.f;
-        for (int j = 0; j < K; j++) acc += to_f(w[(long)c * K + j]) * conv_in(x, st, b, t + j, c, Tn, C, H);
-        y[idx] = from_f<T>(acc / (1.f + expf(-acc)));
-    } else if (idx < n_y + (long)B * C * H) {
-        const long r = idx - n_y;  // (b, c, j) in st_out
-        const int j = r % H;
-        const long bc = r / H;
-        const int c = bc % C, b = bc / C;
-        st_out[r] = from_f<T>(conv_in(x, st, b, Tn + j, c, Tn, C, H));
+        for (int j = 0; j < K; j++) acc += to_f(w[(long)c * K + j]) * conv_in(x, st, b, t + j, c, Tn, C, H, xs);
+        y[row * C + c] = from_f<T>(acc / (1.f + expf(-acc)));
+    } else {
+        const int b = row - (long)B * Tn;
+        for (int j = 0; j < H; j++)
+            st_out[((long)b * C + c) * H + j] = from_f<T>(conv_in(x, st, b, Tn + j, c, Tn, C, H, xs));
     }
 }
 
 #define CONV_KERNEL(NAME, T)                                                                                  \
-    extern "C" __global__ void NAME(const T* x, const T* w, const T* st, T* y, T* st_out, int B, int Tn, int C, \
-                                    int K) {                                                                 \
-        conv1d<T>(x, w, st, y, st_out, B, Tn, C, K);                                                         \
+    extern "C" __global__ void NAME(const T* x, long xs, const T* w, const T* st, T* y, T* st_out, int B,     \
+                                    int Tn, int C, int K) {                                                  \
+        conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
     }
 CONV_KERNEL(conv1d_f32, float)
 CONV_KERNEL(conv1d_bf16, __nv_bfloat16)

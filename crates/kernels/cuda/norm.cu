@@ -92,18 +92,24 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* 
     }
 }
 
-// y = (x * rsqrt(mean(x^2) + eps) * w) * silu(z): GDN's gated norm; x is the f32 delta-rule output.
+// y = (x * rsqrt(mean(x^2) + eps) * w) * silu(z): GDN's gated norm; x is the f32 delta-rule output
+// [rows, D]. One warp per row, GATED_ROWS rows per block. Row r of z starts at
+// (r / zh)·zs + (r % zh)·D: z is x-shaped (zh = 1, zs = D) or a projection's [tokens, zh·D] slice
+// whose token rows are zs apart.
+constexpr int GATED_ROWS = NORM_THREADS / 32;
 template <typename T>
 __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict__ z, const float* __restrict__ w,
-                               T* __restrict__ y, int D, float eps) {
-    const size_t row = (size_t)blockIdx.x * D;
-    x += row;
-    z += row;
-    y += row;
+                               T* __restrict__ y, int rows, int D, float eps, int zh, long zs) {
+    const long r = (long)blockIdx.x * GATED_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int lane = threadIdx.x & 31;
+    x += r * D;
+    y += r * D;
+    z += (r / zh) * zs + (r % zh) * D;
     float acc = 0.f;
-    for (int i = threadIdx.x; i < D; i += NORM_THREADS) acc += x[i] * x[i];
-    const float inv = 1.f / sqrtf(block_sum(acc) / D + eps);
-    for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
+    for (int i = lane; i < D; i += 32) acc += x[i] * x[i];
+    const float inv = 1.f / sqrtf(warp_sum(acc) / D + eps);
+    for (int i = lane; i < D; i += 32) {
         const float g = to_f(z[i]);
         y[i] = from_f<T>(x[i] * inv * w[i] * (g / (1.f + expf(-g))));
     }
@@ -116,8 +122,9 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
         rms_norm<T>(x, res, sum, scale, y, D, eps, vec);                                                 \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
-        gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int D, float eps) {     \
-        gated_rms_norm<T>(x, z, w, y, D, eps);                                                           \
+        gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int rows, int D,       \
+                                float eps, int zh, long zs) {                                            \
+        gated_rms_norm<T>(x, z, w, y, rows, D, eps, zh, zs);                                             \
     }
 NORM_KERNELS(f32, float)
 NORM_KERNELS(bf16, __nv_bfloat16)

@@ -46,6 +46,49 @@ fn view<'a, T: CudaDType>(op: &'static str, st: &'a Storage, layout: &Layout) ->
     Ok(cs.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// Row stride of `t` when its leading dims collapse into rows of contiguous last-dim elements with
+/// one stride (a contiguous tensor, or a narrow of a wider projection); `None` otherwise.
+fn row_stride(t: &Tensor) -> Option<usize> {
+    let (dims, st) = (t.dims(), t.stride());
+    let (&len, lead) = dims.split_last()?;
+    if len > 1 && st[dims.len() - 1] != 1 {
+        return None;
+    }
+    // Leading dims of size > 1, innermost first: each must step over the ones inside it.
+    let mut rs = None;
+    let mut span = 0;
+    for i in (0..lead.len()).rev().filter(|&i| lead[i] > 1) {
+        match rs {
+            None => {
+                rs = Some(st[i]);
+                span = st[i] * lead[i];
+            }
+            Some(_) if st[i] == span => span *= lead[i],
+            Some(_) => return None,
+        }
+    }
+    let rs = rs.unwrap_or(len);
+    (rs >= len).then_some(rs)
+}
+
+/// The device data of `rows` rows of `len` elements `stride` apart, starting at `layout`'s offset
+/// (see [`row_stride`]; the storage guard must outlive the view).
+fn rows_view<'a, T: CudaDType>(
+    op: &'static str,
+    st: &'a Storage,
+    layout: &Layout,
+    rows: usize,
+    len: usize,
+    stride: usize,
+) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(cs) = st else {
+        return Err(err(op, "expected a CUDA tensor"));
+    };
+    let start = layout.start_offset();
+    let end = start + if rows == 0 { 0 } else { (rows - 1) * stride + len };
+    Ok(cs.as_cuda_slice::<T>()?.slice(start..end))
+}
+
 fn device(op: &'static str, t: &Tensor) -> Result<CudaDevice> {
     Ok(t.device()
         .as_cuda_device()
@@ -554,14 +597,18 @@ pub(crate) fn conv1d(
     let dt = x.dtype();
     let dev = device(op, x)?;
     let (b, t, c) = x.dims3()?;
-    let x = x.contiguous()?;
+    // Rows of a wider projection are read in place.
+    let (x, xs) = match row_stride(x) {
+        Some(rs) => (x.clone(), rs),
+        None => (x.contiguous()?, c),
+    };
     let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
     let state = state.map(|s| s.to_dtype(dt)?.contiguous()).transpose()?;
     macro_rules! go {
         ($t:ty) => {{
-            let (xs, xl) = x.storage_and_layout();
+            let (xst, xl) = x.storage_and_layout();
             let (ws, wl) = w.storage_and_layout();
-            let xv = view::<$t>(op, &xs, xl)?;
+            let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
             let wv = view::<$t>(op, &ws, wl)?;
             let st = state.as_ref().map(|s| s.storage_and_layout());
             let stv = match &st {
@@ -575,7 +622,8 @@ pub(crate) fn conv1d(
                 dev.get_or_load_custom_func(&format!("conv1d_{}", dtype_suffix(op, dt)?), MODULE, PTX)?;
             let mut lb = func.builder();
             let null = 0u64;
-            lb.arg(&xv).arg(&wv);
+            let xs64 = xs as i64;
+            lb.arg(&xv).arg(&xs64).arg(&wv);
             match &stv {
                 Some(s) => lb.arg(s),
                 None => lb.arg(&null),
@@ -585,11 +633,16 @@ pub(crate) fn conv1d(
             for v in &dims {
                 lb.arg(v);
             }
-            let n = (b * t * c + b * c * (k - 1)) as u32;
-            // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x [b·t·c], w [c·k], state
-            // [b·c·(k-1)] or null, fresh outputs of the sizes it writes, then i32 dims; one thread
-            // per output element of y and of the new state.
-            unsafe { lb.launch(LaunchConfig::for_num_elems(n)) }.w()?;
+            let cfg = LaunchConfig {
+                grid_dim: ((b * t + b) as u32, c.div_ceil(256) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x as b·t rows of c elements xs
+            // apart (the view spans exactly them), i64 xs, w [c·k], state [b·c·(k-1)] or null,
+            // fresh outputs of the sizes it writes, then i32 dims; one block row per output row
+            // (b·t of y, b of the new state), one thread per channel.
+            unsafe { lb.launch(cfg) }.w()?;
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
         }};
     }
@@ -705,26 +758,37 @@ pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) 
     let dev = device(op, x)?;
     let d = x.dim(candle_core::D::Minus1)?;
     let rows = x.elem_count() / d.max(1);
-    if x.dtype() != DType::F32 || z.dims() != x.dims() || weight.elem_count() != d {
+    let zw = z.dim(candle_core::D::Minus1)?;
+    if x.dtype() != DType::F32
+        || z.elem_count() != x.elem_count()
+        || zw % d.max(1) != 0
+        || weight.elem_count() != d
+    {
         return Err(err(
             op,
             format!(
-                "x {:?} {:?} must be f32, z {:?} the same shape, weight [{d}]",
+                "x {:?} {:?} must be f32, z {:?} the same shape or [..., heads·{d}], weight [{d}]",
                 x.dims(),
                 x.dtype(),
                 z.dims()
             ),
         ));
     }
-    let (x, z) = (x.contiguous()?, z.contiguous()?);
+    let x = x.contiguous()?;
+    // z rows: `zh` rows of x per row of z (a projection's token row), `zs` apart, read in place.
+    let zh = zw / d.max(1);
+    let (z, zs) = match row_stride(z) {
+        Some(rs) => (z.clone(), rs),
+        None => (z.contiguous()?, zw),
+    };
     let w = weight.to_dtype(DType::F32)?.contiguous()?;
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
-            let (zs, zl) = z.storage_and_layout();
+            let (zst, zl) = z.storage_and_layout();
             let (ws, wl) = w.storage_and_layout();
             let xv = view::<f32>(op, &xs, xl)?;
-            let zv = view::<$t>(op, &zs, zl)?;
+            let zv = rows_view::<$t>(op, &zst, zl, rows / zh.max(1), zw, zs)?;
             let wv = view::<f32>(op, &ws, wl)?;
             // SAFETY: uninitialised; the kernel writes every element.
             let y = unsafe { dev.alloc::<$t>(rows * d)? };
@@ -734,12 +798,27 @@ pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) 
                 NORM_PTX,
             )?;
             let mut lb = func.builder();
-            let (d32, eps32) = (d as i32, eps as f32);
-            lb.arg(&xv).arg(&zv).arg(&wv).arg(&y).arg(&d32).arg(&eps32);
+            let (r32, d32, eps32, zh32, zs64) = (rows as i32, d as i32, eps as f32, zh as i32, zs as i64);
+            lb.arg(&xv)
+                .arg(&zv)
+                .arg(&wv)
+                .arg(&y)
+                .arg(&r32)
+                .arg(&d32)
+                .arg(&eps32)
+                .arg(&zh32)
+                .arg(&zs64);
             if rows > 0 {
-                // SAFETY: arguments match `gated_rms_norm_*` in cuda/norm.cu: x [rows·d] f32, z
-                // [rows·d], w [d] f32, y [rows·d], i32 d, f32 eps; one block per row.
-                unsafe { lb.launch(norm_launch(rows)) }.w()?;
+                let warps = NORM_THREADS as usize / 32;
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
+                    block_dim: (NORM_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `gated_rms_norm_*` in cuda/norm.cu: x [rows·d] f32, z as
+                // rows/zh rows of zh·d elements zs apart (the view spans exactly them), w [d] f32,
+                // y [rows·d], i32 rows and d, f32 eps, i32 zh, i64 zs; one warp per row.
+                unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(wrap(y, &dev, x.shape().clone()))
         }};

@@ -64,13 +64,25 @@ fn check(
     if v.dim(0)? != b || v.dim(1)? != t {
         return bad(format!("v {:?} must be [{b}, {t}, v_heads, dv]", v.dims()));
     }
-    if hk == 0 || hv % hk != 0 {
-        return bad(format!("v_heads {hv} must be a multiple of k_heads {hk}"));
-    }
     for (name, x) in [("g", g), ("beta", beta)] {
         if x.dims() != [b, t, hv] {
             return bad(format!("{name} must be [{b}, {t}, {hv}], found {:?}", x.dims()));
         }
+    }
+    let d = Dims { b, t, hk, hv, dk, dv };
+    check_heads_and_state(op, d, state)?;
+    Ok(d)
+}
+
+/// The checks shared by every entry point once the dims are known: GQA head counts and the state
+/// (`[b, hv, dk, dv]`, f32).
+fn check_heads_and_state(op: &'static str, d: Dims, state: Option<&Tensor>) -> Result<()> {
+    let Dims {
+        b, hk, hv, dk, dv, ..
+    } = d;
+    let bad = |msg: String| Err(Error::Shape { op, msg });
+    if hk == 0 || hv % hk != 0 {
+        return bad(format!("v_heads {hv} must be a multiple of k_heads {hk}"));
     }
     if let Some(s) = state {
         if s.dims() != [b, hv, dk, dv] {
@@ -83,7 +95,7 @@ fn check(
             return bad(format!("the recurrent state must be f32, found {:?}", s.dtype()));
         }
     }
-    Ok(Dims { b, t, hk, hv, dk, dv })
+    Ok(())
 }
 
 /// Host copies of the inputs, in the token-major layout of the tensors.
@@ -451,12 +463,17 @@ pub fn fused_gated_delta_rule(
             msg: format!("qkv width {width} != 2·{hk}·{dk} + {hv}·{dv}"),
         });
     }
-    let q = qkv.narrow(2, 0, kd)?.reshape((bs, t, hk, dk))?;
-    let k = qkv.narrow(2, kd, kd)?.reshape((bs, t, hk, dk))?;
-    let v = qkv.narrow(2, 2 * kd, hv * dv)?.reshape((bs, t, hv, dv))?;
-    // Validates every shape (a, b against v's heads, the state) before any kernel runs.
-    let zeros = Tensor::zeros((bs, t, hv), DType::F32, &Device::Cpu)?;
-    let _ = check("fused_gated_delta_rule", &q, &k, &v, &zeros, &zeros, state)?;
+    let d = Dims {
+        b: bs,
+        t,
+        hk,
+        hv,
+        dk,
+        dv,
+    };
+    // Validates every shape (a, b against v's heads, the state) before any kernel runs; q, k and v
+    // are views into qkv by construction.
+    check_heads_and_state("fused_gated_delta_rule", d, state)?;
     if a.dims() != [bs, t, hv] || b.dims() != [bs, t, hv] {
         return Err(Error::Shape {
             op: "fused_gated_delta_rule",
@@ -465,16 +482,11 @@ pub fn fused_gated_delta_rule(
     }
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        let d = Dims {
-            b: bs,
-            t,
-            hk,
-            hv,
-            dk,
-            dv,
-        };
         return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, mode);
     }
+    let q = qkv.narrow(2, 0, kd)?.reshape((bs, t, hk, dk))?;
+    let k = qkv.narrow(2, kd, kd)?.reshape((bs, t, hk, dk))?;
+    let v = qkv.narrow(2, 2 * kd, hv * dv)?.reshape((bs, t, hv, dv))?;
     let q = crate::norm::l2_norm(&q, 1e-6)?;
     let k = crate::norm::l2_norm(&k, 1e-6)?;
     let v = v.to_dtype(DType::F32)?;

@@ -75,13 +75,24 @@ impl GatedRmsNorm {
         })
     }
 
-    /// `x, z: [..., dim]`; the output has `out_dtype`. `x` may be f32 (the GDN read-out) to avoid
-    /// an f16 overflow before normalisation (ARCHITECTURE §6 pitfall 3).
+    /// `x: [..., heads, dim]`, `z`: the same shape or with the last two dims merged (`[..., heads·dim]`,
+    /// as the projection gives it: on CUDA a narrow of the projection is read in place); the output
+    /// has `x`'s shape and `out_dtype`. `x` may be f32 (the GDN read-out) to avoid an f16 overflow
+    /// before normalisation (ARCHITECTURE §6 pitfall 3).
     pub fn forward(&self, x: &Tensor, z: &Tensor, out_dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if x.device().is_cuda() && x.dtype() == DType::F32 && z.dtype() == out_dtype && z.dims() == x.dims() {
+        if x.device().is_cuda()
+            && x.dtype() == DType::F32
+            && z.dtype() == out_dtype
+            && z.elem_count() == x.elem_count()
+        {
             return crate::cuda::gated_rms_norm(x, z, &self.weight, self.eps);
         }
+        let z = if z.dims() == x.dims() {
+            z.clone()
+        } else {
+            z.reshape(x.dims())?
+        };
         let n = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.weight)?;
         let gate = candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?;
         Ok((n * gate)?.to_dtype(out_dtype)?)

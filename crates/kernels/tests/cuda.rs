@@ -169,10 +169,24 @@ fn conv1d_matches_cpu() {
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        for state in [None, Some(&s)] {
-            let (y, st) = causal_conv1d(&x, &w, state).unwrap();
+        // x also as a narrow of wider rows (a projection's conv part, read in place on CUDA).
+        let wide = Tensor::randn(0f32, 1.0, (2, 37, 300), &cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        for (x, state) in [
+            (&x, None),
+            (&x, Some(&s)),
+            (&wide.narrow(2, 40, 200).unwrap(), Some(&s)),
+        ] {
+            let (y, st) = causal_conv1d(x, &w, state).unwrap();
             let sd = state.map(|s| s.to_device(&d).unwrap());
             let (gx, gw) = (x.to_device(&d).unwrap(), w.to_device(&d).unwrap());
+            let gx = if x.is_contiguous() {
+                gx
+            } else {
+                wide.to_device(&d).unwrap().narrow(2, 40, 200).unwrap()
+            };
             let (gy, gst) = causal_conv1d(&gx, &gw, sd.as_ref()).unwrap();
             // f32: ulps; half dtypes: at most one rounding step of the output apart.
             let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
@@ -228,6 +242,16 @@ fn norms_match_cpu() {
             assert_eq!(yg.dtype(), dt);
             let e = max_row_rel_err(&yg, &yc);
             assert!(e <= tol, "{dt:?} {dim}: gated {e}");
+            // z as the projection gives it: [3, 5, 2·dim] columns 7.. of wider rows, two heads.
+            let o2 = Tensor::randn(0f32, 0.1, (3, 5, 2, dim), &cpu).unwrap();
+            let zw = randn(2.0, (3, 5, 2 * dim + 9), dt);
+            let z = zw.narrow(2, 7, 2 * dim).unwrap();
+            let yc = gated_c.forward(&o2, &z, dt).unwrap();
+            let zg = zw.to_device(&d).unwrap().narrow(2, 7, 2 * dim).unwrap();
+            let yg = gated_g.forward(&o2.to_device(&d).unwrap(), &zg, dt).unwrap();
+            assert_eq!(yg.dims(), o2.dims());
+            let e = max_row_rel_err(&yg, &yc);
+            assert!(e <= tol, "{dt:?} {dim}: gated, z a projection view {e}");
         }
     }
 }
