@@ -194,6 +194,14 @@ impl GatedAttention {
         let (b, nh, t, _) = q.dims4()?;
         let total = k.dim(2)?;
         let block = (budget / (b * nh * total).max(1)).clamp(1, t);
+        // Whole multiples of 64 queries where the budget allows: from a cache length that is a
+        // multiple of 8, every block's key count then is one too, so the score rows stay 16-byte
+        // aligned (cuBLAS's vectorised kernels, the vector softmax) instead of odd widths.
+        let block = if block >= 64 && block < t {
+            block / 64 * 64
+        } else {
+            block
+        };
         let mut outs = Vec::with_capacity(t.div_ceil(block));
         for t0 in (0..t).step_by(block) {
             let tb = block.min(t - t0);
