@@ -92,6 +92,44 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* 
     }
 }
 
+// Short rows without a residual (the per-head q/k norms): D·sizeof(T) a multiple of 16 and at
+// most 1024 bytes, one warp per row (each lane at most two 16-byte vectors), NORM_THREADS / 32 rows
+// per block; x rows are xs elements apart (a view of wider rows), y is contiguous. Same math as
+// rms_norm.
+template <typename T>
+__device__ void rms_norm_warp(const T* __restrict__ x, long xs, const float* __restrict__ scale,
+                              T* __restrict__ y, int rows, int D, float eps) {
+    const long r = (long)blockIdx.x * (NORM_THREADS / 32) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int lane = threadIdx.x & 31;
+    constexpr int V = Vec16<T>::N;
+    const int nv = D / V;
+    x += r * xs;
+    y += r * D;
+    Vec16<T> v[2];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = lane + 32 * j;
+        if (i < nv) {
+            v[j].raw = reinterpret_cast<const uint4*>(x)[i];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc += to_f(v[j].e[e]) * to_f(v[j].e[e]);
+        }
+    }
+    const float inv = 1.f / sqrtf(warp_sum(acc) / D + eps);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = lane + 32 * j;
+        if (i < nv) {
+            Vec16<T> out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) out.e[e] = from_f<T>(to_f(v[j].e[e]) * inv * scale[i * V + e]);
+            reinterpret_cast<uint4*>(y)[i] = out.raw;
+        }
+    }
+}
+
 // y = (x * rsqrt(mean(x^2) + eps) * w) * silu(z): GDN's gated norm; x is the f32 delta-rule output
 // [rows, D]. One warp per row, GATED_ROWS rows per block. Row r of z starts at
 // (r / zh)·zs + (r % zh)·D: z is x-shaped (zh = 1, zs = D) or a projection's [tokens, zh·D] slice
@@ -120,6 +158,10 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
         rms_norm_##SUFFIX(const T* x, const T* res, T* sum, const float* scale, T* y, int D, float eps,  \
                           int vec) {                                                                     \
         rms_norm<T>(x, res, sum, scale, y, D, eps, vec);                                                 \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
+        rms_norm_warp_##SUFFIX(const T* x, long xs, const float* scale, T* y, int rows, int D, float eps) { \
+        rms_norm_warp<T>(x, xs, scale, y, rows, D, eps);                                                 \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
         gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int rows, int D,       \

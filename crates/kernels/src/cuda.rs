@@ -688,8 +688,6 @@ pub(crate) fn rms_norm(
             ));
         }
     }
-    let x = x.contiguous()?;
-    let res = residual.map(|r| r.contiguous()).transpose()?;
     let scale = scale.to_dtype(DType::F32)?.contiguous()?;
     if scale.elem_count() != d {
         return Err(err(
@@ -697,6 +695,20 @@ pub(crate) fn rms_norm(
             format!("scale has {} elements for rows of {d}", scale.elem_count()),
         ));
     }
+    if residual.is_none() {
+        // Short rows (per-head norms): a warp per row, reading a view of wider rows in place.
+        let size = dt.size_in_bytes();
+        if let Some(rs) = row_stride(x).filter(|&rs| {
+            (d * size) % 16 == 0
+                && d * size <= 1024
+                && (rs * size) % 16 == 0
+                && (x.layout().start_offset() * size) % 16 == 0
+        }) {
+            return Ok((rms_norm_warp(x, rs, &scale, eps, rows, d)?, None));
+        }
+    }
+    let x = x.contiguous()?;
+    let res = residual.map(|r| r.contiguous()).transpose()?;
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
@@ -745,6 +757,52 @@ pub(crate) fn rms_norm(
             }
             let shape = x.shape().clone();
             Ok((wrap(y, &dev, shape.clone()), sum.map(|s| wrap(s, &dev, shape))))
+        }};
+    }
+    for_float_dtype!(op, dt)
+}
+
+/// [`rms_norm`] without a residual for rows of at most 1024 bytes in 16-byte vectors: `x` as `rows`
+/// rows of `d` elements `rs` apart (16-byte aligned), one warp per row.
+fn rms_norm_warp(x: &Tensor, rs: usize, scale: &Tensor, eps: f64, rows: usize, d: usize) -> Result<Tensor> {
+    let op = "rms_norm";
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ss, sl) = scale.storage_and_layout();
+            let xv = rows_view::<$t>(op, &xs, xl, rows, d, rs)?;
+            let sv = view::<f32>(op, &ss, sl)?;
+            // SAFETY: uninitialised; the kernel writes every element of y (a warp per row).
+            let y = unsafe { dev.alloc::<$t>(rows * d)? };
+            if rows > 0 {
+                let func = dev.get_or_load_custom_func(
+                    &format!("rms_norm_warp_{}", dtype_suffix(op, dt)?),
+                    NORM_MODULE,
+                    NORM_PTX,
+                )?;
+                let mut lb = func.builder();
+                let (rs64, r32, d32, eps32) = (rs as i64, rows as i32, d as i32, eps as f32);
+                lb.arg(&xv)
+                    .arg(&rs64)
+                    .arg(&sv)
+                    .arg(&y)
+                    .arg(&r32)
+                    .arg(&d32)
+                    .arg(&eps32);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(NORM_THREADS as usize / 32) as u32, 1, 1),
+                    block_dim: (NORM_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: arguments match `rms_norm_warp_*` in cuda/norm.cu: x as rows rows of d
+                // elements rs apart (the view spans exactly them; rows 16-byte aligned and at most
+                // 1024 bytes, checked by the caller), i64 rs, scale [d] f32, y [rows·d], i32 rows
+                // and d, f32 eps.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(wrap(y, &dev, x.shape().clone()))
         }};
     }
     for_float_dtype!(op, dt)

@@ -226,6 +226,15 @@ fn norms_match_cpu() {
             let (xg, rg) = (x.to_device(&d).unwrap(), r.to_device(&d).unwrap());
             let e = max_row_rel_err(&norm_g.forward(&xg).unwrap(), &norm_c.forward(&x).unwrap());
             assert!(e <= tol, "{dt:?} {dim}: rms_norm {e}");
+            // Per-head rows inside wider rows (attention's q next to its gate): read in place on
+            // CUDA (one warp per row up to 1024 bytes).
+            let xw = randn(2.0, (3, 5, 2, 2 * dim), dt);
+            let (xc, xgv) = (
+                xw.narrow(3, 0, dim).unwrap(),
+                xw.to_device(&d).unwrap().narrow(3, 0, dim).unwrap(),
+            );
+            let e = max_row_rel_err(&norm_g.forward(&xgv).unwrap(), &norm_c.forward(&xc).unwrap());
+            assert!(e <= tol, "{dt:?} {dim}: rms_norm of a view {e}");
             let (yc, sc) = norm_c.forward_residual(&x, &r).unwrap();
             let (yg, sg) = norm_g.forward_residual(&xg, &rg).unwrap();
             assert_eq!(max_diff(&sc, &sg), 0.0, "{dt:?} {dim}: residual sum");

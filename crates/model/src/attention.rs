@@ -157,7 +157,7 @@ impl GatedAttention {
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat.
         let qg = qkv.narrow(D::Minus1, 0, qd)?.reshape((b, t, nh, 2 * hd))?;
         let q = qg.narrow(D::Minus1, 0, hd)?;
-        let gate = qg.narrow(D::Minus1, hd, hd)?.reshape((b, t, nh * hd))?;
+        let gate = qg.narrow(D::Minus1, hd, hd)?; // [b, t, nh, hd], a view
         let q = apply_partial_rope(&self.q_norm.forward(&q)?, &step.cos, &step.sin)?;
         let k = qkv.narrow(D::Minus1, qd, kd)?.reshape((b, t, nkv, hd))?;
         let k = apply_partial_rope(&self.k_norm.forward(&k)?, &step.cos, &step.sin)?;
@@ -175,9 +175,8 @@ impl GatedAttention {
             let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
             self.attend_blocks(&q, &k, &v, start, budget)?
         };
-        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
-        Ok(self.o_proj.forward(&out)?)
+        let out = (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?; // [b, t, nh, hd]
+        Ok(self.o_proj.forward(&out.reshape((b, t, nh * hd))?)?)
     }
 
     /// Causal attention of `q: [b, nh, t, hd]` at positions `start..` over all cached `k, v`
