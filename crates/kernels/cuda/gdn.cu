@@ -444,9 +444,35 @@ __device__ __forceinline__ void load_rows_async(float* X, const float* __restric
     }
 }
 
-// Shared memory of the scan kernel with SBV state columns, in floats: the W and Kt tiles, the
-// state tile and Vt.
-constexpr int scan_smem_floats(int sbv) { return 2 * CH * XS + CHUNK_DK * sbv + CH * sbv; }
+// acc[x][y] += SIGN · sum over k < K of A[4tr + x][k] · B[k][2tc + y]: a thread's 4x2 register tile
+// of an [rows, K] x [K, cols] product of shared-memory tiles (row strides as and bs, K a multiple
+// of 4; 4 FMAs per shared load). Used by the scan (Vt = U - W S) and the output kernel.
+template <int SIGN>
+__device__ __forceinline__ void tile4x2_madd(float (&acc)[4][2], const float* A, int as, const float* B, int bs,
+                                             int tr, int tc, int K) {
+#pragma unroll 2
+    for (int i = 0; i < K; i += 4) {
+        float2 s[4];
+#pragma unroll
+        for (int z = 0; z < 4; z++) s[z] = *reinterpret_cast<const float2*>(&B[(i + z) * bs + 2 * tc]);
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const float4 w = *reinterpret_cast<const float4*>(&A[(4 * tr + x) * as + i]);
+            const float p0 = w.x * s[0].x + w.y * s[1].x + w.z * s[2].x + w.w * s[3].x;
+            const float p1 = w.x * s[0].y + w.y * s[1].y + w.z * s[2].y + w.w * s[3].y;
+            if (SIGN > 0) {
+                acc[x][0] += p0;
+                acc[x][1] += p1;
+            } else {
+                acc[x][0] -= p0;
+                acc[x][1] -= p1;
+            }
+        }
+    }
+}
+
+// Shared memory of the scan kernel with SBV state columns: 2 CH XS + CHUNK_DK SBV + CH SBV floats
+// (the W and Kt tiles, the state tile, Vt; cuda.rs scan_smem).
 
 // The scan: NT = 8 SBV threads. Phase 1 gives thread (tr, tc) rows 4tr..4tr+3 and columns 2tc,
 // 2tc+1 of Vt [C, SBV]; phase 3 gives thread (ti, tq) state rows 4ti..4ti+3 and columns
@@ -496,18 +522,7 @@ __device__ void gdn_chunk_scan(float* U, const float* __restrict__ W, const floa
 #pragma unroll
             for (int y = 0; y < 2; y++)
                 acc[x][y] = ja + y < dv ? U[(base + 4 * tr + x) * dv + ja + y] : 0.f;
-#pragma unroll 2
-        for (int i = 0; i < CHUNK_DK; i += 4) {
-            float2 s[4];
-#pragma unroll
-            for (int z = 0; z < 4; z++) s[z] = *reinterpret_cast<const float2*>(&S[(i + z) * SBV + 2 * tc]);
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const float4 w = *reinterpret_cast<const float4*>(&XW[(4 * tr + x) * XS + i]);
-                acc[x][0] -= w.x * s[0].x + w.y * s[1].x + w.z * s[2].x + w.w * s[3].x;
-                acc[x][1] -= w.x * s[0].y + w.y * s[1].y + w.z * s[2].y + w.w * s[3].y;
-            }
-        }
+        tile4x2_madd<-1>(acc, XW, XS, S, SBV, tr, tc, CHUNK_DK);
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             *reinterpret_cast<float2*>(&Vt[(4 * tr + x) * SBV + 2 * tc]) = make_float2(acc[x][0], acc[x][1]);
@@ -623,30 +638,9 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     const int tr = tid / (OUT_COLS / 2), tc = tid % (OUT_COLS / 2);
     float o[4][2] = {};
-#pragma unroll 2
-    for (int i = 0; i < CHUNK_DK; i += 4) {
-        float2 s[4];
-#pragma unroll
-        for (int z = 0; z < 4; z++) s[z] = *reinterpret_cast<const float2*>(&Hs[(i + z) * OUT_COLS + 2 * tc]);
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const float4 w = *reinterpret_cast<const float4*>(&XQ[(4 * tr + x) * XS + i]);
-            o[x][0] += w.x * s[0].x + w.y * s[1].x + w.z * s[2].x + w.w * s[3].x;
-            o[x][1] += w.x * s[0].y + w.y * s[1].y + w.z * s[2].y + w.w * s[3].y;
-        }
-    }
-    // P_rs = 0 for s > r: s stops at the tile's last row.
-    for (int s = 0; s < 4 * tr + 4; s += 4) {
-        float2 vv[4];
-#pragma unroll
-        for (int z = 0; z < 4; z++) vv[z] = *reinterpret_cast<const float2*>(&Vs[(s + z) * OUT_COLS + 2 * tc]);
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const float4 p = *reinterpret_cast<const float4*>(&Ps[(4 * tr + x) * PS + s]);
-            o[x][0] += p.x * vv[0].x + p.y * vv[1].x + p.z * vv[2].x + p.w * vv[3].x;
-            o[x][1] += p.x * vv[0].y + p.y * vv[1].y + p.z * vv[2].y + p.w * vv[3].y;
-        }
-    }
+    tile4x2_madd<1>(o, XQ, XS, Hs, OUT_COLS, tr, tc, CHUNK_DK);
+    // P_rs = 0 for s > r: the sum stops at the tile's last row.
+    tile4x2_madd<1>(o, Ps, PS, Vs, OUT_COLS, tr, tc, 4 * tr + 4);
     const int ja = j0 + 2 * tc;
 #pragma unroll
     for (int x = 0; x < 4; x++) {

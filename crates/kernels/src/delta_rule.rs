@@ -436,7 +436,8 @@ pub enum DeltaRuleMode {
 /// 2·Hk·dk + Hv·dv]` into q, k, v, L2-normalises q and k per head (eps 1e-6), computes the gates
 /// from `a, b: [batch, len, Hv]`, `a_log, dt_bias: [Hv]` and runs the delta rule with scale
 /// `dk^-1/2`. CPU: the composition of [`crate::norm::l2_norm`], [`crate::gating::gdn_gating`] and
-/// the delta-rule forms; CUDA: one kernel.
+/// the delta-rule forms; CUDA: one kernel for the recurrent form, three (prep, scan, outputs) for
+/// the chunked form.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gated_delta_rule(
     qkv: &Tensor,
