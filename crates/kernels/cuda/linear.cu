@@ -1,4 +1,4 @@
-// Skinny linear layer y = x · wᵀ for few rows (decode: 1 row; MTP verify: k+1 rows), the CUDA
+// Skinny linear layer y = x · wᵀ (+ res) for few rows (decode: 1 row; MTP verify: k+1 rows), the CUDA
 // twin of the matmul in src/linear.rs. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
 // weight-streaming kernel does better: one warp per output column n streams row n of w once in
 // 16-byte loads and keeps the M dot products in registers (f32), one rounding at the output.
@@ -9,12 +9,13 @@ constexpr int LINEAR_THREADS = 256;
 // Independent 16-byte weight loads in flight per lane.
 constexpr int UNROLL = 4;
 
-// x: [M, K] (row stride K), w: [N, K], y: [M, N]; K a multiple of 16 / sizeof(T), x and w 16-byte
+// x: [M, K] (row stride K), w: [N, K], y and res (optional: may be null, else added as y is
+// written; a residual connection): [M, N]; K a multiple of 16 / sizeof(T), x and w 16-byte
 // aligned (the launcher checks both). Each warp computes NR consecutive columns: the x vectors it
 // loads (and converts) serve NR weight rows, which keeps the kernel memory-bound for M up to 8.
 template <typename T, int M, int NR>
-__device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int N,
-                              int K) {
+__device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ res,
+                              T* __restrict__ y, int N, int K) {
     constexpr int V = Vec16<T>::N;
     const int lane = threadIdx.x & 31;
     const int n0 = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5) * NR;
@@ -60,14 +61,16 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             const float s = warp_sum(acc[m][r]);
-            if (lane == 0 && n0 + r < N) y[(size_t)m * N + n0 + r] = from_f<T>(s);
+            const size_t o = (size_t)m * N + n0 + r;
+            if (lane == 0 && n0 + r < N) y[o] = from_f<T>(res ? s + to_f(res[o]) : s);
         }
 }
 
 #define LINEAR_KERNEL(SUFFIX, T, M, NR)                                                              \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        skinny_linear_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, T* y, int N, int K) {          \
-        skinny_linear<T, M, NR>(x, w, y, N, K);                                                      \
+        skinny_linear_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, const T* res, T* y, int N,     \
+                                              int K) {                                               \
+        skinny_linear<T, M, NR>(x, w, res, y, N, K);                                                 \
     }
 #define LINEAR_KERNELS_M(SUFFIX, T, M)                                                               \
     LINEAR_KERNEL(SUFFIX, T, M, 1)                                                                   \

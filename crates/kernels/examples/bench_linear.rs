@@ -1,5 +1,5 @@
-//! The CUDA weight-streaming linear kernel against candle's matmul (cuBLAS) at the Qwen3.6-27B
-//! projection shapes, for 1..=8 rows (decode and MTP verify), bf16. Prints the weight bytes read
+//! The CUDA weight-streaming linear kernel against candle's matmul
+//! (cuBLAS) at the Qwen3.6-27B projection shapes, for 1..=8 rows (decode and MTP verify), bf16. Prints the weight bytes read
 //! per second of each variant; the yardstick is the device-to-device copy bandwidth measured in
 //! the same run.
 //!
@@ -11,7 +11,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
-use qwen36_kernels::linear::{force_skinny_variant, Linear};
+use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::new_cuda(0)?;
@@ -25,6 +25,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("attention q+k+v", 5120, 14336),
         ("lm_head", 5120, 248320),
     ];
+    let paths = [
+        SkinnyPath::Matmul,
+        SkinnyPath::Streaming(1),
+        SkinnyPath::Streaming(2),
+        SkinnyPath::Streaming(4),
+    ];
     println!("| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | (TB/s of weights read) |");
     println!("|---|---|---|---|---|---|---|");
     for (name, k, o) in shapes {
@@ -34,14 +40,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for rows in 1..=8 {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
-            for variant in [usize::MAX, 1, 2, 4] {
-                force_skinny_variant(Some(variant));
+            for path in paths {
+                force_skinny_path(path);
                 let s = time(&dev, 50, || lin.forward(&x).map(|_| ()))?;
                 cells.push(format!("{:.2}", bytes / s / 1e12));
             }
             println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
         }
     }
-    force_skinny_variant(None);
+    force_skinny_path(SkinnyPath::Auto);
     Ok(())
 }

@@ -889,10 +889,17 @@ const LINEAR_MODULE: &str = "qwen36_linear";
 /// Threads per block of the skinny linear kernel: 8 warps.
 const LINEAR_THREADS: usize = 256;
 
-/// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
-/// same dtype, each warp computing `columns` ∈ {1, 2, 4} outputs. `None` when the kernel cannot take the operands (rows not 16-byte multiples or not
-/// 16-byte aligned, `w` not contiguous): the caller falls back to the matmul.
-pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, columns: usize) -> Result<Option<Tensor>> {
+/// CUDA weight-streaming `x·wᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]`
+/// of the same dtype, with `res: [m, n]` (same dtype) added as the output is written when given;
+/// each warp computes `columns` ∈ {1, 2, 4} outputs. `None` when the kernel cannot take the
+/// operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not contiguous): the
+/// caller falls back to the matmul.
+pub(crate) fn skinny_linear(
+    x: &Tensor,
+    w: &Tensor,
+    res: Option<&Tensor>,
+    columns: usize,
+) -> Result<Option<Tensor>> {
     let op = "skinny_linear";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
@@ -912,18 +919,40 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, columns: usize) -> Result<Op
             ),
         ));
     }
+    if let Some(r) = res {
+        if r.dims() != [m, n] || r.dtype() != dt {
+            return Err(err(
+                op,
+                format!(
+                    "residual {:?} {:?}, expected [{m}, {n}] {dt:?}",
+                    r.dims(),
+                    r.dtype()
+                ),
+            ));
+        }
+    }
     let size = dt.size_in_bytes();
     let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
-    if (k * size) % 16 != 0 || !aligned(x.layout()) || !aligned(w.layout()) {
+    if (k * size) % 16 != 0
+        || !aligned(x.layout())
+        || !aligned(w.layout())
+        || res.is_some_and(|r| !r.is_contiguous())
+    {
         return Ok(None);
     }
     let dev = device(op, x)?;
+    let null: u64 = 0;
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = w.storage_and_layout();
             let xv = view::<$t>(op, &xs, xl)?;
             let wv = view::<$t>(op, &ws, wl)?;
+            let res_guard = res.map(|r| r.storage_and_layout());
+            let rv = match &res_guard {
+                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
+                None => None,
+            };
             // SAFETY: uninitialised; the kernel writes every element (each warp its `columns`
             // columns, for every row m).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
@@ -931,7 +960,12 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, columns: usize) -> Result<Op
             let func = dev.get_or_load_custom_func(&name, LINEAR_MODULE, LINEAR_PTX)?;
             let mut lb = func.builder();
             let (n32, k32) = (n as i32, k as i32);
-            lb.arg(&xv).arg(&wv).arg(&y).arg(&n32).arg(&k32);
+            lb.arg(&xv).arg(&wv);
+            match &rv {
+                Some(rv) => lb.arg(rv),
+                None => lb.arg(&null),
+            };
+            lb.arg(&y).arg(&n32).arg(&k32);
             let cfg = LaunchConfig {
                 grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
                 block_dim: (LINEAR_THREADS as u32, 1, 1),
@@ -940,7 +974,8 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, columns: usize) -> Result<Op
             if n > 0 {
                 // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` in cuda/linear.cu: x
                 // [m·k] and w [n·k] contiguous and 16-byte aligned with k·size a multiple of 16
-                // (checked above), y [m·n], i32 n and k; one warp per `columns` columns.
+                // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 n
+                // and k; one warp per `columns` columns.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, n))))

@@ -1,6 +1,5 @@
 //! Linear layers `y = x·wᵀ (+ b)`. The reference is candle's matmul (what `candle_nn::Linear`
-//! runs); on CUDA, calls with at most [`SKINNY_MAX_ROWS`] rows (decode, MTP verify) go to a
-//! weight-streaming kernel instead, because cuBLAS reads the weights at only ~84% of the copy
+//! runs); on CUDA, calls with one row (decode) go to a weight-streaming kernel instead, because cuBLAS reads the weights at only ~84% of the copy
 //! bandwidth on those shapes (PERF-ANCHORS) and decode is nothing but reading weights.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,28 +11,44 @@ use crate::{Error, Result};
 /// The most rows (`batch · len`) a call may have to use the CUDA weight-streaming kernel.
 pub const SKINNY_MAX_ROWS: usize = 8;
 
-/// 0: pick the kernel variant by row count; 1, 2, 4: columns per warp; anything else: no kernel.
-static SKINNY_VARIANT: AtomicUsize = AtomicUsize::new(0);
-
-/// Benchmark knob (process-wide): `Some(c)` forces the CUDA kernel variant computing `c` ∈ {1, 2,
-/// 4} output columns per warp, or with any other `c` the matmul; `None` restores the default.
+/// Which kernel a CUDA call of at most [`SKINNY_MAX_ROWS`] rows runs (a benchmark and test knob).
 #[doc(hidden)]
-pub fn force_skinny_variant(columns_per_warp: Option<usize>) {
-    SKINNY_VARIANT.store(columns_per_warp.unwrap_or(0), Ordering::Relaxed);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkinnyPath {
+    /// The measured default ([`streaming_columns`]).
+    Auto,
+    /// candle's matmul (cuBLAS).
+    Matmul,
+    /// The streaming kernel computing 1, 2 or 4 output columns per warp.
+    Streaming(usize),
 }
 
-/// Output columns per warp of the CUDA kernel for `rows` rows of outputs `columns` wide, or
-/// `None` for the matmul.
+/// [`SkinnyPath`] encoded: 0 auto, 1 matmul, 0x100 | c streaming.
+static SKINNY_PATH: AtomicUsize = AtomicUsize::new(0);
+
+/// Forces `path` for every later skinny call in the process ([`SkinnyPath::Auto`] restores the
+/// default). The streaming kernel falls back to the matmul where it cannot take the operands.
+#[doc(hidden)]
+pub fn force_skinny_path(path: SkinnyPath) {
+    let code = match path {
+        SkinnyPath::Auto => 0,
+        SkinnyPath::Matmul => 1,
+        SkinnyPath::Streaming(c) => 0x100 | (c & 0xff),
+    };
+    SKINNY_PATH.store(code, Ordering::Relaxed);
+}
+
+/// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide (the forced
+/// path, else the default), or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
+/// bench_linear): at one row the kernel beats cuBLAS by 0-10% with one column per warp, or two for
+/// 8k-32k wide outputs; from two rows on cuBLAS is as fast or faster (a tensor-core variant for
+/// 2..8 rows did not beat it either).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn skinny_variant(rows: usize, columns: usize) -> Option<usize> {
-    match SKINNY_VARIANT.load(Ordering::Relaxed) {
-        // Measured on the H200 (docs/BENCHMARKS.md, bench_linear): at one row the kernel beats
-        // cuBLAS by 0-10% with one column per warp, or two for 8k-32k wide outputs; from two
-        // rows on cuBLAS is as fast or faster.
+fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
+    match SKINNY_PATH.load(Ordering::Relaxed) {
         0 if rows == 1 && (8192..32768).contains(&columns) => Some(2),
         0 if rows == 1 => Some(1),
-        0 => None,
-        c @ (1 | 2 | 4) => Some(c),
+        c if c & 0x100 != 0 => Some(c & 0xff),
         _ => None,
     }
 }
@@ -101,39 +116,62 @@ impl Linear {
     /// `x: [..., in]` → `[..., out]`, in `x`'s dtype (which must be the weight's).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(y) = self.forward_skinny(x)? {
+        if let Some((y, _)) = self.forward_skinny(x, None)? {
             return Ok(y);
         }
         // candle's CUDA matmul rejects some strided inputs (a row view at an odd offset, say).
         Ok(self.inner.forward(&x.contiguous()?)?)
     }
 
-    /// The CUDA weight-streaming path, when it applies (few rows, matching dtypes, 16-byte
-    /// aligned rows); `None` otherwise.
+    /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
+    /// closing with this layer. On CUDA the few-row kernels add it as they write, saving a pass.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some((y, added)) = self.forward_skinny(x, Some(residual))? {
+            return Ok(if added { y } else { (residual + y)? });
+        }
+        Ok((residual + self.inner.forward(&x.contiguous()?)?)?)
+    }
+
+    /// The CUDA streaming kernel, when it applies ([`streaming_columns`], matching dtypes,
+    /// 16-byte aligned rows): the output and whether `residual` was added into it; `None` for the
+    /// matmul.
     #[cfg(feature = "cuda")]
-    fn forward_skinny(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    fn forward_skinny(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Option<(Tensor, bool)>> {
         let w = self.weight();
         if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 {
             return Ok(None);
         }
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
+        let n = w.dim(0)?;
         if rows == 0 || rows > SKINNY_MAX_ROWS || w.dim(1)? != k {
             return Ok(None);
         }
-        let Some(columns) = skinny_variant(rows, w.dim(0)?) else {
-            return Ok(None);
-        };
-        let x2 = x.contiguous()?.reshape((rows, k))?;
-        let Some(y) = crate::cuda::skinny_linear(&x2, w, columns)? else {
+        let Some(columns) = streaming_columns(rows, n) else {
             return Ok(None);
         };
         let mut dims = x.dims().to_vec();
-        *dims.last_mut().expect("rank > 0") = w.dim(0)?;
+        *dims.last_mut().expect("rank > 0") = n;
+        // The residual rides along when nothing else (a bias) comes between.
+        let r2 = match residual {
+            Some(r) if r.dims() != dims.as_slice() => {
+                return Err(Error::Shape {
+                    op: "Linear::forward_add",
+                    msg: format!("residual {:?} for an output {dims:?}", r.dims()),
+                })
+            }
+            Some(r) if self.bias().is_none() => Some(r.contiguous()?.reshape((rows, n))?),
+            _ => None,
+        };
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let Some(y) = crate::cuda::skinny_linear(&x2, w, r2.as_ref(), columns)? else {
+            return Ok(None);
+        };
         let y = y.reshape(dims)?;
         Ok(Some(match self.bias() {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
+            Some(b) => (y.broadcast_add(b)?, false),
+            None => (y, r2.is_some()),
         }))
     }
 }

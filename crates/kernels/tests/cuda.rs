@@ -267,12 +267,12 @@ fn norms_match_cpu() {
 
 /// The weight-streaming linear kernel (1..=8 rows; outputs narrower and wider than 8192, where
 /// the default choice changes) and its matmul fallback (more rows, K not a multiple of 16 bytes,
-/// unaligned x) against the CPU matmul of the same rounded inputs, with a
-/// bias. Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11
+/// unaligned x) against the CPU matmul of the same rounded inputs, with a bias, and the same
+/// with a residual added (`forward_add`, with and without a bias). Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11
 /// f16) plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
 #[test]
 fn linear_matches_cpu() {
-    use qwen36_kernels::linear::{force_skinny_variant, Linear};
+    use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
     let cpu = Device::Cpu;
@@ -310,6 +310,9 @@ fn linear_matches_cpu() {
                 ),
                 Linear::new(w.to_device(&d).unwrap(), Some(b.to_device(&d).unwrap())),
             );
+            // Without a bias the tensor-core kernel adds the residual itself.
+            let lc_plain = Linear::new(w.to_dtype(DType::F32).unwrap(), None);
+            let lg_plain = Linear::new(w.to_device(&d).unwrap(), None);
             let xg = x.to_device(&d).unwrap();
             // Aligned rows (a fresh contiguous copy) and, for the fallback, a view at offset 1.
             for (xc, xg) in [
@@ -319,17 +322,36 @@ fn linear_matches_cpu() {
                 ),
                 (x.narrow(2, 1, k).unwrap(), xg.narrow(2, 1, k).unwrap()),
             ] {
-                let want = lc.forward(&xc.to_dtype(DType::F32).unwrap()).unwrap();
+                let xc = xc.to_dtype(DType::F32).unwrap();
+                let want = lc.forward(&xc).unwrap();
+                let want_plain = lc_plain.forward(&xc).unwrap();
+                let res = randn(1.0, (1, rows, n), dt);
+                let res_g = res.to_device(&d).unwrap();
+                let res = res.to_dtype(DType::F32).unwrap();
                 // Every kernel variant (1, 2, 4 columns per warp; n not a multiple of 4 covers
-                // the partial last warp) and the default choice.
-                for variant in [Some(1), Some(2), Some(4), None] {
-                    force_skinny_variant(variant);
+                // the partial last warp), the matmul and the default choice.
+                let paths = [
+                    SkinnyPath::Streaming(1),
+                    SkinnyPath::Streaming(2),
+                    SkinnyPath::Streaming(4),
+                    SkinnyPath::Matmul,
+                    SkinnyPath::Auto,
+                ];
+                for path in paths {
+                    force_skinny_path(path);
                     let got = lg.forward(&xg).unwrap();
                     assert_eq!(got.dims(), [1, rows, n]);
                     assert_eq!(got.dtype(), dt);
                     let e = max_row_rel_err(&got, &want);
-                    assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {variant:?}: {e}");
+                    assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {path:?}: {e}");
+                    for (layer, want) in [(&lg, &want), (&lg_plain, &want_plain)] {
+                        let got = layer.forward_add(&xg, &res_g).unwrap();
+                        assert_eq!(got.dims(), [1, rows, n]);
+                        let e = max_row_rel_err(&got, &(want + &res).unwrap());
+                        assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {path:?}: residual {e}");
+                    }
                 }
+                force_skinny_path(SkinnyPath::Auto);
             }
         }
     }

@@ -40,6 +40,13 @@ impl Mlp {
         let act = qwen36_kernels::activation::swiglu(&self.gate_up.forward(x)?)?;
         Ok(self.down.forward(&act)?)
     }
+
+    /// `residual + forward(x)`: the decoder layer's closing residual add, done by the down
+    /// projection's few-row kernel as it writes (decode, verify) and as a separate add otherwise.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let act = qwen36_kernels::activation::swiglu(&self.gate_up.forward(x)?)?;
+        Ok(self.down.forward_add(&act, residual)?)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -91,6 +98,16 @@ impl DecoderLayer {
         })
     }
 
+    /// True when a pass of `tokens` tokens through this layer can be recorded in a CUDA graph: GDN
+    /// layers always, attention layers when they run the decode kernel.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn graph_safe(&self, tokens: usize, dtype: DType, device: &Device) -> bool {
+        match &self.mixer {
+            Mixer::Gdn(_) => true,
+            Mixer::Attention(a) => a.uses_decode_kernel(tokens, dtype, device),
+        }
+    }
+
     /// `x + mixer(norm(x))`, then `+ mlp(norm(·))`. With `verify`, a GDN layer runs token by token
     /// and returns its per-token checkpoints.
     pub(crate) fn forward(
@@ -111,7 +128,7 @@ impl DecoderLayer {
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
         let (h, residual) = self.post_norm.forward_residual(&h, x)?;
-        Ok(((residual + self.mlp.forward(&h)?)?, checkpoints))
+        Ok((self.mlp.forward_add(&h, &residual)?, checkpoints))
     }
 }
 
@@ -393,10 +410,7 @@ impl Qwen36Model {
         let step = graph.step(self.attn_step(cache.seq_len, t)?)?;
         let ids = ids.to_device(&self.device)?;
         let mut x = self.embed.forward(&ids)?;
-        let graphable = |l: usize| match &self.layers[l].mixer {
-            Mixer::Gdn(_) => true,
-            Mixer::Attention(a) => a.uses_decode_kernel(t, self.dtype, &self.device),
-        };
+        let graphable = |l: usize| self.layers[l].graph_safe(t, self.dtype, &self.device);
         let n = self.layers.len();
         let mut checkpoints = Vec::with_capacity(n);
         let mut i = 0;
