@@ -232,6 +232,7 @@ fn main() -> anyhow_like::Result<()> {
     );
     let cost = Cost::new(&cfg, dtype.size_in_bytes());
     let mut rows = Vec::new();
+    let mut phases: Vec<(String, [f64; 3])> = Vec::new();
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let mut next_id = move || {
         rng ^= rng << 13;
@@ -315,6 +316,8 @@ fn main() -> anyhow_like::Result<()> {
                 let mut drafter = MtpDrafter::new(&model, head);
                 let mut new_hidden = last.clone();
                 let mut timed = 0.0;
+                // Seconds in the draft chain, the verify pass and the commit, summed over cycles.
+                let mut split = [0.0f64; 3];
                 for cycle in 0..args.mtp_cycles + 1 {
                     device.synchronize()?;
                     if cycle == 1 {
@@ -325,23 +328,38 @@ fn main() -> anyhow_like::Result<()> {
                         tokens: &tokens,
                         new_hidden: &new_hidden,
                     };
+                    // Both the chain and the verify end by reading tokens back: host-synchronous.
                     let drafts = drafter.propose(&ctx, k)?;
+                    let drafted = start.elapsed().as_secs_f64();
                     let mut verify = vec![*tokens.last().expect("a token")];
                     verify.extend(&drafts);
                     let ids = Tensor::new(verify.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
                     let g = if graphed { graph.as_mut() } else { None };
                     let h = verify_pass(&model, &ids, &mut cache, g)?;
                     let target = model.greedy_ids(&h)?.flatten_all()?.to_vec1::<u32>()?;
+                    let verified = start.elapsed().as_secs_f64();
                     // Keep every draft (random weights accept nothing; the cost does not depend on it).
-                    cache.commit(verify.len())?;
+                    commit(
+                        &mut cache,
+                        verify.len(),
+                        if graphed { graph.as_mut() } else { None },
+                    )?;
                     tokens.extend(&drafts);
                     tokens.push(target[target.len() - 1]);
                     new_hidden = h;
                     if cycle > 0 {
-                        timed += start.elapsed().as_secs_f64();
+                        let total = start.elapsed().as_secs_f64();
+                        timed += total;
+                        split[0] += drafted;
+                        split[1] += verified - drafted;
+                        split[2] += total - verified;
                     }
                 }
                 let ms = timed * 1e3 / args.mtp_cycles as f64;
+                phases.push((
+                    format!("k={k}{}", if graphed { ", verify graphed" } else { "" }),
+                    split.map(|s| s * 1e3 / args.mtp_cycles as f64),
+                ));
                 let bytes = cost.weight_bytes
                     + cost.kv_bytes(tokens.len())
                     + cost.state_bytes(k + 1)
@@ -356,6 +374,15 @@ fn main() -> anyhow_like::Result<()> {
     }
 
     print_table(&rows);
+    if !phases.is_empty() {
+        // The commit's device work runs behind the next chain; its host time is what it costs.
+        println!("\nMTP cycle phases (wall clock; the commit: host time of Cache::commit):\n");
+        println!("| cycle | draft chain | verify + read back | commit |");
+        println!("|---|---|---|---|");
+        for (what, [d, v, c]) in &phases {
+            println!("| {what} | {d:.2} ms | {v:.2} ms | {c:.2} ms |");
+        }
+    }
     if args.json {
         let rows_json: Vec<_> = rows
             .iter()
@@ -420,6 +447,15 @@ fn verify_pass(
         #[cfg(feature = "cuda")]
         Some(g) => model.forward_verify_graphed(ids, cache, g),
         _ => model.forward_verify(ids, cache),
+    }
+}
+
+/// [`Cache::commit`] after a verify pass, replayed from a graph when `graph` is given.
+fn commit(cache: &mut Cache, keep: usize, graph: Option<&mut Graph>) -> qwen36::model::Result<()> {
+    match graph {
+        #[cfg(feature = "cuda")]
+        Some(g) => g.commit(cache, keep),
+        _ => cache.commit(keep),
     }
 }
 

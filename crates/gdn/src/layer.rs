@@ -56,6 +56,11 @@ impl VerifyCheckpoints {
         }
     }
 
+    /// The states after each token, `[batch, len, Hv, dk, dv]` f32.
+    pub fn states(&self) -> &Tensor {
+        &self.states
+    }
+
     /// Tokens the state had seen before the verify pass.
     pub fn seen_before(&self) -> usize {
         self.seen_before

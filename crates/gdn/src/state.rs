@@ -121,17 +121,30 @@ impl GdnState {
     /// Keeps the first `keep` tokens (1..=len) of a verify pass: the state becomes exactly the state
     /// after token `keep - 1` of that pass, as if only those tokens had been run.
     pub fn commit(&mut self, checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+        Self::check_keep(checkpoints, keep)?;
+        let hist = self.conv.dim(2)?;
+        let recurrent = checkpoints.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
+        let conv = checkpoints.window.narrow(2, keep, hist)?;
+        self.set(conv, recurrent)?;
+        self.seen = checkpoints.seen_before + keep;
+        Ok(())
+    }
+
+    /// The bookkeeping of [`Self::commit`] alone: for a caller that replays the commit's copies
+    /// from a recorded CUDA graph (an in-place state).
+    pub fn commit_replayed(&mut self, checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+        Self::check_keep(checkpoints, keep)?;
+        self.seen = checkpoints.seen_before + keep;
+        Ok(())
+    }
+
+    fn check_keep(checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
         let n = checkpoints.len();
         if keep == 0 || keep > n {
             return Err(Error::State(format!(
                 "cannot keep {keep} of the {n} verified tokens (need 1..={n})"
             )));
         }
-        let hist = self.conv.dim(2)?;
-        let recurrent = checkpoints.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
-        let conv = checkpoints.window.narrow(2, keep, hist)?;
-        self.set(conv, recurrent)?;
-        self.seen = checkpoints.seen_before + keep;
         Ok(())
     }
 

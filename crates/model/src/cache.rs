@@ -68,6 +68,12 @@ impl Cache {
     /// (1..=k+1) of them. GDN layers restore the state after token `keep-1` exactly (a copy of the
     /// pass's checkpoint), attention layers drop the later KV positions.
     pub fn commit(&mut self, keep: usize) -> Result<()> {
+        self.commit_with(keep, true)
+    }
+
+    /// [`Self::commit`]; without `copies`, only its bookkeeping (a recorded CUDA graph makes the
+    /// copies).
+    pub(crate) fn commit_with(&mut self, keep: usize, copies: bool) -> Result<()> {
         let p = self
             .pending
             .take()
@@ -82,7 +88,8 @@ impl Cache {
         for (layer, cp) in self.layers.iter_mut().zip(&p.checkpoints) {
             match (layer, cp) {
                 (LayerCache::Attention(kv), _) => kv.truncate(p.base + keep),
-                (LayerCache::Gdn(s), Some(cp)) => s.commit(cp, keep)?,
+                (LayerCache::Gdn(s), Some(cp)) if copies => s.commit(cp, keep)?,
+                (LayerCache::Gdn(s), Some(cp)) => s.commit_replayed(cp, keep)?,
                 (LayerCache::Gdn(_), None) => {
                     return Err(Error::Cache("GDN layer without checkpoints".into()))
                 }
@@ -90,5 +97,11 @@ impl Cache {
         }
         self.seq_len = p.base + keep;
         Ok(())
+    }
+
+    /// The checkpoints of the pending verify pass, when there is one.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn pending_checkpoints(&self) -> Option<&[Option<VerifyCheckpoints>]> {
+        self.pending.as_ref().map(|p| p.checkpoints.as_slice())
     }
 }

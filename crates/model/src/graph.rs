@@ -1,6 +1,7 @@
 //! CUDA-graph decode (feature `cuda`): one-token steps and speculative verify passes replayed from
 //! recorded graphs, one per run of graph-safe layers (normally the whole stack: one launch per
-//! token instead of ~2,500).
+//! token instead of ~2,500); MTP draft steps likewise ([`DraftGraph`]: head, lm_head and greedy
+//! pick in one launch instead of ~60).
 //!
 //! A graph bakes in device addresses and shapes. GDN layers fit: their state has a fixed size and
 //! is written in place ([`GdnState::set_in_place`]), and nothing in them depends on the position.
@@ -21,11 +22,50 @@ use qwen36_gdn::GdnState;
 use qwen36_gdn::VerifyCheckpoints;
 
 use crate::attention::AttnStep;
-use crate::{Cache, Error, LayerCache, Result};
+use crate::{Cache, Error, LayerCache, MtpCache, MtpHead, Qwen36Model, Result};
 
 /// What a run of layers returns: the hidden state `[batch, len, hidden]` and, for a verify pass,
 /// the checkpoints of its GDN layers in layer order.
 pub(crate) type SegmentOut = (Tensor, Vec<VerifyCheckpoints>);
+
+/// Captures the work `f` queues on `stream` into a graph (capturing runs nothing).
+fn capture<T>(stream: &Arc<CudaStream>, f: impl FnOnce() -> Result<T>) -> Result<(CudaGraph, T)> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(candle_core::Error::wrap)?;
+    let out = f();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let out = out?;
+    let graph = graph
+        .map_err(candle_core::Error::wrap)?
+        .ok_or_else(|| Error::Cache("CUDA graph capture recorded nothing".into()))?;
+    Ok((graph, out))
+}
+
+/// The attention inputs that graphs read for a step like `fresh`: `fresh` copied into the buffers
+/// kept in `kept` for its length (which it becomes on first use).
+fn kept_step(kept: &mut Vec<AttnStep>, fresh: AttnStep) -> Result<AttnStep> {
+    if let Some(k) = kept.iter().find(|s| s.tokens() == fresh.tokens()) {
+        k.write_from(&fresh)?;
+        return Ok(k.clone());
+    }
+    kept.push(fresh.clone());
+    Ok(fresh)
+}
+
+/// The CUDA device of `device` when graphs can record on it (made by [`graph_device`]).
+fn recording_stream(device: &Device) -> Result<Arc<CudaStream>> {
+    let cuda = device
+        .as_cuda_device()
+        .map_err(|_| Error::Input("CUDA graphs need a CUDA device".into()))?;
+    let stream = cuda.cuda_stream();
+    if cuda.is_event_tracking() || stream.cu_stream().is_null() {
+        return Err(Error::Input(
+            "this CUDA device cannot record graphs: make it with qwen36_model::graph_device".into(),
+        ));
+    }
+    Ok(stream)
+}
 
 /// Recorded graphs for steps of one batch size (one graph per run of graph-safe layers, normally
 /// the whole stack, and per step shape: a one-token decode, a verify of `len` tokens), bound to
@@ -41,6 +81,8 @@ pub struct DecodeGraph {
     bound_to: Vec<TensorId>,
     /// The attention inputs the graphs read, one per step length.
     steps: Vec<AttnStep>,
+    /// Recorded commits: (the first GDN checkpoint buffer of a verify segment, tokens kept).
+    commits: Vec<(TensorId, usize, CudaGraph)>,
 }
 
 /// One run of consecutive graph-safe layers for one step shape: `output = layers(input)`, each
@@ -72,22 +114,14 @@ impl DecodeGraph {
     /// An empty recorder for steps of `batch` sequences on `device`, which must come from
     /// [`graph_device`].
     pub fn new(device: &Device, batch: usize) -> Result<Self> {
-        let cuda = device
-            .as_cuda_device()
-            .map_err(|_| Error::Input("CUDA graphs need a CUDA device".into()))?;
-        let stream = cuda.cuda_stream();
-        if cuda.is_event_tracking() || stream.cu_stream().is_null() {
-            return Err(Error::Input(
-                "this CUDA device cannot record graphs: make it with qwen36_model::graph_device".into(),
-            ));
-        }
         Ok(Self {
-            stream,
+            stream: recording_stream(device)?,
             device: device.clone(),
             batch,
             segments: Vec::new(),
             bound_to: Vec::new(),
             steps: Vec::new(),
+            commits: Vec::new(),
         })
     }
 
@@ -118,20 +152,52 @@ impl DecodeGraph {
         }
         if ids != self.bound_to {
             self.segments.clear();
+            self.commits.clear();
             self.bound_to = ids;
         }
         Ok(())
     }
 
-    /// The graphs' attention inputs for a step like `fresh`: `fresh` copied into the buffers kept
-    /// for its length (which it becomes on first use).
-    pub(crate) fn step(&mut self, fresh: AttnStep) -> Result<AttnStep> {
-        if let Some(kept) = self.steps.iter().find(|s| s.tokens() == fresh.tokens()) {
-            kept.write_from(&fresh)?;
-            return Ok(kept.clone());
+    /// [`Cache::commit`] after a graphed verify pass, its copies (each GDN layer's state and conv
+    /// window from the pass's checkpoints) replayed from a graph: one launch instead of ~150
+    /// small copies. Recorded per verify length and `keep` on first use; after an eager verify it
+    /// is the plain commit.
+    pub fn commit(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
+        let key = cache
+            .pending_checkpoints()
+            .and_then(|cps| cps.iter().flatten().next())
+            .map(|cp| cp.states().id());
+        let graphed = key.is_some_and(|key| {
+            self.segments
+                .iter()
+                .any(|s| s.checkpoints.first().map(|cp| cp.states().id()) == Some(key))
+        });
+        let (Some(key), true) = (key, graphed) else {
+            return cache.commit(keep);
+        };
+        if let Some((_, _, graph)) = self.commits.iter().find(|c| c.0 == key && c.1 == keep) {
+            graph.launch().map_err(candle_core::Error::wrap)?;
+            return cache.commit_with(keep, false);
         }
-        self.steps.push(fresh.clone());
-        Ok(fresh)
+        // The eager commit does the work (and fills candle's cache of uploaded launch parameters);
+        // the captured one repeats the same copies from the same sources.
+        let pending = cache.pending.clone();
+        let cuda = self.device.as_cuda_device()?;
+        let htod_cache = cuda.enable_cuda_graph_htod_cache();
+        cache.commit(keep)?;
+        let after = (cache.seq_len, cache.pending.take());
+        cache.pending = pending;
+        let recorded = capture(&self.stream, || cache.commit(keep));
+        drop(htod_cache);
+        (cache.seq_len, cache.pending) = after;
+        let (graph, ()) = recorded?;
+        self.commits.push((key, keep, graph));
+        Ok(())
+    }
+
+    /// The graphs' attention inputs for a step like `fresh` (see [`kept_step`]).
+    pub(crate) fn step(&mut self, fresh: AttnStep) -> Result<AttnStep> {
+        kept_step(&mut self.steps, fresh)
     }
 
     /// Runs layers `layers` on `x: [batch, len, hidden]` (with per-token checkpoints when
@@ -214,22 +280,16 @@ impl DecodeGraph {
             cp.write_into(dst)?;
         }
         drop(warm_cps);
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(candle_core::Error::wrap)?;
-        let recorded = run(&input, cache).and_then(|(y, cps)| {
+        let recorded = capture(&self.stream, || {
+            let (y, cps) = run(&input, cache)?;
             output.slice_set(&y, 0, 0)?;
             for (cp, dst) in cps.iter().zip(&kept) {
                 cp.write_into(dst)?;
             }
             Ok(cps.iter().map(|cp| cp.seen_before()).collect::<Vec<_>>())
         });
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         drop(htod_cache);
-        let seen_before = recorded?;
-        let graph = graph
-            .map_err(candle_core::Error::wrap)?
-            .ok_or_else(|| Error::Cache("CUDA graph capture recorded nothing".into()))?;
+        let (graph, seen_before) = recorded?;
         // Capturing ran nothing: run the step now.
         graph.launch().map_err(candle_core::Error::wrap)?;
         let checkpoints = kept
@@ -247,5 +307,128 @@ impl DecodeGraph {
             graph,
         });
         Ok((output, checkpoints))
+    }
+}
+
+/// Recorded graphs of MTP draft steps (one per step length and MTP layer: a round's first step
+/// feeds the newly accepted positions, the chained steps one each), each running the head,
+/// lm_head and the greedy pick; bound to one [`MtpCache`] (its KV buffers). Reusing it with
+/// another cache, or after the KV buffers grew, re-records.
+pub struct DraftGraph {
+    stream: Arc<CudaStream>,
+    device: Device,
+    recorded: Vec<DraftStep>,
+    bound_to: Vec<TensorId>,
+    steps: Vec<AttnStep>,
+}
+
+/// One recorded draft step of MTP layer `layer`: `(last, token) = step(hidden, ids)` for
+/// `hidden: [b, len, hidden]`,
+/// `ids: [b, len]`, `last: [b, 1, hidden]` and u32 `token: [b, 1]`.
+struct DraftStep {
+    layer: usize,
+    hidden: Tensor,
+    ids: Tensor,
+    last: Tensor,
+    token: Tensor,
+    graph: CudaGraph,
+}
+
+impl DraftGraph {
+    /// An empty recorder on `device`, which must come from [`graph_device`].
+    pub fn new(device: &Device) -> Result<Self> {
+        Ok(Self {
+            stream: recording_stream(device)?,
+            device: device.clone(),
+            recorded: Vec::new(),
+            bound_to: Vec::new(),
+            steps: Vec::new(),
+        })
+    }
+
+    /// Number of recorded graphs.
+    pub fn recorded(&self) -> usize {
+        self.recorded.len()
+    }
+
+    /// [`MtpHead::draft`] replayed from a graph (recorded on first use of its shape). Falls back to
+    /// the eager step where the MTP layer cannot run inside a graph (no decode attention kernel
+    /// for this shape).
+    pub(crate) fn draft(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, len, h) = hidden.dims3()?;
+        let layer = head.layer_index(step);
+        if !head.graph_safe(layer, len, model) {
+            return head.draft(model, hidden, next_ids, cache, step);
+        }
+        // Recorded graphs write into the KV buffers they saw: make room before binding.
+        let cfg = model.config();
+        let kv_shape = (b, cfg.num_key_value_heads, cfg.head_dim);
+        let mut ids = Vec::new();
+        for lc in cache.layers.iter_mut() {
+            if let LayerCache::Attention(kv) = lc {
+                kv.reserve(kv.len() + len, kv_shape, model.dtype(), &self.device)?;
+                ids.extend(kv.buffers().map(|(k, v)| [k.id(), v.id()]).into_iter().flatten());
+            }
+        }
+        if ids != self.bound_to {
+            self.recorded.clear();
+            self.bound_to = ids;
+        }
+        let start = cache.len_of(layer);
+        let attn = kept_step(&mut self.steps, model.attn_step(start, len)?)?;
+        let next_ids = next_ids.to_device(&self.device)?;
+        let fits = |r: &&DraftStep| r.layer == layer && r.hidden.dims() == hidden.dims();
+        if let Some(rec) = self.recorded.iter().find(fits) {
+            rec.hidden.slice_set(&hidden.to_dtype(model.dtype())?, 0, 0)?;
+            rec.ids.slice_set(&next_ids, 0, 0)?;
+            rec.graph.launch().map_err(candle_core::Error::wrap)?;
+            cache.advance(layer, len);
+            // Copies: the next replay overwrites the graph's own buffers.
+            return Ok((rec.last.copy()?, rec.token.copy()?));
+        }
+        // Inputs and outputs live outside the graph, so their addresses stay valid between
+        // replays; everything the step allocates is freed inside it.
+        let hidden_in = hidden.to_dtype(model.dtype())?.copy()?;
+        let ids_in = next_ids.copy()?;
+        let last = Tensor::zeros((b, 1, h), model.dtype(), &self.device)?;
+        let token = Tensor::zeros((b, 1), candle_core::DType::U32, &self.device)?;
+        let run = |cache: &mut MtpCache| head.draft_with(model, &hidden_in, &ids_in, cache, step, &attn);
+        let cuda = self.device.as_cuda_device()?;
+        let htod_cache = cuda.enable_cuda_graph_htod_cache();
+        // One eager run fills candle's cache of uploaded launch parameters, which a capture may
+        // only read from. It writes the same keys and values as the recorded run will.
+        let warm = run(cache);
+        cache.set_len_of(layer, start);
+        warm?;
+        let recorded = capture(&self.stream, || {
+            let (l, t) = run(cache)?;
+            last.slice_set(&l, 0, 0)?;
+            token.slice_set(&t, 0, 0)?;
+            Ok(())
+        });
+        drop(htod_cache);
+        cache.set_len_of(layer, start);
+        let (graph, ()) = recorded?;
+        // Capturing ran nothing: run the step now.
+        graph.launch().map_err(candle_core::Error::wrap)?;
+        cache.advance(layer, len);
+        let out = (last.copy()?, token.copy()?);
+        self.recorded.push(DraftStep {
+            layer,
+            hidden: hidden_in,
+            ids: ids_in,
+            last,
+            token,
+            graph,
+        });
+        Ok(out)
     }
 }

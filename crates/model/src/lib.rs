@@ -21,9 +21,9 @@ pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use graph::{graph_device, DecodeGraph};
+pub use graph::{graph_device, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
-pub use mtp_head::{MtpCache, MtpHead};
+pub use mtp_head::{DraftStepper, MtpCache, MtpHead};
 pub use stepper::{cuda_device, Stepper};
 pub use weights::{LoadOptions, Weights};

@@ -9,6 +9,7 @@ use candle_core::{Module, Tensor, D};
 use qwen36_kernels::linear::Linear;
 use qwen36_kernels::norm::RmsNorm;
 
+use crate::attention::AttnStep;
 use crate::model::DecoderLayer;
 use crate::{Config, Error, KvCache, LayerCache, LayerType, Qwen36Model, Result, Weights};
 
@@ -25,7 +26,7 @@ pub struct MtpHead {
 /// The MTP head's KV caches (one per MTP layer), `len` positions each.
 #[derive(Debug, Clone)]
 pub struct MtpCache {
-    layers: Vec<LayerCache>,
+    pub(crate) layers: Vec<LayerCache>,
 }
 
 impl MtpCache {
@@ -54,6 +55,38 @@ impl MtpCache {
     /// Forgets everything (a new sequence).
     pub fn reset(&mut self) {
         self.truncate(0);
+    }
+
+    /// The KV cache of MTP layer `layer`.
+    fn kv(&mut self, layer: usize) -> Result<&mut KvCache> {
+        match self.layers.get_mut(layer) {
+            Some(LayerCache::Attention(kv)) => Ok(kv),
+            _ => Err(Error::Cache(format!(
+                "the MTP cache has no attention layer {layer}"
+            ))),
+        }
+    }
+
+    /// Positions held by MTP layer `layer` (0 when it has none).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn len_of(&mut self, layer: usize) -> usize {
+        self.kv(layer).map(|kv| kv.len()).unwrap_or(0)
+    }
+
+    /// Sets MTP layer `layer`'s valid length (after a graph's warm-up run).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn set_len_of(&mut self, layer: usize, len: usize) {
+        if let Ok(kv) = self.kv(layer) {
+            kv.set_len(len);
+        }
+    }
+
+    /// Counts `new` positions of MTP layer `layer` as written (a graph replay wrote them).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn advance(&mut self, layer: usize, new: usize) {
+        if let Ok(kv) = self.kv(layer) {
+            kv.advance(new);
+        }
     }
 }
 
@@ -106,8 +139,8 @@ impl MtpHead {
 
     /// Feeds pairs at positions `cache.len()..`: `hidden: [batch, len, hidden]` (target final-norm
     /// hidden states, or the previous MTP output when chaining drafts) and `next_ids: [batch, len]`
-    /// (u32, the token after each position). Draft step `step` uses MTP layer `step % layers`.
-    /// Returns the post-`mtp.norm` states `[batch, len, hidden]`; `model.logits` scores them.
+    /// (u32, the token after each position; on any device). Draft step `step` uses MTP layer
+    /// `step % layers`. Returns the post-`mtp.norm` states `[batch, len, hidden]`; `model.logits` scores them.
     pub fn forward(
         &self,
         model: &Qwen36Model,
@@ -116,18 +149,125 @@ impl MtpHead {
         cache: &mut MtpCache,
         step: usize,
     ) -> Result<Tensor> {
+        let layer = self.layer_index(step);
+        let attn = model.attn_step(cache.kv(layer)?.len(), hidden.dim(1)?)?;
+        self.forward_with(model, hidden, next_ids, cache, step, &attn)
+    }
+
+    /// One greedy draft step: [`Self::forward`], then the post-norm state of the last position
+    /// `[batch, 1, hidden]` and its greedy token, u32 `[batch, 1]`, both left on the device.
+    pub fn draft(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let layer = self.layer_index(step);
+        let attn = model.attn_step(cache.kv(layer)?.len(), hidden.dim(1)?)?;
+        self.draft_with(model, hidden, next_ids, cache, step, &attn)
+    }
+
+    /// [`Self::draft`] with the attention inputs `attn` (which must start at the layer's length).
+    pub(crate) fn draft_with(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+        attn: &AttnStep,
+    ) -> Result<(Tensor, Tensor)> {
+        let d = self.forward_with(model, hidden, next_ids, cache, step, attn)?;
+        let last = d.narrow(1, d.dim(1)? - 1, 1)?;
+        let token = model.greedy_ids(&last)?;
+        Ok((last, token))
+    }
+
+    /// The MTP layer that draft step `step` runs.
+    pub(crate) fn layer_index(&self, step: usize) -> usize {
+        step % self.layers.len()
+    }
+
+    /// True when MTP layer `layer` can run a `len`-token step inside a CUDA graph.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn graph_safe(&self, layer: usize, len: usize, model: &Qwen36Model) -> bool {
+        self.layers[layer].graph_safe(len, model.dtype(), model.device())
+    }
+
+    fn forward_with(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+        attn: &AttnStep,
+    ) -> Result<Tensor> {
+        let next_ids = next_ids.to_device(model.device())?;
         let e = self
             .norm_embedding
-            .forward(&model.embedding().forward(next_ids)?)?;
+            .forward(&model.embedding().forward(&next_ids)?)?;
         let hn = self.norm_hidden.forward(&hidden.to_dtype(e.dtype())?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
-        let i = step % self.layers.len();
-        let start = match &cache.layers[i] {
-            LayerCache::Attention(kv) => kv.len(),
-            LayerCache::Gdn(_) => return Err(crate::Error::Cache("the MTP layer has a GDN cache".into())),
-        };
-        let step = model.attn_step(start, x.dim(1)?)?;
-        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], &step, false)?;
+        let i = self.layer_index(step);
+        cache.kv(i)?; // a typed error, not an index panic, for a cache of another head
+        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], attn, false)?;
         Ok(self.norm.forward(&y)?)
+    }
+}
+
+/// Runs MTP draft steps ([`MtpHead::draft`]): replayed from CUDA graphs where the model's device
+/// can record them (feature `cuda`, a device from [`graph_device`](crate::graph_device)),
+/// eagerly elsewhere, with the same results. Graphs are bound to one [`MtpCache`]: keep the
+/// stepper and the cache together.
+pub struct DraftStepper {
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::graph::DraftGraph>,
+}
+
+impl DraftStepper {
+    /// A stepper for drafts of `model`'s head.
+    pub fn new(model: &Qwen36Model) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let graph = model
+                .device()
+                .is_cuda()
+                .then(|| crate::graph::DraftGraph::new(model.device()).ok())
+                .flatten();
+            Self { graph }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = model;
+            Self {}
+        }
+    }
+
+    /// Whether draft steps replay CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graph.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// [`MtpHead::draft`], replayed from a graph when available.
+    pub fn draft(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.draft(head, model, hidden, next_ids, cache, step);
+        }
+        head.draft(model, hidden, next_ids, cache, step)
     }
 }

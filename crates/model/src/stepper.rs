@@ -63,6 +63,16 @@ impl Stepper {
         }
         model.forward_verify(ids, cache)
     }
+
+    /// [`Cache::commit`] after [`Self::forward_verify`], its copies replayed from a graph when
+    /// the verify was graphed.
+    pub fn commit(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.commit(cache, keep);
+        }
+        cache.commit(keep)
+    }
 }
 
 /// CUDA device `ordinal`, made so that [`Stepper`] can record graphs on it (see

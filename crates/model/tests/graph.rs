@@ -4,21 +4,29 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, D};
-use qwen36_model::{graph_device, Cache, DecodeGraph, LoadOptions, Qwen36Model, Stepper};
+use qwen36_model::{
+    graph_device, Cache, DecodeGraph, DraftStepper, LoadOptions, MtpHead, Qwen36Model, Stepper,
+};
 use qwen36_testutil::max_abs_diff;
 
 fn model(dtype: DType) -> (Qwen36Model, Device) {
     model_on(dtype, graph_device(0).expect("a CUDA device"))
 }
 
-fn model_on(dtype: DType, dev: Device) -> (Qwen36Model, Device) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny");
-    let opts = LoadOptions {
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny")
+}
+
+fn options(dtype: DType, dev: &Device) -> LoadOptions {
+    LoadOptions {
         dtype,
         device: dev.clone(),
         check_finite: true,
-    };
-    (Qwen36Model::load(dir, opts).unwrap(), dev)
+    }
+}
+
+fn model_on(dtype: DType, dev: Device) -> (Qwen36Model, Device) {
+    (Qwen36Model::load(model_dir(), options(dtype, &dev)).unwrap(), dev)
 }
 
 fn ids(tokens: &[u32]) -> Tensor {
@@ -81,18 +89,20 @@ fn graphed_decode_equals_eager() {
         m.forward_verify(&v, &mut a).unwrap();
         m.forward_verify(&v, &mut b).unwrap();
         a.commit(2).unwrap();
-        b.commit(2).unwrap();
+        g.commit(&mut b, 2).unwrap(); // after an eager verify: the plain commit
         let (mut d2, mut tok) = steps(&m, &mut a, &mut b, &mut g, 6, 8);
 
         // Graphed verify passes (the first records, the next replay) against eager ones, each
-        // followed by a commit of a different length and a graphed step.
-        for (len, keep) in [(4usize, 2usize), (4, 4), (4, 1), (2, 1)] {
+        // followed by a commit of a different length (graphed: recorded per verify length and
+        // length kept, then replayed) and a graphed step.
+        for (len, keep) in [(4usize, 2usize), (4, 4), (4, 1), (2, 1), (4, 4), (4, 2), (2, 1)] {
             let v: Vec<u32> = (0..len as u32).map(|i| (tok + 7 * i) % 4000).collect();
             let ha = m.forward_verify(&ids(&v), &mut a).unwrap();
             let hb = m.forward_verify_graphed(&ids(&v), &mut b, &mut g).unwrap();
             d2 = d2.max(max_abs_diff(&ha, &hb));
             a.commit(keep).unwrap();
-            b.commit(keep).unwrap();
+            g.commit(&mut b, keep).unwrap();
+            assert_eq!(a.seq_len(), b.seq_len());
             let (d, t) = steps(&m, &mut a, &mut b, &mut g, v[keep - 1], 2);
             (d2, tok) = (d2.max(d), t);
         }
@@ -150,4 +160,62 @@ fn stepper_uses_graphs_where_it_can() {
     }
     let (m, _) = model_on(DType::F32, Device::new_cuda(0).unwrap());
     assert!(!Stepper::new(&m, 1).uses_graphs());
+}
+
+/// Graphed MTP draft steps equal eager ones (f32 and bf16): a first step over the whole prompt
+/// (too long for the decode kernel: it runs eagerly), then rounds that drop the last round's
+/// chain, feed 1..4 newly committed positions and chain up to three more one-token steps, as the
+/// drafter does; the MTP KV buffers grow from 64 to 128 positions on the way (the graphs
+/// re-record). Tokens must agree exactly; the hidden states within the tolerances of
+/// `graphed_decode_equals_eager`.
+#[test]
+fn graphed_drafts_equal_eager() {
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-2)] {
+        let (m, dev) = model(dtype);
+        let head = MtpHead::load_dir(model_dir(), m.config(), options(dtype, &dev)).unwrap();
+        let mut stepper = DraftStepper::new(&m);
+        assert!(stepper.uses_graphs());
+        let prompt: Vec<u32> = (0..41).map(|i| (i * 53 + 7) % 4000).collect();
+        let mut cache = m.new_cache(1).unwrap();
+        let h = m.forward_hidden(&ids(&prompt), &mut cache).unwrap(); // [1, 41, hidden]
+        let (mut a, mut b) = (head.new_cache(), head.new_cache());
+        let mut worst = 0f32;
+        let mut compare = |x: &(Tensor, Tensor), y: &(Tensor, Tensor)| {
+            worst = worst.max(max_abs_diff(&x.0, &y.0));
+            let (tx, ty) = (x.1.to_vec2::<u32>().unwrap(), y.1.to_vec2::<u32>().unwrap());
+            assert_eq!(tx, ty, "{dtype:?}: draft tokens differ");
+        };
+        let mut committed = 24;
+        let (hp, np) = (h.narrow(1, 0, committed).unwrap(), ids(&prompt[1..=committed]));
+        let ea = head.draft(&m, &hp, &np, &mut a, 0).unwrap();
+        let eb = stepper.draft(&head, &m, &hp, &np, &mut b, 0).unwrap();
+        compare(&ea, &eb);
+        for round in 0..24 {
+            let (fed, chain) = (1 + round % 4, 1 + round % 3);
+            a.truncate(committed);
+            b.truncate(committed);
+            // Newly committed pairs: hidden rows of the prompt pass (any states do), next ids.
+            let at = committed % 16;
+            let hp = h.narrow(1, at, fed).unwrap();
+            let np = ids(&prompt[at + 1..at + 1 + fed]);
+            let (mut ea, mut eb) = (
+                head.draft(&m, &hp, &np, &mut a, 0).unwrap(),
+                stepper.draft(&head, &m, &hp, &np, &mut b, 0).unwrap(),
+            );
+            compare(&ea, &eb);
+            for step in 1..=chain {
+                ea = head.draft(&m, &ea.0, &ea.1, &mut a, step).unwrap();
+                eb = stepper.draft(&head, &m, &eb.0, &eb.1, &mut b, step).unwrap();
+                compare(&ea, &eb);
+            }
+            assert_eq!(a.len(), b.len());
+            committed += fed;
+        }
+        assert!(
+            committed > 64,
+            "the KV buffers grew past their first 64 positions"
+        );
+        println!("{dtype:?}: max |graphed - eager| draft state = {worst:e}");
+        assert!(worst <= tol, "{dtype:?}: {worst}");
+    }
 }

@@ -123,7 +123,7 @@ impl<'m> SpeculativeDecoder<'m> {
             let h = self.stepper.forward_verify(model, &ids, &mut cache)?;
             let rows = model.logits(&h)?.squeeze(0)?.to_vec2::<f32>()?;
             let acc = self.accept(&drafts, &rows, prompt, &output)?;
-            cache.commit(acc.accepted + 1)?;
+            self.stepper.commit(&mut cache, acc.accepted + 1)?;
             stats.record(drafts.len(), acc.accepted, cfg.k);
 
             let fresh: Vec<u32> = drafts[..acc.accepted].iter().copied().chain([acc.next]).collect();

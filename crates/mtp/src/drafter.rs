@@ -1,7 +1,7 @@
 //! Drafters: what proposes the tokens the target verifies.
 
 use candle_core::Tensor;
-use qwen36_model::{MtpCache, MtpHead, Qwen36Model};
+use qwen36_model::{DraftStepper, MtpCache, MtpHead, Qwen36Model};
 
 use crate::Result;
 
@@ -24,11 +24,13 @@ pub trait Drafter {
 }
 
 /// Drafts with the checkpoint's MTP head: greedy chain of `k` steps, the first step fed the
-/// target's hidden states, the next ones the head's own output.
+/// target's hidden states, the next ones the head's own output. Steps replay CUDA graphs where
+/// the device allows ([`DraftStepper`]).
 pub struct MtpDrafter<'m> {
     model: &'m Qwen36Model,
     head: &'m MtpHead,
     cache: MtpCache,
+    stepper: DraftStepper,
 }
 
 impl<'m> MtpDrafter<'m> {
@@ -38,15 +40,16 @@ impl<'m> MtpDrafter<'m> {
             model,
             head,
             cache: head.new_cache(),
+            stepper: DraftStepper::new(model),
         }
     }
 
-    /// The last position of `d: [1, len, hidden]` and its greedy token `[1, 1]` (u32), left on the
-    /// device so the chain needs no host round trip.
-    fn argmax_last(&self, d: &Tensor) -> Result<(Tensor, Tensor)> {
-        let last = d.narrow(1, d.dim(1)? - 1, 1)?;
-        let tok = self.model.greedy_ids(&last)?; // [1, 1]
-        Ok((last, tok))
+    /// One chain step: the last position's post-norm state `[1, 1, hidden]` and its greedy token
+    /// `[1, 1]` (u32), left on the device so the chain needs no host round trip.
+    fn step(&mut self, hidden: &Tensor, ids: &Tensor, step: usize) -> Result<(Tensor, Tensor)> {
+        Ok(self
+            .stepper
+            .draft(self.head, self.model, hidden, ids, &mut self.cache, step)?)
     }
 }
 
@@ -63,16 +66,10 @@ impl Drafter for MtpDrafter<'_> {
         self.cache.truncate(committed);
         let dev = self.model.device();
         let next = Tensor::new(&ctx.tokens[committed + 1..n], dev)?.unsqueeze(0)?;
-        let d = self
-            .head
-            .forward(self.model, ctx.new_hidden, &next, &mut self.cache, 0)?;
-        let (mut last, mut tok) = self.argmax_last(&d)?;
+        let (mut last, mut tok) = self.step(ctx.new_hidden, &next, 0)?;
         let mut drafts = vec![tok.clone()];
         for step in 1..k {
-            let d = self
-                .head
-                .forward(self.model, &last, &tok, &mut self.cache, step)?;
-            (last, tok) = self.argmax_last(&d)?;
+            (last, tok) = self.step(&last, &tok, step)?;
             drafts.push(tok.clone());
         }
         // The only host synchronisation of the chain.
