@@ -9,6 +9,9 @@ constexpr int BV = 32;  // state columns per block (one per lane)
 constexpr int NW = 4;   // warps per block; warp w holds rows w, w+NW, ...
 constexpr int MAXDK = 256;
 
+// Tokens staged in shared memory at a time by the recurrent kernel.
+constexpr int TB = 8;
+
 // Gated delta rule, one token at a time (decode, speculative verify, and prefill until the chunked
 // kernel lands). Block = (batch b, value head hv, tile of BV state columns); thread (w, lane) keeps
 // column j = tile*BV + lane of rows r = w + NW*i (i < ROWS) in registers.
@@ -16,6 +19,9 @@ constexpr int MAXDK = 256;
 // FUSED: q, k are raw (L2-normalised here, eps), ga/gb are the a/b projections (g and beta computed
 // here from a_log, dt_bias); otherwise q, k are normalised and ga = g, gb = beta.
 // q/k/v rows: token row `bt` (= b*T + t) starts at bt*stride; head h at h*dk (q, k) or h*dv (v).
+// The inputs of up to TB tokens (q, k, this tile's v, gates, norms) are staged in shared memory
+// before their loop, so a token's step waits on no global load: a verify pass of T tokens costs
+// about one load latency, not T.
 template <typename TQ, typename TG, bool FUSED, int ROWS>
 __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
@@ -29,10 +35,11 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int j = tile * BV + lane;
     const bool col_ok = j < dv;
-    __shared__ float sq[MAXDK], sk[MAXDK];
-    __shared__ float red[NW][BV];
-    __shared__ float nrm[2][NW];
-    __shared__ float gate[2];
+    __shared__ float sq[TB][MAXDK], sk[TB][MAXDK], sv[TB][BV];
+    // Per staged token: decay exp(g), beta, and the q and k scales (L2 norm, attention scale).
+    __shared__ float coef[TB][4];
+    // Partial sums of S^T k and S^T q across the NW warps (two buffers: two barriers per token).
+    __shared__ float red_m[NW][BV], red_o[NW][BV];
 
     float s[ROWS];
     const long head = (long)(b * Hv + hv) * dk * dv;
@@ -41,91 +48,90 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         const int r = w + NW * i;
         s[i] = (s0 != nullptr && col_ok && r < dk) ? s0[head + (long)r * dv + j] : 0.f;
     }
-    for (int t = 0; t < T; t++) {
-        const long bt = (long)b * T + t;
-        for (int r = threadIdx.x; r < dk; r += blockDim.x) {
-            sq[r] = to_f(q[bt * qk_stride + hk * dk + r]);
-            sk[r] = to_f(k[bt * qk_stride + hk * dk + r]);
+    for (int t0 = 0; t0 < T; t0 += TB) {
+        const int nt = min(TB, T - t0);
+        const long bt0 = (long)b * T + t0;
+        for (int e = threadIdx.x; e < nt * dk; e += blockDim.x) {
+            const int tt = e / dk, r = e % dk;
+            sq[tt][r] = to_f(q[(bt0 + tt) * qk_stride + hk * dk + r]);
+            sk[tt][r] = to_f(k[(bt0 + tt) * qk_stride + hk * dk + r]);
+        }
+        for (int e = threadIdx.x; e < nt * BV; e += blockDim.x) {
+            const int tt = e / BV, jj = tile * BV + e % BV;
+            sv[tt][e % BV] = jj < dv ? to_f(v[(bt0 + tt) * v_stride + (long)hv * dv + jj]) : 0.f;
+        }
+        if (threadIdx.x < nt) {
+            const long bt = bt0 + threadIdx.x;
+            const float a = to_f(ga[bt * Hv + hv]), bb = to_f(gb[bt * Hv + hv]);
+            coef[threadIdx.x][0] = FUSED ? expf(-expf(a_log[hv]) * softplus(a + dt_bias[hv])) : expf(a);
+            coef[threadIdx.x][1] = FUSED ? 1.f / (1.f + expf(-bb)) : bb;
         }
         __syncthreads();
-        float iq = scale, ik = 1.f;
-        if (FUSED) {
+        // Warp w finds the q and k scales of tokens w, w + NW, ...
+        for (int tt = w; tt < nt; tt += NW) {
             float pq = 0.f, pk = 0.f;
-            for (int r = threadIdx.x; r < dk; r += blockDim.x) {
-                pq += sq[r] * sq[r];
-                pk += sk[r] * sk[r];
+            if (FUSED) {
+                for (int r = lane; r < dk; r += 32) {
+                    pq += sq[tt][r] * sq[tt][r];
+                    pk += sk[tt][r] * sk[tt][r];
+                }
+                pq = warp_sum(pq);
+                pk = warp_sum(pk);
             }
-            pq = warp_sum(pq);
-            pk = warp_sum(pk);
             if (lane == 0) {
-                nrm[0][w] = pq;
-                nrm[1][w] = pk;
-            }
-            if (threadIdx.x == 0) {
-                const float a = to_f(ga[bt * Hv + hv]), bb = to_f(gb[bt * Hv + hv]);
-                gate[0] = -expf(a_log[hv]) * softplus(a + dt_bias[hv]);
-                gate[1] = 1.f / (1.f + expf(-bb));
-            }
-            __syncthreads();
-            float nq = 0.f, nk = 0.f;
-#pragma unroll
-            for (int x = 0; x < NW; x++) {
-                nq += nrm[0][x];
-                nk += nrm[1][x];
-            }
-            iq = scale / sqrtf(nq + eps);
-            ik = 1.f / sqrtf(nk + eps);
-        } else {
-            if (threadIdx.x == 0) {
-                gate[0] = to_f(ga[bt * Hv + hv]);
-                gate[1] = to_f(gb[bt * Hv + hv]);
-            }
-            __syncthreads();
-        }
-        const float decay = expf(gate[0]), beta = gate[1];
-        float m = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const int r = w + NW * i;
-            if (r < dk) {
-                s[i] *= decay;
-                m += s[i] * (sk[r] * ik);
+                coef[tt][2] = FUSED ? scale / sqrtf(pq + eps) : scale;
+                coef[tt][3] = FUSED ? 1.f / sqrtf(pk + eps) : 1.f;
             }
         }
-        red[w][lane] = m;
         __syncthreads();
-        float mt = 0.f;
-#pragma unroll
-        for (int x = 0; x < NW; x++) mt += red[x][lane];
-        const float vj = col_ok ? to_f(v[bt * v_stride + (long)hv * dv + j]) : 0.f;
-        const float delta = beta * (vj - mt);
-        float o = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const int r = w + NW * i;
-            if (r < dk) {
-                s[i] += (sk[r] * ik) * delta;
-                o += s[i] * (sq[r] * iq);
-            }
-        }
-        __syncthreads();  // everyone has read red[] for m
-        red[w][lane] = o;
-        __syncthreads();
-        if (w == 0 && col_ok) {
-            float ot = 0.f;
-#pragma unroll
-            for (int x = 0; x < NW; x++) ot += red[x][lane];
-            out[(bt * Hv + hv) * dv + j] = ot;
-        }
-        if (s_all != nullptr && col_ok) {
-            const long base = (bt * Hv + hv) * (long)dk * dv;
+        for (int tt = 0; tt < nt; tt++) {
+            const float decay = coef[tt][0], beta = coef[tt][1], iq = coef[tt][2], ik = coef[tt][3];
+            float m = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
                 const int r = w + NW * i;
-                if (r < dk) s_all[base + (long)r * dv + j] = s[i];
+                if (r < dk) {
+                    s[i] *= decay;
+                    m += s[i] * (sk[tt][r] * ik);
+                }
             }
+            red_m[w][lane] = m;
+            __syncthreads();
+            float mt = 0.f;
+#pragma unroll
+            for (int x = 0; x < NW; x++) mt += red_m[x][lane];
+            const float delta = beta * (sv[tt][lane] - mt);
+            float o = 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) {
+                const int r = w + NW * i;
+                if (r < dk) {
+                    s[i] += (sk[tt][r] * ik) * delta;
+                    o += s[i] * (sq[tt][r] * iq);
+                }
+            }
+            red_o[w][lane] = o;
+            // Also orders this token's reads of red_m before the next token's writes.
+            __syncthreads();
+            const long bt = bt0 + tt;
+            if (w == 0 && col_ok) {
+                float ot = 0.f;
+#pragma unroll
+                for (int x = 0; x < NW; x++) ot += red_o[x][lane];
+                out[(bt * Hv + hv) * dv + j] = ot;
+            }
+            if (s_all != nullptr && col_ok) {
+                const long base = (bt * Hv + hv) * (long)dk * dv;
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) {
+                    const int r = w + NW * i;
+                    if (r < dk) s_all[base + (long)r * dv + j] = s[i];
+                }
+            }
+            // Warp 0 reads red_o before the next token's writes: they follow that token's first
+            // barrier, which warp 0 reaches only after this read.
         }
-        __syncthreads();  // before the next token overwrites sq, sk, red, gate
+        __syncthreads();  // before the next group overwrites the staged inputs
     }
     if (col_ok) {
 #pragma unroll
