@@ -18,13 +18,15 @@ constexpr int TB = 8;
 //   S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T (scale q)
 // FUSED: q, k are raw (L2-normalised here, eps), ga/gb are the a/b projections (g and beta computed
 // here from a_log, dt_bias); otherwise q, k are normalised and ga = g, gb = beta.
-// q/k/v rows: token row `bt` (= b*T + t) starts at bt*stride; head h at h*dk (q, k) or h*dv (v).
+// q/k/v rows: token row `bt` (= b*T + t) starts at bt*stride; head h at h*dk (q, k) or h*dv (v);
+// ga/gb rows (Hv values each) start at bt*g_stride.
 // The inputs of up to TB tokens (q, k, this tile's v, gates, norms) are staged in shared memory
 // before their loop, so a token's step waits on no global load: a verify pass of T tokens costs
 // about one load latency, not T.
 template <typename TQ, typename TG, bool FUSED, int ROWS>
 __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
+                              long g_stride,
                               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                               const float* __restrict__ s0, float* __restrict__ out, float* __restrict__ s_final,
                               float* __restrict__ s_all, int T, int Hk, int Hv, int dk, int dv, float scale,
@@ -62,7 +64,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         }
         if (threadIdx.x < nt) {
             const long bt = bt0 + threadIdx.x;
-            const float a = to_f(ga[bt * Hv + hv]), bb = to_f(gb[bt * Hv + hv]);
+            const float a = to_f(ga[bt * g_stride + hv]), bb = to_f(gb[bt * g_stride + hv]);
             coef[threadIdx.x][0] = FUSED ? expf(-expf(a_log[hv]) * softplus(a + dt_bias[hv])) : expf(a);
             coef[threadIdx.x][1] = FUSED ? 1.f / (1.f + expf(-bb)) : bb;
         }
@@ -145,9 +147,10 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
 #define GDN_KERNEL(NAME, TQ, TG, FUSED, ROWS)                                                                  \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                      \
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb, \
+             long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
              float* s_all, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                   \
-        gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, a_log, dt_bias, s0, out,     \
+        gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
                                            s_final, s_all, T, Hk, Hv, dk, dv, scale, eps);                    \
     }
 
@@ -240,6 +243,7 @@ __device__ __forceinline__ float f4(const float4& v, int i) {
 template <typename TQ, typename TG, bool FUSED>
 __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                                long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
+                              long g_stride,
                                const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                float* __restrict__ U, float* __restrict__ W, float* __restrict__ Qt,
                                float* __restrict__ Kt, float* __restrict__ P, float* __restrict__ gL, int T,
@@ -296,14 +300,14 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
             float g = 0.f, be = 0.f, iq = scale, ik = 1.f;
             if (r < L) {
                 if (FUSED) {
-                    const float a = to_f(ga[row * Hv + hv]), bb = to_f(gb[row * Hv + hv]);
+                    const float a = to_f(ga[row * g_stride + hv]), bb = to_f(gb[row * g_stride + hv]);
                     g = -expf(a_log[hv]) * softplus(a + dt_bias[hv]);
                     be = 1.f / (1.f + expf(-bb));
                     iq = scale / sqrtf(sq + eps);
                     ik = 1.f / sqrtf(sk + eps);
                 } else {
-                    g = to_f(ga[row * Hv + hv]);
-                    be = to_f(gb[row * Hv + hv]);
+                    g = to_f(ga[row * g_stride + hv]);
+                    be = to_f(gb[row * g_stride + hv]);
                 }
             }
             gam[r] = g;  // cumulated below; rows past L add g = 0, so gamma stays at gamma_L
@@ -417,9 +421,10 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
 #define CHUNK_PREP(NAME, TQ, TG, FUSED)                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb,  \
+             long g_stride,                                                                                     \
              const float* a_log, const float* dt_bias, float* U, float* W, float* Qt, float* Kt, float* P,    \
              float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                       \
-        gdn_chunk_prep<TQ, TG, FUSED>(q, k, v, qk_stride, v_stride, ga, gb, a_log, dt_bias, U, W, Qt, Kt, P,  \
+        gdn_chunk_prep<TQ, TG, FUSED>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, U, W, Qt, Kt, P,  \
                                       gL, T, Hk, Hv, dk, dv, scale, eps);                                      \
     }
 CHUNK_PREP(gdn_chunk_prep_f32, float, float, false)

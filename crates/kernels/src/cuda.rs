@@ -121,8 +121,9 @@ fn dtype_suffix(op: &'static str, dt: DType) -> Result<&'static str> {
 
 /// The inputs every delta-rule kernel takes, in its argument order. `q`, `k`, `v` are
 /// `(tensor, element offset)`: separate f32 tensors at offset 0, or three views into the fused
-/// `qkv` rows; `strides` are the (q/k, v) row lengths. `ga`/`gb` are g/beta, or the raw a/b
-/// projections when `a_log`/`dt_bias` are given (the kernel then computes the gates).
+/// `qkv` rows; `strides` are the (q/k, v) row lengths. `ga`/`gb` (`[b, t, hv]`) are g/beta, or
+/// the raw a/b projections when `a_log`/`dt_bias` are given (the kernel then computes the gates);
+/// their rows of `hv` values sit `g_stride` apart (views into a wider projection are read in place).
 struct DeltaRuleInputs<'t> {
     q: (&'t Tensor, usize),
     k: (&'t Tensor, usize),
@@ -130,6 +131,7 @@ struct DeltaRuleInputs<'t> {
     strides: (usize, usize),
     ga: &'t Tensor,
     gb: &'t Tensor,
+    g_stride: usize,
     gate_params: Option<(&'t Tensor, &'t Tensor)>,
     state: Option<&'t Tensor>,
 }
@@ -142,6 +144,7 @@ struct DeltaRuleViews<'a, T> {
     strides: (i64, i64),
     ga: CudaView<'a, T>,
     gb: CudaView<'a, T>,
+    g_stride: i64,
     gate_params: Option<(CudaView<'a, f32>, CudaView<'a, f32>)>,
     state: Option<CudaView<'a, f32>>,
     /// A null pointer for absent optional buffers.
@@ -150,7 +153,8 @@ struct DeltaRuleViews<'a, T> {
 
 impl<'a, T: CudaDType> DeltaRuleViews<'a, T> {
     /// Pushes the argument prefix shared by `gdn_recurrent_*`, `gdn_fused_*` and
-    /// `gdn_chunk_prep_*`: q, k, v, the two i64 row strides, ga, gb, a_log and dt_bias (or nulls).
+    /// `gdn_chunk_prep_*`: q, k, v, the two i64 row strides, ga, gb, their i64 row stride, a_log
+    /// and dt_bias (or nulls).
     fn push_inputs<'s>(&'s self, lb: &mut LaunchArgs<'s>) {
         lb.arg(&self.q)
             .arg(&self.k)
@@ -158,7 +162,8 @@ impl<'a, T: CudaDType> DeltaRuleViews<'a, T> {
             .arg(&self.strides.0)
             .arg(&self.strides.1)
             .arg(&self.ga)
-            .arg(&self.gb);
+            .arg(&self.gb)
+            .arg(&self.g_stride);
         match &self.gate_params {
             Some((a, b)) => lb.arg(a).arg(b),
             None => lb.arg(&self.null).arg(&self.null),
@@ -189,13 +194,16 @@ fn with_views<T: CudaDType, R>(
         .gate_params
         .map(|(a, b)| (a.storage_and_layout(), b.storage_and_layout()));
     let s0 = inp.state.map(|s| s.storage_and_layout());
+    let hv = inp.ga.dims().last().copied().unwrap_or(0);
+    let g_rows = inp.ga.elem_count() / hv.max(1);
     let views = DeltaRuleViews {
         q: view::<T>(op, &qs, ql)?.slice(inp.q.1..),
         k: view::<T>(op, &ks, kl)?.slice(inp.k.1..),
         v: view::<T>(op, &vs, vl)?.slice(inp.v.1..),
         strides: (inp.strides.0 as i64, inp.strides.1 as i64),
-        ga: view::<T>(op, &gas, gal)?,
-        gb: view::<T>(op, &gbs, gbl)?,
+        ga: rows_view::<T>(op, &gas, gal, g_rows, hv, inp.g_stride)?,
+        gb: rows_view::<T>(op, &gbs, gbl, g_rows, hv, inp.g_stride)?,
+        g_stride: inp.g_stride as i64,
         gate_params: match &params {
             Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
             None => None,
@@ -469,6 +477,7 @@ impl SeparateF32 {
             strides: (d.hk * d.dk, d.hv * d.dv),
             ga: &self.g,
             gb: &self.beta,
+            g_stride: d.hv,
             gate_params: None,
             state: self.state.as_ref(),
         }
@@ -536,7 +545,12 @@ pub(crate) fn fused(
     let op = "fused_gated_delta_rule";
     let dt = qkv.dtype();
     let qkv = qkv.contiguous()?;
-    let (a, b) = (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?);
+    // a and b are normally views into the projection rows: read in place when they share a row
+    // stride, else copied.
+    let (a, b, g_stride) = match (row_stride(a), row_stride(b)) {
+        (Some(sa), Some(sb)) if sa == sb && a.dtype() == dt && b.dtype() == dt => (a.clone(), b.clone(), sa),
+        _ => (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?, d.hv),
+    };
     let (a_log, dt_bias) = (
         a_log.to_dtype(DType::F32)?.contiguous()?,
         dt_bias.to_dtype(DType::F32)?.contiguous()?,
@@ -553,6 +567,7 @@ pub(crate) fn fused(
         strides: (row, row),
         ga: &a,
         gb: &b,
+        g_stride,
         gate_params: Some((&a_log, &dt_bias)),
         state: state.as_ref(),
     };

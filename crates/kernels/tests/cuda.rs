@@ -118,17 +118,35 @@ fn fused_kernel_matches_cpu_composition() {
                 let x = qkv.to_dtype(dtype).unwrap();
                 let (aa, bx) = (a.to_dtype(dtype).unwrap(), bb.to_dtype(dtype).unwrap());
                 let want = fused_gated_delta_rule(&x, &aa, &bx, &a_log, &dt, Some(&s0), heads, mode).unwrap();
-                let (gx, ga, gb) = (on(&x), on(&aa), on(&bx));
-                force_chunk_scan_columns(cols);
-                let got =
-                    fused_gated_delta_rule(&gx, &ga, &gb, &on(&a_log), &on(&dt), Some(&on(&s0)), heads, mode)
-                        .unwrap();
-                force_chunk_scan_columns(None);
-                // Inputs are the same rounded values on both sides; only the f32 op order differs.
-                let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
-                assert!(e < tol, "t {t} {dtype:?} {mode:?} {cols:?}: {e}");
-                if let (Some(w), Some(g)) = (&want.all_states, &got.all_states) {
-                    assert!(max_diff(w, g) < tol, "{dtype:?}: intermediate states");
+                let gx = on(&x);
+                // a and b as their own tensors, and as views into one wider row (as in the
+                // model's projection), which the kernels read in place.
+                let ab = on(&Tensor::cat(&[&aa, &bx, &aa.narrow(2, 0, 3).unwrap()], 2).unwrap());
+                let views = (ab.narrow(2, 0, hv).unwrap(), ab.narrow(2, hv, hv).unwrap());
+                for (ga, gb) in [(on(&aa), on(&bx)), views] {
+                    force_chunk_scan_columns(cols);
+                    let got = fused_gated_delta_rule(
+                        &gx,
+                        &ga,
+                        &gb,
+                        &on(&a_log),
+                        &on(&dt),
+                        Some(&on(&s0)),
+                        heads,
+                        mode,
+                    )
+                    .unwrap();
+                    force_chunk_scan_columns(None);
+                    // Inputs are the same rounded values on both sides; only the f32 op order differs.
+                    let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
+                    let strided = !ga.is_contiguous();
+                    assert!(
+                        e < tol,
+                        "t {t} {dtype:?} {mode:?} {cols:?} strided {strided}: {e}"
+                    );
+                    if let (Some(w), Some(g)) = (&want.all_states, &got.all_states) {
+                        assert!(max_diff(w, g) < tol, "{dtype:?}: intermediate states");
+                    }
                 }
             }
         }
