@@ -153,6 +153,77 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
     }
 }
 
+// Per-head (1 + w) RMSNorm, then rotate-half RoPE on the first `rd` dims, written head-major: the
+// q and k preparation of a gated-attention layer in one pass (the CUDA twin of
+// `rope::norm_rope_heads`). x: token rows `bt` (= b·T + t) `xs` elements apart, head h at h·hs
+// within the row, hd contiguous elements per head (16-byte aligned). scale: [hd] f32 (1 + w), or
+// null for no norm. cos, sin: [T, rd/2] in T (rd = 0: no rotation). y: [B, H, T, hd]. One warp per
+// (token, head) row; the normalised row passes through shared memory for the rotation's partner
+// dims. Like the composition it replaces, the norm's output is rounded to T before the rotation.
+constexpr int ROPE_WARPS = 4;
+constexpr int ROPE_MAX_VECS = 2;  // 16-byte vectors per lane: hd ≤ 64 vectors
+
+template <typename T>
+__device__ void norm_rope_heads(const T* __restrict__ x, long xs, int hs, const float* __restrict__ scale,
+                                const T* __restrict__ cosv, const T* __restrict__ sinv, T* __restrict__ y,
+                                int T_, int H, int hd, int rd, float eps, int rows) {
+    __shared__ float row[ROPE_WARPS][ROPE_MAX_VECS * 32 * 8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long r = (long)blockIdx.x * ROPE_WARPS + warp;
+    if (r >= rows) return;  // whole warps leave together
+    const long bt = r / H;
+    const int h = (int)(r % H), t = (int)(bt % T_);
+    const long b = bt / T_;
+    constexpr int V = Vec16<T>::N;
+    const int nv = hd / V;
+    const T* src = x + bt * xs + (long)h * hs;
+    Vec16<T> v[ROPE_MAX_VECS];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROPE_MAX_VECS; ++j) {
+        const int i = lane + 32 * j;
+        if (i < nv) {
+            v[j].raw = reinterpret_cast<const uint4*>(src)[i];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc += to_f(v[j].e[e]) * to_f(v[j].e[e]);
+        }
+    }
+    const float inv = 1.f / sqrtf(warp_sum(acc) / hd + eps);
+    float* rw = row[warp];
+#pragma unroll
+    for (int j = 0; j < ROPE_MAX_VECS; ++j) {
+        const int i = lane + 32 * j;
+        if (i < nv) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                const float xe = to_f(v[j].e[e]);
+                rw[i * V + e] = scale ? to_f(from_f<T>(xe * inv * scale[i * V + e])) : xe;
+            }
+        }
+    }
+    __syncwarp();
+    const int half = rd / 2;
+    const T* c = cosv + (long)t * half;
+    const T* s = sinv + (long)t * half;
+    T* dst = y + ((b * H + h) * T_ + t) * hd;
+#pragma unroll
+    for (int j = 0; j < ROPE_MAX_VECS; ++j) {
+        const int i = lane + 32 * j;
+        if (i < nv) {
+            Vec16<T> out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                const int d = i * V + e;
+                float o = rw[d];
+                if (d < half) o = rw[d] * to_f(c[d]) - rw[d + half] * to_f(s[d]);
+                else if (d < rd) o = rw[d] * to_f(c[d - half]) + rw[d - half] * to_f(s[d - half]);
+                out.e[e] = from_f<T>(o);
+            }
+            reinterpret_cast<uint4*>(dst)[i] = out.raw;
+        }
+    }
+}
+
 #define NORM_KERNELS(SUFFIX, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
         rms_norm_##SUFFIX(const T* x, const T* res, T* sum, const float* scale, T* y, int D, float eps,  \
@@ -167,6 +238,12 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
         gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int rows, int D,       \
                                 float eps, int zh, long zs) {                                            \
         gated_rms_norm<T>(x, z, w, y, rows, D, eps, zh, zs);                                             \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32)                                        \
+        norm_rope_heads_##SUFFIX(const T* x, long xs, int hs, const float* scale, const T* cosv,         \
+                                 const T* sinv, T* y, int T_, int H, int hd, int rd, float eps,          \
+                                 int rows) {                                                             \
+        norm_rope_heads<T>(x, xs, hs, scale, cosv, sinv, y, T_, H, hd, rd, eps, rows);                   \
     }
 NORM_KERNELS(f32, float)
 NORM_KERNELS(bf16, __nv_bfloat16)

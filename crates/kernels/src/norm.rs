@@ -37,6 +37,12 @@ impl RmsNorm {
         Ok(Self { scale, eps })
     }
 
+    /// The stored `1 + w` (f32 `[dim]`) and eps, for kernels that fuse the norm.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn parts(&self) -> (&Tensor, f64) {
+        (&self.scale, self.eps)
+    }
+
     /// Normalises over the last dim; `x: [..., dim]`, output in `x`'s dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]

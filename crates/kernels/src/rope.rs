@@ -6,6 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::norm::RmsNorm;
 use crate::{expect_rank, Error, Result};
 
 /// Inverse frequencies `θ^(-2j/rotary_dim)`, `j < rotary_dim/2`, in f32 like the reference.
@@ -90,6 +91,74 @@ pub fn apply_partial_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tens
     }
     let pass = x.narrow(D::Minus1, rotary_dim, head_dim - rotary_dim)?;
     Ok(Tensor::cat(&[&rot, &pass], D::Minus1)?)
+}
+
+/// The q or k preparation of a gated-attention layer: per-head (1+w) RMSNorm (`norm`, or none),
+/// then rotate-half RoPE on the first `2 · cos.dim(1)` dims, returned head-major.
+/// `x: [batch, len, n]` holds per token `heads` heads of `head_dim` elements, `head_stride` apart
+/// (`heads · head_stride ≤ n`): a narrow of the fused projection rows is read in place on CUDA.
+/// `cos, sin: [len, rotary_dim/2]` in `x`'s dtype. Returns `[batch, heads, len, head_dim]`. On CUDA
+/// one kernel; elsewhere, and for rows the kernel does not take, the composition of
+/// [`RmsNorm::forward`] and [`apply_partial_rope`] (the reference).
+pub fn norm_rope_heads(
+    x: &Tensor,
+    heads: usize,
+    head_stride: usize,
+    head_dim: usize,
+    norm: Option<&RmsNorm>,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let op = "norm_rope_heads";
+    expect_rank(op, "x", x, 3)?;
+    let (b, t, n) = x.dims3()?;
+    let half = cos.dim(D::Minus1)?;
+    if heads * head_stride > n
+        || head_dim > head_stride
+        || 2 * half > head_dim
+        || cos.dims() != [t, half]
+        || sin.dims() != cos.dims()
+    {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "x {:?} with {heads} heads of {head_dim} every {head_stride}, cos {:?}, sin {:?}",
+                x.dims(),
+                cos.dims(),
+                sin.dims()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (scale, eps) = norm.map(|n| n.parts()).unzip();
+        if let Some(y) = crate::cuda::norm_rope_heads(
+            x,
+            heads,
+            head_stride,
+            head_dim,
+            scale,
+            eps.unwrap_or(0.0),
+            cos,
+            sin,
+        )? {
+            return Ok(y);
+        }
+    }
+    let xh = x
+        .narrow(2, 0, heads * head_stride)?
+        .reshape((b, t, heads, head_stride))?
+        .narrow(3, 0, head_dim)?;
+    let y = match norm {
+        Some(nm) => nm.forward(&xh)?,
+        None => xh,
+    };
+    let y = if half > 0 {
+        apply_partial_rope(&y, cos, sin)?
+    } else {
+        y
+    };
+    Ok(y.transpose(1, 2)?.contiguous()?)
 }
 
 #[cfg(test)]

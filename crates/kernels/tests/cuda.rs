@@ -286,8 +286,9 @@ fn norms_match_cpu() {
 /// The weight-streaming linear kernel (1..=8 rows; outputs narrower and wider than 8192, where
 /// the default choice changes) and its matmul fallback (more rows, K not a multiple of 16 bytes,
 /// unaligned x) against the CPU matmul of the same rounded inputs, with a bias, and the same
-/// with a residual added (`forward_add`, with and without a bias). Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11
-/// f16) plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
+/// with a residual added (`forward_add`, with and without a bias; twice the tolerance, see there).
+/// Tolerance, relative to each output row's scale: one output rounding (2^-8 bf16, 2^-11 f16)
+/// plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
 #[test]
 fn linear_matches_cpu() {
     use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
@@ -362,11 +363,17 @@ fn linear_matches_cpu() {
                     assert_eq!(got.dtype(), dt);
                     let e = max_row_rel_err(&got, &want);
                     assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {path:?}: {e}");
+                    // With a residual the output can take three roundings (the product, the
+                    // bias add, the residual add) of values up to about twice the row's scale
+                    // (three unit-scale terms summed): twice the plain tolerance.
                     for (layer, want) in [(&lg, &want), (&lg_plain, &want_plain)] {
                         let got = layer.forward_add(&xg, &res_g).unwrap();
                         assert_eq!(got.dims(), [1, rows, n]);
                         let e = max_row_rel_err(&got, &(want + &res).unwrap());
-                        assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {path:?}: residual {e}");
+                        assert!(
+                            e <= 2.0 * tol,
+                            "{dt:?} rows {rows} k {k} n {n} {path:?}: residual {e}"
+                        );
                     }
                 }
                 force_skinny_path(SkinnyPath::Auto);
@@ -465,6 +472,61 @@ fn swiglu_matches_cpu() {
             assert_eq!(got.dims(), [1, rows, i]);
             let e = max_row_rel_err(&got, &want);
             assert!(e <= tol, "{dt:?} rows {rows} I {i}: {e}");
+        }
+    }
+}
+
+/// The fused per-head norm + RoPE (the attention layer's q and k preparation) against the CPU
+/// composition of the same ops: q-like heads (every other head-sized slot of a wider row, as q sits
+/// next to its gate) and k-like heads, inside wider projection rows; with and without the norm;
+/// head dims 256 (rotary 64, Qwen3.6's) and 64 (rotary 16), and no rotation. Both sides round the
+/// norm's output to the dtype before rotating; the tolerance, relative to each row's scale, allows
+/// one more rounding of the result (2^-7 bf16, 2^-10 f16; f32: 1e-5).
+#[test]
+fn norm_rope_heads_matches_cpu() {
+    use qwen36_kernels::norm::RmsNorm;
+    use qwen36_kernels::rope::{norm_rope_heads, RotaryEmbedding};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::BF16, 2f32.powi(-7)),
+        (DType::F16, 2f32.powi(-10)),
+    ] {
+        for (hd, rd) in [(256, 64), (64, 16), (64, 0)] {
+            for (b, t, heads, stride) in [(1, 1, 3, 2 * hd), (2, 5, 3, 2 * hd), (2, 5, 2, hd), (1, 1, 4, hd)]
+            {
+                let width = heads * stride + 2 * hd; // more columns follow, as in the projection
+                let rows = randn(1.5, (b, t, width + hd), dt);
+                let x = rows.narrow(2, hd, width - 2 * hd + hd).unwrap();
+                let w = Tensor::randn(0f32, 0.3, hd, &cpu).unwrap();
+                let norm_c = RmsNorm::zero_centred(&w, 1e-6).unwrap();
+                let norm_g = RmsNorm::zero_centred(&w.to_device(&d).unwrap(), 1e-6).unwrap();
+                let rope = RotaryEmbedding::new(rd.max(2), 10_000_000.0).unwrap();
+                let (cos, sin) = rope.cos_sin(37, t, dt, &cpu).unwrap();
+                let (cos, sin) = if rd == 0 {
+                    (cos.narrow(1, 0, 0).unwrap(), sin.narrow(1, 0, 0).unwrap())
+                } else {
+                    (cos, sin)
+                };
+                let xg = rows.to_device(&d).unwrap().narrow(2, hd, width - hd).unwrap();
+                let (cg, sg) = (cos.to_device(&d).unwrap(), sin.to_device(&d).unwrap());
+                for with_norm in [true, false] {
+                    let (nc, ng) = if with_norm {
+                        (Some(&norm_c), Some(&norm_g))
+                    } else {
+                        (None, None)
+                    };
+                    let want = norm_rope_heads(&x, heads, stride, hd, nc, &cos, &sin).unwrap();
+                    let got = norm_rope_heads(&xg, heads, stride, hd, ng, &cg, &sg).unwrap();
+                    assert_eq!(got.dims(), [b, heads, t, hd]);
+                    assert_eq!(want.dims(), got.dims());
+                    let e = max_row_rel_err(&got, &want);
+                    let case = format!("{dt:?} hd {hd} rd {rd} b {b} t {t} heads {heads} stride {stride}");
+                    assert!(e <= tol, "{case} norm {with_norm}: {e}");
+                }
+            }
         }
     }
 }

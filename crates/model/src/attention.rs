@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use qwen36_kernels::attention::{causal_softmax, decode_attention, decode_attention_fits};
-use qwen36_kernels::rope::apply_partial_rope;
+use qwen36_kernels::rope::norm_rope_heads;
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::{Config, KvCache, Result, Weights};
@@ -155,15 +155,22 @@ impl GatedAttention {
         let qkv = self.qkv_proj.forward(x)?;
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat.
-        let qg = qkv.narrow(D::Minus1, 0, qd)?.reshape((b, t, nh, 2 * hd))?;
-        let q = qg.narrow(D::Minus1, 0, hd)?;
-        let gate = qg.narrow(D::Minus1, hd, hd)?; // [b, t, nh, hd], a view
-        let q = apply_partial_rope(&self.q_norm.forward(&q)?, &step.cos, &step.sin)?;
-        let k = qkv.narrow(D::Minus1, qd, kd)?.reshape((b, t, nkv, hd))?;
-        let k = apply_partial_rope(&self.k_norm.forward(&k)?, &step.cos, &step.sin)?;
+        let qg = qkv.narrow(D::Minus1, 0, qd)?;
+        let gate = qg.reshape((b, t, nh, 2 * hd))?.narrow(D::Minus1, hd, hd)?; // [b, t, nh, hd]
+                                                                               // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
+        let (cos, sin) = (&step.cos, &step.sin);
+        let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin)?;
+        let k = norm_rope_heads(
+            &qkv.narrow(D::Minus1, qd, kd)?,
+            nkv,
+            hd,
+            hd,
+            Some(&self.k_norm),
+            cos,
+            sin,
+        )?;
         let v = qkv.narrow(D::Minus1, qd + kd, kd)?.reshape((b, t, nkv, hd))?;
-        let (k, v) = (k.transpose(1, 2)?, v.transpose(1, 2)?); // [b, nkv, t, hd]
-        let q = q.transpose(1, 2)?.contiguous()?; // [b, nh, t, hd]
+        let v = v.transpose(1, 2)?; // [b, nkv, t, hd]
 
         let out = if kernel {
             // Rows r = member·t + token of each KV head's group, as the kernel wants them.
