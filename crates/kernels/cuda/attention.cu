@@ -29,38 +29,50 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
     for (int i = threadIdx.x; i < R * D; i += ATT_THREADS) qs[i] = to_f(q[i]);
     __syncthreads();
 
-    // Scores: warp w takes keys w, w+4, ...; its lanes split the head dim in 16-byte vectors and
-    // a warp sum gives each row's dot. The span's key loads are issued before any is used.
+    // Scores: lane = key (one full dot product per lane, no reductions), warp w takes rows w,
+    // w + WARPS, ... (up to RPW of them per pass, their sums in registers); the head dim streams in
+    // 16-byte key vectors, the query rows are shared-memory broadcasts. The cost per block grows
+    // with the rows only through the FMAs, not through a warp reduction per (row, key).
     constexpr int V = Vec16<T>::N;
     constexpr int WARPS = ATT_THREADS / 32;
-    constexpr int KPW = ATT_KEYS / WARPS;  // keys per warp
+    constexpr int RPW = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nvec = D / V, first = L - t;
-    for (int r = 0; r < R; ++r)
-        for (int c = threadIdx.x; c < ATT_KEYS; c += ATT_THREADS) sc[r * ATT_KEYS + c] = 0.f;
-    __syncthreads();
-    for (int i0 = 0; i0 < nvec; i0 += 32) {
-        const int i = i0 + lane;
-        Vec16<T> kv[KPW];
+    // Keys past the length read the last valid key (memory that exists) and are masked below.
+    const uint4* kr = reinterpret_cast<const uint4*>(k + (size_t)min(key0 + lane, L - 1) * D);
+    for (int r0 = warp; r0 < R; r0 += WARPS * RPW) {
+        float acc[RPW];
 #pragma unroll
-        for (int u = 0; u < KPW; ++u) {
-            const int key = key0 + warp + u * WARPS;
-            kv[u].raw = (i < nvec && key < L) ? reinterpret_cast<const uint4*>(k + (size_t)key * D)[i]
-                                              : make_uint4(0, 0, 0, 0);
-        }
-        for (int r = 0; r < R; ++r) {
-            const float* qr = qs + r * D + i * V;
+        for (int u = 0; u < RPW; ++u) acc[u] = 0.f;
+        // KU key vectors in flight per lane (a tail past the head dim loads zeros).
+        constexpr int KU = 4;
+        for (int i0 = 0; i0 < nvec; i0 += KU) {
+            Vec16<T> kv[KU];
 #pragma unroll
-            for (int u = 0; u < KPW; ++u) {
-                float part = 0.f;
-                if (i < nvec) {
+            for (int j = 0; j < KU; ++j) kv[j].raw = i0 + j < nvec ? kr[i0 + j] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-                    for (int e = 0; e < V; ++e) part += qr[e] * to_f(kv[u].e[e]);
+            for (int j = 0; j < KU; ++j) {
+                const int i = min(i0 + j, nvec - 1);  // a masked vector is zero: adds nothing
+#pragma unroll
+                for (int u = 0; u < RPW; ++u) {
+                    const int r = r0 + u * WARPS;
+                    if (r < R) {
+                        // V consecutive floats at a multiple of V: 16-byte aligned broadcasts.
+                        const float4* qr = reinterpret_cast<const float4*>(qs + r * D + i * V);
+#pragma unroll
+                        for (int e4 = 0; e4 < V / 4; ++e4) {
+                            const float4 qv = qr[e4];
+                            acc[u] += qv.x * to_f(kv[j].e[4 * e4]) + qv.y * to_f(kv[j].e[4 * e4 + 1]) +
+                                      qv.z * to_f(kv[j].e[4 * e4 + 2]) + qv.w * to_f(kv[j].e[4 * e4 + 3]);
+                        }
+                    }
                 }
-                part = warp_sum(part);
-                // Each (row, key) belongs to one warp; its lane 0 accumulates over the passes.
-                if (lane == 0) sc[r * ATT_KEYS + warp + u * WARPS] += part;
             }
+        }
+#pragma unroll
+        for (int u = 0; u < RPW; ++u) {
+            const int r = r0 + u * WARPS;
+            if (r < R) sc[r * ATT_KEYS + lane] = acc[u];
         }
     }
     __syncthreads();
