@@ -68,9 +68,12 @@ impl MtpCache {
     }
 
     /// Positions held by MTP layer `layer` (0 when it has none).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn len_of(&mut self, layer: usize) -> usize {
-        self.kv(layer).map(|kv| kv.len()).unwrap_or(0)
+    #[cfg(feature = "cuda")]
+    pub(crate) fn len_of(&self, layer: usize) -> usize {
+        match self.layers.get(layer) {
+            Some(LayerCache::Attention(kv)) => kv.len(),
+            _ => 0,
+        }
     }
 
     /// Sets MTP layer `layer`'s valid length (after a graph's warm-up run).
