@@ -217,6 +217,27 @@ mod tests {
         Ok(())
     }
 
+    /// `forward_add` is the residual plus the layer's output, with or without a bias; a residual
+    /// of another shape is an error.
+    #[test]
+    fn forward_add_adds_the_residual() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 16), &dev)?;
+        let r = Tensor::randn(0f32, 1.0, (1, 2, 5), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (5, 16), &dev)?;
+        for bias in [None, Some(Tensor::randn(0f32, 1.0, 5, &dev)?)] {
+            let lin = Linear::new(w.clone(), bias);
+            let want = (lin.forward(&x)? + &r)?;
+            let diff = (lin.forward_add(&x, &r)? - want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-6, "{diff}");
+            assert!(lin.forward_add(&x, &r.narrow(2, 0, 4)?).is_err());
+        }
+        Ok(())
+    }
+
     #[test]
     fn fusing_needs_consistent_biases() -> Result<()> {
         let dev = Device::Cpu;

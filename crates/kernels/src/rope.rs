@@ -178,6 +178,65 @@ mod tests {
         y
     }
 
+    /// The attention layer's q preparation on a q|gate-interleaved row: each head's slot is read,
+    /// (1+w) RMS-normalised and rotated like a naive per-head loop; the gate slots are skipped.
+    #[test]
+    fn norm_rope_heads_matches_naive_per_head() -> Result<()> {
+        let (b, t, heads, hd, rd, pos) = (2, 3, 2, 8, 4, 5);
+        let stride = 2 * hd;
+        let n = heads * stride + 3; // a wider row, as the fused projection gives
+        let data: Vec<f32> = (0..b * t * n)
+            .map(|i| ((i * 29 % 13) as f32 - 6.0) / 4.0)
+            .collect();
+        let x = Tensor::from_vec(data.clone(), (b, t, n), &Device::Cpu)?;
+        let w: Vec<f32> = (0..hd).map(|i| i as f32 / 10.0 - 0.3).collect();
+        let norm = RmsNorm::zero_centred(&Tensor::new(w.as_slice(), &Device::Cpu)?, 1e-6)?;
+        let rope = RotaryEmbedding::new(rd, 10_000.0)?;
+        let (cos, sin) = rope.cos_sin(pos, t, DType::F32, &Device::Cpu)?;
+        let y = norm_rope_heads(&x, heads, stride, hd, Some(&norm), &cos, &sin)?;
+        assert_eq!(y.dims(), [b, heads, t, hd]);
+        let got = y.flatten_all()?.to_vec1::<f32>()?;
+        for bi in 0..b {
+            for ti in 0..t {
+                for h in 0..heads {
+                    let off = (bi * t + ti) * n + h * stride;
+                    let head = &data[off..off + hd];
+                    let inv = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
+                    let normed: Vec<f32> = head.iter().zip(&w).map(|(v, wi)| v * inv * (1.0 + wi)).collect();
+                    let want = naive(&normed, pos + ti, rd, 10_000.0);
+                    let at = ((bi * heads + h) * t + ti) * hd;
+                    for k in 0..hd {
+                        assert!((got[at + k] - want[k]).abs() < 1e-5, "b{bi} t{ti} h{h} d{k}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Heads that do not fit the row, or angles for another length, are shape errors.
+    #[test]
+    fn norm_rope_heads_rejects_bad_shapes() -> Result<()> {
+        let x = Tensor::zeros((1, 2, 16), DType::F32, &Device::Cpu)?;
+        let (cos, sin) = RotaryEmbedding::new(4, 10_000.0)?.cos_sin(0, 2, DType::F32, &Device::Cpu)?;
+        for (heads, stride, hd) in [(3, 8, 8), (2, 8, 9)] {
+            let e = norm_rope_heads(&x, heads, stride, hd, None, &cos, &sin).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::Shape {
+                        op: "norm_rope_heads",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        let (c3, s3) = RotaryEmbedding::new(4, 10_000.0)?.cos_sin(0, 3, DType::F32, &Device::Cpu)?;
+        assert!(norm_rope_heads(&x, 2, 8, 8, None, &c3, &s3).is_err());
+        Ok(())
+    }
+
     #[test]
     fn partial_rope_matches_naive_and_keeps_tail() -> Result<()> {
         let (b, t, h, d, rd) = (1, 5, 2, 8, 4);
