@@ -152,8 +152,7 @@ impl MtpHead {
         cache: &mut MtpCache,
         step: usize,
     ) -> Result<Tensor> {
-        let layer = self.layer_index(step);
-        let attn = model.attn_step(cache.kv(layer)?.len(), hidden.dim(1)?)?;
+        let attn = self.step_attn(model, cache, step, hidden.dim(1)?)?;
         self.forward_with(model, hidden, next_ids, cache, step, &attn)
     }
 
@@ -167,9 +166,20 @@ impl MtpHead {
         cache: &mut MtpCache,
         step: usize,
     ) -> Result<(Tensor, Tensor)> {
-        let layer = self.layer_index(step);
-        let attn = model.attn_step(cache.kv(layer)?.len(), hidden.dim(1)?)?;
+        let attn = self.step_attn(model, cache, step, hidden.dim(1)?)?;
         self.draft_with(model, hidden, next_ids, cache, step, &attn)
+    }
+
+    /// The attention inputs of draft step `step` feeding `len` positions after those its MTP layer
+    /// holds.
+    fn step_attn(
+        &self,
+        model: &Qwen36Model,
+        cache: &mut MtpCache,
+        step: usize,
+        len: usize,
+    ) -> Result<AttnStep> {
+        model.attn_step(cache.kv(self.layer_index(step))?.len(), len)
     }
 
     /// [`Self::draft`] with the attention inputs `attn` (which must start at the layer's length).
@@ -218,59 +228,5 @@ impl MtpHead {
         cache.kv(i)?; // a typed error, not an index panic, for a cache of another head
         let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], attn, false)?;
         Ok(self.norm.forward(&y)?)
-    }
-}
-
-/// Runs MTP draft steps ([`MtpHead::draft`]): replayed from CUDA graphs where the model's device
-/// can record them (feature `cuda`, a device from [`graph_device`](crate::graph_device)),
-/// eagerly elsewhere, with the same results. Graphs are bound to one [`MtpCache`]: keep the
-/// stepper and the cache together.
-pub struct DraftStepper {
-    #[cfg(feature = "cuda")]
-    graph: Option<crate::graph::DraftGraph>,
-}
-
-impl DraftStepper {
-    /// A stepper for drafts of `model`'s head.
-    pub fn new(model: &Qwen36Model) -> Self {
-        #[cfg(feature = "cuda")]
-        {
-            let graph = model
-                .device()
-                .is_cuda()
-                .then(|| crate::graph::DraftGraph::new(model.device()).ok())
-                .flatten();
-            Self { graph }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = model;
-            Self {}
-        }
-    }
-
-    /// Whether draft steps replay CUDA graphs.
-    pub fn uses_graphs(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        return self.graph.is_some();
-        #[cfg(not(feature = "cuda"))]
-        false
-    }
-
-    /// [`MtpHead::draft`], replayed from a graph when available.
-    pub fn draft(
-        &mut self,
-        head: &MtpHead,
-        model: &Qwen36Model,
-        hidden: &Tensor,
-        next_ids: &Tensor,
-        cache: &mut MtpCache,
-        step: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        #[cfg(feature = "cuda")]
-        if let Some(g) = self.graph.as_mut() {
-            return g.draft(head, model, hidden, next_ids, cache, step);
-        }
-        head.draft(model, hidden, next_ids, cache, step)
     }
 }

@@ -1,9 +1,10 @@
-//! Decode steps and verify passes for a generation loop: through CUDA graphs where the model's
-//! device can record them, eagerly everywhere else, with one call site either way.
+//! Decode steps, verify passes and MTP draft steps for a generation loop: through CUDA graphs
+//! where the model's device can record them, eagerly everywhere else, with one call site either
+//! way.
 
 use candle_core::Tensor;
 
-use crate::{Cache, Qwen36Model, Result};
+use crate::{Cache, MtpCache, MtpHead, Qwen36Model, Result};
 
 /// Runs the per-token passes of one generation. On a CUDA device made by
 /// [`graph_device`](crate::graph_device) (feature `cuda`) one-token steps and verify passes replay
@@ -72,6 +73,60 @@ impl Stepper {
             return g.commit(cache, keep);
         }
         cache.commit(keep)
+    }
+}
+
+/// Runs MTP draft steps ([`MtpHead::draft`]): replayed from CUDA graphs where the model's device
+/// can record them (feature `cuda`, a device from [`graph_device`](crate::graph_device)),
+/// eagerly elsewhere, with the same results. Graphs are bound to one [`MtpCache`]: keep the
+/// stepper and the cache together.
+pub struct DraftStepper {
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::graph::DraftGraph>,
+}
+
+impl DraftStepper {
+    /// A stepper for drafts of `model`'s head.
+    pub fn new(model: &Qwen36Model) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let graph = model
+                .device()
+                .is_cuda()
+                .then(|| crate::graph::DraftGraph::new(model.device()).ok())
+                .flatten();
+            Self { graph }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = model;
+            Self {}
+        }
+    }
+
+    /// Whether draft steps replay CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graph.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// [`MtpHead::draft`], replayed from a graph when available.
+    pub fn draft(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        next_ids: &Tensor,
+        cache: &mut MtpCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.draft(head, model, hidden, next_ids, cache, step);
+        }
+        head.draft(model, hidden, next_ids, cache, step)
     }
 }
 
