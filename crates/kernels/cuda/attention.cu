@@ -2,7 +2,9 @@
 // (so one recorded CUDA graph serves every decode position): the CUDA twin of
 // `decode_attention` in src/attention.rs. Split-K ("flash decoding"): each block scores one span of
 // ATT_KEYS keys for every query row of one KV head and keeps unnormalised partial sums; a second
-// kernel merges the spans. Built to PTX by build.rs.
+// kernel merges the spans. Also the prefill kernels: a causal softmax over materialised scores
+// (any dtype) and a tiled FlashAttention-2 kernel on tensor cores (bf16/f16). Built to PTX by
+// build.rs.
 #include "common.cuh"
 
 constexpr int ATT_THREADS = 128;
@@ -308,3 +310,224 @@ __device__ void causal_softmax(const T* __restrict__ x, T* __restrict__ y, int k
 CAUSAL_SOFTMAX(f32, float)
 CAUSAL_SOFTMAX(bf16, __nv_bfloat16)
 CAUSAL_SOFTMAX(f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// Causal prefill attention, FlashAttention-2 style on tensor cores (mma.sync m16n8k16, f32
+// accumulate): the CUDA twin of `prefill_attention` in src/attention.rs for bf16/f16.
+// Block = (tile of FA_BQ query rows, query head h, batch b), 4 warps of 16 query rows each. The
+// block walks the key tiles up to its last query's position: S = Q K^T (scaled by scale·log2 e),
+// causal mask, online softmax (running row max m and sum l, base 2), O += P V with P rounded to the
+// input dtype, as flash-attn does; O / l at the end. Q, K and V tiles sit in shared memory (rows
+// padded by 8 elements: the ldmatrix rows of 16 bytes then fall in distinct banks); K and V of the
+// next tile load (cp.async) while the current one is computed on.
+// q: [b, nh, t, HD] (strides q_bs, q_hs; rows HD apart), k, v: [b, nkv, >= kv_len, HD] (strides
+// k_bs, k_hs, shared by v; rows HD apart; head h reads KV head h / (nh / nkv)), query i sits at
+// position pos0 + i and sees keys 0..=pos0 + i; out: [b, t, nh, HD] contiguous.
+constexpr int FA_BQ = 64, FA_BK = 64, FA_WARPS = 4;
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// c += a · b for one m16n8k16 tile (a: 16x16 row-major fragment, b: 16x8 column fragment).
+template <typename T> __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Starts copying rows [r0, r0 + 64) of a [rows][HD] matrix (rows `rs` elements apart) into a
+// shared tile of row stride HD + 8; rows at or past `limit` are zero-filled.
+template <typename T, int HD>
+__device__ __forceinline__ void fa_load_tile(T* dst, const T* __restrict__ src, long rs, int r0, int limit) {
+    constexpr int CPR = HD / 8;  // 16-byte chunks per row
+    for (int e = threadIdx.x; e < 64 * CPR; e += FA_WARPS * 32) {
+        const int r = e / CPR, c = (e % CPR) * 8;
+        const bool ok = r0 + r < limit;
+        cp_async16_or_zero(&dst[r * (HD + 8) + c], &src[(long)(ok ? r0 + r : 0) * rs + c], ok);
+    }
+}
+
+template <typename T, int HD>
+__device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              T* __restrict__ out, int t, int nh, int nkv, long q_bs, long q_hs, long k_bs,
+                              long k_hs, int pos0, float scale_log2) {
+    constexpr int LD = HD + 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* Qs = reinterpret_cast<T*>(fa_smem);
+    T* Ks = Qs + FA_BQ * LD;
+    T* Vs = Ks + FA_BK * LD;
+    // Heaviest tiles (most keys) first: the grid runs roughly in blockIdx order.
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+    const int q0 = tile * FA_BQ;
+    const T* qb = q + b * q_bs + h * q_hs;
+    const long kv_off = b * k_bs + (long)(h / (nh / nkv)) * k_hs;
+    const T* kb = k + kv_off;
+    const T* vb = v + kv_off;
+    // Keys this tile sees: up to its last valid query's position.
+    const int keys = pos0 + min(q0 + FA_BQ, t);
+    const int ntiles = (keys + FA_BK - 1) / FA_BK;
+
+    fa_load_tile<T, HD>(Qs, qb, HD, q0, t);
+    cp_async_commit();
+    fa_load_tile<T, HD>(Ks, kb, HD, 0, keys);
+    cp_async_commit();
+    fa_load_tile<T, HD>(Vs, vb, HD, 0, keys);
+    cp_async_commit();
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    // Positions of this thread's two rows (g and g + 8 of the warp's 16).
+    const int pos_r[2] = {pos0 + q0 + warp * 16 + g, pos0 + q0 + warp * 16 + g + 8};
+    const int warp_last = pos0 + q0 + warp * 16 + 15;
+
+    for (int kt = 0; kt < ntiles; kt++) {
+        const int k0 = kt * FA_BK;
+        cp_async_wait<1>();  // Q and this K tile (its V may still be in flight)
+        __syncthreads();
+        float s[FA_BK / 8][4];
+#pragma unroll
+        for (int j = 0; j < FA_BK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        if (k0 <= warp_last) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                uint32_t a[4];
+                ldsm_x4(a, &Qs[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+#pragma unroll
+                for (int j2 = 0; j2 < FA_BK / 16; j2++) {
+                    uint32_t bf[4];
+                    ldsm_x4(bf, &Ks[(j2 * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8]);
+                    mma16816<T>(s[2 * j2], a, bf[0], bf[1]);
+                    mma16816<T>(s[2 * j2 + 1], a, bf[2], bf[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this K tile
+        if (kt + 1 < ntiles) fa_load_tile<T, HD>(Ks, kb, HD, k0 + FA_BK, keys);
+        cp_async_commit();  // (empty on the last tile: keeps the group count uniform)
+
+        // Online softmax in base 2 over this tile's keys; keys past a row's position are masked.
+        const bool diag = k0 + FA_BK - 1 > pos0 + q0 + warp * 16;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = m[r];
+#pragma unroll
+            for (int j = 0; j < FA_BK / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float x = s[j][2 * r + e] * scale_log2;
+                    if (diag && k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;
+                    s[j][2 * r + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // Every row sees key 0, so mx is finite from the first tile on.
+            const float corr = exp2f(m[r] - mx);
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < FA_BK / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float p = exp2f(s[j][2 * r + e] - mx);
+                    s[j][2 * r + e] = p;
+                    sum += p;
+                }
+            }
+            l[r] = l[r] * corr + sum;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                o[j][2 * r] *= corr;
+                o[j][2 * r + 1] *= corr;
+            }
+        }
+
+        cp_async_wait<1>();  // this V tile (the next K tile may still be in flight)
+        __syncthreads();
+        if (k0 <= warp_last) {
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+                // The score fragments of keys kk·16 .. +16 are the A fragment of P·V.
+                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int j2 = 0; j2 < HD / 16; j2++) {
+                    uint32_t bf[4];
+                    ldsm_x4_trans(bf, &Vs[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j2 * 16 + (lane >> 4) * 8]);
+                    mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
+                    mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this V tile
+        if (kt + 1 < ntiles) fa_load_tile<T, HD>(Vs, vb, HD, k0 + FA_BK, keys);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = q0 + warp * 16 + g + 8 * r;
+        if (row >= t) continue;
+        const float inv = 1.f / sum;
+        T* orow = out + (((long)b * t + row) * nh + h) * HD;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            *reinterpret_cast<uint32_t*>(&orow[8 * j + 2 * c]) = pack2<T>(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+    }
+}
+
+#define FLASH_PREFILL(SUFFIX, T, HD)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                            \
+        flash_prefill_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, T* out, int t, int nh, int nkv, \
+                                       long q_bs, long q_hs, long k_bs, long k_hs, int pos0, float sl2) {  \
+        flash_prefill<T, HD>(q, k, v, out, t, nh, nkv, q_bs, q_hs, k_bs, k_hs, pos0, sl2);                 \
+    }
+FLASH_PREFILL(bf16, __nv_bfloat16, 64)
+FLASH_PREFILL(bf16, __nv_bfloat16, 128)
+FLASH_PREFILL(bf16, __nv_bfloat16, 256)
+FLASH_PREFILL(f16, __half, 64)
+FLASH_PREFILL(f16, __half, 128)
+FLASH_PREFILL(f16, __half, 256)

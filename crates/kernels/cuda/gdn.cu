@@ -432,18 +432,6 @@ CHUNK_PREP(gdn_chunk_prep_fused_f32, float, float, true)
 CHUNK_PREP(gdn_chunk_prep_fused_bf16, __nv_bfloat16, __nv_bfloat16, true)
 CHUNK_PREP(gdn_chunk_prep_fused_f16, __half, __half, true)
 
-// Asynchronous 16-byte global -> shared copies (sm_80+): the scan issues a chunk's next tile
-// before computing on the current one.
-__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Starts copying a [CH][dk] f32 tile (16-byte aligned rows, dk % 4 == 0) into X[CH][XS];
 // columns dk..CHUNK_DK keep the zeros written once at the start.
 template <int NT>

@@ -1,8 +1,9 @@
 //! Causal attention of a few new queries (a decode step, an MTP verify pass) over a KV cache
 //! buffer whose valid length is a tensor, not a host number: on CUDA the kernels read it from
 //! device memory, so one recorded graph serves every position. The CPU function is the plain
-//! reference (f32 loops). Prefill keeps the matmul path of the model, with [`causal_softmax`]
-//! between its two matmuls.
+//! reference (f32 loops). Prefill: [`prefill_attention`] (a FlashAttention-2 kernel on CUDA for
+//! bf16/f16, see [`prefill_attention_fits`]); elsewhere the model's matmul path, with
+//! [`causal_softmax`] between its two matmuls.
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -65,9 +66,15 @@ pub fn decode_attention(
 
 /// The CPU reference: f32 loops over every (batch, head, row), softmax over the visible keys.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, len: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
+    let l = len.to_device(&Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
+    reference_rows(q, k, v, l, t, scale)
+}
+
+/// [`reference`] with the valid length `l` as a host number (clamped to the buffer).
+fn reference_rows(q: &Tensor, k: &Tensor, v: &Tensor, l: usize, t: usize, scale: f64) -> Result<Tensor> {
     let (b, h, r, d) = q.dims4()?;
     let cap = k.dim(2)?;
-    let l = (len.to_device(&Device::Cpu)?.to_vec1::<u32>()?[0] as usize).min(cap);
+    let l = l.min(cap);
     let (qh, kh, vh) = (crate::host_f32(q)?, crate::host_f32(k)?, crate::host_f32(v)?);
     let mut out = vec![0f32; b * h * r * d];
     let mut p = vec![0f32; l];
@@ -99,6 +106,49 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, len: &Tensor, t: usize, scale: 
     Ok(Tensor::from_vec(out, (b, h, r, d), &Device::Cpu)?
         .to_dtype(q.dtype())?
         .to_device(q.device())?)
+}
+
+/// Head dims the CUDA prefill kernel is built for.
+const PREFILL_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// True when [`prefill_attention`] runs its tensor-core kernel for `head_dim` and `dtype` on
+/// `device` (CUDA, bf16 or f16, head dim 64, 128 or 256); elsewhere it is the f32 reference, slow
+/// but exact, so callers keep their own matmul path for those cases.
+pub fn prefill_attention_fits(head_dim: usize, dtype: DType, device: &Device) -> bool {
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && PREFILL_HEAD_DIMS.contains(&head_dim)
+}
+
+/// Causal attention of a prompt block: `q: [b, heads, t, hd]` at positions `pos0..pos0 + t` over
+/// `k, v: [b, kv_heads, L, hd]` with `L ≥ pos0 + t` (views into a longer cache buffer are read in
+/// place); query head `h` uses KV head `h / (heads / kv_heads)` and sees keys `0..=its position`.
+/// Returns `[b, heads, t, hd]` in `q`'s dtype (on CUDA a transposed view of a `[b, t, heads, hd]`
+/// buffer, the layout the output projection reads). CPU and unsupported CUDA cases: the f32
+/// reference.
+pub fn prefill_attention(q: &Tensor, k: &Tensor, v: &Tensor, pos0: usize, scale: f64) -> Result<Tensor> {
+    let op = "prefill_attention";
+    for (arg, t) in [("q", q), ("k", k), ("v", v)] {
+        expect_rank(op, arg, t, 4)?;
+    }
+    let (b, h, t, d) = q.dims4()?;
+    let (kb, kh, len, kd) = k.dims4()?;
+    if (kb, kd) != (b, d) || v.dims() != k.dims() || kh == 0 || h % kh != 0 || len < pos0 + t {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "q {:?}, k {:?}, v {:?} at position {pos0} do not fit",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        });
+    }
+    if prefill_attention_fits(d, q.dtype(), q.device()) && k.dtype() == q.dtype() && v.dtype() == q.dtype() {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::prefill_attention(q, k, v, pos0, scale);
+    }
+    // Rows r = member·t + token of each KV head's group, as the reference takes them.
+    let qg = q.contiguous()?.reshape((b, kh, h / kh * t, d))?;
+    Ok(reference_rows(&qg, k, v, pos0 + t, t, scale)?.reshape((b, h, t, d))?)
 }
 
 /// Causal softmax of a prefill block's attention scores `[..., rows, keys]`: row `r` (counted over
@@ -160,6 +210,47 @@ mod tests {
         let want = probs.matmul(&vv)?;
         let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max diff {diff}");
+        Ok(())
+    }
+
+    /// The prefill reference against softmax(q·kᵀ·scale + causal mask)·v from candle ops, per
+    /// query head: three query heads per KV head, a block at position 5 over a cache view longer
+    /// than the keys it sees (so reading past `pos0 + t` would show).
+    #[test]
+    fn prefill_reference_matches_masked_softmax() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, kh, t, d, pos0, cap) = (2, 6, 2, 4, 8, 5, 12);
+        let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+        let kbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
+        let vbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
+        let (k, v) = (kbuf.narrow(2, 0, cap)?, vbuf.narrow(2, 0, cap)?);
+        let got = prefill_attention(&q, &k, &v, pos0, 0.4)?;
+        assert_eq!(got.dims(), [b, h, t, d]);
+        let seen = pos0 + t;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..seen).map(move |j| if j > pos0 + i { -1e30 } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, seen), &dev)?;
+        for head in 0..h {
+            let kv = head / (h / kh);
+            let qh = q.narrow(1, head, 1)?;
+            let (kk, vv) = (
+                k.narrow(1, kv, 1)?.narrow(2, 0, seen)?,
+                v.narrow(1, kv, 1)?.narrow(2, 0, seen)?,
+            );
+            let scores = (qh.matmul(&kk.t()?)? * 0.4)?.broadcast_add(&mask)?;
+            let want = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&vv)?;
+            let diff = (got.narrow(1, head, 1)? - want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "head {head}: max diff {diff}");
+        }
+        let e = prefill_attention(&q, &k.narrow(2, 0, 8)?, &v.narrow(2, 0, 8)?, pos0, 0.4).unwrap_err();
+        assert!(e.to_string().contains("at position 5"), "{e}");
+        let e = prefill_attention(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, 0, 0.4).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
         Ok(())
     }
 

@@ -304,11 +304,12 @@ fn chunked_supported(d: Launch) -> bool {
     d.dk <= CHUNK_MAX_DK && d.dk % 4 == 0 && d.dv % 4 == 0
 }
 
-/// Lets kernel `name` take `smem` bytes of dynamic shared memory (past the default 48 KiB).
-fn allow_smem(dev: &CudaDevice, name: &str, smem: usize) -> Result<()> {
+/// Lets kernel `name` of `module` take `smem` bytes of dynamic shared memory (past the default
+/// 48 KiB).
+fn allow_smem(dev: &CudaDevice, name: &str, smem: usize, module: &str, ptx: &'static str) -> Result<()> {
     if smem > 48 * 1024 {
         // The attribute belongs to the module's function, shared by every handle to it.
-        dev.get_or_load_custom_func(name, MODULE, PTX)?
+        dev.get_or_load_custom_func(name, module, ptx)?
             .into_cuda_function()
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -368,7 +369,7 @@ fn launch_chunked<T: CudaDType>(
     with_views::<T, _>(op, &inp, |v| {
         let eps = 1e-6f32;
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
-        allow_smem(&dev, prep_name, PREP_SMEM)?;
+        allow_smem(&dev, prep_name, PREP_SMEM, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
         let mut lb = func.builder();
         v.push_inputs(&mut lb);
@@ -390,7 +391,7 @@ fn launch_chunked<T: CudaDType>(
         unsafe { lb.launch(cfg) }.w()?;
 
         let name = format!("gdn_chunk_scan_c{cols}");
-        allow_smem(&dev, &name, scan_smem(cols))?;
+        allow_smem(&dev, &name, scan_smem(cols), MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut lb = func.builder();
         // U (overwritten with Vt), W, Kt, gL
@@ -411,7 +412,7 @@ fn launch_chunked<T: CudaDType>(
         // of 8·cols threads per (sequence, value head, cols state columns), as the kernel expects.
         unsafe { lb.launch(cfg) }.w()?;
 
-        allow_smem(&dev, "gdn_chunk_out", OUT_SMEM)?;
+        allow_smem(&dev, "gdn_chunk_out", OUT_SMEM, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func("gdn_chunk_out", MODULE, PTX)?;
         let mut lb = func.builder();
         // Vt (in U's place), Qt, P, hs
@@ -1397,4 +1398,109 @@ pub(crate) fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: us
         }};
     }
     for_float_dtype!(op, dt)
+}
+
+/// The device data of `t`'s elements as its layout addresses them: from the start offset through
+/// the last element (for kernels that take the strides themselves).
+fn span_view<'a, T: CudaDType>(
+    op: &'static str,
+    st: &'a Storage,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(cs) = st else {
+        return Err(err(op, "expected a CUDA tensor"));
+    };
+    let start = layout.start_offset();
+    let dims = layout.dims();
+    let last: usize = dims
+        .iter()
+        .zip(layout.stride())
+        .map(|(&n, &s)| n.saturating_sub(1) * s)
+        .sum();
+    let end = if dims.contains(&0) {
+        start
+    } else {
+        start + last + 1
+    };
+    Ok(cs.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// `t` itself when its rows (last dim) are contiguous and `t.dim(2)` steps over one row, else a
+/// contiguous copy: the layout the prefill kernel reads through batch and head strides.
+fn with_row_layout(t: &Tensor) -> Result<Tensor> {
+    let (st, d) = (t.stride(), t.dim(3)?);
+    Ok(if st[3] == 1 && st[2] == d {
+        t.clone()
+    } else {
+        t.contiguous()?
+    })
+}
+
+/// CUDA twin of `prefill_attention` for bf16/f16 and the head dims of `prefill_attention_fits`
+/// (checked by the caller): one FlashAttention-2 kernel, tiles of 64 queries per (head, batch).
+pub(crate) fn prefill_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos0: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let op = "prefill_attention";
+    let dt = q.dtype();
+    let dev = device(op, q)?;
+    let (b, h, t, d) = q.dims4()?;
+    let kh = k.dim(1)?;
+    let (q, mut k, mut v) = (with_row_layout(q)?, with_row_layout(k)?, with_row_layout(v)?);
+    if k.stride() != v.stride() {
+        (k, v) = (k.contiguous()?, v.contiguous()?);
+    }
+    let to_i32 = |x: usize| i32::try_from(x).map_err(|_| err(op, format!("{x} does not fit in i32")));
+    let (t32, h32, kh32, pos32) = (to_i32(t)?, to_i32(h)?, to_i32(kh)?, to_i32(pos0)?);
+    let strides = [q.stride()[0], q.stride()[1], k.stride()[0], k.stride()[1]].map(|s| s as i64);
+    // Q, K and V tiles of 64 rows of d + 8 elements.
+    let smem = 3 * 64 * (d + 8) * dt.size_in_bytes();
+    let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (qs, ql) = q.storage_and_layout();
+            let (ks, kl) = k.storage_and_layout();
+            let (vs, vl) = v.storage_and_layout();
+            let qv = span_view::<$t>(op, &qs, ql)?;
+            let kv = span_view::<$t>(op, &ks, kl)?;
+            let vv = span_view::<$t>(op, &vs, vl)?;
+            // SAFETY: uninitialised; the kernel writes every (row < t, head, batch) output row.
+            let out = unsafe { dev.alloc::<$t>(b * t * h * d)? };
+            if b * t * h > 0 {
+                let name = format!("flash_prefill_{}_d{d}", dtype_suffix(op, dt)?);
+                allow_smem(&dev, &name, smem, ATTENTION_MODULE, ATTENTION_PTX)?;
+                let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
+                let mut lb = f.builder();
+                lb.arg(&qv).arg(&kv).arg(&vv).arg(&out);
+                lb.arg(&t32).arg(&h32).arg(&kh32);
+                for s in &strides {
+                    lb.arg(s);
+                }
+                lb.arg(&pos32).arg(&sl2);
+                let cfg = LaunchConfig {
+                    grid_dim: (t.div_ceil(64) as u32, h as u32, b as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                // SAFETY: arguments match `flash_prefill_*_d*` in cuda/attention.cu: q [b, h, t,
+                // d] and k, v [b, kh, ≥ pos0 + t, d] with rows of d contiguous elements d apart
+                // (`with_row_layout`) and the batch/head strides passed (k and v share them), each
+                // view spanning every element its layout addresses; out [b, t, h, d] contiguous;
+                // i32 t, h, kh, i64 strides, i32 pos0, f32 scale·log2 e. The caller checked h % kh
+                // == 0 and pos0 + t ≤ the key count, so every key row read exists; 128 threads and
+                // the kernel's 3·64·(d + 8) elements of shared memory, its limit raised above.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(wrap(out, &dev, (b, t, h, d)).transpose(1, 2)?)
+        }};
+    }
+    match dt {
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => Err(err(op, format!("unsupported dtype {other:?}"))),
+    }
 }

@@ -424,6 +424,62 @@ fn decode_attention_matches_cpu() {
     }
 }
 
+/// The tensor-core prefill attention kernel against the CPU reference (f32 loops): bf16 and f16,
+/// each compiled head dim, six query heads per KV head, prompts inside one 64-row tile, at and
+/// past tile edges, from position 0 and after a cached prefix (pos0 = 37), over cache views longer
+/// than the keys. Tolerance: the kernel rounds P to the input dtype before P·V (as flash-attn
+/// does), a relative 2^-9 (bf16) / 2^-12 (f16) per term whose errors add up like the output
+/// itself, and rounds the output once; the reference rounds only the output: 2^-6 / 2^-9 of each
+/// row's scale leaves room for both and still fails on any wrong key, mask or scale.
+#[test]
+fn prefill_attention_matches_cpu() {
+    use qwen36_kernels::attention::{prefill_attention, prefill_attention_fits};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    for (dt, tol) in [(DType::BF16, 2f32.powi(-6)), (DType::F16, 2f32.powi(-9))] {
+        for (hd, t, pos0) in [
+            (256, 1, 0),
+            (256, 64, 0),
+            (256, 130, 37),
+            (128, 63, 0),
+            (128, 200, 37),
+            (64, 65, 37),
+            (64, 300, 0),
+        ] {
+            assert!(prefill_attention_fits(hd, dt, &d));
+            let (b, h, kh) = (2, 12, 2);
+            let cap = pos0 + t + 5;
+            let q = randn(1.0, (b, h, t, hd), dt);
+            let k = randn(1.0, (b, kh, cap, hd), dt);
+            let v = randn(1.0, (b, kh, cap, hd), dt);
+            let keys = pos0 + t;
+            let scale = (hd as f64).powf(-0.5);
+            let want = prefill_attention(
+                &q,
+                &k.narrow(2, 0, keys).unwrap(),
+                &v.narrow(2, 0, keys).unwrap(),
+                pos0,
+                scale,
+            )
+            .unwrap();
+            let on = |x: &Tensor| x.to_device(&d).unwrap();
+            let (kd, vd) = (on(&k), on(&v));
+            let got = prefill_attention(
+                &on(&q),
+                &kd.narrow(2, 0, keys).unwrap(),
+                &vd.narrow(2, 0, keys).unwrap(),
+                pos0,
+                scale,
+            )
+            .unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let e = max_row_rel_err(&got, &want);
+            assert!(e <= tol, "{dt:?} hd {hd} t {t} pos0 {pos0}: {e}");
+            eprintln!("prefill_attention {dt:?} hd {hd} t {t} pos0 {pos0}: max row rel err {e:.2e}");
+        }
+    }
+}
+
 /// The two-stage argmax against candle's CPU argmax: vocabulary-sized rows (several chunks, a
 /// partial last one), short rows, ties (the lowest index wins on both sides), three dtypes.
 #[test]

@@ -2,7 +2,9 @@
 //! RoPE, GQA, causal softmax, sigmoid output gate.
 
 use candle_core::{DType, Device, Tensor, D};
-use qwen36_kernels::attention::{causal_softmax, decode_attention, decode_attention_fits};
+use qwen36_kernels::attention::{
+    causal_softmax, decode_attention, decode_attention_fits, prefill_attention, prefill_attention_fits,
+};
 use qwen36_kernels::rope::norm_rope_heads;
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
@@ -139,8 +141,9 @@ impl GatedAttention {
         self.forward_with(x, step, cache, kernel, SCORE_BUDGET)
     }
 
-    /// The layer with either the decode kernel over the whole KV buffer (`kernel`) or the
-    /// matmul path, its queries split so one block's scores hold at most `budget` elements.
+    /// The layer with the decode kernel over the whole KV buffer (`kernel`), else the prefill
+    /// kernel where it fits (CUDA, half types), else the matmul path with its queries split so
+    /// one block's scores hold at most `budget` elements.
     fn forward_with(
         &self,
         x: &Tensor,
@@ -180,7 +183,11 @@ impl GatedAttention {
             decode_attention(&q, &kb, &vb, &step.len, t, scale)?.reshape((b, nh, t, hd))?
         } else {
             let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
-            self.attend_blocks(&q, &k, &v, start, budget)?
+            if prefill_attention_fits(hd, q.dtype(), q.device()) {
+                prefill_attention(&q, &k, &v, start, (hd as f64).powf(-0.5))?
+            } else {
+                self.attend_blocks(&q, &k, &v, start, budget)?
+            }
         };
         let out = (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?; // [b, t, nh, hd]
         Ok(self.o_proj.forward(&out.reshape((b, t, nh * hd))?)?)
