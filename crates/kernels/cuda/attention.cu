@@ -125,18 +125,24 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
 // (e+1)·per_in); the output entry g covers input entries [g·GROUP, (g+1)·GROUP).
 constexpr int GROUP = 32;
 
-__device__ __forceinline__ int entries(const unsigned* len_p, int per) {
-    const int spans = ((int)len_p[0] + ATT_KEYS - 1) / ATT_KEYS;
-    return (spans + per - 1) / per;
+// Entries that hold keys at a merge level with `per` first-level partials per entry. The partial
+// kernel ran s0 blocks per head over the ceil(len / unit) units of `unit` keys, each block taking
+// ceil(units / s0) consecutive units (one unit each when s0 covers the buffer).
+__device__ __forceinline__ int entries(const unsigned* len_p, int unit, int s0, int per) {
+    const int units = ((int)len_p[0] + unit - 1) / unit;
+    const int upb = max((units + s0 - 1) / s0, 1);
+    const int parts = (units + upb - 1) / upb;
+    return (parts + per - 1) / per;
 }
 
 // First level for long buffers: block (r, bh, g) merges input entries [g·GROUP, (g+1)·GROUP) into
 // one (max, sum, unnormalised o) entry, so that the final merge reads at most S / GROUP entries.
 __device__ void attn_merge_group(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                  const unsigned* __restrict__ len_p, float* __restrict__ out_o,
-                                 float* __restrict__ out_ml, int R, int D, int S, int per_in) {
+                                 float* __restrict__ out_ml, int R, int D, int S, int per_in, int unit,
+                                 int s0) {
     const int r = blockIdx.x, bh = blockIdx.y, g = blockIdx.z, G = gridDim.z;
-    const int n = min(entries(len_p, per_in), S) - g * GROUP;
+    const int n = min(entries(len_p, unit, s0, per_in), S) - g * GROUP;
     if (n <= 0) return;
     const float* ml = part_ml + (((size_t)bh * S + g * GROUP) * R + r) * 2;  // entry e at ml[e·R·2]
     float m[GROUP];
@@ -170,10 +176,11 @@ __device__ void attn_merge_group(const float* __restrict__ part_o, const float* 
 // (each entry covers `per` spans). One block per (r, bh); shared memory: S floats.
 template <typename T>
 __device__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                           const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per) {
+                           const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per,
+                           int unit, int s0) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
-    const int ns = min(entries(len_p, per), S);
+    const int ns = min(entries(len_p, unit, s0, per), S);
     const float* ml = part_ml + ((size_t)bh * S * R + r) * 2;  // entry s at ml[s·R·2]
     float M = -INFINITY;
 #pragma unroll 8
@@ -207,16 +214,16 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
-                                   T* out, int R, int D, int S, int per) {                           \
-        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per);                                      \
+                                   T* out, int R, int D, int S, int per, int unit, int s0) {         \
+        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0);                            \
     }
 ATTENTION_KERNELS(f32, float)
 ATTENTION_KERNELS(bf16, __nv_bfloat16)
 ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
-                            float* out_ml, int R, int D, int S, int per_in) {
-    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in);
+                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0) {
+    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0);
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
@@ -531,3 +538,194 @@ FLASH_PREFILL(bf16, __nv_bfloat16, 256)
 FLASH_PREFILL(f16, __half, 64)
 FLASH_PREFILL(f16, __half, 128)
 FLASH_PREFILL(f16, __half, 256)
+
+// ---------------------------------------------------------------------------------------------
+// Decode / verify attention on tensor cores: the partial results of attn_partial (then merged by
+// the same kernels) for bf16/f16, head dims 64/128/256 and R <= 16·MT query rows of one KV head.
+// Block (split s, bh) takes ceil(tiles / S) consecutive tiles of FA_BK keys (tiles = ceil(len /
+// FA_BK), read from device memory: the grid is fixed by the buffer, so a recorded graph serves
+// every length); blocks past the last tile return. Warp w takes row tile w % MT and key part
+// w / MT (16·MT keys) of every tile, with its own online softmax; the warps' partials are merged
+// through shared memory at the end. K and V tiles load as in flash_prefill. Masks: row r is token
+// r % t at position len - t + r % t.
+template <typename T, int HD, int MT>
+__device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             const unsigned* __restrict__ len_p, float* __restrict__ part_o,
+                             float* __restrict__ part_ml, int R, int cap, int t, float scale_log2) {
+    constexpr int LD = HD + 8;
+    constexpr int KW = FA_BK * MT / FA_WARPS;  // keys per warp per tile
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* Qs = reinterpret_cast<T*>(fa_smem);
+    T* Ks = Qs + 16 * MT * LD;
+    T* Vs = Ks + FA_BK * LD;
+    const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x;
+    const int L = min((int)len_p[0], cap);
+    const int nt = (L + FA_BK - 1) / FA_BK;
+    const int tps = max((nt + S - 1) / S, 1);
+    const int t0 = s * tps, t1 = min(t0 + tps, nt);
+    if (t0 >= t1) return;  // past the keys: the merge never reads this split
+    q += (size_t)bh * R * HD;
+    k += (size_t)bh * cap * HD;
+    v += (size_t)bh * cap * HD;
+    for (int e = threadIdx.x; e < 16 * MT * (HD / 8); e += FA_WARPS * 32) {
+        const int r = e / (HD / 8), c8 = (e % (HD / 8)) * 8;
+        cp_async16_or_zero(&Qs[r * LD + c8], &q[(size_t)(r < R ? r : 0) * HD + c8], r < R);
+    }
+    cp_async_commit();
+    fa_load_tile<T, HD>(Ks, k, HD, t0 * FA_BK, L);
+    cp_async_commit();
+    fa_load_tile<T, HD>(Vs, v, HD, t0 * FA_BK, L);
+    cp_async_commit();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+    const int rt = warp % MT, kp = warp / MT;
+    float o[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const int pos_r[2] = {L - t + (rt * 16 + g) % t, L - t + (rt * 16 + g + 8) % t};
+
+    for (int tile = t0; tile < t1; tile++) {
+        const int k0 = tile * FA_BK + kp * KW;  // this warp's first key
+        cp_async_wait<1>();
+        __syncthreads();
+        float sc[KW / 8][4];
+#pragma unroll
+        for (int j = 0; j < KW / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            uint32_t a[4];
+            ldsm_x4(a, &Qs[(rt * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+#pragma unroll
+            for (int j2 = 0; j2 < KW / 16; j2++) {
+                uint32_t bf[4];
+                ldsm_x4(bf, &Ks[(kp * KW + j2 * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 +
+                                ((lane >> 3) & 1) * 8]);
+                mma16816<T>(sc[2 * j2], a, bf[0], bf[1]);
+                mma16816<T>(sc[2 * j2 + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();
+        if (tile + 1 < t1) fa_load_tile<T, HD>(Ks, k, HD, (tile + 1) * FA_BK, L);
+        cp_async_commit();
+
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = m[r];
+#pragma unroll
+            for (int j = 0; j < KW / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float x = sc[j][2 * r + e] * scale_log2;
+                    if (k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;  // also every key >= L
+                    sc[j][2 * r + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A warp's keys may all be masked for a row so far: no weight, no NaN.
+            const float corr = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < KW / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float p = mx == -INFINITY ? 0.f : exp2f(sc[j][2 * r + e] - mx);
+                    sc[j][2 * r + e] = p;
+                    sum += p;
+                }
+            }
+            l[r] = l[r] * corr + sum;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                o[j][2 * r] *= corr;
+                o[j][2 * r + 1] *= corr;
+            }
+        }
+
+        cp_async_wait<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; kk++) {
+            const uint32_t a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int j2 = 0; j2 < HD / 16; j2++) {
+                uint32_t bf[4];
+                ldsm_x4_trans(bf, &Vs[(kp * KW + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j2 * 16 +
+                                      (lane >> 4) * 8]);
+                mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
+                mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();
+        if (tile + 1 < t1) fa_load_tile<T, HD>(Vs, v, HD, (tile + 1) * FA_BK, L);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the warps of each row tile through the K/V tiles' space (4·16·HD + 4·16·2 floats fit
+    // in 2·64·(HD + 8) elements of T): Ow[w][row][HD], Ml[w][row] = (max, sum).
+    float* Ow = reinterpret_cast<float*>(Ks);
+    float* Ml = Ow + FA_WARPS * 16 * HD;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = warp * 16 + g + 8 * r;
+        if (c == 0) {
+            Ml[row * 2] = m[r];
+            Ml[row * 2 + 1] = sum;
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++) {
+            Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
+            Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
+        }
+    }
+    __syncthreads();
+    constexpr int KP = FA_WARPS / MT;
+    for (int idx = threadIdx.x; idx < R * HD; idx += FA_WARPS * 32) {
+        const int r = idx / HD, d = idx % HD, rr = r % 16, tile_r = r / 16;
+        float M = -INFINITY;
+#pragma unroll
+        for (int p = 0; p < KP; p++) M = fmaxf(M, Ml[((p * MT + tile_r) * 16 + rr) * 2]);
+        float acc = 0.f, sum = 0.f;
+#pragma unroll
+        for (int p = 0; p < KP; p++) {
+            const int w = p * MT + tile_r;
+            const float mw = Ml[(w * 16 + rr) * 2];
+            const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
+            acc += wt * Ow[(w * 16 + rr) * HD + d];
+            sum += wt * Ml[(w * 16 + rr) * 2 + 1];
+        }
+        part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
+        if (d == 0) {
+            // The merge kernels weigh entries by e^(m - M): the max back in natural-log units.
+            part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
+            part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
+        }
+    }
+}
+
+#define FLASH_DECODE(SUFFIX, T, HD, MT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                           \
+        flash_decode_##SUFFIX##_d##HD##_m##MT(const T* q, const T* k, const T* v, const unsigned* len,    \
+                                              float* part_o, float* part_ml, int R, int cap, int t,       \
+                                              float sl2) {                                                \
+        flash_decode<T, HD, MT>(q, k, v, len, part_o, part_ml, R, cap, t, sl2);                           \
+    }
+#define FLASH_DECODE_DIMS(SUFFIX, T, MT) \
+    FLASH_DECODE(SUFFIX, T, 64, MT)      \
+    FLASH_DECODE(SUFFIX, T, 128, MT)     \
+    FLASH_DECODE(SUFFIX, T, 256, MT)
+FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 1)
+FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 2)
+FLASH_DECODE_DIMS(f16, __half, 1)
+FLASH_DECODE_DIMS(f16, __half, 2)

@@ -1,9 +1,10 @@
-//! Prefill attention at the Qwen3.6-27B shapes (24 query heads, 4 KV heads, head dim 256, bf16)
-//! on CUDA: the tensor-core kernel of `prefill_attention` for prompts of 1k, 8k and 32k tokens,
-//! in TFLOP/s of the causal product (2 matmuls over the visible keys). tools/bench/sdpa.py times
-//! torch's scaled_dot_product_attention the same way, for a side-by-side table.
+//! Attention at the Qwen3.6-27B shapes (24 query heads, 4 KV heads, head dim 256, bf16) on CUDA:
+//! the tensor-core kernel of `prefill_attention` for prompts of 1k, 8k and 32k tokens, in TFLOP/s
+//! of the causal product (2 matmuls over the visible keys), and `decode_attention` for 1 and 4 new
+//! tokens over caches of 1k, 8k and 32k keys, in TB/s of K and V read. tools/bench/sdpa.py times
+//! torch's scaled_dot_product_attention like the prefill rows, for a side-by-side table.
 //!
-//! `cargo run --release -p qwen36-kernels --features cuda --example bench_attention`
+//! `cargo run --release -p qwen36-kernels --features cuda --example bench_attention [prefill|decode]`
 
 #[allow(dead_code)] // the copy-bandwidth helper: attention is compute-bound
 #[path = "common/mod.rs"]
@@ -11,11 +12,23 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::time;
-use qwen36_kernels::attention::prefill_attention;
+use qwen36_kernels::attention::{decode_attention, prefill_attention};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::new_cuda(0)?;
+    let which = std::env::args().nth(1).unwrap_or_default();
     let (h, kh, d) = (24, 4, 256);
+    if which != "decode" {
+        prefill(&dev, h, kh, d)?;
+    }
+    if which != "prefill" {
+        decode(&dev, h, kh, d)?;
+    }
+    Ok(())
+}
+
+fn prefill(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let dev = dev.clone();
     println!("| prompt | time | TFLOP/s |");
     println!("|---|---|---|");
     for t in [1024usize, 8192, 32768] {
@@ -30,6 +43,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Query i sees i + 1 keys: 2 products of 2·d flops per (query, key, head).
         let flops = 4.0 * (d * h) as f64 * (t * (t + 1) / 2) as f64;
         println!("| {t} | {:.3} ms | {:.0} |", s * 1e3, flops / s / 1e12);
+    }
+    Ok(())
+}
+
+fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
+    println!("| new tokens | keys | time | K+V TB/s |");
+    println!("|---|---|---|---|");
+    for t in [1usize, 4] {
+        for len in [1024usize, 8192, 32768] {
+            let g = h / kh;
+            let q = Tensor::randn(0f32, 1.0, (1, kh, g * t, d), dev)?.to_dtype(DType::BF16)?;
+            let k = Tensor::randn(0f32, 1.0, (1, kh, len, d), dev)?.to_dtype(DType::BF16)?;
+            let v = Tensor::randn(0f32, 1.0, (1, kh, len, d), dev)?.to_dtype(DType::BF16)?;
+            let l = Tensor::new(&[len as u32], dev)?;
+            let scale = (d as f64).powf(-0.5);
+            let s = time(dev, 200, || {
+                decode_attention(&q, &k, &v, &l, t, scale).map(|_| ())
+            })?;
+            let bytes = (2 * kh * len * d * 2) as f64;
+            println!("| {t} | {len} | {:.1} µs | {:.2} |", s * 1e6, bytes / s / 1e12);
+        }
     }
     Ok(())
 }

@@ -108,8 +108,8 @@ fn reference_rows(q: &Tensor, k: &Tensor, v: &Tensor, l: usize, t: usize, scale:
         .to_device(q.device())?)
 }
 
-/// Head dims the CUDA prefill kernel is built for.
-const PREFILL_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Head dims the CUDA tensor-core attention kernels (prefill and decode) are built for.
+pub(crate) const PREFILL_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// True when [`prefill_attention`] runs its tensor-core kernel for `head_dim` and `dtype` on
 /// `device` (CUDA, bf16 or f16, head dim 64, 128 or 256); elsewhere it is the f32 reference, slow

@@ -1103,6 +1103,11 @@ const ATTENTION_MODULE: &str = "qwen36_attention";
 const ATTENTION_THREADS: u32 = 128;
 /// Spans one block of the first merge level combines (`GROUP` in cuda/attention.cu).
 const ATTENTION_GROUP: usize = 32;
+/// Keys per tile of the tensor-core attention kernels (`FA_BK` in cuda/attention.cu).
+const FLASH_TILE: usize = 64;
+/// Most splits per KV head of the tensor-core decode kernel: at one sequence and 4 KV heads, 256
+/// blocks (two per SM on an H200) each walking consecutive tiles.
+const FLASH_DECODE_SPLITS: usize = 64;
 
 /// CUDA twin of `decode_attention` (shapes checked by the caller): the split-K partial kernel
 /// over spans of `KEYS_PER_SPAN` keys, then the merge. Grids cover the whole buffer (`cap`); spans
@@ -1131,7 +1136,16 @@ pub(crate) fn decode_attention(
             ),
         ));
     }
-    let spans = cap.div_ceil(KEYS_PER_SPAN).max(1);
+    // The tensor-core kernel (bf16/f16, its head dims, up to 32 rows) or the general one. Their
+    // partials (one per split of a KV head: `spans` of them, each over `unit`-key units) go
+    // through the same merge kernels.
+    let tensor_cores =
+        matches!(dt, DType::BF16 | DType::F16) && crate::attention::PREFILL_HEAD_DIMS.contains(&d) && r <= 32;
+    let (spans, unit) = if tensor_cores {
+        (cap.div_ceil(FLASH_TILE).clamp(1, FLASH_DECODE_SPLITS), FLASH_TILE)
+    } else {
+        (cap.div_ceil(KEYS_PER_SPAN).max(1), KEYS_PER_SPAN)
+    };
     if spans * 4 > 48 * 1024 {
         return Err(err(
             op,
@@ -1169,24 +1183,48 @@ pub(crate) fn decode_attention(
                 spans as i32,
                 scale as f32,
             );
-            let partial = dev.get_or_load_custom_func(
-                &format!("attn_decode_partial_{sfx}"),
-                ATTENTION_MODULE,
-                ATTENTION_PTX,
-            )?;
-            let mut lb = partial.builder();
-            lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
-            lb.arg(&r32).arg(&d32).arg(&cap32).arg(&t32).arg(&scale32);
-            let cfg = LaunchConfig {
-                grid_dim: (spans as u32, bh as u32, 1),
-                block_dim: (ATTENTION_THREADS, 1, 1),
-                shared_mem_bytes: (r * (d + KEYS_PER_SPAN) * 4) as u32,
-            };
-            // SAFETY: arguments match `attn_decode_partial_*` in cuda/attention.cu: q [bh·r·d],
-            // k and v [bh·cap·d] contiguous (16-byte rows: `decode_attention_fits`), len [1] u32
-            // (the kernel clamps it to cap), scratch of bh·spans·r·(d | 2) f32, i32 r, d, cap, t,
-            // f32 scale; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
-            unsafe { lb.launch(cfg) }.w()?;
+            let (unit32, s0) = (unit as i32, spans as i32);
+            if tensor_cores {
+                let mt = if r <= 16 { 1 } else { 2 };
+                let name = format!("flash_decode_{sfx}_d{d}_m{mt}");
+                // Q rows (16 per row tile), then one K and one V tile of FLASH_TILE rows.
+                let smem = (16 * mt + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
+                allow_smem(&dev, &name, smem, ATTENTION_MODULE, ATTENTION_PTX)?;
+                let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
+                let mut lb = f.builder();
+                let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
+                lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
+                lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
+                let cfg = LaunchConfig {
+                    grid_dim: (spans as u32, bh as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] with
+                // r ≤ 16·mt, k and v [bh·cap·d] contiguous, len [1] u32 (clamped to cap by the
+                // kernel), scratch of bh·spans·r·(d | 2) f32 (the grid's x is spans), i32 r, cap,
+                // t, f32 scale·log2 e; 128 threads and the shared memory the kernel lays out.
+                unsafe { lb.launch(cfg) }.w()?;
+            } else {
+                let partial = dev.get_or_load_custom_func(
+                    &format!("attn_decode_partial_{sfx}"),
+                    ATTENTION_MODULE,
+                    ATTENTION_PTX,
+                )?;
+                let mut lb = partial.builder();
+                lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
+                lb.arg(&r32).arg(&d32).arg(&cap32).arg(&t32).arg(&scale32);
+                let cfg = LaunchConfig {
+                    grid_dim: (spans as u32, bh as u32, 1),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: (r * (d + KEYS_PER_SPAN) * 4) as u32,
+                };
+                // SAFETY: arguments match `attn_decode_partial_*` in cuda/attention.cu: q [bh·r·d],
+                // k and v [bh·cap·d] contiguous (16-byte rows: `decode_attention_fits`), len [1] u32
+                // (the kernel clamps it to cap), scratch of bh·spans·r·(d | 2) f32, i32 r, d, cap, t,
+                // f32 scale; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
+                unsafe { lb.launch(cfg) }.w()?;
+            }
             // Long buffers: merge groups of ATTENTION_GROUP spans first, in parallel, so that the
             // final merge reads few entries.
             let grouped = if spans > ATTENTION_GROUP {
@@ -1200,7 +1238,7 @@ pub(crate) fn decode_attention(
                 let mut lb = f.builder();
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
-                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0);
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, bh as u32, groups as u32),
                     block_dim: (ATTENTION_THREADS, 1, 1),
@@ -1208,7 +1246,7 @@ pub(crate) fn decode_attention(
                 };
                 // SAFETY: arguments match `attn_decode_merge_group`: the scratch written above,
                 // len [1] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span per
-                // input entry; grid (r, bh, groups).
+                // input entry, the partial kernel's unit and split count; grid (r, bh, groups).
                 unsafe { lb.launch(cfg) }.w()?;
                 Some((o2, ml2, groups))
             } else {
@@ -1232,15 +1270,18 @@ pub(crate) fn decode_attention(
                 .arg(&r32)
                 .arg(&d32)
                 .arg(&e32)
-                .arg(&per32);
+                .arg(&per32)
+                .arg(&unit32)
+                .arg(&s0);
             let cfg = LaunchConfig {
                 grid_dim: (r as u32, bh as u32, 1),
                 block_dim: (ATTENTION_THREADS, 1, 1),
                 shared_mem_bytes: (entries * 4) as u32,
             };
             // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
-            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d], i32 r, d, entries and
-            // spans per entry; shared memory one f32 per entry (≤ 48 KiB: checked above).
+            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d], i32 r, d, entries,
+            // spans per entry, unit and split count; shared memory one f32 per entry (≤ 48 KiB:
+            // checked above).
             unsafe { lb.launch(cfg) }.w()?;
             Ok(wrap(out, &dev, (b, h, r, d)))
         }};

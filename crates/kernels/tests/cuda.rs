@@ -385,9 +385,10 @@ fn linear_matches_cpu() {
 /// The split-K decode attention kernel against the CPU reference: one and five new tokens, six
 /// query heads per KV head (Qwen3.6-27B's grouping), head dims 256 and 64, lengths inside one
 /// span, across spans, filling the buffer, and buffers of more than 32 spans (the two-level
-/// merge, with a partial last group). f32: sums in another order over ≤ 2047 keys, 1e-5;
-/// bf16/f16: the reference rounds the same f32 result once, so one output ulp (2^-8 / 2^-11 of
-/// the row scale) plus the f32 difference.
+/// merge, with a partial last group), and lengths past 64 tiles of 64 keys (several tiles per
+/// split in the tensor-core kernel). f32 (the general kernel): sums in another order over ≤ 8500
+/// keys, 1e-5; bf16/f16 run the tensor-core kernel, which rounds P to the input dtype before P·V
+/// (as flash-attn does) and the output once: the tolerance of `prefill_attention_matches_cpu`.
 #[test]
 fn decode_attention_matches_cpu() {
     use qwen36_kernels::attention::decode_attention;
@@ -396,8 +397,8 @@ fn decode_attention_matches_cpu() {
     let cpu = Device::Cpu;
     for (dt, tol) in [
         (DType::F32, 1e-5f32),
-        (DType::BF16, 2f32.powi(-7)),
-        (DType::F16, 2f32.powi(-10)),
+        (DType::BF16, 2f32.powi(-6)),
+        (DType::F16, 2f32.powi(-9)),
     ] {
         for (t, hd, cap, len) in [
             (1, 256, 64, 1),
@@ -407,6 +408,8 @@ fn decode_attention_matches_cpu() {
             (2, 64, 40, 33),
             (1, 256, 2100, 2047),
             (5, 64, 1500, 1100),
+            (1, 128, 9000, 8500),
+            (4, 256, 6000, 5000),
         ] {
             let (b, h, g) = (2, 2, 6);
             let q = randn(1.0, (b, h, g * t, hd), dt);
@@ -420,6 +423,7 @@ fn decode_attention_matches_cpu() {
             assert_eq!(got.dims(), want.dims());
             let e = max_row_rel_err(&got, &want);
             assert!(e <= tol, "{dt:?} t {t} hd {hd} cap {cap} len {len}: {e}");
+            eprintln!("decode_attention {dt:?} t {t} hd {hd} cap {cap} len {len}: max row rel err {e:.2e}");
         }
     }
 }
