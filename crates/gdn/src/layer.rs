@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Tensor, D};
 use qwen36_kernels::{
-    conv1d::causal_conv1d,
-    delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads},
+    conv1d::{causal_conv1d, causal_conv1d_in_place},
+    delta_rule::{fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads},
     linear::Linear,
     norm::GatedRmsNorm,
 };
@@ -261,7 +261,24 @@ impl GatedDeltaNet {
         let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
         let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
 
-        let (conv_out, conv_state) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
+        // States kept in place (the buffers a CUDA graph recorded) are written by the kernels
+        // themselves for decode and verify passes; otherwise the new states are fresh tensors
+        // that `GdnState::update` stores. A verify pass keeps the raw conv inputs (window): the
+        // K-1 held before this call, then the t new ones.
+        let in_place = state.in_place() && (verify || t == 1);
+        let (conv_out, conv_state, window) = if in_place && state.conv().dtype() == mixed.dtype() {
+            let (y, window) = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), verify)?;
+            (y, state.conv().clone(), window)
+        } else {
+            let window = if verify {
+                let new_inputs = mixed.transpose(1, 2)?.to_dtype(state.conv().dtype())?;
+                Some(Tensor::cat(&[state.conv(), &new_inputs], 2)?)
+            } else {
+                None
+            };
+            let (y, s) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
+            (y, s, window)
+        };
         let heads = GdnHeads {
             k_heads: c.num_k_heads,
             v_heads: c.num_v_heads,
@@ -277,26 +294,35 @@ impl GatedDeltaNet {
         } else {
             DeltaRuleMode::Chunked
         };
-        let r = fused_gated_delta_rule(
-            &conv_out,
-            &a,
-            &beta_logits,
-            &self.a_log,
-            &self.dt_bias,
-            Some(state.recurrent()),
-            heads,
-            mode,
-        )?;
-        let checkpoints = match (verify, r.all_states) {
-            (true, Some(states)) => {
-                // Raw conv inputs: the K-1 held before this call, then the t new ones.
-                let new_inputs = mixed.transpose(1, 2)?.to_dtype(state.conv().dtype())?;
-                Some(VerifyCheckpoints {
-                    window: Tensor::cat(&[state.conv(), &new_inputs], 2)?,
-                    states,
-                    seen_before: state.seen(),
-                })
-            }
+        let r = if in_place {
+            fused_gated_delta_rule_in_place(
+                &conv_out,
+                &a,
+                &beta_logits,
+                &self.a_log,
+                &self.dt_bias,
+                state.recurrent(),
+                heads,
+                verify,
+            )?
+        } else {
+            fused_gated_delta_rule(
+                &conv_out,
+                &a,
+                &beta_logits,
+                &self.a_log,
+                &self.dt_bias,
+                Some(state.recurrent()),
+                heads,
+                mode,
+            )?
+        };
+        let checkpoints = match (window, r.all_states) {
+            (Some(window), Some(states)) => Some(VerifyCheckpoints {
+                window,
+                states,
+                seen_before: state.seen(),
+            }),
             _ => None,
         };
         state.update(conv_state, r.state, t)?;
@@ -412,6 +438,15 @@ mod tests {
         assert_eq!(max_diff(plain.recurrent(), pinned.recurrent()), 0.0);
         assert_eq!(max_diff(plain.conv(), pinned.conv()), 0.0);
         assert_eq!(plain.seen(), pinned.seen());
+        // A decode step (the in-place kernels' other caller).
+        let one = v.narrow(1, 2, 1)?;
+        assert_eq!(
+            max_diff(&l.forward(&one, &mut plain)?, &l.forward(&one, &mut pinned)?),
+            0.0
+        );
+        assert_eq!(max_diff(plain.recurrent(), pinned.recurrent()), 0.0);
+        assert_eq!(max_diff(plain.conv(), pinned.conv()), 0.0);
+        assert_eq!(ids(&pinned), before);
         pinned.reset()?;
         assert_eq!(pinned.recurrent().abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
         assert_eq!(ids(&pinned), before);

@@ -157,8 +157,13 @@ impl GdnState {
 
     fn set(&mut self, conv: Tensor, recurrent: Tensor) -> Result<()> {
         if self.in_place {
-            self.conv.slice_set(&conv.contiguous()?, 0, 0)?;
-            self.recurrent.slice_set(&recurrent.contiguous()?, 0, 0)?;
+            // A kernel that updated the buffer itself hands back the buffer: nothing to copy.
+            if conv.id() != self.conv.id() {
+                self.conv.slice_set(&conv.contiguous()?, 0, 0)?;
+            }
+            if recurrent.id() != self.recurrent.id() {
+                self.recurrent.slice_set(&recurrent.contiguous()?, 0, 0)?;
+            }
         } else {
             self.conv = conv.contiguous()?;
             self.recurrent = recurrent.contiguous()?;

@@ -329,7 +329,9 @@ CAUSAL_SOFTMAX(f16, __half)
 // next tile load (cp.async) while the current one is computed on.
 // q: [b, nh, t, HD] (strides q_bs, q_hs; rows HD apart), k, v: [b, nkv, >= kv_len, HD] (strides
 // k_bs, k_hs, shared by v; rows HD apart; head h reads KV head h / (nh / nkv)), query i sits at
-// position pos0 + i and sees keys 0..=pos0 + i; out: [b, t, nh, HD] contiguous.
+// position pos0 + i and sees keys 0..=pos0 + i; out: [b, t, nh, HD] contiguous. gate (optional,
+// gated attention): [b, t, nh, HD] with strides g_bs, g_ts, g_hs, rows contiguous; the output is
+// multiplied by sigmoid(gate) as it is written.
 constexpr int FA_BQ = 64, FA_BK = 64, FA_WARPS = 4;
 
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -388,8 +390,9 @@ __device__ __forceinline__ void fa_load_tile(T* dst, const T* __restrict__ src, 
 
 template <typename T, int HD>
 __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                              T* __restrict__ out, int t, int nh, int nkv, long q_bs, long q_hs, long k_bs,
-                              long k_hs, int pos0, float scale_log2) {
+                              const T* __restrict__ gate, T* __restrict__ out, int t, int nh, int nkv, long q_bs,
+                              long q_hs, long k_bs, long k_hs, long g_bs, long g_ts, long g_hs, int pos0,
+                              float scale_log2) {
     constexpr int LD = HD + 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
@@ -520,17 +523,26 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, 
         if (row >= t) continue;
         const float inv = 1.f / sum;
         T* orow = out + (((long)b * t + row) * nh + h) * HD;
+        const T* grow = gate != nullptr ? gate + b * g_bs + row * g_ts + h * g_hs : nullptr;
 #pragma unroll
-        for (int j = 0; j < HD / 8; j++)
-            *reinterpret_cast<uint32_t*>(&orow[8 * j + 2 * c]) = pack2<T>(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+        for (int j = 0; j < HD / 8; j++) {
+            float o0 = o[j][2 * r] * inv, o1 = o[j][2 * r + 1] * inv;
+            if (grow != nullptr) {
+                o0 /= 1.f + expf(-to_f(grow[8 * j + 2 * c]));
+                o1 /= 1.f + expf(-to_f(grow[8 * j + 2 * c + 1]));
+            }
+            *reinterpret_cast<uint32_t*>(&orow[8 * j + 2 * c]) = pack2<T>(o0, o1);
+        }
     }
 }
 
 #define FLASH_PREFILL(SUFFIX, T, HD)                                                                       \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                            \
-        flash_prefill_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, T* out, int t, int nh, int nkv, \
-                                       long q_bs, long q_hs, long k_bs, long k_hs, int pos0, float sl2) {  \
-        flash_prefill<T, HD>(q, k, v, out, t, nh, nkv, q_bs, q_hs, k_bs, k_hs, pos0, sl2);                 \
+        flash_prefill_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, const T* gate, T* out, int t,   \
+                                       int nh, int nkv, long q_bs, long q_hs, long k_bs, long k_hs,         \
+                                       long g_bs, long g_ts, long g_hs, int pos0, float sl2) {              \
+        flash_prefill<T, HD>(q, k, v, gate, out, t, nh, nkv, q_bs, q_hs, k_bs, k_hs, g_bs, g_ts, g_hs, pos0, \
+                             sl2);                                                                         \
     }
 FLASH_PREFILL(bf16, __nv_bfloat16, 64)
 FLASH_PREFILL(bf16, __nv_bfloat16, 128)

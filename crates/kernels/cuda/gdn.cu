@@ -28,9 +28,9 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
                               long g_stride,
                               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                              const float* __restrict__ s0, float* __restrict__ out, float* __restrict__ s_final,
-                              float* __restrict__ s_all, int T, int Hk, int Hv, int dk, int dv, float scale,
-                              float eps) {
+                              const float* s0, float* __restrict__ out, float* s_final,
+                              float* __restrict__ s_all, int in_place, int T, int Hk, int Hv, int dk, int dv,
+                              float scale, float eps) {
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
@@ -45,10 +45,13 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
 
     float s[ROWS];
     const long head = (long)(b * Hv + hv) * dk * dv;
+    // In place: the state starts in s_final. Each thread reads and later writes only its own
+    // elements, so the buffers may alias (hence no __restrict__ on s0 and s_final).
+    const float* init = in_place ? s_final : s0;
 #pragma unroll
     for (int i = 0; i < ROWS; i++) {
         const int r = w + NW * i;
-        s[i] = (s0 != nullptr && col_ok && r < dk) ? s0[head + (long)r * dv + j] : 0.f;
+        s[i] = (init != nullptr && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
     }
     for (int t0 = 0; t0 < T; t0 += TB) {
         const int nt = min(TB, T - t0);
@@ -149,9 +152,9 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb, \
              long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
-             float* s_all, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                   \
+             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {     \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
-                                           s_final, s_all, T, Hk, Hv, dk, dv, scale, eps);                    \
+                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps);          \
     }
 
 #define GDN_ROWS(NAME, TQ, TG, FUSED) \
@@ -169,12 +172,15 @@ GDN_ROWS(gdn_fused_f32, float, float, true)
 GDN_ROWS(gdn_fused_bf16, __nv_bfloat16, __nv_bfloat16, true)
 GDN_ROWS(gdn_fused_f16, __half, __half, true)
 
-// Causal depthwise conv1d + SiLU, one thread per output element (b, t, c): fully parallel over
-// time. The window of token t is concat(state, x)[t .. t+K) where concat = [K-1 state | T inputs];
-// state positions before a fresh sequence are zero (st == null). x: [B, T, C] rows of C elements
-// xs apart (a view into a wider projection); w: [C, K]; st: [B, C, K-1]; y: [B, T, C];
-// st_out: [B, C, K-1] = the last K-1 entries of concat. Grid: x = B·T output rows, then B rows
-// for st_out; y = blocks of channels (no integer division per element).
+// Causal depthwise conv1d + SiLU. The window of token t is concat(state, x)[t .. t+K) where
+// concat = [K-1 state | T inputs]; state positions before a fresh sequence are zero (st == null).
+// x: [B, T, C] rows of C elements xs apart (a view into a wider projection); w: [C, K] (K <= 8);
+// st: [B, C, K-1]; y: [B, T, C]; st_out: [B, C, K-1] = the last K-1 entries of concat. One thread
+// per (b, c, tile of CONV_TT tokens) keeps its window in registers and reads each input once
+// (one block per output element was mostly block launches: 0.65 ms at 8k tokens). Grid: x =
+// B·ceil(T / CONV_TT) token tiles, then B rows for st_out; y = blocks of channels.
+constexpr int CONV_TT = 16;
+
 template <typename T>
 __device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, int c, int Tn, int C, int H,
                                          long xs) {
@@ -183,29 +189,86 @@ __device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, 
     return to_f(x[((long)b * Tn + (i - H)) * xs + c]);
 }
 
+// One token of a channel's conv with the window in registers: returns silu(Σ_j wt[j]·concat[j])
+// for the K-1 previous inputs win[0..H) and this input xt (the sums in j order), then shifts xt
+// into the window. K <= 8.
+__device__ __forceinline__ float conv_step(const float (&wt)[8], float (&win)[8], float xt, int K) {
+    const int H = K - 1;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (j < K) acc += wt[j] * (j < H ? win[j] : xt);
+#pragma unroll
+    for (int j = 0; j < 7; j++)
+        if (j + 1 < H) win[j] = win[j + 1];
+        else if (j + 1 == H) win[j] = xt;
+    return acc / (1.f + expf(-acc));
+}
+
 template <typename T>
 __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w, const T* __restrict__ st,
                        T* __restrict__ y, T* __restrict__ st_out, int B, int Tn, int C, int K) {
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int H = K - 1;
-    const long row = blockIdx.x;
-    if (row < (long)B * Tn) {
-        const int b = row / Tn, t = row % Tn;
-        float acc = 0.f;
-        for (int j = 0; j < K; j++) acc += to_f(w[(long)c * K + j]) * conv_in(x, st, b, t + j, c, Tn, C, H, xs);
-        y[row * C + c] = from_f<T>(acc / (1.f + expf(-acc)));
+    const int tiles = (Tn + CONV_TT - 1) / CONV_TT;
+    const long blk = blockIdx.x;
+    if (blk < (long)B * tiles) {
+        const int b = blk / tiles, t0 = (blk % tiles) * CONV_TT, t1 = min(t0 + CONV_TT, Tn);
+        float wt[8], win[8];  // win[0..H): the H inputs before the current token, oldest first
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            wt[j] = j < K ? to_f(w[(long)c * K + j]) : 0.f;
+            win[j] = j < H ? conv_in(x, st, b, t0 + j, c, Tn, C, H, xs) : 0.f;
+        }
+        for (int t = t0; t < t1; t++) {
+            const long row = (long)b * Tn + t;
+            y[row * C + c] = from_f<T>(conv_step(wt, win, to_f(x[row * xs + c]), K));
+        }
     } else {
-        const int b = row - (long)B * Tn;
+        const int b = blk - (long)B * tiles;
         for (int j = 0; j < H; j++)
             st_out[((long)b * C + c) * H + j] = from_f<T>(conv_in(x, st, b, Tn + j, c, Tn, C, H, xs));
     }
+}
+
+// Few tokens (decode, verify) with the state updated in place: one thread per channel (b, c) walks
+// the Tn tokens in order with its window in registers (K <= 8), reading its K-1 entries of st (the
+// state in and out) before writing them. Same y as conv1d, the same sums in the same order.
+// win_out (optional, [B, C, K-1+Tn]): the raw window concat(state before, x) a speculative verify
+// keeps for its commit.
+template <typename T>
+__device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict__ w, T* __restrict__ y,
+                           T* __restrict__ st, T* __restrict__ win_out, int B, int Tn, int C, int K) {
+    const long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (idx >= (long)B * C) return;
+    const int b = idx / C, c = idx % C, H = K - 1;
+    T* wo = win_out != nullptr ? win_out + ((long)b * C + c) * (H + Tn) : nullptr;
+    float wt[8], win[8];  // win[0..H): the last H inputs, oldest first
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        wt[j] = j < K ? to_f(w[(long)c * K + j]) : 0.f;
+        win[j] = j < H ? to_f(st[((long)b * C + c) * H + j]) : 0.f;
+        if (wo != nullptr && j < H) wo[j] = st[((long)b * C + c) * H + j];
+    }
+    for (int t = 0; t < Tn; t++) {
+        const long row = (long)b * Tn + t;
+        if (wo != nullptr) wo[H + t] = x[row * xs + c];
+        y[row * C + c] = from_f<T>(conv_step(wt, win, to_f(x[row * xs + c]), K));
+    }
+#pragma unroll
+    for (int j = 0; j < 7; j++)
+        if (j < H) st[((long)b * C + c) * H + j] = from_f<T>(win[j]);
 }
 
 #define CONV_KERNEL(NAME, T)                                                                                  \
     extern "C" __global__ void NAME(const T* x, long xs, const T* w, const T* st, T* y, T* st_out, int B,     \
                                     int Tn, int C, int K) {                                                  \
         conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
+    }                                                                                                         \
+    extern "C" __global__ void NAME##_in_place(const T* x, long xs, const T* w, T* y, T* st, T* win, int B,   \
+                                               int Tn, int C, int K) {                                       \
+        conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K);                                                    \
     }
 CONV_KERNEL(conv1d_f32, float)
 CONV_KERNEL(conv1d_bf16, __nv_bfloat16)

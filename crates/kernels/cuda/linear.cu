@@ -13,17 +13,23 @@ constexpr int UNROLL = 4;
 // written; a residual connection): [M, N]; K a multiple of 16 / sizeof(T), x and w 16-byte
 // aligned (the launcher checks both). Each warp computes NR consecutive columns: the x vectors it
 // loads (and converts) serve NR weight rows, which keeps the kernel memory-bound for M up to 8.
-template <typename T, int M, int NR>
+// SWIGLU: w holds [gate; up] (2N rows); warp n reads gate row n and up row N + n and writes
+// y[m, n] = silu(x·gate_n) · (x·up_n), the MLP's activation, with no rounding of the halves (NR = 2,
+// no residual).
+template <typename T, int M, int NR, bool SWIGLU = false>
 __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ res,
                               T* __restrict__ y, int N, int K) {
     constexpr int V = Vec16<T>::N;
+    static_assert(!SWIGLU || NR == 2, "the SwiGLU epilogue pairs two rows");
     const int lane = threadIdx.x & 31;
-    const int n0 = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5) * NR;
+    const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
+    const int n0 = SWIGLU ? warp_id : warp_id * NR;
     if (n0 >= N) return;  // whole warps leave together: n0 is uniform in a warp
     const int kv = K / V;  // 16-byte vectors per row
     const uint4* wr[NR];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + r, N - 1) * K);
+    for (int r = 0; r < NR; ++r)
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(SWIGLU ? n0 + r * N : min(n0 + r, N - 1)) * K);
     float acc[M][NR];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -56,14 +62,22 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
             }
         }
     }
+    if constexpr (SWIGLU) {
 #pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-            const float s = warp_sum(acc[m][r]);
-            const size_t o = (size_t)m * N + n0 + r;
-            if (lane == 0 && n0 + r < N) y[o] = from_f<T>(res ? s + to_f(res[o]) : s);
+        for (int m = 0; m < M; ++m) {
+            const float g = warp_sum(acc[m][0]), u = warp_sum(acc[m][1]);
+            if (lane == 0) y[(size_t)m * N + n0] = from_f<T>(g / (1.f + expf(-g)) * u);
         }
+    } else {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const float s = warp_sum(acc[m][r]);
+                const size_t o = (size_t)m * N + n0 + r;
+                if (lane == 0 && n0 + r < N) y[o] = from_f<T>(res ? s + to_f(res[o]) : s);
+            }
+    }
 }
 
 #define LINEAR_KERNEL(SUFFIX, T, M, NR)                                                              \
@@ -88,3 +102,13 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
 LINEAR_KERNELS(f32, float)
 LINEAR_KERNELS(bf16, __nv_bfloat16)
 LINEAR_KERNELS(f16, __half)
+
+// One row through [gate; up] with the SwiGLU epilogue (N = the intermediate size).
+#define SWIGLU_KERNEL(SUFFIX, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
+        skinny_swiglu_##SUFFIX(const T* x, const T* w, T* y, int N, int K) {                         \
+        skinny_linear<T, 1, 2, true>(x, w, nullptr, y, N, K);                                        \
+    }
+SWIGLU_KERNEL(f32, float)
+SWIGLU_KERNEL(bf16, __nv_bfloat16)
+SWIGLU_KERNEL(f16, __half)

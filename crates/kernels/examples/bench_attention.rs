@@ -38,7 +38,7 @@ fn prefill(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn st
         let scale = (d as f64).powf(-0.5);
         let iters = if t > 8192 { 5 } else { 20 };
         let s = time(&dev, iters, || {
-            prefill_attention(&q, &k, &v, 0, scale).map(|_| ())
+            prefill_attention(&q, &k, &v, None, 0, scale).map(|_| ())
         })?;
         // Query i sees i + 1 keys: 2 products of 2·d flops per (query, key, head).
         let flops = 4.0 * (d * h) as f64 * (t * (t + 1) / 2) as f64;

@@ -121,34 +121,52 @@ pub fn prefill_attention_fits(head_dim: usize, dtype: DType, device: &Device) ->
 /// Causal attention of a prompt block: `q: [b, heads, t, hd]` at positions `pos0..pos0 + t` over
 /// `k, v: [b, kv_heads, L, hd]` with `L ≥ pos0 + t` (views into a longer cache buffer are read in
 /// place); query head `h` uses KV head `h / (heads / kv_heads)` and sees keys `0..=its position`.
-/// Returns `[b, heads, t, hd]` in `q`'s dtype (on CUDA a transposed view of a `[b, t, heads, hd]`
-/// buffer, the layout the output projection reads). CPU and unsupported CUDA cases: the f32
-/// reference.
-pub fn prefill_attention(q: &Tensor, k: &Tensor, v: &Tensor, pos0: usize, scale: f64) -> Result<Tensor> {
+/// With `gate: [b, t, heads, hd]` (any strides; gated attention) the output is multiplied by
+/// `sigmoid(gate)` (on CUDA as it is written). Returns `[b, heads, t, hd]` in `q`'s dtype (on CUDA
+/// a transposed view of a `[b, t, heads, hd]` buffer, the layout the output projection reads). CPU
+/// and unsupported CUDA cases: the f32 reference, then the gate in `q`'s dtype.
+pub fn prefill_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    gate: Option<&Tensor>,
+    pos0: usize,
+    scale: f64,
+) -> Result<Tensor> {
     let op = "prefill_attention";
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
         expect_rank(op, arg, t, 4)?;
     }
     let (b, h, t, d) = q.dims4()?;
     let (kb, kh, len, kd) = k.dims4()?;
-    if (kb, kd) != (b, d) || v.dims() != k.dims() || kh == 0 || h % kh != 0 || len < pos0 + t {
+    let gate_fits = gate.is_none_or(|g| g.dims() == [b, t, h, d]);
+    if (kb, kd) != (b, d) || v.dims() != k.dims() || kh == 0 || h % kh != 0 || len < pos0 + t || !gate_fits {
         return Err(Error::Shape {
             op,
             msg: format!(
-                "q {:?}, k {:?}, v {:?} at position {pos0} do not fit",
+                "q {:?}, k {:?}, v {:?}, gate {:?} at position {pos0} do not fit",
                 q.dims(),
                 k.dims(),
-                v.dims()
+                v.dims(),
+                gate.map(|g| g.dims())
             ),
         });
     }
-    if prefill_attention_fits(d, q.dtype(), q.device()) && k.dtype() == q.dtype() && v.dtype() == q.dtype() {
+    let same_dtype = [Some(k), Some(v), gate]
+        .iter()
+        .flatten()
+        .all(|x| x.dtype() == q.dtype());
+    if prefill_attention_fits(d, q.dtype(), q.device()) && same_dtype {
         #[cfg(feature = "cuda")]
-        return crate::cuda::prefill_attention(q, k, v, pos0, scale);
+        return crate::cuda::prefill_attention(q, k, v, gate, pos0, scale);
     }
     // Rows r = member·t + token of each KV head's group, as the reference takes them.
     let qg = q.contiguous()?.reshape((b, kh, h / kh * t, d))?;
-    Ok(reference_rows(&qg, k, v, pos0 + t, t, scale)?.reshape((b, h, t, d))?)
+    let out = reference_rows(&qg, k, v, pos0 + t, t, scale)?.reshape((b, h, t, d))?;
+    Ok(match gate {
+        Some(g) => (out * candle_nn::ops::sigmoid(&g.transpose(1, 2)?.to_dtype(q.dtype())?)?)?,
+        None => out,
+    })
 }
 
 /// Causal softmax of a prefill block's attention scores `[..., rows, keys]`: row `r` (counted over
@@ -224,7 +242,7 @@ mod tests {
         let kbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
         let vbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
         let (k, v) = (kbuf.narrow(2, 0, cap)?, vbuf.narrow(2, 0, cap)?);
-        let got = prefill_attention(&q, &k, &v, pos0, 0.4)?;
+        let got = prefill_attention(&q, &k, &v, None, pos0, 0.4)?;
         assert_eq!(got.dims(), [b, h, t, d]);
         let seen = pos0 + t;
         let mask: Vec<f32> = (0..t)
@@ -247,9 +265,18 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(diff < 1e-5, "head {head}: max diff {diff}");
         }
-        let e = prefill_attention(&q, &k.narrow(2, 0, 8)?, &v.narrow(2, 0, 8)?, pos0, 0.4).unwrap_err();
+        let e = prefill_attention(&q, &k.narrow(2, 0, 8)?, &v.narrow(2, 0, 8)?, None, pos0, 0.4).unwrap_err();
         assert!(e.to_string().contains("at position 5"), "{e}");
-        let e = prefill_attention(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, 0, 0.4).unwrap_err();
+        let e =
+            prefill_attention(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, None, 0, 0.4).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+        // The gate multiplies each output element by its sigmoid; a gate of the wrong shape is named.
+        let gate = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?;
+        let gated = prefill_attention(&q, &k, &v, Some(&gate), pos0, 0.4)?;
+        let want = (&got * candle_nn::ops::sigmoid(&gate.transpose(1, 2)?)?)?;
+        let diff = (gated - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "gated: max diff {diff}");
+        let e = prefill_attention(&q, &k, &v, Some(&gate.narrow(1, 0, 2)?), pos0, 0.4).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
         Ok(())
     }

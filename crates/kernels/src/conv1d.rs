@@ -92,6 +92,45 @@ pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Res
     Ok((y, s))
 }
 
+/// [`causal_conv1d`] with the state updated in place: `state: [batch, channels, kernel-1]`
+/// (contiguous, in `x`'s dtype) holds the window before `x` and receives the one after it, so its
+/// buffer (and any CUDA graph that recorded it) stays the same. Returns `y: [batch, len,
+/// channels]` and, with `keep_window`, the raw window `concat(state before, xᵀ)`: `[batch,
+/// channels, kernel-1+len]` (what a speculative verify keeps to commit any accepted prefix). On
+/// CUDA one thread per channel walks the tokens in order: meant for a few tokens (decode,
+/// speculative verify), not for prefill.
+pub fn causal_conv1d_in_place(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    keep_window: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (_, _, _, k) = check(x, weight, Some(state))?;
+    if !state.is_contiguous() || state.dtype() != x.dtype() {
+        return Err(Error::Shape {
+            op: "causal_conv1d_in_place",
+            msg: format!(
+                "the state must be contiguous {:?} to be updated in place, found {:?}",
+                x.dtype(),
+                state.dtype()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::conv1d_in_place(x, weight, state, k, keep_window);
+    }
+    let _ = k;
+    let window = if keep_window {
+        Some(Tensor::cat(&[state, &x.transpose(1, 2)?], 2)?)
+    } else {
+        None
+    };
+    let (y, s) = causal_conv1d(x, weight, Some(state))?;
+    state.slice_set(&s, 0, 0)?;
+    Ok((y, window))
+}
+
 /// One decode step: `x: [batch, channels]`, `state: [batch, channels, kernel-1]`.
 /// Returns `(y: [batch, channels], new_state)`.
 pub fn causal_conv1d_step(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {

@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -228,6 +230,9 @@ fn state_column_blocks(d: Launch) -> LaunchConfig {
 }
 
 /// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`DeltaRuleInputs`]).
+/// With `in_place` (a state buffer of `[b, hv, dk, dv]` f32, and `inp.state` None) the kernel
+/// starts from that buffer and writes the final state back into it; the returned `state` is then
+/// `None`.
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
     name: String,
@@ -235,7 +240,8 @@ fn launch_recurrent<T: CudaDType>(
     inp: DeltaRuleInputs,
     scale: f32,
     keep_all_states: bool,
-) -> Result<DeltaRuleOutput> {
+    in_place: Option<&mut CudaViewMut<'_, f32>>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let dev = device(op, inp.q.0)?;
     let n_out = d.b * d.t * d.hv * d.dv;
     let n_state = d.b * d.hv * d.dk * d.dv;
@@ -244,7 +250,10 @@ fn launch_recurrent<T: CudaDType>(
     // `out` at every token (warp 0), and every state row r < dk of their column into `s_all` at
     // every token and into `s_final` at the end (cuda/gdn.cu, `gdn_recurrent`).
     let out = unsafe { dev.alloc::<f32>(n_out)? };
-    let s_final = unsafe { dev.alloc::<f32>(n_state)? };
+    let s_fresh = match in_place {
+        Some(_) => None,
+        None => Some(unsafe { dev.alloc::<f32>(n_state)? }),
+    };
     let s_all = if keep_all_states {
         Some(unsafe { dev.alloc::<f32>(n_state * d.t)? })
     } else {
@@ -255,11 +264,23 @@ fn launch_recurrent<T: CudaDType>(
         let mut lb = func.builder();
         v.push_inputs(&mut lb);
         v.push_state(&mut lb);
-        lb.arg(&out).arg(&s_final);
+        lb.arg(&out);
+        let flag: i32 = match (&s_fresh, in_place) {
+            (Some(s), _) => {
+                lb.arg(s);
+                0
+            }
+            (None, Some(s)) => {
+                lb.arg(s);
+                1
+            }
+            (None, None) => unreachable!("a fresh state buffer is allocated without in_place"),
+        };
         match &s_all {
             Some(s) => lb.arg(s),
             None => lb.arg(&v.null),
         };
+        lb.arg(&flag);
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         for x in &dims {
             lb.arg(x);
@@ -268,17 +289,30 @@ fn launch_recurrent<T: CudaDType>(
         lb.arg(&scale).arg(&eps);
         let cfg = state_column_blocks(d);
         // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (the shared
-        // input prefix, the initial state or null, then the outputs, i32 dims, f32 scale and
-        // eps); buffers have the sizes checked by the callers, outputs are fresh allocations of
-        // the sizes the kernel writes, and null (0) is passed only where the kernel tests for it.
+        // input prefix, the initial state or null, then the outputs, the in-place flag, i32
+        // dims, f32 scale and eps); buffers have the sizes checked by the callers, outputs are
+        // fresh allocations of the sizes the kernel writes or (in place, flag 1, initial state
+        // null) the caller's state buffer of that size, which the kernel reads before it writes
+        // (each thread its own elements), and null (0) is passed only where the kernel tests
+        // for it.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
-    Ok(DeltaRuleOutput {
-        out: wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
-        state: wrap(s_final, &dev, (d.b, d.hv, d.dk, d.dv)),
-        all_states: s_all.map(|s| wrap(s, &dev, (d.b, d.t, d.hv, d.dk, d.dv))),
-    })
+    Ok((
+        wrap(out, &dev, (d.b, d.t, d.hv, d.dv)),
+        s_fresh.map(|s| wrap(s, &dev, (d.b, d.hv, d.dk, d.dv))),
+        s_all.map(|s| wrap(s, &dev, (d.b, d.t, d.hv, d.dk, d.dv))),
+    ))
+}
+
+/// The outputs of a fresh-state recurrent launch as a [`DeltaRuleOutput`].
+fn fresh_output(r: (Tensor, Option<Tensor>, Option<Tensor>)) -> DeltaRuleOutput {
+    let (out, state, all_states) = r;
+    DeltaRuleOutput {
+        out,
+        state: state.expect("a launch without in_place returns its fresh state"),
+        all_states,
+    }
 }
 
 /// Chunk length of the chunked kernels (cuda/gdn.cu `CH`) and their largest key dim.
@@ -527,7 +561,73 @@ pub(crate) fn recurrent(
     let op = "recurrent_gated_delta_rule";
     let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
     let x = SeparateF32::new(q, k, v, g, beta, state)?;
-    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep_all_states)
+    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep_all_states, None).map(fresh_output)
+}
+
+/// The fused kernels' inputs in the layout they read: `qkv` contiguous, `a`/`b` as rows
+/// `g_stride` apart in the activation dtype, `a_log`/`dt_bias` in f32.
+struct FusedArgs {
+    qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    g_stride: usize,
+    a_log: Tensor,
+    dt_bias: Tensor,
+}
+
+impl FusedArgs {
+    fn new(
+        d: Launch,
+        qkv: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        a_log: &Tensor,
+        dt_bias: &Tensor,
+    ) -> Result<Self> {
+        let dt = qkv.dtype();
+        // a and b are normally views into the projection rows: read in place when they share a
+        // row stride, else copied.
+        let (a, b, g_stride) = match (row_stride(a), row_stride(b)) {
+            (Some(sa), Some(sb)) if sa == sb && a.dtype() == dt && b.dtype() == dt => {
+                (a.clone(), b.clone(), sa)
+            }
+            _ => (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?, d.hv),
+        };
+        Ok(Self {
+            qkv: qkv.contiguous()?,
+            a,
+            b,
+            g_stride,
+            a_log: a_log.to_dtype(DType::F32)?.contiguous()?,
+            dt_bias: dt_bias.to_dtype(DType::F32)?.contiguous()?,
+        })
+    }
+
+    /// q, k, v as views into each qkv row ([Q all | K all | V all]) and the raw gates.
+    fn inputs<'t>(&'t self, d: Launch, state: Option<&'t Tensor>) -> DeltaRuleInputs<'t> {
+        let kd = d.hk * d.dk;
+        let row = 2 * kd + d.hv * d.dv;
+        DeltaRuleInputs {
+            q: (&self.qkv, 0),
+            k: (&self.qkv, kd),
+            v: (&self.qkv, 2 * kd),
+            strides: (row, row),
+            ga: &self.a,
+            gb: &self.b,
+            g_stride: self.g_stride,
+            gate_params: Some((&self.a_log, &self.dt_bias)),
+            state,
+        }
+    }
+
+    /// The recurrent kernel's name for this dtype and key dim.
+    fn recurrent_kernel(&self, op: &'static str, d: Launch) -> Result<String> {
+        Ok(format!(
+            "gdn_fused_{}_r{}",
+            dtype_suffix(op, self.qkv.dtype())?,
+            rows_variant(op, d.dk)?
+        ))
+    }
 }
 
 /// CUDA twin of `fused_gated_delta_rule`: `qkv: [b, t, 2·hk·dk + hv·dv]` and `a, b: [b, t, hv]` in
@@ -545,37 +645,13 @@ pub(crate) fn fused(
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule";
     let dt = qkv.dtype();
-    let qkv = qkv.contiguous()?;
-    // a and b are normally views into the projection rows: read in place when they share a row
-    // stride, else copied.
-    let (a, b, g_stride) = match (row_stride(a), row_stride(b)) {
-        (Some(sa), Some(sb)) if sa == sb && a.dtype() == dt && b.dtype() == dt => (a.clone(), b.clone(), sa),
-        _ => (a.to_dtype(dt)?.contiguous()?, b.to_dtype(dt)?.contiguous()?, d.hv),
-    };
-    let (a_log, dt_bias) = (
-        a_log.to_dtype(DType::F32)?.contiguous()?,
-        dt_bias.to_dtype(DType::F32)?.contiguous()?,
-    );
+    let args = FusedArgs::new(d, qkv, a, b, a_log, dt_bias)?;
     let state = state.map(|s| s.contiguous()).transpose()?;
-    let kd = d.hk * d.dk;
-    let row = 2 * kd + d.hv * d.dv;
+    let inp = args.inputs(d, state.as_ref());
     let scale = (d.dk as f32).powf(-0.5);
-    // q, k, v are views into each qkv row: [Q all | K all | V all].
-    let inp = DeltaRuleInputs {
-        q: (&qkv, 0),
-        k: (&qkv, kd),
-        v: (&qkv, 2 * kd),
-        strides: (row, row),
-        ga: &a,
-        gb: &b,
-        g_stride,
-        gate_params: Some((&a_log, &dt_bias)),
-        state: state.as_ref(),
-    };
-    let suffix = dtype_suffix(op, dt)?;
     match mode {
         DeltaRuleMode::Chunked if chunked_supported(d) => {
-            let name = format!("gdn_chunk_prep_fused_{suffix}");
+            let name = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);
             macro_rules! go {
                 ($t:ty) => {
                     launch_chunked::<$t>(op, &name, d, inp, scale)
@@ -588,16 +664,92 @@ pub(crate) fn fused(
                 == DeltaRuleMode::Recurrent {
                     keep_all_states: true,
                 };
-            let name = format!("gdn_fused_{suffix}_r{}", rows_variant(op, d.dk)?);
+            let name = args.recurrent_kernel(op, d)?;
             macro_rules! go {
                 ($t:ty) => {
-                    launch_recurrent::<$t>(op, name, d, inp, scale, keep)
+                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, None).map(fresh_output)
                 };
             }
             for_float_dtype!(op, dt)
         }
     }
 }
+
+/// The fused recurrent kernel as a candle in-place op on the state tensor: candle hands it the
+/// state's storage mutably, and the kernel writes the exit state over the entry state.
+struct FusedInPlace<'t> {
+    d: Launch,
+    args: &'t FusedArgs,
+    keep_all_states: bool,
+    /// The read-out and (with `keep_all_states`) every state, set by the launch.
+    result: std::cell::RefCell<Option<(Tensor, Option<Tensor>)>>,
+}
+
+impl candle_core::InplaceOp1 for FusedInPlace<'_> {
+    fn name(&self) -> &'static str {
+        "fused_gated_delta_rule_in_place"
+    }
+
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("fused_gated_delta_rule_in_place: the CUDA op got a CPU state")
+    }
+
+    fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let op = "fused_gated_delta_rule_in_place";
+        let (lo, hi) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))?;
+        let mut state = st.as_cuda_slice_mut::<f32>()?.slice_mut(lo..hi);
+        let mut run = || -> Result<_> {
+            let name = self.args.recurrent_kernel(op, self.d)?;
+            let inp = self.args.inputs(self.d, None);
+            let scale = (self.d.dk as f32).powf(-0.5);
+            let (d, keep) = (self.d, self.keep_all_states);
+            let dt = self.args.qkv.dtype();
+            macro_rules! go {
+                ($t:ty) => {
+                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, Some(&mut state))
+                };
+            }
+            for_float_dtype!(op, dt)
+        };
+        let (out, _, all) = run().map_err(candle_core::Error::wrap)?;
+        *self.result.borrow_mut() = Some((out, all));
+        Ok(())
+    }
+}
+
+/// CUDA twin of `fused_gated_delta_rule_in_place` (shapes checked by the caller; `state`
+/// contiguous f32 `[b, hv, dk, dv]`): the recurrent kernel reads and writes `state`'s buffer.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused_in_place(
+    d: Launch,
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    state: &Tensor,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let args = FusedArgs::new(d, qkv, a, b, a_log, dt_bias)?;
+    let step = FusedInPlace {
+        d,
+        args: &args,
+        keep_all_states,
+        result: std::cell::RefCell::new(None),
+    };
+    state.inplace_op1(&step)?;
+    let (out, all_states) = step.result.into_inner().expect("the in-place op ran its launch");
+    Ok(DeltaRuleOutput {
+        out,
+        state: state.clone(),
+        all_states,
+    })
+}
+
+/// Tokens per thread of the prefill conv kernel (`CONV_TT` in cuda/gdn.cu).
+const CONV_TOKENS: usize = 16;
 
 /// CUDA twin of `causal_conv1d`: `x: [b, t, c]`, `weight: [c, k]`, `state: [b, c, k-1]`.
 pub(crate) fn conv1d(
@@ -650,19 +802,135 @@ pub(crate) fn conv1d(
                 lb.arg(v);
             }
             let cfg = LaunchConfig {
-                grid_dim: ((b * t + b) as u32, c.div_ceil(256) as u32, 1),
+                grid_dim: (
+                    (b * t.div_ceil(CONV_TOKENS) + b) as u32,
+                    c.div_ceil(256) as u32,
+                    1,
+                ),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x as b·t rows of c elements xs
             // apart (the view spans exactly them), i64 xs, w [c·k], state [b·c·(k-1)] or null,
-            // fresh outputs of the sizes it writes, then i32 dims; one block row per output row
-            // (b·t of y, b of the new state), one thread per channel.
+            // fresh outputs of the sizes it writes, then i32 dims; one block row per tile of
+            // CONV_TOKENS tokens of a sequence (y), then one per sequence (the new state), one
+            // thread per channel.
             unsafe { lb.launch(cfg) }.w()?;
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
         }};
     }
     for_float_dtype!(op, dt)
+}
+
+/// The in-place conv kernel as a candle in-place op on the conv state.
+struct ConvInPlace<'t> {
+    x: &'t Tensor,
+    xs: usize,
+    w: &'t Tensor,
+    keep_window: bool,
+    /// y and the window, set by the launch.
+    result: std::cell::RefCell<Option<(Tensor, Option<Tensor>)>>,
+}
+
+impl candle_core::InplaceOp1 for ConvInPlace<'_> {
+    fn name(&self) -> &'static str {
+        "causal_conv1d_in_place"
+    }
+
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("causal_conv1d_in_place: the CUDA op got a CPU state")
+    }
+
+    fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let op = "causal_conv1d_in_place";
+        let (lo, hi) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))?;
+        let (b, t, c) = self.x.dims3()?;
+        let k = self.w.dim(1)?;
+        let dt = self.x.dtype();
+        let dev = device(op, self.x).map_err(candle_core::Error::wrap)?;
+        macro_rules! go {
+            ($t:ty) => {{
+                let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(lo..hi);
+                let (xst, xl) = self.x.storage_and_layout();
+                let (ws, wl) = self.w.storage_and_layout();
+                let xv =
+                    rows_view::<$t>(op, &xst, xl, b * t, c, self.xs).map_err(candle_core::Error::wrap)?;
+                let wv = view::<$t>(op, &ws, wl).map_err(candle_core::Error::wrap)?;
+                // SAFETY: uninitialised; the kernel writes every element of y, and of the window
+                // when one is passed.
+                let y = unsafe { dev.alloc::<$t>(b * t * c)? };
+                let win = if self.keep_window {
+                    Some(unsafe { dev.alloc::<$t>(b * c * (k - 1 + t))? })
+                } else {
+                    None
+                };
+                let name = format!(
+                    "conv1d_{}_in_place",
+                    dtype_suffix(op, dt).map_err(candle_core::Error::wrap)?
+                );
+                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                let mut lb = func.builder();
+                let (xs64, null) = (self.xs as i64, 0u64);
+                lb.arg(&xv).arg(&xs64).arg(&wv).arg(&y).arg(&mut state);
+                match &win {
+                    Some(wb) => lb.arg(wb),
+                    None => lb.arg(&null),
+                };
+                let dims = [b as i32, t as i32, c as i32, k as i32];
+                for v in &dims {
+                    lb.arg(v);
+                }
+                // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows of c
+                // elements xs apart (the view spans exactly them), i64 xs, w [c·k], a fresh y
+                // [b·t·c], the state [b·c·(k-1)] (checked by the caller), a fresh window
+                // [b·c·(k-1+t)] or null, i32 dims; one thread per (sequence, channel), each
+                // reading its state entries before writing them.
+                unsafe { lb.launch(LaunchConfig::for_num_elems((b * c) as u32)) }.w()?;
+                let win = win.map(|wb| wrap(wb, &dev, (b, c, k - 1 + t)));
+                *self.result.borrow_mut() = Some((wrap(y, &dev, (b, t, c)), win));
+                Ok(())
+            }};
+        }
+        match dt {
+            DType::F32 => go!(f32),
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            other => candle_core::bail!("{op}: unsupported dtype {other:?}"),
+        }
+    }
+}
+
+/// CUDA twin of `causal_conv1d_in_place` (shapes checked by the caller; `state` contiguous in
+/// `x`'s dtype): `x: [b, t, c]`, `weight: [c, k]`; returns y (and the window) and overwrites
+/// `state`.
+pub(crate) fn conv1d_in_place(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    k: usize,
+    keep_window: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = "causal_conv1d_in_place";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
+    }
+    let c = x.dim(2)?;
+    let (x, xs) = match row_stride(x) {
+        Some(rs) => (x.clone(), rs),
+        None => (x.contiguous()?, c),
+    };
+    let w = weight.reshape((c, k))?.to_dtype(x.dtype())?.contiguous()?;
+    let step = ConvInPlace {
+        x: &x,
+        xs,
+        w: &w,
+        keep_window,
+        result: std::cell::RefCell::new(None),
+    };
+    state.inplace_op1(&step)?;
+    Ok(step.result.into_inner().expect("the in-place op ran its launch"))
 }
 
 const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
@@ -997,25 +1265,34 @@ const LINEAR_MODULE: &str = "qwen36_linear";
 /// Threads per block of the skinny linear kernel: 8 warps.
 const LINEAR_THREADS: usize = 256;
 
-/// CUDA weight-streaming `x·wᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]`
-/// of the same dtype, with `res: [m, n]` (same dtype) added as the output is written when given;
-/// each warp computes `columns` ∈ {1, 2, 4} outputs. `None` when the kernel cannot take the
-/// operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not contiguous): the
-/// caller falls back to the matmul.
-pub(crate) fn skinny_linear(
-    x: &Tensor,
-    w: &Tensor,
-    res: Option<&Tensor>,
-    columns: usize,
-) -> Result<Option<Tensor>> {
+/// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
+/// or, for `w = [gate; up]`, the MLP activation `silu(x·gateᵀ) · (x·upᵀ)` (one row).
+#[derive(Clone, Copy)]
+pub(crate) enum Skinny<'a> {
+    Linear { res: Option<&'a Tensor>, columns: usize },
+    SwiGlu,
+}
+
+/// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
+/// same dtype, with the epilogue of `what`: `res: [m, n]` (same dtype) added as the output is
+/// written when given, or the SwiGLU of the two halves (`[1, n / 2]`). `None` when the kernel
+/// cannot take the operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not
+/// contiguous): the caller falls back to the matmul.
+pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Option<Tensor>> {
     let op = "skinny_linear";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims2()?;
+    let (res, columns) = match what {
+        Skinny::Linear { res, columns } => (res, columns),
+        Skinny::SwiGlu => (None, 2),
+    };
+    let swiglu = matches!(what, Skinny::SwiGlu);
     if kw != k
         || w.dtype() != dt
         || !(1..=crate::linear::SKINNY_MAX_ROWS).contains(&m)
         || ![1, 2, 4].contains(&columns)
+        || (swiglu && (m != 1 || n % 2 != 0))
     {
         return Err(err(
             op,
@@ -1061,32 +1338,43 @@ pub(crate) fn skinny_linear(
                 Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
                 None => None,
             };
+            // Output columns: the SwiGLU epilogue writes one per gate/up pair.
+            let out_n = if swiglu { n / 2 } else { n };
             // SAFETY: uninitialised; the kernel writes every element (each warp its `columns`
-            // columns, for every row m).
-            let y = unsafe { dev.alloc::<$t>(m * n)? };
-            let name = format!("skinny_linear_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
+            // columns, or its one pair, for every row m).
+            let y = unsafe { dev.alloc::<$t>(m * out_n)? };
+            let sfx = dtype_suffix(op, dt)?;
+            let name = if swiglu {
+                format!("skinny_swiglu_{sfx}")
+            } else {
+                format!("skinny_linear_{sfx}_m{m}_r{columns}")
+            };
             let func = dev.get_or_load_custom_func(&name, LINEAR_MODULE, LINEAR_PTX)?;
             let mut lb = func.builder();
-            let (n32, k32) = (n as i32, k as i32);
+            let (n32, k32) = (out_n as i32, k as i32);
             lb.arg(&xv).arg(&wv);
-            match &rv {
-                Some(rv) => lb.arg(rv),
-                None => lb.arg(&null),
-            };
+            if !swiglu {
+                match &rv {
+                    Some(rv) => lb.arg(rv),
+                    None => lb.arg(&null),
+                };
+            }
             lb.arg(&y).arg(&n32).arg(&k32);
+            let warps = if swiglu { out_n } else { n.div_ceil(columns) };
             let cfg = LaunchConfig {
-                grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
+                grid_dim: ((warps * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
                 block_dim: (LINEAR_THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             if n > 0 {
-                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` in cuda/linear.cu: x
-                // [m·k] and w [n·k] contiguous and 16-byte aligned with k·size a multiple of 16
-                // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 n
-                // and k; one warp per `columns` columns.
+                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` (res [m·n] contiguous
+                // or a null pointer, 0u64) or `skinny_swiglu_*` (no res; m = 1, n even) in
+                // cuda/linear.cu: x [m·k] and w [n·k] contiguous and 16-byte aligned with k·size a
+                // multiple of 16 (checked above), y [m·out_n], i32 out_n and k; one warp per
+                // `columns` columns or per gate/up pair.
                 unsafe { lb.launch(cfg) }.w()?;
             }
-            Ok(Some(wrap(y, &dev, (m, n))))
+            Ok(Some(wrap(y, &dev, (m, out_n))))
         }};
     }
     match dt {
@@ -1371,17 +1659,27 @@ pub(crate) fn swiglu(x: &Tensor) -> Result<Tensor> {
             // SAFETY: uninitialised; the kernel writes every element (grid-stride loop).
             let y = unsafe { dev.alloc::<$t>(rows * i)? };
             if rows * i > 0 {
+                // 16-byte steps when every gate, up and output row starts 16-byte aligned.
+                let size = dt.size_in_bytes();
+                let vec = (i * size) % 16 == 0 && (xl.start_offset() * size) % 16 == 0;
                 let f = dev.get_or_load_custom_func(
-                    &format!("swiglu_{}", dtype_suffix(op, dt)?),
+                    &format!(
+                        "swiglu{}_{}",
+                        if vec { "_vec" } else { "" },
+                        dtype_suffix(op, dt)?
+                    ),
                     ACTIVATION_MODULE,
                     ACTIVATION_PTX,
                 )?;
                 let mut lb = f.builder();
                 let (r32, i32_) = (rows as i32, i as i32);
                 lb.arg(&xv).arg(&y).arg(&r32).arg(&i32_);
-                let cfg = LaunchConfig::for_num_elems((rows * i).min(1 << 24) as u32);
-                // SAFETY: arguments match `swiglu_*` in cuda/activation.cu: x [rows·2I]
-                // contiguous, y [rows·I], i32 rows and I; a grid-stride loop covers every output.
+                let steps = if vec { rows * i * size / 16 } else { rows * i };
+                let cfg = LaunchConfig::for_num_elems(steps.min(1 << 24) as u32);
+                // SAFETY: arguments match `swiglu[_vec]_*` in cuda/activation.cu: x [rows·2I]
+                // contiguous, y [rows·I] (a fresh allocation: 16-byte aligned), i32 rows and I;
+                // the vector variant only with 16-byte aligned rows (checked above); a grid-stride
+                // loop covers every output.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(wrap(y, &dev, shape))
@@ -1483,6 +1781,7 @@ pub(crate) fn prefill_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    gate: Option<&Tensor>,
     pos0: usize,
     scale: f64,
 ) -> Result<Tensor> {
@@ -1498,6 +1797,16 @@ pub(crate) fn prefill_attention(
     let to_i32 = |x: usize| i32::try_from(x).map_err(|_| err(op, format!("{x} does not fit in i32")));
     let (t32, h32, kh32, pos32) = (to_i32(t)?, to_i32(h)?, to_i32(kh)?, to_i32(pos0)?);
     let strides = [q.stride()[0], q.stride()[1], k.stride()[0], k.stride()[1]].map(|s| s as i64);
+    // The gate is read through its strides when its rows (head dims) are contiguous.
+    let gate = match gate {
+        Some(g) if g.stride()[3] == 1 => Some(g.clone()),
+        Some(g) => Some(g.contiguous()?),
+        None => None,
+    };
+    let g_strides = match &gate {
+        Some(g) => [g.stride()[0], g.stride()[1], g.stride()[2]].map(|s| s as i64),
+        None => [0; 3],
+    };
     // Q, K and V tiles of 64 rows of d + 8 elements.
     let smem = 3 * 64 * (d + 8) * dt.size_in_bytes();
     let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -1509,6 +1818,12 @@ pub(crate) fn prefill_attention(
             let qv = span_view::<$t>(op, &qs, ql)?;
             let kv = span_view::<$t>(op, &ks, kl)?;
             let vv = span_view::<$t>(op, &vs, vl)?;
+            let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
+            let gv = match &gate_guard {
+                Some((gs, gl)) => Some(span_view::<$t>(op, gs, gl)?),
+                None => None,
+            };
+            let null = 0u64;
             // SAFETY: uninitialised; the kernel writes every (row < t, head, batch) output row.
             let out = unsafe { dev.alloc::<$t>(b * t * h * d)? };
             if b * t * h > 0 {
@@ -1516,9 +1831,14 @@ pub(crate) fn prefill_attention(
                 allow_smem(&dev, &name, smem, ATTENTION_MODULE, ATTENTION_PTX)?;
                 let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
                 let mut lb = f.builder();
-                lb.arg(&qv).arg(&kv).arg(&vv).arg(&out);
+                lb.arg(&qv).arg(&kv).arg(&vv);
+                match &gv {
+                    Some(g) => lb.arg(g),
+                    None => lb.arg(&null),
+                };
+                lb.arg(&out);
                 lb.arg(&t32).arg(&h32).arg(&kh32);
-                for s in &strides {
+                for s in strides.iter().chain(&g_strides) {
                     lb.arg(s);
                 }
                 lb.arg(&pos32).arg(&sl2);
@@ -1530,8 +1850,10 @@ pub(crate) fn prefill_attention(
                 // SAFETY: arguments match `flash_prefill_*_d*` in cuda/attention.cu: q [b, h, t,
                 // d] and k, v [b, kh, ≥ pos0 + t, d] with rows of d contiguous elements d apart
                 // (`with_row_layout`) and the batch/head strides passed (k and v share them), each
-                // view spanning every element its layout addresses; out [b, t, h, d] contiguous;
-                // i32 t, h, kh, i64 strides, i32 pos0, f32 scale·log2 e. The caller checked h % kh
+                // view spanning every element its layout addresses; the gate [b, t, h, d] with
+                // contiguous rows and its three strides (or null and zeros); out [b, t, h, d]
+                // contiguous; i32 t, h, kh, i64 strides, i32 pos0, f32 scale·log2 e. The caller
+                // checked h % kh
                 // == 0 and pos0 + t ≤ the key count, so every key row read exists; 128 threads and
                 // the kernel's 3·64·(d + 8) elements of shared memory, its limit raised above.
                 unsafe { lb.launch(cfg) }.w()?;

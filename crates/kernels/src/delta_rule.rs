@@ -423,6 +423,35 @@ pub fn force_chunk_scan_columns(columns: Option<usize>) {
     SCAN_COLUMNS.store(columns.unwrap_or(0), Ordering::Relaxed);
 }
 
+/// Validates the fused op's shapes (the qkv width, a and b against v's heads, the state) before
+/// any kernel runs; q, k and v are views into qkv by construction.
+fn check_fused(
+    op: &'static str,
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    d: Dims,
+    state: Option<&Tensor>,
+) -> Result<()> {
+    expect_rank(op, "qkv", qkv, 3)?;
+    let width = qkv.dim(2)?;
+    if width != 2 * d.hk * d.dk + d.hv * d.dv {
+        return Err(Error::Shape {
+            op,
+            msg: format!("qkv width {width} != 2·{}·{} + {}·{}", d.hk, d.dk, d.hv, d.dv),
+        });
+    }
+    check_heads_and_state(op, d, state)?;
+    let want = [d.b, d.t, d.hv];
+    if a.dims() != want || b.dims() != want {
+        return Err(Error::Shape {
+            op,
+            msg: format!("a {:?} and b {:?} must be {want:?}", a.dims(), b.dims()),
+        });
+    }
+    Ok(())
+}
+
 /// Which form of the delta rule [`fused_gated_delta_rule`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeltaRuleMode {
@@ -450,7 +479,7 @@ pub fn fused_gated_delta_rule(
     mode: DeltaRuleMode,
 ) -> Result<DeltaRuleOutput> {
     expect_rank("fused_gated_delta_rule", "qkv", qkv, 3)?;
-    let (bs, t, width) = qkv.dims3()?;
+    let (bs, t, _) = qkv.dims3()?;
     let GdnHeads {
         k_heads: hk,
         v_heads: hv,
@@ -458,12 +487,6 @@ pub fn fused_gated_delta_rule(
         v_dim: dv,
     } = heads;
     let kd = hk * dk;
-    if width != 2 * kd + hv * dv {
-        return Err(Error::Shape {
-            op: "fused_gated_delta_rule",
-            msg: format!("qkv width {width} != 2·{hk}·{dk} + {hv}·{dv}"),
-        });
-    }
     let d = Dims {
         b: bs,
         t,
@@ -472,15 +495,7 @@ pub fn fused_gated_delta_rule(
         dk,
         dv,
     };
-    // Validates every shape (a, b against v's heads, the state) before any kernel runs; q, k and v
-    // are views into qkv by construction.
-    check_heads_and_state("fused_gated_delta_rule", d, state)?;
-    if a.dims() != [bs, t, hv] || b.dims() != [bs, t, hv] {
-        return Err(Error::Shape {
-            op: "fused_gated_delta_rule",
-            msg: format!("a {:?} and b {:?} must be [{bs}, {t}, {hv}]", a.dims(), b.dims()),
-        });
-    }
+    check_fused("fused_gated_delta_rule", qkv, a, b, d, state)?;
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
         return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, mode);
@@ -499,6 +514,56 @@ pub fn fused_gated_delta_rule(
             recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, state, scale, keep_all_states)
         }
     }
+}
+
+/// [`fused_gated_delta_rule`] in the recurrent form with the state updated in place: `state`
+/// (`[batch, Hv, dk, dv]` f32, contiguous) holds the entry state and receives the exit state, so
+/// its buffer (and any CUDA graph that recorded it) stays the same; on CUDA the kernel writes it
+/// directly, with no copy. The output's `state` is `state` itself; `all_states` as for
+/// `Recurrent { keep_all_states }`.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gated_delta_rule_in_place(
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    state: &Tensor,
+    heads: GdnHeads,
+    keep_all_states: bool,
+) -> Result<DeltaRuleOutput> {
+    let op = "fused_gated_delta_rule_in_place";
+    if !state.is_contiguous() || state.dtype() != DType::F32 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the state must be contiguous f32 to be updated in place, found {:?}",
+                state.dtype()
+            ),
+        });
+    }
+    let mode = DeltaRuleMode::Recurrent { keep_all_states };
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        // Validates every shape before the kernel runs (the same checks as the fresh-state op).
+        let (bs, t, _) = qkv.dims3()?;
+        let d = Dims {
+            b: bs,
+            t,
+            hk: heads.k_heads,
+            hv: heads.v_heads,
+            dk: heads.k_dim,
+            dv: heads.v_dim,
+        };
+        check_fused(op, qkv, a, b, d, Some(state))?;
+        return crate::cuda::fused_in_place(d, qkv, a, b, a_log, dt_bias, state, keep_all_states);
+    }
+    let r = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(state), heads, mode)?;
+    state.slice_set(&r.state, 0, 0)?;
+    Ok(DeltaRuleOutput {
+        state: state.clone(),
+        ..r
+    })
 }
 
 #[cfg(test)]

@@ -123,6 +123,40 @@ impl Linear {
         Ok(self.inner.forward(&x.contiguous()?)?)
     }
 
+    /// `swiglu(self.forward(x))` for a layer whose outputs are `[gate | up]` halves (the MLP's
+    /// fused gate and up projections): `silu(gate) · up`, `[..., out / 2]`. On CUDA one row goes
+    /// through the streaming kernel with the activation in its epilogue (no rounding of the
+    /// halves, no second pass); otherwise the two steps.
+    pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.forward_skinny_swiglu(x)? {
+            return Ok(y);
+        }
+        crate::activation::swiglu(&self.forward(x)?)
+    }
+
+    /// The one-row SwiGLU kernel when it applies (CUDA, one row, no bias, matching dtypes, the
+    /// streaming path not switched off); `None` for the two steps.
+    #[cfg(feature = "cuda")]
+    fn forward_skinny_swiglu(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let w = self.weight();
+        if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 || self.bias().is_some() {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let (n, kw) = w.dims2()?;
+        if x.elem_count() != k || kw != k || n % 2 != 0 || streaming_columns(1, n).is_none() {
+            return Ok(None);
+        }
+        let x2 = x.contiguous()?.reshape((1, k))?;
+        let Some(y) = crate::cuda::skinny_linear(&x2, w, crate::cuda::Skinny::SwiGlu)? else {
+            return Ok(None);
+        };
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("rank > 0") = n / 2;
+        Ok(Some(y.reshape(dims)?))
+    }
+
     /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
     /// closing with this layer. On CUDA the few-row kernels add it as they write, saving a pass.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
@@ -165,7 +199,11 @@ impl Linear {
             _ => None,
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        let Some(y) = crate::cuda::skinny_linear(&x2, w, r2.as_ref(), columns)? else {
+        let what = crate::cuda::Skinny::Linear {
+            res: r2.as_ref(),
+            columns,
+        };
+        let Some(y) = crate::cuda::skinny_linear(&x2, w, what)? else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;

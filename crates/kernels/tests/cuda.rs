@@ -283,6 +283,42 @@ fn norms_match_cpu() {
     }
 }
 
+/// The one-row SwiGLU epilogue of the streaming kernel (`Linear::forward_swiglu` over [gate; up])
+/// against the CPU's two steps in f32 from the same rounded inputs: one output rounding (2^-8
+/// bf16, 2^-11 f16 of the row's scale) plus f32 sums in another order; the kernel does not round
+/// the gate and up halves, the CPU f32 path neither. Also a second row (the two steps on CUDA).
+#[test]
+fn swiglu_epilogue_matches_cpu() {
+    use qwen36_kernels::linear::Linear;
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [
+        (DType::F32, 2e-6f32),
+        (DType::BF16, 2f32.powi(-7)),
+        (DType::F16, 2f32.powi(-10)),
+    ] {
+        for (rows, k, i) in [(1, 5120, 1000), (1, 64, 33), (2, 512, 100)] {
+            let x = randn(1.0, (1, rows, k), dt);
+            let w = (Tensor::randn(0f32, 1.0, (2 * i, k), &cpu).unwrap() / (k as f64).sqrt())
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let want = Linear::new(w.to_dtype(DType::F32).unwrap(), None)
+                .forward_swiglu(&x.to_dtype(DType::F32).unwrap())
+                .unwrap();
+            let got = Linear::new(w.to_device(&d).unwrap(), None)
+                .forward_swiglu(&x.to_device(&d).unwrap())
+                .unwrap();
+            assert_eq!(got.dims(), [1, rows, i]);
+            let e = max_row_rel_err(&got, &want);
+            // Two rows take the two steps, which round the halves first: one more rounding.
+            let tol = if rows == 1 { tol } else { 3.0 * tol };
+            assert!(e <= tol, "{dt:?} rows {rows} k {k} i {i}: {e}");
+        }
+    }
+}
+
 /// The weight-streaming linear kernel (1..=8 rows; outputs narrower and wider than 8192, where
 /// the default choice changes) and its matmul fallback (more rows, K not a multiple of 16 bytes,
 /// unaligned x) against the CPU matmul of the same rounded inputs, with a bias, and the same
@@ -382,6 +418,77 @@ fn linear_matches_cpu() {
     }
 }
 
+/// The in-place state updates (decode and verify passes of a model whose states live in fixed
+/// buffers) against the fresh-state ops on the same GPU: the recurrent kernel is the same code
+/// reading and writing one buffer, and the in-place conv kernel sums the same products in the
+/// same order, so outputs, kept states and the updated buffers must match bit for bit.
+#[test]
+fn in_place_state_updates_equal_fresh_ones() {
+    use qwen36_kernels::conv1d::causal_conv1d_in_place;
+    use qwen36_kernels::delta_rule::fused_gated_delta_rule_in_place;
+    let d = gpu();
+    let (b, hk, hv, dk, dv) = (2, 2, 4, 64, 48);
+    let heads = GdnHeads {
+        k_heads: hk,
+        v_heads: hv,
+        k_dim: dk,
+        v_dim: dv,
+    };
+    let width = 2 * hk * dk + hv * dv;
+    let a_log = Tensor::rand(0f32, 2.5, hv, &d).unwrap();
+    let dt_bias = (Tensor::rand(0f32, 1.0, hv, &d).unwrap() - 3.0).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, keep) in [(1, false), (1, true), (4, true), (5, false)] {
+            // qkv and the gates as views into one projection row, as the layer reads them.
+            let proj = randn(1.0, (b, t, width + 2 * hv + 5), dtype)
+                .to_device(&d)
+                .unwrap();
+            let qkv = proj.narrow(2, 0, width).unwrap().contiguous().unwrap();
+            let (ga, gb) = (
+                proj.narrow(2, width, hv).unwrap(),
+                proj.narrow(2, width + hv, hv).unwrap(),
+            );
+            let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &d).unwrap();
+            let mode = DeltaRuleMode::Recurrent {
+                keep_all_states: keep,
+            };
+            let want =
+                fused_gated_delta_rule(&qkv, &ga, &gb, &a_log, &dt_bias, Some(&s0), heads, mode).unwrap();
+            let state = s0.copy().unwrap();
+            let got = fused_gated_delta_rule_in_place(&qkv, &ga, &gb, &a_log, &dt_bias, &state, heads, keep)
+                .unwrap();
+            assert_eq!(
+                got.state.id(),
+                state.id(),
+                "the output state is the caller's buffer"
+            );
+            assert_eq!(max_diff(&got.out, &want.out), 0.0, "{dtype:?} t {t}");
+            assert_eq!(max_diff(&state, &want.state), 0.0, "{dtype:?} t {t}");
+            assert_eq!(got.all_states.is_some(), keep);
+            if let (Some(g), Some(w)) = (&got.all_states, &want.all_states) {
+                assert_eq!(max_diff(g, w), 0.0, "{dtype:?} t {t}");
+            }
+
+            let (c, k) = (200, 4);
+            let x = randn(1.0, (b, t, c + 60), dtype).to_device(&d).unwrap();
+            let x = x.narrow(2, 40, c).unwrap();
+            let w = randn(0.5, (c, 1, k), dtype).to_device(&d).unwrap();
+            let st0 = randn(1.0, (b, c, k - 1), dtype).to_device(&d).unwrap();
+            let (y_want, st_want) = causal_conv1d(&x, &w, Some(&st0)).unwrap();
+            let st = st0.copy().unwrap();
+            let (y, win) = causal_conv1d_in_place(&x, &w, &st, keep).unwrap();
+            assert_eq!(max_diff(&y, &y_want), 0.0, "conv {dtype:?} t {t}");
+            assert_eq!(max_diff(&st, &st_want), 0.0, "conv state {dtype:?} t {t}");
+            // The kept window: the state before, then the raw inputs, channel-major.
+            assert_eq!(win.is_some(), keep);
+            if let Some(win) = win {
+                let want = Tensor::cat(&[&st0, &x.transpose(1, 2).unwrap()], 2).unwrap();
+                assert_eq!(max_diff(&win, &want), 0.0, "conv window {dtype:?} t {t}");
+            }
+        }
+    }
+}
+
 /// The split-K decode attention kernel against the CPU reference: one and five new tokens, six
 /// query heads per KV head (Qwen3.6-27B's grouping), head dims 256 and 64, lengths inside one
 /// span, across spans, filling the buffer, and buffers of more than 32 spans (the two-level
@@ -431,17 +538,20 @@ fn decode_attention_matches_cpu() {
 /// The tensor-core prefill attention kernel against the CPU reference (f32 loops): bf16 and f16,
 /// each compiled head dim, six query heads per KV head, prompts inside one 64-row tile, at and
 /// past tile edges, from position 0 and after a cached prefix (pos0 = 37), over cache views longer
-/// than the keys. Tolerance: the kernel rounds P to the input dtype before P·V (as flash-attn
-/// does), a relative 2^-9 (bf16) / 2^-12 (f16) per term whose errors add up like the output
-/// itself, and rounds the output once; the reference rounds only the output: 2^-6 / 2^-9 of each
-/// row's scale leaves room for both and still fails on any wrong key, mask or scale.
+/// than the keys; odd cases with an output gate read as a strided view (gated attention). Tolerance:
+/// the kernel rounds P to the input dtype before P·V (as flash-attn does), a relative 2^-9 (bf16)
+/// / 2^-12 (f16) per term whose errors add up like the output itself, and rounds the output once;
+/// the reference rounds only the output: 2^-6 / 2^-9 of each row's scale leaves room for both
+/// and still fails on any wrong key, mask or scale. Gated, the reference also rounds the gate's
+/// sigmoid and the product (two more roundings at up to the row's scale; measured 1.4e-2 / 1.9e-3):
+/// twice that.
 #[test]
 fn prefill_attention_matches_cpu() {
     use qwen36_kernels::attention::{prefill_attention, prefill_attention_fits};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
     for (dt, tol) in [(DType::BF16, 2f32.powi(-6)), (DType::F16, 2f32.powi(-9))] {
-        for (hd, t, pos0) in [
+        for (case, (hd, t, pos0)) in [
             (256, 1, 0),
             (256, 64, 0),
             (256, 130, 37),
@@ -449,7 +559,10 @@ fn prefill_attention_matches_cpu() {
             (128, 200, 37),
             (64, 65, 37),
             (64, 300, 0),
-        ] {
+        ]
+        .into_iter()
+        .enumerate()
+        {
             assert!(prefill_attention_fits(hd, dt, &d));
             let (b, h, kh) = (2, 12, 2);
             let cap = pos0 + t + 5;
@@ -458,28 +571,38 @@ fn prefill_attention_matches_cpu() {
             let v = randn(1.0, (b, kh, cap, hd), dt);
             let keys = pos0 + t;
             let scale = (hd as f64).powf(-0.5);
+            // The gate as the model reads it: every other hd-block of a wider row.
+            let gate_rows = randn(1.0, (b, t, h, 2 * hd), dt);
+            let gate = (case % 2 == 1).then(|| gate_rows.narrow(3, hd, hd).unwrap());
             let want = prefill_attention(
                 &q,
                 &k.narrow(2, 0, keys).unwrap(),
                 &v.narrow(2, 0, keys).unwrap(),
+                gate.as_ref(),
                 pos0,
                 scale,
             )
             .unwrap();
             let on = |x: &Tensor| x.to_device(&d).unwrap();
             let (kd, vd) = (on(&k), on(&v));
+            let gd = gate.as_ref().map(|_| on(&gate_rows).narrow(3, hd, hd).unwrap());
             let got = prefill_attention(
                 &on(&q),
                 &kd.narrow(2, 0, keys).unwrap(),
                 &vd.narrow(2, 0, keys).unwrap(),
+                gd.as_ref(),
                 pos0,
                 scale,
             )
             .unwrap();
             assert_eq!(got.dims(), want.dims());
             let e = max_row_rel_err(&got, &want);
-            assert!(e <= tol, "{dt:?} hd {hd} t {t} pos0 {pos0}: {e}");
-            eprintln!("prefill_attention {dt:?} hd {hd} t {t} pos0 {pos0}: max row rel err {e:.2e}");
+            let gated = gate.is_some();
+            let tol = if gated { 2.0 * tol } else { tol };
+            assert!(e <= tol, "{dt:?} hd {hd} t {t} pos0 {pos0} gated {gated}: {e}");
+            eprintln!(
+                "prefill_attention {dt:?} hd {hd} t {t} pos0 {pos0} gated {gated}: max row rel err {e:.2e}"
+            );
         }
     }
 }

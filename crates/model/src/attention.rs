@@ -157,10 +157,15 @@ impl GatedAttention {
         let start = cache.len();
         let qkv = self.qkv_proj.forward(x)?;
         let (qd, kd) = (2 * nh * hd, nkv * hd);
-        // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat.
+        // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat. The
+        // whole row [q|gate per head | k | v] is nh + nkv blocks of 2·hd, so a free reshape of the
+        // projection exposes the gates as a strided view [b, t, nh, hd] (no copy).
         let qg = qkv.narrow(D::Minus1, 0, qd)?;
-        let gate = qg.reshape((b, t, nh, 2 * hd))?.narrow(D::Minus1, hd, hd)?; // [b, t, nh, hd]
-                                                                               // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
+        let gate = qkv
+            .reshape((b, t, nh + nkv, 2 * hd))?
+            .narrow(2, 0, nh)?
+            .narrow(3, hd, hd)?;
+        // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
         let (cos, sin) = (&step.cos, &step.sin);
         let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin)?;
         let k = norm_rope_heads(
@@ -180,16 +185,18 @@ impl GatedAttention {
             let (kb, vb) = cache.append_at(&k, &v, &step.positions)?;
             let q = q.reshape((b, nkv, nh / nkv * t, hd))?;
             let scale = (hd as f64).powf(-0.5);
-            decode_attention(&q, &kb, &vb, &step.len, t, scale)?.reshape((b, nh, t, hd))?
+            let out = decode_attention(&q, &kb, &vb, &step.len, t, scale)?.reshape((b, nh, t, hd))?;
+            (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
         } else {
             let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
             if prefill_attention_fits(hd, q.dtype(), q.device()) {
-                prefill_attention(&q, &k, &v, start, (hd as f64).powf(-0.5))?
+                // The kernel applies the gate as it writes.
+                prefill_attention(&q, &k, &v, Some(&gate), start, (hd as f64).powf(-0.5))?.transpose(1, 2)?
             } else {
-                self.attend_blocks(&q, &k, &v, start, budget)?
+                let out = self.attend_blocks(&q, &k, &v, start, budget)?;
+                (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
             }
-        };
-        let out = (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?; // [b, t, nh, hd]
+        }; // [b, t, nh, hd]
         Ok(self.o_proj.forward(&out.reshape((b, t, nh * hd))?)?)
     }
 

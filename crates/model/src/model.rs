@@ -37,15 +37,15 @@ impl Mlp {
 
     /// `x: [..., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let act = qwen36_kernels::activation::swiglu(&self.gate_up.forward(x)?)?;
-        Ok(self.down.forward(&act)?)
+        Ok(self.down.forward(&self.gate_up.forward_swiglu(x)?)?)
     }
 
     /// `residual + forward(x)`: the decoder layer's closing residual add, done by the down
     /// projection's few-row kernel as it writes (decode, verify) and as a separate add otherwise.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let act = qwen36_kernels::activation::swiglu(&self.gate_up.forward(x)?)?;
-        Ok(self.down.forward_add(&act, residual)?)
+        Ok(self
+            .down
+            .forward_add(&self.gate_up.forward_swiglu(x)?, residual)?)
     }
 }
 
