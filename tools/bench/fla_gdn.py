@@ -4,24 +4,12 @@
 
     PYTHONPATH=<fla-core wheel unpacked> python3 tools/bench/fla_gdn.py
 """
-import time
-
 import torch
 import torch.nn.functional as F
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from timing import timeit
 
 HK, HV, D = 16, 48, 128
-
-
-def timeit(f, iters):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
 
 
 def main():

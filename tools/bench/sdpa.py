@@ -5,23 +5,11 @@ with a sync at the end), for a side-by-side table.
 
     python3 tools/bench/sdpa.py
 """
-import time
-
 import torch
 import torch.nn.functional as F
+from timing import timeit
 
 H, KH, D = 24, 4, 256
-
-
-def timeit(f, iters):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
 
 
 def main():

@@ -675,6 +675,13 @@ pub(crate) fn fused(
     }
 }
 
+/// The element range of an in-place op's state (which its caller checked to be contiguous).
+fn state_range(op: &str, layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))
+}
+
 /// The fused recurrent kernel as a candle in-place op on the state tensor: candle hands it the
 /// state's storage mutably, and the kernel writes the exit state over the entry state.
 struct FusedInPlace<'t> {
@@ -696,9 +703,7 @@ impl candle_core::InplaceOp1 for FusedInPlace<'_> {
 
     fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
         let op = "fused_gated_delta_rule_in_place";
-        let (lo, hi) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))?;
+        let (lo, hi) = state_range(op, layout)?;
         let mut state = st.as_cuda_slice_mut::<f32>()?.slice_mut(lo..hi);
         let mut run = || -> Result<_> {
             let name = self.args.recurrent_kernel(op, self.d)?;
@@ -843,9 +848,7 @@ impl candle_core::InplaceOp1 for ConvInPlace<'_> {
 
     fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
         let op = "causal_conv1d_in_place";
-        let (lo, hi) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))?;
+        let (lo, hi) = state_range(op, layout)?;
         let (b, t, c) = self.x.dims3()?;
         let k = self.w.dim(1)?;
         let dt = self.x.dtype();
