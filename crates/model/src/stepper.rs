@@ -7,8 +7,8 @@ use candle_core::Tensor;
 use crate::{Cache, MtpCache, MtpHead, Qwen36Model, Result};
 
 /// Runs the per-token passes of one generation. On a CUDA device made by
-/// [`graph_device`](crate::graph_device) (feature `cuda`) one-token steps and verify passes replay
-/// recorded graphs ([`DecodeGraph`](crate::DecodeGraph)); on any other device they run eagerly.
+/// `graph_device` (feature `cuda`) one-token steps and verify passes replay
+/// recorded graphs (`DecodeGraph`); on any other device they run eagerly.
 /// Graphs are bound to one [`Cache`]: keep the stepper and the cache together (a new cache
 /// re-records, which costs two eager passes of the stack).
 pub struct Stepper {
@@ -77,7 +77,7 @@ impl Stepper {
 }
 
 /// Runs MTP draft steps ([`MtpHead::draft`]): replayed from CUDA graphs where the model's device
-/// can record them (feature `cuda`, a device from [`graph_device`](crate::graph_device)),
+/// can record them (feature `cuda`, a device from `graph_device`),
 /// eagerly elsewhere, with the same results. Graphs are bound to one [`MtpCache`]: keep the
 /// stepper and the cache together.
 pub struct DraftStepper {
@@ -131,7 +131,7 @@ impl DraftStepper {
 }
 
 /// CUDA device `ordinal`, made so that [`Stepper`] can record graphs on it (see
-/// [`graph_device`](crate::graph_device)); without the `cuda` feature, candle's error saying so.
+/// `graph_device`); without the `cuda` feature, candle's error saying so.
 pub fn cuda_device(ordinal: usize) -> Result<candle_core::Device> {
     #[cfg(feature = "cuda")]
     return crate::graph_device(ordinal);
