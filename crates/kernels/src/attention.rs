@@ -1,6 +1,7 @@
 //! Causal attention of a few new queries (a decode step, an MTP verify pass) over a KV cache
 //! buffer whose valid length is a tensor, not a host number: on CUDA the kernels read it from
-//! device memory, so one recorded graph serves every position. The CPU function is the plain
+//! device memory, so one recorded graph serves every position (tensor cores for bf16/f16 and head
+//! dims 64/128/256, a split-K CUDA-core kernel otherwise). The CPU function is the plain
 //! reference (f32 loops). Prefill: [`prefill_attention`] (a FlashAttention-2 kernel on CUDA for
 //! bf16/f16, see [`prefill_attention_fits`]); elsewhere the model's matmul path, with
 //! [`causal_softmax`] between its two matmuls.
