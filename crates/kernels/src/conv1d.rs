@@ -224,4 +224,31 @@ mod tests {
         assert!(err.contains("state must be [1, 3, 3]"), "{err}");
         Ok(())
     }
+
+    /// The in-place conv refuses a state it cannot update in place (another dtype, not
+    /// contiguous); a good one ends as the fresh op's new state, and the window is the state
+    /// before followed by the inputs.
+    #[test]
+    fn in_place_state_is_checked_and_updated() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::new(rand_vec(2 * 3 * 5, 7), &dev)?.reshape((2, 3, 5))?;
+        let w = Tensor::new(rand_vec(5 * 4, 8), &dev)?.reshape((5, 4))?;
+        let s0 = Tensor::new(rand_vec(2 * 5 * 3, 9), &dev)?.reshape((2, 5, 3))?;
+        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, false).unwrap_err();
+        assert!(err.to_string().contains("contiguous"), "{err}");
+        let strided = Tensor::zeros((2, 3, 5), DType::F32, &dev)?.transpose(1, 2)?;
+        let err = causal_conv1d_in_place(&x, &w, &strided, false).unwrap_err();
+        assert!(err.to_string().contains("contiguous"), "{err}");
+        let (y_want, s_want) = causal_conv1d(&x, &w, Some(&s0))?;
+        let state = s0.copy()?;
+        let (y, window) = causal_conv1d_in_place(&x, &w, &state, true)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        };
+        assert_eq!(diff(&y, &y_want)?, 0.0);
+        assert_eq!(diff(&state, &s_want)?, 0.0);
+        let want_window = Tensor::cat(&[&s0, &x.transpose(1, 2)?], 2)?;
+        assert_eq!(diff(&window.expect("kept"), &want_window)?, 0.0);
+        Ok(())
+    }
 }

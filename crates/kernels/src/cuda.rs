@@ -675,53 +675,46 @@ pub(crate) fn fused(
     }
 }
 
-/// The element range of an in-place op's state (which its caller checked to be contiguous).
-fn state_range(op: &str, layout: &Layout) -> candle_core::Result<(usize, usize)> {
-    layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: the state must be contiguous")))
+/// A candle in-place op that hands `launch` the tensor's CUDA storage (mutably, as candle holds
+/// it for the op) and its element range: how a kernel writes a state buffer in place. The launch
+/// runs once; its own results leave through what it captures.
+struct CudaInPlace<F> {
+    name: &'static str,
+    launch: std::cell::RefCell<Option<F>>,
 }
 
-/// The fused recurrent kernel as a candle in-place op on the state tensor: candle hands it the
-/// state's storage mutably, and the kernel writes the exit state over the entry state.
-struct FusedInPlace<'t> {
-    d: Launch,
-    args: &'t FusedArgs,
-    keep_all_states: bool,
-    /// The read-out and (with `keep_all_states`) every state, set by the launch.
-    result: std::cell::RefCell<Option<(Tensor, Option<Tensor>)>>,
-}
-
-impl candle_core::InplaceOp1 for FusedInPlace<'_> {
+impl<F: FnOnce(&mut CudaStorage, std::ops::Range<usize>) -> Result<()>> candle_core::InplaceOp1
+    for CudaInPlace<F>
+{
     fn name(&self) -> &'static str {
-        "fused_gated_delta_rule_in_place"
+        self.name
     }
 
     fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("fused_gated_delta_rule_in_place: the CUDA op got a CPU state")
+        candle_core::bail!("{}: the CUDA op got a CPU tensor", self.name)
     }
 
     fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let op = "fused_gated_delta_rule_in_place";
-        let (lo, hi) = state_range(op, layout)?;
-        let mut state = st.as_cuda_slice_mut::<f32>()?.slice_mut(lo..hi);
-        let mut run = || -> Result<_> {
-            let name = self.args.recurrent_kernel(op, self.d)?;
-            let inp = self.args.inputs(self.d, None);
-            let scale = (self.d.dk as f32).powf(-0.5);
-            let (d, keep) = (self.d, self.keep_all_states);
-            let dt = self.args.qkv.dtype();
-            macro_rules! go {
-                ($t:ty) => {
-                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, Some(&mut state))
-                };
-            }
-            for_float_dtype!(op, dt)
-        };
-        let (out, _, all) = run().map_err(candle_core::Error::wrap)?;
-        *self.result.borrow_mut() = Some((out, all));
-        Ok(())
+        let (lo, hi) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: the state must be contiguous", self.name)))?;
+        let launch = self.launch.borrow_mut().take();
+        let launch = launch.ok_or_else(|| candle_core::Error::Msg(format!("{}: ran twice", self.name)))?;
+        launch(st, lo..hi).map_err(candle_core::Error::wrap)
     }
+}
+
+/// Runs `launch` on `state`'s CUDA storage through [`CudaInPlace`].
+fn in_place(
+    op: &'static str,
+    state: &Tensor,
+    launch: impl FnOnce(&mut CudaStorage, std::ops::Range<usize>) -> Result<()>,
+) -> Result<()> {
+    state.inplace_op1(&CudaInPlace {
+        name: op,
+        launch: std::cell::RefCell::new(Some(launch)),
+    })?;
+    Ok(())
 }
 
 /// CUDA twin of `fused_gated_delta_rule_in_place` (shapes checked by the caller; `state`
@@ -737,15 +730,25 @@ pub(crate) fn fused_in_place(
     state: &Tensor,
     keep_all_states: bool,
 ) -> Result<DeltaRuleOutput> {
+    let op = "fused_gated_delta_rule_in_place";
     let args = FusedArgs::new(d, qkv, a, b, a_log, dt_bias)?;
-    let step = FusedInPlace {
-        d,
-        args: &args,
-        keep_all_states,
-        result: std::cell::RefCell::new(None),
-    };
-    state.inplace_op1(&step)?;
-    let (out, all_states) = step.result.into_inner().expect("the in-place op ran its launch");
+    let name = args.recurrent_kernel(op, d)?;
+    let scale = (d.dk as f32).powf(-0.5);
+    let dt = args.qkv.dtype();
+    let mut result = None;
+    in_place(op, state, |st, range| {
+        let mut view = st.as_cuda_slice_mut::<f32>()?.slice_mut(range);
+        let inp = args.inputs(d, None);
+        macro_rules! go {
+            ($t:ty) => {
+                launch_recurrent::<$t>(op, name, d, inp, scale, keep_all_states, Some(&mut view))
+            };
+        }
+        let (out, _, all) = for_float_dtype!(op, dt)?;
+        result = Some((out, all));
+        Ok(())
+    })?;
+    let (out, all_states) = result.ok_or_else(|| err(op, "the in-place launch did not run"))?;
     Ok(DeltaRuleOutput {
         out,
         state: state.clone(),
@@ -827,55 +830,49 @@ pub(crate) fn conv1d(
     for_float_dtype!(op, dt)
 }
 
-/// The in-place conv kernel as a candle in-place op on the conv state.
-struct ConvInPlace<'t> {
-    x: &'t Tensor,
-    xs: usize,
-    w: &'t Tensor,
+/// CUDA twin of `causal_conv1d_in_place` (shapes checked by the caller; `state` contiguous in
+/// `x`'s dtype): `x: [b, t, c]`, `weight: [c, k]`; returns y (and the window) and overwrites
+/// `state`.
+pub(crate) fn conv1d_in_place(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    k: usize,
     keep_window: bool,
-    /// y and the window, set by the launch.
-    result: std::cell::RefCell<Option<(Tensor, Option<Tensor>)>>,
-}
-
-impl candle_core::InplaceOp1 for ConvInPlace<'_> {
-    fn name(&self) -> &'static str {
-        "causal_conv1d_in_place"
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = "causal_conv1d_in_place";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
     }
-
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("causal_conv1d_in_place: the CUDA op got a CPU state")
-    }
-
-    fn cuda_fwd(&self, st: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let op = "causal_conv1d_in_place";
-        let (lo, hi) = state_range(op, layout)?;
-        let (b, t, c) = self.x.dims3()?;
-        let k = self.w.dim(1)?;
-        let dt = self.x.dtype();
-        let dev = device(op, self.x).map_err(candle_core::Error::wrap)?;
+    let (b, t, c) = x.dims3()?;
+    let (x, xs) = match row_stride(x) {
+        Some(rs) => (x.clone(), rs),
+        None => (x.contiguous()?, c),
+    };
+    let dt = x.dtype();
+    let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
+    let dev = device(op, &x)?;
+    let name = format!("conv1d_{}_in_place", dtype_suffix(op, dt)?);
+    let mut result = None;
+    in_place(op, state, |st, range| {
         macro_rules! go {
             ($t:ty) => {{
-                let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(lo..hi);
-                let (xst, xl) = self.x.storage_and_layout();
-                let (ws, wl) = self.w.storage_and_layout();
-                let xv =
-                    rows_view::<$t>(op, &xst, xl, b * t, c, self.xs).map_err(candle_core::Error::wrap)?;
-                let wv = view::<$t>(op, &ws, wl).map_err(candle_core::Error::wrap)?;
+                let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
+                let (xst, xl) = x.storage_and_layout();
+                let (ws, wl) = w.storage_and_layout();
+                let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
+                let wv = view::<$t>(op, &ws, wl)?;
                 // SAFETY: uninitialised; the kernel writes every element of y, and of the window
                 // when one is passed.
                 let y = unsafe { dev.alloc::<$t>(b * t * c)? };
-                let win = if self.keep_window {
+                let win = if keep_window {
                     Some(unsafe { dev.alloc::<$t>(b * c * (k - 1 + t))? })
                 } else {
                     None
                 };
-                let name = format!(
-                    "conv1d_{}_in_place",
-                    dtype_suffix(op, dt).map_err(candle_core::Error::wrap)?
-                );
                 let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
                 let mut lb = func.builder();
-                let (xs64, null) = (self.xs as i64, 0u64);
+                let (xs64, null) = (xs as i64, 0u64);
                 lb.arg(&xv).arg(&xs64).arg(&wv).arg(&y).arg(&mut state);
                 match &win {
                     Some(wb) => lb.arg(wb),
@@ -892,48 +889,13 @@ impl candle_core::InplaceOp1 for ConvInPlace<'_> {
                 // reading its state entries before writing them.
                 unsafe { lb.launch(LaunchConfig::for_num_elems((b * c) as u32)) }.w()?;
                 let win = win.map(|wb| wrap(wb, &dev, (b, c, k - 1 + t)));
-                *self.result.borrow_mut() = Some((wrap(y, &dev, (b, t, c)), win));
+                result = Some((wrap(y, &dev, (b, t, c)), win));
                 Ok(())
             }};
         }
-        match dt {
-            DType::F32 => go!(f32),
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            other => candle_core::bail!("{op}: unsupported dtype {other:?}"),
-        }
-    }
-}
-
-/// CUDA twin of `causal_conv1d_in_place` (shapes checked by the caller; `state` contiguous in
-/// `x`'s dtype): `x: [b, t, c]`, `weight: [c, k]`; returns y (and the window) and overwrites
-/// `state`.
-pub(crate) fn conv1d_in_place(
-    x: &Tensor,
-    weight: &Tensor,
-    state: &Tensor,
-    k: usize,
-    keep_window: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let op = "causal_conv1d_in_place";
-    if k > 8 {
-        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
-    }
-    let c = x.dim(2)?;
-    let (x, xs) = match row_stride(x) {
-        Some(rs) => (x.clone(), rs),
-        None => (x.contiguous()?, c),
-    };
-    let w = weight.reshape((c, k))?.to_dtype(x.dtype())?.contiguous()?;
-    let step = ConvInPlace {
-        x: &x,
-        xs,
-        w: &w,
-        keep_window,
-        result: std::cell::RefCell::new(None),
-    };
-    state.inplace_op1(&step)?;
-    Ok(step.result.into_inner().expect("the in-place op ran its launch"))
+        for_float_dtype!(op, dt)
+    })?;
+    result.ok_or_else(|| err(op, "the in-place launch did not run"))
 }
 
 const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));

@@ -423,17 +423,27 @@ pub fn force_chunk_scan_columns(columns: Option<usize>) {
     SCAN_COLUMNS.store(columns.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// Validates the fused op's shapes (the qkv width, a and b against v's heads, the state) before
-/// any kernel runs; q, k and v are views into qkv by construction.
+/// The fused op's sizes from `qkv: [batch, len, width]` and `heads`, once its shapes are checked
+/// (the qkv width, a and b against v's heads, the state), before any kernel runs; q, k and v are
+/// views into qkv by construction.
 fn check_fused(
     op: &'static str,
     qkv: &Tensor,
     a: &Tensor,
     b: &Tensor,
-    d: Dims,
+    heads: GdnHeads,
     state: Option<&Tensor>,
-) -> Result<()> {
+) -> Result<Dims> {
     expect_rank(op, "qkv", qkv, 3)?;
+    let (bs, t, _) = qkv.dims3()?;
+    let d = Dims {
+        b: bs,
+        t,
+        hk: heads.k_heads,
+        hv: heads.v_heads,
+        dk: heads.k_dim,
+        dv: heads.v_dim,
+    };
     let width = qkv.dim(2)?;
     if width != 2 * d.hk * d.dk + d.hv * d.dv {
         return Err(Error::Shape {
@@ -449,7 +459,7 @@ fn check_fused(
             msg: format!("a {:?} and b {:?} must be {want:?}", a.dims(), b.dims()),
         });
     }
-    Ok(())
+    Ok(d)
 }
 
 /// Which form of the delta rule [`fused_gated_delta_rule`] runs.
@@ -478,24 +488,16 @@ pub fn fused_gated_delta_rule(
     heads: GdnHeads,
     mode: DeltaRuleMode,
 ) -> Result<DeltaRuleOutput> {
-    expect_rank("fused_gated_delta_rule", "qkv", qkv, 3)?;
-    let (bs, t, _) = qkv.dims3()?;
-    let GdnHeads {
-        k_heads: hk,
-        v_heads: hv,
-        k_dim: dk,
-        v_dim: dv,
-    } = heads;
-    let kd = hk * dk;
-    let d = Dims {
+    let d = check_fused("fused_gated_delta_rule", qkv, a, b, heads, state)?;
+    let Dims {
         b: bs,
         t,
         hk,
         hv,
         dk,
         dv,
-    };
-    check_fused("fused_gated_delta_rule", qkv, a, b, d, state)?;
+    } = d;
+    let kd = hk * dk;
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
         return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, mode);
@@ -545,17 +547,8 @@ pub fn fused_gated_delta_rule_in_place(
     let mode = DeltaRuleMode::Recurrent { keep_all_states };
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        // Validates every shape before the kernel runs (the same checks as the fresh-state op).
-        let (bs, t, _) = qkv.dims3()?;
-        let d = Dims {
-            b: bs,
-            t,
-            hk: heads.k_heads,
-            hv: heads.v_heads,
-            dk: heads.k_dim,
-            dv: heads.v_dim,
-        };
-        check_fused(op, qkv, a, b, d, Some(state))?;
+        // The same shape checks as the fresh-state op, before the kernel runs.
+        let d = check_fused(op, qkv, a, b, heads, Some(state))?;
         return crate::cuda::fused_in_place(d, qkv, a, b, a_log, dt_bias, state, keep_all_states);
     }
     let r = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(state), heads, mode)?;
@@ -769,6 +762,54 @@ mod tests {
         let err =
             recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&s), 0.5, false).unwrap_err();
         assert!(err.to_string().contains("must be f32"), "{err}");
+        Ok(())
+    }
+
+    /// The in-place op refuses a state it cannot update in place (not f32, not contiguous) and one
+    /// of the wrong shape, naming it; a good one is updated and handed back as the output's state.
+    #[test]
+    fn in_place_state_is_checked_and_updated() -> Result<()> {
+        let dev = Device::Cpu;
+        let heads = GdnHeads {
+            k_heads: 1,
+            v_heads: 2,
+            k_dim: 4,
+            v_dim: 4,
+        };
+        let qkv = Tensor::randn(0f32, 1.0, (1, 2, 2 * 4 + 2 * 4), &dev)?;
+        let ab = Tensor::randn(0f32, 1.0, (1, 2, 2), &dev)?;
+        let (a_log, dt_bias) = (
+            Tensor::ones(2, DType::F32, &dev)?,
+            Tensor::zeros(2, DType::F32, &dev)?,
+        );
+        let run =
+            |s: &Tensor| fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, false);
+        let s0 = Tensor::randn(0f32, 0.5, (1, 2, 4, 4), &dev)?;
+        let err = run(&s0.to_dtype(DType::BF16)?).unwrap_err().to_string();
+        assert!(err.contains("contiguous f32"), "{err}");
+        let err = run(&s0.transpose(2, 3)?).unwrap_err().to_string();
+        assert!(err.contains("contiguous f32"), "{err}");
+        let err = run(&Tensor::zeros((1, 3, 4, 4), DType::F32, &dev)?)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("state"), "{err}");
+        let want = fused_gated_delta_rule(
+            &qkv,
+            &ab,
+            &ab,
+            &a_log,
+            &dt_bias,
+            Some(&s0),
+            heads,
+            DeltaRuleMode::Recurrent {
+                keep_all_states: false,
+            },
+        )?;
+        let state = s0.copy()?;
+        let got = run(&state)?;
+        assert_eq!(got.state.id(), state.id());
+        assert_eq!(max_diff(&state, &want.state), 0.0);
+        assert_eq!(max_diff(&got.out, &want.out), 0.0);
         Ok(())
     }
 }

@@ -53,6 +53,16 @@ fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
     }
 }
 
+/// `x`'s dims with the last replaced by `n` (an output of `n` features per row).
+#[cfg(feature = "cuda")]
+fn out_dims(x: &Tensor, n: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = n;
+    }
+    dims
+}
+
 /// A linear layer; the weight is `[out, in]` as in checkpoints.
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -135,26 +145,39 @@ impl Linear {
         crate::activation::swiglu(&self.forward(x)?)
     }
 
-    /// The one-row SwiGLU kernel when it applies (CUDA, one row, no bias, matching dtypes, the
-    /// streaming path not switched off); `None` for the two steps.
+    /// The one-row SwiGLU kernel when it applies (the streaming kernel's conditions, one row, no
+    /// bias); `None` for the two steps.
     #[cfg(feature = "cuda")]
     fn forward_skinny_swiglu(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let w = self.weight();
-        if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 || self.bias().is_some() {
+        let Some((rows, k, n, _)) = self.skinny_operands(x)? else {
             return Ok(None);
-        }
-        let k = x.dim(candle_core::D::Minus1)?;
-        let (n, kw) = w.dims2()?;
-        if x.elem_count() != k || kw != k || n % 2 != 0 || streaming_columns(1, n).is_none() {
+        };
+        if rows != 1 || n % 2 != 0 || self.bias().is_some() {
             return Ok(None);
         }
         let x2 = x.contiguous()?.reshape((1, k))?;
-        let Some(y) = crate::cuda::skinny_linear(&x2, w, crate::cuda::Skinny::SwiGlu)? else {
+        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), crate::cuda::Skinny::SwiGlu)? else {
             return Ok(None);
         };
-        let mut dims = x.dims().to_vec();
-        *dims.last_mut().expect("rank > 0") = n / 2;
-        Ok(Some(y.reshape(dims)?))
+        Ok(Some(y.reshape(out_dims(x, n / 2))?))
+    }
+
+    /// `(rows, in, out, columns per warp)` when the CUDA streaming kernel takes `x` (a CUDA tensor
+    /// of the weight's dtype, 1..=[`SKINNY_MAX_ROWS`] rows, the path not switched off by
+    /// [`force_skinny_path`]); `None` for the matmul.
+    #[cfg(feature = "cuda")]
+    fn skinny_operands(&self, x: &Tensor) -> Result<Option<(usize, usize, usize, usize)>> {
+        let w = self.weight();
+        if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        let n = w.dim(0)?;
+        if rows == 0 || rows > SKINNY_MAX_ROWS || w.dim(1)? != k {
+            return Ok(None);
+        }
+        Ok(streaming_columns(rows, n).map(|columns| (rows, k, n, columns)))
     }
 
     /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
@@ -172,21 +195,10 @@ impl Linear {
     /// matmul.
     #[cfg(feature = "cuda")]
     fn forward_skinny(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Option<(Tensor, bool)>> {
-        let w = self.weight();
-        if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 {
-            return Ok(None);
-        }
-        let k = x.dim(candle_core::D::Minus1)?;
-        let rows = x.elem_count() / k.max(1);
-        let n = w.dim(0)?;
-        if rows == 0 || rows > SKINNY_MAX_ROWS || w.dim(1)? != k {
-            return Ok(None);
-        }
-        let Some(columns) = streaming_columns(rows, n) else {
+        let Some((rows, k, n, columns)) = self.skinny_operands(x)? else {
             return Ok(None);
         };
-        let mut dims = x.dims().to_vec();
-        *dims.last_mut().expect("rank > 0") = n;
+        let dims = out_dims(x, n);
         // The residual rides along when nothing else (a bias) comes between.
         let r2 = match residual {
             Some(r) if r.dims() != dims.as_slice() => {
@@ -203,7 +215,7 @@ impl Linear {
             res: r2.as_ref(),
             columns,
         };
-        let Some(y) = crate::cuda::skinny_linear(&x2, w, what)? else {
+        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what)? else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;

@@ -165,6 +165,10 @@ impl GatedAttention {
             .reshape((b, t, nh + nkv, 2 * hd))?
             .narrow(2, 0, nh)?
             .narrow(3, hd, hd)?;
+        // Likewise in blocks of hd the values are blocks 2·nh + nkv.. of each row.
+        let v = qkv
+            .reshape((b, t, 2 * (nh + nkv), hd))?
+            .narrow(2, 2 * nh + nkv, nkv)?;
         // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
         let (cos, sin) = (&step.cos, &step.sin);
         let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin)?;
@@ -177,8 +181,7 @@ impl GatedAttention {
             cos,
             sin,
         )?;
-        let v = qkv.narrow(D::Minus1, qd + kd, kd)?.reshape((b, t, nkv, hd))?;
-        let v = v.transpose(1, 2)?; // [b, nkv, t, hd]
+        let v = v.transpose(1, 2)?; // [b, nkv, t, hd], a view the cache copies once
 
         let out = if kernel {
             // Rows r = member·t + token of each KV head's group, as the kernel wants them.
