@@ -41,10 +41,16 @@ impl VerifyCheckpoints {
         })
     }
 
-    /// Copies the tensors of `self` into the buffers of `dst` (same shapes), in place.
+    /// Copies the tensors of `self` into the buffers of `dst` (same shapes), in place; a tensor
+    /// that already is `dst`'s (checkpoints written into an in-place state's own buffers) is not
+    /// copied.
     pub fn write_into(&self, dst: &Self) -> Result<()> {
-        dst.states.slice_set(&self.states.contiguous()?, 0, 0)?;
-        dst.window.slice_set(&self.window.contiguous()?, 0, 0)?;
+        if self.states.id() != dst.states.id() {
+            dst.states.slice_set(&self.states.contiguous()?, 0, 0)?;
+        }
+        if self.window.id() != dst.window.id() {
+            dst.window.slice_set(&self.window.contiguous()?, 0, 0)?;
+        }
         Ok(())
     }
 
@@ -262,13 +268,20 @@ impl GatedDeltaNet {
         let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
 
         // States kept in place (the buffers a CUDA graph recorded) are written by the kernels
-        // themselves for decode and verify passes; otherwise the new states are fresh tensors
-        // that `GdnState::update` stores. A verify pass keeps the raw conv inputs (window): the
-        // K-1 held before this call, then the t new ones.
+        // themselves for decode and verify passes, and a verify's checkpoints go straight into
+        // the state's checkpoint buffers; otherwise the new states are fresh tensors that
+        // `GdnState::update` stores. A verify pass keeps the raw conv inputs (window): the K-1
+        // held before this call, then the t new ones.
         let in_place = state.in_place() && (verify || t == 1);
+        let kept = if in_place && verify {
+            state.checkpoint_buffers(t)?
+        } else {
+            None
+        };
         let (conv_out, conv_state, window) = if in_place && state.conv().dtype() == mixed.dtype() {
-            let (y, window) = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), verify)?;
-            (y, state.conv().clone(), window)
+            let window = kept.as_ref().map(|cp| &cp.window);
+            let y = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), window)?;
+            (y, state.conv().clone(), window.cloned())
         } else {
             let window = if verify {
                 let new_inputs = mixed.transpose(1, 2)?.to_dtype(state.conv().dtype())?;
@@ -303,7 +316,7 @@ impl GatedDeltaNet {
                 &self.dt_bias,
                 state.recurrent(),
                 heads,
-                verify,
+                kept.as_ref().map(|cp| &cp.states),
             )?
         } else {
             fused_gated_delta_rule(
@@ -414,7 +427,7 @@ mod tests {
     }
 
     /// In-place mode (what CUDA graphs need): forward, verify + commit and reset give bit-identical
-    /// results to the replacing mode, and the buffers never move.
+    /// results to the replacing mode, and the buffers (state and checkpoints) never move.
     #[test]
     fn in_place_state_matches_and_keeps_its_buffers() -> Result<()> {
         let l = layer(5);
@@ -433,6 +446,15 @@ mod tests {
         let (yp, cp) = l.forward_verify(&v, &mut plain)?;
         let (yq, cq) = l.forward_verify(&v, &mut pinned)?;
         assert_eq!(max_diff(&yp, &yq), 0.0);
+        assert_eq!(max_diff(&cp.states, &cq.states), 0.0);
+        assert_eq!(max_diff(&cp.window, &cq.window), 0.0);
+        // The pinned state's checkpoints are its own buffers, the same on every pass of a length.
+        let own = pinned.checkpoint_buffers(3)?.expect("in place");
+        assert_eq!(
+            (cq.states.id(), cq.window.id()),
+            (own.states.id(), own.window.id())
+        );
+        assert!(plain.checkpoint_buffers(3)?.is_none());
         plain.commit(&cp, 2)?;
         pinned.commit(&cq, 2)?;
         assert_eq!(max_diff(plain.recurrent(), pinned.recurrent()), 0.0);

@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Error, GdnConfig, Result};
+use crate::{Error, GdnConfig, Result, VerifyCheckpoints};
 
 /// The state one GDN layer carries between calls for a batch of sequences.
 ///
@@ -20,6 +20,8 @@ pub struct GdnState {
     /// Tokens seen since the last reset.
     seen: usize,
     in_place: bool,
+    /// In place only: per verify length, the buffers its checkpoints are written into.
+    checkpoint_buffers: Vec<VerifyCheckpoints>,
 }
 
 impl GdnState {
@@ -44,6 +46,7 @@ impl GdnState {
             )?,
             seen: 0,
             in_place: false,
+            checkpoint_buffers: Vec::new(),
         })
     }
 
@@ -65,6 +68,7 @@ impl GdnState {
             recurrent,
             seen,
             in_place: false,
+            checkpoint_buffers: Vec::new(),
         })
     }
 
@@ -97,6 +101,27 @@ impl GdnState {
         Ok(())
     }
 
+    /// The buffers a verify pass of `tokens` tokens on this in-place state writes its checkpoints
+    /// into (made on first use, zeroed): fixed addresses, so a recorded CUDA graph's checkpoints
+    /// are these buffers themselves rather than copies. `None` unless in place.
+    pub fn checkpoint_buffers(&mut self, tokens: usize) -> Result<Option<VerifyCheckpoints>> {
+        if !self.in_place || tokens == 0 {
+            return Ok(None);
+        }
+        if let Some(cp) = self.checkpoint_buffers.iter().find(|cp| cp.len() == tokens) {
+            return Ok(Some(cp.clone()));
+        }
+        let (b, c, hist) = self.conv.dims3()?;
+        let (_, hv, dk, dv) = self.recurrent.dims4()?;
+        let cp = VerifyCheckpoints {
+            states: Tensor::zeros((b, tokens, hv, dk, dv), DType::F32, self.recurrent.device())?,
+            window: Tensor::zeros((b, c, hist + tokens), self.conv.dtype(), self.conv.device())?,
+            seen_before: 0,
+        };
+        self.checkpoint_buffers.push(cp.clone());
+        Ok(Some(cp))
+    }
+
     /// Counts `tokens` more tokens as seen: for a caller that replays a recorded update (a CUDA
     /// graph) whose host-side bookkeeping did not run.
     pub fn advance(&mut self, tokens: usize) {
@@ -120,7 +145,7 @@ impl GdnState {
 
     /// Keeps the first `keep` tokens (1..=len) of a verify pass: the state becomes exactly the state
     /// after token `keep - 1` of that pass, as if only those tokens had been run.
-    pub fn commit(&mut self, checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+    pub fn commit(&mut self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
         Self::check_keep(checkpoints, keep)?;
         let hist = self.conv.dim(2)?;
         let recurrent = checkpoints.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
@@ -132,13 +157,13 @@ impl GdnState {
 
     /// The bookkeeping of [`Self::commit`] alone: for a caller that replays the commit's copies
     /// from a recorded CUDA graph (an in-place state).
-    pub fn commit_replayed(&mut self, checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+    pub fn commit_replayed(&mut self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
         Self::check_keep(checkpoints, keep)?;
         self.seen = checkpoints.seen_before + keep;
         Ok(())
     }
 
-    fn check_keep(checkpoints: &crate::VerifyCheckpoints, keep: usize) -> Result<()> {
+    fn check_keep(checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
         let n = checkpoints.len();
         if keep == 0 || keep > n {
             return Err(Error::State(format!(

@@ -172,12 +172,16 @@ __device__ void attn_merge_group(const float* __restrict__ part_o, const float* 
     }
 }
 
-// out[bh, r, :] = Σ_e e^(m_e − M) · o_e / Σ_e e^(m_e − M) · l_e over the entries that hold keys
-// (each entry covers `per` spans). One block per (r, bh); shared memory: S floats.
+// o = Σ_e e^(m_e − M) · o_e / Σ_e e^(m_e − M) · l_e over the entries that hold keys (each entry
+// covers `per` spans) of row r = member·Tn + token of KV head kv = bh % H, batch bh / H, written
+// token-major: out[b, token, kv·G + member, :] (G = R / Tn query heads per KV head), times
+// sigmoid(gate[b, token, head, :]) when a gate is given (rows of D contiguous elements, strides
+// gsb, gst, gsh). One block per (r, bh); shared memory: S floats.
 template <typename T>
 __device__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                            const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per,
-                           int unit, int s0) {
+                           int unit, int s0, const T* __restrict__ gate, long gsb, long gst, long gsh, int H,
+                           int Tn) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
     const int ns = min(entries(len_p, unit, s0, per), S);
@@ -196,12 +200,16 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
         wts[s] = (m == -INFINITY ? 0.f : expf(m - M)) / den;
     }
     __syncthreads();
+    const int b = bh / H, G = R / Tn, token = r % Tn, head = (bh % H) * G + r / Tn;
+    T* orow = out + (((size_t)b * Tn + token) * H * G + head) * D;
+    const T* grow = gate != nullptr ? gate + b * gsb + token * gst + head * gsh : nullptr;
     const float* o = part_o + ((size_t)bh * S * R + r) * D;  // entry s at o[s·R·D]
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0.f;
 #pragma unroll 8
         for (int s = 0; s < ns; ++s) acc += wts[s] * o[(size_t)s * R * D + d];
-        out[((size_t)bh * R + r) * D + d] = from_f<T>(acc);
+        if (grow != nullptr) acc /= 1.f + expf(-to_f(grow[d]));
+        orow[d] = from_f<T>(acc);
     }
 }
 
@@ -214,8 +222,9 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
-                                   T* out, int R, int D, int S, int per, int unit, int s0) {         \
-        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0);                            \
+                                   T* out, int R, int D, int S, int per, int unit, int s0,           \
+                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn) {     \
+        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn);  \
     }
 ATTENTION_KERNELS(f32, float)
 ATTENTION_KERNELS(bf16, __nv_bfloat16)
@@ -741,3 +750,33 @@ FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 1)
 FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 2)
 FLASH_DECODE_DIMS(f16, __half, 1)
 FLASH_DECODE_DIMS(f16, __half, 2)
+
+// A step's new keys and values into the cache buffers, at positions read from device memory (so a
+// recorded graph replays at any position), the CUDA twin of `write_kv` in src/attention.rs: row
+// (b, h, i) of k and v (rows of D contiguous elements at b·sb + h·sh + i·st, k and v each with
+// their own strides) goes to row pos[i] of kc, vc [B, H, cap, D]. A position past the buffer is
+// skipped. Grid (t, H, B); the element type only matters by its size (a plain copy).
+template <typename T>
+__device__ void kv_write(const T* __restrict__ k, const T* __restrict__ v, long ksb, long ksh, long kst,
+                         long vsb, long vsh, long vst, const unsigned* __restrict__ pos, T* __restrict__ kc,
+                         T* __restrict__ vc, int cap, int D) {
+    const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const unsigned p = pos[i];
+    if (p >= (unsigned)cap) return;
+    const T* kr = k + b * ksb + h * ksh + i * kst;
+    const T* vr = v + b * vsb + h * vsh + i * vst;
+    const size_t row = (((size_t)b * H + h) * cap + p) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        kc[row + d] = kr[d];
+        vc[row + d] = vr[d];
+    }
+}
+
+#define KV_WRITE_KERNEL(BYTES, T)                                                                    \
+    extern "C" __global__ void kv_write_b##BYTES(const T* k, const T* v, long ksb, long ksh, long kst, \
+                                                 long vsb, long vsh, long vst, const unsigned* pos,    \
+                                                 T* kc, T* vc, int cap, int D) {                       \
+        kv_write<T>(k, v, ksb, ksh, kst, vsb, vsh, vst, pos, kc, vc, cap, D);                          \
+    }
+KV_WRITE_KERNEL(2, unsigned short)
+KV_WRITE_KERNEL(4, unsigned int)

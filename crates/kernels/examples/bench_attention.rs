@@ -59,7 +59,7 @@ fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std
             let l = Tensor::new(&[len as u32], dev)?;
             let scale = (d as f64).powf(-0.5);
             let s = time(dev, 200, || {
-                decode_attention(&q, &k, &v, &l, t, scale).map(|_| ())
+                decode_attention(&q, &k, &v, &l, t, scale, None).map(|_| ())
             })?;
             let bytes = (2 * kh * len * d * 2) as f64;
             println!("| {t} | {len} | {:.1} µs | {:.2} |", s * 1e6, bytes / s / 1e12);

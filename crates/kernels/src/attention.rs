@@ -26,7 +26,10 @@ pub fn decode_attention_fits(rows: usize, head_dim: usize, dtype: DType) -> bool
 /// `q: [b, kv_heads, g·t, hd]` (row `r` is query head `kv·g + r / t` at new token `r % t`),
 /// `k, v: [b, kv_heads, cap, hd]` (the cache buffers), `len`: u32 `[1]`, the valid keys including
 /// the `t` new ones, `len ≤ cap`. New token `i` sits at position `len − t + i` and attends to
-/// keys `0..=len − t + i`, scaled by `scale`. Returns `[b, kv_heads, g·t, hd]` in `q`'s dtype.
+/// keys `0..=len − t + i`, scaled by `scale`. With `gate: [b, t, kv_heads·g, hd]` (any strides;
+/// gated attention) the output is multiplied by `sigmoid(gate)` (on CUDA as it is written).
+/// Returns `[b, t, kv_heads·g, hd]` in `q`'s dtype: token-major, the layout the output projection
+/// reads.
 pub fn decode_attention(
     q: &Tensor,
     k: &Tensor,
@@ -34,6 +37,7 @@ pub fn decode_attention(
     len: &Tensor,
     new_tokens: usize,
     scale: f64,
+    gate: Option<&Tensor>,
 ) -> Result<Tensor> {
     let op = "decode_attention";
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
@@ -41,14 +45,19 @@ pub fn decode_attention(
     }
     let (b, h, r, d) = q.dims4()?;
     let (kb, kh, _, kd) = k.dims4()?;
-    if (kb, kh, kd) != (b, h, d) || v.dims() != k.dims() || new_tokens == 0 || r % new_tokens != 0 {
+    let t = new_tokens;
+    let fits = (kb, kh, kd) == (b, h, d) && v.dims() == k.dims() && t > 0 && r % t == 0;
+    let heads = h * r / t.max(1);
+    let gate_fits = gate.is_none_or(|g| g.dims() == [b, t, heads, d] && g.dtype() == q.dtype());
+    if !fits || !gate_fits {
         return Err(Error::Shape {
             op,
             msg: format!(
-                "q {:?}, k {:?}, v {:?} and {new_tokens} new tokens do not fit",
+                "q {:?}, k {:?}, v {:?}, gate {:?} and {t} new tokens do not fit",
                 q.dims(),
                 k.dims(),
-                v.dims()
+                v.dims(),
+                gate.map(|g| (g.dims(), g.dtype()))
             ),
         });
     }
@@ -60,9 +69,71 @@ pub fn decode_attention(
     }
     if q.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return crate::cuda::decode_attention(q, k, v, len, new_tokens, scale);
+        return crate::cuda::decode_attention(q, k, v, len, t, scale, gate);
     }
-    reference(q, k, v, len, new_tokens, scale)
+    let out = reference(q, k, v, len, t, scale)?
+        .reshape((b, h, r / t, t, d))?
+        .permute((0, 3, 1, 2, 4))?
+        .reshape((b, t, heads, d))?;
+    Ok(match gate {
+        Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
+        None => out,
+    })
+}
+
+/// Writes a step's new keys and values into the cache buffers: row `i` of `k, v: [b, kv_heads,
+/// t, hd]` (any strides) goes to position `positions[i]` of `k_cache, v_cache: [b, kv_heads,
+/// cap, hd]` (contiguous, updated in place). `positions` is a u32 `[t]` device tensor, so a
+/// recorded CUDA graph replays at any position once it is rewritten; positions must be below
+/// `cap` (on CUDA a position past the buffer is skipped rather than read back to check). CUDA:
+/// one kernel for both buffers; elsewhere candle's scatter.
+pub fn write_kv(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    positions: &Tensor,
+) -> Result<()> {
+    let op = "write_kv";
+    for (arg, t) in [("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)] {
+        expect_rank(op, arg, t, 4)?;
+    }
+    let (b, h, t, d) = k.dims4()?;
+    let cache_dims = k_cache.dims();
+    let fits = v.dims() == k.dims()
+        && v_cache.dims() == cache_dims
+        && cache_dims[..2] == [b, h]
+        && cache_dims[3] == d
+        && [v, k_cache, v_cache].iter().all(|x| x.dtype() == k.dtype())
+        && positions.dims() == [t]
+        && positions.dtype() == DType::U32;
+    if !fits {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "k {:?}, v {:?}, caches {:?} / {:?} and positions {:?} {:?} do not fit",
+                k.dims(),
+                v.dims(),
+                k_cache.dims(),
+                v_cache.dims(),
+                positions.dtype(),
+                positions.dims()
+            ),
+        });
+    }
+    crate::expect_out_buffer(op, "k_cache", k_cache, k.dtype(), cache_dims, v_cache)?;
+    crate::expect_out_buffer(op, "v_cache", v_cache, k.dtype(), cache_dims, k_cache)?;
+    if k.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::write_kv(k, v, k_cache, v_cache, positions);
+    }
+    let index = positions
+        .reshape((1, 1, t, 1))?
+        .broadcast_as((b, h, t, d))?
+        .contiguous()?;
+    k_cache.scatter_set(&index, &k.contiguous()?, 2)?;
+    v_cache.scatter_set(&index, &v.contiguous()?, 2)?;
+    Ok(())
 }
 
 /// The CPU reference: f32 loops over every (batch, head, row), softmax over the visible keys.
@@ -218,7 +289,7 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
         let lt = Tensor::new(&[len as u32], &dev)?;
-        let got = decode_attention(&q, &k, &v, &lt, t, 0.3)?;
+        let got = decode_attention(&q, &k, &v, &lt, t, 0.3, None)?;
         let (kv, vv) = (k.narrow(2, 0, len)?, v.narrow(2, 0, len)?);
         let scores = (q.matmul(&kv.t()?)? * 0.3)?; // [b, h, g·t, len]
         let mask: Vec<f32> = (0..g * t)
@@ -226,9 +297,21 @@ mod tests {
             .collect();
         let mask = Tensor::from_vec(mask, (g * t, len), &dev)?;
         let probs = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
-        let want = probs.matmul(&vv)?;
-        let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        // [b, h, g·t, d] rows member·t + token, token-major like the op's output.
+        let want = probs
+            .matmul(&vv)?
+            .reshape((b, h, g, t, d))?
+            .permute((0, 3, 1, 2, 4))?
+            .reshape((b, t, h * g, d))?;
+        let diff = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max diff {diff}");
+        // A gate (read through its strides) multiplies by its sigmoid.
+        let wide = Tensor::randn(0f32, 1.0, (b, t, h * g, 2 * d), &dev)?;
+        let gate = wide.narrow(3, d, d)?;
+        let gated = decode_attention(&q, &k, &v, &lt, t, 0.3, Some(&gate))?;
+        let want = (want * candle_nn::ops::sigmoid(&gate)?)?;
+        let diff = (gated - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "gated: max diff {diff}");
         Ok(())
     }
 
@@ -310,15 +393,41 @@ mod tests {
         Ok(())
     }
 
+    /// The new rows land at their positions and nowhere else; bad shapes and one buffer for both
+    /// caches are errors.
+    #[test]
+    fn write_kv_writes_rows_at_positions() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, t, d, cap) = (2, 3, 2, 4, 6);
+        let k = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?.transpose(1, 2)?;
+        let (kc, vc) = (
+            Tensor::zeros((b, h, cap, d), DType::F32, &dev)?,
+            Tensor::ones((b, h, cap, d), DType::F32, &dev)?,
+        );
+        let pos = Tensor::new(&[3u32, 4], &dev)?;
+        write_kv(&k, &v, &kc, &vc, &pos)?;
+        let max = |x: Tensor| -> Result<f32> { Ok(x.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
+        assert_eq!(max((kc.narrow(2, 3, 2)? - &k)?)?, 0.0);
+        assert_eq!(max((vc.narrow(2, 3, 2)? - &v)?)?, 0.0);
+        assert_eq!(max(kc.narrow(2, 0, 3)?)?, 0.0);
+        assert_eq!(max((vc.narrow(2, 5, 1)? - 1.0)?)?, 0.0);
+        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[3u32], &dev)?).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+        let e = write_kv(&k, &v, &kc, &kc, &pos).unwrap_err();
+        assert!(e.to_string().contains("shares its buffer"), "{e}");
+        Ok(())
+    }
+
     #[test]
     fn bad_shapes_are_named() {
         let dev = Device::Cpu;
         let q = Tensor::zeros((1, 2, 3, 8), DType::F32, &dev).unwrap();
         let k = Tensor::zeros((1, 2, 5, 8), DType::F32, &dev).unwrap();
         let len = Tensor::new(&[4u32], &dev).unwrap();
-        let e = decode_attention(&q, &k, &k, &len, 2, 1.0).unwrap_err();
+        let e = decode_attention(&q, &k, &k, &len, 2, 1.0, None).unwrap_err();
         assert!(e.to_string().contains("new tokens"), "{e}");
-        let e = decode_attention(&q, &k, &k, &Tensor::new(&[4f32], &dev).unwrap(), 1, 1.0).unwrap_err();
+        let e = decode_attention(&q, &k, &k, &Tensor::new(&[4f32], &dev).unwrap(), 1, 1.0, None).unwrap_err();
         assert!(e.to_string().contains("len must be u32"), "{e}");
     }
 }

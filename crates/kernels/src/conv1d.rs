@@ -95,20 +95,21 @@ pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Res
 /// [`causal_conv1d`] with the state updated in place: `state: [batch, channels, kernel-1]`
 /// (contiguous, in `x`'s dtype) holds the window before `x` and receives the one after it, so its
 /// buffer (and any CUDA graph that recorded it) stays the same. Returns `y: [batch, len,
-/// channels]` and, with `keep_window`, the raw window `concat(state before, xᵀ)`: `[batch,
-/// channels, kernel-1+len]` (what a speculative verify keeps to commit any accepted prefix). On
-/// CUDA one thread per channel walks the tokens in order: meant for a few tokens (decode,
-/// speculative verify), not for prefill.
+/// channels]`. `window`, when given (`[batch, channels, kernel-1+len]`, contiguous, `x`'s dtype,
+/// another buffer than `state`), receives the raw window `concat(state before, xᵀ)`: what a
+/// speculative verify keeps to commit any accepted prefix. On CUDA one thread per channel walks
+/// the tokens in order: meant for a few tokens (decode, speculative verify), not for prefill.
 pub fn causal_conv1d_in_place(
     x: &Tensor,
     weight: &Tensor,
     state: &Tensor,
-    keep_window: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let (_, _, _, k) = check(x, weight, Some(state))?;
+    window: Option<&Tensor>,
+) -> Result<Tensor> {
+    let op = "causal_conv1d_in_place";
+    let (b, t, c, k) = check(x, weight, Some(state))?;
     if !state.is_contiguous() || state.dtype() != x.dtype() {
         return Err(Error::Shape {
-            op: "causal_conv1d_in_place",
+            op,
             msg: format!(
                 "the state must be contiguous {:?} to be updated in place, found {:?}",
                 x.dtype(),
@@ -116,19 +117,23 @@ pub fn causal_conv1d_in_place(
             ),
         });
     }
+    if let Some(w) = window {
+        crate::expect_out_buffer(op, "window", w, x.dtype(), &[b, c, k - 1 + t], state)?;
+    }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return crate::cuda::conv1d_in_place(x, weight, state, k, keep_window);
+        return crate::cuda::conv1d_in_place(x, weight, state, k, window);
     }
-    let _ = k;
-    let window = if keep_window {
-        Some(Tensor::cat(&[state, &x.transpose(1, 2)?], 2)?)
-    } else {
-        None
-    };
+    if let Some(w) = window {
+        w.slice_set(
+            &Tensor::cat(&[state, &x.transpose(1, 2)?], 2)?.contiguous()?,
+            0,
+            0,
+        )?;
+    }
     let (y, s) = causal_conv1d(x, weight, Some(state))?;
     state.slice_set(&s, 0, 0)?;
-    Ok((y, window))
+    Ok(y)
 }
 
 /// One decode step: `x: [batch, channels]`, `state: [batch, channels, kernel-1]`.
@@ -234,21 +239,33 @@ mod tests {
         let x = Tensor::new(rand_vec(2 * 3 * 5, 7), &dev)?.reshape((2, 3, 5))?;
         let w = Tensor::new(rand_vec(5 * 4, 8), &dev)?.reshape((5, 4))?;
         let s0 = Tensor::new(rand_vec(2 * 5 * 3, 9), &dev)?.reshape((2, 5, 3))?;
-        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, false).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, None).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
         let strided = Tensor::zeros((2, 3, 5), DType::F32, &dev)?.transpose(1, 2)?;
-        let err = causal_conv1d_in_place(&x, &w, &strided, false).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &strided, None).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
         let (y_want, s_want) = causal_conv1d(&x, &w, Some(&s0))?;
         let state = s0.copy()?;
-        let (y, window) = causal_conv1d_in_place(&x, &w, &state, true)?;
+        // The window must fit and be a buffer of its own.
+        let short = Tensor::zeros((2, 5, 5), DType::F32, &dev)?;
+        let err = causal_conv1d_in_place(&x, &w, &state, Some(&short)).unwrap_err();
+        assert!(err.to_string().contains("window must be"), "{err}");
+        let both = Tensor::zeros((2 * 5 * 3 + 2 * 5 * 6,), DType::F32, &dev)?;
+        let (aliased_state, aliased_window) = (
+            both.narrow(0, 0, 30)?.reshape((2, 5, 3))?,
+            both.narrow(0, 30, 60)?.reshape((2, 5, 6))?,
+        );
+        let err = causal_conv1d_in_place(&x, &w, &aliased_state, Some(&aliased_window)).unwrap_err();
+        assert!(err.to_string().contains("shares its buffer"), "{err}");
+        let window = Tensor::zeros((2, 5, 6), DType::F32, &dev)?;
+        let y = causal_conv1d_in_place(&x, &w, &state, Some(&window))?;
         let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
             Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
         };
         assert_eq!(diff(&y, &y_want)?, 0.0);
         assert_eq!(diff(&state, &s_want)?, 0.0);
         let want_window = Tensor::cat(&[&s0, &x.transpose(1, 2)?], 2)?;
-        assert_eq!(diff(&window.expect("kept"), &want_window)?, 0.0);
+        assert_eq!(diff(&window, &want_window)?, 0.0);
         Ok(())
     }
 }

@@ -233,13 +233,33 @@ fn state_column_blocks(d: Launch) -> LaunchConfig {
 /// With `in_place` (a state buffer of `[b, hv, dk, dv]` f32, and `inp.state` None) the kernel
 /// starts from that buffer and writes the final state back into it; the returned `state` is then
 /// `None`.
+/// Where the recurrent kernel writes the state after every token (a verify pass's checkpoints).
+enum Keep<'a, 'v> {
+    /// Nowhere.
+    No,
+    /// A fresh buffer, returned.
+    Fresh,
+    /// The caller's `[b, t, hv, dk, dv]` buffer.
+    Into(&'a mut CudaViewMut<'v, f32>),
+}
+
+impl Keep<'_, '_> {
+    fn fresh(keep_all_states: bool) -> Self {
+        if keep_all_states {
+            Self::Fresh
+        } else {
+            Self::No
+        }
+    }
+}
+
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
     name: String,
     d: Launch,
     inp: DeltaRuleInputs,
     scale: f32,
-    keep_all_states: bool,
+    keep: Keep,
     in_place: Option<&mut CudaViewMut<'_, f32>>,
 ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let dev = device(op, inp.q.0)?;
@@ -254,10 +274,9 @@ fn launch_recurrent<T: CudaDType>(
         Some(_) => None,
         None => Some(unsafe { dev.alloc::<f32>(n_state)? }),
     };
-    let s_all = if keep_all_states {
-        Some(unsafe { dev.alloc::<f32>(n_state * d.t)? })
-    } else {
-        None
+    let s_all = match keep {
+        Keep::Fresh => Some(unsafe { dev.alloc::<f32>(n_state * d.t)? }),
+        _ => None,
     };
     with_views::<T, _>(op, &inp, |v| {
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
@@ -276,9 +295,10 @@ fn launch_recurrent<T: CudaDType>(
             }
             (None, None) => unreachable!("a fresh state buffer is allocated without in_place"),
         };
-        match &s_all {
-            Some(s) => lb.arg(s),
-            None => lb.arg(&v.null),
+        match (&s_all, keep) {
+            (Some(s), _) => lb.arg(s),
+            (None, Keep::Into(s)) => lb.arg(s),
+            (None, _) => lb.arg(&v.null),
         };
         lb.arg(&flag);
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
@@ -293,8 +313,9 @@ fn launch_recurrent<T: CudaDType>(
         // dims, f32 scale and eps); buffers have the sizes checked by the callers, outputs are
         // fresh allocations of the sizes the kernel writes or (in place, flag 1, initial state
         // null) the caller's state buffer of that size, which the kernel reads before it writes
-        // (each thread its own elements), and null (0) is passed only where the kernel tests
-        // for it.
+        // (each thread its own elements), the caller's buffer for every token's state (`Keep::
+        // Into`, b·t·hv·dk·dv f32: checked by the caller, disjoint from the state), and null (0)
+        // is passed only where the kernel tests for it.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
@@ -561,7 +582,8 @@ pub(crate) fn recurrent(
     let op = "recurrent_gated_delta_rule";
     let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
     let x = SeparateF32::new(q, k, v, g, beta, state)?;
-    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep_all_states, None).map(fresh_output)
+    let keep = Keep::fresh(keep_all_states);
+    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep, None).map(fresh_output)
 }
 
 /// The fused kernels' inputs in the layout they read: `qkv` contiguous, `a`/`b` as rows
@@ -660,10 +682,11 @@ pub(crate) fn fused(
             for_float_dtype!(op, dt)
         }
         _ => {
-            let keep = mode
-                == DeltaRuleMode::Recurrent {
+            let keep = Keep::fresh(
+                mode == DeltaRuleMode::Recurrent {
                     keep_all_states: true,
-                };
+                },
+            );
             let name = args.recurrent_kernel(op, d)?;
             macro_rules! go {
                 ($t:ty) => {
@@ -717,8 +740,29 @@ fn in_place(
     Ok(())
 }
 
+/// Runs `launch` with `buffer`'s CUDA storage as a mutable view of its elements, or with `None`.
+/// `buffer` must not share storage with a tensor that `launch` itself updates in place.
+fn with_out_buffer<T: CudaDType, R>(
+    op: &'static str,
+    buffer: Option<&Tensor>,
+    launch: impl FnOnce(Option<&mut CudaViewMut<'_, T>>) -> Result<R>,
+) -> Result<R> {
+    let Some(buffer) = buffer else {
+        return launch(None);
+    };
+    let mut result = None;
+    in_place(op, buffer, |st, range| {
+        let mut view = st.as_cuda_slice_mut::<T>()?.slice_mut(range);
+        result = Some(launch(Some(&mut view))?);
+        Ok(())
+    })?;
+    result.ok_or_else(|| err(op, "the in-place launch did not run"))
+}
+
 /// CUDA twin of `fused_gated_delta_rule_in_place` (shapes checked by the caller; `state`
-/// contiguous f32 `[b, hv, dk, dv]`): the recurrent kernel reads and writes `state`'s buffer.
+/// contiguous f32 `[b, hv, dk, dv]`, `all_states` contiguous f32 `[b, t, hv, dk, dv]`): the
+/// recurrent kernel reads and writes `state`'s buffer and writes every token's state into
+/// `all_states`'s.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fused_in_place(
     d: Launch,
@@ -728,31 +772,33 @@ pub(crate) fn fused_in_place(
     a_log: &Tensor,
     dt_bias: &Tensor,
     state: &Tensor,
-    keep_all_states: bool,
+    all_states: Option<&Tensor>,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
     let args = FusedArgs::new(d, qkv, a, b, a_log, dt_bias)?;
     let name = args.recurrent_kernel(op, d)?;
     let scale = (d.dk as f32).powf(-0.5);
     let dt = args.qkv.dtype();
-    let mut result = None;
-    in_place(op, state, |st, range| {
-        let mut view = st.as_cuda_slice_mut::<f32>()?.slice_mut(range);
-        let inp = args.inputs(d, None);
-        macro_rules! go {
-            ($t:ty) => {
-                launch_recurrent::<$t>(op, name, d, inp, scale, keep_all_states, Some(&mut view))
-            };
-        }
-        let (out, _, all) = for_float_dtype!(op, dt)?;
-        result = Some((out, all));
-        Ok(())
+    let out = with_out_buffer::<f32, _>(op, all_states, |all| {
+        let mut out = None;
+        in_place(op, state, |st, range| {
+            let mut view = st.as_cuda_slice_mut::<f32>()?.slice_mut(range);
+            let inp = args.inputs(d, None);
+            let keep = all.map_or(Keep::No, Keep::Into);
+            macro_rules! go {
+                ($t:ty) => {
+                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, Some(&mut view))
+                };
+            }
+            out = Some(for_float_dtype!(op, dt)?.0);
+            Ok(())
+        })?;
+        out.ok_or_else(|| err(op, "the in-place launch did not run"))
     })?;
-    let (out, all_states) = result.ok_or_else(|| err(op, "the in-place launch did not run"))?;
     Ok(DeltaRuleOutput {
         out,
         state: state.clone(),
-        all_states,
+        all_states: all_states.cloned(),
     })
 }
 
@@ -830,16 +876,20 @@ pub(crate) fn conv1d(
     for_float_dtype!(op, dt)
 }
 
-/// CUDA twin of `causal_conv1d_in_place` (shapes checked by the caller; `state` contiguous in
-/// `x`'s dtype): `x: [b, t, c]`, `weight: [c, k]`; returns y (and the window) and overwrites
-/// `state`.
+/// Threads per block of the few-token conv kernel: small blocks spread its one thread per
+/// channel over many SMs (a decode step has ~10k channels, a latency-bound handful of loads each).
+const CONV_SEQ_THREADS: u32 = 128;
+
+/// CUDA twin of `causal_conv1d_in_place` (shapes checked by the caller; `state` and `window`
+/// contiguous in `x`'s dtype, `window` `[b, c, k-1+t]`): `x: [b, t, c]`, `weight: [c, k]`;
+/// returns y, overwrites `state` and writes the window into `window`.
 pub(crate) fn conv1d_in_place(
     x: &Tensor,
     weight: &Tensor,
     state: &Tensor,
     k: usize,
-    keep_window: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
+    window: Option<&Tensor>,
+) -> Result<Tensor> {
     let op = "causal_conv1d_in_place";
     if k > 8 {
         return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
@@ -853,49 +903,50 @@ pub(crate) fn conv1d_in_place(
     let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
     let dev = device(op, &x)?;
     let name = format!("conv1d_{}_in_place", dtype_suffix(op, dt)?);
-    let mut result = None;
-    in_place(op, state, |st, range| {
-        macro_rules! go {
-            ($t:ty) => {{
-                let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
-                let (xst, xl) = x.storage_and_layout();
-                let (ws, wl) = w.storage_and_layout();
-                let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
-                let wv = view::<$t>(op, &ws, wl)?;
-                // SAFETY: uninitialised; the kernel writes every element of y, and of the window
-                // when one is passed.
-                let y = unsafe { dev.alloc::<$t>(b * t * c)? };
-                let win = if keep_window {
-                    Some(unsafe { dev.alloc::<$t>(b * c * (k - 1 + t))? })
-                } else {
-                    None
-                };
-                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let mut lb = func.builder();
-                let (xs64, null) = (xs as i64, 0u64);
-                lb.arg(&xv).arg(&xs64).arg(&wv).arg(&y).arg(&mut state);
-                match &win {
-                    Some(wb) => lb.arg(wb),
-                    None => lb.arg(&null),
-                };
-                let dims = [b as i32, t as i32, c as i32, k as i32];
-                for v in &dims {
-                    lb.arg(v);
-                }
-                // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows of c
-                // elements xs apart (the view spans exactly them), i64 xs, w [c·k], a fresh y
-                // [b·t·c], the state [b·c·(k-1)] (checked by the caller), a fresh window
-                // [b·c·(k-1+t)] or null, i32 dims; one thread per (sequence, channel), each
-                // reading its state entries before writing them.
-                unsafe { lb.launch(LaunchConfig::for_num_elems((b * c) as u32)) }.w()?;
-                let win = win.map(|wb| wrap(wb, &dev, (b, c, k - 1 + t)));
-                result = Some((wrap(y, &dev, (b, t, c)), win));
-                Ok(())
-            }};
-        }
-        for_float_dtype!(op, dt)
-    })?;
-    result.ok_or_else(|| err(op, "the in-place launch did not run"))
+    macro_rules! go {
+        ($t:ty) => {
+            with_out_buffer::<$t, _>(op, window, |win| {
+                let mut y = None;
+                in_place(op, state, |st, range| {
+                    let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
+                    let (xst, xl) = x.storage_and_layout();
+                    let (ws, wl) = w.storage_and_layout();
+                    let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
+                    let wv = view::<$t>(op, &ws, wl)?;
+                    // SAFETY: uninitialised; the kernel writes every element of y.
+                    let out = unsafe { dev.alloc::<$t>(b * t * c)? };
+                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    let mut lb = func.builder();
+                    let (xs64, null) = (xs as i64, 0u64);
+                    lb.arg(&xv).arg(&xs64).arg(&wv).arg(&out).arg(&mut state);
+                    match win {
+                        Some(wb) => lb.arg(wb),
+                        None => lb.arg(&null),
+                    };
+                    let dims = [b as i32, t as i32, c as i32, k as i32];
+                    for v in &dims {
+                        lb.arg(v);
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: ((b * c).div_ceil(CONV_SEQ_THREADS as usize) as u32, 1, 1),
+                        block_dim: (CONV_SEQ_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows of
+                    // c elements xs apart (the view spans exactly them), i64 xs, w [c·k], a fresh
+                    // y [b·t·c], the state [b·c·(k-1)] (checked by the caller), the caller's
+                    // window [b·c·(k-1+t)] (checked by the caller, disjoint from the state) or
+                    // null, i32 dims; one thread per (sequence, channel), each reading its state
+                    // entries before writing them.
+                    unsafe { lb.launch(cfg) }.w()?;
+                    y = Some(wrap(out, &dev, (b, t, c)));
+                    Ok(())
+                })?;
+                y.ok_or_else(|| err(op, "the in-place launch did not run"))
+            })
+        };
+    }
+    for_float_dtype!(op, dt)
 }
 
 const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
@@ -1362,9 +1413,95 @@ const FLASH_TILE: usize = 64;
 /// blocks (two per SM on an H200) each walking consecutive tiles.
 const FLASH_DECODE_SPLITS: usize = 64;
 
+/// CUDA twin of `write_kv` (shapes checked by the caller): one kernel writes the new rows of both
+/// buffers at the positions `positions` holds.
+pub(crate) fn write_kv(
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    positions: &Tensor,
+) -> Result<()> {
+    let op = "write_kv";
+    let (b, h, t, d) = k.dims4()?;
+    let cap = k_cache.dim(2)?;
+    let rows = |x: &Tensor| -> Result<Tensor> {
+        Ok(if x.stride()[3] == 1 {
+            x.clone()
+        } else {
+            x.contiguous()?
+        })
+    };
+    let (k, v, positions) = (rows(k)?, rows(v)?, positions.contiguous()?);
+    let strides = [k.stride(), v.stride()].map(|s| [s[0], s[1], s[2]].map(|x| x as i64));
+    let dt = k.dtype();
+    let dev = device(op, &k)?;
+    let name = format!("kv_write_b{}", dt.size_in_bytes());
+    macro_rules! go {
+        ($t:ty) => {
+            with_out_buffer::<$t, _>(op, Some(v_cache), |vc| {
+                in_place(op, k_cache, |st, range| {
+                    let mut kc = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
+                    let (ks, kl) = k.storage_and_layout();
+                    let (vs, vl) = v.storage_and_layout();
+                    let (ps, pl) = positions.storage_and_layout();
+                    let kv = span_view::<$t>(op, &ks, kl)?;
+                    let vv = span_view::<$t>(op, &vs, vl)?;
+                    let pv = view::<u32>(op, &ps, pl)?;
+                    let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
+                    let mut lb = f.builder();
+                    lb.arg(&kv).arg(&vv);
+                    for s in strides.iter().flatten() {
+                        lb.arg(s);
+                    }
+                    let (cap32, d32) = (cap as i32, d as i32);
+                    lb.arg(&pv).arg(&mut kc);
+                    match vc {
+                        Some(vc) => lb.arg(vc),
+                        None => return Err(err(op, "no value buffer")),
+                    };
+                    lb.arg(&cap32).arg(&d32);
+                    let cfg = LaunchConfig {
+                        grid_dim: (t as u32, h as u32, b as u32),
+                        block_dim: (d.min(256) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: arguments match `kv_write_b{2,4}` in cuda/attention.cu for this
+                    // dtype's size: k and v [b, h, t, d] with contiguous rows, each view spanning
+                    // every element its three i64 strides address, positions [t] u32, the cache
+                    // buffers [b, h, cap, d] contiguous (checked by the caller; distinct storages,
+                    // checked too), i32 cap, d; grid (t, h, b); positions ≥ cap are skipped.
+                    if b * h * t * d > 0 {
+                        unsafe { lb.launch(cfg) }.w()?;
+                    }
+                    Ok(())
+                })
+            })
+        };
+    }
+    for_float_dtype!(op, dt)
+}
+
+/// An attention output gate `[b, t, heads, hd]` as the kernels read it: rows of `hd` contiguous
+/// elements (a strided view stays in place, anything else is copied) and its batch, token and
+/// head strides; `(None, zeros)` without a gate.
+fn gate_rows(gate: Option<&Tensor>) -> Result<(Option<Tensor>, [i64; 3])> {
+    let gate = match gate {
+        Some(g) if g.stride()[3] == 1 => Some(g.clone()),
+        Some(g) => Some(g.contiguous()?),
+        None => None,
+    };
+    let strides = match &gate {
+        Some(g) => [g.stride()[0], g.stride()[1], g.stride()[2]].map(|s| s as i64),
+        None => [0; 3],
+    };
+    Ok((gate, strides))
+}
+
 /// CUDA twin of `decode_attention` (shapes checked by the caller): the split-K partial kernel
-/// over spans of `KEYS_PER_SPAN` keys, then the merge. Grids cover the whole buffer (`cap`); spans
-/// past the device-side length return at once, so a recorded graph stays valid as `len` grows.
+/// over spans of `KEYS_PER_SPAN` keys, then the merge, which writes the output token-major and
+/// applies the gate. Grids cover the whole buffer (`cap`); spans past the device-side length
+/// return at once, so a recorded graph stays valid as `len` grows.
 pub(crate) fn decode_attention(
     q: &Tensor,
     k: &Tensor,
@@ -1372,6 +1509,7 @@ pub(crate) fn decode_attention(
     len: &Tensor,
     t: usize,
     scale: f64,
+    gate: Option<&Tensor>,
 ) -> Result<Tensor> {
     use crate::attention::{decode_attention_fits, KEYS_PER_SPAN};
     let op = "decode_attention";
@@ -1411,6 +1549,7 @@ pub(crate) fn decode_attention(
         v.contiguous()?,
         len.contiguous()?,
     );
+    let (gate, g_strides) = gate_rows(gate)?;
     macro_rules! go {
         ($t:ty) => {{
             let (qs, ql) = q.storage_and_layout();
@@ -1421,6 +1560,11 @@ pub(crate) fn decode_attention(
             let kv = view::<$t>(op, &ks, kl)?;
             let vv = view::<$t>(op, &vs, vl)?;
             let lv = view::<u32>(op, &ls, ll)?;
+            let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
+            let gv = match &gate_guard {
+                Some((gs, gl)) => Some(span_view::<$t>(op, gs, gl)?),
+                None => None,
+            };
             let bh = b * h;
             // SAFETY: uninitialised scratch and output. The partial kernel writes every span below
             // the device-side length, which is all the merge reads; the merge writes every output.
@@ -1515,7 +1659,7 @@ pub(crate) fn decode_attention(
                 ATTENTION_PTX,
             )?;
             let mut lb = merge.builder();
-            let (e32, per32) = (entries as i32, per as i32);
+            let (e32, per32, h32) = (entries as i32, per as i32, h as i32);
             lb.arg(o_in)
                 .arg(ml_in)
                 .arg(&lv)
@@ -1526,17 +1670,28 @@ pub(crate) fn decode_attention(
                 .arg(&per32)
                 .arg(&unit32)
                 .arg(&s0);
+            let null = 0u64;
+            match &gv {
+                Some(g) => lb.arg(g),
+                None => lb.arg(&null),
+            };
+            for s in &g_strides {
+                lb.arg(s);
+            }
+            lb.arg(&h32).arg(&t32);
             let cfg = LaunchConfig {
                 grid_dim: (r as u32, bh as u32, 1),
                 block_dim: (ATTENTION_THREADS, 1, 1),
                 shared_mem_bytes: (entries * 4) as u32,
             };
             // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
-            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d], i32 r, d, entries,
-            // spans per entry, unit and split count; shared memory one f32 per entry (≤ 48 KiB:
-            // checked above).
+            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d] (written as [b, t,
+            // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit and split
+            // count, the gate [b, t, h·r/t, d] with contiguous rows (its view spans every element
+            // its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked
+            // by the caller); shared memory one f32 per entry (≤ 48 KiB: checked above).
             unsafe { lb.launch(cfg) }.w()?;
-            Ok(wrap(out, &dev, (b, h, r, d)))
+            Ok(wrap(out, &dev, (b, t, h * r / t, d)))
         }};
     }
     for_float_dtype!(op, dt)
@@ -1762,16 +1917,7 @@ pub(crate) fn prefill_attention(
     let to_i32 = |x: usize| i32::try_from(x).map_err(|_| err(op, format!("{x} does not fit in i32")));
     let (t32, h32, kh32, pos32) = (to_i32(t)?, to_i32(h)?, to_i32(kh)?, to_i32(pos0)?);
     let strides = [q.stride()[0], q.stride()[1], k.stride()[0], k.stride()[1]].map(|s| s as i64);
-    // The gate is read through its strides when its rows (head dims) are contiguous.
-    let gate = match gate {
-        Some(g) if g.stride()[3] == 1 => Some(g.clone()),
-        Some(g) => Some(g.contiguous()?),
-        None => None,
-    };
-    let g_strides = match &gate {
-        Some(g) => [g.stride()[0], g.stride()[1], g.stride()[2]].map(|s| s as i64),
-        None => [0; 3],
-    };
+    let (gate, g_strides) = gate_rows(gate)?;
     // Q, K and V tiles of 64 rows of d + 8 elements.
     let smem = 3 * 64 * (d + 8) * dt.size_in_bytes();
     let sl2 = (scale * std::f64::consts::LOG2_E) as f32;

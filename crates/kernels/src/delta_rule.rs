@@ -521,8 +521,10 @@ pub fn fused_gated_delta_rule(
 /// [`fused_gated_delta_rule`] in the recurrent form with the state updated in place: `state`
 /// (`[batch, Hv, dk, dv]` f32, contiguous) holds the entry state and receives the exit state, so
 /// its buffer (and any CUDA graph that recorded it) stays the same; on CUDA the kernel writes it
-/// directly, with no copy. The output's `state` is `state` itself; `all_states` as for
-/// `Recurrent { keep_all_states }`.
+/// directly, with no copy. `all_states`, when given (`[batch, len, Hv, dk, dv]` f32, contiguous,
+/// another buffer than `state`), receives the state after every token, as
+/// `Recurrent { keep_all_states: true }` returns it: a verify pass's checkpoints, written where the
+/// caller keeps them. The output's `state` and `all_states` are those tensors themselves.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gated_delta_rule_in_place(
     qkv: &Tensor,
@@ -532,7 +534,7 @@ pub fn fused_gated_delta_rule_in_place(
     dt_bias: &Tensor,
     state: &Tensor,
     heads: GdnHeads,
-    keep_all_states: bool,
+    all_states: Option<&Tensor>,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
     if !state.is_contiguous() || state.dtype() != DType::F32 {
@@ -544,18 +546,27 @@ pub fn fused_gated_delta_rule_in_place(
             ),
         });
     }
+    if let Some(all) = all_states {
+        let want = [qkv.dim(0)?, qkv.dim(1)?, heads.v_heads, heads.k_dim, heads.v_dim];
+        crate::expect_out_buffer(op, "all_states", all, DType::F32, &want, state)?;
+    }
+    let keep_all_states = all_states.is_some();
     let mode = DeltaRuleMode::Recurrent { keep_all_states };
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
         // The same shape checks as the fresh-state op, before the kernel runs.
         let d = check_fused(op, qkv, a, b, heads, Some(state))?;
-        return crate::cuda::fused_in_place(d, qkv, a, b, a_log, dt_bias, state, keep_all_states);
+        return crate::cuda::fused_in_place(d, qkv, a, b, a_log, dt_bias, state, all_states);
     }
     let r = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(state), heads, mode)?;
     state.slice_set(&r.state, 0, 0)?;
+    if let (Some(dst), Some(src)) = (all_states, &r.all_states) {
+        dst.slice_set(src, 0, 0)?;
+    }
     Ok(DeltaRuleOutput {
+        out: r.out,
         state: state.clone(),
-        ..r
+        all_states: all_states.cloned(),
     })
 }
 
@@ -783,7 +794,7 @@ mod tests {
             Tensor::zeros(2, DType::F32, &dev)?,
         );
         let run =
-            |s: &Tensor| fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, false);
+            |s: &Tensor| fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, None);
         let s0 = Tensor::randn(0f32, 0.5, (1, 2, 4, 4), &dev)?;
         let err = run(&s0.to_dtype(DType::BF16)?).unwrap_err().to_string();
         assert!(err.contains("contiguous f32"), "{err}");
@@ -810,6 +821,38 @@ mod tests {
         assert_eq!(got.state.id(), state.id());
         assert_eq!(max_diff(&state, &want.state), 0.0);
         assert_eq!(max_diff(&got.out, &want.out), 0.0);
+
+        // Every token's state into a buffer of the caller's: it must fit and not be the state's.
+        let keep = |s: &Tensor, all: &Tensor| {
+            fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, Some(all))
+        };
+        let err = keep(&s0.copy()?, &Tensor::zeros((1, 3, 2, 4, 4), DType::F32, &dev)?).unwrap_err();
+        assert!(err.to_string().contains("all_states must be"), "{err}");
+        let both = Tensor::zeros(3 * 32, DType::F32, &dev)?;
+        let (aliased_state, aliased_all) = (
+            both.narrow(0, 0, 32)?.reshape((1, 2, 4, 4))?,
+            both.narrow(0, 32, 64)?.reshape((1, 2, 2, 4, 4))?,
+        );
+        let err = keep(&aliased_state, &aliased_all).unwrap_err();
+        assert!(err.to_string().contains("shares its buffer"), "{err}");
+        let want_all = fused_gated_delta_rule(
+            &qkv,
+            &ab,
+            &ab,
+            &a_log,
+            &dt_bias,
+            Some(&s0),
+            heads,
+            DeltaRuleMode::Recurrent {
+                keep_all_states: true,
+            },
+        )?
+        .all_states
+        .expect("kept");
+        let all = Tensor::zeros((1, 2, 2, 4, 4), DType::F32, &dev)?;
+        let got = keep(&s0.copy()?, &all)?;
+        assert_eq!(got.all_states.map(|t| t.id()), Some(all.id()));
+        assert_eq!(max_diff(&all, &want_all), 0.0);
         Ok(())
     }
 }

@@ -42,3 +42,35 @@ pub(crate) fn host_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {
         .to_device(&candle_core::Device::Cpu)?
         .to_vec1::<f32>()?)
 }
+
+/// Checks a caller's buffer that an op writes into: contiguous, `dtype`, exactly `want` dims, and
+/// not sharing its storage with `other` (the state the same op updates in place).
+pub(crate) fn expect_out_buffer(
+    op: &'static str,
+    arg: &'static str,
+    t: &candle_core::Tensor,
+    dtype: candle_core::DType,
+    want: &[usize],
+    other: &candle_core::Tensor,
+) -> Result<()> {
+    if !t.is_contiguous() || t.dtype() != dtype || t.dims() != want {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "{arg} must be contiguous {dtype:?} {want:?}, found {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            ),
+        });
+    }
+    // The storage's address, each read guard dropped before the next is taken (a second read
+    // lock from one thread may deadlock); it is stable while the tensors live.
+    let key = |t: &candle_core::Tensor| std::ptr::from_ref(&*t.storage_and_layout().0).addr();
+    if key(t) == key(other) {
+        return Err(Error::Shape {
+            op,
+            msg: format!("{arg} shares its buffer with the state"),
+        });
+    }
+    Ok(())
+}

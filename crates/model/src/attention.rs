@@ -188,8 +188,8 @@ impl GatedAttention {
             let (kb, vb) = cache.append_at(&k, &v, &step.positions)?;
             let q = q.reshape((b, nkv, nh / nkv * t, hd))?;
             let scale = (hd as f64).powf(-0.5);
-            let out = decode_attention(&q, &kb, &vb, &step.len, t, scale)?.reshape((b, nh, t, hd))?;
-            (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
+            // The kernel applies the gate as it writes.
+            decode_attention(&q, &kb, &vb, &step.len, t, scale, Some(&gate))?
         } else {
             let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
             if prefill_attention_fits(hd, q.dtype(), q.device()) {

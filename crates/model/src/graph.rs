@@ -250,9 +250,15 @@ impl DecodeGraph {
         // and get their lengths back.
         let mut originals = Vec::new();
         let mut kv_lens = Vec::new();
+        // A verify's checkpoints go into buffers of the states' own (made here, outside the
+        // capture): the graph keeps those, with no copies.
+        let mut own_buffers = Vec::new();
         for l in layers.clone() {
             match &mut cache.layers[l] {
                 LayerCache::Gdn(s) => {
+                    if verify {
+                        own_buffers.extend(s.checkpoint_buffers(tokens)?);
+                    }
                     let mut scratch =
                         GdnState::from_parts(s.conv().copy()?, s.recurrent().copy()?, s.seen())?;
                     scratch.set_in_place()?;
@@ -271,11 +277,16 @@ impl DecodeGraph {
             }
         }
         let warm_cps = warm?.1;
-        let kept = warm_cps
-            .iter()
-            .map(|cp| Ok(cp.deep_copy()?))
-            .collect::<Result<Vec<_>>>()?;
-        // The capture below copies checkpoints into `kept`: run those copies once eagerly too.
+        let kept = if own_buffers.len() == warm_cps.len() {
+            own_buffers
+        } else {
+            warm_cps
+                .iter()
+                .map(|cp| Ok(cp.deep_copy()?))
+                .collect::<Result<Vec<_>>>()?
+        };
+        // The capture below copies checkpoints into `kept` (none that already are its buffers):
+        // run those copies once eagerly too.
         for (cp, dst) in warm_cps.iter().zip(&kept) {
             cp.write_into(dst)?;
         }

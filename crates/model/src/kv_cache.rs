@@ -99,16 +99,11 @@ impl KvCache {
     pub fn append_at(&mut self, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, h, new, d) = k.dims4()?;
         self.reserve(self.len + new, (b, h, d), k.dtype(), k.device())?;
-        let index = positions
-            .reshape((1, 1, new, 1))?
-            .broadcast_as((b, h, new, d))?
-            .contiguous()?;
         let (kb, vb) = self
             .buffers()
             .map(|(k, v)| (k.clone(), v.clone()))
             .expect("reserved");
-        kb.scatter_set(&index, &k.contiguous()?, 2)?;
-        vb.scatter_set(&index, &v.contiguous()?, 2)?;
+        qwen36_kernels::attention::write_kv(k, v, &kb, &vb, positions).map_err(candle_core::Error::wrap)?;
         self.len += new;
         Ok((kb, vb))
     }
