@@ -121,8 +121,22 @@ pub fn write_kv(
             ),
         });
     }
-    crate::expect_out_buffer(op, "k_cache", k_cache, k.dtype(), cache_dims, v_cache)?;
-    crate::expect_out_buffer(op, "v_cache", v_cache, k.dtype(), cache_dims, k_cache)?;
+    crate::expect_out_buffer(
+        op,
+        "k_cache",
+        k_cache,
+        k.dtype(),
+        cache_dims,
+        ("v_cache", v_cache),
+    )?;
+    crate::expect_out_buffer(
+        op,
+        "v_cache",
+        v_cache,
+        k.dtype(),
+        cache_dims,
+        ("k_cache", k_cache),
+    )?;
     if k.device().is_cuda() {
         #[cfg(feature = "cuda")]
         return crate::cuda::write_kv(k, v, k_cache, v_cache, positions);
@@ -393,8 +407,8 @@ mod tests {
         Ok(())
     }
 
-    /// The new rows land at their positions and nowhere else; bad shapes and one buffer for both
-    /// caches are errors.
+    /// The new rows land at their positions and nowhere else; bad shapes, one buffer for both
+    /// caches and a position past the buffer are errors.
     #[test]
     fn write_kv_writes_rows_at_positions() -> Result<()> {
         let dev = Device::Cpu;
@@ -416,6 +430,9 @@ mod tests {
         assert!(e.to_string().contains("do not fit"), "{e}");
         let e = write_kv(&k, &v, &kc, &kc, &pos).unwrap_err();
         assert!(e.to_string().contains("shares its buffer"), "{e}");
+        // A position past the buffer: candle's scatter refuses it on the CPU (CUDA skips it).
+        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[5u32, 6], &dev)?).unwrap_err();
+        assert!(e.to_string().contains("invalid index 6"), "{e}");
         Ok(())
     }
 

@@ -118,7 +118,14 @@ pub fn causal_conv1d_in_place(
         });
     }
     if let Some(w) = window {
-        crate::expect_out_buffer(op, "window", w, x.dtype(), &[b, c, k - 1 + t], state)?;
+        crate::expect_out_buffer(
+            op,
+            "window",
+            w,
+            x.dtype(),
+            &[b, c, k - 1 + t],
+            ("the state", state),
+        )?;
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {

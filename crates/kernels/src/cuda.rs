@@ -1425,42 +1425,32 @@ pub(crate) fn write_kv(
     let op = "write_kv";
     let (b, h, t, d) = k.dims4()?;
     let cap = k_cache.dim(2)?;
-    let rows = |x: &Tensor| -> Result<Tensor> {
-        Ok(if x.stride()[3] == 1 {
-            x.clone()
-        } else {
-            x.contiguous()?
-        })
-    };
-    let (k, v, positions) = (rows(k)?, rows(v)?, positions.contiguous()?);
-    let strides = [k.stride(), v.stride()].map(|s| [s[0], s[1], s[2]].map(|x| x as i64));
+    let ((k, ks), (v, vs)) = (strided_rows(k)?, strided_rows(v)?);
+    let positions = positions.contiguous()?;
     let dt = k.dtype();
     let dev = device(op, &k)?;
     let name = format!("kv_write_b{}", dt.size_in_bytes());
     macro_rules! go {
         ($t:ty) => {
-            with_out_buffer::<$t, _>(op, Some(v_cache), |vc| {
-                in_place(op, k_cache, |st, range| {
-                    let mut kc = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
-                    let (ks, kl) = k.storage_and_layout();
-                    let (vs, vl) = v.storage_and_layout();
-                    let (ps, pl) = positions.storage_and_layout();
-                    let kv = span_view::<$t>(op, &ks, kl)?;
-                    let vv = span_view::<$t>(op, &vs, vl)?;
-                    let pv = view::<u32>(op, &ps, pl)?;
+            // Both buffers are written: one in-place op inside the other.
+            in_place(op, v_cache, |vst, vrange| {
+                let mut vc = vst.as_cuda_slice_mut::<$t>()?.slice_mut(vrange);
+                in_place(op, k_cache, |kst, krange| {
+                    let mut kc = kst.as_cuda_slice_mut::<$t>()?.slice_mut(krange);
+                    let (kg, kl) = k.storage_and_layout();
+                    let (vg, vl) = v.storage_and_layout();
+                    let (pg, pl) = positions.storage_and_layout();
+                    let kv = span_view::<$t>(op, &kg, kl)?;
+                    let vv = span_view::<$t>(op, &vg, vl)?;
+                    let pv = view::<u32>(op, &pg, pl)?;
                     let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
                     let mut lb = f.builder();
                     lb.arg(&kv).arg(&vv);
-                    for s in strides.iter().flatten() {
+                    for s in ks.iter().chain(&vs) {
                         lb.arg(s);
                     }
                     let (cap32, d32) = (cap as i32, d as i32);
-                    lb.arg(&pv).arg(&mut kc);
-                    match vc {
-                        Some(vc) => lb.arg(vc),
-                        None => return Err(err(op, "no value buffer")),
-                    };
-                    lb.arg(&cap32).arg(&d32);
+                    lb.arg(&pv).arg(&mut kc).arg(&mut vc).arg(&cap32).arg(&d32);
                     let cfg = LaunchConfig {
                         grid_dim: (t as u32, h as u32, b as u32),
                         block_dim: (d.min(256) as u32, 1, 1),
@@ -1482,20 +1472,27 @@ pub(crate) fn write_kv(
     for_float_dtype!(op, dt)
 }
 
-/// An attention output gate `[b, t, heads, hd]` as the kernels read it: rows of `hd` contiguous
-/// elements (a strided view stays in place, anything else is copied) and its batch, token and
-/// head strides; `(None, zeros)` without a gate.
+/// A `[d0, d1, d2, n]` tensor as the kernels read it through strides: rows of `n` contiguous
+/// elements (a strided view stays in place, anything else is copied) and the strides of its
+/// first three dims.
+fn strided_rows(t: &Tensor) -> Result<(Tensor, [i64; 3])> {
+    let t = if t.stride()[3] == 1 {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let st = t.stride();
+    let strides = [st[0], st[1], st[2]].map(|s| s as i64);
+    Ok((t, strides))
+}
+
+/// An attention output gate `[b, t, heads, hd]` through [`strided_rows`]; `(None, zeros)` without
+/// one.
 fn gate_rows(gate: Option<&Tensor>) -> Result<(Option<Tensor>, [i64; 3])> {
-    let gate = match gate {
-        Some(g) if g.stride()[3] == 1 => Some(g.clone()),
-        Some(g) => Some(g.contiguous()?),
-        None => None,
-    };
-    let strides = match &gate {
-        Some(g) => [g.stride()[0], g.stride()[1], g.stride()[2]].map(|s| s as i64),
-        None => [0; 3],
-    };
-    Ok((gate, strides))
+    Ok(match gate.map(strided_rows).transpose()? {
+        Some((g, strides)) => (Some(g), strides),
+        None => (None, [0; 3]),
+    })
 }
 
 /// CUDA twin of `decode_attention` (shapes checked by the caller): the split-K partial kernel

@@ -548,7 +548,7 @@ pub fn fused_gated_delta_rule_in_place(
     }
     if let Some(all) = all_states {
         let want = [qkv.dim(0)?, qkv.dim(1)?, heads.v_heads, heads.k_dim, heads.v_dim];
-        crate::expect_out_buffer(op, "all_states", all, DType::F32, &want, state)?;
+        crate::expect_out_buffer(op, "all_states", all, DType::F32, &want, ("the state", state))?;
     }
     let keep_all_states = all_states.is_some();
     let mode = DeltaRuleMode::Recurrent { keep_all_states };
@@ -793,14 +793,15 @@ mod tests {
             Tensor::ones(2, DType::F32, &dev)?,
             Tensor::zeros(2, DType::F32, &dev)?,
         );
-        let run =
-            |s: &Tensor| fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, None);
+        let run = |s: &Tensor, all: Option<&Tensor>| {
+            fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, all)
+        };
         let s0 = Tensor::randn(0f32, 0.5, (1, 2, 4, 4), &dev)?;
-        let err = run(&s0.to_dtype(DType::BF16)?).unwrap_err().to_string();
+        let err = run(&s0.to_dtype(DType::BF16)?, None).unwrap_err().to_string();
         assert!(err.contains("contiguous f32"), "{err}");
-        let err = run(&s0.transpose(2, 3)?).unwrap_err().to_string();
+        let err = run(&s0.transpose(2, 3)?, None).unwrap_err().to_string();
         assert!(err.contains("contiguous f32"), "{err}");
-        let err = run(&Tensor::zeros((1, 3, 4, 4), DType::F32, &dev)?)
+        let err = run(&Tensor::zeros((1, 3, 4, 4), DType::F32, &dev)?, None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("state"), "{err}");
@@ -813,44 +814,32 @@ mod tests {
             Some(&s0),
             heads,
             DeltaRuleMode::Recurrent {
-                keep_all_states: false,
+                keep_all_states: true,
             },
         )?;
         let state = s0.copy()?;
-        let got = run(&state)?;
+        let got = run(&state, None)?;
         assert_eq!(got.state.id(), state.id());
         assert_eq!(max_diff(&state, &want.state), 0.0);
         assert_eq!(max_diff(&got.out, &want.out), 0.0);
 
         // Every token's state into a buffer of the caller's: it must fit and not be the state's.
-        let keep = |s: &Tensor, all: &Tensor| {
-            fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, Some(all))
-        };
-        let err = keep(&s0.copy()?, &Tensor::zeros((1, 3, 2, 4, 4), DType::F32, &dev)?).unwrap_err();
+        let err = run(
+            &s0.copy()?,
+            Some(&Tensor::zeros((1, 3, 2, 4, 4), DType::F32, &dev)?),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("all_states must be"), "{err}");
         let both = Tensor::zeros(3 * 32, DType::F32, &dev)?;
         let (aliased_state, aliased_all) = (
             both.narrow(0, 0, 32)?.reshape((1, 2, 4, 4))?,
             both.narrow(0, 32, 64)?.reshape((1, 2, 2, 4, 4))?,
         );
-        let err = keep(&aliased_state, &aliased_all).unwrap_err();
+        let err = run(&aliased_state, Some(&aliased_all)).unwrap_err();
         assert!(err.to_string().contains("shares its buffer"), "{err}");
-        let want_all = fused_gated_delta_rule(
-            &qkv,
-            &ab,
-            &ab,
-            &a_log,
-            &dt_bias,
-            Some(&s0),
-            heads,
-            DeltaRuleMode::Recurrent {
-                keep_all_states: true,
-            },
-        )?
-        .all_states
-        .expect("kept");
+        let want_all = want.all_states.expect("kept");
         let all = Tensor::zeros((1, 2, 2, 4, 4), DType::F32, &dev)?;
-        let got = keep(&s0.copy()?, &all)?;
+        let got = run(&s0.copy()?, Some(&all))?;
         assert_eq!(got.all_states.map(|t| t.id()), Some(all.id()));
         assert_eq!(max_diff(&all, &want_all), 0.0);
         Ok(())

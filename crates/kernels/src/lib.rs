@@ -44,14 +44,14 @@ pub(crate) fn host_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {
 }
 
 /// Checks a caller's buffer that an op writes into: contiguous, `dtype`, exactly `want` dims, and
-/// not sharing its storage with `other` (the state the same op updates in place).
+/// not sharing its storage with `other` (named `other_arg`: another buffer the same op writes).
 pub(crate) fn expect_out_buffer(
     op: &'static str,
     arg: &'static str,
     t: &candle_core::Tensor,
     dtype: candle_core::DType,
     want: &[usize],
-    other: &candle_core::Tensor,
+    (other_arg, other): (&'static str, &candle_core::Tensor),
 ) -> Result<()> {
     if !t.is_contiguous() || t.dtype() != dtype || t.dims() != want {
         return Err(Error::Shape {
@@ -69,7 +69,7 @@ pub(crate) fn expect_out_buffer(
     if key(t) == key(other) {
         return Err(Error::Shape {
             op,
-            msg: format!("{arg} shares its buffer with the state"),
+            msg: format!("{arg} shares its buffer with {other_arg}"),
         });
     }
     Ok(())
