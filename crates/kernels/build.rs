@@ -17,6 +17,8 @@ fn main() {
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    // The launcher sets the programmatic-dependent-launch attribute only for sm_90+ PTX.
+    println!("cargo:rustc-env=QWEN36_PTX_CAP={cap}");
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for name in KERNELS {
         let status = Command::new(&nvcc)

@@ -33,10 +33,10 @@ __device__ void swiglu(const T* __restrict__ x, T* __restrict__ y, int rows, int
 }
 
 #define SWIGLU_KERNEL(SUFFIX, T)                                                                          \
-    extern "C" __global__ void swiglu_##SUFFIX(const T* x, T* y, int rows, int I) {                      \
+    extern "C" __global__ void swiglu_##SUFFIX(const T* x, T* y, int rows, int I) { pdl_enter();                      \
         swiglu<T, false>(x, y, rows, I);                                                                  \
     }                                                                                                     \
-    extern "C" __global__ void swiglu_vec_##SUFFIX(const T* x, T* y, int rows, int I) {                  \
+    extern "C" __global__ void swiglu_vec_##SUFFIX(const T* x, T* y, int rows, int I) { pdl_enter();                  \
         swiglu<T, true>(x, y, rows, I);                                                                   \
     }
 SWIGLU_KERNEL(f32, float)

@@ -64,13 +64,13 @@ __device__ void merge_chunks(const float* __restrict__ pv, const int* __restrict
 
 #define ARGMAX_KERNELS(SUFFIX, T)                                                                    \
     extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)                                     \
-        argmax_chunks_##SUFFIX(const T* x, float* pv, int* pi, int n, int chunk) {                   \
+        argmax_chunks_##SUFFIX(const T* x, float* pv, int* pi, int n, int chunk) { pdl_enter();                   \
         argmax_chunks<T>(x, pv, pi, n, chunk);                                                       \
     }
 ARGMAX_KERNELS(f32, float)
 ARGMAX_KERNELS(bf16, __nv_bfloat16)
 ARGMAX_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-    argmax_merge(const float* pv, const int* pi, unsigned* out, int chunks) {
+    argmax_merge(const float* pv, const int* pi, unsigned* out, int chunks) { pdl_enter();
     merge_chunks(pv, pi, out, chunks);
 }

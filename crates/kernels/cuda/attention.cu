@@ -217,13 +217,13 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_partial_##SUFFIX(const T* q, const T* k, const T* v, const unsigned* len,         \
                                      float* part_o, float* part_ml, int R, int D, int cap, int t,    \
-                                     float scale) {                                                  \
+                                     float scale) { pdl_enter();                                                  \
         attn_partial<T>(q, k, v, len, part_o, part_ml, R, D, cap, t, scale);                         \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
                                    T* out, int R, int D, int S, int per, int unit, int s0,           \
-                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn) {     \
+                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn) { pdl_enter();     \
         attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn);  \
     }
 ATTENTION_KERNELS(f32, float)
@@ -231,7 +231,7 @@ ATTENTION_KERNELS(bf16, __nv_bfloat16)
 ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
-                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0) {
+                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0) { pdl_enter();
     attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0);
 }
 
@@ -316,11 +316,11 @@ __device__ void causal_softmax(const T* __restrict__ x, T* __restrict__ y, int k
 
 #define CAUSAL_SOFTMAX(SUFFIX, T)                                                                    \
     extern "C" __global__ void __launch_bounds__(SM_THREADS)                                         \
-        causal_softmax_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) {         \
+        causal_softmax_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) { pdl_enter();         \
         causal_softmax<T, false>(x, y, keys, tb, pos0, scale);                                       \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(SM_THREADS)                                         \
-        causal_softmax_vec_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) {     \
+        causal_softmax_vec_##SUFFIX(const T* x, T* y, int keys, int tb, int pos0, float scale) { pdl_enter();     \
         causal_softmax<T, true>(x, y, keys, tb, pos0, scale);                                        \
     }
 CAUSAL_SOFTMAX(f32, float)
@@ -549,7 +549,7 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, 
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                            \
         flash_prefill_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, const T* gate, T* out, int t,   \
                                        int nh, int nkv, long q_bs, long q_hs, long k_bs, long k_hs,         \
-                                       long g_bs, long g_ts, long g_hs, int pos0, float sl2) {              \
+                                       long g_bs, long g_ts, long g_hs, int pos0, float sl2) { pdl_enter();              \
         flash_prefill<T, HD>(q, k, v, gate, out, t, nh, nkv, q_bs, q_hs, k_bs, k_hs, g_bs, g_ts, g_hs, pos0, \
                              sl2);                                                                         \
     }
@@ -739,7 +739,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                           \
         flash_decode_##SUFFIX##_d##HD##_m##MT(const T* q, const T* k, const T* v, const unsigned* len,    \
                                               float* part_o, float* part_ml, int R, int cap, int t,       \
-                                              float sl2) {                                                \
+                                              float sl2) { pdl_enter();                                                \
         flash_decode<T, HD, MT>(q, k, v, len, part_o, part_ml, R, cap, t, sl2);                           \
     }
 #define FLASH_DECODE_DIMS(SUFFIX, T, MT) \
@@ -775,7 +775,7 @@ __device__ void kv_write(const T* __restrict__ k, const T* __restrict__ v, long 
 #define KV_WRITE_KERNEL(BYTES, T)                                                                    \
     extern "C" __global__ void kv_write_b##BYTES(const T* k, const T* v, long ksb, long ksh, long kst, \
                                                  long vsb, long vsh, long vst, const unsigned* pos,    \
-                                                 T* kc, T* vc, int cap, int D) {                       \
+                                                 T* kc, T* vc, int cap, int D) { pdl_enter();                       \
         kv_write<T>(k, v, ksb, ksh, kst, vsb, vsh, vst, pos, kc, vc, cap, D);                          \
     }
 KV_WRITE_KERNEL(2, unsigned short)

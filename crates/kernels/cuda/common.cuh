@@ -12,6 +12,30 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+// Programmatic dependent launch (sm_90+; src/cuda/launch.rs launches every kernel with it): a
+// kernel may start before the previous kernel in the stream has finished. `pdl_wait` blocks until
+// that kernel has completed and its writes are visible; every kernel calls it before it touches
+// global memory that another kernel reads or writes. `pdl_launch_dependents` lets the next
+// kernel's blocks start (they then block in their own wait). Both compile to nothing before sm_90,
+// where the launcher does not set the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Both, first thing in a kernel with nothing to do before its inputs are ready. The next kernel
+// may start at once: it does nothing before its own wait but read weights, and its wait returns
+// only after this kernel has completed, which in turn waited for the one before.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_launch_dependents();
+    pdl_wait();
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -152,7 +152,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb, \
              long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
-             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {     \
+             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) { pdl_enter();     \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
                                            s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps);          \
     }
@@ -263,11 +263,11 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
 
 #define CONV_KERNEL(NAME, T)                                                                                  \
     extern "C" __global__ void NAME(const T* x, long xs, const T* w, const T* st, T* y, T* st_out, int B,     \
-                                    int Tn, int C, int K) {                                                  \
+                                    int Tn, int C, int K) { pdl_enter();                                                  \
         conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
     }                                                                                                         \
     extern "C" __global__ void NAME##_in_place(const T* x, long xs, const T* w, T* y, T* st, T* win, int B,   \
-                                               int Tn, int C, int K) {                                       \
+                                               int Tn, int C, int K) { pdl_enter();                                       \
         conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K);                                                    \
     }
 CONV_KERNEL(conv1d_f32, float)
@@ -486,7 +486,7 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb,  \
              long g_stride,                                                                                     \
              const float* a_log, const float* dt_bias, float* U, float* W, float* Qt, float* Kt, float* P,    \
-             float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                       \
+             float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) { pdl_enter();                       \
         gdn_chunk_prep<TQ, TG, FUSED>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, U, W, Qt, Kt, P,  \
                                       gL, T, Hk, Hv, dk, dv, scale, eps);                                      \
     }
@@ -643,7 +643,7 @@ __device__ void gdn_chunk_scan(float* U, const float* __restrict__ W, const floa
 #define CHUNK_SCAN(NAME, SBV)                                                                                 \
     extern "C" __global__ void __launch_bounds__(8 * SBV)                                                     \
         NAME(float* U, const float* W, const float* Kt, const float* gL, const float* s0, float* hs,          \
-             float* s_final, int B, int T, int Hv, int dk, int dv) {                                          \
+             float* s_final, int B, int T, int Hv, int dk, int dv) { pdl_enter();                                          \
         gdn_chunk_scan<SBV>(U, W, Kt, gL, s0, hs, s_final, B, T, Hv, dk, dv);                                 \
     }
 CHUNK_SCAN(gdn_chunk_scan_c16, 16)
@@ -657,7 +657,7 @@ constexpr int OUT_COLS = 32;
 
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_out(const float* __restrict__ Vt_all, const float* __restrict__ Qt, const float* __restrict__ P,
-                  const float* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) {
+                  const float* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) { pdl_enter();
     const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + OUT_COLS - 1) / OUT_COLS;
     const long blk = blockIdx.x / tiles;  // (b, hv, chunk)

@@ -35,16 +35,22 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < NR; ++r) acc[m][r] = 0.f;
-    for (int base = 0; base < kv; base += 32 * UNROLL) {
-        Vec16<T> wv[UNROLL][NR];
+    // Weights are read once per call: stream them past L1 (evict-first).
+    auto load_weights = [&](int base, Vec16<T> (&wv)[UNROLL][NR]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * 32 + lane;
 #pragma unroll
-            for (int r = 0; r < NR; ++r)
-                // Weights are read once per call: stream them past L1 (evict-first).
-                wv[u][r].raw = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < NR; ++r) wv[u][r].raw = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
         }
+    };
+    Vec16<T> wv[UNROLL][NR];
+    pdl_launch_dependents();
+    // The first weights do not depend on the previous kernel: load them while it finishes.
+    load_weights(0, wv);
+    pdl_wait();
+    for (int base = 0; base < kv; base += 32 * UNROLL) {
+        if (base > 0) load_weights(base, wv);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * 32 + lane;

@@ -227,22 +227,22 @@ __device__ void norm_rope_heads(const T* __restrict__ x, long xs, int hs, const 
 #define NORM_KERNELS(SUFFIX, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
         rms_norm_##SUFFIX(const T* x, const T* res, T* sum, const float* scale, T* y, int D, float eps,  \
-                          int vec) {                                                                     \
+                          int vec) { pdl_enter();                                                                     \
         rms_norm<T>(x, res, sum, scale, y, D, eps, vec);                                                 \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
-        rms_norm_warp_##SUFFIX(const T* x, long xs, const float* scale, T* y, int rows, int D, float eps) { \
+        rms_norm_warp_##SUFFIX(const T* x, long xs, const float* scale, T* y, int rows, int D, float eps) { pdl_enter(); \
         rms_norm_warp<T>(x, xs, scale, y, rows, D, eps);                                                 \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                           \
         gated_rms_norm_##SUFFIX(const float* x, const T* z, const float* w, T* y, int rows, int D,       \
-                                float eps, int zh, long zs) {                                            \
+                                float eps, int zh, long zs) { pdl_enter();                                            \
         gated_rms_norm<T>(x, z, w, y, rows, D, eps, zh, zs);                                             \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32)                                        \
         norm_rope_heads_##SUFFIX(const T* x, long xs, int hs, const float* scale, const T* cosv,         \
                                  const T* sinv, T* y, int T_, int H, int hd, int rd, float eps,          \
-                                 int rows) {                                                             \
+                                 int rows) { pdl_enter();                                                             \
         norm_rope_heads<T>(x, xs, hs, scale, cosv, sinv, y, T_, H, hd, rd, eps, rows);                   \
     }
 NORM_KERNELS(f32, float)

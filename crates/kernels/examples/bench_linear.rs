@@ -4,8 +4,11 @@
 //! the same run.
 //!
 //! ```text
-//! cargo run --release -p qwen36-kernels --features cuda --example bench_linear
+//! cargo run --release -p qwen36-kernels --features cuda --example bench_linear [SHAPE] [ROWS]
 //! ```
+//!
+//! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (for profiling one
+//! kernel under ncu).
 
 mod common;
 
@@ -14,6 +17,9 @@ use common::{copy_bandwidth, time};
 use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let only = args.next().unwrap_or_default();
+    let max_rows: usize = args.next().map_or(Ok(8), |r| r.parse())?;
     let dev = Device::new_cuda(0)?;
     copy_bandwidth(&dev)?;
     // (name, in, out)
@@ -33,11 +39,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     println!("| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | (TB/s of weights read) |");
     println!("|---|---|---|---|---|---|---|");
-    for (name, k, o) in shapes {
+    for (name, k, o) in shapes.into_iter().filter(|s| s.0.contains(&only)) {
         let w = Tensor::randn(0f32, 0.02, (o, k), &dev)?.to_dtype(DType::BF16)?;
         let lin = Linear::new(w, None);
         let bytes = (2 * k * o) as f64;
-        for rows in 1..=8 {
+        for rows in 1..=max_rows {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
             for path in paths {

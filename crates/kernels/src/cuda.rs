@@ -4,12 +4,13 @@
 use std::sync::atomic::Ordering;
 
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda::cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+
+mod launch;
+use launch::KernelCall;
 
 use crate::delta_rule::{DeltaRuleMode, DeltaRuleOutput, Dims as Launch};
 use crate::{Error, Result};
@@ -157,7 +158,7 @@ impl<'a, T: CudaDType> DeltaRuleViews<'a, T> {
     /// Pushes the argument prefix shared by `gdn_recurrent_*`, `gdn_fused_*` and
     /// `gdn_chunk_prep_*`: q, k, v, the two i64 row strides, ga, gb, their i64 row stride, a_log
     /// and dt_bias (or nulls).
-    fn push_inputs<'s>(&'s self, lb: &mut LaunchArgs<'s>) {
+    fn push_inputs(&self, lb: &mut KernelCall) {
         lb.arg(&self.q)
             .arg(&self.k)
             .arg(&self.v)
@@ -173,7 +174,7 @@ impl<'a, T: CudaDType> DeltaRuleViews<'a, T> {
     }
 
     /// Pushes the initial state, or null for a zero state.
-    fn push_state<'s>(&'s self, lb: &mut LaunchArgs<'s>) {
+    fn push_state(&self, lb: &mut KernelCall) {
         match &self.state {
             Some(s) => lb.arg(s),
             None => lb.arg(&self.null),
@@ -280,7 +281,7 @@ fn launch_recurrent<T: CudaDType>(
     };
     with_views::<T, _>(op, &inp, |v| {
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut lb = func.builder();
+        let mut lb = KernelCall::new(&dev, &func);
         v.push_inputs(&mut lb);
         v.push_state(&mut lb);
         lb.arg(&out);
@@ -426,7 +427,7 @@ fn launch_chunked<T: CudaDType>(
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         allow_smem(&dev, prep_name, PREP_SMEM, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
-        let mut lb = func.builder();
+        let mut lb = KernelCall::new(&dev, &func);
         v.push_inputs(&mut lb);
         for p in &parts[..6] {
             lb.arg(p);
@@ -448,7 +449,7 @@ fn launch_chunked<T: CudaDType>(
         let name = format!("gdn_chunk_scan_c{cols}");
         allow_smem(&dev, &name, scan_smem(cols), MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut lb = func.builder();
+        let mut lb = KernelCall::new(&dev, &func);
         // U (overwritten with Vt), W, Kt, gL
         lb.arg(&parts[0]).arg(&parts[1]).arg(&parts[3]).arg(&parts[5]);
         v.push_state(&mut lb);
@@ -469,7 +470,7 @@ fn launch_chunked<T: CudaDType>(
 
         allow_smem(&dev, "gdn_chunk_out", OUT_SMEM, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func("gdn_chunk_out", MODULE, PTX)?;
-        let mut lb = func.builder();
+        let mut lb = KernelCall::new(&dev, &func);
         // Vt (in U's place), Qt, P, hs
         lb.arg(&parts[0]).arg(&parts[2]).arg(&parts[4]).arg(&parts[6]);
         lb.arg(&out);
@@ -842,7 +843,7 @@ pub(crate) fn conv1d(
             let st_out = unsafe { dev.alloc::<$t>(b * c * (k - 1))? };
             let func =
                 dev.get_or_load_custom_func(&format!("conv1d_{}", dtype_suffix(op, dt)?), MODULE, PTX)?;
-            let mut lb = func.builder();
+            let mut lb = KernelCall::new(&dev, &func);
             let null = 0u64;
             let xs64 = xs as i64;
             lb.arg(&xv).arg(&xs64).arg(&wv);
@@ -916,7 +917,7 @@ pub(crate) fn conv1d_in_place(
                     // SAFETY: uninitialised; the kernel writes every element of y.
                     let out = unsafe { dev.alloc::<$t>(b * t * c)? };
                     let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-                    let mut lb = func.builder();
+                    let mut lb = KernelCall::new(&dev, &func);
                     let (xs64, null) = (xs as i64, 0u64);
                     lb.arg(&xv).arg(&xs64).arg(&wv).arg(&out).arg(&mut state);
                     match win {
@@ -1031,7 +1032,7 @@ pub(crate) fn rms_norm(
                 NORM_MODULE,
                 NORM_PTX,
             )?;
-            let mut lb = func.builder();
+            let mut lb = KernelCall::new(&dev, &func);
             let null = 0u64;
             lb.arg(&xv);
             match (&rv, &sum) {
@@ -1082,7 +1083,7 @@ fn rms_norm_warp(x: &Tensor, rs: usize, scale: &Tensor, eps: f64, rows: usize, d
                     NORM_MODULE,
                     NORM_PTX,
                 )?;
-                let mut lb = func.builder();
+                let mut lb = KernelCall::new(&dev, &func);
                 let (rs64, r32, d32, eps32) = (rs as i64, rows as i32, d as i32, eps as f32);
                 lb.arg(&xv)
                     .arg(&rs64)
@@ -1155,7 +1156,7 @@ pub(crate) fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) 
                 NORM_MODULE,
                 NORM_PTX,
             )?;
-            let mut lb = func.builder();
+            let mut lb = KernelCall::new(&dev, &func);
             let (r32, d32, eps32, zh32, zs64) = (rows as i32, d as i32, eps as f32, zh as i32, zs as i64);
             lb.arg(&xv)
                 .arg(&zv)
@@ -1243,7 +1244,7 @@ pub(crate) fn norm_rope_heads(
                     NORM_MODULE,
                     NORM_PTX,
                 )?;
-                let mut lb = func.builder();
+                let mut lb = KernelCall::new(&dev, &func);
                 let (xs64, hs32) = (xs as i64, head_stride as i32);
                 lb.arg(&xv).arg(&xs64).arg(&hs32);
                 match &scv {
@@ -1366,7 +1367,7 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Opti
                 format!("skinny_linear_{sfx}_m{m}_r{columns}")
             };
             let func = dev.get_or_load_custom_func(&name, LINEAR_MODULE, LINEAR_PTX)?;
-            let mut lb = func.builder();
+            let mut lb = KernelCall::new(&dev, &func);
             let (n32, k32) = (out_n as i32, k as i32);
             lb.arg(&xv).arg(&wv);
             if !swiglu {
@@ -1444,7 +1445,7 @@ pub(crate) fn write_kv(
                     let vv = span_view::<$t>(op, &vg, vl)?;
                     let pv = view::<u32>(op, &pg, pl)?;
                     let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
-                    let mut lb = f.builder();
+                    let mut lb = KernelCall::new(&dev, &f);
                     lb.arg(&kv).arg(&vv);
                     for s in ks.iter().chain(&vs) {
                         lb.arg(s);
@@ -1585,7 +1586,7 @@ pub(crate) fn decode_attention(
                 let smem = (16 * mt + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
                 allow_smem(&dev, &name, smem, ATTENTION_MODULE, ATTENTION_PTX)?;
                 let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
@@ -1605,7 +1606,7 @@ pub(crate) fn decode_attention(
                     ATTENTION_MODULE,
                     ATTENTION_PTX,
                 )?;
-                let mut lb = partial.builder();
+                let mut lb = KernelCall::new(&dev, &partial);
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
                 lb.arg(&r32).arg(&d32).arg(&cap32).arg(&t32).arg(&scale32);
                 let cfg = LaunchConfig {
@@ -1629,7 +1630,7 @@ pub(crate) fn decode_attention(
                 let ml2 = unsafe { dev.alloc::<f32>(bh * groups * r * 2)? };
                 let f =
                     dev.get_or_load_custom_func("attn_decode_merge_group", ATTENTION_MODULE, ATTENTION_PTX)?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
                 lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0);
@@ -1655,7 +1656,7 @@ pub(crate) fn decode_attention(
                 ATTENTION_MODULE,
                 ATTENTION_PTX,
             )?;
-            let mut lb = merge.builder();
+            let mut lb = KernelCall::new(&dev, &merge);
             let (e32, per32, h32) = (entries as i32, per as i32, h as i32);
             lb.arg(o_in)
                 .arg(ml_in)
@@ -1725,7 +1726,7 @@ pub(crate) fn argmax_last_dim(x: &Tensor) -> Result<Tensor> {
                     ARGMAX_MODULE,
                     ARGMAX_PTX,
                 )?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let (n32, c32) = (n as i32, crate::argmax::CHUNK as i32);
                 lb.arg(&xv).arg(&pv).arg(&pi).arg(&n32).arg(&c32);
                 let cfg = LaunchConfig {
@@ -1737,7 +1738,7 @@ pub(crate) fn argmax_last_dim(x: &Tensor) -> Result<Tensor> {
                 // contiguous, pv and pi [rows·chunks], i32 n and chunk; grid (chunks, rows).
                 unsafe { lb.launch(cfg) }.w()?;
                 let f = dev.get_or_load_custom_func("argmax_merge", ARGMAX_MODULE, ARGMAX_PTX)?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let c32 = chunks as i32;
                 lb.arg(&pv).arg(&pi).arg(&out).arg(&c32);
                 let cfg = LaunchConfig {
@@ -1788,7 +1789,7 @@ pub(crate) fn swiglu(x: &Tensor) -> Result<Tensor> {
                     ACTIVATION_MODULE,
                     ACTIVATION_PTX,
                 )?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let (r32, i32_) = (rows as i32, i as i32);
                 lb.arg(&xv).arg(&y).arg(&r32).arg(&i32_);
                 let steps = if vec { rows * i * size / 16 } else { rows * i };
@@ -1832,7 +1833,7 @@ pub(crate) fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: us
                     dtype_suffix(op, dt)?
                 );
                 let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 let sc = scale as f32;
                 lb.arg(&xv)
                     .arg(&y)
@@ -1938,7 +1939,7 @@ pub(crate) fn prefill_attention(
                 let name = format!("flash_prefill_{}_d{d}", dtype_suffix(op, dt)?);
                 allow_smem(&dev, &name, smem, ATTENTION_MODULE, ATTENTION_PTX)?;
                 let f = dev.get_or_load_custom_func(&name, ATTENTION_MODULE, ATTENTION_PTX)?;
-                let mut lb = f.builder();
+                let mut lb = KernelCall::new(&dev, &f);
                 lb.arg(&qv).arg(&kv).arg(&vv);
                 match &gv {
                     Some(g) => lb.arg(g),

@@ -1,0 +1,161 @@
+//! Kernel launches through `cuLaunchKernelEx`, with programmatic dependent launch (PDL) on Hopper.
+//!
+//! With PDL a kernel may start while the kernel before it in the stream is still finishing: its
+//! blocks become resident once every block of the previous kernel has started (each of our kernels
+//! calls `griddepcontrol.launch_dependents` right after its own wait), do what does not depend on
+//! earlier kernels (the GEMV loads its first weights), then block in `griddepcontrol.wait` until
+//! the previous grid has completed and its writes are visible. A decode step is ~600 small
+//! kernels back to back, so the launch gap and each GEMV's load ramp add up to a millisecond.
+//!
+//! Every kernel in `cuda/*.cu` calls `pdl_wait()` (common.cuh) before it reads or writes global
+//! memory that another kernel touches; that is what makes the attribute safe for all of them. The
+//! attribute is set only where the device is sm_90+ and the PTX was built for it (on older PTX
+//! the wait compiles to nothing); `QWEN36_PDL=0` turns it off (for A/B benchmarks).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use candle_core::cuda::cudarc::driver::sys::{
+    self, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig,
+};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DriverError, LaunchConfig,
+};
+use candle_core::CudaDevice;
+
+/// Compute capability the PTX was built for (build.rs).
+const PTX_CAP: &str = env!("QWEN36_PTX_CAP");
+/// Most arguments of any kernel in `cuda/*.cu` (flash_prefill: 18).
+const MAX_ARGS: usize = 24;
+
+/// One kernel argument as the 8-byte word the kernel parameter points to.
+pub(crate) trait KernelArg {
+    fn word(&self, stream: &CudaStream) -> u64;
+}
+
+impl<T> KernelArg for CudaSlice<T> {
+    fn word(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+impl<T> KernelArg for CudaView<'_, T> {
+    fn word(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+impl<T> KernelArg for CudaViewMut<'_, T> {
+    fn word(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+// Scalars sit in the word's low bytes: the kernel reads size_of::<T>() bytes from its start
+// (little-endian hosts, as CUDA requires).
+macro_rules! scalar_arg {
+    ($($t:ty => |$v:ident| $w:expr),*) => {$(
+        impl KernelArg for $t {
+            fn word(&self, _: &CudaStream) -> u64 {
+                let $v = *self;
+                $w
+            }
+        }
+    )*};
+}
+scalar_arg!(i32 => |v| v as u32 as u64, u32 => |v| v as u64, i64 => |v| v as u64, u64 => |v| v,
+            f32 => |v| v.to_bits() as u64);
+
+/// The arguments of one launch, pushed in the kernel's parameter order.
+pub(crate) struct KernelCall<'a> {
+    func: &'a CudaFunction,
+    stream: std::sync::Arc<CudaStream>,
+    words: [u64; MAX_ARGS],
+    n: usize,
+    pdl: bool,
+}
+
+impl<'a> KernelCall<'a> {
+    pub(crate) fn new(dev: &CudaDevice, func: &'a CudaFunction) -> Self {
+        Self {
+            func,
+            stream: dev.cuda_stream(),
+            words: [0; MAX_ARGS],
+            n: 0,
+            pdl: pdl_enabled(dev),
+        }
+    }
+
+    /// Appends one argument (a device buffer's address or a scalar).
+    pub(crate) fn arg<A: KernelArg + ?Sized>(&mut self, a: &A) -> &mut Self {
+        assert!(self.n < MAX_ARGS, "more than {MAX_ARGS} kernel arguments");
+        self.words[self.n] = a.word(&self.stream);
+        self.n += 1;
+        self
+    }
+
+    /// Launches the kernel on the device's stream.
+    ///
+    /// # Safety
+    /// The pushed arguments must match the kernel's parameters in number, order and size, and
+    /// the buffers must be as large as the kernel indexes them (as for cudarc's `launch`).
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        let mut params: [*mut c_void; MAX_ARGS] = [std::ptr::null_mut(); MAX_ARGS];
+        for (p, w) in params.iter_mut().zip(self.words.iter_mut()).take(self.n) {
+            *p = (w as *mut u64).cast();
+        }
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: a plain-old-data union; zero is a valid value of every field.
+            value: unsafe { std::mem::zeroed::<CUlaunchAttributeValue>() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: `params` holds one pointer per pushed argument, each to its word in
+        // `self.words`, which outlives the call (the driver copies the values at launch); the
+        // caller vouches for the arguments matching the kernel (this function's contract).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+}
+
+/// Whether launches on `dev` carry the PDL attribute (cached per device ordinal).
+fn pdl_enabled(dev: &CudaDevice) -> bool {
+    static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let slot = CACHE.get(ordinal);
+    match slot.map(|s| s.load(Ordering::Relaxed)) {
+        Some(1) => return false,
+        Some(2) => return true,
+        _ => {}
+    }
+    let major = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .unwrap_or(0);
+    let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
+    let off = std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0");
+    let on = major >= 9 && ptx_cap >= 90 && !off;
+    if let Some(s) = slot {
+        s.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+    on
+}
