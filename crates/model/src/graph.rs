@@ -83,6 +83,8 @@ pub struct DecodeGraph {
     steps: Vec<AttnStep>,
     /// Recorded commits: (the first GDN checkpoint buffer of a verify segment, tokens kept).
     commits: Vec<(TensorId, usize, CudaGraph)>,
+    /// Step graphs recorded so far, re-recordings included.
+    recordings: usize,
 }
 
 /// One run of consecutive graph-safe layers for one step shape: `output = layers(input)`, each
@@ -122,6 +124,7 @@ impl DecodeGraph {
             bound_to: Vec::new(),
             steps: Vec::new(),
             commits: Vec::new(),
+            recordings: 0,
         })
     }
 
@@ -133,6 +136,11 @@ impl DecodeGraph {
     /// Number of recorded graphs.
     pub fn recorded(&self) -> usize {
         self.segments.len()
+    }
+
+    /// Step graphs recorded so far, re-recordings (another cache, grown KV buffers) included.
+    pub fn recordings(&self) -> usize {
+        self.recordings
     }
 
     /// Binds to `cache`: puts its GDN states in place mode and drops the graphs when they were
@@ -308,6 +316,7 @@ impl DecodeGraph {
             .zip(seen_before)
             .map(|(cp, n)| cp.rebased(n))
             .collect();
+        self.recordings += 1;
         self.segments.push(Segment {
             layers,
             tokens,

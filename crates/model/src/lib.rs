@@ -25,5 +25,5 @@ pub use graph::{graph_device, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{MtpCache, MtpHead};
-pub use stepper::{cuda_device, DraftStepper, Stepper};
+pub use stepper::{cuda_device, DraftSession, DraftStepper, Session, Stepper};
 pub use weights::{LoadOptions, Weights};

@@ -6,6 +6,55 @@ use candle_core::Tensor;
 
 use crate::{Cache, MtpCache, MtpHead, Qwen36Model, Result};
 
+/// A cache and the [`Stepper`] bound to it: what generating one sequence at a time needs, kept
+/// across sequences so that CUDA graphs are recorded once ([`Self::reset`] clears the cache but
+/// keeps its buffers, which the graphs read and write).
+pub struct Session {
+    /// The sequence's KV and GDN state.
+    pub cache: Cache,
+    /// Runs the passes over `cache` (its graphs are bound to the cache's buffers).
+    pub stepper: Stepper,
+}
+
+impl Session {
+    /// A fresh cache for `batch` sequences of `model`, and its stepper.
+    pub fn new(model: &Qwen36Model, batch: usize) -> Result<Self> {
+        Ok(Self {
+            cache: model.new_cache(batch)?,
+            stepper: Stepper::new(model, batch),
+        })
+    }
+
+    /// Starts a new sequence: KV lengths to 0, GDN states to zero, in the same buffers.
+    pub fn reset(&mut self) -> Result<()> {
+        self.cache.reset()
+    }
+}
+
+/// The MTP head's cache and the [`DraftStepper`] bound to it, kept across sequences like
+/// [`Session`].
+pub struct DraftSession {
+    /// The MTP layer's KV cache.
+    pub cache: MtpCache,
+    /// Runs the draft steps over `cache`.
+    pub stepper: DraftStepper,
+}
+
+impl DraftSession {
+    /// A fresh cache for `head` and its draft stepper.
+    pub fn new(model: &Qwen36Model, head: &MtpHead) -> Self {
+        Self {
+            cache: head.new_cache(),
+            stepper: DraftStepper::new(model),
+        }
+    }
+
+    /// Starts a new sequence (the cache's buffers stay).
+    pub fn reset(&mut self) {
+        self.cache.reset();
+    }
+}
+
 /// Runs the per-token passes of one generation. On a CUDA device made by
 /// `graph_device` (feature `cuda`) one-token steps and verify passes replay
 /// recorded graphs (`DecodeGraph`); on any other device they run eagerly.
@@ -41,6 +90,15 @@ impl Stepper {
         return self.graph.is_some();
         #[cfg(not(feature = "cuda"))]
         false
+    }
+
+    /// How many step graphs this stepper has recorded (0 when it runs eagerly): a second
+    /// sequence through the same [`Session`] adds none unless its prompt outgrows the KV buffers.
+    pub fn recordings(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.graph.as_ref().map_or(0, |g| g.recordings());
+        #[cfg(not(feature = "cuda"))]
+        0
     }
 
     /// [`Qwen36Model::forward_hidden`]; one-token steps replay graphs when available.

@@ -1,7 +1,7 @@
 //! The speculative decoding loop: draft, verify, accept, commit.
 
 use candle_core::Tensor;
-use qwen36_model::{Qwen36Model, Stepper};
+use qwen36_model::{Qwen36Model, Session};
 use qwen36_sampling::{accept_greedy, accept_stochastic, Sampler, SamplingParams};
 
 use crate::{DraftContext, Drafter, Error, Result, SpecStats};
@@ -44,21 +44,45 @@ pub struct SpecOutput {
 /// Lossless: with greedy sampling the output is the target's own greedy continuation; with
 /// sampling each token follows the target's processed distribution (drafts are the drafter's
 /// argmax picks, so `q` is one-hot: accept with probability `p(d)`, else draw from `p` without `d`).
+///
+/// The target's cache and its stepper (whose verify passes replay CUDA graphs where the device
+/// allows) live as long as the decoder: later generations reset the cache and reuse the graphs.
 pub struct SpeculativeDecoder<'m> {
     model: &'m Qwen36Model,
     sampler: Sampler,
-    /// Verify passes replay CUDA graphs where the device allows.
-    stepper: Stepper,
+    session: Session,
 }
 
 impl<'m> SpeculativeDecoder<'m> {
     /// A decoder sampling with `params`.
     pub fn new(model: &'m Qwen36Model, params: SamplingParams) -> Result<Self> {
+        Self::with_session(model, params, Session::new(model, 1)?)
+    }
+
+    /// A decoder that generates in `session` (a batch-1 cache of `model`, e.g. one kept from an
+    /// earlier decoder with [`Self::into_session`]: its graphs are reused).
+    pub fn with_session(model: &'m Qwen36Model, params: SamplingParams, session: Session) -> Result<Self> {
+        if session.cache.batch() != 1 {
+            return Err(Error::Input(format!(
+                "speculative decoding runs one sequence; the session's cache holds {}",
+                session.cache.batch()
+            )));
+        }
         Ok(Self {
             model,
             sampler: Sampler::new(params)?,
-            stepper: Stepper::new(model, 1),
+            session,
         })
+    }
+
+    /// The cache and stepper, for a later decoder.
+    pub fn into_session(self) -> Session {
+        self.session
+    }
+
+    /// The cache and stepper the generations run in.
+    pub fn session(&self) -> &Session {
+        &self.session
     }
 
     /// Generates after `prompt`, calling `on_token` for every emitted token; it returns `false` to
@@ -77,10 +101,11 @@ impl<'m> SpeculativeDecoder<'m> {
         let dev = model.device();
         let max_ctx = model.config().max_position_embeddings;
         let mut stats = SpecStats::default();
-        let mut cache = model.new_cache(1)?;
+        self.session.reset()?;
+        let Session { cache, stepper } = &mut self.session;
         drafter.reset();
 
-        let hidden = model.forward_hidden(&Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?;
+        let hidden = model.forward_hidden(&Tensor::new(prompt, dev)?.unsqueeze(0)?, cache)?;
         let last = model
             .logits(&hidden.narrow(1, prompt.len() - 1, 1)?)?
             .flatten_all()?
@@ -120,10 +145,10 @@ impl<'m> SpeculativeDecoder<'m> {
             let x = *tokens.last().expect("non-empty");
             let ids: Vec<u32> = std::iter::once(x).chain(drafts.iter().copied()).collect();
             let ids = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
-            let h = self.stepper.forward_verify(model, &ids, &mut cache)?;
+            let h = stepper.forward_verify(model, &ids, cache)?;
             let rows = model.logits(&h)?.squeeze(0)?.to_vec2::<f32>()?;
-            let acc = self.accept(&drafts, &rows, prompt, &output)?;
-            self.stepper.commit(&mut cache, acc.accepted + 1)?;
+            let acc = accept(&mut self.sampler, &drafts, &rows, prompt, &output)?;
+            stepper.commit(cache, acc.accepted + 1)?;
             stats.record(drafts.len(), acc.accepted, cfg.k);
 
             let fresh: Vec<u32> = drafts[..acc.accepted].iter().copied().chain([acc.next]).collect();
@@ -151,34 +176,34 @@ impl<'m> SpeculativeDecoder<'m> {
             stats,
         })
     }
+}
 
-    /// Accepts a prefix of `drafts` given the target rows (row j follows `output + drafts[..j]`).
-    fn accept(
-        &mut self,
-        drafts: &[u32],
-        rows: &[Vec<f32>],
-        prompt: &[u32],
-        output: &[u32],
-    ) -> Result<qwen36_sampling::Acceptance> {
-        let mut ctx = output.to_vec();
-        let mut probs = Vec::with_capacity(rows.len());
-        for (j, row) in rows.iter().enumerate() {
-            probs.push(self.sampler.probs(row, prompt, &ctx, j)?);
-            if let Some(&d) = drafts.get(j) {
-                ctx.push(d);
-            }
+/// Accepts a prefix of `drafts` given the target rows (row j follows `output + drafts[..j]`).
+fn accept(
+    sampler: &mut Sampler,
+    drafts: &[u32],
+    rows: &[Vec<f32>],
+    prompt: &[u32],
+    output: &[u32],
+) -> Result<qwen36_sampling::Acceptance> {
+    let mut ctx = output.to_vec();
+    let mut probs = Vec::with_capacity(rows.len());
+    for (j, row) in rows.iter().enumerate() {
+        probs.push(sampler.probs(row, prompt, &ctx, j)?);
+        if let Some(&d) = drafts.get(j) {
+            ctx.push(d);
         }
-        if self.sampler.params().is_greedy() {
-            let argmax: Vec<u32> = probs
-                .iter()
-                .map(|p| p.iter().position(|&v| v == 1.0).unwrap_or(0) as u32)
-                .collect();
-            return Ok(accept_greedy(drafts, &argmax)?);
-        }
-        let step = self.sampler.next_step();
-        let s = &self.sampler;
-        Ok(accept_stochastic(drafts, None, &probs, |lane| {
-            s.uniform(0, step, lane)
-        })?)
     }
+    if sampler.params().is_greedy() {
+        let argmax: Vec<u32> = probs
+            .iter()
+            .map(|p| p.iter().position(|&v| v == 1.0).unwrap_or(0) as u32)
+            .collect();
+        return Ok(accept_greedy(drafts, &argmax)?);
+    }
+    let step = sampler.next_step();
+    let s = &*sampler;
+    Ok(accept_stochastic(drafts, None, &probs, |lane| {
+        s.uniform(0, step, lane)
+    })?)
 }

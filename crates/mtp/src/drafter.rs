@@ -1,7 +1,7 @@
 //! Drafters: what proposes the tokens the target verifies.
 
 use candle_core::Tensor;
-use qwen36_model::{DraftStepper, MtpCache, MtpHead, Qwen36Model};
+use qwen36_model::{DraftSession, MtpHead, Qwen36Model};
 
 use crate::Result;
 
@@ -25,31 +25,36 @@ pub trait Drafter {
 
 /// Drafts with the checkpoint's MTP head: greedy chain of `k` steps, the first step fed the
 /// target's hidden states, the next ones the head's own output. Steps replay CUDA graphs where
-/// the device allows ([`DraftStepper`]).
+/// the device allows ([`qwen36_model::DraftStepper`]), kept with the head's cache across
+/// sequences.
 pub struct MtpDrafter<'m> {
     model: &'m Qwen36Model,
     head: &'m MtpHead,
-    cache: MtpCache,
-    stepper: DraftStepper,
+    session: DraftSession,
 }
 
 impl<'m> MtpDrafter<'m> {
     /// A drafter over `model` and its `head`.
     pub fn new(model: &'m Qwen36Model, head: &'m MtpHead) -> Self {
-        Self {
-            model,
-            head,
-            cache: head.new_cache(),
-            stepper: DraftStepper::new(model),
-        }
+        Self::with_session(model, head, DraftSession::new(model, head))
+    }
+
+    /// A drafter that runs in `session` (made for `head`, e.g. kept from an earlier drafter with
+    /// [`Self::into_session`]: its graphs are reused).
+    pub fn with_session(model: &'m Qwen36Model, head: &'m MtpHead, session: DraftSession) -> Self {
+        Self { model, head, session }
+    }
+
+    /// The head's cache and draft stepper, for a later drafter.
+    pub fn into_session(self) -> DraftSession {
+        self.session
     }
 
     /// One chain step: the last position's post-norm state `[1, 1, hidden]` and its greedy token
     /// `[1, 1]` (u32), left on the device so the chain needs no host round trip.
     fn step(&mut self, hidden: &Tensor, ids: &Tensor, step: usize) -> Result<(Tensor, Tensor)> {
-        Ok(self
-            .stepper
-            .draft(self.head, self.model, hidden, ids, &mut self.cache, step)?)
+        let DraftSession { cache, stepper } = &mut self.session;
+        Ok(stepper.draft(self.head, self.model, hidden, ids, cache, step)?)
     }
 }
 
@@ -63,7 +68,7 @@ impl Drafter for MtpDrafter<'_> {
         // Positions before the new ones hold real pairs; later entries were last round's draft
         // chain: drop them, then feed the pairs (h_i, x_{i+1}) of the newly committed positions.
         let committed = n - 1 - m;
-        self.cache.truncate(committed);
+        self.session.cache.truncate(committed);
         let dev = self.model.device();
         let next = Tensor::new(&ctx.tokens[committed + 1..n], dev)?.unsqueeze(0)?;
         let (mut last, mut tok) = self.step(ctx.new_hidden, &next, 0)?;
@@ -77,7 +82,7 @@ impl Drafter for MtpDrafter<'_> {
     }
 
     fn reset(&mut self) {
-        self.cache.reset();
+        self.session.reset();
     }
 }
 

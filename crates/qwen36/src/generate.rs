@@ -1,13 +1,12 @@
 //! A streaming text generator over one sequence: prefill, sample, stop on tokens or strings.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use qwen36_model::{LoadOptions, MtpHead, Qwen36Model, Stepper};
-use qwen36_mtp::{
-    Drafter, MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder,
-};
+use qwen36_model::{DraftSession, LoadOptions, MtpHead, Qwen36Model, Session};
+use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
 use qwen36_sampling::{Sampler, SamplingParams, StopStrings};
 use serde_json::Value;
 use tokenizers::Tokenizer;
@@ -161,6 +160,9 @@ impl GenerationOutput {
 }
 
 /// A model with its tokenizer and generation defaults, generating one sequence at a time.
+///
+/// The caches of the last generation are kept (and reset before the next one), so the CUDA
+/// graphs recorded for them are replayed by later generations instead of recorded again.
 pub struct Generator {
     model: Qwen36Model,
     mtp_head: Option<MtpHead>,
@@ -168,6 +170,15 @@ pub struct Generator {
     chat_template: Option<ChatTemplate>,
     dir: PathBuf,
     generation_config: GenerationConfig,
+    sessions: Mutex<Sessions>,
+}
+
+/// What a finished generation leaves for the next one (taken while a generation runs, so
+/// concurrent calls each get their own).
+#[derive(Default)]
+struct Sessions {
+    target: Option<Session>,
+    draft: Option<DraftSession>,
 }
 
 impl Generator {
@@ -210,6 +221,7 @@ impl Generator {
             chat_template,
             dir,
             generation_config,
+            sessions: Mutex::default(),
         })
     }
 
@@ -245,6 +257,23 @@ impl Generator {
     /// The generation defaults read from the model directory.
     pub fn generation_config(&self) -> &GenerationConfig {
         &self.generation_config
+    }
+
+    fn sessions(&self) -> std::sync::MutexGuard<'_, Sessions> {
+        // A generation that panicked left nothing half-written here: the state is a plain take.
+        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The kept target session, reset, or a new one.
+    fn target_session(&self) -> Result<Session> {
+        let kept = self.sessions().target.take();
+        match kept {
+            Some(mut s) => {
+                s.reset()?;
+                Ok(s)
+            }
+            None => Ok(Session::new(&self.model, 1)?),
+        }
     }
 
     fn tok(&self) -> Result<&Tokenizer> {
@@ -378,13 +407,27 @@ impl Generator {
         push: &mut dyn FnMut(u32) -> bool,
     ) -> Result<(Vec<u32>, StopReason)> {
         let mut sampler = Sampler::new(params)?;
+        // One-token steps replay CUDA graphs where the device allows.
+        let mut session = self.target_session()?;
+        let out = self.plain_in(&mut session, &mut sampler, prompt, opts, stop_ids, push)?;
+        self.sessions().target = Some(session);
+        Ok(out)
+    }
+
+    fn plain_in(
+        &self,
+        session: &mut Session,
+        sampler: &mut Sampler,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        stop_ids: &[u32],
+        push: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, StopReason)> {
         let max_ctx = self.model.config().max_position_embeddings;
         let dev = self.model.device().clone();
         let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
-        let mut cache = self.model.new_cache(1)?;
-        // One-token steps replay CUDA graphs where the device allows.
-        let mut stepper = Stepper::new(&self.model, 1);
-        let mut logits = self.model.forward_last(&ids(prompt)?, &mut cache)?;
+        let Session { cache, stepper } = session;
+        let mut logits = self.model.forward_last(&ids(prompt)?, cache)?;
         let mut tokens = Vec::new();
         while tokens.len() < opts.max_new_tokens {
             let row = logits.squeeze(0)?.to_vec1::<f32>()?;
@@ -404,7 +447,7 @@ impl Generator {
             if cache.seq_len() >= max_ctx {
                 return Ok((tokens, StopReason::ContextFull));
             }
-            let h = stepper.forward_hidden(&self.model, &ids(&[token])?, &mut cache)?;
+            let h = stepper.forward_hidden(&self.model, &ids(&[token])?, cache)?;
             logits = self.model.logits(&h.squeeze(1)?)?;
         }
         Ok((tokens, StopReason::MaxTokens))
@@ -420,26 +463,25 @@ impl Generator {
         stop_ids: &[u32],
         push: &mut dyn FnMut(u32) -> bool,
     ) -> Result<(Vec<u32>, StopReason, SpecStats)> {
-        let mut decoder = SpeculativeDecoder::new(&self.model, params)?;
+        let mut decoder = SpeculativeDecoder::with_session(&self.model, params, self.target_session()?)?;
         let cfg = SpecConfig {
             k: spec.k,
             max_new_tokens: opts.max_new_tokens,
             stop_token_ids: stop_ids.to_vec(),
         };
-        let mut mtp;
-        let mut ngram;
-        let drafter: &mut dyn Drafter = match spec.drafter {
+        let out = match spec.drafter {
             DrafterKind::Mtp => {
                 let head = self.mtp_head.as_ref().ok_or(qwen36_model::Error::NoMtpHead)?;
-                mtp = MtpDrafter::new(&self.model, head);
-                &mut mtp
+                let kept = self.sessions().draft.take();
+                let session = kept.unwrap_or_else(|| DraftSession::new(&self.model, head));
+                let mut mtp = MtpDrafter::with_session(&self.model, head, session);
+                let out = decoder.generate(&mut mtp, prompt, &cfg, push)?;
+                self.sessions().draft = Some(mtp.into_session());
+                out
             }
-            DrafterKind::Ngram => {
-                ngram = NgramDrafter::default();
-                &mut ngram
-            }
+            DrafterKind::Ngram => decoder.generate(&mut NgramDrafter::default(), prompt, &cfg, push)?,
         };
-        let out = decoder.generate(drafter, prompt, &cfg, push)?;
+        self.sessions().target = Some(decoder.into_session());
         let reason = match out.stop_reason {
             SpecStopReason::MaxTokens => StopReason::MaxTokens,
             SpecStopReason::StopToken(t) => StopReason::StopToken(t),

@@ -144,3 +144,36 @@ fn test_opts() -> LoadOptions {
         ..Default::default()
     }
 }
+
+#[test]
+fn kept_caches_start_each_generation_fresh() {
+    use qwen36::{DrafterKind, Speculative};
+    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
+    let prompt = reference("tiny-nested", "prompt1.ids");
+    let want = reference("tiny-nested", "prompt1.greedy");
+    // A longer, different sequence in between (its KV buffers grow): nothing of it may leak.
+    let other: Vec<u32> = prompt.iter().rev().chain(&prompt).copied().collect();
+    let greedy = GenerateOptions {
+        max_new_tokens: want.len(),
+        sampling: Some(SamplingParams::greedy()),
+        ..Default::default()
+    };
+    for speculative in [
+        None,
+        Some(Speculative {
+            k: 3,
+            drafter: DrafterKind::Mtp,
+        }),
+    ] {
+        let opts = GenerateOptions {
+            speculative,
+            ..greedy.clone()
+        };
+        g.generate(&other, &opts, |_| {}).unwrap();
+        assert_eq!(
+            g.generate(&prompt, &opts, |_| {}).unwrap().tokens,
+            want,
+            "{speculative:?}"
+        );
+    }
+}
