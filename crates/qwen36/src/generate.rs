@@ -264,14 +264,11 @@ impl Generator {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The kept target session, reset, or a new one.
+    /// The kept target session or a new one (whoever runs in it resets it first).
     fn target_session(&self) -> Result<Session> {
         let kept = self.sessions().target.take();
         match kept {
-            Some(mut s) => {
-                s.reset()?;
-                Ok(s)
-            }
+            Some(s) => Ok(s),
             None => Ok(Session::new(&self.model, 1)?),
         }
     }
@@ -426,6 +423,7 @@ impl Generator {
         let max_ctx = self.model.config().max_position_embeddings;
         let dev = self.model.device().clone();
         let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
+        session.reset()?;
         let Session { cache, stepper } = session;
         let mut logits = self.model.forward_last(&ids(prompt)?, cache)?;
         let mut tokens = Vec::new();

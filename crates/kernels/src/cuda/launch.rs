@@ -12,6 +12,11 @@
 //! memory that another kernel touches; that is what makes the attribute safe for all of them. The
 //! attribute is set only where the device is sm_90+ and the PTX was built for it (on older PTX
 //! the wait compiles to nothing); `QWEN36_PDL=0` turns it off (for A/B benchmarks).
+//!
+//! cudarc's `LaunchArgs` cannot pass launch attributes, so this replaces it for our kernels. What
+//! it leaves out is cudarc's per-buffer events, which only act when a context runs several
+//! streams with event tracking on; candle runs all of a device's work on its one stream, whose
+//! order is the synchronisation.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -75,12 +80,13 @@ pub(crate) struct KernelCall<'a> {
 
 impl<'a> KernelCall<'a> {
     pub(crate) fn new(dev: &CudaDevice, func: &'a CudaFunction) -> Self {
+        let stream = dev.cuda_stream();
         Self {
             func,
-            stream: dev.cuda_stream(),
+            pdl: pdl_enabled(&stream),
+            stream,
             words: [0; MAX_ARGS],
             n: 0,
-            pdl: pdl_enabled(dev),
         }
     }
 
@@ -137,19 +143,17 @@ impl<'a> KernelCall<'a> {
     }
 }
 
-/// Whether launches on `dev` carry the PDL attribute (cached per device ordinal).
-fn pdl_enabled(dev: &CudaDevice) -> bool {
+/// Whether launches on `stream`'s device carry the PDL attribute (cached per device ordinal).
+fn pdl_enabled(stream: &CudaStream) -> bool {
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let slot = CACHE.get(ordinal);
+    let ctx = stream.context();
+    let slot = CACHE.get(ctx.ordinal());
     match slot.map(|s| s.load(Ordering::Relaxed)) {
         Some(1) => return false,
         Some(2) => return true,
         _ => {}
     }
-    let major = dev
-        .cuda_stream()
-        .context()
+    let major = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         .unwrap_or(0);
     let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
