@@ -7,6 +7,7 @@ const KERNELS: [&str; 6] = ["gdn", "norm", "linear", "attention", "argmax", "act
 
 fn main() {
     println!("cargo:rerun-if-changed=cuda/common.cuh");
+    println!("cargo:rerun-if-changed=cuda/mma.cuh");
     for name in KERNELS {
         println!("cargo:rerun-if-changed=cuda/{name}.cu");
     }

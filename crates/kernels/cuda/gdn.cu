@@ -1,6 +1,7 @@
 // CUDA twins of the GDN reference ops in src/{delta_rule,conv1d,gating}.rs.
 // Every kernel computes in f32; inputs may be f32, bf16 or f16. Built to PTX by build.rs.
 #include "common.cuh"
+#include "mma.cuh"
 
 // torch's softplus (threshold 20).
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -303,10 +304,70 @@ __device__ __forceinline__ float f4(const float4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// The gates and row factors of a chunk, by all 256 threads of a prep block (thread 4r + part
+// holds part of row r's sums of squares of raw q and k, sq and sk): into the six per-row vectors
+// at rows (gam, bet, inq, ink, eg, egl, CH floats each) the cumulative log decay gamma, beta,
+// scale / |q| and 1 / |k| (or beta, g as given and unnormalised rows when not FUSED),
+// e^gamma and e^(gamma_L - gamma). Rows past L get g = 0 and beta = 0. Returns gamma_L; the
+// vectors are visible to the whole block on return. `row0`: the chunk's first token row.
+template <typename TG, bool FUSED>
+__device__ float chunk_gates(float sq, float sk, const TG* __restrict__ ga, const TG* __restrict__ gb,
+                             long g_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                             long row0, int hv, int L, float scale, float eps, float* rows) {
+    float *gam = rows, *bet = rows + CH, *inq = rows + 2 * CH, *ink = rows + 3 * CH, *eg = rows + 4 * CH,
+          *egl = rows + 5 * CH;
+    const int tid = threadIdx.x, r = tid >> 2;
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 2);
+    if ((tid & 3) == 0) {
+        const long row = row0 + r;
+        float g = 0.f, be = 0.f, iq = scale, ik = 1.f;
+        if (r < L) {
+            if (FUSED) {
+                const float a = to_f(ga[row * g_stride + hv]), bb = to_f(gb[row * g_stride + hv]);
+                g = -expf(a_log[hv]) * softplus(a + dt_bias[hv]);
+                be = 1.f / (1.f + expf(-bb));
+                iq = scale / sqrtf(sq + eps);
+                ik = 1.f / sqrtf(sk + eps);
+            } else {
+                g = to_f(ga[row * g_stride + hv]);
+                be = to_f(gb[row * g_stride + hv]);
+            }
+        }
+        gam[r] = g;  // cumulated below; rows past L add g = 0, so gamma stays at gamma_L
+        bet[r] = be;
+        inq[r] = iq;
+        ink[r] = ik;
+    }
+    __syncthreads();
+    // Inclusive scan of gamma in warp 0 (two rows per lane).
+    if (tid < 32) {
+        const float g0 = gam[2 * tid], g1 = gam[2 * tid + 1];
+        float sum = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float n = __shfl_up_sync(0xffffffffu, sum, o);
+            if (tid >= o) sum += n;
+        }
+        gam[2 * tid] = sum - g1;
+        gam[2 * tid + 1] = sum;
+    }
+    __syncthreads();
+    const float gl = gam[L - 1];
+    if (tid < CH) {
+        eg[tid] = expf(gam[tid]);
+        egl[tid] = expf(gl - gam[tid]);
+    }
+    __syncthreads();
+    return gl;
+}
+
 template <typename TQ, typename TG, bool FUSED>
 __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                                long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
-                              long g_stride,
+                               long g_stride,
                                const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                float* __restrict__ U, float* __restrict__ W, float* __restrict__ Qt,
                                float* __restrict__ Kt, float* __restrict__ P, float* __restrict__ gL, int T,
@@ -343,61 +404,18 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
     __syncthreads();
     // Row statistics and gates: 4 threads per row (256 threads, 64 rows). The L2-norm factors
     // are applied where the rows are used (products, outputs), not to the tiles.
-    {
-        const int r = tid >> 2, part = tid & 3;
-        float sq = 0.f, sk = 0.f;
-        if (FUSED) {
+    float sq = 0.f, sk = 0.f;
+    if (FUSED) {
+        const int r = tid >> 2;
 #pragma unroll 8
-            for (int i = part; i < CHUNK_DK; i += 4) {
-                const float qq = qT[i * KS + r], kk = kT[i * KS + r];
-                sq += qq * qq;
-                sk += kk * kk;
-            }
-        }
-        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-        sk += __shfl_xor_sync(0xffffffffu, sk, 1);
-        sk += __shfl_xor_sync(0xffffffffu, sk, 2);
-        if (part == 0) {
-            const long row = (long)b * T + t0 + r;
-            float g = 0.f, be = 0.f, iq = scale, ik = 1.f;
-            if (r < L) {
-                if (FUSED) {
-                    const float a = to_f(ga[row * g_stride + hv]), bb = to_f(gb[row * g_stride + hv]);
-                    g = -expf(a_log[hv]) * softplus(a + dt_bias[hv]);
-                    be = 1.f / (1.f + expf(-bb));
-                    iq = scale / sqrtf(sq + eps);
-                    ik = 1.f / sqrtf(sk + eps);
-                } else {
-                    g = to_f(ga[row * g_stride + hv]);
-                    be = to_f(gb[row * g_stride + hv]);
-                }
-            }
-            gam[r] = g;  // cumulated below; rows past L add g = 0, so gamma stays at gamma_L
-            bet[r] = be;
-            inq[r] = iq;
-            ink[r] = ik;
+        for (int i = tid & 3; i < CHUNK_DK; i += 4) {
+            const float qq = qT[i * KS + r], kk = kT[i * KS + r];
+            sq += qq * qq;
+            sk += kk * kk;
         }
     }
-    __syncthreads();
-    // Inclusive scan of gamma in warp 0 (two rows per lane).
-    if (tid < 32) {
-        const float g0 = gam[2 * tid], g1 = gam[2 * tid + 1];
-        float sum = g0 + g1;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float n = __shfl_up_sync(0xffffffffu, sum, o);
-            if (tid >= o) sum += n;
-        }
-        gam[2 * tid] = sum - g1;
-        gam[2 * tid + 1] = sum;
-    }
-    __syncthreads();
-    const float gl = gam[L - 1];
-    if (tid < CH) {
-        eg[tid] = expf(gam[tid]);
-        egl[tid] = expf(gl - gam[tid]);
-    }
+    const float gl = chunk_gates<TG, FUSED>(sq, sk, ga, gb, g_stride, a_log, dt_bias, (long)b * T + t0, hv, L,
+                                            scale, eps, gam);
     // K K^T and Q K^T, a 4x4 tile per thread: rows 4tr.., columns 4ts...
     const long base = blk * CH;
     {
@@ -484,11 +502,11 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
 #define CHUNK_PREP(NAME, TQ, TG, FUSED)                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb,  \
-             long g_stride,                                                                                     \
-             const float* a_log, const float* dt_bias, float* U, float* W, float* Qt, float* Kt, float* P,    \
-             float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) { pdl_enter();                       \
-        gdn_chunk_prep<TQ, TG, FUSED>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, U, W, Qt, Kt, P,  \
-                                      gL, T, Hk, Hv, dk, dv, scale, eps);                                      \
+             long g_stride, const float* a_log, const float* dt_bias, float* U, float* W, float* Qt, float* Kt, \
+             float* P, float* gL, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {             \
+        pdl_enter();                                                                                          \
+        gdn_chunk_prep<TQ, TG, FUSED>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, U, W,   \
+                                      Qt, Kt, P, gL, T, Hk, Hv, dk, dv, scale, eps);                          \
     }
 CHUNK_PREP(gdn_chunk_prep_f32, float, float, false)
 CHUNK_PREP(gdn_chunk_prep_fused_f32, float, float, true)
@@ -711,4 +729,461 @@ extern "C" __global__ void __launch_bounds__(256)
             *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + ja]) =
                 make_float2(o[x][0], o[x][1]);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scan and output kernels on tensor cores, for bf16 activations (fla's precision): U, W, Qt,
+// Kt, P, Vt and hs are bf16 (written by `gdn_chunk_prep_fused_bf16_tc`), every product runs as
+// mma.sync m16n8k16 with f32 accumulation, and the state itself stays f32 in the scan's registers:
+// only its copy used as an operand (W S, and hs for the outputs) is rounded to bf16.
+// Tiles sit in shared memory with rows padded by 8 elements, so the 8 rows of an ldmatrix fall in
+// distinct banks. dk <= 128 and dk, dv multiples of 8 (16-byte rows); columns past dk and dv and
+// rows past dk are zero-filled.
+using bf16 = __nv_bfloat16;
+constexpr int TC_S = CHUNK_DK + 8;  // row stride of [rows][dk] tiles
+constexpr int TC_BV = 32;           // state columns per scan block
+constexpr int TC_VS = TC_BV + 8;    // row stride of the scan's [rows][32] tiles
+constexpr int TC_OV = 64;           // output columns per output block
+constexpr int TC_OS = TC_OV + 8;    // row stride of the output kernel's [rows][64] tiles and of P
+
+// Starts copying ROWS x SEGS 16-byte segments of a row-major bf16 matrix (rows `rs` elements apart)
+// into X (row stride xs); rows at or past `rows` and segments at or past `segs` are zero-filled.
+template <int ROWS, int SEGS>
+__device__ __forceinline__ void tc_load(bf16* X, int xs, const bf16* __restrict__ src, long rs, int rows, int segs) {
+    for (int e = threadIdx.x; e < ROWS * SEGS; e += blockDim.x) {
+        const int r = e / SEGS, s = e % SEGS;
+        const bool ok = r < rows && s < segs;
+        cp_async16_or_zero(&X[r * xs + 8 * s], ok ? src + (long)r * rs + 8 * s : src, ok);
+    }
+}
+
+// B fragments of two adjacent n-tiles (columns n0..n0+15) for k rows kk..kk+15 of a row-major
+// [k][n] tile: b[0], b[1] for columns n0.., b[2], b[3] for n0+8...
+__device__ __forceinline__ void tc_b_pair(uint32_t (&b)[4], const bf16* X, int xs, int kk, int n0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4_trans(b, &X[(kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * xs + n0 + 8 * (lane >> 4)]);
+}
+// The same two B fragments from a row-major [n][k] tile (B = its transpose): columns n0..n0+15
+// of B are rows n0..n0+15 of the tile.
+__device__ __forceinline__ void tc_b_pair_nk(uint32_t (&b)[4], const bf16* X, int xs, int kk, int n0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4(b, &X[(n0 + (lane & 7) + 8 * (lane >> 4)) * xs + kk + 8 * ((lane >> 3) & 1)]);
+}
+// The A fragment of rows m0..m0+15, columns kk..kk+15 of a row-major [m][k] tile.
+__device__ __forceinline__ void tc_a(uint32_t (&a)[4], const bf16* X, int xs, int m0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4(a, &X[(m0 + (lane & 15)) * xs + kk + 8 * (lane >> 4)]);
+}
+// The A fragment of the transpose of a row-major [k][m] tile: rows m0..m0+15 of the transpose.
+__device__ __forceinline__ void tc_a_trans(uint32_t (&a)[4], const bf16* X, int xs, int m0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4_trans(a, &X[(kk + (lane & 7) + 8 * (lane >> 4)) * xs + m0 + 8 * ((lane >> 3) & 1)]);
+}
+
+// Shared memory of the tensor-core prep (bytes): raw k and v [CH][TC_S] bf16; a region that
+// first holds raw q [CH][TC_S] and A [CH][CH + 4] f32, then the column-scaled inverses
+// T diag(beta) and T diag(beta e^gamma / |k|), each a bf16 pair (hi, lo) [2][CH][CH + 8]; the six
+// per-row vectors (cuda.rs TC_PREP_SMEM). 72 KB: three blocks per SM.
+constexpr int TC_TS = CH + 8;
+constexpr int TC_PREP_REGION = 2 * 4 * CH * TC_TS;
+static_assert(2 * CH * TC_S + 4 * CH * PS <= TC_PREP_REGION, "q and A fit where the inverses go");
+constexpr int TC_PREP_SMEM = 2 * 2 * CH * TC_S + TC_PREP_REGION + 4 * 6 * CH;
+static_assert(TC_PREP_SMEM <= 227 * 1024 / 3, "three blocks per SM");
+
+// The prep of the tensor-core path (same outputs as gdn_chunk_prep_fused_*, in bf16), one block
+// of 8 warps per (b, hv, chunk). Raw bf16 q, k, v rows are exact tensor-core operands, so K K^T
+// and Q K^T run as m16n8k16 products with only the f32 summation order changed; the norms and
+// gates scale them afterwards. T = (I + A)^-1 comes from forward substitution in f32 (one column
+// per thread), and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with
+// the f32 factor split into two bf16 parts (hi + lo: 16 significant bits), so U and W are
+// accurate to about 2^-16 before their one rounding to bf16. q, k, v rows 16-byte aligned (row
+// strides and offsets multiples of 8 elements: cuda.rs checks).
+extern "C" __global__ void __launch_bounds__(256, 3)
+    gdn_chunk_prep_tc(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                      long qk_stride, long v_stride, const bf16* __restrict__ ga, const bf16* __restrict__ gb,
+                      long g_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                      bf16* __restrict__ U, bf16* __restrict__ W, bf16* __restrict__ Qt, bf16* __restrict__ Kt,
+                      bf16* __restrict__ P, float* __restrict__ gL, int T, int Hk, int Hv, int dk, int dv,
+                      float scale, float eps) {
+    pdl_enter();
+    const int nc = (T + CH - 1) / CH;
+    const long blk = blockIdx.x;
+    const int c = blk % nc;
+    const int bh = blk / nc;
+    const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
+    const int t0 = c * CH;
+    const int L = min(CH, T - t0);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    extern __shared__ float4 tc_smem[];
+    bf16* Ks = reinterpret_cast<bf16*>(tc_smem);
+    bf16* Vs = Ks + CH * TC_S;
+    bf16* Qs = Vs + CH * TC_S;                            // until T is formed:
+    float* A = reinterpret_cast<float*>(Qs + CH * TC_S);  // [CH][PS]: strictly lower A
+    bf16* Tu = Qs;                                        // then [2][CH][TC_TS]: T diag(beta), hi and lo
+    bf16* Tw = Tu + 2 * CH * TC_TS;                       // [2][CH][TC_TS]: T diag(beta e^gamma / |k|)
+    float* rows = reinterpret_cast<float*>(reinterpret_cast<char*>(Qs) + TC_PREP_REGION);
+    const float *gam = rows, *bet = rows + CH, *inq = rows + 2 * CH, *ink = rows + 3 * CH, *eg = rows + 4 * CH,
+                *egl = rows + 5 * CH;
+    const long row0 = (long)b * T + t0;
+    tc_load<CH, CHUNK_DK / 8>(Ks, TC_S, k + row0 * qk_stride + hk * dk, qk_stride, L, dk / 8);
+    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + row0 * qk_stride + hk * dk, qk_stride, L, dk / 8);
+    tc_load<CH, CHUNK_DK / 8>(Vs, TC_S, v + row0 * v_stride + (long)hv * dv, v_stride, L, dv / 8);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float sq = 0.f, sk = 0.f;
+    {
+        const int r = tid >> 2;
+#pragma unroll 4
+        for (int i = 2 * (tid & 3); i < CHUNK_DK; i += 8) {
+            const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Qs[r * TC_S + i]));
+            const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Ks[r * TC_S + i]));
+            sq += qq.x * qq.x + qq.y * qq.y;
+            sk += kk.x * kk.x + kk.y * kk.y;
+        }
+    }
+    const float gl =
+        chunk_gates<bf16, true>(sq, sk, ga, gb, g_stride, a_log, dt_bias, row0, hv, L, scale, eps, rows);
+    const long base = blk * CH;
+    // Qt = scale e^gamma q^ and Kt = e^(gamma_L - gamma) k^, from the raw tiles (zero past L).
+    for (int e = tid; e < CH * dk / 2; e += 256) {
+        const int r = e / (dk / 2), i = 2 * (e % (dk / 2));
+        const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Qs[r * TC_S + i]));
+        const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Ks[r * TC_S + i]));
+        const float fq = inq[r] * eg[r], fk = ink[r] * egl[r];
+        *reinterpret_cast<uint32_t*>(&Qt[(base + r) * dk + i]) = pack2<bf16>(qq.x * fq, qq.y * fq);
+        *reinterpret_cast<uint32_t*>(&Kt[(base + r) * dk + i]) = pack2<bf16>(kk.x * fk, kk.y * fk);
+    }
+    // K K^T and Q K^T of the raw rows: warp w forms rows 16(w % 4).., columns 32(w / 4).., then
+    // A_rs = beta_r e^(gamma_r - gamma_s) k^_r.k^_s (s < r) into shared memory and
+    // P_rs = scale e^(gamma_r - gamma_s) q^_r.k^_s (s <= r) to global memory.
+    {
+        const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+        float G[4][4] = {}, H[4][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < CHUNK_DK; kk += 16) {
+            uint32_t ak[4], aq[4];
+            tc_a(ak, Ks, TC_S, m0, kk);
+            tc_a(aq, Qs, TC_S, m0, kk);
+#pragma unroll
+            for (int jp = 0; jp < 2; jp++) {
+                uint32_t bk[4];
+                tc_b_pair_nk(bk, Ks, TC_S, kk, n0 + 16 * jp);
+                mma16816<bf16>(G[2 * jp], ak, bk[0], bk[1]);
+                mma16816<bf16>(G[2 * jp + 1], ak, bk[2], bk[3]);
+                mma16816<bf16>(H[2 * jp], aq, bk[0], bk[1]);
+                mma16816<bf16>(H[2 * jp + 1], aq, bk[2], bk[3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = m0 + g + 8 * h, s0 = n0 + 8 * j + 2 * tg;
+                float p[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int s = s0 + e;
+                    const float d = s <= r ? expf(gam[r] - gam[s]) * ink[s] : 0.f;
+                    A[r * PS + s] = s < r ? bet[r] * ink[r] * d * G[j][2 * h + e] : 0.f;
+                    p[e] = inq[r] * d * H[j][2 * h + e];
+                }
+                *reinterpret_cast<uint32_t*>(&P[(base + r) * CH + s0]) = pack2<bf16>(p[0], p[1]);
+            }
+    }
+    __syncthreads();
+    // T = (I + A)^-1 by forward substitution, column j per thread (x starts as e_j; each row's
+    // sum in four independent chains), then, once every thread is done with A, its column-scaled
+    // copies as bf16 pairs (hi, lo = the rounding error of hi) where q and A were.
+    float x[CH];
+    if (tid < CH) {
+        const int j = tid;
+#pragma unroll
+        for (int r = 0; r < CH; r++) x[r] = r == j ? 1.f : 0.f;
+#pragma unroll
+        for (int r = 1; r < CH; r++) {
+            float acc[4] = {x[r], 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < r; s += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(&A[r * PS + s]);
+                acc[0] -= a.x * x[s];
+                if (s + 1 < r) acc[1] -= a.y * x[s + 1];
+                if (s + 2 < r) acc[2] -= a.z * x[s + 2];
+                if (s + 3 < r) acc[3] -= a.w * x[s + 3];
+            }
+            x[r] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        }
+    }
+    __syncthreads();
+    if (tid < CH) {
+        const int j = tid;
+        const float fu = bet[j], fw = bet[j] * eg[j] * ink[j];
+#pragma unroll
+        for (int r = 0; r < CH; r++) {
+            const float xu = x[r] * fu, xw = x[r] * fw;
+            const bf16 hu = __float2bfloat16(xu), hw = __float2bfloat16(xw);
+            Tu[r * TC_TS + j] = hu;
+            Tu[CH * TC_TS + r * TC_TS + j] = __float2bfloat16(xu - __bfloat162float(hu));
+            Tw[r * TC_TS + j] = hw;
+            Tw[CH * TC_TS + r * TC_TS + j] = __float2bfloat16(xw - __bfloat162float(hw));
+        }
+    }
+    __syncthreads();
+    // U = (T diag(beta)) V and W = (T diag(beta e^gamma / |k|)) K: warp w forms rows 16(w % 4)..,
+    // columns 64(w / 4).. of each; the hi and lo parts accumulate into one f32 sum.
+    const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
+#pragma unroll
+    for (int which = 0; which < 2; which++) {
+        const bf16* Tx = which == 0 ? Tu : Tw;
+        const bf16* X = which == 0 ? Vs : Ks;
+        bf16* dst = which == 0 ? U : W;
+        const int n = which == 0 ? dv : dk;
+        float o[8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < CH; kk += 16) {
+            uint32_t ah[4], al[4];
+            tc_a(ah, Tx, TC_TS, m0, kk);
+            tc_a(al, Tx + CH * TC_TS, TC_TS, m0, kk);
+#pragma unroll
+            for (int jp = 0; jp < 4; jp++) {
+                uint32_t bb[4];
+                tc_b_pair(bb, X, TC_S, kk, n0 + 16 * jp);
+                mma16816<bf16>(o[2 * jp], ah, bb[0], bb[1]);
+                mma16816<bf16>(o[2 * jp + 1], ah, bb[2], bb[3]);
+                mma16816<bf16>(o[2 * jp], al, bb[0], bb[1]);
+                mma16816<bf16>(o[2 * jp + 1], al, bb[2], bb[3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = m0 + g + 8 * h, col = n0 + 8 * j + 2 * tg;
+                if (col < n)
+                    *reinterpret_cast<uint32_t*>(&dst[(base + r) * n + col]) =
+                        pack2<bf16>(o[j][2 * h], o[j][2 * h + 1]);
+            }
+    }
+    if (tid == 0) gL[blk] = expf(gl);
+}
+
+// Shared memory of the scan (bf16 elements): W and Kt [2][CH][TC_S] (double-buffered), this
+// tile's U [2][CH][TC_VS], the bf16 state [CHUNK_DK][TC_VS], Vt [CH][TC_VS] (cuda.rs TC_SCAN_SMEM).
+constexpr int TC_SCAN_SMEM = 2 * (4 * CH * TC_S + 2 * CH * TC_VS + CHUNK_DK * TC_VS + CH * TC_VS);
+static_assert(TC_SCAN_SMEM <= 227 * 1024 / 2, "two blocks per SM");
+
+// The scan, one block of 8 warps per (b, hv, TC_BV state columns). Warp w keeps state rows
+// 16w..16w+15 (four n-tiles of f32 accumulators) for the whole sequence; per chunk it forms rows
+// 16(w % 4).., columns 16(w / 4).. of Vt = U - W bf16(S), then its rows of S = gL S + Kt^T Vt.
+// The next chunk's W, Kt and U load while this one is computed on. Vt overwrites U in place
+// (bf16), and bf16(S) at each chunk's entry goes to hs for the output kernel. The chain of
+// dependent steps per chunk is what bounds this kernel (few blocks: B·Hv·dv/32), so each
+// thread's copies use offsets computed once, the global writes go out as 16-byte rows of the
+// shared tiles, and the products accumulate in two independent halves.
+constexpr int TC_SCAN_THREADS = 256;
+extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
+    gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ Kt,
+                      const float* __restrict__ gL, const float* __restrict__ s0, bf16* __restrict__ hs,
+                      float* __restrict__ s_final, int B, int T, int Hv, int dk, int dv) {
+    pdl_enter();
+    const int nc = (T + CH - 1) / CH;
+    const int tiles = (dv + TC_BV - 1) / TC_BV;
+    const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * TC_BV;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    extern __shared__ float4 tc_smem[];
+    bf16* Wb = reinterpret_cast<bf16*>(tc_smem);
+    bf16* Kb = Wb + 2 * CH * TC_S;
+    bf16* Ub = Kb + 2 * CH * TC_S;
+    bf16* Sb = Ub + 2 * CH * TC_VS;
+    bf16* Vb = Sb + CHUNK_DK * TC_VS;
+    const long head = (long)bh * dk * dv;
+    const long first = (long)bh * nc * CH;  // row of this head's first chunk
+    // This thread's 16-byte pieces: four of the W and Kt tiles (row tid / 16 + 16 i, segment
+    // tid % 16; zeros past dk), one of the U tile (row tid / 4, segment tid % 4; zeros past dv);
+    // the same piece of the Vt tile and two of the bf16 state go back to global memory.
+    const int wr = tid >> 4, ws = tid & 15, ur = tid >> 2, us = tid & 3;
+    const bool w_ok = 8 * ws < dk, u_ok = j0 + 8 * us < dv;
+    auto issue = [&](int c) {
+        const long base = first + (long)c * CH;
+        const int o = (c & 1) * CH;
+#pragma unroll
+        for (int i = 0; i < CH / 16; i++) {
+            const int r = wr + 16 * i;
+            cp_async16_or_zero(&Wb[(o + r) * TC_S + 8 * ws], W + (w_ok ? (base + r) * dk + 8 * ws : 0), w_ok);
+            cp_async16_or_zero(&Kb[(o + r) * TC_S + 8 * ws], Kt + (w_ok ? (base + r) * dk + 8 * ws : 0), w_ok);
+        }
+        cp_async16_or_zero(&Ub[(o + ur) * TC_VS + 8 * us], U + (u_ok ? (base + ur) * dv + j0 + 8 * us : 0), u_ok);
+        cp_async_commit();
+    };
+    issue(0);
+    // Element e of fragment j: state row 16w + g + 8(e / 2), column 8j + 2tg + e % 2.
+    const int sr = 16 * warp + g;
+    float S[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = sr + 8 * (e >> 1), col = j0 + 8 * j + 2 * tg + (e & 1);
+            S[j][e] = (s0 != nullptr && r < dk && col < dv) ? s0[head + (long)r * dv + col] : 0.f;
+        }
+    auto round_state = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                *reinterpret_cast<uint32_t*>(&Sb[(sr + 8 * h) * TC_VS + 8 * j + 2 * tg]) =
+                    pack2<bf16>(S[j][2 * h], S[j][2 * h + 1]);
+    };
+    // hs of chunk c from the shared bf16 state: rows tid / 4 and 64 + tid / 4, segment tid % 4.
+    auto write_hs = [&](int c) {
+        bf16* dst = hs + ((long)bh * nc + c) * dk * dv + j0 + 8 * us;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = ur + 64 * i;
+            if (r < dk && u_ok)
+                *reinterpret_cast<uint4*>(dst + (long)r * dv) = *reinterpret_cast<const uint4*>(&Sb[r * TC_VS + 8 * us]);
+        }
+    };
+    round_state();
+    const int vr = 16 * (warp & 3), vc = 16 * (warp >> 2);  // this warp's Vt tile
+    float gl_next = gL[(long)bh * nc];
+    for (int c = 0; c < nc; c++) {
+        const int o = (c & 1) * CH;
+        const long base = first + (long)c * CH;
+        const float gl = gl_next;
+        __syncthreads();  // bf16(S) visible; the previous chunk is done with the buffers refilled next
+        if (c + 1 < nc) {
+            issue(c + 1);
+            gl_next = gL[(long)bh * nc + c + 1];
+        } else {
+            cp_async_commit();  // an empty group keeps the counting uniform
+        }
+        write_hs(c);
+        cp_async_wait<1>();  // this chunk's W, Kt and U
+        __syncthreads();
+        // Vt = U - W bf16(S): a 16 x 16 tile, K = CHUNK_DK in two independent halves.
+        float v[2][2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < CHUNK_DK; kk += 16) {
+            uint32_t a[4], b[4];
+            tc_a(a, Wb + o * TC_S, TC_S, vr, kk);
+            tc_b_pair(b, Sb, TC_VS, kk, vc);
+            const int p = (kk >> 4) & 1;
+            mma16816<bf16>(v[p][0], a, b[0], b[1]);
+            mma16816<bf16>(v[p][1], a, b[2], b[3]);
+        }
+        const bf16* Ut = Ub + o * TC_VS;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = vr + g + 8 * h, col = vc + 8 * j + 2 * tg;
+                const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&Ut[r * TC_VS + col]);
+                *reinterpret_cast<uint32_t*>(&Vb[r * TC_VS + col]) =
+                    pack2<bf16>(__low2float(u) - v[0][j][2 * h] - v[1][j][2 * h],
+                                __high2float(u) - v[0][j][2 * h + 1] - v[1][j][2 * h + 1]);
+            }
+        __syncthreads();  // Vt complete; the reads of bf16(S) done
+        if (u_ok)
+            *reinterpret_cast<uint4*>(&U[(base + ur) * dv + j0 + 8 * us]) =
+                *reinterpret_cast<const uint4*>(&Vb[ur * TC_VS + 8 * us]);
+        // S = gL S + Kt^T Vt (Kt and Vt rows past the sequence end are zero), K = CH in two
+        // independent halves.
+        float d[2][4][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < CH; kk += 16) {
+            uint32_t a[4];
+            tc_a_trans(a, Kb + o * TC_S, TC_S, 16 * warp, kk);
+            const int p = (kk >> 4) & 1;
+#pragma unroll
+            for (int jp = 0; jp < 2; jp++) {
+                uint32_t b[4];
+                tc_b_pair(b, Vb, TC_VS, kk, 16 * jp);
+                mma16816<bf16>(d[p][2 * jp], a, b[0], b[1]);
+                mma16816<bf16>(d[p][2 * jp + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[j][e] = S[j][e] * gl + (d[0][j][e] + d[1][j][e]);
+        if (c + 1 < nc) round_state();
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = sr + 8 * (e >> 1), col = j0 + 8 * j + 2 * tg + (e & 1);
+            if (r < dk && col < dv) s_final[head + (long)r * dv + col] = S[j][e];
+        }
+}
+
+// Shared memory of the output kernel (bf16 elements): Qt [CH][TC_S], the hs tile
+// [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS] (cuda.rs TC_OUT_SMEM).
+constexpr int TC_OUT_SMEM = 2 * (CH * TC_S + CHUNK_DK * TC_OS + 2 * CH * TC_OS);
+static_assert(TC_OUT_SMEM <= 227 * 1024 / 4, "four blocks per SM");
+
+// The outputs, o = Qt hs + P Vt, one block of 4 warps per (b, hv, chunk, TC_OV output columns);
+// warp w computes rows 16w..16w+15 (P is lower triangular: its K loop stops at the warp's last row).
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_chunk_out_tc(const bf16* __restrict__ Vt_all, const bf16* __restrict__ Qt, const bf16* __restrict__ P,
+                     const bf16* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) {
+    pdl_enter();
+    const int nc = (T + CH - 1) / CH;
+    const int tiles = (dv + TC_OV - 1) / TC_OV;
+    const long blk = blockIdx.x / tiles;  // (b, hv, chunk)
+    const int j0 = (blockIdx.x % tiles) * TC_OV;
+    const int c = blk % nc;
+    const long bh = blk / nc;
+    const int b = bh / Hv, hv = bh % Hv;
+    const int L = min(CH, T - c * CH);
+    const long base = blk * CH;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    extern __shared__ float4 tc_smem[];
+    bf16* Qs = reinterpret_cast<bf16*>(tc_smem);
+    bf16* Hs = Qs + CH * TC_S;
+    bf16* Ps = Hs + CHUNK_DK * TC_OS;
+    bf16* Vs = Ps + CH * TC_OS;
+    const int oseg = min(TC_OV, dv - j0) / 8;
+    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, Qt + base * dk, dk, CH, dk / 8);
+    tc_load<CHUNK_DK, TC_OV / 8>(Hs, TC_OS, hs + blk * dk * dv + j0, dv, dk, oseg);
+    tc_load<CH, CH / 8>(Ps, TC_OS, P + base * CH, CH, CH, CH / 8);
+    tc_load<CH, TC_OV / 8>(Vs, TC_OS, Vt_all + base * dv + j0, dv, CH, oseg);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float o[8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < CHUNK_DK; kk += 16) {
+        uint32_t a[4];
+        tc_a(a, Qs, TC_S, 16 * warp, kk);
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {
+            uint32_t bb[4];
+            tc_b_pair(bb, Hs, TC_OS, kk, 16 * jp);
+            mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
+            mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
+        }
+    }
+    for (int kk = 0; kk <= 16 * warp; kk += 16) {
+        uint32_t a[4];
+        tc_a(a, Ps, TC_OS, 16 * warp, kk);
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {
+            uint32_t bb[4];
+            tc_b_pair(bb, Vs, TC_OS, kk, 16 * jp);
+            mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
+            mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * warp + g + 8 * h, col = j0 + 8 * j + 2 * tg;
+            if (r < L && col < dv)
+                *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + col]) =
+                    make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        }
 }

@@ -34,8 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dt_bias = (Tensor::rand(0f32, 1.0, HV, &dev)? - 3.0)?;
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
-    // (name, batch, tokens, keep every state, chunked with this many scan columns per block,
-    // 0 for the default)
+    // (name, batch, tokens, keep every state, chunked with this many scan columns per block of the
+    // f32 CUDA-core path, 0 for the default: the bf16 tensor-core path)
     let cases: [(&str, usize, usize, bool, Option<usize>); 14] = [
         ("decode B=1", 1, 1, false, None),
         ("decode B=8", 8, 1, false, None),
@@ -44,32 +44,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("verify B=8 T=4 (keep states)", 8, 4, true, None),
         ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false, None),
         ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false, None),
-        ("prefill B=1 T=1024 (chunked, default)", 1, 1024, false, Some(0)),
-        ("prefill B=1 T=8192 (chunked, default)", 1, 8192, false, Some(0)),
-        ("prefill B=1 T=32768 (chunked, default)", 1, 32768, false, Some(0)),
         (
-            "prefill B=1 T=8192 (chunked, 16 columns)",
+            "prefill B=1 T=1024 (chunked, default: tensor cores)",
+            1,
+            1024,
+            false,
+            Some(0),
+        ),
+        (
+            "prefill B=1 T=8192 (chunked, default: tensor cores)",
+            1,
+            8192,
+            false,
+            Some(0),
+        ),
+        (
+            "prefill B=1 T=32768 (chunked, default: tensor cores)",
+            1,
+            32768,
+            false,
+            Some(0),
+        ),
+        (
+            "prefill B=1 T=8192 (chunked, CUDA cores, 16 columns)",
             1,
             8192,
             false,
             Some(16),
         ),
         (
-            "prefill B=1 T=8192 (chunked, 32 columns)",
+            "prefill B=1 T=8192 (chunked, CUDA cores, 32 columns)",
             1,
             8192,
             false,
             Some(32),
         ),
         (
-            "prefill B=4 T=8192 (chunked, 16 columns)",
+            "prefill B=4 T=8192 (chunked, CUDA cores, 16 columns)",
             4,
             8192,
             false,
             Some(16),
         ),
         (
-            "prefill B=4 T=8192 (chunked, 32 columns)",
+            "prefill B=4 T=8192 (chunked, CUDA cores, 32 columns)",
             4,
             8192,
             false,

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -355,9 +355,77 @@ const OUT_COLS: usize = 32;
 const OUT_SMEM: usize =
     4 * (CHUNK * (CHUNK_MAX_DK + 4) + CHUNK_MAX_DK * OUT_COLS + CHUNK * (CHUNK + 4) + CHUNK * OUT_COLS);
 
+/// The tensor-core kernels' bf16 tiles (cuda/gdn.cu `TC_*`): rows padded by 8 elements; the scan
+/// keeps 32 state columns per block, the output kernel writes 64 columns per block.
+const TC_S: usize = CHUNK_MAX_DK + 8;
+const TC_BV: usize = 32;
+const TC_OV: usize = 64;
+/// `TC_SCAN_SMEM`: W and Kt [2, CHUNK, TC_S], U [2, CHUNK, 40], the bf16 state [dk, 40], Vt
+/// [CHUNK, 40].
+const TC_SCAN_SMEM: usize = 2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + CHUNK) * (TC_BV + 8));
+/// `TC_PREP_SMEM`: raw k and v [CHUNK, TC_S] bf16, a region for raw q and A, later the two bf16
+/// pairs of [CHUNK, CHUNK + 8], six f32 row vectors.
+const TC_PREP_SMEM: usize = 2 * 2 * CHUNK * TC_S + 2 * 4 * CHUNK * (CHUNK + 8) + 4 * 6 * CHUNK;
+/// `TC_OUT_SMEM`: Qt [CHUNK, TC_S], the hs tile [dk, 72], P and Vt [CHUNK, 72].
+const TC_OUT_SMEM: usize = 2 * (CHUNK * TC_S + (CHUNK_MAX_DK + 2 * CHUNK) * (TC_OV + 8));
+
+/// The three kernels of one chunked path: their names, threads per block, state or output
+/// columns per block, and dynamic shared memory.
+struct ChunkKernels {
+    prep: (String, usize),
+    scan: (String, usize, usize, usize),
+    out: (&'static str, usize, usize, usize),
+}
+
+impl ChunkKernels {
+    /// The f32 path on CUDA cores: f32 intermediates, `cols` state columns per scan block.
+    fn f32(prep: String, cols: usize) -> Self {
+        Self {
+            prep: (prep, PREP_SMEM),
+            scan: (format!("gdn_chunk_scan_c{cols}"), 8 * cols, cols, scan_smem(cols)),
+            out: ("gdn_chunk_out", 256, OUT_COLS, OUT_SMEM),
+        }
+    }
+
+    /// The tensor-core path of bf16 activations: bf16 intermediates, f32 state.
+    fn tensor_cores() -> Self {
+        Self {
+            prep: ("gdn_chunk_prep_tc".into(), TC_PREP_SMEM),
+            scan: ("gdn_chunk_scan_tc".into(), 256, TC_BV, TC_SCAN_SMEM),
+            out: ("gdn_chunk_out_tc", 128, TC_OV, TC_OUT_SMEM),
+        }
+    }
+}
+
+/// State columns per block of the f32 chunk scan: 32 measured faster than 16 at B = 1 and 4
+/// (docs/BENCHMARKS.md) unless a benchmark forces 16.
+fn f32_scan_columns() -> usize {
+    match crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) {
+        16 => 16,
+        _ => 32,
+    }
+}
+
 /// Whether the chunked kernels take this shape (else the token-by-token kernel runs).
 fn chunked_supported(d: Launch) -> bool {
     d.dk <= CHUNK_MAX_DK && d.dk % 4 == 0 && d.dv % 4 == 0
+}
+
+/// Whether the fused chunked op of dtype `dt` runs on tensor cores: bf16 activations whose q, k
+/// and v head rows start 16 bytes apart and aligned (dk, dv, row strides and offsets multiples of 8
+/// elements: the kernels copy them in 16-byte pieces), and no CUDA-core scan forced by
+/// [`crate::delta_rule::force_chunk_scan_columns`].
+fn chunked_on_tensor_cores(d: Launch, dt: DType, inp: &DeltaRuleInputs) -> bool {
+    let aligned = |(t, off): (&Tensor, usize)| (t.layout().start_offset() + off) % 8 == 0;
+    dt == DType::BF16
+        && d.dk % 8 == 0
+        && d.dv % 8 == 0
+        && inp.strides.0 % 8 == 0
+        && inp.strides.1 % 8 == 0
+        && aligned(inp.q)
+        && aligned(inp.k)
+        && aligned(inp.v)
+        && crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) == 0
 }
 
 /// Lets kernel `name` of `module` take `smem` bytes of dynamic shared memory (past the default
@@ -376,12 +444,13 @@ fn allow_smem(dev: &CudaDevice, name: &str, smem: usize, module: &str, ptx: &'st
     Ok(())
 }
 
-/// Runs the three chunked kernels (prep per chunk, the scan over chunks, the outputs per chunk); same inputs as
-/// [`launch_recurrent`], no intermediate states. `prep_name` picks the prep variant (unfused f32,
-/// or fused in the activation dtype).
-fn launch_chunked<T: CudaDType>(
+/// Runs the three chunked kernels (prep per chunk, the scan over chunks, the outputs per chunk);
+/// same inputs as [`launch_recurrent`], no intermediate states. `S` is the type of the
+/// intermediates (U, W, Qt, Kt, P and the chunk-entry states hs): f32, or bf16 for the
+/// tensor-core kernels.
+fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
     op: &'static str,
-    prep_name: &str,
+    kernels: &ChunkKernels,
     d: Launch,
     inp: DeltaRuleInputs,
     scale: f32,
@@ -391,22 +460,21 @@ fn launch_chunked<T: CudaDType>(
     let nb = d.b * d.hv * nc;
     let rows = nb * CHUNK;
     // Scratch: U [rows, dv] (the scan overwrites it with Vt), W, Qt, Kt [rows, dk], P [rows,
-    // CHUNK], gL [nb], then the chunk-entry states hs [nb, dk, dv]. Every part before gL spans a
-    // multiple of 64 rows and gL is padded to a multiple of 4, so each part starts 16-byte aligned
-    // for the kernels' vector loads.
+    // CHUNK], the chunk-entry states hs [nb, dk, dv]. Every part spans a multiple of 64 rows, so
+    // each starts 16-byte aligned for the kernels' vector loads.
     let sizes = [
         rows * d.dv,
         rows * d.dk,
         rows * d.dk,
         rows * d.dk,
         rows * CHUNK,
-        nb.next_multiple_of(4),
         nb * d.dk * d.dv,
     ];
     // SAFETY: uninitialised; the prep kernel writes every element of the first five parts (rows
-    // past the sequence end as zeros) and gL's first nb before the scan reads them, and the scan
+    // past the sequence end as zeros) and every gL before the scan reads them, and the scan
     // writes all of hs before the output kernel reads it.
-    let scratch = unsafe { dev.alloc::<f32>(sizes.iter().sum())? };
+    let scratch = unsafe { dev.alloc::<S>(sizes.iter().sum())? };
+    let gl = unsafe { dev.alloc::<f32>(nb)? };
     let mut parts = Vec::with_capacity(sizes.len());
     let mut off = 0;
     for n in sizes {
@@ -417,21 +485,18 @@ fn launch_chunked<T: CudaDType>(
     // state.
     let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
     let s_final = unsafe { dev.alloc::<f32>(d.b * d.hv * d.dk * d.dv)? };
-    // 32 state columns per block measured faster than 16 at B = 1 and 4 (docs/BENCHMARKS.md).
-    let cols = match crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) {
-        16 => 16,
-        _ => 32,
-    };
     with_views::<T, _>(op, &inp, |v| {
         let eps = 1e-6f32;
         let dims = [d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
-        allow_smem(&dev, prep_name, PREP_SMEM, MODULE, PTX)?;
-        let func = dev.get_or_load_custom_func(prep_name, MODULE, PTX)?;
+        let (name, smem) = &kernels.prep;
+        allow_smem(&dev, name, *smem, MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
         v.push_inputs(&mut lb);
-        for p in &parts[..6] {
+        for p in &parts[..5] {
             lb.arg(p);
         }
+        lb.arg(&gl);
         for x in &dims {
             lb.arg(x);
         }
@@ -439,52 +504,54 @@ fn launch_chunked<T: CudaDType>(
         let cfg = LaunchConfig {
             grid_dim: (nb as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: PREP_SMEM as u32,
+            shared_mem_bytes: *smem as u32,
         };
         // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (the shared input prefix,
-        // then the six scratch parts of the sizes above, i32 dims, f32 scale and eps); the
-        // dynamic shared memory is the size the kernel lays out, its limit raised above.
+        // then the five scratch parts of the sizes above in the kernel's intermediate type S,
+        // gL, i32 dims, f32 scale and eps); the dynamic shared memory is the size the kernel lays
+        // out, its limit raised above.
         unsafe { lb.launch(cfg) }.w()?;
 
-        let name = format!("gdn_chunk_scan_c{cols}");
-        allow_smem(&dev, &name, scan_smem(cols), MODULE, PTX)?;
-        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (name, threads, cols, smem) = &kernels.scan;
+        allow_smem(&dev, name, *smem, MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
         // U (overwritten with Vt), W, Kt, gL
-        lb.arg(&parts[0]).arg(&parts[1]).arg(&parts[3]).arg(&parts[5]);
+        lb.arg(&parts[0]).arg(&parts[1]).arg(&parts[3]).arg(&gl);
         v.push_state(&mut lb);
-        lb.arg(&parts[6]).arg(&s_final);
+        lb.arg(&parts[5]).arg(&s_final);
         let scan_dims = [d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32];
         for x in &scan_dims {
             lb.arg(x);
         }
         let cfg = LaunchConfig {
-            grid_dim: ((d.b * d.hv * d.dv.div_ceil(cols)) as u32, 1, 1),
-            block_dim: (8 * cols as u32, 1, 1),
-            shared_mem_bytes: scan_smem(cols) as u32,
+            grid_dim: ((d.b * d.hv * d.dv.div_ceil(*cols)) as u32, 1, 1),
+            block_dim: (*threads as u32, 1, 1),
+            shared_mem_bytes: *smem as u32,
         };
-        // SAFETY: arguments match `gdn_chunk_scan_c*`: the scratch parts written above, the
+        // SAFETY: arguments match `gdn_chunk_scan_*`: the scratch parts written above, the
         // initial state or null, hs and the final state (sizes it writes), then i32 dims; one block
-        // of 8·cols threads per (sequence, value head, cols state columns), as the kernel expects.
+        // of `threads` per (sequence, value head, cols state columns), as the kernel expects.
         unsafe { lb.launch(cfg) }.w()?;
 
-        allow_smem(&dev, "gdn_chunk_out", OUT_SMEM, MODULE, PTX)?;
-        let func = dev.get_or_load_custom_func("gdn_chunk_out", MODULE, PTX)?;
+        let (name, threads, cols, smem) = kernels.out;
+        allow_smem(&dev, name, smem, MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
         // Vt (in U's place), Qt, P, hs
-        lb.arg(&parts[0]).arg(&parts[2]).arg(&parts[4]).arg(&parts[6]);
+        lb.arg(&parts[0]).arg(&parts[2]).arg(&parts[4]).arg(&parts[5]);
         lb.arg(&out);
         for x in &scan_dims {
             lb.arg(x);
         }
         let cfg = LaunchConfig {
-            grid_dim: ((nb * d.dv.div_ceil(OUT_COLS)) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: OUT_SMEM as u32,
+            grid_dim: ((nb * d.dv.div_ceil(cols)) as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
         };
-        // SAFETY: arguments match `gdn_chunk_out`: Vt, Qt, P and hs as written by the two kernels
-        // before it on this stream, the fresh output, i32 dims; one block of 256 threads per
-        // (sequence, value head, chunk, 32 output columns).
+        // SAFETY: arguments match `gdn_chunk_out*`: Vt, Qt, P and hs as written by the two
+        // kernels before it on this stream, the fresh output, i32 dims; one block of `threads`
+        // per (sequence, value head, chunk, cols output columns).
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
@@ -558,13 +625,8 @@ pub(crate) fn chunked(
         return recurrent(d, q, k, v, g, beta, state, scale, false);
     }
     let x = SeparateF32::new(q, k, v, g, beta, state)?;
-    launch_chunked::<f32>(
-        "chunked_gated_delta_rule",
-        "gdn_chunk_prep_f32",
-        d,
-        x.inputs(d),
-        scale,
-    )
+    let kernels = ChunkKernels::f32("gdn_chunk_prep_f32".into(), f32_scan_columns());
+    launch_chunked::<f32, f32>("chunked_gated_delta_rule", &kernels, d, x.inputs(d), scale)
 }
 
 /// CUDA twin of `recurrent_gated_delta_rule` (f32 inputs; shapes checked by the caller).
@@ -673,11 +735,15 @@ pub(crate) fn fused(
     let inp = args.inputs(d, state.as_ref());
     let scale = (d.dk as f32).powf(-0.5);
     match mode {
+        DeltaRuleMode::Chunked if chunked_supported(d) && chunked_on_tensor_cores(d, dt, &inp) => {
+            launch_chunked::<half::bf16, half::bf16>(op, &ChunkKernels::tensor_cores(), d, inp, scale)
+        }
         DeltaRuleMode::Chunked if chunked_supported(d) => {
-            let name = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);
+            let prep = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);
+            let kernels = ChunkKernels::f32(prep, f32_scan_columns());
             macro_rules! go {
                 ($t:ty) => {
-                    launch_chunked::<$t>(op, &name, d, inp, scale)
+                    launch_chunked::<$t, f32>(op, &kernels, d, inp, scale)
                 };
             }
             for_float_dtype!(op, dt)

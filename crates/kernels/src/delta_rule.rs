@@ -416,8 +416,9 @@ pub struct GdnHeads {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) static SCAN_COLUMNS: AtomicUsize = AtomicUsize::new(0);
 
-/// Benchmark knob (process-wide): `Some(c)` forces the CUDA chunk-scan variant with `c` ∈ {16, 32}
-/// state columns per block; `None` restores the default.
+/// Benchmark and test knob (process-wide): `Some(c)` forces the f32 CUDA-core chunked kernels with
+/// `c` ∈ {16, 32} state columns per scan block, also for bf16 activations (which otherwise take the
+/// tensor-core kernels); `None` restores the default.
 #[doc(hidden)]
 pub fn force_chunk_scan_columns(columns: Option<usize>) {
     SCAN_COLUMNS.store(columns.unwrap_or(0), Ordering::Relaxed);
