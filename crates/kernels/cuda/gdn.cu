@@ -790,11 +790,13 @@ static_assert(2 * CH * TC_S + 4 * CH * PS <= TC_PREP_REGION, "q and A fit where 
 constexpr int TC_PREP_SMEM = 2 * 2 * CH * TC_S + TC_PREP_REGION + 4 * 6 * CH;
 static_assert(TC_PREP_SMEM <= 227 * 1024 / 3, "three blocks per SM");
 
-// The prep of the tensor-core path (same outputs as gdn_chunk_prep_fused_*, in bf16), one block
-// of 8 warps per (b, hv, chunk). Raw bf16 q, k, v rows are exact tensor-core operands, so K K^T
+// The prep of the tensor-core path, one block of 8 warps per (b, hv, chunk): U, W and P as
+// gdn_chunk_prep_fused_* forms them, in bf16, and gL; instead of Qt and Kt, their row factors
+// fq = scale e^gamma / |q| and fk = e^(gamma_L - gamma) / |k| ([chunk rows] f32), applied to the
+// raw rows by the kernels that read them. Raw bf16 q, k, v rows are exact tensor-core operands, so K K^T
 // and Q K^T run as m16n8k16 products with only the f32 summation order changed; the norms and
-// gates scale them afterwards. T = (I + A)^-1 comes from forward substitution in f32 (one column
-// per thread), and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with
+// gates scale them afterwards. T = (I + A)^-1 comes from a blocked forward substitution in f32,
+// and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with
 // the f32 factor split into two bf16 parts (hi + lo: 16 significant bits), so U and W are
 // accurate to about 2^-16 before their one rounding to bf16. q, k, v rows 16-byte aligned (row
 // strides and offsets multiples of 8 elements: cuda.rs checks).
@@ -802,8 +804,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     gdn_chunk_prep_tc(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                       long qk_stride, long v_stride, const bf16* __restrict__ ga, const bf16* __restrict__ gb,
                       long g_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                      bf16* __restrict__ U, bf16* __restrict__ W, bf16* __restrict__ Qt, bf16* __restrict__ Kt,
-                      bf16* __restrict__ P, float* __restrict__ gL, int T, int Hk, int Hv, int dk, int dv,
+                      bf16* __restrict__ U, bf16* __restrict__ W, bf16* __restrict__ P, float* __restrict__ gL,
+                      float* __restrict__ fq, float* __restrict__ fk, int T, int Hk, int Hv, int dk, int dv,
                       float scale, float eps) {
     pdl_enter();
     const int nc = (T + CH - 1) / CH;
@@ -845,14 +847,11 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     const float gl =
         chunk_gates<bf16, true>(sq, sk, ga, gb, g_stride, a_log, dt_bias, row0, hv, L, scale, eps, rows);
     const long base = blk * CH;
-    // Qt = scale e^gamma q^ and Kt = e^(gamma_L - gamma) k^, from the raw tiles (zero past L).
-    for (int e = tid; e < CH * dk / 2; e += 256) {
-        const int r = e / (dk / 2), i = 2 * (e % (dk / 2));
-        const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Qs[r * TC_S + i]));
-        const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&Ks[r * TC_S + i]));
-        const float fq = inq[r] * eg[r], fk = ink[r] * egl[r];
-        *reinterpret_cast<uint32_t*>(&Qt[(base + r) * dk + i]) = pack2<bf16>(qq.x * fq, qq.y * fq);
-        *reinterpret_cast<uint32_t*>(&Kt[(base + r) * dk + i]) = pack2<bf16>(kk.x * fk, kk.y * fk);
+    // The row factors that make raw q and k rows Qt = scale e^gamma q^ and Kt = e^(gamma_L - gamma)
+    // k^ for the scan and output kernels, which read the raw rows (exact bf16 operands).
+    if (tid < CH) {
+        fq[base + tid] = inq[tid] * eg[tid];
+        fk[base + tid] = ink[tid] * egl[tid];
     }
     // K K^T and Q K^T of the raw rows: warp w forms rows 16(w % 4).., columns 32(w / 4).., then
     // A_rs = beta_r e^(gamma_r - gamma_s) k^_r.k^_s (s < r) into shared memory and
@@ -892,35 +891,91 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             }
     }
     __syncthreads();
-    // T = (I + A)^-1 by forward substitution, column j per thread (x starts as e_j; each row's
-    // sum in four independent chains), then, once every thread is done with A, its column-scaled
-    // copies as bf16 pairs (hi, lo = the rounding error of hi) where q and A were.
-    float x[CH];
-    if (tid < CH) {
-        const int j = tid;
+    // T = (I + A)^-1 in 16 x 16 blocks, every thread busy (the first solve is 16 rows deep, not 64):
+    // the diagonal blocks T_ii = (I + A_ii)^-1 by forward substitution (a column per thread of the
+    // first two warps), then At_ik = T_ii A_ik in place of A_ik, then the blocks below the
+    // diagonal by their distance from it, T_ij = -sum over j <= k < i of At_ik T_kj (each block
+    // needs only blocks nearer the diagonal). T (f32) goes where q was.
+    float* Tm = reinterpret_cast<float*>(Qs);  // [CH][PS]
+    {
+        const int r = tid >> 4, cc = tid & 15;  // this thread's element of a 16 x 16 block
+        if (tid < CH) {
+            const int i0 = 16 * (tid >> 4), jj = tid & 15;
+            float x[16];
 #pragma unroll
-        for (int r = 0; r < CH; r++) x[r] = r == j ? 1.f : 0.f;
+            for (int rr = 0; rr < 16; rr++) x[rr] = rr == jj ? 1.f : 0.f;
 #pragma unroll
-        for (int r = 1; r < CH; r++) {
-            float acc[4] = {x[r], 0.f, 0.f, 0.f};
+            for (int rr = 1; rr < 16; rr++) {
+                float acc[2] = {x[rr], 0.f};
 #pragma unroll
-            for (int s = 0; s < r; s += 4) {
-                const float4 a = *reinterpret_cast<const float4*>(&A[r * PS + s]);
-                acc[0] -= a.x * x[s];
-                if (s + 1 < r) acc[1] -= a.y * x[s + 1];
-                if (s + 2 < r) acc[2] -= a.z * x[s + 2];
-                if (s + 3 < r) acc[3] -= a.w * x[s + 3];
+                for (int ss = 0; ss < rr; ss++) acc[ss & 1] -= A[(i0 + rr) * PS + i0 + ss] * x[ss];
+                x[rr] = acc[0] + acc[1];
             }
-            x[r] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+            for (int rr = 0; rr < 16; rr++) Tm[(i0 + rr) * PS + i0 + jj] = x[rr];
+        } else {
+            // Zeros in the six blocks above the diagonal, (0, 1..3), (1, 2..3), (2, 3): 64 float4
+            // each, two per thread.
+            const int e = tid - CH;
+#pragma unroll
+            for (int pass = 0; pass < 2; pass++) {
+                const int q = e + 192 * pass;
+                if (q < 6 * 64) {
+                    const int blkid = q / 64, rem = q % 64;
+                    const int bi = blkid < 3 ? 0 : blkid < 5 ? 1 : 2;
+                    const int bj = blkid < 3 ? blkid + 1 : blkid < 5 ? blkid - 1 : 3;
+                    const int rr = rem >> 2, c4 = 4 * (rem & 3);
+                    *reinterpret_cast<float4*>(&Tm[(16 * bi + rr) * PS + 16 * bj + c4]) =
+                        make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
+        }
+        __syncthreads();
+        // At_ik = T_ii A_ik for the six blocks below the diagonal (T_ii unit lower triangular).
+        constexpr int BI[6] = {1, 2, 2, 3, 3, 3}, BK[6] = {0, 0, 1, 0, 1, 2};
+        float at[6];
+#pragma unroll
+        for (int n = 0; n < 6; n++) {
+            const int i0 = 16 * BI[n], k0 = 16 * BK[n];
+            float acc = 0.f;
+#pragma unroll
+            for (int m = 0; m < 16; m++) acc += Tm[(i0 + r) * PS + i0 + m] * A[(i0 + m) * PS + k0 + cc];
+            at[n] = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < 6; n++) A[(16 * BI[n] + r) * PS + 16 * BK[n] + cc] = at[n];
+        __syncthreads();
+        // Distance 1, 2, 3 from the diagonal: blocks (j + dist, j).
+#pragma unroll
+        for (int dist = 1; dist < 4; dist++) {
+#pragma unroll
+            for (int j = 0; j + dist < 4; j++) {
+                const int i0 = 16 * (j + dist), j0 = 16 * j;
+                float acc = 0.f;
+#pragma unroll
+                for (int k = j; k < j + dist; k++)
+#pragma unroll
+                    for (int m = 0; m < 16; m++)
+                        acc -= A[(i0 + r) * PS + 16 * k + m] * Tm[(16 * k + m) * PS + j0 + cc];
+                Tm[(i0 + r) * PS + j0 + cc] = acc;
+            }
+            __syncthreads();
         }
     }
-    __syncthreads();
-    if (tid < CH) {
-        const int j = tid;
+    // Its column-scaled copies as bf16 pairs (hi, lo = the rounding error of hi), where q and A
+    // were: each thread first reads its 16 elements (column tid % 64, rows tid / 64 + 4n).
+    {
+        const int j = tid & 63, r0 = tid >> 6;
+        float x[16];
+#pragma unroll
+        for (int n = 0; n < 16; n++) x[n] = Tm[(r0 + 4 * n) * PS + j];
+        __syncthreads();
         const float fu = bet[j], fw = bet[j] * eg[j] * ink[j];
 #pragma unroll
-        for (int r = 0; r < CH; r++) {
-            const float xu = x[r] * fu, xw = x[r] * fw;
+        for (int n = 0; n < 16; n++) {
+            const int r = r0 + 4 * n;
+            const float xu = x[n] * fu, xw = x[n] * fw;
             const bf16 hu = __float2bfloat16(xu), hw = __float2bfloat16(xw);
             Tu[r * TC_TS + j] = hu;
             Tu[CH * TC_TS + r * TC_TS + j] = __float2bfloat16(xu - __bfloat162float(hu));
@@ -954,37 +1009,48 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                 mma16816<bf16>(o[2 * jp + 1], al, bb[2], bb[3]);
             }
         }
+        // Through the tile just read (every warp is done with it) to 16-byte global rows.
+        __syncthreads();
+        bf16* stage = const_cast<bf16*>(X);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = m0 + g + 8 * h, col = n0 + 8 * j + 2 * tg;
-                if (col < n)
-                    *reinterpret_cast<uint32_t*>(&dst[(base + r) * n + col]) =
-                        pack2<bf16>(o[j][2 * h], o[j][2 * h + 1]);
-            }
+            for (int h = 0; h < 2; h++)
+                *reinterpret_cast<uint32_t*>(&stage[(m0 + g + 8 * h) * TC_S + n0 + 8 * j + 2 * tg]) =
+                    pack2<bf16>(o[j][2 * h], o[j][2 * h + 1]);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < CH / 16; i++) {
+            const int r = (tid >> 4) + 16 * i, seg = tid & 15;
+            if (8 * seg < n)
+                *reinterpret_cast<uint4*>(&dst[(base + r) * n + 8 * seg]) =
+                    *reinterpret_cast<const uint4*>(&stage[r * TC_S + 8 * seg]);
+        }
     }
     if (tid == 0) gL[blk] = expf(gl);
 }
 
-// Shared memory of the scan (bf16 elements): W and Kt [2][CH][TC_S] (double-buffered), this
-// tile's U [2][CH][TC_VS], the bf16 state [CHUNK_DK][TC_VS], Vt [CH][TC_VS] (cuda.rs TC_SCAN_SMEM).
-constexpr int TC_SCAN_SMEM = 2 * (4 * CH * TC_S + 2 * CH * TC_VS + CHUNK_DK * TC_VS + CH * TC_VS);
+// Shared memory of the scan (bf16 elements): W and raw k [2][CH][TC_S] (double-buffered), this
+// tile's U [2][CH][TC_VS], the bf16 state [CHUNK_DK][TC_VS], Vt and fk Vt [CH][TC_VS] (cuda.rs
+// TC_SCAN_SMEM).
+constexpr int TC_SCAN_SMEM = 2 * (4 * CH * TC_S + 2 * CH * TC_VS + CHUNK_DK * TC_VS + 2 * CH * TC_VS);
 static_assert(TC_SCAN_SMEM <= 227 * 1024 / 2, "two blocks per SM");
 
 // The scan, one block of 8 warps per (b, hv, TC_BV state columns). Warp w keeps state rows
 // 16w..16w+15 (four n-tiles of f32 accumulators) for the whole sequence; per chunk it forms rows
-// 16(w % 4).., columns 16(w / 4).. of Vt = U - W bf16(S), then its rows of S = gL S + Kt^T Vt.
-// The next chunk's W, Kt and U load while this one is computed on. Vt overwrites U in place
+// 16(w % 4).., columns 16(w / 4).. of Vt = U - W bf16(S), then its rows of S = gL S + Kt^T Vt
+// with Kt^T Vt = k^T (fk Vt) from the raw k rows. The next chunk's W, k and U load while this one
+// is computed on. Vt overwrites U in place
 // (bf16), and bf16(S) at each chunk's entry goes to hs for the output kernel. The chain of
 // dependent steps per chunk is what bounds this kernel (few blocks: B·Hv·dv/32), so each
 // thread's copies use offsets computed once, the global writes go out as 16-byte rows of the
 // shared tiles, and the products accumulate in two independent halves.
 constexpr int TC_SCAN_THREADS = 256;
 extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
-    gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ Kt,
-                      const float* __restrict__ gL, const float* __restrict__ s0, bf16* __restrict__ hs,
-                      float* __restrict__ s_final, int B, int T, int Hv, int dk, int dv) {
+    gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ k, long qk_stride,
+                      const float* __restrict__ fk, const float* __restrict__ gL, const float* __restrict__ s0,
+                      bf16* __restrict__ hs, float* __restrict__ s_final, int B, int T, int Hk, int Hv, int dk,
+                      int dv) {
     pdl_enter();
     const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + TC_BV - 1) / TC_BV;
@@ -996,11 +1062,15 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
     bf16* Ub = Kb + 2 * CH * TC_S;
     bf16* Sb = Ub + 2 * CH * TC_VS;
     bf16* Vb = Sb + CHUNK_DK * TC_VS;
+    bf16* Vf = Vb + CH * TC_VS;
     const long head = (long)bh * dk * dv;
     const long first = (long)bh * nc * CH;  // row of this head's first chunk
-    // This thread's 16-byte pieces: four of the W and Kt tiles (row tid / 16 + 16 i, segment
-    // tid % 16; zeros past dk), one of the U tile (row tid / 4, segment tid % 4; zeros past dv);
-    // the same piece of the Vt tile and two of the bf16 state go back to global memory.
+    // Raw k rows of this sequence and key head.
+    const bf16* kh = k + (long)(bh / Hv) * T * qk_stride + (long)((bh % Hv) / (Hv / Hk)) * dk;
+    // This thread's 16-byte pieces: four of the W and k tiles (row tid / 16 + 16 i, segment
+    // tid % 16; zeros past dk and, for k, past the sequence), one of the U tile (row tid / 4,
+    // segment tid % 4; zeros past dv); the same piece of the Vt tile and two of the bf16 state go
+    // back to global memory.
     const int wr = tid >> 4, ws = tid & 15, ur = tid >> 2, us = tid & 3;
     const bool w_ok = 8 * ws < dk, u_ok = j0 + 8 * us < dv;
     auto issue = [&](int c) {
@@ -1009,8 +1079,10 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
 #pragma unroll
         for (int i = 0; i < CH / 16; i++) {
             const int r = wr + 16 * i;
+            const bool k_ok = w_ok && c * CH + r < T;
             cp_async16_or_zero(&Wb[(o + r) * TC_S + 8 * ws], W + (w_ok ? (base + r) * dk + 8 * ws : 0), w_ok);
-            cp_async16_or_zero(&Kb[(o + r) * TC_S + 8 * ws], Kt + (w_ok ? (base + r) * dk + 8 * ws : 0), w_ok);
+            cp_async16_or_zero(&Kb[(o + r) * TC_S + 8 * ws], kh + (k_ok ? (long)(c * CH + r) * qk_stride + 8 * ws : 0),
+                               k_ok);
         }
         cp_async16_or_zero(&Ub[(o + ur) * TC_VS + 8 * us], U + (u_ok ? (base + ur) * dv + j0 + 8 * us : 0), u_ok);
         cp_async_commit();
@@ -1047,20 +1119,14 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
     round_state();
     const int vr = 16 * (warp & 3), vc = 16 * (warp >> 2);  // this warp's Vt tile
     float gl_next = gL[(long)bh * nc];
+    // fk of this warp's two Vt rows, loaded a chunk ahead like gL.
+    float fk_next[2] = {fk[first + vr + g], fk[first + vr + g + 8]};
     for (int c = 0; c < nc; c++) {
         const int o = (c & 1) * CH;
         const long base = first + (long)c * CH;
-        const float gl = gl_next;
-        __syncthreads();  // bf16(S) visible; the previous chunk is done with the buffers refilled next
-        if (c + 1 < nc) {
-            issue(c + 1);
-            gl_next = gL[(long)bh * nc + c + 1];
-        } else {
-            cp_async_commit();  // an empty group keeps the counting uniform
-        }
-        write_hs(c);
-        cp_async_wait<1>();  // this chunk's W, Kt and U
-        __syncthreads();
+        const float gl = gl_next, fk0 = fk_next[0], fk1 = fk_next[1];
+        cp_async_wait<0>();  // this chunk's W, k and U (issued a chunk ago)
+        __syncthreads();     // ... visible to all, with bf16(S); the buffers refilled next are free
         // Vt = U - W bf16(S): a 16 x 16 tile, K = CHUNK_DK in two independent halves.
         float v[2][2][4] = {};
 #pragma unroll
@@ -1072,17 +1138,30 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
             mma16816<bf16>(v[p][0], a, b[0], b[1]);
             mma16816<bf16>(v[p][1], a, b[2], b[3]);
         }
+        // The next chunk's loads and this chunk's hs go out while the products run.
+        if (c + 1 < nc) {
+            issue(c + 1);
+            gl_next = gL[(long)bh * nc + c + 1];
+            fk_next[0] = fk[base + CH + vr + g];
+            fk_next[1] = fk[base + CH + vr + g + 8];
+        }
+        write_hs(c);
+        // Vt (bf16) for the outputs, and fk Vt (bf16) for the state update: Kt^T Vt = k^T (fk Vt).
         const bf16* Ut = Ub + o * TC_VS;
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int h = 0; h < 2; h++) {
+            const int r = vr + g + 8 * h;
+            const float f = h == 0 ? fk0 : fk1;
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = vr + g + 8 * h, col = vc + 8 * j + 2 * tg;
+            for (int j = 0; j < 2; j++) {
+                const int col = vc + 8 * j + 2 * tg;
                 const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&Ut[r * TC_VS + col]);
-                *reinterpret_cast<uint32_t*>(&Vb[r * TC_VS + col]) =
-                    pack2<bf16>(__low2float(u) - v[0][j][2 * h] - v[1][j][2 * h],
-                                __high2float(u) - v[0][j][2 * h + 1] - v[1][j][2 * h + 1]);
+                const float x0 = __low2float(u) - v[0][j][2 * h] - v[1][j][2 * h];
+                const float x1 = __high2float(u) - v[0][j][2 * h + 1] - v[1][j][2 * h + 1];
+                *reinterpret_cast<uint32_t*>(&Vb[r * TC_VS + col]) = pack2<bf16>(x0, x1);
+                *reinterpret_cast<uint32_t*>(&Vf[r * TC_VS + col]) = pack2<bf16>(f * x0, f * x1);
             }
+        }
         __syncthreads();  // Vt complete; the reads of bf16(S) done
         if (u_ok)
             *reinterpret_cast<uint4*>(&U[(base + ur) * dv + j0 + 8 * us]) =
@@ -1098,7 +1177,7 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
 #pragma unroll
             for (int jp = 0; jp < 2; jp++) {
                 uint32_t b[4];
-                tc_b_pair(b, Vb, TC_VS, kk, 16 * jp);
+                tc_b_pair(b, Vf, TC_VS, kk, 16 * jp);
                 mma16816<bf16>(d[p][2 * jp], a, b[0], b[1]);
                 mma16816<bf16>(d[p][2 * jp + 1], a, b[2], b[3]);
             }
@@ -1109,7 +1188,6 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
             for (int e = 0; e < 4; e++) S[j][e] = S[j][e] * gl + (d[0][j][e] + d[1][j][e]);
         if (c + 1 < nc) round_state();
     }
-    cp_async_wait<0>();
 #pragma unroll
     for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -1119,16 +1197,18 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
         }
 }
 
-// Shared memory of the output kernel (bf16 elements): Qt [CH][TC_S], the hs tile
+// Shared memory of the output kernel (bf16 elements): raw q [CH][TC_S], the hs tile
 // [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS] (cuda.rs TC_OUT_SMEM).
 constexpr int TC_OUT_SMEM = 2 * (CH * TC_S + CHUNK_DK * TC_OS + 2 * CH * TC_OS);
 static_assert(TC_OUT_SMEM <= 227 * 1024 / 4, "four blocks per SM");
 
-// The outputs, o = Qt hs + P Vt, one block of 4 warps per (b, hv, chunk, TC_OV output columns);
+// The outputs, o = Qt hs + P Vt = fq (q hs) + P Vt from the raw q rows, one block of 4 warps per
+// (b, hv, chunk, TC_OV output columns);
 // warp w computes rows 16w..16w+15 (P is lower triangular: its K loop stops at the warp's last row).
 extern "C" __global__ void __launch_bounds__(128)
-    gdn_chunk_out_tc(const bf16* __restrict__ Vt_all, const bf16* __restrict__ Qt, const bf16* __restrict__ P,
-                     const bf16* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) {
+    gdn_chunk_out_tc(const bf16* __restrict__ Vt_all, const bf16* __restrict__ q, long qk_stride,
+                     const float* __restrict__ fq, const bf16* __restrict__ P, const bf16* __restrict__ hs,
+                     float* __restrict__ out, int B, int T, int Hk, int Hv, int dk, int dv) {
     pdl_enter();
     const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + TC_OV - 1) / TC_OV;
@@ -1146,7 +1226,8 @@ extern "C" __global__ void __launch_bounds__(128)
     bf16* Ps = Hs + CHUNK_DK * TC_OS;
     bf16* Vs = Ps + CH * TC_OS;
     const int oseg = min(TC_OV, dv - j0) / 8;
-    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, Qt + base * dk, dk, CH, dk / 8);
+    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + ((long)b * T + c * CH) * qk_stride + (long)(hv / (Hv / Hk)) * dk,
+                              qk_stride, L, dk / 8);
     tc_load<CHUNK_DK, TC_OV / 8>(Hs, TC_OS, hs + blk * dk * dv + j0, dv, dk, oseg);
     tc_load<CH, CH / 8>(Ps, TC_OS, P + base * CH, CH, CH, CH / 8);
     tc_load<CH, TC_OV / 8>(Vs, TC_OS, Vt_all + base * dv + j0, dv, CH, oseg);
@@ -1165,6 +1246,15 @@ extern "C" __global__ void __launch_bounds__(128)
             mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
             mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
         }
+    }
+    // Qt hs = fq (q hs): the row factors in f32 on the accumulators.
+    const float f0 = fq[base + 16 * warp + g], f1 = fq[base + 16 * warp + g + 8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        o[j][0] *= f0;
+        o[j][1] *= f0;
+        o[j][2] *= f1;
+        o[j][3] *= f1;
     }
     for (int kk = 0; kk <= 16 * warp; kk += 16) {
         uint32_t a[4];

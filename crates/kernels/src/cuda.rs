@@ -360,21 +360,23 @@ const OUT_SMEM: usize =
 const TC_S: usize = CHUNK_MAX_DK + 8;
 const TC_BV: usize = 32;
 const TC_OV: usize = 64;
-/// `TC_SCAN_SMEM`: W and Kt [2, CHUNK, TC_S], U [2, CHUNK, 40], the bf16 state [dk, 40], Vt
-/// [CHUNK, 40].
-const TC_SCAN_SMEM: usize = 2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + CHUNK) * (TC_BV + 8));
+/// `TC_SCAN_SMEM`: W and raw k [2, CHUNK, TC_S], U [2, CHUNK, 40], the bf16 state [dk, 40], Vt
+/// and fk Vt [CHUNK, 40].
+const TC_SCAN_SMEM: usize = 2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + 2 * CHUNK) * (TC_BV + 8));
 /// `TC_PREP_SMEM`: raw k and v [CHUNK, TC_S] bf16, a region for raw q and A, later the two bf16
 /// pairs of [CHUNK, CHUNK + 8], six f32 row vectors.
 const TC_PREP_SMEM: usize = 2 * 2 * CHUNK * TC_S + 2 * 4 * CHUNK * (CHUNK + 8) + 4 * 6 * CHUNK;
-/// `TC_OUT_SMEM`: Qt [CHUNK, TC_S], the hs tile [dk, 72], P and Vt [CHUNK, 72].
+/// `TC_OUT_SMEM`: raw q [CHUNK, TC_S], the hs tile [dk, 72], P and Vt [CHUNK, 72].
 const TC_OUT_SMEM: usize = 2 * (CHUNK * TC_S + (CHUNK_MAX_DK + 2 * CHUNK) * (TC_OV + 8));
 
 /// The three kernels of one chunked path: their names, threads per block, state or output
-/// columns per block, and dynamic shared memory.
+/// columns per block, and dynamic shared memory; `raw_qk`: the scan and output kernels read the
+/// raw k and q rows with the prep's row factors (tensor cores) instead of the prep's Kt and Qt.
 struct ChunkKernels {
     prep: (String, usize),
     scan: (String, usize, usize, usize),
     out: (&'static str, usize, usize, usize),
+    raw_qk: bool,
 }
 
 impl ChunkKernels {
@@ -384,6 +386,7 @@ impl ChunkKernels {
             prep: (prep, PREP_SMEM),
             scan: (format!("gdn_chunk_scan_c{cols}"), 8 * cols, cols, scan_smem(cols)),
             out: ("gdn_chunk_out", 256, OUT_COLS, OUT_SMEM),
+            raw_qk: false,
         }
     }
 
@@ -393,6 +396,7 @@ impl ChunkKernels {
             prep: ("gdn_chunk_prep_tc".into(), TC_PREP_SMEM),
             scan: ("gdn_chunk_scan_tc".into(), 256, TC_BV, TC_SCAN_SMEM),
             out: ("gdn_chunk_out_tc", 128, TC_OV, TC_OUT_SMEM),
+            raw_qk: true,
         }
     }
 }
@@ -446,8 +450,8 @@ fn allow_smem(dev: &CudaDevice, name: &str, smem: usize, module: &str, ptx: &'st
 
 /// Runs the three chunked kernels (prep per chunk, the scan over chunks, the outputs per chunk);
 /// same inputs as [`launch_recurrent`], no intermediate states. `S` is the type of the
-/// intermediates (U, W, Qt, Kt, P and the chunk-entry states hs): f32, or bf16 for the
-/// tensor-core kernels.
+/// intermediates (U, W, P, the chunk-entry states hs, and Qt, Kt unless `raw_qk`): f32, or bf16
+/// for the tensor-core kernels.
 fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
     op: &'static str,
     kernels: &ChunkKernels,
@@ -459,28 +463,40 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
     let nc = d.t.div_ceil(CHUNK);
     let nb = d.b * d.hv * nc;
     let rows = nb * CHUNK;
-    // Scratch: U [rows, dv] (the scan overwrites it with Vt), W, Qt, Kt [rows, dk], P [rows,
-    // CHUNK], the chunk-entry states hs [nb, dk, dv]. Every part spans a multiple of 64 rows, so
-    // each starts 16-byte aligned for the kernels' vector loads.
-    let sizes = [
-        rows * d.dv,
-        rows * d.dk,
-        rows * d.dk,
-        rows * d.dk,
-        rows * CHUNK,
-        nb * d.dk * d.dv,
-    ];
-    // SAFETY: uninitialised; the prep kernel writes every element of the first five parts (rows
-    // past the sequence end as zeros) and every gL before the scan reads them, and the scan
-    // writes all of hs before the output kernel reads it.
-    let scratch = unsafe { dev.alloc::<S>(sizes.iter().sum())? };
-    let gl = unsafe { dev.alloc::<f32>(nb)? };
-    let mut parts = Vec::with_capacity(sizes.len());
-    let mut off = 0;
-    for n in sizes {
-        parts.push(scratch.slice(off..off + n));
-        off += n;
+    // Scratch: U [rows, dv] (the scan overwrites it with Vt), W [rows, dk], P [rows, CHUNK], the
+    // chunk-entry states hs [nb, dk, dv], then Qt and Kt [rows, dk] (without raw_qk); in f32: gL
+    // [nb], then the row factors fq and fk [rows] (with raw_qk). Every part of the first spans a
+    // multiple of 64 rows, so each starts 16-byte aligned for the kernels' vector loads; the f32
+    // parts are read one value at a time.
+    let (u, w, p, hs, qt, kt) = (0, 1, 2, 3, 4, 5);
+    let mut sizes = vec![rows * d.dv, rows * d.dk, rows * CHUNK, nb * d.dk * d.dv];
+    if !kernels.raw_qk {
+        sizes.extend([rows * d.dk, rows * d.dk]);
     }
+    let f32_sizes = if kernels.raw_qk {
+        vec![nb, rows, rows]
+    } else {
+        vec![nb]
+    };
+    // SAFETY: uninitialised; the prep kernel writes every element of U, W, P, Qt, Kt and the f32
+    // parts (rows past the sequence end as zeros) before the scan reads them, and the scan writes
+    // all of hs before the output kernel reads it.
+    let scratch = unsafe { dev.alloc::<S>(sizes.iter().sum())? };
+    let scratch32 = unsafe { dev.alloc::<f32>(f32_sizes.iter().sum())? };
+    let split = |n: &[usize]| {
+        let mut off = 0;
+        n.iter()
+            .map(|&n| {
+                off += n;
+                off - n..off
+            })
+            .collect::<Vec<_>>()
+    };
+    let parts: Vec<_> = split(&sizes).into_iter().map(|r| scratch.slice(r)).collect();
+    let parts32: Vec<_> = split(&f32_sizes)
+        .into_iter()
+        .map(|r| scratch32.slice(r))
+        .collect();
     // SAFETY: uninitialised; the output kernel writes every output row, the scan the whole final
     // state.
     let out = unsafe { dev.alloc::<f32>(d.b * d.t * d.hv * d.dv)? };
@@ -493,10 +509,15 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
         v.push_inputs(&mut lb);
-        for p in &parts[..5] {
-            lb.arg(p);
+        lb.arg(&parts[u]).arg(&parts[w]);
+        if kernels.raw_qk {
+            lb.arg(&parts[p])
+                .arg(&parts32[0])
+                .arg(&parts32[1])
+                .arg(&parts32[2]);
+        } else {
+            lb.arg(&parts[qt]).arg(&parts[kt]).arg(&parts[p]).arg(&parts32[0]);
         }
-        lb.arg(&gl);
         for x in &dims {
             lb.arg(x);
         }
@@ -506,22 +527,39 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
             block_dim: (256, 1, 1),
             shared_mem_bytes: *smem as u32,
         };
-        // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu (the shared input prefix,
-        // then the five scratch parts of the sizes above in the kernel's intermediate type S,
-        // gL, i32 dims, f32 scale and eps); the dynamic shared memory is the size the kernel lays
-        // out, its limit raised above.
+        // SAFETY: arguments match `gdn_chunk_prep_*` in cuda/gdn.cu: the shared input prefix, U,
+        // W, then P, gL, fq, fk (gdn_chunk_prep_tc) or Qt, Kt, P, gL (the f32 preps), i32 dims,
+        // f32 scale and eps, with the sizes above; the dynamic shared memory is the size the kernel
+        // lays out, its limit raised above.
         unsafe { lb.launch(cfg) }.w()?;
 
         let (name, threads, cols, smem) = &kernels.scan;
         allow_smem(&dev, name, *smem, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
-        // U (overwritten with Vt), W, Kt, gL
-        lb.arg(&parts[0]).arg(&parts[1]).arg(&parts[3]).arg(&gl);
+        // U (overwritten with Vt), W, then raw k with its row stride and fk, or Kt; gL
+        lb.arg(&parts[u]).arg(&parts[w]);
+        if kernels.raw_qk {
+            lb.arg(&v.k).arg(&v.strides.0).arg(&parts32[2]);
+        } else {
+            lb.arg(&parts[kt]);
+        }
+        lb.arg(&parts32[0]);
         v.push_state(&mut lb);
-        lb.arg(&parts[5]).arg(&s_final);
-        let scan_dims = [d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32];
-        for x in &scan_dims {
+        lb.arg(&parts[hs]).arg(&s_final);
+        let tail_dims = if kernels.raw_qk {
+            vec![
+                d.b as i32,
+                d.t as i32,
+                d.hk as i32,
+                d.hv as i32,
+                d.dk as i32,
+                d.dv as i32,
+            ]
+        } else {
+            vec![d.b as i32, d.t as i32, d.hv as i32, d.dk as i32, d.dv as i32]
+        };
+        for x in &tail_dims {
             lb.arg(x);
         }
         let cfg = LaunchConfig {
@@ -529,19 +567,25 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
             block_dim: (*threads as u32, 1, 1),
             shared_mem_bytes: *smem as u32,
         };
-        // SAFETY: arguments match `gdn_chunk_scan_*`: the scratch parts written above, the
-        // initial state or null, hs and the final state (sizes it writes), then i32 dims; one block
-        // of `threads` per (sequence, value head, cols state columns), as the kernel expects.
+        // SAFETY: arguments match `gdn_chunk_scan_*`: the scratch parts written above (and the
+        // raw k view with its i64 row stride for gdn_chunk_scan_tc), the initial state or null,
+        // hs and the final state (sizes it writes), then i32 dims; one block of `threads` per
+        // (sequence, value head, cols state columns), as the kernel expects.
         unsafe { lb.launch(cfg) }.w()?;
 
         let (name, threads, cols, smem) = kernels.out;
         allow_smem(&dev, name, smem, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
-        // Vt (in U's place), Qt, P, hs
-        lb.arg(&parts[0]).arg(&parts[2]).arg(&parts[4]).arg(&parts[5]);
-        lb.arg(&out);
-        for x in &scan_dims {
+        // Vt (in U's place), then raw q with its row stride and fq, or Qt; P, hs
+        lb.arg(&parts[u]);
+        if kernels.raw_qk {
+            lb.arg(&v.q).arg(&v.strides.0).arg(&parts32[1]);
+        } else {
+            lb.arg(&parts[qt]);
+        }
+        lb.arg(&parts[p]).arg(&parts[hs]).arg(&out);
+        for x in &tail_dims {
             lb.arg(x);
         }
         let cfg = LaunchConfig {
@@ -549,9 +593,9 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: arguments match `gdn_chunk_out*`: Vt, Qt, P and hs as written by the two
-        // kernels before it on this stream, the fresh output, i32 dims; one block of `threads`
-        // per (sequence, value head, chunk, cols output columns).
+        // SAFETY: arguments match `gdn_chunk_out*`: Vt, q or Qt, P and hs as written by the two
+        // kernels before it on this stream (raw q as given), the fresh output, i32 dims; one block
+        // of `threads` per (sequence, value head, chunk, cols output columns).
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;

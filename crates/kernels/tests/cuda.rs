@@ -218,6 +218,7 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
         };
         let eo = max_diff(&got.out, &want.out) / largest(&want.out);
         let es = max_diff(&got.state, &want.state) / largest(&want.state);
+        eprintln!("t {t} dk {dk} dv {dv}: out {eo:.2e}, state {es:.2e} of the largest magnitude");
         let tol = 2f32.powi(-6);
         assert!(
             eo <= tol && es <= tol,
