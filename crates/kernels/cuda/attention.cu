@@ -356,6 +356,91 @@ __device__ __forceinline__ void fa_load_tile(T* dst, const T* __restrict__ src, 
     }
 }
 
+// The three steps of a flash-attention tile that flash_prefill and flash_decode share, for one
+// warp's 16 query rows (m16 C fragments: element (j, e) of row half r is key 8j + 2c + e of the
+// warp's keys, c = lane % 4).
+// s[NJ][4] = Q K^T for 8·NJ keys: Q rows q0.. of Qs, keys key0.. of Ks, both [rows][HD] tiles of
+// row stride ld.
+template <typename T, int HD, int NJ>
+__device__ __forceinline__ void fa_scores(float (&s)[NJ][4], const T* Qs, const T* Ks, int ld, int q0, int key0) {
+#pragma unroll
+    for (int j = 0; j < NJ; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        uint32_t a[4];
+        load_a(a, Qs, ld, q0, kk * 16);
+#pragma unroll
+        for (int j2 = 0; j2 < NJ / 2; j2++) {
+            uint32_t bf[4];
+            load_b2_nk(bf, Ks, ld, kk * 16, key0 + j2 * 16);
+            mma16816<T>(s[2 * j2], a, bf[0], bf[1]);
+            mma16816<T>(s[2 * j2 + 1], a, bf[2], bf[3]);
+        }
+    }
+}
+// One online-softmax step in base 2: scales the scores by scale_log2, masks keys past each row's
+// position (key k0 + 8j + 2c + e > pos_r[r]; skipped when `mask` is false), updates the running
+// max m and sum l, rescales the output o, and leaves the weights e^(x - m) in s. A row whose keys
+// are all masked so far keeps weight 0 (no NaN).
+template <int NJ, int NO>
+__device__ __forceinline__ void fa_online_softmax(float (&s)[NJ][4], float (&o)[NO][4], float (&m)[2], float (&l)[2],
+                                                  float scale_log2, bool mask, int k0, const int (&pos_r)[2]) {
+    const int c = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = m[r];
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float x = s[j][2 * r + e] * scale_log2;
+                if (mask && k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;
+                s[j][2 * r + e] = x;
+                mx = fmaxf(mx, x);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float corr = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
+        m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = mx == -INFINITY ? 0.f : exp2f(s[j][2 * r + e] - mx);
+                s[j][2 * r + e] = p;
+                sum += p;
+            }
+        }
+        l[r] = l[r] * corr + sum;
+#pragma unroll
+        for (int j = 0; j < NO; j++) {
+            o[j][2 * r] *= corr;
+            o[j][2 * r + 1] *= corr;
+        }
+    }
+}
+// o += P V: the weights' C fragments (rounded to T, as flash-attn does) are the A fragments of the
+// product; V rows key0.. of Vs ([keys][HD], row stride ld).
+template <typename T, int HD, int NJ>
+__device__ __forceinline__ void fa_accumulate(float (&o)[HD / 8][4], const float (&p)[NJ][4], const T* Vs, int ld,
+                                              int key0) {
+#pragma unroll
+    for (int kk = 0; kk < NJ / 2; kk++) {
+        const uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                               pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                               pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int j2 = 0; j2 < HD / 16; j2++) {
+            uint32_t bf[4];
+            load_b2(bf, Vs, ld, key0 + kk * 16, j2 * 16);
+            mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
+            mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
+        }
+    }
+}
+
 template <typename T, int HD>
 __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ gate, T* __restrict__ out, int t, int nh, int nkv, long q_bs,
@@ -399,83 +484,19 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k, 
         const int k0 = kt * FA_BK;
         cp_async_wait<1>();  // Q and this K tile (its V may still be in flight)
         __syncthreads();
-        float s[FA_BK / 8][4];
-#pragma unroll
-        for (int j = 0; j < FA_BK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        if (k0 <= warp_last) {
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                uint32_t a[4];
-                ldsm_x4(a, &Qs[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
-#pragma unroll
-                for (int j2 = 0; j2 < FA_BK / 16; j2++) {
-                    uint32_t bf[4];
-                    ldsm_x4(bf, &Ks[(j2 * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8]);
-                    mma16816<T>(s[2 * j2], a, bf[0], bf[1]);
-                    mma16816<T>(s[2 * j2 + 1], a, bf[2], bf[3]);
-                }
-            }
-        }
+        float s[FA_BK / 8][4] = {};
+        if (k0 <= warp_last) fa_scores<T, HD>(s, Qs, Ks, LD, warp * 16, 0);
         __syncthreads();  // every warp is done with this K tile
         if (kt + 1 < ntiles) fa_load_tile<T, HD>(Ks, kb, HD, k0 + FA_BK, keys);
         cp_async_commit();  // (empty on the last tile: keeps the group count uniform)
 
-        // Online softmax in base 2 over this tile's keys; keys past a row's position are masked.
-        const bool diag = k0 + FA_BK - 1 > pos0 + q0 + warp * 16;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = m[r];
-#pragma unroll
-            for (int j = 0; j < FA_BK / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float x = s[j][2 * r + e] * scale_log2;
-                    if (diag && k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;
-                    s[j][2 * r + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // Every row sees key 0, so mx is finite from the first tile on.
-            const float corr = exp2f(m[r] - mx);
-            m[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < FA_BK / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = exp2f(s[j][2 * r + e] - mx);
-                    s[j][2 * r + e] = p;
-                    sum += p;
-                }
-            }
-            l[r] = l[r] * corr + sum;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                o[j][2 * r] *= corr;
-                o[j][2 * r + 1] *= corr;
-            }
-        }
+        // Online softmax over this tile's keys; keys past a row's position are masked (only the
+        // tiles on the diagonal have any).
+        fa_online_softmax(s, o, m, l, scale_log2, k0 + FA_BK - 1 > pos0 + q0 + warp * 16, k0, pos_r);
 
         cp_async_wait<1>();  // this V tile (the next K tile may still be in flight)
         __syncthreads();
-        if (k0 <= warp_last) {
-#pragma unroll
-            for (int kk = 0; kk < FA_BK / 16; kk++) {
-                // The score fragments of keys kk·16 .. +16 are the A fragment of P·V.
-                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-                for (int j2 = 0; j2 < HD / 16; j2++) {
-                    uint32_t bf[4];
-                    ldsm_x4_trans(bf, &Vs[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j2 * 16 + (lane >> 4) * 8]);
-                    mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
-                    mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
-                }
-            }
-        }
+        if (k0 <= warp_last) fa_accumulate<T, HD>(o, s, Vs, LD, 0);
         __syncthreads();  // every warp is done with this V tile
         if (kt + 1 < ntiles) fa_load_tile<T, HD>(Vs, vb, HD, k0 + FA_BK, keys);
         cp_async_commit();
@@ -571,77 +592,17 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
         cp_async_wait<1>();
         __syncthreads();
         float sc[KW / 8][4];
-#pragma unroll
-        for (int j = 0; j < KW / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            uint32_t a[4];
-            ldsm_x4(a, &Qs[(rt * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
-#pragma unroll
-            for (int j2 = 0; j2 < KW / 16; j2++) {
-                uint32_t bf[4];
-                ldsm_x4(bf, &Ks[(kp * KW + j2 * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 +
-                                ((lane >> 3) & 1) * 8]);
-                mma16816<T>(sc[2 * j2], a, bf[0], bf[1]);
-                mma16816<T>(sc[2 * j2 + 1], a, bf[2], bf[3]);
-            }
-        }
+        fa_scores<T, HD>(sc, Qs, Ks, LD, rt * 16, kp * KW);
         __syncthreads();
         if (tile + 1 < t1) fa_load_tile<T, HD>(Ks, k, HD, (tile + 1) * FA_BK, L);
         cp_async_commit();
 
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = m[r];
-#pragma unroll
-            for (int j = 0; j < KW / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float x = sc[j][2 * r + e] * scale_log2;
-                    if (k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;  // also every key >= L
-                    sc[j][2 * r + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A warp's keys may all be masked for a row so far: no weight, no NaN.
-            const float corr = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
-            m[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < KW / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = mx == -INFINITY ? 0.f : exp2f(sc[j][2 * r + e] - mx);
-                    sc[j][2 * r + e] = p;
-                    sum += p;
-                }
-            }
-            l[r] = l[r] * corr + sum;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                o[j][2 * r] *= corr;
-                o[j][2 * r + 1] *= corr;
-            }
-        }
+        // Every key at or past L is past every row's position: masked too.
+        fa_online_softmax(sc, o, m, l, scale_log2, true, k0, pos_r);
 
         cp_async_wait<1>();
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < KW / 16; kk++) {
-            const uint32_t a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
-                                   pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                   pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-            for (int j2 = 0; j2 < HD / 16; j2++) {
-                uint32_t bf[4];
-                ldsm_x4_trans(bf, &Vs[(kp * KW + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j2 * 16 +
-                                      (lane >> 4) * 8]);
-                mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
-                mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
-            }
-        }
+        fa_accumulate<T, HD>(o, sc, Vs, LD, kp * KW);
         __syncthreads();
         if (tile + 1 < t1) fa_load_tile<T, HD>(Vs, v, HD, (tile + 1) * FA_BK, L);
         cp_async_commit();

@@ -298,6 +298,24 @@ constexpr int KS = CH + 4;        // row stride of the transposed [dk][C] tiles 
 constexpr int XS = CHUNK_DK + 4;  // row stride of the [C][dk] tiles
 constexpr int PS = CH + 4;        // row stride of the [C][C] tile
 
+// Where a block of the per-chunk kernels (prep, outputs) works: chunk c (of nc) of sequence b,
+// value head hv (key head hk), its L rows inside the sequence, and its index blk = (b·Hv + hv)·nc
+// + c, whose rows start at base = blk·CH in the scratch.
+struct ChunkBlock {
+    int nc, c, b, hv, hk, L;
+    long blk, bh, base;
+    __device__ ChunkBlock(long blk_, int T, int Hk, int Hv) : blk(blk_) {
+        nc = (T + CH - 1) / CH;
+        c = blk % nc;
+        bh = blk / nc;
+        b = bh / Hv;
+        hv = bh % Hv;
+        hk = hv / (Hv / Hk);
+        L = min(CH, T - c * CH);
+        base = blk * CH;
+    }
+};
+
 // Shared memory of the prep kernel: 2 CHUNK_DK KS + CH CH + 6 CH floats (cuda.rs PREP_SMEM).
 
 __device__ __forceinline__ float f4(const float4& v, int i) {
@@ -372,13 +390,9 @@ __device__ void gdn_chunk_prep(const TQ* __restrict__ q, const TQ* __restrict__ 
                                float* __restrict__ U, float* __restrict__ W, float* __restrict__ Qt,
                                float* __restrict__ Kt, float* __restrict__ P, float* __restrict__ gL, int T,
                                int Hk, int Hv, int dk, int dv, float scale, float eps) {
-    const int nc = (T + CH - 1) / CH;
-    const long blk = blockIdx.x;
-    const int c = blk % nc;
-    const int bh = blk / nc;
-    const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
-    const int t0 = c * CH;
-    const int L = min(CH, T - t0);
+    const ChunkBlock cb(blockIdx.x, T, Hk, Hv);
+    const long blk = cb.blk;
+    const int b = cb.b, hv = cb.hv, hk = cb.hk, t0 = cb.c * CH, L = cb.L;
     const int tid = threadIdx.x, nt = blockDim.x;
     extern __shared__ float4 smem4[];
     float* kT = reinterpret_cast<float*>(smem4);  // [CHUNK_DK][KS]: raw k, transposed
@@ -676,15 +690,11 @@ constexpr int OUT_COLS = 32;
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_out(const float* __restrict__ Vt_all, const float* __restrict__ Qt, const float* __restrict__ P,
                   const float* __restrict__ hs, float* __restrict__ out, int B, int T, int Hv, int dk, int dv) { pdl_enter();
-    const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + OUT_COLS - 1) / OUT_COLS;
-    const long blk = blockIdx.x / tiles;  // (b, hv, chunk)
     const int j0 = (blockIdx.x % tiles) * OUT_COLS;
-    const int c = blk % nc;
-    const long bh = blk / nc;
-    const int b = bh / Hv, hv = bh % Hv;
-    const int L = min(CH, T - c * CH);
-    const long base = blk * CH;
+    const ChunkBlock cb(blockIdx.x / tiles, T, Hv, Hv);  // (the key head is not needed)
+    const long blk = cb.blk, base = cb.base;
+    const int c = cb.c, b = cb.b, hv = cb.hv, L = cb.L;
     const int tid = threadIdx.x;
     extern __shared__ float4 out_smem[];
     float* XQ = reinterpret_cast<float*>(out_smem);
@@ -732,10 +742,11 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The scan and output kernels on tensor cores, for bf16 activations (fla's precision): U, W, Qt,
-// Kt, P, Vt and hs are bf16 (written by `gdn_chunk_prep_fused_bf16_tc`), every product runs as
-// mma.sync m16n8k16 with f32 accumulation, and the state itself stays f32 in the scan's registers:
-// only its copy used as an operand (W S, and hs for the outputs) is rounded to bf16.
+// The chunked kernels on tensor cores, for bf16 activations (fla's precision): U, W, P, Vt and hs
+// are bf16, every product runs as mma.sync m16n8k16 with f32 accumulation, and the state itself
+// stays f32 in the scan's registers: only its copy used as an operand (W S, and hs for the
+// outputs) is rounded to bf16. The raw q, k, v rows enter the products as they are; the L2 norms,
+// gates and decays are applied in f32 to the other operand or to the result.
 // Tiles sit in shared memory with rows padded by 8 elements, so the 8 rows of an ldmatrix fall in
 // distinct banks. dk <= 128 and dk, dv multiples of 8 (16-byte rows); columns past dk and dv and
 // rows past dk are zero-filled.
@@ -757,29 +768,6 @@ __device__ __forceinline__ void tc_load(bf16* X, int xs, const bf16* __restrict_
     }
 }
 
-// B fragments of two adjacent n-tiles (columns n0..n0+15) for k rows kk..kk+15 of a row-major
-// [k][n] tile: b[0], b[1] for columns n0.., b[2], b[3] for n0+8...
-__device__ __forceinline__ void tc_b_pair(uint32_t (&b)[4], const bf16* X, int xs, int kk, int n0) {
-    const int lane = threadIdx.x & 31;
-    ldsm_x4_trans(b, &X[(kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * xs + n0 + 8 * (lane >> 4)]);
-}
-// The same two B fragments from a row-major [n][k] tile (B = its transpose): columns n0..n0+15
-// of B are rows n0..n0+15 of the tile.
-__device__ __forceinline__ void tc_b_pair_nk(uint32_t (&b)[4], const bf16* X, int xs, int kk, int n0) {
-    const int lane = threadIdx.x & 31;
-    ldsm_x4(b, &X[(n0 + (lane & 7) + 8 * (lane >> 4)) * xs + kk + 8 * ((lane >> 3) & 1)]);
-}
-// The A fragment of rows m0..m0+15, columns kk..kk+15 of a row-major [m][k] tile.
-__device__ __forceinline__ void tc_a(uint32_t (&a)[4], const bf16* X, int xs, int m0, int kk) {
-    const int lane = threadIdx.x & 31;
-    ldsm_x4(a, &X[(m0 + (lane & 15)) * xs + kk + 8 * (lane >> 4)]);
-}
-// The A fragment of the transpose of a row-major [k][m] tile: rows m0..m0+15 of the transpose.
-__device__ __forceinline__ void tc_a_trans(uint32_t (&a)[4], const bf16* X, int xs, int m0, int kk) {
-    const int lane = threadIdx.x & 31;
-    ldsm_x4_trans(a, &X[(kk + (lane & 7) + 8 * (lane >> 4)) * xs + m0 + 8 * ((lane >> 3) & 1)]);
-}
-
 // Shared memory of the tensor-core prep (bytes): raw k and v [CH][TC_S] bf16; a region that
 // first holds raw q [CH][TC_S] and A [CH][CH + 4] f32, then the column-scaled inverses
 // T diag(beta) and T diag(beta e^gamma / |k|), each a bf16 pair (hi, lo) [2][CH][CH + 8]; the six
@@ -793,13 +781,13 @@ static_assert(TC_PREP_SMEM <= 227 * 1024 / 3, "three blocks per SM");
 // The prep of the tensor-core path, one block of 8 warps per (b, hv, chunk): U, W and P as
 // gdn_chunk_prep_fused_* forms them, in bf16, and gL; instead of Qt and Kt, their row factors
 // fq = scale e^gamma / |q| and fk = e^(gamma_L - gamma) / |k| ([chunk rows] f32), applied to the
-// raw rows by the kernels that read them. Raw bf16 q, k, v rows are exact tensor-core operands, so K K^T
-// and Q K^T run as m16n8k16 products with only the f32 summation order changed; the norms and
-// gates scale them afterwards. T = (I + A)^-1 comes from a blocked forward substitution in f32,
-// and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with
-// the f32 factor split into two bf16 parts (hi + lo: 16 significant bits), so U and W are
-// accurate to about 2^-16 before their one rounding to bf16. q, k, v rows 16-byte aligned (row
-// strides and offsets multiples of 8 elements: cuda.rs checks).
+// raw rows by the kernels that read them. Raw bf16 q, k, v rows are exact tensor-core operands,
+// so K K^T and Q K^T run as m16n8k16 products with only the f32 summation order changed; the
+// norms and gates scale them afterwards. T = (I + A)^-1 comes from a blocked forward substitution
+// in f32, and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with the
+// f32 factor split into two bf16 parts (hi + lo: 16 significant bits), so U and W are accurate to
+// about 2^-16 before their one rounding to bf16. q, k, v rows 16-byte aligned (row strides and
+// offsets multiples of 8 elements: cuda.rs checks).
 extern "C" __global__ void __launch_bounds__(256, 3)
     gdn_chunk_prep_tc(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                       long qk_stride, long v_stride, const bf16* __restrict__ ga, const bf16* __restrict__ gb,
@@ -808,13 +796,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                       float* __restrict__ fq, float* __restrict__ fk, int T, int Hk, int Hv, int dk, int dv,
                       float scale, float eps) {
     pdl_enter();
-    const int nc = (T + CH - 1) / CH;
-    const long blk = blockIdx.x;
-    const int c = blk % nc;
-    const int bh = blk / nc;
-    const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
-    const int t0 = c * CH;
-    const int L = min(CH, T - t0);
+    const ChunkBlock cb(blockIdx.x, T, Hk, Hv);
+    const long blk = cb.blk;
+    const int b = cb.b, hv = cb.hv, hk = cb.hk, t0 = cb.c * CH, L = cb.L;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     extern __shared__ float4 tc_smem[];
     bf16* Ks = reinterpret_cast<bf16*>(tc_smem);
@@ -862,12 +846,12 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 #pragma unroll
         for (int kk = 0; kk < CHUNK_DK; kk += 16) {
             uint32_t ak[4], aq[4];
-            tc_a(ak, Ks, TC_S, m0, kk);
-            tc_a(aq, Qs, TC_S, m0, kk);
+            load_a(ak, Ks, TC_S, m0, kk);
+            load_a(aq, Qs, TC_S, m0, kk);
 #pragma unroll
             for (int jp = 0; jp < 2; jp++) {
                 uint32_t bk[4];
-                tc_b_pair_nk(bk, Ks, TC_S, kk, n0 + 16 * jp);
+                load_b2_nk(bk, Ks, TC_S, kk, n0 + 16 * jp);
                 mma16816<bf16>(G[2 * jp], ak, bk[0], bk[1]);
                 mma16816<bf16>(G[2 * jp + 1], ak, bk[2], bk[3]);
                 mma16816<bf16>(H[2 * jp], aq, bk[0], bk[1]);
@@ -997,12 +981,12 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 #pragma unroll
         for (int kk = 0; kk < CH; kk += 16) {
             uint32_t ah[4], al[4];
-            tc_a(ah, Tx, TC_TS, m0, kk);
-            tc_a(al, Tx + CH * TC_TS, TC_TS, m0, kk);
+            load_a(ah, Tx, TC_TS, m0, kk);
+            load_a(al, Tx + CH * TC_TS, TC_TS, m0, kk);
 #pragma unroll
             for (int jp = 0; jp < 4; jp++) {
                 uint32_t bb[4];
-                tc_b_pair(bb, X, TC_S, kk, n0 + 16 * jp);
+                load_b2(bb, X, TC_S, kk, n0 + 16 * jp);
                 mma16816<bf16>(o[2 * jp], ah, bb[0], bb[1]);
                 mma16816<bf16>(o[2 * jp + 1], ah, bb[2], bb[3]);
                 mma16816<bf16>(o[2 * jp], al, bb[0], bb[1]);
@@ -1132,8 +1116,8 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
 #pragma unroll
         for (int kk = 0; kk < CHUNK_DK; kk += 16) {
             uint32_t a[4], b[4];
-            tc_a(a, Wb + o * TC_S, TC_S, vr, kk);
-            tc_b_pair(b, Sb, TC_VS, kk, vc);
+            load_a(a, Wb + o * TC_S, TC_S, vr, kk);
+            load_b2(b, Sb, TC_VS, kk, vc);
             const int p = (kk >> 4) & 1;
             mma16816<bf16>(v[p][0], a, b[0], b[1]);
             mma16816<bf16>(v[p][1], a, b[2], b[3]);
@@ -1172,12 +1156,12 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
 #pragma unroll
         for (int kk = 0; kk < CH; kk += 16) {
             uint32_t a[4];
-            tc_a_trans(a, Kb + o * TC_S, TC_S, 16 * warp, kk);
+            load_a_trans(a, Kb + o * TC_S, TC_S, 16 * warp, kk);
             const int p = (kk >> 4) & 1;
 #pragma unroll
             for (int jp = 0; jp < 2; jp++) {
                 uint32_t b[4];
-                tc_b_pair(b, Vf, TC_VS, kk, 16 * jp);
+                load_b2(b, Vf, TC_VS, kk, 16 * jp);
                 mma16816<bf16>(d[p][2 * jp], a, b[0], b[1]);
                 mma16816<bf16>(d[p][2 * jp + 1], a, b[2], b[3]);
             }
@@ -1210,15 +1194,11 @@ extern "C" __global__ void __launch_bounds__(128)
                      const float* __restrict__ fq, const bf16* __restrict__ P, const bf16* __restrict__ hs,
                      float* __restrict__ out, int B, int T, int Hk, int Hv, int dk, int dv) {
     pdl_enter();
-    const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + TC_OV - 1) / TC_OV;
-    const long blk = blockIdx.x / tiles;  // (b, hv, chunk)
     const int j0 = (blockIdx.x % tiles) * TC_OV;
-    const int c = blk % nc;
-    const long bh = blk / nc;
-    const int b = bh / Hv, hv = bh % Hv;
-    const int L = min(CH, T - c * CH);
-    const long base = blk * CH;
+    const ChunkBlock cb(blockIdx.x / tiles, T, Hk, Hv);
+    const long blk = cb.blk, base = cb.base;
+    const int c = cb.c, b = cb.b, hv = cb.hv, hk = cb.hk, L = cb.L;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     extern __shared__ float4 tc_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(tc_smem);
@@ -1226,8 +1206,8 @@ extern "C" __global__ void __launch_bounds__(128)
     bf16* Ps = Hs + CHUNK_DK * TC_OS;
     bf16* Vs = Ps + CH * TC_OS;
     const int oseg = min(TC_OV, dv - j0) / 8;
-    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + ((long)b * T + c * CH) * qk_stride + (long)(hv / (Hv / Hk)) * dk,
-                              qk_stride, L, dk / 8);
+    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + ((long)b * T + c * CH) * qk_stride + (long)hk * dk, qk_stride, L,
+                              dk / 8);
     tc_load<CHUNK_DK, TC_OV / 8>(Hs, TC_OS, hs + blk * dk * dv + j0, dv, dk, oseg);
     tc_load<CH, CH / 8>(Ps, TC_OS, P + base * CH, CH, CH, CH / 8);
     tc_load<CH, TC_OV / 8>(Vs, TC_OS, Vt_all + base * dv + j0, dv, CH, oseg);
@@ -1238,11 +1218,11 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int kk = 0; kk < CHUNK_DK; kk += 16) {
         uint32_t a[4];
-        tc_a(a, Qs, TC_S, 16 * warp, kk);
+        load_a(a, Qs, TC_S, 16 * warp, kk);
 #pragma unroll
         for (int jp = 0; jp < 4; jp++) {
             uint32_t bb[4];
-            tc_b_pair(bb, Hs, TC_OS, kk, 16 * jp);
+            load_b2(bb, Hs, TC_OS, kk, 16 * jp);
             mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
             mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
         }
@@ -1258,11 +1238,11 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     for (int kk = 0; kk <= 16 * warp; kk += 16) {
         uint32_t a[4];
-        tc_a(a, Ps, TC_OS, 16 * warp, kk);
+        load_a(a, Ps, TC_OS, 16 * warp, kk);
 #pragma unroll
         for (int jp = 0; jp < 4; jp++) {
             uint32_t bb[4];
-            tc_b_pair(bb, Vs, TC_OS, kk, 16 * jp);
+            load_b2(bb, Vs, TC_OS, kk, 16 * jp);
             mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
             mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
         }

@@ -47,3 +47,31 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
+
+// Fragments of 16 x 16 operand blocks from shared-memory tiles of 16-bit elements (row stride xs
+// elements, rows 16-byte aligned; a stride of 8 elements past a multiple of 64 keeps the 8 rows of
+// each ldmatrix in distinct banks).
+// The A fragment of rows m0..m0+15, columns kk..kk+15 of a row-major [m][k] tile.
+template <typename T> __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* X, int xs, int m0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4(a, &X[(m0 + (lane & 15)) * xs + kk + 8 * (lane >> 4)]);
+}
+// The A fragment of rows m0..m0+15 of the transpose of a row-major [k][m] tile.
+template <typename T>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* X, int xs, int m0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4_trans(a, &X[(kk + (lane & 7) + 8 * (lane >> 4)) * xs + m0 + 8 * ((lane >> 3) & 1)]);
+}
+// B fragments of two adjacent n-tiles (columns n0..n0+15) for k rows kk..kk+15 of a row-major
+// [k][n] tile: b[0], b[1] for columns n0.., b[2], b[3] for n0+8...
+template <typename T> __device__ __forceinline__ void load_b2(uint32_t (&b)[4], const T* X, int xs, int kk, int n0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4_trans(b, &X[(kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * xs + n0 + 8 * (lane >> 4)]);
+}
+// The same two B fragments from a row-major [n][k] tile (B is its transpose: columns n0..n0+15
+// of B are rows n0..n0+15 of the tile).
+template <typename T>
+__device__ __forceinline__ void load_b2_nk(uint32_t (&b)[4], const T* X, int xs, int kk, int n0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4(b, &X[(n0 + (lane & 7) + 8 * (lane >> 4)) * xs + kk + 8 * ((lane >> 3) & 1)]);
+}

@@ -56,6 +56,36 @@ fn inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> Inp
     }
 }
 
+/// Inputs of the fused op on the CPU: the projection rows qkv [b, t, 2·hk·dk + hv·dv] and the gate
+/// projections a, b [b, t, hv] (normal, in f32), a_log and dt_bias [hv], an initial state.
+struct FusedInputs {
+    qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    s0: Tensor,
+    heads: GdnHeads,
+}
+
+fn fused_inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> FusedInputs {
+    let cpu = Device::Cpu;
+    FusedInputs {
+        qkv: Tensor::randn(0f32, 1.0, (b, t, 2 * hk * dk + hv * dv), &cpu).unwrap(),
+        a: Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap(),
+        b: Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap(),
+        a_log: Tensor::rand(0f32, 2.5, hv, &cpu).unwrap(),
+        dt_bias: (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap(),
+        s0: Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap(),
+        heads: GdnHeads {
+            k_heads: hk,
+            v_heads: hv,
+            k_dim: dk,
+            v_dim: dv,
+        },
+    }
+}
+
 #[test]
 fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
     // dk covers each compiled register-row variant; dv not a multiple of 32 covers partial tiles.
@@ -94,21 +124,16 @@ fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
 fn fused_kernel_matches_cpu_composition() {
     // 33 tokens: one partial chunk; 150 = 2·64 + 22: chunk boundaries and a partial last chunk.
     for t in [33, 150] {
-        let (b, hk, hv, dk, dv) = (2, 2, 4, 64, 48);
-        let cpu = Device::Cpu;
-        let width = 2 * hk * dk + hv * dv;
-        let qkv = Tensor::randn(0f32, 1.0, (b, t, width), &cpu).unwrap();
-        let a = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
-        let bb = Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap();
-        let a_log = Tensor::rand(0f32, 2.5, hv, &cpu).unwrap();
-        let dt = (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap();
-        let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap();
-        let heads = GdnHeads {
-            k_heads: hk,
-            v_heads: hv,
-            k_dim: dk,
-            v_dim: dv,
-        };
+        let hv = 4;
+        let FusedInputs {
+            qkv,
+            a,
+            b: bb,
+            a_log,
+            dt_bias: dt,
+            s0,
+            heads,
+        } = fused_inputs(2, t, 2, hv, 64, 48);
         let d = gpu();
         let on = |t: &Tensor| t.to_device(&d).unwrap();
         for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-4), (DType::F16, 1e-4)] {
@@ -176,20 +201,10 @@ fn fused_kernel_matches_cpu_composition() {
 #[test]
 fn tensor_core_chunked_path_stays_within_bf16_rounding() {
     for (b, t, hk, hv, dk, dv) in [(2, 150, 2, 4, 64, 48), (1, 1000, 2, 4, 128, 128)] {
-        let cpu = Device::Cpu;
-        let width = 2 * hk * dk + hv * dv;
-        let x = randn(1.0, (b, t, width), DType::BF16);
-        let a = randn(1.0, (b, t, hv), DType::BF16);
-        let bb = randn(1.0, (b, t, hv), DType::BF16);
-        let a_log = Tensor::rand(0f32, 2.5, hv, &cpu).unwrap();
-        let dt = (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap();
-        let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap();
-        let heads = GdnHeads {
-            k_heads: hk,
-            v_heads: hv,
-            k_dim: dk,
-            v_dim: dv,
-        };
+        let inp = fused_inputs(b, t, hk, hv, dk, dv);
+        let bf16 = |x: &Tensor| x.to_dtype(DType::BF16).unwrap();
+        let (x, a, bb) = (bf16(&inp.qkv), bf16(&inp.a), bf16(&inp.b));
+        let (a_log, dt, s0, heads) = (inp.a_log, inp.dt_bias, inp.s0, inp.heads);
         let mode = DeltaRuleMode::Chunked;
         let want = fused_gated_delta_rule(&x, &a, &bb, &a_log, &dt, Some(&s0), heads, mode).unwrap();
         let d = gpu();
