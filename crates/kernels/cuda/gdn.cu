@@ -1057,19 +1057,25 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
     // back to global memory.
     const int wr = tid >> 4, ws = tid & 15, ur = tid >> 2, us = tid & 3;
     const bool w_ok = 8 * ws < dk, u_ok = j0 + 8 * us < dv;
+    // Running source pointers of those pieces (advanced a chunk per call of issue).
+    const bf16* w_src = W + (first + wr) * dk + 8 * ws;
+    const bf16* k_src = kh + (long)wr * qk_stride + 8 * ws;
+    const bf16* u_src = U + (first + ur) * dv + j0 + 8 * us;
     auto issue = [&](int c) {
-        const long base = first + (long)c * CH;
-        const int o = (c & 1) * CH;
+        bf16* wd = Wb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
+        bf16* kd = Kb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
+        const int k_rows = T - c * CH - wr;  // piece i of k is inside the sequence while 16 i < k_rows
 #pragma unroll
         for (int i = 0; i < CH / 16; i++) {
-            const int r = wr + 16 * i;
-            const bool k_ok = w_ok && c * CH + r < T;
-            cp_async16_or_zero(&Wb[(o + r) * TC_S + 8 * ws], W + (w_ok ? (base + r) * dk + 8 * ws : 0), w_ok);
-            cp_async16_or_zero(&Kb[(o + r) * TC_S + 8 * ws], kh + (k_ok ? (long)(c * CH + r) * qk_stride + 8 * ws : 0),
-                               k_ok);
+            const bool k_ok = w_ok && 16 * i < k_rows;
+            cp_async16_or_zero(wd + 16 * i * TC_S, w_ok ? w_src + 16 * i * dk : W, w_ok);
+            cp_async16_or_zero(kd + 16 * i * TC_S, k_ok ? k_src + 16 * i * qk_stride : k, k_ok);
         }
-        cp_async16_or_zero(&Ub[(o + ur) * TC_VS + 8 * us], U + (u_ok ? (base + ur) * dv + j0 + 8 * us : 0), u_ok);
+        cp_async16_or_zero(Ub + ((c & 1) * CH + ur) * TC_VS + 8 * us, u_ok ? u_src : U, u_ok);
         cp_async_commit();
+        w_src += (long)CH * dk;
+        k_src += (long)CH * qk_stride;
+        u_src += (long)CH * dv;
     };
     issue(0);
     // Element e of fragment j: state row 16w + g + 8(e / 2), column 8j + 2tg + e % 2.
