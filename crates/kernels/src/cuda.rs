@@ -415,13 +415,15 @@ fn chunked_supported(d: Launch) -> bool {
     d.dk <= CHUNK_MAX_DK && d.dk % 4 == 0 && d.dv % 4 == 0
 }
 
-/// Whether the fused chunked op of dtype `dt` runs on tensor cores: bf16 activations whose q, k
-/// and v head rows start 16 bytes apart and aligned (dk, dv, row strides and offsets multiples of 8
-/// elements: the kernels copy them in 16-byte pieces), and no CUDA-core scan forced by
+/// Whether the fused chunked op of dtype `dt` runs on tensor cores: bf16 activations, dv at most
+/// 128 like dk (the prep holds a chunk's v rows in one [CHUNK, 128] tile), q, k and v head rows
+/// that start 16 bytes apart and aligned (dk, dv, row strides and offsets multiples of 8 elements:
+/// the kernels copy them in 16-byte pieces), and no CUDA-core scan forced by
 /// [`crate::delta_rule::force_chunk_scan_columns`].
 fn chunked_on_tensor_cores(d: Launch, dt: DType, inp: &DeltaRuleInputs) -> bool {
     let aligned = |(t, off): (&Tensor, usize)| (t.layout().start_offset() + off) % 8 == 0;
     dt == DType::BF16
+        && d.dv <= CHUNK_MAX_DK
         && d.dk % 8 == 0
         && d.dv % 8 == 0
         && inp.strides.0 % 8 == 0
