@@ -853,3 +853,33 @@ fn norm_rope_heads_matches_cpu() {
         }
     }
 }
+
+/// The first kernel launch on a device makes its default memory pool (candle's allocations) keep
+/// freed memory: its release threshold goes from the driver's 0 to u64::MAX, unless
+/// `QWEN36_POOL_KEEP=0` asks for the driver's default.
+#[test]
+fn memory_pool_keeps_freed_memory() {
+    use candle_core::cuda::cudarc::driver::{result, sys};
+    let d = gpu();
+    let x = randn(1.0, (4, 64), DType::F32).to_device(&d).unwrap();
+    // Any kernel of ours: the RMSNorm.
+    let norm = qwen36_kernels::norm::RmsNorm::zero_centred(&Tensor::zeros(64, DType::F32, &d).unwrap(), 1e-6)
+        .unwrap();
+    norm.forward(&x).unwrap();
+    let stream = d.as_cuda_device().unwrap().cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().unwrap();
+    let mut threshold: u64 = 0;
+    // SAFETY: the device comes from a live context bound above; RELEASE_THRESHOLD is a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device()).unwrap();
+        result::mem_pool::get_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .unwrap();
+    }
+    let keep = !std::env::var("QWEN36_POOL_KEEP").is_ok_and(|v| v == "0");
+    assert_eq!(threshold, if keep { u64::MAX } else { 0 });
+}

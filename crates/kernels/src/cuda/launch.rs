@@ -25,7 +25,8 @@ use candle_core::cuda::cudarc::driver::sys::{
     self, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig,
 };
 use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DriverError, LaunchConfig,
+    result, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DriverError,
+    LaunchConfig,
 };
 use candle_core::CudaDevice;
 
@@ -143,7 +144,8 @@ impl<'a> KernelCall<'a> {
     }
 }
 
-/// Whether launches on `stream`'s device carry the PDL attribute (cached per device ordinal).
+/// Whether launches on `stream`'s device carry the PDL attribute (cached per device ordinal). The
+/// first launch on a device also makes its memory pool keep freed memory ([`keep_freed_memory`]).
 fn pdl_enabled(stream: &CudaStream) -> bool {
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
     let ctx = stream.context();
@@ -153,6 +155,7 @@ fn pdl_enabled(stream: &CudaStream) -> bool {
         Some(2) => return true,
         _ => {}
     }
+    keep_freed_memory(ctx);
     let major = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         .unwrap_or(0);
@@ -163,4 +166,30 @@ fn pdl_enabled(stream: &CudaStream) -> bool {
         s.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
     on
+}
+
+/// Lets the device's default memory pool, which candle allocates from (`cuMemAllocAsync`), keep the
+/// memory freed into it instead of returning it to the driver at every synchronisation (the
+/// pool's default release threshold is 0): the buffers a pass allocates and frees (the chunked
+/// GDN scratch is ~0.5 GB at 8k tokens) are then mapped once per process, not once per call, as
+/// PyTorch's caching allocator does. The memory stays reserved by the process until it exits;
+/// `QWEN36_POOL_KEEP=0` leaves the driver's default (for A/B benchmarks). Best effort: an error
+/// here only costs speed.
+fn keep_freed_memory(ctx: &CudaContext) {
+    if std::env::var("QWEN36_POOL_KEEP").is_ok_and(|v| v == "0") || ctx.bind_to_thread().is_err() {
+        return;
+    }
+    // SAFETY: `cu_device` comes from a live context, bound to this thread above.
+    let Ok(pool) = (unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }) else {
+        return;
+    };
+    let mut keep = u64::MAX;
+    // SAFETY: the pool is valid and RELEASE_THRESHOLD is a u64 attribute, read from `keep`.
+    let _ = unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+    };
 }
