@@ -752,8 +752,6 @@ extern "C" __global__ void __launch_bounds__(256)
 // rows past dk are zero-filled.
 using bf16 = __nv_bfloat16;
 constexpr int TC_S = CHUNK_DK + 8;  // row stride of [rows][dk] tiles
-constexpr int TC_BV = 32;           // state columns per scan block
-constexpr int TC_VS = TC_BV + 8;    // row stride of the scan's [rows][32] tiles
 constexpr int TC_OV = 64;           // output columns per output block
 constexpr int TC_OS = TC_OV + 8;    // row stride of the output kernel's [rows][64] tiles and of P
 
@@ -1014,48 +1012,55 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     if (tid == 0) gL[blk] = expf(gl);
 }
 
-// Shared memory of the scan (bf16 elements): W and raw k [2][CH][TC_S] (double-buffered), this
-// tile's U [2][CH][TC_VS], the bf16 state [CHUNK_DK][TC_VS], Vt and fk Vt [CH][TC_VS] (cuda.rs
-// TC_SCAN_SMEM).
-constexpr int TC_SCAN_SMEM = 2 * (4 * CH * TC_S + 2 * CH * TC_VS + CHUNK_DK * TC_VS + 2 * CH * TC_VS);
-static_assert(TC_SCAN_SMEM <= 227 * 1024 / 2, "two blocks per SM");
+// Shared memory of a scan with BV state columns per block (bf16 elements): W and raw k
+// [2][CH][TC_S] (double-buffered), this tile's U [2][CH][BV + 8], the bf16 state
+// [CHUNK_DK][BV + 8], Vt and fk Vt [CH][BV + 8] (cuda.rs `tc_scan_smem`).
+__host__ __device__ constexpr int tc_scan_smem(int bv) { return 2 * (4 * CH * TC_S + (2 * CH + CHUNK_DK + 2 * CH) * (bv + 8)); }
 
-// The scan, one block of 8 warps per (b, hv, TC_BV state columns). Warp w keeps state rows
-// 16w..16w+15 (four n-tiles of f32 accumulators) for the whole sequence; per chunk it forms rows
-// 16(w % 4).., columns 16(w / 4).. of Vt = U - W bf16(S), then its rows of S = gL S + Kt^T Vt
-// with Kt^T Vt = k^T (fk Vt) from the raw k rows. The next chunk's W, k and U load while this one
-// is computed on. Vt overwrites U in place
-// (bf16), and bf16(S) at each chunk's entry goes to hs for the output kernel. The chain of
-// dependent steps per chunk is what bounds this kernel (few blocks: B·Hv·dv/32), so each
-// thread's copies use offsets computed once, the global writes go out as 16-byte rows of the
-// shared tiles, and the products accumulate in two independent halves.
-constexpr int TC_SCAN_THREADS = 256;
-extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
-    gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ k, long qk_stride,
-                      const float* __restrict__ fk, const float* __restrict__ gL, const float* __restrict__ s0,
-                      bf16* __restrict__ hs, float* __restrict__ s_final, int B, int T, int Hk, int Hv, int dk,
-                      int dv) {
+// The scan, one block of WARPS warps per (b, hv, BV state columns). Warp w keeps state rows
+// 16(w % 8).. and columns SC(w / 8).. (f32 accumulators, SC = 8 BV / WARPS) for the whole
+// sequence; per chunk it forms a 16 x VC tile of Vt = U - W bf16(S), then its part of
+// S = gL S + Kt^T Vt with Kt^T Vt = k^T (fk Vt) from the raw k rows. The next chunk's W, k and U
+// load while this one is computed on, and bf16(S) at each chunk's entry goes to hs for the
+// output kernel; Vt goes back over U. The chain of dependent steps per chunk is what bounds this
+// kernel (few blocks: B·Hv·dv/BV), so each thread's copies use offsets computed once, the global
+// writes go out as 16-byte rows of the shared tiles, and the products accumulate in two
+// independent halves. Wider blocks read W and k once for more columns (run 9 of the GDN table:
+// BV 64 took the scan from 362 to 290-306 µs at 8k; 16 warps instead of 8 did no better) but
+// need more shared memory than sm_86/89 give a block: the launcher picks BV by the device.
+template <int BV, int WARPS>
+__device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ k, long qk_stride,
+                                  const float* __restrict__ fk, const float* __restrict__ gL,
+                                  const float* __restrict__ s0, bf16* __restrict__ hs, float* __restrict__ s_final,
+                                  int T, int Hk, int Hv, int dk, int dv) {
+    constexpr int THREADS = 32 * WARPS, VS = BV + 8;
+    constexpr int SC = BV * 8 / WARPS, SNT = SC / 8;  // a warp's state columns, n-tiles
+    constexpr int VC = BV * 4 / WARPS;                // a warp's Vt columns
+    constexpr int WK_ROWS = THREADS / 16;             // W / k tile rows per copy pass
+    constexpr int UPR = BV / 8, UROWS = THREADS / UPR;  // 16-byte pieces per U row; rows per pass
+    static_assert(WARPS % 8 == 0 && SC % 16 == 0 && VC % 16 == 0 && CH % UROWS == 0, "tile split");
+    static_assert(tc_scan_smem(BV) <= 227 * 1024, "fits an SM");
     pdl_enter();
     const int nc = (T + CH - 1) / CH;
-    const int tiles = (dv + TC_BV - 1) / TC_BV;
-    const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * TC_BV;
+    const int tiles = (dv + BV - 1) / BV;
+    const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * BV;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     extern __shared__ float4 tc_smem[];
     bf16* Wb = reinterpret_cast<bf16*>(tc_smem);
     bf16* Kb = Wb + 2 * CH * TC_S;
     bf16* Ub = Kb + 2 * CH * TC_S;
-    bf16* Sb = Ub + 2 * CH * TC_VS;
-    bf16* Vb = Sb + CHUNK_DK * TC_VS;
-    bf16* Vf = Vb + CH * TC_VS;
+    bf16* Sb = Ub + 2 * CH * VS;
+    bf16* Vb = Sb + CHUNK_DK * VS;
+    bf16* Vf = Vb + CH * VS;
     const long head = (long)bh * dk * dv;
     const long first = (long)bh * nc * CH;  // row of this head's first chunk
     // Raw k rows of this sequence and key head.
     const bf16* kh = k + (long)(bh / Hv) * T * qk_stride + (long)((bh % Hv) / (Hv / Hk)) * dk;
-    // This thread's 16-byte pieces: four of the W and k tiles (row tid / 16 + 16 i, segment
-    // tid % 16; zeros past dk and, for k, past the sequence), one of the U tile (row tid / 4,
-    // segment tid % 4; zeros past dv); the same piece of the Vt tile and two of the bf16 state go
-    // back to global memory.
-    const int wr = tid >> 4, ws = tid & 15, ur = tid >> 2, us = tid & 3;
+    // This thread's 16-byte pieces: of the W and k tiles rows wr + WK_ROWS i, segment ws (zeros
+    // past dk and, for k, past the sequence); of the U tile rows ur + UROWS i, segment us (zeros
+    // past dv); the same pieces of the Vt tile and of the bf16 state's rows go back to global
+    // memory.
+    const int wr = tid >> 4, ws = tid & 15, ur = tid / UPR, us = tid % UPR;
     const bool w_ok = 8 * ws < dk, u_ok = j0 + 8 * us < dv;
     // Running source pointers of those pieces (advanced a chunk per call of issue).
     const bf16* w_src = W + (first + wr) * dk + 8 * ws;
@@ -1064,50 +1069,53 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
     auto issue = [&](int c) {
         bf16* wd = Wb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
         bf16* kd = Kb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
-        const int k_rows = T - c * CH - wr;  // piece i of k is inside the sequence while 16 i < k_rows
+        const int k_rows = T - c * CH - wr;  // piece i of k is inside the sequence while WK_ROWS i < k_rows
 #pragma unroll
-        for (int i = 0; i < CH / 16; i++) {
-            const bool k_ok = w_ok && 16 * i < k_rows;
-            cp_async16_or_zero(wd + 16 * i * TC_S, w_ok ? w_src + 16 * i * dk : W, w_ok);
-            cp_async16_or_zero(kd + 16 * i * TC_S, k_ok ? k_src + 16 * i * qk_stride : k, k_ok);
+        for (int i = 0; i < CH / WK_ROWS; i++) {
+            const bool k_ok = w_ok && WK_ROWS * i < k_rows;
+            cp_async16_or_zero(wd + WK_ROWS * i * TC_S, w_ok ? w_src + (long)WK_ROWS * i * dk : W, w_ok);
+            cp_async16_or_zero(kd + WK_ROWS * i * TC_S, k_ok ? k_src + WK_ROWS * i * qk_stride : k, k_ok);
         }
-        cp_async16_or_zero(Ub + ((c & 1) * CH + ur) * TC_VS + 8 * us, u_ok ? u_src : U, u_ok);
+#pragma unroll
+        for (int i = 0; i < CH / UROWS; i++)
+            cp_async16_or_zero(Ub + ((c & 1) * CH + ur + UROWS * i) * VS + 8 * us,
+                               u_ok ? u_src + (long)UROWS * i * dv : U, u_ok);
         cp_async_commit();
         w_src += (long)CH * dk;
         k_src += (long)CH * qk_stride;
         u_src += (long)CH * dv;
     };
     issue(0);
-    // Element e of fragment j: state row 16w + g + 8(e / 2), column 8j + 2tg + e % 2.
-    const int sr = 16 * warp + g;
-    float S[4][4];
+    // Element e of fragment j: state row 16(w % 8) + g + 8(e / 2), column sc + 8j + 2tg + e % 2.
+    const int sr = 16 * (warp & 7) + g, sc = SC * (warp >> 3);
+    float S[SNT][4];
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < SNT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int r = sr + 8 * (e >> 1), col = j0 + 8 * j + 2 * tg + (e & 1);
+            const int r = sr + 8 * (e >> 1), col = j0 + sc + 8 * j + 2 * tg + (e & 1);
             S[j][e] = (s0 != nullptr && r < dk && col < dv) ? s0[head + (long)r * dv + col] : 0.f;
         }
     auto round_state = [&]() {
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < SNT; j++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                *reinterpret_cast<uint32_t*>(&Sb[(sr + 8 * h) * TC_VS + 8 * j + 2 * tg]) =
+                *reinterpret_cast<uint32_t*>(&Sb[(sr + 8 * h) * VS + sc + 8 * j + 2 * tg]) =
                     pack2<bf16>(S[j][2 * h], S[j][2 * h + 1]);
     };
-    // hs of chunk c from the shared bf16 state: rows tid / 4 and 64 + tid / 4, segment tid % 4.
+    // hs of chunk c from the shared bf16 state: rows ur + UROWS i, segment us.
     auto write_hs = [&](int c) {
         bf16* dst = hs + ((long)bh * nc + c) * dk * dv + j0 + 8 * us;
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int r = ur + 64 * i;
+        for (int i = 0; i < CHUNK_DK / UROWS; i++) {
+            const int r = ur + UROWS * i;
             if (r < dk && u_ok)
-                *reinterpret_cast<uint4*>(dst + (long)r * dv) = *reinterpret_cast<const uint4*>(&Sb[r * TC_VS + 8 * us]);
+                *reinterpret_cast<uint4*>(dst + (long)r * dv) = *reinterpret_cast<const uint4*>(&Sb[r * VS + 8 * us]);
         }
     };
     round_state();
-    const int vr = 16 * (warp & 3), vc = 16 * (warp >> 2);  // this warp's Vt tile
+    const int vr = 16 * (warp & 3), vc = VC * (warp >> 2);  // this warp's Vt tile
     float gl_next = gL[(long)bh * nc];
     // fk of this warp's two Vt rows, loaded a chunk ahead like gL.
     float fk_next[2] = {fk[first + vr + g], fk[first + vr + g + 8]};
@@ -1117,16 +1125,20 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
         const float gl = gl_next, fk0 = fk_next[0], fk1 = fk_next[1];
         cp_async_wait<0>();  // this chunk's W, k and U (issued a chunk ago)
         __syncthreads();     // ... visible to all, with bf16(S); the buffers refilled next are free
-        // Vt = U - W bf16(S): a 16 x 16 tile, K = CHUNK_DK in two independent halves.
-        float v[2][2][4] = {};
+        // Vt = U - W bf16(S): a 16 x VC tile, K = CHUNK_DK in two independent halves.
+        float v[2][VC / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < CHUNK_DK; kk += 16) {
-            uint32_t a[4], b[4];
+            uint32_t a[4];
             load_a(a, Wb + o * TC_S, TC_S, vr, kk);
-            load_b2(b, Sb, TC_VS, kk, vc);
             const int p = (kk >> 4) & 1;
-            mma16816<bf16>(v[p][0], a, b[0], b[1]);
-            mma16816<bf16>(v[p][1], a, b[2], b[3]);
+#pragma unroll
+            for (int jp = 0; jp < VC / 16; jp++) {
+                uint32_t b[4];
+                load_b2(b, Sb, VS, kk, vc + 16 * jp);
+                mma16816<bf16>(v[p][2 * jp], a, b[0], b[1]);
+                mma16816<bf16>(v[p][2 * jp + 1], a, b[2], b[3]);
+            }
         }
         // The next chunk's loads and this chunk's hs go out while the products run.
         if (c + 1 < nc) {
@@ -1137,55 +1149,66 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_THREADS)
         }
         write_hs(c);
         // Vt (bf16) for the outputs, and fk Vt (bf16) for the state update: Kt^T Vt = k^T (fk Vt).
-        const bf16* Ut = Ub + o * TC_VS;
+        const bf16* Ut = Ub + o * VS;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = vr + g + 8 * h;
             const float f = h == 0 ? fk0 : fk1;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < VC / 8; j++) {
                 const int col = vc + 8 * j + 2 * tg;
-                const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&Ut[r * TC_VS + col]);
+                const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&Ut[r * VS + col]);
                 const float x0 = __low2float(u) - v[0][j][2 * h] - v[1][j][2 * h];
                 const float x1 = __high2float(u) - v[0][j][2 * h + 1] - v[1][j][2 * h + 1];
-                *reinterpret_cast<uint32_t*>(&Vb[r * TC_VS + col]) = pack2<bf16>(x0, x1);
-                *reinterpret_cast<uint32_t*>(&Vf[r * TC_VS + col]) = pack2<bf16>(f * x0, f * x1);
+                *reinterpret_cast<uint32_t*>(&Vb[r * VS + col]) = pack2<bf16>(x0, x1);
+                *reinterpret_cast<uint32_t*>(&Vf[r * VS + col]) = pack2<bf16>(f * x0, f * x1);
             }
         }
         __syncthreads();  // Vt complete; the reads of bf16(S) done
-        if (u_ok)
-            *reinterpret_cast<uint4*>(&U[(base + ur) * dv + j0 + 8 * us]) =
-                *reinterpret_cast<const uint4*>(&Vb[ur * TC_VS + 8 * us]);
+#pragma unroll
+        for (int i = 0; i < CH / UROWS; i++)
+            if (u_ok)
+                *reinterpret_cast<uint4*>(&U[(base + ur + UROWS * i) * dv + j0 + 8 * us]) =
+                    *reinterpret_cast<const uint4*>(&Vb[(ur + UROWS * i) * VS + 8 * us]);
         // S = gL S + Kt^T Vt (Kt and Vt rows past the sequence end are zero), K = CH in two
         // independent halves.
-        float d[2][4][4] = {};
+        float d[2][SNT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < CH; kk += 16) {
             uint32_t a[4];
-            load_a_trans(a, Kb + o * TC_S, TC_S, 16 * warp, kk);
+            load_a_trans(a, Kb + o * TC_S, TC_S, 16 * (warp & 7), kk);
             const int p = (kk >> 4) & 1;
 #pragma unroll
-            for (int jp = 0; jp < 2; jp++) {
+            for (int jp = 0; jp < SNT / 2; jp++) {
                 uint32_t b[4];
-                load_b2(b, Vf, TC_VS, kk, 16 * jp);
+                load_b2(b, Vf, VS, kk, sc + 16 * jp);
                 mma16816<bf16>(d[p][2 * jp], a, b[0], b[1]);
                 mma16816<bf16>(d[p][2 * jp + 1], a, b[2], b[3]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < SNT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) S[j][e] = S[j][e] * gl + (d[0][j][e] + d[1][j][e]);
         if (c + 1 < nc) round_state();
     }
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < SNT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int r = sr + 8 * (e >> 1), col = j0 + 8 * j + 2 * tg + (e & 1);
+            const int r = sr + 8 * (e >> 1), col = j0 + sc + 8 * j + 2 * tg + (e & 1);
             if (r < dk && col < dv) s_final[head + (long)r * dv + col] = S[j][e];
         }
 }
+
+#define TC_SCAN_KERNEL(BV, WARPS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) gdn_chunk_scan_tc_bv##BV(                        \
+        bf16* U, const bf16* W, const bf16* k, long qk_stride, const float* fk, const float* gL, const float* s0, \
+        bf16* hs, float* s_final, int B, int T, int Hk, int Hv, int dk, int dv) {                             \
+        gdn_chunk_scan_tc<BV, WARPS>(U, W, k, qk_stride, fk, gL, s0, hs, s_final, T, Hk, Hv, dk, dv);         \
+    }
+TC_SCAN_KERNEL(32, 8)
+TC_SCAN_KERNEL(64, 8)
 
 // Shared memory of the output kernel (bf16 elements): raw q [CH][TC_S], the hs tile
 // [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS] (cuda.rs TC_OUT_SMEM).

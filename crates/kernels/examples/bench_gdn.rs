@@ -13,7 +13,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
 use qwen36_kernels::conv1d::causal_conv1d;
-use qwen36_kernels::delta_rule::{force_chunk_scan_columns, fused_gated_delta_rule, DeltaRuleMode, GdnHeads};
+use qwen36_kernels::delta_rule::{
+    force_chunk_path, fused_gated_delta_rule, ChunkPath, DeltaRuleMode, GdnHeads,
+};
 
 const HK: usize = 16;
 const HV: usize = 48;
@@ -34,9 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dt_bias = (Tensor::rand(0f32, 1.0, HV, &dev)? - 3.0)?;
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
-    // (name, batch, tokens, keep every state, chunked with this many scan columns per block of the
-    // f32 CUDA-core path, 0 for the default: the bf16 tensor-core path)
-    let cases: [(&str, usize, usize, bool, Option<usize>); 14] = [
+    // (name, batch, tokens, keep every state, the chunked path or None for the recurrent kernel)
+    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 15] = [
         ("decode B=1", 1, 1, false, None),
         ("decode B=8", 8, 1, false, None),
         ("decode B=64", 64, 1, false, None),
@@ -45,53 +46,60 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false, None),
         ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false, None),
         (
-            "prefill B=1 T=1024 (chunked, default: tensor cores)",
+            "prefill B=1 T=1024 (chunked, default: tensor cores, 64 columns)",
             1,
             1024,
             false,
-            Some(0),
+            Some(ChunkPath::Auto),
         ),
         (
-            "prefill B=1 T=8192 (chunked, default: tensor cores)",
+            "prefill B=1 T=8192 (chunked, default: tensor cores, 64 columns)",
             1,
             8192,
             false,
-            Some(0),
+            Some(ChunkPath::Auto),
         ),
         (
-            "prefill B=1 T=32768 (chunked, default: tensor cores)",
+            "prefill B=1 T=32768 (chunked, default: tensor cores, 64 columns)",
             1,
             32768,
             false,
-            Some(0),
+            Some(ChunkPath::Auto),
+        ),
+        (
+            "prefill B=1 T=8192 (chunked, tensor cores, 32 columns)",
+            1,
+            8192,
+            false,
+            Some(ChunkPath::TensorCores(32)),
         ),
         (
             "prefill B=1 T=8192 (chunked, CUDA cores, 16 columns)",
             1,
             8192,
             false,
-            Some(16),
+            Some(ChunkPath::CudaCores(16)),
         ),
         (
             "prefill B=1 T=8192 (chunked, CUDA cores, 32 columns)",
             1,
             8192,
             false,
-            Some(32),
+            Some(ChunkPath::CudaCores(32)),
         ),
         (
             "prefill B=4 T=8192 (chunked, CUDA cores, 16 columns)",
             4,
             8192,
             false,
-            Some(16),
+            Some(ChunkPath::CudaCores(16)),
         ),
         (
             "prefill B=4 T=8192 (chunked, CUDA cores, 32 columns)",
             4,
             8192,
             false,
-            Some(32),
+            Some(ChunkPath::CudaCores(32)),
         ),
     ];
     let filter = std::env::args().nth(1).unwrap_or_default();
@@ -104,8 +112,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let bb = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let s0 = Tensor::randn(0f32, 0.1, (b, HV, D, D), &dev)?;
         let mode = match chunked {
-            Some(cols) => {
-                force_chunk_scan_columns(Some(cols).filter(|&c| c > 0));
+            Some(path) => {
+                force_chunk_path(path);
                 DeltaRuleMode::Chunked
             }
             None => DeltaRuleMode::Recurrent {

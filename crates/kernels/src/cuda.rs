@@ -1,9 +1,7 @@
 //! CUDA launches of `cuda/*.cu` (PTX from build.rs). Same signatures as the CPU
 //! references; the dispatch happens in the op functions when the inputs live on a CUDA device.
 
-use std::sync::atomic::Ordering;
-
-use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -12,7 +10,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor
 mod launch;
 use launch::KernelCall;
 
-use crate::delta_rule::{DeltaRuleMode, DeltaRuleOutput, Dims as Launch};
+use crate::delta_rule::{ChunkPath, DeltaRuleMode, DeltaRuleOutput, Dims as Launch};
 use crate::{Error, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
@@ -356,13 +354,15 @@ const OUT_SMEM: usize =
     4 * (CHUNK * (CHUNK_MAX_DK + 4) + CHUNK_MAX_DK * OUT_COLS + CHUNK * (CHUNK + 4) + CHUNK * OUT_COLS);
 
 /// The tensor-core kernels' bf16 tiles (cuda/gdn.cu `TC_*`): rows padded by 8 elements; the scan
-/// keeps 32 state columns per block, the output kernel writes 64 columns per block.
+/// keeps 32 or 64 state columns per block, the output kernel writes 64 columns per block.
 const TC_S: usize = CHUNK_MAX_DK + 8;
-const TC_BV: usize = 32;
 const TC_OV: usize = 64;
-/// `TC_SCAN_SMEM`: W and raw k [2, CHUNK, TC_S], U [2, CHUNK, 40], the bf16 state [dk, 40], Vt
-/// and fk Vt [CHUNK, 40].
-const TC_SCAN_SMEM: usize = 2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + 2 * CHUNK) * (TC_BV + 8));
+/// Shared memory of the tensor-core scan with `bv` state columns per block (cuda/gdn.cu
+/// `tc_scan_smem`): W and raw k [2, CHUNK, TC_S], U [2, CHUNK, bv + 8], the bf16 state
+/// [dk, bv + 8], Vt and fk Vt [CHUNK, bv + 8].
+const fn tc_scan_smem(bv: usize) -> usize {
+    2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + 2 * CHUNK) * (bv + 8))
+}
 /// `TC_PREP_SMEM`: raw k and v [CHUNK, TC_S] bf16, a region for raw q and A, later the two bf16
 /// pairs of [CHUNK, CHUNK + 8], six f32 row vectors.
 const TC_PREP_SMEM: usize = 2 * 2 * CHUNK * TC_S + 2 * 4 * CHUNK * (CHUNK + 8) + 4 * 6 * CHUNK;
@@ -390,11 +390,12 @@ impl ChunkKernels {
         }
     }
 
-    /// The tensor-core path of bf16 activations: bf16 intermediates, f32 state.
-    fn tensor_cores() -> Self {
+    /// The tensor-core path of bf16 activations: bf16 intermediates, f32 state, `bv` state
+    /// columns per scan block ([`tensor_core_scan_columns`]).
+    fn tensor_cores(bv: usize) -> Self {
         Self {
             prep: ("gdn_chunk_prep_tc".into(), TC_PREP_SMEM),
-            scan: ("gdn_chunk_scan_tc".into(), 256, TC_BV, TC_SCAN_SMEM),
+            scan: (format!("gdn_chunk_scan_tc_bv{bv}"), 256, bv, tc_scan_smem(bv)),
             out: ("gdn_chunk_out_tc", 128, TC_OV, TC_OUT_SMEM),
             raw_qk: true,
         }
@@ -404,8 +405,26 @@ impl ChunkKernels {
 /// State columns per block of the f32 chunk scan: 32 measured faster than 16 at B = 1 and 4
 /// (docs/BENCHMARKS.md) unless a benchmark forces 16.
 fn f32_scan_columns() -> usize {
-    match crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) {
-        16 => 16,
+    match crate::delta_rule::chunk_path() {
+        ChunkPath::CudaCores(16) => 16,
+        _ => 32,
+    }
+}
+
+/// State columns per block of the tensor-core scan on `dev`: 64 where its shared memory fits a
+/// block (sm_80, sm_90: run 9 of the GDN table measured it 18% faster than 32 on the H200, as it
+/// reads each chunk's W and k once for twice the columns), else 32 (sm_86, sm_89: 99 KiB per
+/// block); [`ChunkPath::TensorCores`] may ask for 32.
+fn tensor_core_scan_columns(dev: &CudaDevice) -> usize {
+    let stream = dev.cuda_stream();
+    let optin = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    let fits = stream
+        .context()
+        .attribute(optin)
+        .is_ok_and(|bytes| bytes as usize >= tc_scan_smem(64));
+    match crate::delta_rule::chunk_path() {
+        ChunkPath::TensorCores(32) => 32,
+        _ if fits => 64,
         _ => 32,
     }
 }
@@ -418,8 +437,8 @@ fn chunked_supported(d: Launch) -> bool {
 /// Whether the fused chunked op of dtype `dt` runs on tensor cores: bf16 activations, dv at most
 /// 128 like dk (the prep holds a chunk's v rows in one [CHUNK, 128] tile), q, k and v head rows
 /// that start 16 bytes apart and aligned (dk, dv, row strides and offsets multiples of 8 elements:
-/// the kernels copy them in 16-byte pieces), and no CUDA-core scan forced by
-/// [`crate::delta_rule::force_chunk_scan_columns`].
+/// the kernels copy them in 16-byte pieces), and no CUDA-core path forced by
+/// [`crate::delta_rule::force_chunk_path`].
 fn chunked_on_tensor_cores(d: Launch, dt: DType, inp: &DeltaRuleInputs) -> bool {
     let aligned = |(t, off): (&Tensor, usize)| (t.layout().start_offset() + off) % 8 == 0;
     dt == DType::BF16
@@ -431,7 +450,7 @@ fn chunked_on_tensor_cores(d: Launch, dt: DType, inp: &DeltaRuleInputs) -> bool 
         && aligned(inp.q)
         && aligned(inp.k)
         && aligned(inp.v)
-        && crate::delta_rule::SCAN_COLUMNS.load(Ordering::Relaxed) == 0
+        && !matches!(crate::delta_rule::chunk_path(), ChunkPath::CudaCores(_))
 }
 
 /// Lets kernel `name` of `module` take `smem` bytes of dynamic shared memory (past the default
@@ -782,7 +801,8 @@ pub(crate) fn fused(
     let scale = (d.dk as f32).powf(-0.5);
     match mode {
         DeltaRuleMode::Chunked if chunked_supported(d) && chunked_on_tensor_cores(d, dt, &inp) => {
-            launch_chunked::<half::bf16, half::bf16>(op, &ChunkKernels::tensor_cores(), d, inp, scale)
+            let kernels = ChunkKernels::tensor_cores(tensor_core_scan_columns(&device(op, qkv)?));
+            launch_chunked::<half::bf16, half::bf16>(op, &kernels, d, inp, scale)
         }
         DeltaRuleMode::Chunked if chunked_supported(d) => {
             let prep = format!("gdn_chunk_prep_fused_{}", dtype_suffix(op, dt)?);

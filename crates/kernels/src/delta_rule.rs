@@ -412,16 +412,44 @@ pub struct GdnHeads {
     pub v_dim: usize,
 }
 
-/// Chunk-scan state columns per CUDA block forced by [`force_chunk_scan_columns`] (0: default).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) static SCAN_COLUMNS: AtomicUsize = AtomicUsize::new(0);
-
-/// Benchmark and test knob (process-wide): `Some(c)` forces the f32 CUDA-core chunked kernels with
-/// `c` ∈ {16, 32} state columns per scan block, also for bf16 activations (which otherwise take the
-/// tensor-core kernels); `None` restores the default.
+/// Which CUDA kernels the chunked fused op runs: a benchmark and test knob ([`force_chunk_path`]).
 #[doc(hidden)]
-pub fn force_chunk_scan_columns(columns: Option<usize>) {
-    SCAN_COLUMNS.store(columns.unwrap_or(0), Ordering::Relaxed);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkPath {
+    /// The default: bf16 activations on tensor cores with the widest scan block the device's
+    /// shared memory holds (64 state columns on sm_80 and sm_90, 32 on sm_86 and sm_89), other
+    /// dtypes on the f32 CUDA-core kernels with 32 columns per scan block.
+    Auto,
+    /// The f32 CUDA-core kernels with 16 or 32 state columns per scan block, for every dtype.
+    CudaCores(usize),
+    /// For bf16 activations, the tensor-core kernels with 32 or 64 state columns per scan block
+    /// (64 only where it fits, else 32).
+    TensorCores(usize),
+}
+
+/// [`ChunkPath`] encoded: 0 auto, 0x100 | c CUDA cores, 0x200 | c tensor cores.
+static CHUNK_PATH: AtomicUsize = AtomicUsize::new(0);
+
+/// Forces `path` for every later chunked call in the process ([`ChunkPath::Auto`] restores the
+/// default).
+#[doc(hidden)]
+pub fn force_chunk_path(path: ChunkPath) {
+    let code = match path {
+        ChunkPath::Auto => 0,
+        ChunkPath::CudaCores(c) => 0x100 | (c & 0xff),
+        ChunkPath::TensorCores(c) => 0x200 | (c & 0xff),
+    };
+    CHUNK_PATH.store(code, Ordering::Relaxed);
+}
+
+/// The path [`force_chunk_path`] set.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn chunk_path() -> ChunkPath {
+    match CHUNK_PATH.load(Ordering::Relaxed) {
+        c if c & 0x100 != 0 => ChunkPath::CudaCores(c & 0xff),
+        c if c & 0x200 != 0 => ChunkPath::TensorCores(c & 0xff),
+        _ => ChunkPath::Auto,
+    }
 }
 
 /// The fused op's sizes from `qkv: [batch, len, width]` and `heads`, once its shapes are checked

@@ -7,8 +7,8 @@ use candle_core::{DType, Device, Tensor};
 use qwen36_kernels::attention::causal_softmax;
 use qwen36_kernels::conv1d::causal_conv1d;
 use qwen36_kernels::delta_rule::{
-    chunked_gated_delta_rule, force_chunk_scan_columns, fused_gated_delta_rule, recurrent_gated_delta_rule,
-    DeltaRuleMode, GdnHeads, CHUNK_SIZE,
+    chunked_gated_delta_rule, force_chunk_path, fused_gated_delta_rule, recurrent_gated_delta_rule,
+    ChunkPath, DeltaRuleMode, GdnHeads, CHUNK_SIZE,
 };
 use qwen36_kernels::norm::l2_norm;
 use qwen36_testutil::max_abs_diff as max_diff;
@@ -105,9 +105,9 @@ fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
         assert!(max_diff(&ca, &ga) < 1e-5, "dk {dk}: intermediate states");
         let ch = chunked_gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, None, scale, CHUNK_SIZE).unwrap();
         for cols in [16, 32] {
-            force_chunk_scan_columns(Some(cols));
+            force_chunk_path(ChunkPath::CudaCores(cols));
             let gch = chunked_gated_delta_rule(&q, &k, &v, &g, &beta, None, scale, CHUNK_SIZE).unwrap();
-            force_chunk_scan_columns(None);
+            force_chunk_path(ChunkPath::Auto);
             assert!(
                 max_diff(&ch.out, &gch.out) < 1e-5,
                 "dk {dk} cols {cols}: chunked out"
@@ -158,7 +158,7 @@ fn fused_kernel_matches_cpu_composition() {
                 let ab = on(&Tensor::cat(&[&aa, &bx, &aa.narrow(2, 0, 3).unwrap()], 2).unwrap());
                 let views = (ab.narrow(2, 0, hv).unwrap(), ab.narrow(2, hv, hv).unwrap());
                 for (ga, gb) in [(on(&aa), on(&bx)), views] {
-                    force_chunk_scan_columns(cols);
+                    force_chunk_path(cols.map_or(ChunkPath::Auto, ChunkPath::CudaCores));
                     let got = fused_gated_delta_rule(
                         &gx,
                         &ga,
@@ -170,7 +170,7 @@ fn fused_kernel_matches_cpu_composition() {
                         mode,
                     )
                     .unwrap();
-                    force_chunk_scan_columns(None);
+                    force_chunk_path(ChunkPath::Auto);
                     // Inputs are the same rounded values on both sides; only the f32 op order differs.
                     let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
                     let strided = !ga.is_contiguous();
@@ -216,18 +216,6 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
         let want = fused_gated_delta_rule(&x, &a, &bb, &a_log, &dt, Some(&s0), heads, mode).unwrap();
         let d = gpu();
         let on = |t: &Tensor| t.to_device(&d).unwrap();
-        let got = fused_gated_delta_rule(
-            &on(&x),
-            &on(&a),
-            &on(&bb),
-            &on(&a_log),
-            &on(&dt),
-            Some(&on(&s0)),
-            heads,
-            mode,
-        )
-        .unwrap();
-        assert_eq!(got.state.dtype(), DType::F32, "the state stays f32");
         let largest = |x: &Tensor| -> f32 {
             x.abs()
                 .unwrap()
@@ -238,14 +226,33 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
                 .to_scalar()
                 .unwrap()
         };
-        let eo = max_diff(&got.out, &want.out) / largest(&want.out);
-        let es = max_diff(&got.state, &want.state) / largest(&want.state);
-        eprintln!("t {t} dk {dk} dv {dv}: out {eo:.2e}, state {es:.2e} of the largest magnitude");
-        let tol = 2f32.powi(-6);
-        assert!(
-            eo <= tol && es <= tol,
-            "t {t} dk {dk} dv {dv}: out {eo}, state {es}"
-        );
+        // Both scan widths: 32 state columns per block, and the default (64 where it fits).
+        for path in [ChunkPath::TensorCores(32), ChunkPath::Auto] {
+            force_chunk_path(path);
+            let got = fused_gated_delta_rule(
+                &on(&x),
+                &on(&a),
+                &on(&bb),
+                &on(&a_log),
+                &on(&dt),
+                Some(&on(&s0)),
+                heads,
+                mode,
+            )
+            .unwrap();
+            force_chunk_path(ChunkPath::Auto);
+            assert_eq!(got.state.dtype(), DType::F32, "the state stays f32");
+            let eo = max_diff(&got.out, &want.out) / largest(&want.out);
+            let es = max_diff(&got.state, &want.state) / largest(&want.state);
+            eprintln!(
+                "t {t} dk {dk} dv {dv} {path:?}: out {eo:.2e}, state {es:.2e} of the largest magnitude"
+            );
+            let tol = 2f32.powi(-6);
+            assert!(
+                eo <= tol && es <= tol,
+                "t {t} dk {dk} dv {dv} {path:?}: out {eo}, state {es}"
+            );
+        }
     }
 }
 
