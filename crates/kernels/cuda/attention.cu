@@ -348,12 +348,8 @@ constexpr int FA_BQ = 64, FA_BK = 64, FA_WARPS = 4;
 // shared tile of row stride HD + 8; rows at or past `limit` are zero-filled.
 template <typename T, int HD>
 __device__ __forceinline__ void fa_load_tile(T* dst, const T* __restrict__ src, long rs, int r0, int limit) {
-    constexpr int CPR = HD / 8;  // 16-byte chunks per row
-    for (int e = threadIdx.x; e < 64 * CPR; e += FA_WARPS * 32) {
-        const int r = e / CPR, c = (e % CPR) * 8;
-        const bool ok = r0 + r < limit;
-        cp_async16_or_zero(&dst[r * (HD + 8) + c], &src[(long)(ok ? r0 + r : 0) * rs + c], ok);
-    }
+    constexpr int SEGS = HD * sizeof(T) / 16;
+    cp_async_tile<64, SEGS, FA_WARPS * 32>(dst, HD + 8, src, rs, r0, limit, SEGS);
 }
 
 // The three steps of a flash-attention tile that flash_prefill and flash_decode share, for one
@@ -568,10 +564,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     q += (size_t)bh * R * HD;
     k += (size_t)bh * cap * HD;
     v += (size_t)bh * cap * HD;
-    for (int e = threadIdx.x; e < 16 * MT * (HD / 8); e += FA_WARPS * 32) {
-        const int r = e / (HD / 8), c8 = (e % (HD / 8)) * 8;
-        cp_async16_or_zero(&Qs[r * LD + c8], &q[(size_t)(r < R ? r : 0) * HD + c8], r < R);
-    }
+    cp_async_tile<16 * MT, HD / 8, FA_WARPS * 32>(Qs, LD, q, HD, 0, R, HD / 8);
     cp_async_commit();
     fa_load_tile<T, HD>(Ks, k, HD, t0 * FA_BK, L);
     cp_async_commit();

@@ -69,6 +69,20 @@ __device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, b
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Starts copying rows [r0, r0 + ROWS) of a row-major matrix (rows `rs` elements apart), SEGS
+// 16-byte segments of each, into dst (row stride `ds` elements), by a block of THREADS threads;
+// rows at or past `limit` and segments at or past `segs` are zero-filled.
+template <int ROWS, int SEGS, int THREADS, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, int ds, const T* __restrict__ src, long rs, int r0, int limit,
+                                              int segs) {
+    constexpr int E = 16 / sizeof(T);  // elements per segment
+    for (int e = threadIdx.x; e < ROWS * SEGS; e += THREADS) {
+        const int r = e / SEGS, s = e % SEGS;
+        const bool ok = r0 + r < limit && s < segs;
+        cp_async16_or_zero(&dst[r * ds + E * s], &src[(long)(ok ? r0 + r : 0) * rs + E * s], ok);
+    }
+}
+
 // Waits until at most N committed groups are still in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -755,17 +755,6 @@ constexpr int TC_S = CHUNK_DK + 8;  // row stride of [rows][dk] tiles
 constexpr int TC_OV = 64;           // output columns per output block
 constexpr int TC_OS = TC_OV + 8;    // row stride of the output kernel's [rows][64] tiles and of P
 
-// Starts copying ROWS x SEGS 16-byte segments of a row-major bf16 matrix (rows `rs` elements apart)
-// into X (row stride xs); rows at or past `rows` and segments at or past `segs` are zero-filled.
-template <int ROWS, int SEGS>
-__device__ __forceinline__ void tc_load(bf16* X, int xs, const bf16* __restrict__ src, long rs, int rows, int segs) {
-    for (int e = threadIdx.x; e < ROWS * SEGS; e += blockDim.x) {
-        const int r = e / SEGS, s = e % SEGS;
-        const bool ok = r < rows && s < segs;
-        cp_async16_or_zero(&X[r * xs + 8 * s], ok ? src + (long)r * rs + 8 * s : src, ok);
-    }
-}
-
 // Shared memory of the tensor-core prep (bytes): raw k and v [CH][TC_S] bf16; a region that
 // first holds raw q [CH][TC_S] and A [CH][CH + 4] f32, then the column-scaled inverses
 // T diag(beta) and T diag(beta e^gamma / |k|), each a bf16 pair (hi, lo) [2][CH][CH + 8]; the six
@@ -809,9 +798,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     const float *gam = rows, *bet = rows + CH, *inq = rows + 2 * CH, *ink = rows + 3 * CH, *eg = rows + 4 * CH,
                 *egl = rows + 5 * CH;
     const long row0 = (long)b * T + t0;
-    tc_load<CH, CHUNK_DK / 8>(Ks, TC_S, k + row0 * qk_stride + hk * dk, qk_stride, L, dk / 8);
-    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + row0 * qk_stride + hk * dk, qk_stride, L, dk / 8);
-    tc_load<CH, CHUNK_DK / 8>(Vs, TC_S, v + row0 * v_stride + (long)hv * dv, v_stride, L, dv / 8);
+    cp_async_tile<CH, CHUNK_DK / 8, 256>(Ks, TC_S, k + row0 * qk_stride + hk * dk, qk_stride, 0, L, dk / 8);
+    cp_async_tile<CH, CHUNK_DK / 8, 256>(Qs, TC_S, q + row0 * qk_stride + hk * dk, qk_stride, 0, L, dk / 8);
+    cp_async_tile<CH, CHUNK_DK / 8, 256>(Vs, TC_S, v + row0 * v_stride + (long)hv * dv, v_stride, 0, L, dv / 8);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -1045,8 +1034,8 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * BV;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
-    extern __shared__ float4 tc_smem[];
-    bf16* Wb = reinterpret_cast<bf16*>(tc_smem);
+    extern __shared__ float4 scan_smem[];
+    bf16* Wb = reinterpret_cast<bf16*>(scan_smem);
     bf16* Kb = Wb + 2 * CH * TC_S;
     bf16* Ub = Kb + 2 * CH * TC_S;
     bf16* Sb = Ub + 2 * CH * VS;
@@ -1235,11 +1224,11 @@ extern "C" __global__ void __launch_bounds__(128)
     bf16* Ps = Hs + CHUNK_DK * TC_OS;
     bf16* Vs = Ps + CH * TC_OS;
     const int oseg = min(TC_OV, dv - j0) / 8;
-    tc_load<CH, CHUNK_DK / 8>(Qs, TC_S, q + ((long)b * T + c * CH) * qk_stride + (long)hk * dk, qk_stride, L,
-                              dk / 8);
-    tc_load<CHUNK_DK, TC_OV / 8>(Hs, TC_OS, hs + blk * dk * dv + j0, dv, dk, oseg);
-    tc_load<CH, CH / 8>(Ps, TC_OS, P + base * CH, CH, CH, CH / 8);
-    tc_load<CH, TC_OV / 8>(Vs, TC_OS, Vt_all + base * dv + j0, dv, CH, oseg);
+    cp_async_tile<CH, CHUNK_DK / 8, 128>(Qs, TC_S, q + ((long)b * T + c * CH) * qk_stride + (long)hk * dk, qk_stride,
+                                         0, L, dk / 8);
+    cp_async_tile<CHUNK_DK, TC_OV / 8, 128>(Hs, TC_OS, hs + blk * dk * dv + j0, dv, 0, dk, oseg);
+    cp_async_tile<CH, CH / 8, 128>(Ps, TC_OS, P + base * CH, CH, 0, CH, CH / 8);
+    cp_async_tile<CH, TC_OV / 8, 128>(Vs, TC_OS, Vt_all + base * dv + j0, dv, 0, CH, oseg);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
