@@ -603,6 +603,20 @@ pub fn fused_gated_delta_rule_in_place(
 mod tests {
     use super::*;
 
+    #[test]
+    fn forced_chunk_path_reads_back() {
+        for path in [
+            ChunkPath::CudaCores(16),
+            ChunkPath::CudaCores(32),
+            ChunkPath::TensorCores(32),
+            ChunkPath::TensorCores(64),
+            ChunkPath::Auto,
+        ] {
+            force_chunk_path(path);
+            assert_eq!(chunk_path(), path);
+        }
+    }
+
     struct Case {
         q: Tensor,
         k: Tensor,
