@@ -18,6 +18,9 @@ const MODULE: &str = "qwen36_gdn";
 /// Threads per block of the delta-rule kernels (4 warps), and state columns per block.
 const THREADS: u32 = 128;
 const BV: usize = 32;
+/// Grids of the recurrent kernel from which its 64-register variant (8 blocks per SM) runs: at the
+/// 27B shape B = 8 (1536 blocks) gained with it and B = 1 (192) lost (GDN kernels run 9 (c)).
+const WIDE_MIN_BLOCKS: usize = 1024;
 
 /// Runs the calling function's local `go!` macro with the Rust element type of `$dt` (f32, bf16
 /// or f16); any other dtype is an error naming `$op`.
@@ -770,12 +773,17 @@ impl FusedArgs {
         }
     }
 
-    /// The recurrent kernel's name for this dtype and key dim.
+    /// The recurrent kernel's name for this dtype and key dim: for grids of at least
+    /// [`WIDE_MIN_BLOCKS`] blocks (batches) and dk ≤ 128 the variant held to 64 registers, which
+    /// fits twice the blocks per SM (docs/BENCHMARKS.md, GDN kernels run 9 (c)).
     fn recurrent_kernel(&self, op: &'static str, d: Launch) -> Result<String> {
+        let rows = rows_variant(op, d.dk)?;
+        let blocks = d.b * d.hv * d.dv.div_ceil(BV);
+        let wide = (8..=32).contains(&rows) && blocks >= WIDE_MIN_BLOCKS;
         Ok(format!(
-            "gdn_fused_{}_r{}",
+            "gdn_fused_{}_r{rows}{}",
             dtype_suffix(op, self.qkv.dtype())?,
-            rows_variant(op, d.dk)?
+            if wide { "_wide" } else { "" }
         ))
     }
 }
