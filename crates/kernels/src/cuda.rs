@@ -231,10 +231,6 @@ fn state_column_blocks(d: Launch) -> LaunchConfig {
     }
 }
 
-/// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`DeltaRuleInputs`]).
-/// With `in_place` (a state buffer of `[b, hv, dk, dv]` f32, and `inp.state` None) the kernel
-/// starts from that buffer and writes the final state back into it; the returned `state` is then
-/// `None`.
 /// Where the recurrent kernel writes the state after every token (a verify pass's checkpoints).
 enum Keep<'a, 'v> {
     /// Nowhere.
@@ -255,6 +251,10 @@ impl Keep<'_, '_> {
     }
 }
 
+/// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`DeltaRuleInputs`]).
+/// With `in_place` (a state buffer of `[b, hv, dk, dv]` f32, and `inp.state` None) the kernel
+/// starts from that buffer and writes the final state back into it; the returned `state` is then
+/// `None`.
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
     name: String,
