@@ -369,8 +369,7 @@ __device__ __forceinline__ void fa_scores(float (&s)[NJ][4], const T* Qs, const 
         for (int j2 = 0; j2 < NJ / 2; j2++) {
             uint32_t bf[4];
             load_b2_nk(bf, Ks, ld, kk * 16, key0 + j2 * 16);
-            mma16816<T>(s[2 * j2], a, bf[0], bf[1]);
-            mma16816<T>(s[2 * j2 + 1], a, bf[2], bf[3]);
+            mma_b2<T>(s, j2, a, bf);
         }
     }
 }
@@ -431,8 +430,7 @@ __device__ __forceinline__ void fa_accumulate(float (&o)[HD / 8][4], const float
         for (int j2 = 0; j2 < HD / 16; j2++) {
             uint32_t bf[4];
             load_b2(bf, Vs, ld, key0 + kk * 16, j2 * 16);
-            mma16816<T>(o[2 * j2], a, bf[0], bf[1]);
-            mma16816<T>(o[2 * j2 + 1], a, bf[2], bf[3]);
+            mma_b2<T>(o, j2, a, bf);
         }
     }
 }

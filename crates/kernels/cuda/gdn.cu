@@ -849,10 +849,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             for (int jp = 0; jp < 2; jp++) {
                 uint32_t bk[4];
                 load_b2_nk(bk, Ks, TC_S, kk, n0 + 16 * jp);
-                mma16816<bf16>(G[2 * jp], ak, bk[0], bk[1]);
-                mma16816<bf16>(G[2 * jp + 1], ak, bk[2], bk[3]);
-                mma16816<bf16>(H[2 * jp], aq, bk[0], bk[1]);
-                mma16816<bf16>(H[2 * jp + 1], aq, bk[2], bk[3]);
+                mma_b2<bf16>(G, jp, ak, bk);
+                mma_b2<bf16>(H, jp, aq, bk);
             }
         }
 #pragma unroll
@@ -984,10 +982,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             for (int jp = 0; jp < 4; jp++) {
                 uint32_t bb[4];
                 load_b2(bb, X, TC_S, kk, n0 + 16 * jp);
-                mma16816<bf16>(o[2 * jp], ah, bb[0], bb[1]);
-                mma16816<bf16>(o[2 * jp + 1], ah, bb[2], bb[3]);
-                mma16816<bf16>(o[2 * jp], al, bb[0], bb[1]);
-                mma16816<bf16>(o[2 * jp + 1], al, bb[2], bb[3]);
+                mma_b2<bf16>(o, jp, ah, bb);
+                mma_b2<bf16>(o, jp, al, bb);
             }
         }
         // Through the tile just read (every warp is done with it) to 16-byte global rows.
@@ -1135,8 +1131,7 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
             for (int jp = 0; jp < VC / 16; jp++) {
                 uint32_t b[4];
                 load_b2(b, Sb, VS, kk, vc + 16 * jp);
-                mma16816<bf16>(v[p][2 * jp], a, b[0], b[1]);
-                mma16816<bf16>(v[p][2 * jp + 1], a, b[2], b[3]);
+                mma_b2<bf16>(v[p], jp, a, b);
             }
         }
         // The next chunk's loads and this chunk's hs go out while the products run.
@@ -1181,8 +1176,7 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
             for (int jp = 0; jp < SNT / 2; jp++) {
                 uint32_t b[4];
                 load_b2(b, Vf, VS, kk, sc + 16 * jp);
-                mma16816<bf16>(d[p][2 * jp], a, b[0], b[1]);
-                mma16816<bf16>(d[p][2 * jp + 1], a, b[2], b[3]);
+                mma_b2<bf16>(d[p], jp, a, b);
             }
         }
 #pragma unroll
@@ -1251,8 +1245,7 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int jp = 0; jp < 4; jp++) {
             uint32_t bb[4];
             load_b2(bb, Hs, TC_OS, kk, 16 * jp);
-            mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
-            mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
+            mma_b2<bf16>(o, jp, a, bb);
         }
     }
     // Qt hs = fq (q hs): the row factors in f32 on the accumulators.
@@ -1271,8 +1264,7 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int jp = 0; jp < 4; jp++) {
             uint32_t bb[4];
             load_b2(bb, Vs, TC_OS, kk, 16 * jp);
-            mma16816<bf16>(o[2 * jp], a, bb[0], bb[1]);
-            mma16816<bf16>(o[2 * jp + 1], a, bb[2], bb[3]);
+            mma_b2<bf16>(o, jp, a, bb);
         }
     }
 #pragma unroll

@@ -33,6 +33,14 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c[2j] += a · b[0..1] and c[2j+1] += a · b[2..3]: the two adjacent n-tiles of a load_b2 or
+// load_b2_nk fragment pair (columns 16j.. of the accumulators' n-tiles).
+template <typename T, int N>
+__device__ __forceinline__ void mma_b2(float (&c)[N][4], int j, const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+    mma16816<T>(c[2 * j], a, b[0], b[1]);
+    mma16816<T>(c[2 * j + 1], a, b[2], b[3]);
+}
+
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
     const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
