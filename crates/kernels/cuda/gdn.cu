@@ -1007,10 +1007,13 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     if (tid == 0) gL[blk] = expf(gl);
 }
 
-// Shared memory of a scan with BV state columns per block (bf16 elements): W and raw k
-// [2][CH][TC_S] (double-buffered), this tile's U [2][CH][BV + 8], the bf16 state
-// [CHUNK_DK][BV + 8], Vt and fk Vt [CH][BV + 8] (cuda.rs `tc_scan_smem`).
-__host__ __device__ constexpr int tc_scan_smem(int bv) { return 2 * (4 * CH * TC_S + (2 * CH + CHUNK_DK + 2 * CH) * (bv + 8)); }
+// Shared memory of a scan with BV state columns per block (bytes): W and raw k [2][CH][TC_S]
+// (double-buffered), this tile's U [2][CH][BV + 8], the bf16 state [CHUNK_DK][BV + 8], Vt and
+// fk Vt [CH][BV + 8]; with the outputs (OUT) also raw q [2][CH][TC_S] and P [2][CH][TC_OS]
+// (cuda.rs `tc_scan_smem`).
+__host__ __device__ constexpr int tc_scan_smem(int bv, bool out) {
+    return 2 * (4 * CH * TC_S + (2 * CH + CHUNK_DK + 2 * CH) * (bv + 8) + (out ? 2 * CH * (TC_S + TC_OS) : 0));
+}
 
 // The scan, one block of WARPS warps per (b, hv, BV state columns). Warp w keeps state rows
 // 16(w % 8).. and columns SC(w / 8).. (f32 accumulators, SC = 8 BV / WARPS) for the whole
@@ -1023,18 +1026,25 @@ __host__ __device__ constexpr int tc_scan_smem(int bv) { return 2 * (4 * CH * TC
 // independent halves. Wider blocks read W and k once for more columns (run 9 of the GDN table:
 // BV 64 took the scan from 362 to 290-306 µs at 8k; 16 warps instead of 8 did no better) but
 // need more shared memory than sm_86/89 give a block: the launcher picks BV by the device.
-template <int BV, int WARPS>
-__device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ k, long qk_stride,
-                                  const float* __restrict__ fk, const float* __restrict__ gL,
-                                  const float* __restrict__ s0, bf16* __restrict__ hs, float* __restrict__ s_final,
-                                  int T, int Hk, int Hv, int dk, int dv) {
+// OUT: the block also forms its columns of every chunk's outputs, o = fq (q hs) + P Vt (what
+// gdn_chunk_out_tc does from global copies), while hs and Vt are still in shared memory: q hs
+// shares the B fragments of W hs, and neither hs nor Vt goes to global memory (~600 MB of
+// writes and reads fewer at 8k tokens). q, fq, P, out: as gdn_chunk_out_tc takes them; hs unused.
+// Without OUT, q, fq, P and out are unused.
+template <int BV, int WARPS, bool OUT>
+__device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf16* __restrict__ k,
+                                  const bf16* __restrict__ q, long qk_stride, const float* __restrict__ fk,
+                                  const float* __restrict__ fq, const bf16* __restrict__ P,
+                                  const float* __restrict__ gL, const float* __restrict__ s0, bf16* __restrict__ hs,
+                                  float* __restrict__ out, float* __restrict__ s_final, int T, int Hk, int Hv, int dk,
+                                  int dv) {
     constexpr int THREADS = 32 * WARPS, VS = BV + 8;
     constexpr int SC = BV * 8 / WARPS, SNT = SC / 8;  // a warp's state columns, n-tiles
     constexpr int VC = BV * 4 / WARPS;                // a warp's Vt columns
     constexpr int WK_ROWS = THREADS / 16;             // W / k tile rows per copy pass
     constexpr int UPR = BV / 8, UROWS = THREADS / UPR;  // 16-byte pieces per U row; rows per pass
     static_assert(WARPS % 8 == 0 && SC % 16 == 0 && VC % 16 == 0 && CH % UROWS == 0, "tile split");
-    static_assert(tc_scan_smem(BV) <= 227 * 1024, "fits an SM");
+    static_assert(tc_scan_smem(BV, OUT) <= 227 * 1024, "fits an SM");
     pdl_enter();
     const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + BV - 1) / BV;
@@ -1047,10 +1057,13 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     bf16* Sb = Ub + 2 * CH * VS;
     bf16* Vb = Sb + CHUNK_DK * VS;
     bf16* Vf = Vb + CH * VS;
+    bf16* Qb = Vf + CH * VS;        // OUT: [2][CH][TC_S]
+    bf16* Pb = Qb + 2 * CH * TC_S;  // OUT: [2][CH][TC_OS]
     const long head = (long)bh * dk * dv;
     const long first = (long)bh * nc * CH;  // row of this head's first chunk
     // Raw k rows of this sequence and key head.
-    const bf16* kh = k + (long)(bh / Hv) * T * qk_stride + (long)((bh % Hv) / (Hv / Hk)) * dk;
+    const long qk_head = (long)(bh / Hv) * T * qk_stride + (long)((bh % Hv) / (Hv / Hk)) * dk;
+    const bf16* kh = k + qk_head;
     // This thread's 16-byte pieces: of the W and k tiles rows wr + WK_ROWS i, segment ws (zeros
     // past dk and, for k, past the sequence); of the U tile rows ur + UROWS i, segment us (zeros
     // past dv); the same pieces of the Vt tile and of the bf16 state's rows go back to global
@@ -1061,20 +1074,35 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     const bf16* w_src = W + (first + wr) * dk + 8 * ws;
     const bf16* k_src = kh + (long)wr * qk_stride + 8 * ws;
     const bf16* u_src = U + (first + ur) * dv + j0 + 8 * us;
+    // OUT: q pieces as k's; P rows pr + PROWS i, segment ps.
+    constexpr int PROWS = THREADS / (CH / 8);
+    const int pr = tid / (CH / 8), ps = tid % (CH / 8);
+    const bf16* q_src = OUT ? q + qk_head + (long)wr * qk_stride + 8 * ws : nullptr;
+    const bf16* p_src = OUT ? P + (first + pr) * CH + 8 * ps : nullptr;
     auto issue = [&](int c) {
         bf16* wd = Wb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
         bf16* kd = Kb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
+        bf16* qd = Qb + ((c & 1) * CH + wr) * TC_S + 8 * ws;
         const int k_rows = T - c * CH - wr;  // piece i of k is inside the sequence while WK_ROWS i < k_rows
 #pragma unroll
         for (int i = 0; i < CH / WK_ROWS; i++) {
             const bool k_ok = w_ok && WK_ROWS * i < k_rows;
             cp_async16_or_zero(wd + WK_ROWS * i * TC_S, w_ok ? w_src + (long)WK_ROWS * i * dk : W, w_ok);
             cp_async16_or_zero(kd + WK_ROWS * i * TC_S, k_ok ? k_src + WK_ROWS * i * qk_stride : k, k_ok);
+            if constexpr (OUT)
+                cp_async16_or_zero(qd + WK_ROWS * i * TC_S, k_ok ? q_src + WK_ROWS * i * qk_stride : q, k_ok);
         }
 #pragma unroll
         for (int i = 0; i < CH / UROWS; i++)
             cp_async16_or_zero(Ub + ((c & 1) * CH + ur + UROWS * i) * VS + 8 * us,
                                u_ok ? u_src + (long)UROWS * i * dv : U, u_ok);
+        if constexpr (OUT) {
+#pragma unroll
+            for (int i = 0; i < CH / PROWS; i++)
+                cp_async16(Pb + ((c & 1) * CH + pr + PROWS * i) * TC_OS + 8 * ps, p_src + (long)PROWS * i * CH);
+            q_src += (long)CH * qk_stride;
+            p_src += (long)CH * CH;
+        }
         cp_async_commit();
         w_src += (long)CH * dk;
         k_src += (long)CH * qk_stride;
@@ -1112,36 +1140,44 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     round_state();
     const int vr = 16 * (warp & 3), vc = VC * (warp >> 2);  // this warp's Vt tile
     float gl_next = gL[(long)bh * nc];
-    // fk of this warp's two Vt rows, loaded a chunk ahead like gL.
+    // fk (and with OUT fq) of this warp's two Vt rows, loaded a chunk ahead like gL.
     float fk_next[2] = {fk[first + vr + g], fk[first + vr + g + 8]};
+    float fq_next[2] = {OUT ? fq[first + vr + g] : 0.f, OUT ? fq[first + vr + g + 8] : 0.f};
     for (int c = 0; c < nc; c++) {
         const int o = (c & 1) * CH;
         const long base = first + (long)c * CH;
-        const float gl = gl_next, fk0 = fk_next[0], fk1 = fk_next[1];
+        const float gl = gl_next, fk0 = fk_next[0], fk1 = fk_next[1], fq0 = fq_next[0], fq1 = fq_next[1];
         cp_async_wait<0>();  // this chunk's W, k and U (issued a chunk ago)
         __syncthreads();     // ... visible to all, with bf16(S); the buffers refilled next are free
-        // Vt = U - W bf16(S): a 16 x VC tile, K = CHUNK_DK in two independent halves.
-        float v[2][VC / 8][4] = {};
+        // Vt = U - W bf16(S): a 16 x VC tile, K = CHUNK_DK in two independent halves; with OUT
+        // also the same tile of q bf16(S), in gdn_chunk_out_tc's order.
+        float v[2][VC / 8][4] = {}, ot[VC / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < CHUNK_DK; kk += 16) {
-            uint32_t a[4];
+            uint32_t a[4], aq[4];
             load_a(a, Wb + o * TC_S, TC_S, vr, kk);
+            if constexpr (OUT) load_a(aq, Qb + o * TC_S, TC_S, vr, kk);
             const int p = (kk >> 4) & 1;
 #pragma unroll
             for (int jp = 0; jp < VC / 16; jp++) {
                 uint32_t b[4];
                 load_b2(b, Sb, VS, kk, vc + 16 * jp);
                 mma_b2<bf16>(v[p], jp, a, b);
+                if constexpr (OUT) mma_b2<bf16>(ot, jp, aq, b);
             }
         }
-        // The next chunk's loads and this chunk's hs go out while the products run.
+        // The next chunk's loads (and this chunk's hs) go out while the products run.
         if (c + 1 < nc) {
             issue(c + 1);
             gl_next = gL[(long)bh * nc + c + 1];
             fk_next[0] = fk[base + CH + vr + g];
             fk_next[1] = fk[base + CH + vr + g + 8];
+            if constexpr (OUT) {
+                fq_next[0] = fq[base + CH + vr + g];
+                fq_next[1] = fq[base + CH + vr + g + 8];
+            }
         }
-        write_hs(c);
+        if constexpr (!OUT) write_hs(c);
         // Vt (bf16) for the outputs, and fk Vt (bf16) for the state update: Kt^T Vt = k^T (fk Vt).
         const bf16* Ut = Ub + o * VS;
 #pragma unroll
@@ -1159,11 +1195,43 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
             }
         }
         __syncthreads();  // Vt complete; the reads of bf16(S) done
+        if constexpr (OUT) {
+            // o = fq (q hs) + P Vt (P lower triangular: K stops at the tile's last row), to the
+            // rows inside the sequence.
 #pragma unroll
-        for (int i = 0; i < CH / UROWS; i++)
-            if (u_ok)
-                *reinterpret_cast<uint4*>(&U[(base + ur + UROWS * i) * dv + j0 + 8 * us]) =
-                    *reinterpret_cast<const uint4*>(&Vb[(ur + UROWS * i) * VS + 8 * us]);
+            for (int j = 0; j < VC / 8; j++) {
+                ot[j][0] *= fq0;
+                ot[j][1] *= fq0;
+                ot[j][2] *= fq1;
+                ot[j][3] *= fq1;
+            }
+            for (int kk = 0; kk <= vr; kk += 16) {
+                uint32_t a[4];
+                load_a(a, Pb + o * TC_OS, TC_OS, vr, kk);
+#pragma unroll
+                for (int jp = 0; jp < VC / 16; jp++) {
+                    uint32_t b[4];
+                    load_b2(b, Vb, VS, kk, vc + 16 * jp);
+                    mma_b2<bf16>(ot, jp, a, b);
+                }
+            }
+            const int L = min(CH, T - c * CH), b = bh / Hv, hv = bh % Hv;
+#pragma unroll
+            for (int j = 0; j < VC / 8; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = vr + g + 8 * h, col = j0 + vc + 8 * j + 2 * tg;
+                    if (r < L && col < dv)
+                        *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + col]) =
+                            make_float2(ot[j][2 * h], ot[j][2 * h + 1]);
+                }
+        } else {
+#pragma unroll
+            for (int i = 0; i < CH / UROWS; i++)
+                if (u_ok)
+                    *reinterpret_cast<uint4*>(&U[(base + ur + UROWS * i) * dv + j0 + 8 * us]) =
+                        *reinterpret_cast<const uint4*>(&Vb[(ur + UROWS * i) * VS + 8 * us]);
+        }
         // S = gL S + Kt^T Vt (Kt and Vt rows past the sequence end are zero), K = CH in two
         // independent halves.
         float d[2][SNT][4] = {};
@@ -1198,10 +1266,19 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     extern "C" __global__ void __launch_bounds__(32 * WARPS) gdn_chunk_scan_tc_bv##BV(                        \
         bf16* U, const bf16* W, const bf16* k, long qk_stride, const float* fk, const float* gL, const float* s0, \
         bf16* hs, float* s_final, int B, int T, int Hk, int Hv, int dk, int dv) {                             \
-        gdn_chunk_scan_tc<BV, WARPS>(U, W, k, qk_stride, fk, gL, s0, hs, s_final, T, Hk, Hv, dk, dv);         \
+        gdn_chunk_scan_tc<BV, WARPS, false>(U, W, k, nullptr, qk_stride, fk, nullptr, nullptr, gL, s0, hs,    \
+                                            nullptr, s_final, T, Hk, Hv, dk, dv);                             \
     }
 TC_SCAN_KERNEL(32, 8)
 TC_SCAN_KERNEL(64, 8)
+// The scan with the outputs (the 64-column blocks: 174 KiB of shared memory, sm_80 and sm_90).
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_scan_out_tc_bv64(bf16* U, const bf16* W, const bf16* k, const bf16* q, long qk_stride, const float* fk,
+                               const float* fq, const bf16* P, const float* gL, const float* s0, float* out,
+                               float* s_final, int B, int T, int Hk, int Hv, int dk, int dv) {
+    gdn_chunk_scan_tc<64, 8, true>(U, W, k, q, qk_stride, fk, fq, P, gL, s0, nullptr, out, s_final, T, Hk, Hv, dk,
+                                   dv);
+}
 
 // Shared memory of the output kernel (bf16 elements): raw q [CH][TC_S], the hs tile
 // [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS] (cuda.rs TC_OUT_SMEM).

@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
     // (name, batch, tokens, keep every state, the chunked path or None for the recurrent kernel)
-    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 15] = [
+    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 16] = [
         ("decode B=1", 1, 1, false, None),
         ("decode B=8", 8, 1, false, None),
         ("decode B=64", 64, 1, false, None),
@@ -46,25 +46,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("prefill B=1 T=1024 (token-by-token kernel)", 1, 1024, false, None),
         ("prefill B=1 T=8192 (token-by-token kernel)", 1, 8192, false, None),
         (
-            "prefill B=1 T=1024 (chunked, default: tensor cores, 64 columns)",
+            "prefill B=1 T=1024 (chunked, default: on sm_90 tensor cores, 64 columns, outputs in the scan)",
             1,
             1024,
             false,
             Some(ChunkPath::Auto),
         ),
         (
-            "prefill B=1 T=8192 (chunked, default: tensor cores, 64 columns)",
+            "prefill B=1 T=8192 (chunked, default: on sm_90 tensor cores, 64 columns, outputs in the scan)",
             1,
             8192,
             false,
             Some(ChunkPath::Auto),
         ),
         (
-            "prefill B=1 T=32768 (chunked, default: tensor cores, 64 columns)",
+            "prefill B=1 T=32768 (chunked, default: on sm_90 tensor cores, 64 columns, outputs in the scan)",
             1,
             32768,
             false,
             Some(ChunkPath::Auto),
+        ),
+        (
+            "prefill B=1 T=8192 (chunked, tensor cores, 64 columns, output kernel)",
+            1,
+            8192,
+            false,
+            Some(ChunkPath::TensorCores(64)),
         ),
         (
             "prefill B=1 T=8192 (chunked, tensor cores, 32 columns)",

@@ -362,9 +362,11 @@ const TC_S: usize = CHUNK_MAX_DK + 8;
 const TC_OV: usize = 64;
 /// Shared memory of the tensor-core scan with `bv` state columns per block (cuda/gdn.cu
 /// `tc_scan_smem`): W and raw k [2, CHUNK, TC_S], U [2, CHUNK, bv + 8], the bf16 state
-/// [dk, bv + 8], Vt and fk Vt [CHUNK, bv + 8].
-const fn tc_scan_smem(bv: usize) -> usize {
-    2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + 2 * CHUNK) * (bv + 8))
+/// [dk, bv + 8], Vt and fk Vt [CHUNK, bv + 8]; when it forms the outputs (`out`) also raw q
+/// [2, CHUNK, TC_S] and P [2, CHUNK, TC_OV + 8].
+const fn tc_scan_smem(bv: usize, out: bool) -> usize {
+    let outputs = if out { 2 * CHUNK * (TC_S + TC_OV + 8) } else { 0 };
+    2 * (4 * CHUNK * TC_S + (2 * CHUNK + CHUNK_MAX_DK + 2 * CHUNK) * (bv + 8) + outputs)
 }
 /// `TC_PREP_SMEM`: raw k and v [CHUNK, TC_S] bf16, a region for raw q and A, later the two bf16
 /// pairs of [CHUNK, CHUNK + 8], six f32 row vectors.
@@ -372,14 +374,23 @@ const TC_PREP_SMEM: usize = 2 * 2 * CHUNK * TC_S + 2 * 4 * CHUNK * (CHUNK + 8) +
 /// `TC_OUT_SMEM`: raw q [CHUNK, TC_S], the hs tile [dk, 72], P and Vt [CHUNK, 72].
 const TC_OUT_SMEM: usize = 2 * (CHUNK * TC_S + (CHUNK_MAX_DK + 2 * CHUNK) * (TC_OV + 8));
 
-/// The three kernels of one chunked path: their names, threads per block, state or output
-/// columns per block, and dynamic shared memory; `raw_qk`: the scan and output kernels read the
-/// raw k and q rows with the prep's row factors (tensor cores) instead of the prep's Kt and Qt.
+/// The kernels of one chunked path: their names, threads per block, state or output columns per
+/// block, and dynamic shared memory; `out` is `None` where the scan forms the outputs itself;
+/// `raw_qk`: the scan and output kernels read the raw k and q rows with the prep's row factors
+/// (tensor cores) instead of the prep's Kt and Qt.
 struct ChunkKernels {
     prep: (String, usize),
     scan: (String, usize, usize, usize),
-    out: (&'static str, usize, usize, usize),
+    out: Option<(&'static str, usize, usize, usize)>,
     raw_qk: bool,
+}
+
+/// The tensor-core scan: 64 state columns per block with each chunk's outputs formed in it, or
+/// 32 or 64 columns followed by the output kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TensorCoreScan {
+    WithOutputs,
+    Split(usize),
 }
 
 impl ChunkKernels {
@@ -388,18 +399,38 @@ impl ChunkKernels {
         Self {
             prep: (prep, PREP_SMEM),
             scan: (format!("gdn_chunk_scan_c{cols}"), 8 * cols, cols, scan_smem(cols)),
-            out: ("gdn_chunk_out", 256, OUT_COLS, OUT_SMEM),
+            out: Some(("gdn_chunk_out", 256, OUT_COLS, OUT_SMEM)),
             raw_qk: false,
         }
     }
 
-    /// The tensor-core path of bf16 activations: bf16 intermediates, f32 state, `bv` state
-    /// columns per scan block ([`tensor_core_scan_columns`]).
-    fn tensor_cores(bv: usize) -> Self {
+    /// The tensor-core path of bf16 activations: bf16 intermediates, f32 state, the scan
+    /// [`tensor_core_scan`] picks.
+    fn tensor_cores(scan: TensorCoreScan) -> Self {
+        let (scan, out) = match scan {
+            TensorCoreScan::WithOutputs => (
+                (
+                    "gdn_chunk_scan_out_tc_bv64".into(),
+                    256,
+                    64,
+                    tc_scan_smem(64, true),
+                ),
+                None,
+            ),
+            TensorCoreScan::Split(bv) => (
+                (
+                    format!("gdn_chunk_scan_tc_bv{bv}"),
+                    256,
+                    bv,
+                    tc_scan_smem(bv, false),
+                ),
+                Some(("gdn_chunk_out_tc", 128, TC_OV, TC_OUT_SMEM)),
+            ),
+        };
         Self {
             prep: ("gdn_chunk_prep_tc".into(), TC_PREP_SMEM),
-            scan: (format!("gdn_chunk_scan_tc_bv{bv}"), 256, bv, tc_scan_smem(bv)),
-            out: ("gdn_chunk_out_tc", 128, TC_OV, TC_OUT_SMEM),
+            scan,
+            out,
             raw_qk: true,
         }
     }
@@ -414,21 +445,21 @@ fn f32_scan_columns() -> usize {
     }
 }
 
-/// State columns per block of the tensor-core scan on `dev`: 64 where its shared memory fits a
-/// block (sm_80, sm_90: run 9 of the GDN table measured it 18% faster than 32 on the H200, as it
-/// reads each chunk's W and k once for twice the columns), else 32 (sm_86, sm_89: 99 KiB per
-/// block); [`ChunkPath::TensorCores`] may ask for 32.
-fn tensor_core_scan_columns(dev: &CudaDevice) -> usize {
+/// The tensor-core scan on `dev`: the widest its shared memory per block holds. 64 state columns
+/// with the outputs (174 KiB: sm_90) saves the output kernel and the global round trip of the
+/// chunk-entry states and Vt; 64 columns without (122 KiB: sm_80) read each chunk's W and k once
+/// for twice the columns of 32 (run 9 of the GDN table: 18% faster on the H200); else 32 (sm_86,
+/// sm_89: 99 KiB). [`ChunkPath::TensorCores`] may ask for the split scan of 32 or 64 columns.
+fn tensor_core_scan(dev: &CudaDevice) -> TensorCoreScan {
     let stream = dev.cuda_stream();
     let optin = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-    let fits = stream
-        .context()
-        .attribute(optin)
-        .is_ok_and(|bytes| bytes as usize >= tc_scan_smem(64));
+    let max = stream.context().attribute(optin).map_or(0, |b| b as usize);
     match crate::delta_rule::chunk_path() {
-        ChunkPath::TensorCores(32) => 32,
-        _ if fits => 64,
-        _ => 32,
+        ChunkPath::TensorCores(32) => TensorCoreScan::Split(32),
+        ChunkPath::TensorCores(64) if max >= tc_scan_smem(64, false) => TensorCoreScan::Split(64),
+        _ if max >= tc_scan_smem(64, true) => TensorCoreScan::WithOutputs,
+        _ if max >= tc_scan_smem(64, false) => TensorCoreScan::Split(64),
+        _ => TensorCoreScan::Split(32),
     }
 }
 
@@ -487,13 +518,18 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
     let nc = d.t.div_ceil(CHUNK);
     let nb = d.b * d.hv * nc;
     let rows = nb * CHUNK;
-    // Scratch: U [rows, dv] (the scan overwrites it with Vt), W [rows, dk], P [rows, CHUNK], the
-    // chunk-entry states hs [nb, dk, dv], then Qt and Kt [rows, dk] (without raw_qk); in f32: gL
-    // [nb], then the row factors fq and fk [rows] (with raw_qk). Every part of the first spans a
-    // multiple of 64 rows, so each starts 16-byte aligned for the kernels' vector loads; the f32
-    // parts are read one value at a time.
+    // Scratch: U [rows, dv] (a split scan overwrites it with Vt), W [rows, dk], P [rows, CHUNK],
+    // the chunk-entry states hs [nb, dk, dv] (none when the scan forms the outputs), then Qt and
+    // Kt [rows, dk] (without raw_qk); in f32: gL [nb], then the row factors fq and fk [rows] (with
+    // raw_qk). Every part of the first spans a multiple of 64 rows, so each starts 16-byte aligned
+    // for the kernels' vector loads; the f32 parts are read one value at a time.
     let (u, w, p, hs, qt, kt) = (0, 1, 2, 3, 4, 5);
-    let mut sizes = vec![rows * d.dv, rows * d.dk, rows * CHUNK, nb * d.dk * d.dv];
+    let hs_size = if kernels.out.is_some() {
+        nb * d.dk * d.dv
+    } else {
+        0
+    };
+    let mut sizes = vec![rows * d.dv, rows * d.dk, rows * CHUNK, hs_size];
     if !kernels.raw_qk {
         sizes.extend([rows * d.dk, rows * d.dk]);
     }
@@ -561,16 +597,31 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
         allow_smem(&dev, name, *smem, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
-        // U (overwritten with Vt), W, then raw k with its row stride and fk, or Kt; gL
+        // U (a split scan overwrites it with Vt), W, then raw k with its row stride and fk, or
+        // Kt; the scan with the outputs also takes raw q between k and the stride, fq after fk,
+        // then P; gL, the state, then hs or the outputs, the final state.
         lb.arg(&parts[u]).arg(&parts[w]);
-        if kernels.raw_qk {
+        let fused = kernels.out.is_none();
+        if fused {
+            lb.arg(&v.k)
+                .arg(&v.q)
+                .arg(&v.strides.0)
+                .arg(&parts32[2])
+                .arg(&parts32[1])
+                .arg(&parts[p]);
+        } else if kernels.raw_qk {
             lb.arg(&v.k).arg(&v.strides.0).arg(&parts32[2]);
         } else {
             lb.arg(&parts[kt]);
         }
         lb.arg(&parts32[0]);
         v.push_state(&mut lb);
-        lb.arg(&parts[hs]).arg(&s_final);
+        if fused {
+            lb.arg(&out);
+        } else {
+            lb.arg(&parts[hs]);
+        }
+        lb.arg(&s_final);
         let tail_dims = if kernels.raw_qk {
             vec![
                 d.b as i32,
@@ -592,12 +643,15 @@ fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
             shared_mem_bytes: *smem as u32,
         };
         // SAFETY: arguments match `gdn_chunk_scan_*`: the scratch parts written above (and the
-        // raw k view with its i64 row stride for gdn_chunk_scan_tc), the initial state or null,
-        // hs and the final state (sizes it writes), then i32 dims; one block of `threads` per
+        // raw k view, and q for gdn_chunk_scan_out_tc_bv64, with their i64 row stride for the
+        // tensor-core scans), the initial state or null, hs (or the fresh outputs [b, t, hv, dv]
+        // f32) and the final state (sizes it writes), then i32 dims; one block of `threads` per
         // (sequence, value head, cols state columns), as the kernel expects.
         unsafe { lb.launch(cfg) }.w()?;
 
-        let (name, threads, cols, smem) = kernels.out;
+        let Some((name, threads, cols, smem)) = kernels.out else {
+            return Ok(());
+        };
         allow_smem(&dev, name, smem, MODULE, PTX)?;
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut lb = KernelCall::new(&dev, &func);
@@ -809,7 +863,7 @@ pub(crate) fn fused(
     let scale = (d.dk as f32).powf(-0.5);
     match mode {
         DeltaRuleMode::Chunked if chunked_supported(d) && chunked_on_tensor_cores(d, dt, &inp) => {
-            let kernels = ChunkKernels::tensor_cores(tensor_core_scan_columns(&device(op, qkv)?));
+            let kernels = ChunkKernels::tensor_cores(tensor_core_scan(&device(op, qkv)?));
             launch_chunked::<half::bf16, half::bf16>(op, &kernels, d, inp, scale)
         }
         DeltaRuleMode::Chunked if chunked_supported(d) => {

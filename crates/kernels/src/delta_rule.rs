@@ -417,13 +417,14 @@ pub struct GdnHeads {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkPath {
     /// The default: bf16 activations on tensor cores with the widest scan block the device's
-    /// shared memory holds (64 state columns on sm_80 and sm_90, 32 on sm_86 and sm_89), other
-    /// dtypes on the f32 CUDA-core kernels with 32 columns per scan block.
+    /// shared memory holds (on sm_90 64 state columns that also form the outputs, on sm_80 64
+    /// columns and on sm_86 and sm_89 32, each followed by the output kernel), other dtypes on
+    /// the f32 CUDA-core kernels with 32 columns per scan block.
     Auto,
     /// The f32 CUDA-core kernels with 16 or 32 state columns per scan block, for every dtype.
     CudaCores(usize),
     /// For bf16 activations, the tensor-core kernels with 32 or 64 state columns per scan block
-    /// (64 only where it fits, else 32).
+    /// (64 only where it fits, else 32) and the separate output kernel.
     TensorCores(usize),
 }
 
@@ -504,8 +505,8 @@ pub enum DeltaRuleMode {
 /// 2·Hk·dk + Hv·dv]` into q, k, v, L2-normalises q and k per head (eps 1e-6), computes the gates
 /// from `a, b: [batch, len, Hv]`, `a_log, dt_bias: [Hv]` and runs the delta rule with scale
 /// `dk^-1/2`. CPU: the composition of [`crate::norm::l2_norm`], [`crate::gating::gdn_gating`] and
-/// the delta-rule forms; CUDA: one kernel for the recurrent form, three (prep, scan, outputs) for
-/// the chunked form.
+/// the delta-rule forms; CUDA: one kernel for the recurrent form, two or three (prep, scan, and
+/// the outputs unless the scan forms them) for the chunked form.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gated_delta_rule(
     qkv: &Tensor,

@@ -268,8 +268,14 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
                 .to_scalar()
                 .unwrap()
         };
-        // Both scan widths: 32 state columns per block, and the default (64 where it fits).
-        for path in [ChunkPath::TensorCores(32), ChunkPath::Auto] {
+        // Every scan: 32 and 64 state columns per block followed by the output kernel, and the
+        // default (on sm_90 the 64-column scan that forms the outputs itself).
+        let mut outs = Vec::new();
+        for path in [
+            ChunkPath::TensorCores(32),
+            ChunkPath::TensorCores(64),
+            ChunkPath::Auto,
+        ] {
             force_chunk_path(path);
             let got = fused_gated_delta_rule(
                 &on(&x),
@@ -294,7 +300,15 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
                 eo <= tol && es <= tol,
                 "t {t} dk {dk} dv {dv} {path:?}: out {eo}, state {es}"
             );
+            outs.push(got.out);
         }
+        // The scan with the outputs forms the output kernel's products in its order, from the
+        // same bf16 states and Vt: the same bits.
+        assert_eq!(
+            max_diff(&outs[1], &outs[2]),
+            0.0,
+            "t {t} dk {dk} dv {dv}: outputs formed in the scan differ from the output kernel's"
+        );
     }
 }
 
