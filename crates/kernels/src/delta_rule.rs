@@ -14,7 +14,7 @@
 //! Shapes: `q, k: [batch, len, k_heads, dk]`, `v: [batch, len, v_heads, dv]`,
 //! `g, beta: [batch, len, v_heads]`, state `[batch, v_heads, dk, dv]` (f32 only).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -428,29 +428,20 @@ pub enum ChunkPath {
     TensorCores(usize),
 }
 
-/// [`ChunkPath`] encoded: 0 auto, 0x100 | c CUDA cores, 0x200 | c tensor cores.
-static CHUNK_PATH: AtomicUsize = AtomicUsize::new(0);
+/// The path [`force_chunk_path`] set.
+static CHUNK_PATH: Mutex<ChunkPath> = Mutex::new(ChunkPath::Auto);
 
 /// Forces `path` for every later chunked call in the process ([`ChunkPath::Auto`] restores the
 /// default).
 #[doc(hidden)]
 pub fn force_chunk_path(path: ChunkPath) {
-    let code = match path {
-        ChunkPath::Auto => 0,
-        ChunkPath::CudaCores(c) => 0x100 | (c & 0xff),
-        ChunkPath::TensorCores(c) => 0x200 | (c & 0xff),
-    };
-    CHUNK_PATH.store(code, Ordering::Relaxed);
+    *CHUNK_PATH.lock().unwrap_or_else(PoisonError::into_inner) = path;
 }
 
 /// The path [`force_chunk_path`] set.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn chunk_path() -> ChunkPath {
-    match CHUNK_PATH.load(Ordering::Relaxed) {
-        c if c & 0x100 != 0 => ChunkPath::CudaCores(c & 0xff),
-        c if c & 0x200 != 0 => ChunkPath::TensorCores(c & 0xff),
-        _ => ChunkPath::Auto,
-    }
+    *CHUNK_PATH.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The fused op's sizes from `qkv: [batch, len, width]` and `heads`, once its shapes are checked
@@ -603,20 +594,6 @@ pub fn fused_gated_delta_rule_in_place(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn forced_chunk_path_reads_back() {
-        for path in [
-            ChunkPath::CudaCores(16),
-            ChunkPath::CudaCores(32),
-            ChunkPath::TensorCores(32),
-            ChunkPath::TensorCores(64),
-            ChunkPath::Auto,
-        ] {
-            force_chunk_path(path);
-            assert_eq!(chunk_path(), path);
-        }
-    }
 
     struct Case {
         q: Tensor,

@@ -2,7 +2,7 @@
 //! runs); on CUDA, calls with one row (decode) go to a weight-streaming kernel instead, because cuBLAS reads the weights at only ~84% of the copy
 //! bandwidth on those shapes (PERF-ANCHORS) and decode is nothing but reading weights.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{Module, Tensor};
 
@@ -23,19 +23,14 @@ pub enum SkinnyPath {
     Streaming(usize),
 }
 
-/// [`SkinnyPath`] encoded: 0 auto, 1 matmul, 0x100 | c streaming.
-static SKINNY_PATH: AtomicUsize = AtomicUsize::new(0);
+/// The path [`force_skinny_path`] set.
+static SKINNY_PATH: Mutex<SkinnyPath> = Mutex::new(SkinnyPath::Auto);
 
 /// Forces `path` for every later skinny call in the process ([`SkinnyPath::Auto`] restores the
 /// default). The streaming kernel falls back to the matmul where it cannot take the operands.
 #[doc(hidden)]
 pub fn force_skinny_path(path: SkinnyPath) {
-    let code = match path {
-        SkinnyPath::Auto => 0,
-        SkinnyPath::Matmul => 1,
-        SkinnyPath::Streaming(c) => 0x100 | (c & 0xff),
-    };
-    SKINNY_PATH.store(code, Ordering::Relaxed);
+    *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) = path;
 }
 
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide (the forced
@@ -45,11 +40,11 @@ pub fn force_skinny_path(path: SkinnyPath) {
 /// 2..8 rows did not beat it either).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
-    match SKINNY_PATH.load(Ordering::Relaxed) {
-        0 if rows == 1 && (8192..32768).contains(&columns) => Some(2),
-        0 if rows == 1 => Some(1),
-        c if c & 0x100 != 0 => Some(c & 0xff),
-        _ => None,
+    match *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) {
+        SkinnyPath::Auto if rows == 1 && (8192..32768).contains(&columns) => Some(2),
+        SkinnyPath::Auto if rows == 1 => Some(1),
+        SkinnyPath::Streaming(c) => Some(c),
+        SkinnyPath::Auto | SkinnyPath::Matmul => None,
     }
 }
 
@@ -239,6 +234,22 @@ impl Module for Linear {
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+
+    /// The one-row default measured on the H200 (2 columns per warp for 8k-32k wide outputs, else
+    /// 1; cuBLAS from two rows on), and the forced paths.
+    #[test]
+    fn streaming_columns_follow_the_measured_default_or_the_forced_path() {
+        force_skinny_path(SkinnyPath::Auto);
+        assert_eq!(streaming_columns(1, 16480), Some(2));
+        assert_eq!(streaming_columns(1, 5120), Some(1));
+        assert_eq!(streaming_columns(1, 248320), Some(1));
+        assert_eq!(streaming_columns(2, 5120), None);
+        force_skinny_path(SkinnyPath::Matmul);
+        assert_eq!(streaming_columns(1, 5120), None);
+        force_skinny_path(SkinnyPath::Streaming(4));
+        assert_eq!(streaming_columns(3, 5120), Some(4));
+        force_skinny_path(SkinnyPath::Auto);
+    }
 
     #[test]
     fn fused_layer_equals_its_parts() -> Result<()> {

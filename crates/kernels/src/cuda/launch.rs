@@ -84,7 +84,7 @@ impl<'a> KernelCall<'a> {
         let stream = dev.cuda_stream();
         Self {
             func,
-            pdl: pdl_enabled(&stream),
+            pdl: device_setup(&stream).pdl,
             stream,
             words: [0; MAX_ARGS],
             n: 0,
@@ -144,15 +144,23 @@ impl<'a> KernelCall<'a> {
     }
 }
 
-/// Whether launches on `stream`'s device carry the PDL attribute (cached per device ordinal). The
-/// first launch on a device also makes its memory pool keep freed memory ([`keep_freed_memory`]).
-fn pdl_enabled(stream: &CudaStream) -> bool {
+/// How our launches run on one device.
+#[derive(Clone, Copy)]
+struct DeviceSetup {
+    /// Launches carry the PDL attribute.
+    pdl: bool,
+}
+
+/// The launch settings of `stream`'s device, decided at its first launch and cached per device
+/// ordinal; that first launch also makes the device's memory pool keep freed memory
+/// ([`keep_freed_memory`]).
+fn device_setup(stream: &CudaStream) -> DeviceSetup {
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
     let ctx = stream.context();
     let slot = CACHE.get(ctx.ordinal());
     match slot.map(|s| s.load(Ordering::Relaxed)) {
-        Some(1) => return false,
-        Some(2) => return true,
+        Some(1) => return DeviceSetup { pdl: false },
+        Some(2) => return DeviceSetup { pdl: true },
         _ => {}
     }
     keep_freed_memory(ctx);
@@ -165,7 +173,7 @@ fn pdl_enabled(stream: &CudaStream) -> bool {
     if let Some(s) = slot {
         s.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
-    on
+    DeviceSetup { pdl: on }
 }
 
 /// Lets the device's default memory pool, which candle allocates from (`cuMemAllocAsync`), keep the
