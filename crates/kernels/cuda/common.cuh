@@ -36,6 +36,9 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
 }
 
+// Asks L2 to fetch the 128-byte line holding p (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -24,6 +24,17 @@ constexpr int TB = 8;
 // The inputs of up to TB tokens (q, k, this tile's v, gates, norms) are staged in shared memory
 // before their loop, so a token's step waits on no global load: a verify pass of T tokens costs
 // about one load latency, not T.
+// Asks L2 for the block's state tile (row r of its BV columns: one 128-byte line per thread)
+// before the kernel waits for the previous one: the state was written a whole step ago, and a
+// prefetch into L2 (the point of coherence) cannot observe a stale copy, so it is safe before the
+// wait, and the loads after it hit L2 instead of DRAM.
+__device__ __forceinline__ void gdn_prefetch_state(const float* state, int Hv, int dk, int dv) {
+    const int tiles = (dv + BV - 1) / BV;
+    const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+    for (int r = threadIdx.x; state != nullptr && r < dk; r += blockDim.x)
+        prefetch_l2(state + ((long)bh * dk + r) * dv + tile * BV);
+}
+
 template <typename TQ, typename TG, bool FUSED, int ROWS>
 __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
@@ -153,7 +164,10 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb, \
              long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
-             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) { pdl_enter();     \
+             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                \
+        pdl_launch_dependents();                                                                               \
+        gdn_prefetch_state(in_place ? s_final : s0, Hv, dk, dv);                                              \
+        pdl_wait();                                                                                            \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
                                            s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps);          \
     }
