@@ -503,10 +503,10 @@ fn allow_smem(dev: &CudaDevice, name: &str, smem: usize, module: &str, ptx: &'st
     Ok(())
 }
 
-/// Runs the three chunked kernels (prep per chunk, the scan over chunks, the outputs per chunk);
-/// same inputs as [`launch_recurrent`], no intermediate states. `S` is the type of the
-/// intermediates (U, W, P, the chunk-entry states hs, and Qt, Kt unless `raw_qk`): f32, or bf16
-/// for the tensor-core kernels.
+/// Runs the chunked kernels (prep per chunk, the scan over chunks, then the outputs per chunk
+/// unless the scan forms them); same inputs as [`launch_recurrent`], no intermediate states. `S`
+/// is the type of the intermediates (U, W, P, the chunk-entry states hs, and Qt, Kt unless
+/// `raw_qk`): f32, or bf16 for the tensor-core kernels.
 fn launch_chunked<T: CudaDType, S: CudaDType + DeviceRepr>(
     op: &'static str,
     kernels: &ChunkKernels,
