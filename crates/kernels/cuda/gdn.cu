@@ -28,7 +28,7 @@ constexpr int TB = 8;
 // before the kernel waits for the previous one: the state was written a whole step ago, and a
 // prefetch into L2 (the point of coherence) cannot observe a stale copy, so it is safe before the
 // wait, and the loads after it hit L2 instead of DRAM.
-__device__ __forceinline__ void gdn_prefetch_state(const float* state, int Hv, int dk, int dv) {
+__device__ __forceinline__ void gdn_prefetch_state(const float* state, int dk, int dv) {
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     for (int r = threadIdx.x; state != nullptr && r < dk; r += blockDim.x)
@@ -166,7 +166,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
              float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                \
         pdl_launch_dependents();                                                                               \
-        gdn_prefetch_state(in_place ? s_final : s0, Hv, dk, dv);                                              \
+        gdn_prefetch_state(in_place ? s_final : s0, dk, dv);                                                  \
         pdl_wait();                                                                                            \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
                                            s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps);          \
@@ -1021,6 +1021,44 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     if (tid == 0) gL[blk] = expf(gl);
 }
 
+// The end of a warp's tile of chunk outputs, shared by the output kernel and the scan that forms
+// the outputs: o holds q hs for rows m0..m0+15, columns n0..n0+8NT of the tile; this makes it
+// o = fq (q hs) + P Vt (the row factors f0, f1 of rows m0 + g and m0 + g + 8 in f32 on the
+// accumulators; P lower triangular, so K stops at the tile's last row; P and Vt bf16 tiles in
+// shared memory, row strides ps and vs) and writes the rows below L and columns below `cols` to
+// dst (the tile's first row and column; rows rs floats apart).
+template <int NT>
+__device__ __forceinline__ void chunk_out_tile(float (&o)[NT][4], float f0, float f1, const bf16* Ps, int ps,
+                                               const bf16* Vs, int vs, int m0, int n0, float* dst, long rs, int L,
+                                               int cols) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        o[j][0] *= f0;
+        o[j][1] *= f0;
+        o[j][2] *= f1;
+        o[j][3] *= f1;
+    }
+    for (int kk = 0; kk <= m0; kk += 16) {
+        uint32_t a[4];
+        load_a(a, Ps, ps, m0, kk);
+#pragma unroll
+        for (int jp = 0; jp < NT / 2; jp++) {
+            uint32_t b[4];
+            load_b2(b, Vs, vs, kk, n0 + 16 * jp);
+            mma_b2<bf16>(o, jp, a, b);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = m0 + g + 8 * h, col = n0 + 8 * j + 2 * tg;
+            if (r < L && col < cols)
+                *reinterpret_cast<float2*>(&dst[r * rs + col]) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        }
+}
+
 // Shared memory of a scan with BV state columns per block (bytes): W and raw k [2][CH][TC_S]
 // (double-buffered), this tile's U [2][CH][BV + 8], the bf16 state [CHUNK_DK][BV + 8], Vt and
 // fk Vt [CH][BV + 8]; with the outputs (OUT) also raw q [2][CH][TC_S] and P [2][CH][TC_OS]
@@ -1210,35 +1248,10 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
         }
         __syncthreads();  // Vt complete; the reads of bf16(S) done
         if constexpr (OUT) {
-            // o = fq (q hs) + P Vt (P lower triangular: K stops at the tile's last row), to the
-            // rows inside the sequence.
-#pragma unroll
-            for (int j = 0; j < VC / 8; j++) {
-                ot[j][0] *= fq0;
-                ot[j][1] *= fq0;
-                ot[j][2] *= fq1;
-                ot[j][3] *= fq1;
-            }
-            for (int kk = 0; kk <= vr; kk += 16) {
-                uint32_t a[4];
-                load_a(a, Pb + o * TC_OS, TC_OS, vr, kk);
-#pragma unroll
-                for (int jp = 0; jp < VC / 16; jp++) {
-                    uint32_t b[4];
-                    load_b2(b, Vb, VS, kk, vc + 16 * jp);
-                    mma_b2<bf16>(ot, jp, a, b);
-                }
-            }
-            const int L = min(CH, T - c * CH), b = bh / Hv, hv = bh % Hv;
-#pragma unroll
-            for (int j = 0; j < VC / 8; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = vr + g + 8 * h, col = j0 + vc + 8 * j + 2 * tg;
-                    if (r < L && col < dv)
-                        *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + col]) =
-                            make_float2(ot[j][2 * h], ot[j][2 * h + 1]);
-                }
+            const int b = bh / Hv, hv = bh % Hv;
+            chunk_out_tile(ot, fq0, fq1, Pb + o * TC_OS, TC_OS, Vb, VS, vr, vc,
+                           out + (((long)b * T + c * CH) * Hv + hv) * dv + j0, (long)Hv * dv, min(CH, T - c * CH),
+                           dv - j0);
         } else {
 #pragma unroll
             for (int i = 0; i < CH / UROWS; i++)
@@ -1285,7 +1298,7 @@ __device__ void gdn_chunk_scan_tc(bf16* U, const bf16* __restrict__ W, const bf1
     }
 TC_SCAN_KERNEL(32, 8)
 TC_SCAN_KERNEL(64, 8)
-// The scan with the outputs (the 64-column blocks: 174 KiB of shared memory, sm_80 and sm_90).
+// The scan with the outputs (the 64-column blocks: 174 KiB of shared memory, so sm_90 only).
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_scan_out_tc_bv64(bf16* U, const bf16* W, const bf16* k, const bf16* q, long qk_stride, const float* fk,
                                const float* fq, const bf16* P, const float* gL, const float* s0, float* out,
@@ -1312,7 +1325,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const ChunkBlock cb(blockIdx.x / tiles, T, Hk, Hv);
     const long blk = cb.blk, base = cb.base;
     const int c = cb.c, b = cb.b, hv = cb.hv, hk = cb.hk, L = cb.L;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     extern __shared__ float4 tc_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(tc_smem);
     bf16* Hs = Qs + CH * TC_S;
@@ -1339,32 +1352,6 @@ extern "C" __global__ void __launch_bounds__(128)
             mma_b2<bf16>(o, jp, a, bb);
         }
     }
-    // Qt hs = fq (q hs): the row factors in f32 on the accumulators.
-    const float f0 = fq[base + 16 * warp + g], f1 = fq[base + 16 * warp + g + 8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        o[j][0] *= f0;
-        o[j][1] *= f0;
-        o[j][2] *= f1;
-        o[j][3] *= f1;
-    }
-    for (int kk = 0; kk <= 16 * warp; kk += 16) {
-        uint32_t a[4];
-        load_a(a, Ps, TC_OS, 16 * warp, kk);
-#pragma unroll
-        for (int jp = 0; jp < 4; jp++) {
-            uint32_t bb[4];
-            load_b2(bb, Vs, TC_OS, kk, 16 * jp);
-            mma_b2<bf16>(o, jp, a, bb);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * warp + g + 8 * h, col = j0 + 8 * j + 2 * tg;
-            if (r < L && col < dv)
-                *reinterpret_cast<float2*>(&out[(((long)b * T + c * CH + r) * Hv + hv) * dv + col]) =
-                    make_float2(o[j][2 * h], o[j][2 * h + 1]);
-        }
+    chunk_out_tile(o, fq[base + 16 * warp + g], fq[base + 16 * warp + g + 8], Ps, TC_OS, Vs, TC_OS, 16 * warp, 0,
+                   out + (((long)b * T + c * CH) * Hv + hv) * dv + j0, (long)Hv * dv, L, dv - j0);
 }

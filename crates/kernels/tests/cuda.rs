@@ -8,7 +8,7 @@ use qwen36_kernels::attention::causal_softmax;
 use qwen36_kernels::conv1d::causal_conv1d;
 use qwen36_kernels::delta_rule::{
     chunked_gated_delta_rule, force_chunk_path, fused_gated_delta_rule, recurrent_gated_delta_rule,
-    ChunkPath, DeltaRuleMode, GdnHeads, CHUNK_SIZE,
+    ChunkPath, DeltaRuleMode, DeltaRuleOutput, GdnHeads, CHUNK_SIZE,
 };
 use qwen36_kernels::norm::l2_norm;
 use qwen36_testutil::max_abs_diff as max_diff;
@@ -84,6 +84,25 @@ fn fused_inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) 
             v_dim: dv,
         },
     }
+}
+
+/// `fused_gated_delta_rule` with `path` forced for this one call (the default restored after).
+#[allow(clippy::too_many_arguments)]
+fn fused_on_path(
+    path: ChunkPath,
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    s0: &Tensor,
+    heads: GdnHeads,
+    mode: DeltaRuleMode,
+) -> DeltaRuleOutput {
+    force_chunk_path(path);
+    let got = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(s0), heads, mode);
+    force_chunk_path(ChunkPath::Auto);
+    got.unwrap()
 }
 
 /// The fused recurrent kernel's 64-register variants, which grids of 1024 blocks or more take
@@ -200,19 +219,9 @@ fn fused_kernel_matches_cpu_composition() {
                 let ab = on(&Tensor::cat(&[&aa, &bx, &aa.narrow(2, 0, 3).unwrap()], 2).unwrap());
                 let views = (ab.narrow(2, 0, hv).unwrap(), ab.narrow(2, hv, hv).unwrap());
                 for (ga, gb) in [(on(&aa), on(&bx)), views] {
-                    force_chunk_path(cols.map_or(ChunkPath::Auto, ChunkPath::CudaCores));
-                    let got = fused_gated_delta_rule(
-                        &gx,
-                        &ga,
-                        &gb,
-                        &on(&a_log),
-                        &on(&dt),
-                        Some(&on(&s0)),
-                        heads,
-                        mode,
-                    )
-                    .unwrap();
-                    force_chunk_path(ChunkPath::Auto);
+                    let path = cols.map_or(ChunkPath::Auto, ChunkPath::CudaCores);
+                    let got =
+                        fused_on_path(path, &gx, &ga, &gb, &on(&a_log), &on(&dt), &on(&s0), heads, mode);
                     // Inputs are the same rounded values on both sides; only the f32 op order differs.
                     let e = max_diff(&want.out, &got.out).max(max_diff(&want.state, &got.state));
                     let strided = !ga.is_contiguous();
@@ -276,19 +285,17 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
             ChunkPath::TensorCores(64),
             ChunkPath::Auto,
         ] {
-            force_chunk_path(path);
-            let got = fused_gated_delta_rule(
+            let got = fused_on_path(
+                path,
                 &on(&x),
                 &on(&a),
                 &on(&bb),
                 &on(&a_log),
                 &on(&dt),
-                Some(&on(&s0)),
+                &on(&s0),
                 heads,
                 mode,
-            )
-            .unwrap();
-            force_chunk_path(ChunkPath::Auto);
+            );
             assert_eq!(got.state.dtype(), DType::F32, "the state stays f32");
             let eo = max_diff(&got.out, &want.out) / largest(&want.out);
             let es = max_diff(&got.state, &want.state) / largest(&want.state);
