@@ -5,7 +5,7 @@ use qwen36_kernels::{
     conv1d::{causal_conv1d, causal_conv1d_in_place},
     delta_rule::{fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads},
     linear::Linear,
-    norm::GatedRmsNorm,
+    norm::{GatedRmsNorm, RmsNorm},
 };
 
 use crate::{Error, GdnConfig, GdnState, Result};
@@ -224,7 +224,15 @@ impl GatedDeltaNet {
     /// Runs `x: [batch, len, hidden]` from `state` and advances it. One token uses the recurrent
     /// form; several use the chunked form (like the reference). Returns `[batch, len, hidden]`.
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
-        let (y, _) = self.run(x, state, false)?;
+        let (y, _) = self.run(x, None, state, false)?;
+        Ok(y)
+    }
+
+    /// The pre-norm residual block around the layer: `x + forward(norm(x))` for the residual
+    /// stream `x`. The input projection normalises `x` as it reads it and the output projection
+    /// adds `x` as it writes, where the kernels allow (CUDA, one row), saving two passes.
+    pub fn forward_block(&self, x: &Tensor, norm: &RmsNorm, state: &mut GdnState) -> Result<Tensor> {
+        let (y, _) = self.run(x, Some(norm), state, false)?;
         Ok(y)
     }
 
@@ -233,13 +241,26 @@ impl GatedDeltaNet {
     /// [`GdnState::commit`] can restore the state after any accepted prefix exactly, without
     /// recomputing a projection. The state is left after the last token.
     pub fn forward_verify(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, VerifyCheckpoints)> {
-        let (y, cp) = self.run(x, state, true)?;
+        let (y, cp) = self.run(x, None, state, true)?;
         Ok((y, cp.expect("verify keeps checkpoints")))
     }
 
+    /// [`Self::forward_verify`] as the pre-norm residual block (see [`Self::forward_block`]).
+    pub fn forward_verify_block(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        state: &mut GdnState,
+    ) -> Result<(Tensor, VerifyCheckpoints)> {
+        let (y, cp) = self.run(x, Some(norm), state, true)?;
+        Ok((y, cp.expect("verify keeps checkpoints")))
+    }
+
+    /// The layer on `x`, or with `block` (the norm before it) the residual block around it.
     fn run(
         &self,
         x: &Tensor,
+        block: Option<&RmsNorm>,
         state: &mut GdnState,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
@@ -261,7 +282,10 @@ impl GatedDeltaNet {
             )));
         }
         let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
-        let proj = self.in_proj.forward(x)?;
+        let proj = match block {
+            Some(norm) => self.in_proj.forward_normed(x, norm)?,
+            None => self.in_proj.forward(x)?,
+        };
         let mixed = proj.narrow(D::Minus1, 0, cd)?;
         let z = proj.narrow(D::Minus1, cd, vd)?;
         let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
@@ -342,7 +366,11 @@ impl GatedDeltaNet {
 
         // z stays a view of the projection ([b, t, hv·dv]); the norm reads it per head.
         let y = self.norm.forward(&r.out, &z, x.dtype())?.reshape((b, t, vd))?;
-        Ok((self.out_proj.forward(&y)?, checkpoints))
+        let out = match block {
+            Some(_) => self.out_proj.forward_add(&y, x)?,
+            None => self.out_proj.forward(&y)?,
+        };
+        Ok((out, checkpoints))
     }
 }
 

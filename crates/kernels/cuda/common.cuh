@@ -60,6 +60,43 @@ template <typename T> struct Vec16 {
     };
 };
 
+// Sum of `v` over a block of THREADS threads; every thread gets the result.
+template <int THREADS> __device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[THREADS / 32];
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < THREADS / 32 ? part[lane] : 0.f;
+    t = warp_sum(t);
+    __syncthreads();  // `part` may be reused by a later call
+    return t;
+}
+
+// The (1 + w) RMSNorm's arithmetic, shared by the RMSNorm kernel and the GEMV that normalises its
+// input, so that the two give the same bits: each thread adds the squares of its 16-byte vectors
+// in order (add_squares), the block sums them (block_sum), and each element becomes
+// x · rms_inv · scale in f32 with one rounding (rms_scale).
+template <typename T> __device__ __forceinline__ float add_squares(float acc, const Vec16<T>& v) {
+#pragma unroll
+    for (int e = 0; e < Vec16<T>::N; ++e) {
+        const float f = to_f(v.e[e]);
+        acc += f * f;
+    }
+    return acc;
+}
+__device__ __forceinline__ float rms_inv(float sum_squares, int D, float eps) {
+    return 1.f / sqrtf(sum_squares / D + eps);
+}
+// `scale` points at the vector's first element's factor.
+template <typename T>
+__device__ __forceinline__ Vec16<T> rms_scale(const Vec16<T>& v, float inv, const float* __restrict__ scale) {
+    Vec16<T> out;
+#pragma unroll
+    for (int e = 0; e < Vec16<T>::N; ++e) out.e[e] = from_f<T>(to_f(v.e[e]) * inv * scale[e]);
+    return out;
+}
+
 // Asynchronous 16-byte global -> shared copies (sm_80+), so a tile's next load runs while the
 // current one is computed on. Both addresses 16-byte aligned.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {

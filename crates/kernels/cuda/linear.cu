@@ -16,20 +16,30 @@ constexpr int UNROLL = 4;
 // SWIGLU: w holds [gate; up] (2N rows); warp n reads gate row n and up row N + n and writes
 // y[m, n] = silu(x·gate_n) · (x·up_n), the MLP's activation, with no rounding of the halves (NR = 2,
 // no residual).
-template <typename T, int M, int NR, bool SWIGLU = false>
+// NORM (one row): x is the residual stream before the block's (1 + w) RMSNorm (scale: [K] f32 =
+// 1 + w): every block normalises it into shared memory (K elements of dynamic shared memory) with
+// the RMSNorm kernel's arithmetic (same threads per block, same order), so the product is the one
+// of the separate norm and GEMV, bit for bit, without the norm's kernel between them.
+template <typename T, int M, int NR, bool SWIGLU = false, bool NORM = false>
 __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ res,
-                              T* __restrict__ y, int N, int K) {
+                              T* __restrict__ y, int N, int K, const float* __restrict__ scale = nullptr,
+                              float eps = 0.f) {
     constexpr int V = Vec16<T>::N;
     static_assert(!SWIGLU || NR == 2, "the SwiGLU epilogue pairs two rows");
+    static_assert(!NORM || M == 1, "the normalising prologue takes one row");
+    extern __shared__ __align__(16) unsigned char linear_smem[];
     const int lane = threadIdx.x & 31;
     const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
     const int n0 = SWIGLU ? warp_id : warp_id * NR;
-    if (n0 >= N) return;  // whole warps leave together: n0 is uniform in a warp
+    // Whole warps leave together (n0 is uniform in a warp), but not before the block's prologue.
+    const bool active = n0 < N;
+    if (!NORM && !active) return;
+    const int nc = active ? n0 : N - 1;  // idle warps of a normalising block read a valid row
     const int kv = K / V;  // 16-byte vectors per row
     const uint4* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r)
-        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(SWIGLU ? n0 + r * N : min(n0 + r, N - 1)) * K);
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(SWIGLU ? nc + r * N : min(nc + r, N - 1)) * K);
     float acc[M][NR];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -49,6 +59,31 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
     // The first weights do not depend on the previous kernel: load them while it finishes.
     load_weights(0, wv);
     pdl_wait();
+    if constexpr (NORM) {
+        // The RMSNorm kernel's arithmetic on the row, vector for vector in its order (each thread
+        // vectors t, t + LINEAR_THREADS, ...), staged through shared memory, not registers (the
+        // first weights already hold 4·NR of them).
+        uint4* xs = reinterpret_cast<uint4*>(linear_smem);
+        for (int i = threadIdx.x; i < kv; i += LINEAR_THREADS)
+            cp_async16(xs + i, reinterpret_cast<const uint4*>(x) + i);
+        cp_async_commit();
+        cp_async_wait<0>();  // each thread reads back only its own vectors until the barrier
+        float acc = 0.f;
+        for (int i = threadIdx.x; i < kv; i += LINEAR_THREADS) {
+            Vec16<T> v;
+            v.raw = xs[i];
+            acc = add_squares(acc, v);
+        }
+        const float inv = rms_inv(block_sum<LINEAR_THREADS>(acc), K, eps);
+        for (int i = threadIdx.x; i < kv; i += LINEAR_THREADS) {
+            Vec16<T> v;
+            v.raw = xs[i];
+            xs[i] = rms_scale(v, inv, scale + i * V).raw;
+        }
+        __syncthreads();
+        if (!active) return;
+        x = reinterpret_cast<const T*>(xs);
+    }
     for (int base = 0; base < kv; base += 32 * UNROLL) {
         if (base > 0) load_weights(base, wv);
 #pragma unroll
@@ -58,7 +93,8 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 Vec16<T> xv;
-                xv.raw = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K) + i);
+                const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)m * K);
+                xv.raw = NORM ? xr[i] : __ldg(xr + i);  // NORM: x is in shared memory
 #pragma unroll
                 for (int e = 0; e < V; ++e) {
                     const float xe = to_f(xv.e[e]);
@@ -118,3 +154,30 @@ LINEAR_KERNELS(f16, __half)
 SWIGLU_KERNEL(f32, float)
 SWIGLU_KERNEL(bf16, __nv_bfloat16)
 SWIGLU_KERNEL(f16, __half)
+
+// One row normalised on the way in (NORM above): the projections that open a pre-norm block (the
+// mixer's input projection; with the SwiGLU epilogue, the MLP's gate|up).
+#define NORM_KERNELS(SUFFIX, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
+        skinny_linear_norm_##SUFFIX##_r1(const T* x, const float* scale, float eps, const T* w,      \
+                                         const T* res, T* y, int N, int K) {                         \
+        skinny_linear<T, 1, 1, false, true>(x, w, res, y, N, K, scale, eps);                         \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
+        skinny_linear_norm_##SUFFIX##_r2(const T* x, const float* scale, float eps, const T* w,      \
+                                         const T* res, T* y, int N, int K) {                         \
+        skinny_linear<T, 1, 2, false, true>(x, w, res, y, N, K, scale, eps);                         \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
+        skinny_linear_norm_##SUFFIX##_r4(const T* x, const float* scale, float eps, const T* w,      \
+                                         const T* res, T* y, int N, int K) {                         \
+        skinny_linear<T, 1, 4, false, true>(x, w, res, y, N, K, scale, eps);                         \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
+        skinny_swiglu_norm_##SUFFIX(const T* x, const float* scale, float eps, const T* w, T* y,     \
+                                    int N, int K) {                                                  \
+        skinny_linear<T, 1, 2, true, true>(x, w, nullptr, y, N, K, scale, eps);                      \
+    }
+NORM_KERNELS(f32, float)
+NORM_KERNELS(bf16, __nv_bfloat16)
+NORM_KERNELS(f16, __half)

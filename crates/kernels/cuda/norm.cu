@@ -3,20 +3,6 @@
 #include "common.cuh"
 
 constexpr int NORM_THREADS = 256;
-
-// Sum of `v` over the block (NORM_THREADS threads); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float part[NORM_THREADS / 32];
-    v = warp_sum(v);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    float t = lane < NORM_THREADS / 32 ? part[lane] : 0.f;
-    t = warp_sum(t);
-    __syncthreads();  // `part` may be reused by a later call
-    return t;
-}
-
 // Vectors of 16 bytes each thread keeps in registers in the vectorised path: rows up to
 // NORM_THREADS · NORM_VECS · 16 bytes (8192 bf16, 4096 f32) take it.
 constexpr int NORM_VECS = 4;
@@ -47,30 +33,26 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* 
                 if (res) rv[j].raw = reinterpret_cast<const uint4*>(res)[i];
             }
         }
-        float acc = 0.f;
+        if (res) {
 #pragma unroll
-        for (int j = 0; j < NORM_VECS; ++j) {
-            const int i = threadIdx.x + j * NORM_THREADS;
-            if (i < nv) {
+            for (int j = 0; j < NORM_VECS; ++j) {
+                const int i = threadIdx.x + j * NORM_THREADS;
+                if (i < nv) {
 #pragma unroll
-                for (int e = 0; e < V; ++e) {
-                    if (res) xv[j].e[e] = from_f<T>(to_f(xv[j].e[e]) + to_f(rv[j].e[e]));
-                    const float v = to_f(xv[j].e[e]);
-                    acc += v * v;
+                    for (int e = 0; e < V; ++e) xv[j].e[e] = from_f<T>(to_f(xv[j].e[e]) + to_f(rv[j].e[e]));
+                    reinterpret_cast<uint4*>(sum)[i] = xv[j].raw;
                 }
-                if (res) reinterpret_cast<uint4*>(sum)[i] = xv[j].raw;
             }
         }
-        const float inv = 1.f / sqrtf(block_sum(acc) / D + eps);
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < NORM_VECS; ++j)
+            if (threadIdx.x + j * NORM_THREADS < nv) acc = add_squares(acc, xv[j]);
+        const float inv = rms_inv(block_sum<NORM_THREADS>(acc), D, eps);
 #pragma unroll
         for (int j = 0; j < NORM_VECS; ++j) {
             const int i = threadIdx.x + j * NORM_THREADS;
-            if (i < nv) {
-                Vec16<T> out;
-#pragma unroll
-                for (int e = 0; e < V; ++e) out.e[e] = from_f<T>(to_f(xv[j].e[e]) * inv * scale[i * V + e]);
-                reinterpret_cast<uint4*>(y)[i] = out.raw;
-            }
+            if (i < nv) reinterpret_cast<uint4*>(y)[i] = rms_scale(xv[j], inv, scale + i * V).raw;
         }
         return;
     }
@@ -84,7 +66,7 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* 
         }
         acc += v * v;
     }
-    const float inv = 1.f / sqrtf(block_sum(acc) / D + eps);
+    const float inv = 1.f / sqrtf(block_sum<NORM_THREADS>(acc) / D + eps);
     for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
         // Re-read what this thread wrote (or read) above: same thread, so no barrier is needed.
         const float v = res ? to_f(sum[i]) : to_f(x[i]);

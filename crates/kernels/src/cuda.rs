@@ -1484,12 +1484,24 @@ pub(crate) enum Skinny<'a> {
     SwiGlu,
 }
 
+/// Rows the normalising skinny kernels take: at most `LINEAR_THREADS · NORM_VECS` 16-byte vectors
+/// (cuda/common.cuh), the same bound as the RMSNorm kernel's register path whose bits they repeat.
+const NORM_MAX_VECS: usize = LINEAR_THREADS * 4;
+
 /// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
 /// same dtype, with the epilogue of `what`: `res: [m, n]` (same dtype) added as the output is
-/// written when given, or the SwiGLU of the two halves (`[1, n / 2]`). `None` when the kernel
-/// cannot take the operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not
-/// contiguous): the caller falls back to the matmul.
-pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Option<Tensor>> {
+/// written when given, or the SwiGLU of the two halves (`[1, n / 2]`). With `norm` (the RMSNorm's
+/// f32 `[k]` scale `1 + w` and eps), `x` is normalised on the way in: the product equals the
+/// RMSNorm kernel's output times `wᵀ`, bit for bit. `None` when the kernel cannot take the
+/// operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not contiguous; with
+/// `norm`, more than one row, rows past the RMSNorm kernel's register path or a strided scale):
+/// the caller falls back to the matmul (after the separate norm).
+pub(crate) fn skinny_linear(
+    x: &Tensor,
+    w: &Tensor,
+    what: Skinny,
+    norm: Option<(&Tensor, f64)>,
+) -> Result<Option<Tensor>> {
     let op = "skinny_linear";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
@@ -1536,8 +1548,14 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Opti
     {
         return Ok(None);
     }
+    if let Some((scale, _)) = norm {
+        if m != 1 || k * size > NORM_MAX_VECS * 16 || scale.dims() != [k] || !scale.is_contiguous() {
+            return Ok(None);
+        }
+    }
     let dev = device(op, x)?;
     let null: u64 = 0;
+    let norm_guard = norm.map(|(s, eps)| (s.storage_and_layout(), eps as f32));
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
@@ -1555,15 +1573,24 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Opti
             // columns, or its one pair, for every row m).
             let y = unsafe { dev.alloc::<$t>(m * out_n)? };
             let sfx = dtype_suffix(op, dt)?;
-            let name = if swiglu {
-                format!("skinny_swiglu_{sfx}")
-            } else {
-                format!("skinny_linear_{sfx}_m{m}_r{columns}")
+            let name = match (swiglu, &norm_guard) {
+                (true, None) => format!("skinny_swiglu_{sfx}"),
+                (true, Some(_)) => format!("skinny_swiglu_norm_{sfx}"),
+                (false, None) => format!("skinny_linear_{sfx}_m{m}_r{columns}"),
+                (false, Some(_)) => format!("skinny_linear_norm_{sfx}_r{columns}"),
             };
             let func = dev.get_or_load_custom_func(&name, LINEAR_MODULE, LINEAR_PTX)?;
             let mut lb = KernelCall::new(&dev, &func);
             let (n32, k32) = (out_n as i32, k as i32);
-            lb.arg(&xv).arg(&wv);
+            lb.arg(&xv);
+            let scale_view = match &norm_guard {
+                Some(((ss, sl), eps)) => Some((view::<f32>(op, ss, sl)?, *eps)),
+                None => None,
+            };
+            if let Some((sv, eps)) = &scale_view {
+                lb.arg(sv).arg(eps);
+            }
+            lb.arg(&wv);
             if !swiglu {
                 match &rv {
                     Some(rv) => lb.arg(rv),
@@ -1575,14 +1602,22 @@ pub(crate) fn skinny_linear(x: &Tensor, w: &Tensor, what: Skinny) -> Result<Opti
             let cfg = LaunchConfig {
                 grid_dim: ((warps * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
                 block_dim: (LINEAR_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
+                // The normalised row.
+                shared_mem_bytes: if scale_view.is_some() {
+                    (k * size) as u32
+                } else {
+                    0
+                },
             };
             if n > 0 {
                 // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` (res [m·n] contiguous
                 // or a null pointer, 0u64) or `skinny_swiglu_*` (no res; m = 1, n even) in
-                // cuda/linear.cu: x [m·k] and w [n·k] contiguous and 16-byte aligned with k·size a
-                // multiple of 16 (checked above), y [m·out_n], i32 out_n and k; one warp per
-                // `columns` columns or per gate/up pair.
+                // cuda/linear.cu, or their `_norm_` twins, which also take the f32 scale [k]
+                // (contiguous) and eps after x, one row of at most NORM_MAX_VECS vectors and k·size
+                // bytes of dynamic shared memory (≤ 16 KiB, under the default 48 KiB): x [m·k] and
+                // w [n·k] contiguous and 16-byte aligned with k·size a multiple of 16 (checked
+                // above), y [m·out_n], i32 out_n and k; one warp per `columns` columns or per
+                // gate/up pair.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, out_n))))

@@ -6,6 +6,7 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::{Module, Tensor};
 
+use crate::norm::RmsNorm;
 use crate::{Error, Result};
 
 /// The most rows (`batch · len`) a call may have to use the CUDA weight-streaming kernel.
@@ -121,11 +122,22 @@ impl Linear {
     /// `x: [..., in]` → `[..., out]`, in `x`'s dtype (which must be the weight's).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some((y, _)) = self.forward_skinny(x, None)? {
+        if let Some((y, _)) = self.forward_skinny(x, None, None)? {
             return Ok(y);
         }
         // candle's CUDA matmul rejects some strided inputs (a row view at an odd offset, say).
         Ok(self.inner.forward(&x.contiguous()?)?)
+    }
+
+    /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
+    /// row goes through the streaming kernel that normalises `x` as it reads it (the same bits as
+    /// the two steps, one kernel fewer); otherwise the two steps.
+    pub fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some((y, _)) = self.forward_skinny(x, None, Some(norm))? {
+            return Ok(y);
+        }
+        self.forward(&norm.forward(x)?)
     }
 
     /// `swiglu(self.forward(x))` for a layer whose outputs are `[gate | up]` halves (the MLP's
@@ -134,16 +146,26 @@ impl Linear {
     /// halves, no second pass); otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(y) = self.forward_skinny_swiglu(x)? {
+        if let Some(y) = self.forward_skinny_swiglu(x, None)? {
             return Ok(y);
         }
         crate::activation::swiglu(&self.forward(x)?)
     }
 
+    /// `self.forward_swiglu(norm.forward(x))`, on CUDA for one row in one kernel that normalises
+    /// `x` as it reads it (as [`Self::forward_normed`]).
+    pub fn forward_swiglu_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.forward_skinny_swiglu(x, Some(norm))? {
+            return Ok(y);
+        }
+        self.forward_swiglu(&norm.forward(x)?)
+    }
+
     /// The one-row SwiGLU kernel when it applies (the streaming kernel's conditions, one row, no
-    /// bias); `None` for the two steps.
+    /// bias), normalising `x` first when given `norm`; `None` for the two steps.
     #[cfg(feature = "cuda")]
-    fn forward_skinny_swiglu(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    fn forward_skinny_swiglu(&self, x: &Tensor, norm: Option<&RmsNorm>) -> Result<Option<Tensor>> {
         let Some((rows, k, n, _)) = self.skinny_operands(x)? else {
             return Ok(None);
         };
@@ -151,7 +173,8 @@ impl Linear {
             return Ok(None);
         }
         let x2 = x.contiguous()?.reshape((1, k))?;
-        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), crate::cuda::Skinny::SwiGlu)? else {
+        let what = crate::cuda::Skinny::SwiGlu;
+        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts))? else {
             return Ok(None);
         };
         Ok(Some(y.reshape(out_dims(x, n / 2))?))
@@ -179,17 +202,22 @@ impl Linear {
     /// closing with this layer. On CUDA the few-row kernels add it as they write, saving a pass.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some((y, added)) = self.forward_skinny(x, Some(residual))? {
+        if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
             return Ok(if added { y } else { (residual + y)? });
         }
         Ok((residual + self.inner.forward(&x.contiguous()?)?)?)
     }
 
     /// The CUDA streaming kernel, when it applies ([`streaming_columns`], matching dtypes,
-    /// 16-byte aligned rows): the output and whether `residual` was added into it; `None` for the
-    /// matmul.
+    /// 16-byte aligned rows; with `norm`, the normalising kernel's conditions too): the output and
+    /// whether `residual` was added into it; `None` for the matmul (and the separate norm).
     #[cfg(feature = "cuda")]
-    fn forward_skinny(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Option<(Tensor, bool)>> {
+    fn forward_skinny(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        norm: Option<&RmsNorm>,
+    ) -> Result<Option<(Tensor, bool)>> {
         let Some((rows, k, n, columns)) = self.skinny_operands(x)? else {
             return Ok(None);
         };
@@ -210,7 +238,7 @@ impl Linear {
             res: r2.as_ref(),
             columns,
         };
-        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what)? else {
+        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts))? else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;
@@ -249,6 +277,42 @@ mod tests {
         force_skinny_path(SkinnyPath::Streaming(4));
         assert_eq!(streaming_columns(3, 5120), Some(4));
         force_skinny_path(SkinnyPath::Auto);
+    }
+
+    /// The normalising kernel takes one row up to its bound (so the GPU suite's bit-identity test,
+    /// `normalising_projection_equals_norm_then_projection`, compares the kernel, not the
+    /// fallback with itself) and declines what it cannot do. Needs a GPU (the `cuda` suites).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn normalising_kernel_takes_one_row_within_its_bound() -> Result<()> {
+        let d = Device::new_cuda(0)?;
+        let norm_for = |k: usize| RmsNorm::zero_centred(&Tensor::zeros(k, DType::F32, &d)?, 1e-6);
+        for (rows, k, dt, takes) in [
+            (1, 5120, DType::BF16, true),
+            (1, 8192, DType::BF16, true),
+            (1, 4096, DType::F32, true),
+            (1, 8200, DType::BF16, false),
+            (1, 5120, DType::F32, false),
+            (2, 5120, DType::BF16, false),
+        ] {
+            let x = Tensor::zeros((rows, k), dt, &d)?;
+            let w = Tensor::zeros((64, k), dt, &d)?;
+            let norm = norm_for(k)?;
+            for what in [
+                crate::cuda::Skinny::Linear {
+                    res: None,
+                    columns: 2,
+                },
+                crate::cuda::Skinny::SwiGlu,
+            ] {
+                if rows > 1 && matches!(what, crate::cuda::Skinny::SwiGlu) {
+                    continue;
+                }
+                let got = crate::cuda::skinny_linear(&x, &w, what, Some(norm.parts()))?;
+                assert_eq!(got.is_some(), takes, "rows {rows} k {k} {dt:?}");
+            }
+        }
+        Ok(())
     }
 
     #[test]

@@ -572,6 +572,63 @@ fn linear_matches_cpu() {
     }
 }
 
+/// The projections that normalise their input (`Linear::forward_normed`,
+/// `forward_swiglu_normed`: one row in one kernel, the RMSNorm in its prologue) against the two
+/// steps on the GPU, the RMSNorm kernel then the projection: the same arithmetic in the same
+/// order, so equal bit for bit, for every columns-per-warp variant and the SwiGLU epilogue. Rows
+/// past the kernel's bound (8192 bf16 / 4096 f32 elements) and two rows take the two steps.
+#[test]
+fn normalising_projection_equals_norm_then_projection() {
+    use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
+    use qwen36_kernels::norm::RmsNorm;
+    let d = gpu();
+    for (dt, _) in ONE_ROUNDING {
+        for (rows, k, n) in [
+            (1, 5120, 300),
+            (1, 64, 33),
+            (1, 4096, 8200),
+            (1, 8192, 40),
+            (1, 8200, 24),
+            (2, 512, 48),
+        ] {
+            let x = randn(2.0, (1, rows, k), dt).to_device(&d).unwrap();
+            let w = (Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap() / (k as f64).sqrt())
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+                .to_device(&d)
+                .unwrap();
+            let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, k, &d).unwrap(), 1e-6).unwrap();
+            let lin = Linear::new(w, None);
+            for path in [
+                SkinnyPath::Streaming(1),
+                SkinnyPath::Streaming(2),
+                SkinnyPath::Streaming(4),
+                SkinnyPath::Auto,
+            ] {
+                force_skinny_path(path);
+                let want = lin.forward(&norm.forward(&x).unwrap()).unwrap();
+                let got = lin.forward_normed(&x, &norm).unwrap();
+                assert_eq!(got.dims(), [1, rows, n]);
+                assert_eq!(
+                    max_diff(&got, &want),
+                    0.0,
+                    "{dt:?} rows {rows} k {k} n {n} {path:?}"
+                );
+            }
+            force_skinny_path(SkinnyPath::Auto);
+            let want = lin.forward_swiglu(&norm.forward(&x).unwrap()).unwrap();
+            let got = lin.forward_swiglu_normed(&x, &norm).unwrap();
+            assert_eq!(got.dims(), [1, rows, n / 2]);
+            assert_eq!(
+                max_diff(&got, &want),
+                0.0,
+                "{dt:?} rows {rows} k {k} n {n}: swiglu"
+            );
+        }
+    }
+}
+
 /// The in-place state updates (decode and verify passes of a model whose states live in fixed
 /// buffers) against the fresh-state ops on the same GPU: the recurrent kernel is the same code
 /// reading and writing one buffer, and the in-place conv kernel sums the same products in the

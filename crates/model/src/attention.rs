@@ -138,15 +138,32 @@ impl GatedAttention {
     /// [`Self::forward`] with the positions of `step` (which must start at `cache.len()`).
     pub(crate) fn forward_step(&self, x: &Tensor, step: &AttnStep, cache: &mut KvCache) -> Result<Tensor> {
         let kernel = self.uses_decode_kernel(x.dim(1)?, x.dtype(), x.device());
-        self.forward_with(x, step, cache, kernel, SCORE_BUDGET)
+        self.forward_with(x, None, step, cache, kernel, SCORE_BUDGET)
     }
 
-    /// The layer with the decode kernel over the whole KV buffer (`kernel`), else the prefill
-    /// kernel where it fits (CUDA, half types), else the matmul path with its queries split so
-    /// one block's scores hold at most `budget` elements.
+    /// The pre-norm residual block around [`Self::forward_step`]: `x + forward_step(norm(x))` for
+    /// the residual stream `x`, the norm done by the q|k|v projection as it reads `x` and the
+    /// residual added by the output projection as it writes, where the kernels allow (CUDA, one
+    /// row).
+    pub(crate) fn forward_step_block(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        step: &AttnStep,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let kernel = self.uses_decode_kernel(x.dim(1)?, x.dtype(), x.device());
+        self.forward_with(x, Some(norm), step, cache, kernel, SCORE_BUDGET)
+    }
+
+    /// The layer (with `block`, the norm before it, the residual block around it) with the
+    /// decode kernel over the whole KV buffer (`kernel`), else the prefill kernel where it fits
+    /// (CUDA, half types), else the matmul path with its queries split so one block's scores
+    /// hold at most `budget` elements.
     fn forward_with(
         &self,
         x: &Tensor,
+        block: Option<&RmsNorm>,
         step: &AttnStep,
         cache: &mut KvCache,
         kernel: bool,
@@ -155,7 +172,10 @@ impl GatedAttention {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let start = cache.len();
-        let qkv = self.qkv_proj.forward(x)?;
+        let qkv = match block {
+            Some(norm) => self.qkv_proj.forward_normed(x, norm)?,
+            None => self.qkv_proj.forward(x)?,
+        };
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat. The
         // whole row [q|gate per head | k | v] is nh + nkv blocks of 2·hd, so a free reshape of the
@@ -200,7 +220,11 @@ impl GatedAttention {
                 (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
             }
         }; // [b, t, nh, hd]
-        Ok(self.o_proj.forward(&out.reshape((b, t, nh * hd))?)?)
+        let out = out.reshape((b, t, nh * hd))?;
+        Ok(match block {
+            Some(_) => self.o_proj.forward_add(&out, x)?,
+            None => self.o_proj.forward(&out)?,
+        })
     }
 
     /// Causal attention of `q: [b, nh, t, hd]` at positions `start..` over all cached `k, v`
@@ -299,7 +323,7 @@ mod tests {
         budget: usize,
     ) -> Result<Tensor> {
         let step = AttnStep::new(rope, cache.len(), x.dim(1)?, x.dtype(), x.device())?;
-        attn.forward_with(x, &step, cache, kernel, budget)
+        attn.forward_with(x, None, &step, cache, kernel, budget)
     }
 
     /// The decode path (KV written at tensor positions, the decode attention reference over the

@@ -40,12 +40,14 @@ impl Mlp {
         Ok(self.down.forward(&self.gate_up.forward_swiglu(x)?)?)
     }
 
-    /// `residual + forward(x)`: the decoder layer's closing residual add, done by the down
-    /// projection's few-row kernel as it writes (decode, verify) and as a separate add otherwise.
-    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+    /// The pre-norm residual block around the MLP: `x + forward(norm(x))` for the residual
+    /// stream `x`. The gate|up projection normalises `x` as it reads it and the down projection
+    /// adds `x` as it writes, where the kernels allow (CUDA: one row; the residual add for a few
+    /// rows too); otherwise separate passes.
+    pub fn forward_block(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
         Ok(self
             .down
-            .forward_add(&self.gate_up.forward_swiglu(x)?, residual)?)
+            .forward_add(&self.gate_up.forward_swiglu_normed(x, norm)?, x)?)
     }
 }
 
@@ -117,18 +119,19 @@ impl DecoderLayer {
         step: &AttnStep,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
-        let h = self.input_norm.forward(x)?;
+        let norm = &self.input_norm;
         let (h, checkpoints) = match (&self.mixer, cache) {
             (Mixer::Gdn(g), LayerCache::Gdn(s)) if verify => {
-                let (h, cp) = g.forward_verify(&h, s)?;
+                let (h, cp) = g.forward_verify_block(x, norm, s)?;
                 (h, Some(cp))
             }
-            (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward(&h, s)?, None),
-            (Mixer::Attention(a), LayerCache::Attention(kv)) => (a.forward_step(&h, step, kv)?, None),
+            (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward_block(x, norm, s)?, None),
+            (Mixer::Attention(a), LayerCache::Attention(kv)) => {
+                (a.forward_step_block(x, norm, step, kv)?, None)
+            }
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
-        let (h, residual) = self.post_norm.forward_residual(&h, x)?;
-        Ok((self.mlp.forward_add(&h, &residual)?, checkpoints))
+        Ok((self.mlp.forward_block(&h, &self.post_norm)?, checkpoints))
     }
 }
 
