@@ -617,14 +617,17 @@ fn normalising_projection_equals_norm_then_projection() {
                 );
             }
             force_skinny_path(SkinnyPath::Auto);
-            let want = lin.forward_swiglu(&norm.forward(&x).unwrap()).unwrap();
-            let got = lin.forward_swiglu_normed(&x, &norm).unwrap();
-            assert_eq!(got.dims(), [1, rows, n / 2]);
-            assert_eq!(
-                max_diff(&got, &want),
-                0.0,
-                "{dt:?} rows {rows} k {k} n {n}: swiglu"
-            );
+            // The SwiGLU epilogue pairs [gate; up] rows: n even (33 covers partial warps above).
+            if n % 2 == 0 {
+                let want = lin.forward_swiglu(&norm.forward(&x).unwrap()).unwrap();
+                let got = lin.forward_swiglu_normed(&x, &norm).unwrap();
+                assert_eq!(got.dims(), [1, rows, n / 2]);
+                assert_eq!(
+                    max_diff(&got, &want),
+                    0.0,
+                    "{dt:?} rows {rows} k {k} n {n}: swiglu"
+                );
+            }
         }
     }
 }
