@@ -434,6 +434,34 @@ mod tests {
         Ok(())
     }
 
+    /// The residual block is `x + forward(norm(x))` (on the CPU the same ops, so equal bits) for
+    /// prefill, a decode step and a verify pass, and leaves the same states.
+    #[test]
+    fn block_is_the_residual_around_the_normalised_layer() -> Result<()> {
+        let l = layer(6);
+        let dev = Device::Cpu;
+        let norm = RmsNorm::zero_centred(&(Tensor::randn(0f32, 0.3, 24, &dev)?), 1e-6)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 9, 24), &dev)?;
+        let (mut s_block, mut s_plain) = (
+            l.new_state(2, DType::F32, DType::F32)?,
+            l.new_state(2, DType::F32, DType::F32)?,
+        );
+        for (t0, len) in [(0, 7), (7, 1)] {
+            let xs = x.narrow(1, t0, len)?;
+            let want = (&xs + l.forward(&norm.forward(&xs)?, &mut s_plain)?)?;
+            let got = l.forward_block(&xs, &norm, &mut s_block)?;
+            assert_eq!(max_diff(&got, &want), 0.0, "tokens {t0}..{}", t0 + len);
+        }
+        let xs = x.narrow(1, 8, 1)?;
+        let (want, cp_plain) = l.forward_verify(&norm.forward(&xs)?, &mut s_plain)?;
+        let (got, cp_block) = l.forward_verify_block(&xs, &norm, &mut s_block)?;
+        assert_eq!(max_diff(&got, &(&xs + want)?), 0.0, "verify");
+        assert_eq!(max_diff(&cp_block.states, &cp_plain.states), 0.0);
+        assert_eq!(max_diff(s_block.recurrent(), s_plain.recurrent()), 0.0);
+        assert_eq!(max_diff(s_block.conv(), s_plain.conv()), 0.0);
+        Ok(())
+    }
+
     #[test]
     fn reset_state_equals_fresh_state_and_snapshots_restore_exactly() -> Result<()> {
         let l = layer(2);

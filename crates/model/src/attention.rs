@@ -351,6 +351,30 @@ mod tests {
         Ok(())
     }
 
+    /// The residual block is `x + forward_step(norm(x))`, on the CPU the same ops: equal bits, for
+    /// a prefill and a decode step.
+    #[test]
+    fn block_is_the_residual_around_the_normalised_layer() -> Result<()> {
+        let dev = Device::Cpu;
+        let attn = attention(&dev)?;
+        let rope = RotaryEmbedding::new(4, 10_000.0)?;
+        let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, 16, &dev)?, 1e-6)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 9, 16), &dev)?;
+        let (mut a, mut b) = (KvCache::new(), KvCache::new());
+        for (t0, len) in [(0, 8), (8, 1)] {
+            let xs = x.narrow(1, t0, len)?;
+            let step = AttnStep::new(&rope, a.len(), len, xs.dtype(), xs.device())?;
+            let want = (&xs + attn.forward_step(&norm.forward(&xs)?, &step, &mut a)?)?;
+            let got = attn.forward_step_block(&xs, &norm, &step, &mut b)?;
+            assert_eq!(
+                qwen36_testutil::max_abs_diff(&got, &want),
+                0.0,
+                "tokens {t0}..+{len}"
+            );
+        }
+        Ok(())
+    }
+
     /// Query blocks (down to one query per block, after a cached prefix) give the same output as
     /// one block: the device-built mask and the per-block key range are right.
     #[test]

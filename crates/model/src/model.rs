@@ -472,3 +472,25 @@ impl Qwen36Model {
         self.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The MLP's residual block is `x + forward(norm(x))`: on the CPU the same ops, equal bits.
+    #[test]
+    fn mlp_block_is_the_residual_around_the_normalised_mlp() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, i) = (16, 24);
+        let mlp = Mlp {
+            gate_up: Linear::new(Tensor::randn(0f32, 0.25, (2 * i, h), &dev)?, None),
+            down: Linear::new(Tensor::randn(0f32, 0.2, (h, i), &dev)?, None),
+        };
+        let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, h, &dev)?, 1e-6)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, h), &dev)?;
+        let want = (&x + mlp.forward(&norm.forward(&x)?)?)?;
+        let got = mlp.forward_block(&x, &norm)?;
+        assert_eq!(qwen36_testutil::max_abs_diff(&got, &want), 0.0);
+        Ok(())
+    }
+}
