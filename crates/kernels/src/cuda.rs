@@ -1484,9 +1484,14 @@ pub(crate) enum Skinny<'a> {
     SwiGlu,
 }
 
-/// Rows the normalising skinny kernels take: at most `LINEAR_THREADS · NORM_VECS` 16-byte vectors
-/// (cuda/common.cuh), the same bound as the RMSNorm kernel's register path whose bits they repeat.
-const NORM_MAX_VECS: usize = LINEAR_THREADS * 4;
+/// Rows the normalising skinny kernels take: at most `NORM_THREADS · NORM_VECS` 16-byte vectors
+/// (cuda/norm.cu), the rows of the RMSNorm kernel's register path, whose bits they repeat (the
+/// kernel's other path sums in another order), with the same thread to vector map.
+const NORM_MAX_VECS: usize = NORM_THREADS as usize * 4;
+const _: () = assert!(
+    LINEAR_THREADS == NORM_THREADS as usize,
+    "the normalising GEMV repeats the norm's threads"
+);
 
 /// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
 /// same dtype, with the epilogue of `what`: `res: [m, n]` (same dtype) added as the output is
@@ -1494,7 +1499,8 @@ const NORM_MAX_VECS: usize = LINEAR_THREADS * 4;
 /// f32 `[k]` scale `1 + w` and eps), `x` is normalised on the way in: the product equals the
 /// RMSNorm kernel's output times `wᵀ`, bit for bit. `None` when the kernel cannot take the
 /// operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not contiguous; with
-/// `norm`, more than one row, rows past the RMSNorm kernel's register path or a strided scale):
+/// `norm`, more than one row, rows past the RMSNorm kernel's register path, a strided or non-f32
+/// scale):
 /// the caller falls back to the matmul (after the separate norm).
 pub(crate) fn skinny_linear(
     x: &Tensor,
@@ -1549,7 +1555,12 @@ pub(crate) fn skinny_linear(
         return Ok(None);
     }
     if let Some((scale, _)) = norm {
-        if m != 1 || k * size > NORM_MAX_VECS * 16 || scale.dims() != [k] || !scale.is_contiguous() {
+        if m != 1
+            || k * size > NORM_MAX_VECS * 16
+            || scale.dims() != [k]
+            || scale.dtype() != DType::F32
+            || !scale.is_contiguous()
+        {
             return Ok(None);
         }
     }

@@ -119,11 +119,12 @@ impl DecoderLayer {
         step: &AttnStep,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+        // r: the residual stream after the mixer's block.
         let norm = &self.input_norm;
-        let (h, checkpoints) = match (&self.mixer, cache) {
+        let (r, checkpoints) = match (&self.mixer, cache) {
             (Mixer::Gdn(g), LayerCache::Gdn(s)) if verify => {
-                let (h, cp) = g.forward_verify_block(x, norm, s)?;
-                (h, Some(cp))
+                let (r, cp) = g.forward_verify_block(x, norm, s)?;
+                (r, Some(cp))
             }
             (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward_block(x, norm, s)?, None),
             (Mixer::Attention(a), LayerCache::Attention(kv)) => {
@@ -131,7 +132,7 @@ impl DecoderLayer {
             }
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
-        Ok((self.mlp.forward_block(&h, &self.post_norm)?, checkpoints))
+        Ok((self.mlp.forward_block(&r, &self.post_norm)?, checkpoints))
     }
 }
 
