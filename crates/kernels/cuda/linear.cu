@@ -157,23 +157,17 @@ SWIGLU_KERNEL(f16, __half)
 
 // One row normalised on the way in (NORM above): the projections that open a pre-norm block (the
 // mixer's input projection; with the SwiGLU epilogue, the MLP's gate|up).
+#define LINEAR_NORM_KERNEL(SUFFIX, T, NR)                                                            \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
+        skinny_linear_norm_##SUFFIX##_r##NR(const T* x, const float* scale, float eps, const T* w,   \
+                                            const T* res, T* y, int N, int K) {                      \
+        skinny_linear<T, 1, NR, false, true>(x, w, res, y, N, K, scale, eps);                        \
+    }
 #define NORM_KERNELS(SUFFIX, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
-        skinny_linear_norm_##SUFFIX##_r1(const T* x, const float* scale, float eps, const T* w,      \
-                                         const T* res, T* y, int N, int K) {                         \
-        skinny_linear<T, 1, 1, false, true>(x, w, res, y, N, K, scale, eps);                         \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
-        skinny_linear_norm_##SUFFIX##_r2(const T* x, const float* scale, float eps, const T* w,      \
-                                         const T* res, T* y, int N, int K) {                         \
-        skinny_linear<T, 1, 2, false, true>(x, w, res, y, N, K, scale, eps);                         \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
-        skinny_linear_norm_##SUFFIX##_r4(const T* x, const float* scale, float eps, const T* w,      \
-                                         const T* res, T* y, int N, int K) {                         \
-        skinny_linear<T, 1, 4, false, true>(x, w, res, y, N, K, scale, eps);                         \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                      \
+    LINEAR_NORM_KERNEL(SUFFIX, T, 1)                                                                 \
+    LINEAR_NORM_KERNEL(SUFFIX, T, 2)                                                                 \
+    LINEAR_NORM_KERNEL(SUFFIX, T, 4)                                                                 \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
         skinny_swiglu_norm_##SUFFIX(const T* x, const float* scale, float eps, const T* w, T* y,     \
                                     int N, int K) {                                                  \
         skinny_linear<T, 1, 2, true, true>(x, w, nullptr, y, N, K, scale, eps);                      \

@@ -66,7 +66,7 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ res, T* 
         }
         acc += v * v;
     }
-    const float inv = 1.f / sqrtf(block_sum<NORM_THREADS>(acc) / D + eps);
+    const float inv = rms_inv(block_sum<NORM_THREADS>(acc), D, eps);
     for (int i = threadIdx.x; i < D; i += NORM_THREADS) {
         // Re-read what this thread wrote (or read) above: same thread, so no barrier is needed.
         const float v = res ? to_f(sum[i]) : to_f(x[i]);
@@ -99,7 +99,7 @@ __device__ void rms_norm_warp(const T* __restrict__ x, long xs, const float* __r
             for (int e = 0; e < V; ++e) acc += to_f(v[j].e[e]) * to_f(v[j].e[e]);
         }
     }
-    const float inv = 1.f / sqrtf(warp_sum(acc) / D + eps);
+    const float inv = rms_inv(warp_sum(acc), D, eps);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int i = lane + 32 * j;
@@ -128,7 +128,7 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
     z += (r / zh) * zs + (r % zh) * D;
     float acc = 0.f;
     for (int i = lane; i < D; i += 32) acc += x[i] * x[i];
-    const float inv = 1.f / sqrtf(warp_sum(acc) / D + eps);
+    const float inv = rms_inv(warp_sum(acc), D, eps);
     for (int i = lane; i < D; i += 32) {
         const float g = to_f(z[i]);
         y[i] = from_f<T>(x[i] * inv * w[i] * (g / (1.f + expf(-g))));
@@ -170,7 +170,7 @@ __device__ void norm_rope_heads(const T* __restrict__ x, long xs, int hs, const 
             for (int e = 0; e < V; ++e) acc += to_f(v[j].e[e]) * to_f(v[j].e[e]);
         }
     }
-    const float inv = 1.f / sqrtf(warp_sum(acc) / hd + eps);
+    const float inv = rms_inv(warp_sum(acc), hd, eps);
     float* rw = row[warp];
 #pragma unroll
     for (int j = 0; j < ROPE_MAX_VECS; ++j) {

@@ -30,6 +30,12 @@ const ONE_ROUNDING: [(DType, f32); 3] = [
     (DType::F16, 1.0 / 1024.0),
 ];
 
+/// A projection's `[out, k]` weight on the CPU, entries of scale 1/√k (unit-scale outputs for
+/// unit-scale inputs), in `dt`.
+fn weight(out: usize, k: usize, dt: DType) -> Tensor {
+    randn((k as f32).sqrt().recip(), (out, k), dt)
+}
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
 }
@@ -454,14 +460,10 @@ fn swiglu_epilogue_matches_cpu() {
     use qwen36_kernels::linear::Linear;
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
-    let cpu = Device::Cpu;
     for (dt, tol) in ONE_ROUNDING {
         for (rows, k, i) in [(1, 5120, 1000), (1, 64, 33), (2, 512, 100)] {
             let x = randn(1.0, (1, rows, k), dt);
-            let w = (Tensor::randn(0f32, 1.0, (2 * i, k), &cpu).unwrap() / (k as f64).sqrt())
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let w = weight(2 * i, k, dt);
             let want = Linear::new(w.to_dtype(DType::F32).unwrap(), None)
                 .forward_swiglu(&x.to_dtype(DType::F32).unwrap())
                 .unwrap();
@@ -488,7 +490,6 @@ fn linear_matches_cpu() {
     use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
-    let cpu = Device::Cpu;
     for (dt, tol) in ONE_ROUNDING {
         for (rows, k, n) in [
             (1, 5120, 300),
@@ -507,10 +508,7 @@ fn linear_matches_cpu() {
             (1, 512, 8200),
         ]) {
             let x = randn(1.0, (1, rows, k + 1), dt);
-            let w = (Tensor::randn(0f32, 1.0, (n, k), &cpu).unwrap() / (k as f64).sqrt())
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
+            let w = weight(n, k, dt);
             let b = randn(1.0, n, dt);
             let (lc, lg) = (
                 Linear::new(
@@ -592,12 +590,7 @@ fn normalising_projection_equals_norm_then_projection() {
             (2, 512, 48),
         ] {
             let x = randn(2.0, (1, rows, k), dt).to_device(&d).unwrap();
-            let w = (Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap() / (k as f64).sqrt())
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap()
-                .to_device(&d)
-                .unwrap();
+            let w = weight(n, k, dt).to_device(&d).unwrap();
             let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, k, &d).unwrap(), 1e-6).unwrap();
             let lin = Linear::new(w, None);
             for path in [
