@@ -57,6 +57,10 @@ struct Args {
     /// Print the table as one JSON object too.
     #[arg(long)]
     json: bool,
+    /// Experiment knob: run the GEMMs of 2..=8 rows (MTP verify) through the streaming kernel
+    /// with this many columns per warp (1, 2 or 4) instead of cuBLAS.
+    #[arg(long, hide = true)]
+    multi_row_gemv: Option<usize>,
 }
 
 /// Bytes and FLOPs one forward must move or do, from the config alone.
@@ -167,6 +171,9 @@ struct Row {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
+    if let Some(c) = args.multi_row_gemv {
+        qwen36::kernels::linear::force_skinny_path(qwen36::kernels::linear::SkinnyPath::Multi(c));
+    }
     let device = if args.cuda {
         qwen36::model::cuda_device(0)?
     } else {

@@ -22,6 +22,9 @@ pub enum SkinnyPath {
     Matmul,
     /// The streaming kernel computing 1, 2 or 4 output columns per warp.
     Streaming(usize),
+    /// One row as [`SkinnyPath::Auto`], 2..=[`SKINNY_MAX_ROWS`] rows (a verify pass) through the
+    /// streaming kernel with 1, 2 or 4 columns per warp.
+    Multi(usize),
 }
 
 /// The path [`force_skinny_path`] set.
@@ -42,9 +45,9 @@ pub fn force_skinny_path(path: SkinnyPath) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
     match *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) {
-        SkinnyPath::Auto if rows == 1 && (8192..32768).contains(&columns) => Some(2),
-        SkinnyPath::Auto if rows == 1 => Some(1),
-        SkinnyPath::Streaming(c) => Some(c),
+        SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 && (8192..32768).contains(&columns) => Some(2),
+        SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 => Some(1),
+        SkinnyPath::Streaming(c) | SkinnyPath::Multi(c) => Some(c),
         SkinnyPath::Auto | SkinnyPath::Matmul => None,
     }
 }
@@ -276,6 +279,9 @@ mod tests {
         assert_eq!(streaming_columns(1, 5120), None);
         force_skinny_path(SkinnyPath::Streaming(4));
         assert_eq!(streaming_columns(3, 5120), Some(4));
+        force_skinny_path(SkinnyPath::Multi(4));
+        assert_eq!(streaming_columns(1, 5120), Some(1));
+        assert_eq!(streaming_columns(4, 5120), Some(4));
         force_skinny_path(SkinnyPath::Auto);
     }
 
