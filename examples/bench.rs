@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use qwen36::model::{LayerType, MtpHead, Weights};
+use qwen36::model::{DraftSession, DraftVocab, LayerType, MtpHead, Weights};
 use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
 use qwen36::{Cache, Config, LoadOptions, Qwen36Model};
 
@@ -61,6 +61,9 @@ struct Args {
     /// with this many columns per warp (1, 2 or 4) instead of cuBLAS.
     #[arg(long, hide = true)]
     multi_row_gemv: Option<usize>,
+    /// MTP rows draft over the first N token ids (a draft vocabulary) instead of all of them.
+    #[arg(long)]
+    draft_vocab: Option<usize>,
 }
 
 /// Bytes and FLOPs one forward must move or do, from the config alone.
@@ -69,6 +72,8 @@ struct Cost {
     weight_bytes: f64,
     /// Weights of one MTP draft step: the MTP layer, its fc, and lm_head.
     draft_bytes: f64,
+    /// lm_head's bytes per vocabulary row (a draft vocabulary reads fewer rows).
+    lm_head_row_bytes: f64,
     /// Linear parameters applied to every prompt token (no lm_head: prefill scores one position).
     prefill_params: f64,
     elt: f64,
@@ -101,6 +106,7 @@ impl Cost {
         Self {
             weight_bytes: (layers + lm_head) * elt_f,
             draft_bytes: (mtp_layer + lm_head) * elt_f,
+            lm_head_row_bytes: h * elt_f,
             prefill_params: layers,
             elt: elt_f,
             cfg: cfg.clone(),
@@ -318,9 +324,23 @@ fn main() -> anyhow_like::Result<()> {
         // Eager verify passes, then (CUDA) verify passes replayed from graphs.
         let mut graph = new_graph(&device, args.cuda)?;
         let modes = if graph.is_some() { 2 } else { 1 };
+        let vocab = args
+            .draft_vocab
+            .map(|n| DraftVocab::first(&model, n, &[]))
+            .transpose()?;
+        // Bytes a draft step reads: its lm_head rows are the draft vocabulary's.
+        let draft_bytes = match &vocab {
+            Some(v) => cost.draft_bytes - (cfg.vocab_size - v.len()) as f64 * cost.lm_head_row_bytes,
+            None => cost.draft_bytes,
+        };
+        let vocab_note = match &vocab {
+            Some(v) => format!(", draft vocabulary {}", v.len()),
+            None => String::new(),
+        };
         for graphed in (0..modes).map(|m| m == 1) {
             for k in 1..=args.max_k {
-                let mut drafter = MtpDrafter::new(&model, head);
+                let session = DraftSession::with_vocab(&model, head, vocab.clone());
+                let mut drafter = MtpDrafter::with_session(&model, head, session);
                 let mut new_hidden = last.clone();
                 let mut timed = 0.0;
                 // Seconds in the draft chain, the verify pass and the commit, summed over cycles.
@@ -364,15 +384,18 @@ fn main() -> anyhow_like::Result<()> {
                 }
                 let ms = timed * 1e3 / args.mtp_cycles as f64;
                 phases.push((
-                    format!("k={k}{}", if graphed { ", verify graphed" } else { "" }),
+                    format!(
+                        "k={k}{}{vocab_note}",
+                        if graphed { ", verify graphed" } else { "" }
+                    ),
                     split.map(|s| s * 1e3 / args.mtp_cycles as f64),
                 ));
                 let bytes = cost.weight_bytes
                     + cost.kv_bytes(tokens.len())
                     + cost.state_bytes(k + 1)
-                    + k as f64 * cost.draft_bytes;
+                    + k as f64 * draft_bytes;
                 let what = format!(
-                    "MTP cycle k={k} @{t}{}",
+                    "MTP cycle k={k} @{t}{}{vocab_note}",
                     if graphed { ", verify graphed" } else { "" }
                 );
                 rows.push(Row::bytes(what, ms, bytes, copy_bw, &device));

@@ -22,7 +22,7 @@ use qwen36_gdn::GdnState;
 use qwen36_gdn::VerifyCheckpoints;
 
 use crate::attention::AttnStep;
-use crate::{Cache, Error, LayerCache, MtpCache, MtpHead, Qwen36Model, Result};
+use crate::{Cache, DraftVocab, Error, LayerCache, MtpCache, MtpHead, Qwen36Model, Result};
 
 /// What a run of layers returns: the hidden state `[batch, len, hidden]` and, for a verify pass,
 /// the checkpoints of its GDN layers in layer order.
@@ -373,7 +373,9 @@ impl DraftGraph {
 
     /// [`MtpHead::draft`] replayed from a graph (recorded on first use of its shape). Falls back to
     /// the eager step where the MTP layer cannot run inside a graph (no decode attention kernel
-    /// for this shape).
+    /// for this shape). Drafts over `vocab` when given (the stepper's, fixed for its life, so a
+    /// recorded graph never meets another).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn draft(
         &mut self,
         head: &MtpHead,
@@ -382,11 +384,12 @@ impl DraftGraph {
         next_ids: &Tensor,
         cache: &mut MtpCache,
         step: usize,
+        vocab: Option<&DraftVocab>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, len, h) = hidden.dims3()?;
         let layer = head.layer_index(step);
         if !head.graph_safe(layer, len, model) {
-            return head.draft(model, hidden, next_ids, cache, step);
+            return head.draft(model, hidden, next_ids, cache, step, vocab);
         }
         // Recorded graphs write into the KV buffers they saw: make room before binding.
         let cfg = model.config();
@@ -420,7 +423,8 @@ impl DraftGraph {
         let ids_in = next_ids.copy()?;
         let last = Tensor::zeros((b, 1, h), model.dtype(), &self.device)?;
         let token = Tensor::zeros((b, 1), candle_core::DType::U32, &self.device)?;
-        let run = |cache: &mut MtpCache| head.draft_with(model, &hidden_in, &ids_in, cache, step, &attn);
+        let run =
+            |cache: &mut MtpCache| head.draft_with(model, &hidden_in, &ids_in, cache, step, &attn, vocab);
         let cuda = self.device.as_cuda_device()?;
         let htod_cache = cuda.enable_cuda_graph_htod_cache();
         // One eager run fills candle's cache of uploaded launch parameters, which a capture may

@@ -24,6 +24,6 @@ pub use error::{Error, Result};
 pub use graph::{graph_device, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
-pub use mtp_head::{MtpCache, MtpHead};
+pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use stepper::{cuda_device, DraftSession, DraftStepper, Session, Stepper};
 pub use weights::{LoadOptions, Weights};

@@ -448,6 +448,11 @@ impl Qwen36Model {
         Ok((self.norm.forward(&x)?, checkpoints))
     }
 
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
     /// lm_head over hidden states `[..., hidden]`; logits in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)

@@ -23,6 +23,78 @@ pub struct MtpHead {
     norm: RmsNorm,
 }
 
+/// A draft vocabulary: the token ids a draft step may propose, with their rows of lm_head. A
+/// draft step then reads `len() / vocab_size` of lm_head (2.5 GB of its 3.4 GB per step at the
+/// 27B shapes for the full vocabulary). Drafts only propose: the target verifies every token over
+/// its full vocabulary, so the output is unchanged; a token outside the set is never drafted,
+/// which lowers acceptance when the target picks one.
+#[derive(Debug, Clone)]
+pub struct DraftVocab {
+    /// u32 `[n]`, ascending, on the model's device.
+    ids: Tensor,
+    /// lm_head's rows `ids`: `[n, hidden]`.
+    lm_head: Linear,
+}
+
+impl DraftVocab {
+    /// The ids `ids` of `model`'s vocabulary (sorted, duplicates dropped); [`Error::Input`] when
+    /// there are none or one is outside the vocabulary.
+    pub fn new(model: &Qwen36Model, ids: &[u32]) -> Result<Self> {
+        let vocab = model.config().vocab_size;
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        match ids.last() {
+            None => return Err(Error::Input("empty draft vocabulary".into())),
+            Some(&last) if last as usize >= vocab => {
+                return Err(Error::Input(format!(
+                    "draft vocabulary id {last} is outside the vocabulary of {vocab} tokens"
+                )))
+            }
+            Some(_) => {}
+        }
+        let ids = Tensor::new(ids.as_slice(), model.device())?;
+        let lm_head = Linear::new(model.lm_head().weight().index_select(&ids, 0)?, None);
+        Ok(Self { ids, lm_head })
+    }
+
+    /// The first `n` ids of the vocabulary plus `extra` (e.g. the stop ids). A byte-level BPE
+    /// vocabulary lists its tokens in merge order, most frequent in the tokenizer's corpus first,
+    /// so this is a data-free stand-in for the `n` most frequent tokens.
+    pub fn first(model: &Qwen36Model, n: usize, extra: &[u32]) -> Result<Self> {
+        let n = n.min(model.config().vocab_size) as u32;
+        let ids: Vec<u32> = (0..n).chain(extra.iter().copied()).collect();
+        Self::new(model, &ids)
+    }
+
+    /// Number of ids.
+    pub fn len(&self) -> usize {
+        self.ids.elem_count()
+    }
+
+    /// Never true (a draft vocabulary has at least one id).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids, u32 `[n]` ascending.
+    pub fn ids(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// Greedy ids among the vocabulary's of hidden states `[..., hidden]`, as
+    /// [`Qwen36Model::greedy_ids`] over these rows only (f32 logits, ties to the lowest id), left
+    /// on the device.
+    pub fn greedy_ids(&self, hidden: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(hidden)?.to_dtype(candle_core::DType::F32)?;
+        let at = qwen36_kernels::argmax::argmax_last_dim(&logits)?;
+        Ok(self
+            .ids
+            .index_select(&at.flatten_all()?, 0)?
+            .reshape(at.shape())?)
+    }
+}
+
 /// The MTP head's KV caches (one per MTP layer), `len` positions each.
 #[derive(Debug, Clone)]
 pub struct MtpCache {
@@ -157,7 +229,8 @@ impl MtpHead {
     }
 
     /// One greedy draft step: [`Self::forward`], then the post-norm state of the last position
-    /// `[batch, 1, hidden]` and its greedy token, u32 `[batch, 1]`, both left on the device.
+    /// `[batch, 1, hidden]` and its greedy token, u32 `[batch, 1]` (over `vocab` when given, else
+    /// the whole vocabulary), both left on the device.
     pub fn draft(
         &self,
         model: &Qwen36Model,
@@ -165,9 +238,10 @@ impl MtpHead {
         next_ids: &Tensor,
         cache: &mut MtpCache,
         step: usize,
+        vocab: Option<&DraftVocab>,
     ) -> Result<(Tensor, Tensor)> {
         let attn = self.step_attn(model, cache, step, hidden.dim(1)?)?;
-        self.draft_with(model, hidden, next_ids, cache, step, &attn)
+        self.draft_with(model, hidden, next_ids, cache, step, &attn, vocab)
     }
 
     /// The attention inputs of draft step `step` feeding `len` positions after those its MTP layer
@@ -183,6 +257,7 @@ impl MtpHead {
     }
 
     /// [`Self::draft`] with the attention inputs `attn` (which must start at the layer's length).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn draft_with(
         &self,
         model: &Qwen36Model,
@@ -191,10 +266,14 @@ impl MtpHead {
         cache: &mut MtpCache,
         step: usize,
         attn: &AttnStep,
+        vocab: Option<&DraftVocab>,
     ) -> Result<(Tensor, Tensor)> {
         let d = self.forward_with(model, hidden, next_ids, cache, step, attn)?;
         let last = d.narrow(1, d.dim(1)? - 1, 1)?;
-        let token = model.greedy_ids(&last)?;
+        let token = match vocab {
+            Some(v) => v.greedy_ids(&last)?,
+            None => model.greedy_ids(&last)?,
+        };
         Ok((last, token))
     }
 

@@ -4,7 +4,7 @@
 
 use candle_core::Tensor;
 
-use crate::{Cache, MtpCache, MtpHead, Qwen36Model, Result};
+use crate::{Cache, DraftVocab, MtpCache, MtpHead, Qwen36Model, Result};
 
 /// A cache and the [`Stepper`] bound to it: what generating one sequence at a time needs, kept
 /// across sequences so that CUDA graphs are recorded once ([`Self::reset`] clears the cache but
@@ -41,11 +41,16 @@ pub struct DraftSession {
 }
 
 impl DraftSession {
-    /// A fresh cache for `head` and its draft stepper.
+    /// A fresh cache for `head` and its draft stepper (drafts over the whole vocabulary).
     pub fn new(model: &Qwen36Model, head: &MtpHead) -> Self {
+        Self::with_vocab(model, head, None)
+    }
+
+    /// As [`Self::new`], drafting over `vocab` when given.
+    pub fn with_vocab(model: &Qwen36Model, head: &MtpHead, vocab: Option<DraftVocab>) -> Self {
         Self {
             cache: head.new_cache(),
-            stepper: DraftStepper::new(model),
+            stepper: DraftStepper::with_vocab(model, vocab),
         }
     }
 
@@ -141,11 +146,18 @@ impl Stepper {
 pub struct DraftStepper {
     #[cfg(feature = "cuda")]
     graph: Option<crate::graph::DraftGraph>,
+    /// Fixed for the stepper's life, so its recorded graphs always score these rows.
+    vocab: Option<DraftVocab>,
 }
 
 impl DraftStepper {
-    /// A stepper for drafts of `model`'s head.
+    /// A stepper for drafts of `model`'s head over the whole vocabulary.
     pub fn new(model: &Qwen36Model) -> Self {
+        Self::with_vocab(model, None)
+    }
+
+    /// A stepper for drafts of `model`'s head over `vocab` when given.
+    pub fn with_vocab(model: &Qwen36Model, vocab: Option<DraftVocab>) -> Self {
         #[cfg(feature = "cuda")]
         {
             let graph = model
@@ -153,13 +165,18 @@ impl DraftStepper {
                 .is_cuda()
                 .then(|| crate::graph::DraftGraph::new(model.device()).ok())
                 .flatten();
-            Self { graph }
+            Self { graph, vocab }
         }
         #[cfg(not(feature = "cuda"))]
         {
             let _ = model;
-            Self {}
+            Self { vocab }
         }
+    }
+
+    /// The draft vocabulary, when the steps are restricted to one.
+    pub fn vocab(&self) -> Option<&DraftVocab> {
+        self.vocab.as_ref()
     }
 
     /// Whether draft steps replay CUDA graphs.
@@ -170,7 +187,7 @@ impl DraftStepper {
         false
     }
 
-    /// [`MtpHead::draft`], replayed from a graph when available.
+    /// [`MtpHead::draft`] over the stepper's vocabulary, replayed from a graph when available.
     pub fn draft(
         &mut self,
         head: &MtpHead,
@@ -182,9 +199,9 @@ impl DraftStepper {
     ) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.graph.as_mut() {
-            return g.draft(head, model, hidden, next_ids, cache, step);
+            return g.draft(head, model, hidden, next_ids, cache, step, self.vocab.as_ref());
         }
-        head.draft(model, hidden, next_ids, cache, step)
+        head.draft(model, hidden, next_ids, cache, step, self.vocab.as_ref())
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, D};
 use qwen36_model::{
-    graph_device, Cache, DecodeGraph, DraftStepper, LoadOptions, MtpHead, Qwen36Model, Stepper,
+    graph_device, Cache, DecodeGraph, DraftStepper, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Stepper,
 };
 use qwen36_testutil::max_abs_diff;
 
@@ -170,10 +170,17 @@ fn stepper_uses_graphs_where_it_can() {
 /// `graphed_decode_equals_eager`.
 #[test]
 fn graphed_drafts_equal_eager() {
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-2)] {
+    for (dtype, tol, vocab) in [
+        (DType::F32, 1e-5f32, None),
+        (DType::BF16, 1e-2, None),
+        (DType::BF16, 1e-2, Some(1000)),
+    ] {
         let (m, dev) = model(dtype);
         let head = MtpHead::load_dir(model_dir(), m.config(), options(dtype, &dev)).unwrap();
-        let mut stepper = DraftStepper::new(&m);
+        // With a draft vocabulary, both sides draft over the first 1000 ids.
+        let vocab = vocab.map(|n| DraftVocab::first(&m, n, &[]).unwrap());
+        let vocab = vocab.as_ref();
+        let mut stepper = DraftStepper::with_vocab(&m, vocab.cloned());
         assert!(stepper.uses_graphs());
         let prompt: Vec<u32> = (0..41).map(|i| (i * 53 + 7) % 4000).collect();
         let mut cache = m.new_cache(1).unwrap();
@@ -187,7 +194,7 @@ fn graphed_drafts_equal_eager() {
         };
         let mut committed = 24;
         let (hp, np) = (h.narrow(1, 0, committed).unwrap(), ids(&prompt[1..=committed]));
-        let ea = head.draft(&m, &hp, &np, &mut a, 0).unwrap();
+        let ea = head.draft(&m, &hp, &np, &mut a, 0, vocab).unwrap();
         let eb = stepper.draft(&head, &m, &hp, &np, &mut b, 0).unwrap();
         compare(&ea, &eb);
         for round in 0..24 {
@@ -199,12 +206,12 @@ fn graphed_drafts_equal_eager() {
             let hp = h.narrow(1, at, fed).unwrap();
             let np = ids(&prompt[at + 1..at + 1 + fed]);
             let (mut ea, mut eb) = (
-                head.draft(&m, &hp, &np, &mut a, 0).unwrap(),
+                head.draft(&m, &hp, &np, &mut a, 0, vocab).unwrap(),
                 stepper.draft(&head, &m, &hp, &np, &mut b, 0).unwrap(),
             );
             compare(&ea, &eb);
             for step in 1..=chain {
-                ea = head.draft(&m, &ea.0, &ea.1, &mut a, step).unwrap();
+                ea = head.draft(&m, &ea.0, &ea.1, &mut a, step, vocab).unwrap();
                 eb = stepper.draft(&head, &m, &eb.0, &eb.1, &mut b, step).unwrap();
                 compare(&ea, &eb);
             }
@@ -215,7 +222,15 @@ fn graphed_drafts_equal_eager() {
             committed > 64,
             "the KV buffers grew past their first 64 positions"
         );
-        println!("{dtype:?}: max |graphed - eager| draft state = {worst:e}");
+        if let Some(v) = vocab {
+            // The drafts came from the vocabulary (the eager side checks the kernel's choice
+            // against the full logits in the model crate's unit tests).
+            assert!(stepper.vocab().is_some_and(|s| s.len() == v.len()));
+        }
+        println!(
+            "{dtype:?} (draft vocabulary {:?}): max |graphed - eager| draft state = {worst:e}",
+            vocab.map(DraftVocab::len)
+        );
         assert!(worst <= tol, "{dtype:?}: {worst}");
     }
 }

@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::*;
-use qwen36_model::{Error, MtpHead};
+use qwen36_model::{DraftVocab, Error, MtpHead};
 
 #[test]
 fn mtp_logits_and_chained_drafts_match_reference() {
@@ -91,4 +91,72 @@ fn missing_mtp_head_is_a_clear_error_only_when_asked() {
     // ...and asking for the head names the problem.
     let e = MtpHead::load_dir(dir.path(), model.config(), opts(DType::F32)).unwrap_err();
     assert!(matches!(e, Error::NoMtpHead), "{e}");
+}
+
+/// A draft step over a draft vocabulary proposes the id whose logit is largest among those ids:
+/// checked against the full logits of the same state, restricted to the subset on the host. The
+/// whole vocabulary as a draft vocabulary drafts what the unrestricted step drafts. Bad id lists
+/// are typed errors.
+#[test]
+fn draft_vocabulary_drafts_the_best_of_its_ids() {
+    let name = "tiny-nested";
+    let model = load(name, DType::F32);
+    let head = MtpHead::load_dir(fixture_dir(name), model.config(), opts(DType::F32)).unwrap();
+    let r = reference(name);
+    let ids = ids_of(&r["prompt0.ids"]);
+    let mut cache = model.new_cache(1).unwrap();
+    let hidden = model.forward_hidden(&ids_tensor(&ids), &mut cache).unwrap();
+    let next = ids_tensor(&ids[1..]);
+    let fed = hidden.narrow(1, 0, ids.len() - 1).unwrap();
+    let vocab_size = model.config().vocab_size;
+    // Every third id, the last id, and the stop-like id 0 given as an extra.
+    let subset: Vec<u32> = (1..vocab_size as u32)
+        .step_by(3)
+        .chain([vocab_size as u32 - 1])
+        .collect();
+    let partial = DraftVocab::new(&model, &subset).unwrap();
+    let full = DraftVocab::first(&model, vocab_size, &[]).unwrap();
+    assert_eq!(full.len(), vocab_size);
+    let mut drafted = 0;
+    for (vocab, want_len) in [
+        (Some(&partial), subset.len()),
+        (Some(&full), vocab_size),
+        (None, 0),
+    ] {
+        assert_eq!(vocab.map_or(0, DraftVocab::len), want_len);
+        let mut mc = head.new_cache();
+        let (mut last, mut tok) = head.draft(&model, &fed, &next, &mut mc, 0, vocab).unwrap();
+        for step in 0..4 {
+            let logits: Vec<f32> = model
+                .logits(&last)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let allowed: Vec<u32> = match vocab {
+                Some(v) => v.ids().to_vec1().unwrap(),
+                None => (0..vocab_size as u32).collect(),
+            };
+            // Ties to the lowest id, as the argmax kernel.
+            let want = allowed
+                .iter()
+                .copied()
+                .fold(None::<u32>, |best, i| match best {
+                    Some(b) if logits[b as usize] >= logits[i as usize] => Some(b),
+                    _ => Some(i),
+                })
+                .unwrap();
+            let got = tok.flatten_all().unwrap().to_vec1::<u32>().unwrap()[0];
+            assert_eq!(got, want, "step {step}, vocabulary of {want_len}");
+            drafted += 1;
+            (last, tok) = head.draft(&model, &last, &tok, &mut mc, step + 1, vocab).unwrap();
+        }
+    }
+    assert_eq!(drafted, 12);
+    for bad in [&[][..], &[vocab_size as u32][..]] {
+        let e = DraftVocab::new(&model, bad).unwrap_err();
+        assert!(matches!(e, Error::Input(_)), "{e}");
+        assert!(e.to_string().contains("draft vocabulary"), "{e}");
+    }
 }

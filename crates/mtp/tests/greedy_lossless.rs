@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use qwen36_model::{DraftSession, DraftVocab};
 use qwen36_mtp::{Drafter, MtpDrafter, NgramDrafter, SpecConfig, SpeculativeDecoder};
 use qwen36_sampling::SamplingParams;
 
@@ -78,5 +79,56 @@ fn reused_decoder_starts_each_sequence_fresh_and_keeps_its_graphs() {
         dec.session().stepper.recordings(),
         recorded,
         "a later sequence re-recorded"
+    );
+}
+
+/// Drafting over a small draft vocabulary changes what is proposed, never what is output: still
+/// token-identical to plain greedy decoding, and every proposal is one of the vocabulary's ids.
+#[test]
+fn greedy_speculative_with_a_draft_vocabulary_equals_plain_greedy() {
+    /// Records the proposals of the drafter it wraps.
+    struct Recording<'a, D: Drafter>(&'a mut D, Vec<u32>);
+    impl<D: Drafter> Drafter for Recording<'_, D> {
+        fn propose(&mut self, ctx: &qwen36_mtp::DraftContext, k: usize) -> qwen36_mtp::Result<Vec<u32>> {
+            let out = self.0.propose(ctx, k)?;
+            self.1.extend(&out);
+            Ok(out)
+        }
+        fn reset(&mut self) {
+            self.0.reset();
+        }
+    }
+    let name = "tiny-nested";
+    let (model, head) = load(name);
+    let p = prompt(name, "prompt1.ids", 16);
+    let n = 300;
+    let want = plain_greedy(&model, &p, n);
+    // The ids 0..64 and every seventh one after: ~1/7 of the vocabulary.
+    let vocab_size = model.config().vocab_size as u32;
+    let ids: Vec<u32> = (0..64).chain((64..vocab_size).step_by(7)).collect();
+    let vocab = DraftVocab::new(&model, &ids).unwrap();
+    let session = DraftSession::with_vocab(&model, &head, Some(vocab));
+    let mut mtp = MtpDrafter::with_session(&model, &head, session);
+    let mut rec = Recording(&mut mtp, Vec::new());
+    let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
+    let cfg = SpecConfig {
+        k: 3,
+        max_new_tokens: n,
+        stop_token_ids: vec![],
+    };
+    let out = dec.generate(&mut rec, &p, &cfg, |_| true).unwrap();
+    assert_eq!(out.tokens, want);
+    assert!(!rec.1.is_empty());
+    let outside = rec.1.iter().filter(|t| ids.binary_search(t).is_err()).count();
+    assert_eq!(
+        outside,
+        0,
+        "{outside} of {} drafts outside the vocabulary",
+        rec.1.len()
+    );
+    eprintln!(
+        "{name} mtp k=3, draft vocabulary of {}: accept len {:.2}",
+        ids.len(),
+        out.stats.accepted_len_mean()
     );
 }

@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use qwen36_model::{DraftSession, LoadOptions, MtpHead, Qwen36Model, Session};
+use qwen36_model::{DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
 use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
 use qwen36_sampling::{Sampler, SamplingParams, StopStrings};
 use serde_json::Value;
@@ -91,6 +91,11 @@ pub struct Speculative {
     pub k: usize,
     /// The drafter.
     pub drafter: DrafterKind,
+    /// MTP drafts only: draft over the first `n` token ids plus the stop ids
+    /// ([`qwen36_model::DraftVocab::first`]) instead of the whole vocabulary: each draft step
+    /// reads that share of lm_head. The output is the same; acceptance may drop. `None`: the whole
+    /// vocabulary.
+    pub draft_vocab: Option<usize>,
 }
 
 impl Default for GenerateOptions {
@@ -173,12 +178,17 @@ pub struct Generator {
     sessions: Mutex<Sessions>,
 }
 
+/// What a kept draft session's vocabulary was made from: `None` for the whole vocabulary, else
+/// the size and the stop ids ([`DraftVocab::first`]).
+type DraftVocabKey = Option<(usize, Vec<u32>)>;
+
 /// What a finished generation leaves for the next one (taken while a generation runs, so
 /// concurrent calls each get their own).
 #[derive(Default)]
 struct Sessions {
     target: Option<Session>,
-    draft: Option<DraftSession>,
+    /// With what its draft vocabulary was made from (size, stop ids; its graphs score those rows).
+    draft: Option<(DraftVocabKey, DraftSession)>,
 }
 
 impl Generator {
@@ -470,11 +480,21 @@ impl Generator {
         let out = match spec.drafter {
             DrafterKind::Mtp => {
                 let head = self.mtp_head.as_ref().ok_or(qwen36_model::Error::NoMtpHead)?;
+                let key: DraftVocabKey = spec.draft_vocab.map(|n| (n, stop_ids.to_vec()));
                 let kept = self.sessions().draft.take();
-                let session = kept.unwrap_or_else(|| DraftSession::new(&self.model, head));
+                let session = match kept {
+                    Some((k, session)) if k == key => session,
+                    _ => {
+                        let vocab = key
+                            .as_ref()
+                            .map(|(n, stops)| DraftVocab::first(&self.model, *n, stops))
+                            .transpose()?;
+                        DraftSession::with_vocab(&self.model, head, vocab)
+                    }
+                };
                 let mut mtp = MtpDrafter::with_session(&self.model, head, session);
                 let out = decoder.generate(&mut mtp, prompt, &cfg, push)?;
-                self.sessions().draft = Some(mtp.into_session());
+                self.sessions().draft = Some((key, mtp.into_session()));
                 out
             }
             DrafterKind::Ngram => decoder.generate(&mut NgramDrafter::default(), prompt, &cfg, push)?,

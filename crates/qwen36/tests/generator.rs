@@ -97,7 +97,11 @@ fn speculative_generation_equals_plain_greedy() {
     let plain = g.generate(&prompt, &base, |_| {}).unwrap();
     for drafter in [DrafterKind::Mtp, DrafterKind::Ngram] {
         let opts = GenerateOptions {
-            speculative: Some(Speculative { k: 3, drafter }),
+            speculative: Some(Speculative {
+                k: 3,
+                drafter,
+                draft_vocab: None,
+            }),
             ..base.clone()
         };
         let mut streamed = Vec::new();
@@ -117,6 +121,7 @@ fn mtp_without_head_is_a_typed_error() {
         speculative: Some(Speculative {
             k: 2,
             drafter: DrafterKind::Mtp,
+            draft_vocab: None,
         }),
         ..Default::default()
     };
@@ -163,6 +168,12 @@ fn kept_caches_start_each_generation_fresh() {
         Some(Speculative {
             k: 3,
             drafter: DrafterKind::Mtp,
+            draft_vocab: None,
+        }),
+        Some(Speculative {
+            k: 3,
+            drafter: DrafterKind::Mtp,
+            draft_vocab: Some(100),
         }),
     ] {
         let opts = GenerateOptions {
