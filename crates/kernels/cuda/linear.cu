@@ -2,8 +2,10 @@
 // twin of the matmul in src/linear.rs. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
 // weight-streaming kernel does better: one warp per output column n streams row n of w once in
 // 16-byte loads and keeps the M dot products in registers (f32), one rounding at the output.
+// From two rows in 16-bit types, skinny_linear_tc does the products on tensor cores.
 // Built to PTX by build.rs.
 #include "common.cuh"
+#include "mma.cuh"
 
 constexpr int LINEAR_THREADS = 256;
 // Independent 16-byte weight loads in flight per lane.
@@ -121,6 +123,117 @@ __device__ void skinny_linear(const T* __restrict__ x, const T* __restrict__ w, 
             }
     }
 }
+
+// Few rows (2..8: a speculative verify) in 16-bit types on tensor cores, reading the weights as
+// the kernel above does: lane l of a warp loads 16 bytes (elements 8l..8l+7) of each 256-element
+// chunk of its weight row. The kernel above converts each weight once and multiplies it M times,
+// and from two rows on that arithmetic, not the memory, set its pace. Here one m16n8k16 product
+// takes a lane's 16 bytes in two k steps (j = 0, 1), with the chunk's eight 32-element segments
+// (lanes 4s..4s+3: segment s) as its columns:
+//   B (16x8): column s = segment s; lane (s, t) holds its elements e = 8t + 4j + r, r = 0, 1 in
+//     k slots 2t, 2t+1 (b0) and r = 2, 3 in slots 2t+8, 2t+9 (b1);
+//   A (16x16): row s + 8p = token 2q + p over segment s (product set q), the same slots: lane
+//     (g, t) holds segment g of tokens 2q and 2q+1, the 16 bytes at its own vector index.
+// D[s + 8p][s] is then token 2q+p's dot product over segment s; the rest of each product (7/8) is
+// discarded, which the tensor cores' rate affords. The diagonal is summed over the segments at
+// the end. Every lane takes part in every product (mma.sync is warp-wide): lanes past the row
+// end feed zeros.
+template <typename T, int M, int NR>
+__device__ void skinny_linear_tc(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ res,
+                                 T* __restrict__ y, int N, int K) {
+    static_assert(sizeof(T) == 2, "16-bit operands");
+    constexpr int SETS = (M + 1) / 2;  // products per k step: two tokens each
+    const int lane = threadIdx.x & 31;
+    const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
+    const int n0 = warp_id * NR;
+    if (n0 >= N) return;  // n0 is uniform in a warp: whole warps leave
+    const int kv = K / 8;  // 16-byte vectors per row
+    const uint4* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + r, N - 1) * K);
+    float acc[NR][SETS][4];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int q = 0; q < SETS; ++q)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][q][c] = 0.f;
+    auto load_weights = [&](int base, uint4 (&wv)[UNROLL][NR]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) wv[u][r] = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    uint4 wv[UNROLL][NR];
+    pdl_launch_dependents();
+    load_weights(0, wv);
+    pdl_wait();
+    for (int base = 0; base < kv; base += 32 * UNROLL) {
+        if (base > 0) load_weights(base, wv);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * 32 >= kv) break;  // uniform in the warp
+            const int i = base + u * 32 + lane;
+            uint4 xv[2 * SETS];
+#pragma unroll
+            for (int m = 0; m < 2 * SETS; ++m)
+                xv[m] = (m < M && i < kv) ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K) + i)
+                                          : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int q = 0; q < SETS; ++q) {
+                const uint4 &x0 = xv[2 * q], &x1 = xv[2 * q + 1];
+                const uint32_t a0[4] = {x0.x, x1.x, x0.y, x1.y}, a1[4] = {x0.z, x1.z, x0.w, x1.w};
+#pragma unroll
+                for (int r = 0; r < NR; ++r) {
+                    mma16816<T>(acc[r][q], a0, wv[u][r].x, wv[u][r].y);
+                    mma16816<T>(acc[r][q], a1, wv[u][r].z, wv[u][r].w);
+                }
+            }
+        }
+    }
+    // Lane (g, t) with t = g / 2 holds column g's diagonal: D[g][g] in c0 or c1, D[g+8][g] in c2
+    // or c3 (g even or odd).
+    const int g = lane >> 2;
+    const bool diag = (lane & 3) == (g >> 1);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int n = n0 + r;
+#pragma unroll
+        for (int q = 0; q < SETS; ++q) {
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const float d = (g & 1) ? acc[r][q][2 * p + 1] : acc[r][q][2 * p];
+                const float s = warp_sum(diag ? d : 0.f);
+                const int m = 2 * q + p;
+                const size_t o = (size_t)m * N + n;
+                if (lane == 0 && m < M && n < N) y[o] = from_f<T>(res ? s + to_f(res[o]) : s);
+            }
+        }
+    }
+}
+
+#define LINEAR_TC_KERNEL(SUFFIX, T, M, NR)                                                           \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
+        skinny_linear_tc_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, const T* res, T* y, int N,  \
+                                                 int K) {                                            \
+        skinny_linear_tc<T, M, NR>(x, w, res, y, N, K);                                              \
+    }
+#define LINEAR_TC_KERNELS_M(SUFFIX, T, M)                                                            \
+    LINEAR_TC_KERNEL(SUFFIX, T, M, 1)                                                                \
+    LINEAR_TC_KERNEL(SUFFIX, T, M, 2)                                                                \
+    LINEAR_TC_KERNEL(SUFFIX, T, M, 4)
+#define LINEAR_TC_KERNELS(SUFFIX, T)                                                                 \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 2)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 3)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 4)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 5)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 6)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 7)                                                                \
+    LINEAR_TC_KERNELS_M(SUFFIX, T, 8)
+LINEAR_TC_KERNELS(bf16, __nv_bfloat16)
+LINEAR_TC_KERNELS(f16, __half)
 
 #define LINEAR_KERNEL(SUFFIX, T, M, NR)                                                              \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \

@@ -1587,6 +1587,10 @@ pub(crate) fn skinny_linear(
             let name = match (swiglu, &norm_guard) {
                 (true, None) => format!("skinny_swiglu_{sfx}"),
                 (true, Some(_)) => format!("skinny_swiglu_norm_{sfx}"),
+                // Two rows and more in 16-bit types: the tensor-core twin (same arguments).
+                (false, None) if m > 1 && dt != DType::F32 => {
+                    format!("skinny_linear_tc_{sfx}_m{m}_r{columns}")
+                }
                 (false, None) => format!("skinny_linear_{sfx}_m{m}_r{columns}"),
                 (false, Some(_)) => format!("skinny_linear_norm_{sfx}_r{columns}"),
             };
@@ -1621,7 +1625,8 @@ pub(crate) fn skinny_linear(
                 },
             };
             if n > 0 {
-                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` (res [m·n] contiguous
+                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` or its tensor-core
+                // twin `skinny_linear_tc_*` (the same signature; res [m·n] contiguous
                 // or a null pointer, 0u64) or `skinny_swiglu_*` (no res; m = 1, n even) in
                 // cuda/linear.cu, or their `_norm_` twins, which also take the f32 scale [k]
                 // (contiguous) and eps after x, one row of at most NORM_MAX_VECS vectors and k·size

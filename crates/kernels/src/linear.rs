@@ -40,8 +40,9 @@ pub fn force_skinny_path(path: SkinnyPath) {
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide (the forced
 /// path, else the default), or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
 /// bench_linear): at one row the kernel beats cuBLAS by 0-10% with one column per warp, or two for
-/// 8k-32k wide outputs; from two rows on cuBLAS is as fast or faster (a tensor-core variant for
-/// 2..8 rows did not beat it either).
+/// 8k-32k wide outputs. From two rows on cuBLAS: the kernel for 2..8 rows (on tensor cores in
+/// bf16/f16) beats it in isolation at two rows but not inside the verify's graph, and from three
+/// rows on not at all.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
     match *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) {

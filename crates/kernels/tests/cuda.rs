@@ -517,7 +517,8 @@ fn linear_matches_cpu() {
                 ),
                 Linear::new(w.to_device(&d).unwrap(), Some(b.to_device(&d).unwrap())),
             );
-            // Without a bias the tensor-core kernel adds the residual itself.
+            // Without a bias the streaming kernels add the residual themselves (from two rows
+            // in bf16/f16 the tensor-core one).
             let lc_plain = Linear::new(w.to_dtype(DType::F32).unwrap(), None);
             let lg_plain = Linear::new(w.to_device(&d).unwrap(), None);
             let xg = x.to_device(&d).unwrap();
@@ -536,7 +537,8 @@ fn linear_matches_cpu() {
                 let res_g = res.to_device(&d).unwrap();
                 let res = res.to_dtype(DType::F32).unwrap();
                 // Every kernel variant (1, 2, 4 columns per warp; n not a multiple of 4 covers
-                // the partial last warp), the matmul and the default choice.
+                // the partial last warp; from two rows in bf16/f16 the tensor-core kernel, whose
+                // k = 64, 128 and 520 leave partial chunks), the matmul and the default choice.
                 let paths = [
                     SkinnyPath::Streaming(1),
                     SkinnyPath::Streaming(2),
