@@ -214,49 +214,33 @@ __device__ void skinny_linear_tc(const T* __restrict__ x, const T* __restrict__ 
     }
 }
 
-#define LINEAR_TC_KERNEL(SUFFIX, T, M, NR)                                                           \
+// `FN`_`SUFFIX`_m`M`_r`NR` calls FN<T, M, NR>: the CUDA-core kernels (skinny_linear, 1..8 rows,
+// every dtype) and their tensor-core twins (skinny_linear_tc, 2..8 rows, 16-bit types).
+#define LINEAR_KERNEL(FN, SUFFIX, T, M, NR)                                                          \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        skinny_linear_tc_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, const T* res, T* y, int N,  \
-                                                 int K) {                                            \
-        skinny_linear_tc<T, M, NR>(x, w, res, y, N, K);                                              \
+        FN##_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, const T* res, T* y, int N, int K) {     \
+        FN<T, M, NR>(x, w, res, y, N, K);                                                            \
     }
-#define LINEAR_TC_KERNELS_M(SUFFIX, T, M)                                                            \
-    LINEAR_TC_KERNEL(SUFFIX, T, M, 1)                                                                \
-    LINEAR_TC_KERNEL(SUFFIX, T, M, 2)                                                                \
-    LINEAR_TC_KERNEL(SUFFIX, T, M, 4)
-#define LINEAR_TC_KERNELS(SUFFIX, T)                                                                 \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 2)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 3)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 4)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 5)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 6)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 7)                                                                \
-    LINEAR_TC_KERNELS_M(SUFFIX, T, 8)
-LINEAR_TC_KERNELS(bf16, __nv_bfloat16)
-LINEAR_TC_KERNELS(f16, __half)
-
-#define LINEAR_KERNEL(SUFFIX, T, M, NR)                                                              \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        skinny_linear_##SUFFIX##_m##M##_r##NR(const T* x, const T* w, const T* res, T* y, int N,     \
-                                              int K) {                                               \
-        skinny_linear<T, M, NR>(x, w, res, y, N, K);                                                 \
-    }
-#define LINEAR_KERNELS_M(SUFFIX, T, M)                                                               \
-    LINEAR_KERNEL(SUFFIX, T, M, 1)                                                                   \
-    LINEAR_KERNEL(SUFFIX, T, M, 2)                                                                   \
-    LINEAR_KERNEL(SUFFIX, T, M, 4)
+#define LINEAR_KERNELS_M(FN, SUFFIX, T, M)                                                           \
+    LINEAR_KERNEL(FN, SUFFIX, T, M, 1)                                                               \
+    LINEAR_KERNEL(FN, SUFFIX, T, M, 2)                                                               \
+    LINEAR_KERNEL(FN, SUFFIX, T, M, 4)
+#define LINEAR_KERNELS_FROM_2(FN, SUFFIX, T)                                                         \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 2)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 3)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 4)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 5)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 6)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 7)                                                               \
+    LINEAR_KERNELS_M(FN, SUFFIX, T, 8)
 #define LINEAR_KERNELS(SUFFIX, T)                                                                    \
-    LINEAR_KERNELS_M(SUFFIX, T, 1)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 2)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 3)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 4)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 5)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 6)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 7)                                                                   \
-    LINEAR_KERNELS_M(SUFFIX, T, 8)
+    LINEAR_KERNELS_M(skinny_linear, SUFFIX, T, 1)                                                    \
+    LINEAR_KERNELS_FROM_2(skinny_linear, SUFFIX, T)
 LINEAR_KERNELS(f32, float)
 LINEAR_KERNELS(bf16, __nv_bfloat16)
 LINEAR_KERNELS(f16, __half)
+LINEAR_KERNELS_FROM_2(skinny_linear_tc, bf16, __nv_bfloat16)
+LINEAR_KERNELS_FROM_2(skinny_linear_tc, f16, __half)
 
 // One row through [gate; up] with the SwiGLU epilogue (N = the intermediate size).
 #define SWIGLU_KERNEL(SUFFIX, T)                                                                     \
