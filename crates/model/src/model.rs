@@ -455,13 +455,13 @@ impl Qwen36Model {
 
     /// lm_head over hidden states `[..., hidden]`; logits in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+        logits_of(&self.lm_head, hidden)
     }
 
     /// Greedy token ids of hidden states `[..., hidden]`: the argmax of their logits, u32 `[...]`,
     /// left on the device (ties to the lowest id).
     pub fn greedy_ids(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(qwen36_kernels::argmax::argmax_last_dim(&self.logits(hidden)?)?)
+        greedy_of(&self.lm_head, hidden)
     }
 
     /// Logits for every new position, `[batch, len, vocab]` f32.
@@ -477,6 +477,19 @@ impl Qwen36Model {
         let t = h.dim(1)?;
         self.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
     }
+}
+
+/// An output projection's logits for hidden states `[..., hidden]`, in f32 (lm_head, or the rows
+/// of a draft vocabulary).
+pub(crate) fn logits_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
+    Ok(head.forward(hidden)?.to_dtype(DType::F32)?)
+}
+
+/// The argmax of [`logits_of`] over the last dim, u32, on the device (ties to the lowest index).
+pub(crate) fn greedy_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
+    Ok(qwen36_kernels::argmax::argmax_last_dim(&logits_of(
+        head, hidden,
+    )?)?)
 }
 
 #[cfg(test)]

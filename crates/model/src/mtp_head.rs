@@ -87,8 +87,7 @@ impl DraftVocab {
     /// [`Qwen36Model::greedy_ids`] over these rows only (f32 logits, ties to the lowest id), left
     /// on the device.
     pub fn greedy_ids(&self, hidden: &Tensor) -> Result<Tensor> {
-        let logits = self.lm_head.forward(hidden)?.to_dtype(candle_core::DType::F32)?;
-        let at = qwen36_kernels::argmax::argmax_last_dim(&logits)?;
+        let at = crate::model::greedy_of(&self.lm_head, hidden)?;
         Ok(self
             .ids
             .index_select(&at.flatten_all()?, 0)?
