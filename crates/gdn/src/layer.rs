@@ -396,7 +396,7 @@ mod tests_support {
         let c = cfg();
         let dev = Device::Cpu;
         let w = GdnWeights::load::<candle_core::Error>(&c, |name, shape| {
-            let t = Tensor::randn(0f32, 1.0, shape, &dev)?;
+            let t = qwen36_testutil::randn(101, 1.0, shape, &dev)?;
             Ok(match name {
                 "A_log" => (t * 0.3)?,
                 "dt_bias" => ((t * 0.5)? - 2.0)?,
@@ -419,7 +419,7 @@ mod tests {
     #[test]
     fn decode_steps_equal_prefill() -> Result<()> {
         let l = layer(1);
-        let x = Tensor::randn(0f32, 1.0, (2, 70, 24), &Device::Cpu)?;
+        let x = qwen36_testutil::randn(102, 1.0, (2, 70, 24), &Device::Cpu)?;
         let mut s_full = l.new_state(2, DType::F32, DType::F32)?;
         let full = l.forward(&x, &mut s_full)?;
         let mut s = l.new_state(2, DType::F32, DType::F32)?;
@@ -440,8 +440,8 @@ mod tests {
     fn block_is_the_residual_around_the_normalised_layer() -> Result<()> {
         let l = layer(6);
         let dev = Device::Cpu;
-        let norm = RmsNorm::zero_centred(&(Tensor::randn(0f32, 0.3, 24, &dev)?), 1e-6)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 9, 24), &dev)?;
+        let norm = RmsNorm::zero_centred(&(qwen36_testutil::randn(103, 0.3, 24, &dev)?), 1e-6)?;
+        let x = qwen36_testutil::randn(104, 1.0, (2, 9, 24), &dev)?;
         let (mut s_block, mut s_plain) = (
             l.new_state(2, DType::F32, DType::F32)?,
             l.new_state(2, DType::F32, DType::F32)?,
@@ -466,8 +466,8 @@ mod tests {
     fn reset_state_equals_fresh_state_and_snapshots_restore_exactly() -> Result<()> {
         let l = layer(2);
         let dev = Device::Cpu;
-        let a = Tensor::randn(0f32, 1.0, (1, 9, 24), &dev)?;
-        let b = Tensor::randn(0f32, 1.0, (1, 5, 24), &dev)?;
+        let a = qwen36_testutil::randn(105, 1.0, (1, 9, 24), &dev)?;
+        let b = qwen36_testutil::randn(106, 1.0, (1, 5, 24), &dev)?;
         let mut fresh = l.new_state(1, DType::F32, DType::F32)?;
         let b_alone = l.forward(&b, &mut fresh)?;
         let mut s = l.new_state(1, DType::F32, DType::F32)?;
@@ -488,8 +488,8 @@ mod tests {
     fn in_place_state_matches_and_keeps_its_buffers() -> Result<()> {
         let l = layer(5);
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (2, 3, 24), &dev)?;
+        let x = qwen36_testutil::randn(107, 1.0, (2, 7, 24), &dev)?;
+        let v = qwen36_testutil::randn(108, 1.0, (2, 3, 24), &dev)?;
         let mut plain = l.new_state(2, DType::F32, DType::F32)?;
         let mut pinned = l.new_state(2, DType::F32, DType::F32)?;
         pinned.set_in_place()?;
@@ -544,6 +544,21 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, Error::StateDtype(DType::F16)), "{e}");
+        // Each shape check on its own: conv rank, recurrent rank, batch sizes.
+        let z = |s: &[usize]| Tensor::zeros(s, DType::F32, &dev).unwrap();
+        for (conv, rec) in [
+            (&[1, 40][..], &[1, 4, 8, 6][..]),
+            (&[1, 40, 3], &[1, 4, 8]),
+            (&[2, 40, 3], &[1, 4, 8, 6]),
+        ] {
+            let e = GdnState::from_parts(z(conv), z(rec), 0).unwrap_err();
+            assert!(matches!(e, Error::State(_)), "{conv:?} {rec:?}: {e}");
+        }
+        let s = GdnState::from_parts(z(&[2, 40, 3]), z(&[2, 4, 8, 6]), 5).unwrap();
+        assert_eq!(
+            (s.seen(), s.conv().dims(), s.recurrent().dims()),
+            (5, &[2, 40, 3][..], &[2, 4, 8, 6][..])
+        );
         let mut w = GdnWeights::load::<candle_core::Error>(&cfg(), |_, s| Tensor::zeros(s, DType::F32, &dev))
             .unwrap();
         w.a_log = Tensor::zeros(3, DType::F32, &dev).unwrap();
@@ -572,9 +587,9 @@ mod verify_tests {
     fn commit_restores_the_state_after_each_accepted_prefix() -> Result<()> {
         let l = layer(4);
         let dev = Device::Cpu;
-        let prompt = Tensor::randn(0f32, 1.0, (1, 10, 24), &dev)?;
-        let verify = Tensor::randn(0f32, 1.0, (1, 5, 24), &dev)?;
-        let next = Tensor::randn(0f32, 1.0, (1, 1, 24), &dev)?;
+        let prompt = qwen36_testutil::randn(109, 1.0, (1, 10, 24), &dev)?;
+        let verify = qwen36_testutil::randn(110, 1.0, (1, 5, 24), &dev)?;
+        let next = qwen36_testutil::randn(111, 1.0, (1, 1, 24), &dev)?;
         let mut base = l.new_state(1, DType::F32, DType::F32)?;
         l.forward(&prompt, &mut base)?;
         for keep in 1..=5 {

@@ -299,9 +299,9 @@ mod tests {
     fn reference_matches_masked_softmax() -> Result<()> {
         let dev = Device::Cpu;
         let (b, h, g, t, d, cap, len) = (2, 2, 2, 3, 8, 20, 11);
-        let q = Tensor::randn(0f32, 1.0, (b, h, g * t, d), &dev)?;
-        let k = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (b, h, cap, d), &dev)?;
+        let q = qwen36_testutil::randn(201, 1.0, (b, h, g * t, d), &dev)?;
+        let k = qwen36_testutil::randn(202, 1.0, (b, h, cap, d), &dev)?;
+        let v = qwen36_testutil::randn(203, 1.0, (b, h, cap, d), &dev)?;
         let lt = Tensor::new(&[len as u32], &dev)?;
         let got = decode_attention(&q, &k, &v, &lt, t, 0.3, None)?;
         let (kv, vv) = (k.narrow(2, 0, len)?, v.narrow(2, 0, len)?);
@@ -320,7 +320,7 @@ mod tests {
         let diff = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max diff {diff}");
         // A gate (read through its strides) multiplies by its sigmoid.
-        let wide = Tensor::randn(0f32, 1.0, (b, t, h * g, 2 * d), &dev)?;
+        let wide = qwen36_testutil::randn(204, 1.0, (b, t, h * g, 2 * d), &dev)?;
         let gate = wide.narrow(3, d, d)?;
         let gated = decode_attention(&q, &k, &v, &lt, t, 0.3, Some(&gate))?;
         let want = (want * candle_nn::ops::sigmoid(&gate)?)?;
@@ -336,9 +336,9 @@ mod tests {
     fn prefill_reference_matches_masked_softmax() -> Result<()> {
         let dev = Device::Cpu;
         let (b, h, kh, t, d, pos0, cap) = (2, 6, 2, 4, 8, 5, 12);
-        let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
-        let kbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
-        let vbuf = Tensor::randn(0f32, 1.0, (b, kh, cap + 3, d), &dev)?;
+        let q = qwen36_testutil::randn(205, 1.0, (b, h, t, d), &dev)?;
+        let kbuf = qwen36_testutil::randn(206, 1.0, (b, kh, cap + 3, d), &dev)?;
+        let vbuf = qwen36_testutil::randn(207, 1.0, (b, kh, cap + 3, d), &dev)?;
         let (k, v) = (kbuf.narrow(2, 0, cap)?, vbuf.narrow(2, 0, cap)?);
         let got = prefill_attention(&q, &k, &v, None, pos0, 0.4)?;
         assert_eq!(got.dims(), [b, h, t, d]);
@@ -369,7 +369,7 @@ mod tests {
             prefill_attention(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, None, 0, 0.4).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
         // The gate multiplies each output element by its sigmoid; a gate of the wrong shape is named.
-        let gate = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?;
+        let gate = qwen36_testutil::randn(208, 1.0, (b, t, h, d), &dev)?;
         let gated = prefill_attention(&q, &k, &v, Some(&gate), pos0, 0.4)?;
         let want = (&got * candle_nn::ops::sigmoid(&gate.transpose(1, 2)?)?)?;
         let diff = (gated - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
@@ -384,7 +384,7 @@ mod tests {
     #[test]
     fn causal_softmax_masks_future_keys() -> Result<()> {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (2, 6, 7), &dev)?;
+        let x = qwen36_testutil::randn(209, 1.0, (2, 6, 7), &dev)?;
         let y = causal_softmax(&x, 0.5, 4, 3)?.to_vec3::<f32>()?;
         let xs = x.to_vec3::<f32>()?;
         for (xb, yb) in xs.iter().zip(&y) {
@@ -413,8 +413,8 @@ mod tests {
     fn write_kv_writes_rows_at_positions() -> Result<()> {
         let dev = Device::Cpu;
         let (b, h, t, d, cap) = (2, 3, 2, 4, 6);
-        let k = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?.transpose(1, 2)?;
+        let k = qwen36_testutil::randn(210, 1.0, (b, h, t, d), &dev)?;
+        let v = qwen36_testutil::randn(211, 1.0, (b, t, h, d), &dev)?.transpose(1, 2)?;
         let (kc, vc) = (
             Tensor::zeros((b, h, cap, d), DType::F32, &dev)?,
             Tensor::ones((b, h, cap, d), DType::F32, &dev)?,

@@ -808,8 +808,8 @@ mod tests {
             k_dim: 4,
             v_dim: 4,
         };
-        let qkv = Tensor::randn(0f32, 1.0, (1, 2, 2 * 4 + 2 * 4), &dev)?;
-        let ab = Tensor::randn(0f32, 1.0, (1, 2, 2), &dev)?;
+        let qkv = qwen36_testutil::randn(301, 1.0, (1, 2, 2 * 4 + 2 * 4), &dev)?;
+        let ab = qwen36_testutil::randn(302, 1.0, (1, 2, 2), &dev)?;
         let (a_log, dt_bias) = (
             Tensor::ones(2, DType::F32, &dev)?,
             Tensor::zeros(2, DType::F32, &dev)?,
@@ -817,7 +817,7 @@ mod tests {
         let run = |s: &Tensor, all: Option<&Tensor>| {
             fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, all)
         };
-        let s0 = Tensor::randn(0f32, 0.5, (1, 2, 4, 4), &dev)?;
+        let s0 = qwen36_testutil::randn(303, 0.5, (1, 2, 4, 4), &dev)?;
         let err = run(&s0.to_dtype(DType::BF16)?, None).unwrap_err().to_string();
         assert!(err.contains("contiguous f32"), "{err}");
         let err = run(&s0.transpose(2, 3)?, None).unwrap_err().to_string();

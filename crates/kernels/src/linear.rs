@@ -325,13 +325,13 @@ mod tests {
     #[test]
     fn fused_layer_equals_its_parts() -> Result<()> {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 16), &dev)?;
+        let x = qwen36_testutil::randn(401, 1.0, (2, 3, 16), &dev)?;
         let parts: Vec<Linear> = [5usize, 7, 1]
             .iter()
             .map(|&o| -> Result<Linear> {
                 Ok(Linear::new(
-                    Tensor::randn(0f32, 1.0, (o, 16), &dev)?,
-                    Some(Tensor::randn(0f32, 1.0, o, &dev)?),
+                    qwen36_testutil::randn(402, 1.0, (o, 16), &dev)?,
+                    Some(qwen36_testutil::randn(403, 1.0, o, &dev)?),
                 ))
             })
             .collect::<Result<_>>()?;
@@ -354,10 +354,10 @@ mod tests {
     #[test]
     fn forward_add_adds_the_residual() -> Result<()> {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (1, 2, 16), &dev)?;
-        let r = Tensor::randn(0f32, 1.0, (1, 2, 5), &dev)?;
-        let w = Tensor::randn(0f32, 1.0, (5, 16), &dev)?;
-        for bias in [None, Some(Tensor::randn(0f32, 1.0, 5, &dev)?)] {
+        let x = qwen36_testutil::randn(404, 1.0, (1, 2, 16), &dev)?;
+        let r = qwen36_testutil::randn(405, 1.0, (1, 2, 5), &dev)?;
+        let w = qwen36_testutil::randn(406, 1.0, (5, 16), &dev)?;
+        for bias in [None, Some(qwen36_testutil::randn(407, 1.0, 5, &dev)?)] {
             let lin = Linear::new(w.clone(), bias);
             let want = (lin.forward(&x)? + &r)?;
             let diff = (lin.forward_add(&x, &r)? - want)?

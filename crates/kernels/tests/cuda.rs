@@ -13,9 +13,17 @@ use qwen36_kernels::delta_rule::{
 use qwen36_kernels::norm::l2_norm;
 use qwen36_testutil::max_abs_diff as max_diff;
 
-/// Normal samples with standard deviation `std` on the CPU, rounded to `dt`.
+thread_local! {
+    /// The next seed of this test's draws (each test runs on its own thread, so its tensors do
+    /// not depend on which other tests run).
+    static NEXT_SEED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Normal samples with standard deviation `std` on the CPU, rounded to `dt`; each call draws
+/// from the next seeded stream.
 fn randn(std: f32, shape: impl Into<candle_core::Shape>, dt: DType) -> Tensor {
-    Tensor::randn(0f32, std, shape, &Device::Cpu)
+    let seed = NEXT_SEED.with(|s| s.replace(s.get() + 1));
+    qwen36_testutil::randn(seed, std, shape, &Device::Cpu)
         .unwrap()
         .to_dtype(dt)
         .unwrap()
@@ -51,14 +59,22 @@ struct Inputs {
 
 fn inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> Inputs {
     let cpu = Device::Cpu;
-    let g = (Tensor::rand(0f32, 1.0, (b, t, hv), &cpu).unwrap() * -1.2).unwrap();
+    let g = (qwen36_testutil::rand_uniform(521, 0f32, 1.0, (b, t, hv), &cpu).unwrap() * -1.2).unwrap();
     Inputs {
-        q: l2_norm(&Tensor::randn(0f32, 1.0, (b, t, hk, dk), &cpu).unwrap(), 1e-6).unwrap(),
-        k: l2_norm(&Tensor::randn(0f32, 1.0, (b, t, hk, dk), &cpu).unwrap(), 1e-6).unwrap(),
-        v: Tensor::randn(0f32, 1.0, (b, t, hv, dv), &cpu).unwrap(),
+        q: l2_norm(
+            &qwen36_testutil::randn(502, 1.0, (b, t, hk, dk), &cpu).unwrap(),
+            1e-6,
+        )
+        .unwrap(),
+        k: l2_norm(
+            &qwen36_testutil::randn(503, 1.0, (b, t, hk, dk), &cpu).unwrap(),
+            1e-6,
+        )
+        .unwrap(),
+        v: qwen36_testutil::randn(504, 1.0, (b, t, hv, dv), &cpu).unwrap(),
         g,
-        beta: Tensor::rand(0.01f32, 0.99, (b, t, hv), &cpu).unwrap(),
-        s0: Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap(),
+        beta: qwen36_testutil::rand_uniform(522, 0.01f32, 0.99, (b, t, hv), &cpu).unwrap(),
+        s0: qwen36_testutil::randn(505, 0.5, (b, hv, dk, dv), &cpu).unwrap(),
     }
 }
 
@@ -77,12 +93,12 @@ struct FusedInputs {
 fn fused_inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> FusedInputs {
     let cpu = Device::Cpu;
     FusedInputs {
-        qkv: Tensor::randn(0f32, 1.0, (b, t, 2 * hk * dk + hv * dv), &cpu).unwrap(),
-        a: Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap(),
-        b: Tensor::randn(0f32, 1.0, (b, t, hv), &cpu).unwrap(),
-        a_log: Tensor::rand(0f32, 2.5, hv, &cpu).unwrap(),
-        dt_bias: (Tensor::rand(0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap(),
-        s0: Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &cpu).unwrap(),
+        qkv: qwen36_testutil::randn(506, 1.0, (b, t, 2 * hk * dk + hv * dv), &cpu).unwrap(),
+        a: qwen36_testutil::randn(507, 1.0, (b, t, hv), &cpu).unwrap(),
+        b: qwen36_testutil::randn(508, 1.0, (b, t, hv), &cpu).unwrap(),
+        a_log: qwen36_testutil::rand_uniform(523, 0f32, 2.5, hv, &cpu).unwrap(),
+        dt_bias: (qwen36_testutil::rand_uniform(524, 0f32, 1.0, hv, &cpu).unwrap() - 3.0).unwrap(),
+        s0: qwen36_testutil::randn(509, 0.5, (b, hv, dk, dv), &cpu).unwrap(),
         heads: GdnHeads {
             k_heads: hk,
             v_heads: hv,
@@ -347,20 +363,20 @@ fn conv1d_matches_cpu() {
     let cpu = Device::Cpu;
     let d = gpu();
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let x = Tensor::randn(0f32, 1.0, (2, 37, 200), &cpu)
+        let x = qwen36_testutil::randn(510, 1.0, (2, 37, 200), &cpu)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let w = Tensor::randn(0f32, 0.5, (200, 1, 4), &cpu)
+        let w = qwen36_testutil::randn(511, 0.5, (200, 1, 4), &cpu)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let s = Tensor::randn(0f32, 1.0, (2, 200, 3), &cpu)
+        let s = qwen36_testutil::randn(512, 1.0, (2, 200, 3), &cpu)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
         // x also as a narrow of wider rows (a projection's conv part, read in place on CUDA).
-        let wide = Tensor::randn(0f32, 1.0, (2, 37, 300), &cpu)
+        let wide = qwen36_testutil::randn(513, 1.0, (2, 37, 300), &cpu)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
@@ -404,7 +420,7 @@ fn norms_match_cpu() {
         for dim in [64usize, 128, 5120] {
             let x = randn(2.0, (3, 5, dim), dt);
             let r = randn(2.0, (3, 5, dim), dt);
-            let w = Tensor::randn(0f32, 0.3, dim, &cpu).unwrap();
+            let w = qwen36_testutil::randn(514, 0.3, dim, &cpu).unwrap();
             let (norm_c, norm_g) = (
                 RmsNorm::zero_centred(&w, 1e-6).unwrap(),
                 RmsNorm::zero_centred(&w.to_device(&d).unwrap(), 1e-6).unwrap(),
@@ -427,7 +443,7 @@ fn norms_match_cpu() {
             let e = max_row_rel_err(&yg, &yc);
             assert!(e <= tol, "{dt:?} {dim}: residual rms_norm {e}");
 
-            let o = Tensor::randn(0f32, 0.1, (3, 5, dim), &cpu).unwrap();
+            let o = qwen36_testutil::randn(515, 0.1, (3, 5, dim), &cpu).unwrap();
             let (gated_c, gated_g) = (
                 GatedRmsNorm::new(&w, 1e-6).unwrap(),
                 GatedRmsNorm::new(&w.to_device(&d).unwrap(), 1e-6).unwrap(),
@@ -438,7 +454,7 @@ fn norms_match_cpu() {
             let e = max_row_rel_err(&yg, &yc);
             assert!(e <= tol, "{dt:?} {dim}: gated {e}");
             // z as the projection gives it: [3, 5, 2·dim] columns 7.. of wider rows, two heads.
-            let o2 = Tensor::randn(0f32, 0.1, (3, 5, 2, dim), &cpu).unwrap();
+            let o2 = qwen36_testutil::randn(516, 0.1, (3, 5, 2, dim), &cpu).unwrap();
             let zw = randn(2.0, (3, 5, 2 * dim + 9), dt);
             let z = zw.narrow(2, 7, 2 * dim).unwrap();
             let yc = gated_c.forward(&o2, &z, dt).unwrap();
@@ -593,7 +609,8 @@ fn normalising_projection_equals_norm_then_projection() {
         ] {
             let x = randn(2.0, (1, rows, k), dt).to_device(&d).unwrap();
             let w = weight(n, k, dt).to_device(&d).unwrap();
-            let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, k, &d).unwrap(), 1e-6).unwrap();
+            let norm =
+                RmsNorm::zero_centred(&qwen36_testutil::randn(517, 0.3, k, &d).unwrap(), 1e-6).unwrap();
             let lin = Linear::new(w, None);
             for path in [
                 SkinnyPath::Streaming(1),
@@ -644,8 +661,8 @@ fn in_place_state_updates_equal_fresh_ones() {
         v_dim: dv,
     };
     let width = 2 * hk * dk + hv * dv;
-    let a_log = Tensor::rand(0f32, 2.5, hv, &d).unwrap();
-    let dt_bias = (Tensor::rand(0f32, 1.0, hv, &d).unwrap() - 3.0).unwrap();
+    let a_log = qwen36_testutil::rand_uniform(525, 0f32, 2.5, hv, &d).unwrap();
+    let dt_bias = (qwen36_testutil::rand_uniform(526, 0f32, 1.0, hv, &d).unwrap() - 3.0).unwrap();
     for dtype in [DType::F32, DType::BF16] {
         for (t, keep) in [(1, false), (1, true), (4, true), (5, false)] {
             // qkv and the gates as views into one projection row, as the layer reads them.
@@ -657,7 +674,7 @@ fn in_place_state_updates_equal_fresh_ones() {
                 proj.narrow(2, width, hv).unwrap(),
                 proj.narrow(2, width + hv, hv).unwrap(),
             );
-            let s0 = Tensor::randn(0f32, 0.5, (b, hv, dk, dv), &d).unwrap();
+            let s0 = qwen36_testutil::randn(518, 0.5, (b, hv, dk, dv), &d).unwrap();
             let mode = DeltaRuleMode::Recurrent {
                 keep_all_states: keep,
             };
@@ -881,7 +898,7 @@ fn argmax_matches_cpu() {
     let cpu = Device::Cpu;
     for dt in [DType::F32, DType::BF16, DType::F16] {
         for (rows, n) in [(1, 248_320), (3, 10_000), (2, 7), (4, 4096)] {
-            let x = Tensor::randn(0f32, 1.0, (rows, n), &cpu).unwrap();
+            let x = qwen36_testutil::randn(519, 1.0, (rows, n), &cpu).unwrap();
             // Rounded to steps of 1/4: many ties in every row.
             let x = (x * 4.0)
                 .unwrap()
@@ -948,7 +965,7 @@ fn norm_rope_heads_matches_cpu() {
                 let width = heads * stride + 2 * hd; // more columns follow, as in the projection
                 let rows = randn(1.5, (b, t, width + hd), dt);
                 let x = rows.narrow(2, hd, width - 2 * hd + hd).unwrap();
-                let w = Tensor::randn(0f32, 0.3, hd, &cpu).unwrap();
+                let w = qwen36_testutil::randn(520, 0.3, hd, &cpu).unwrap();
                 let norm_c = RmsNorm::zero_centred(&w, 1e-6).unwrap();
                 let norm_g = RmsNorm::zero_centred(&w.to_device(&d).unwrap(), 1e-6).unwrap();
                 let rope = RotaryEmbedding::new(rd.max(2), 10_000_000.0).unwrap();

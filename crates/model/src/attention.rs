@@ -334,7 +334,7 @@ mod tests {
         let dev = Device::Cpu;
         let attn = attention(&dev)?;
         let rope = RotaryEmbedding::new(4, 10_000.0)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 70, 16), &dev)?;
+        let x = qwen36_testutil::randn(601, 1.0, (2, 70, 16), &dev)?;
         let (mut a, mut b) = (KvCache::new(), KvCache::new());
         let prefix = x.narrow(1, 0, 60)?;
         pass(&attn, &rope, &prefix, &mut a, false, usize::MAX)?;
@@ -358,8 +358,8 @@ mod tests {
         let dev = Device::Cpu;
         let attn = attention(&dev)?;
         let rope = RotaryEmbedding::new(4, 10_000.0)?;
-        let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, 16, &dev)?, 1e-6)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 9, 16), &dev)?;
+        let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(602, 0.3, 16, &dev)?, 1e-6)?;
+        let x = qwen36_testutil::randn(603, 1.0, (2, 9, 16), &dev)?;
         let (mut a, mut b) = (KvCache::new(), KvCache::new());
         for (t0, len) in [(0, 8), (8, 1)] {
             let xs = x.narrow(1, t0, len)?;
@@ -382,7 +382,7 @@ mod tests {
         let dev = Device::Cpu;
         let attn = attention(&dev)?;
         let rope = RotaryEmbedding::new(4, 10_000.0)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 13, 16), &dev)?;
+        let x = qwen36_testutil::randn(604, 1.0, (2, 13, 16), &dev)?;
         let (prefix, rest) = (x.narrow(1, 0, 5)?, x.narrow(1, 5, 8)?);
         let run = |budget: usize| -> Result<Tensor> {
             let mut cache = KvCache::new();

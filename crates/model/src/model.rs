@@ -502,11 +502,11 @@ mod tests {
         let dev = Device::Cpu;
         let (h, i) = (16, 24);
         let mlp = Mlp {
-            gate_up: Linear::new(Tensor::randn(0f32, 0.25, (2 * i, h), &dev)?, None),
-            down: Linear::new(Tensor::randn(0f32, 0.2, (h, i), &dev)?, None),
+            gate_up: Linear::new(qwen36_testutil::randn(701, 0.25, (2 * i, h), &dev)?, None),
+            down: Linear::new(qwen36_testutil::randn(702, 0.2, (h, i), &dev)?, None),
         };
-        let norm = RmsNorm::zero_centred(&Tensor::randn(0f32, 0.3, h, &dev)?, 1e-6)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 3, h), &dev)?;
+        let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(703, 0.3, h, &dev)?, 1e-6)?;
+        let x = qwen36_testutil::randn(704, 1.0, (2, 3, h), &dev)?;
         let want = (&x + mlp.forward(&norm.forward(&x)?)?)?;
         let got = mlp.forward_block(&x, &norm)?;
         assert_eq!(qwen36_testutil::max_abs_diff(&got, &want), 0.0);

@@ -1,6 +1,6 @@
 //! Helpers shared by the qwen36 test suites.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 
 /// The device tests run on: the CPU, or the first CUDA GPU when `QWEN36_TEST_DEVICE=cuda`
 /// (scripts/gpu-check runs every suite both ways). The GPU device is made like
@@ -51,4 +51,48 @@ pub fn max_row_rel_err(a: &Tensor, b: &Tensor) -> f32 {
     let err = (a - &b).unwrap().abs().unwrap().max_keepdim(d).unwrap();
     let scale = b.abs().unwrap().max_keepdim(d).unwrap();
     max_all(&(err / scale).unwrap())
+}
+
+/// SplitMix64: the `i`-th 64-bit draw of stream `seed`.
+fn splitmix(seed: u64, i: u64) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(i.wrapping_add(1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in (0, 1) (53 bits, never 0).
+fn unit(seed: u64, i: u64) -> f64 {
+    ((splitmix(seed, i) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// `N(0, std²)` samples of `shape` from stream `seed` (Box-Muller), f32 on `dev`. candle's CPU
+/// `Tensor::randn` draws from an unseeded thread RNG; tests use this so every run sees the same
+/// numbers.
+pub fn randn(seed: u64, std: f32, shape: impl Into<Shape>, dev: &Device) -> candle_core::Result<Tensor> {
+    let shape = shape.into();
+    let v: Vec<f32> = (0..shape.elem_count() as u64)
+        .map(|i| {
+            let (u1, u2) = (unit(seed, 2 * i), unit(seed, 2 * i + 1));
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32 * std
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)
+}
+
+/// Uniform samples in `[lo, hi)` of `shape` from stream `seed`, f32 on `dev`.
+pub fn rand_uniform(
+    seed: u64,
+    lo: f32,
+    hi: f32,
+    shape: impl Into<Shape>,
+    dev: &Device,
+) -> candle_core::Result<Tensor> {
+    let shape = shape.into();
+    let v: Vec<f32> = (0..shape.elem_count() as u64)
+        .map(|i| lo + (hi - lo) * unit(seed, i) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)
 }
