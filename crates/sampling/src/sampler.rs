@@ -255,3 +255,34 @@ impl Sampler {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Inverse CDF over half-open intervals: index i is drawn for `u` in `[F(i − 1), F(i))`, and
+    /// a zero weight never.
+    #[test]
+    fn draw_index_intervals_are_half_open_and_skip_zero_weights() {
+        let w = [0.5f32, 0.0, 0.5, 0.0];
+        assert_eq!(draw_index(&w, 0.0, 0).unwrap(), 0);
+        assert_eq!(draw_index(&w, 0.499, 0).unwrap(), 0);
+        assert_eq!(draw_index(&w, 0.5, 0).unwrap(), 2);
+        assert_eq!(draw_index(&w, 1.0 - f64::EPSILON / 2.0, 0).unwrap(), 2);
+        assert!(matches!(
+            draw_index(&[0.0, 0.0], 0.3, 4),
+            Err(Error::Empty { row: 4 })
+        ));
+    }
+
+    #[test]
+    fn params_are_kept() {
+        let p = SamplingParams {
+            temperature: 0.5,
+            top_k: 3,
+            seed: 9,
+            ..Default::default()
+        };
+        assert_eq!(Sampler::new(p.clone()).unwrap().params(), &p);
+    }
+}

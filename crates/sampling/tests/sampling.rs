@@ -118,7 +118,14 @@ fn top_k_top_p_min_p_and_ties() {
 #[test]
 fn greedy_takes_the_lowest_index_argmax() {
     let mut s = sampler(SamplingParams::greedy());
-    assert_eq!(s.sample(&[1.0, 3.0, 3.0, -1.0], &[], &[]).unwrap().token, 1);
+    for (logits, want) in [
+        (vec![1.0, 3.0, 3.0, -1.0], 1),
+        (vec![5.0, 1.0, 5.0], 0),
+        (vec![0.0, 1.0, 2.0, 3.0], 3),
+        (vec![f32::NEG_INFINITY, -7.0, f32::NEG_INFINITY], 1),
+    ] {
+        assert_eq!(s.sample(&logits, &[], &[]).unwrap().token, want, "{logits:?}");
+    }
 }
 
 #[test]
@@ -186,6 +193,63 @@ fn logprobs_are_of_the_raw_distribution() {
     assert_eq!(r.token, 1);
     assert!((r.logprob - (2.0 - lse)).abs() < 1e-6);
     assert_eq!(r.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
+}
+
+/// Every parameter outside its range is refused with an error that names it; the edges of each
+/// range are accepted.
+#[test]
+fn each_parameter_range_is_checked() {
+    let with = |f: fn(&mut SamplingParams, f32), v: f32| {
+        let mut p = SamplingParams::default();
+        f(&mut p, v);
+        p
+    };
+    type Set = fn(&mut SamplingParams, f32);
+    let fields: [(&str, Set, &[f32], &[f32]); 6] = [
+        (
+            "temperature",
+            |p, v| p.temperature = v,
+            &[-1.0, f32::NAN, f32::INFINITY],
+            &[0.0, 100.0],
+        ),
+        (
+            "top_p",
+            |p, v| p.top_p = v,
+            &[0.0, -0.1, 1.01, f32::NAN],
+            &[1e-6, 1.0],
+        ),
+        ("min_p", |p, v| p.min_p = v, &[-0.01, 1.01, f32::NAN], &[0.0, 1.0]),
+        (
+            "repetition_penalty",
+            |p, v| p.repetition_penalty = v,
+            &[0.0, -1.0, f32::INFINITY, f32::NAN],
+            &[1e-3, 10.0],
+        ),
+        (
+            "presence_penalty",
+            |p, v| p.presence_penalty = v,
+            &[f32::NAN, f32::INFINITY],
+            &[-2.0, 2.0],
+        ),
+        (
+            "frequency_penalty",
+            |p, v| p.frequency_penalty = v,
+            &[f32::NAN, f32::NEG_INFINITY],
+            &[-2.0, 2.0],
+        ),
+    ];
+    for (name, set, bad, good) in fields {
+        for &v in bad {
+            let e = Sampler::new(with(set, v)).unwrap_err();
+            assert!(
+                matches!(&e, Error::Param { name: n, .. } if *n == name),
+                "{name} = {v}: {e}"
+            );
+        }
+        for &v in good {
+            assert!(Sampler::new(with(set, v)).is_ok(), "{name} = {v} refused");
+        }
+    }
 }
 
 #[test]
@@ -328,4 +392,149 @@ fn pick(p: &[f32], u: f64) -> u32 {
         }
     }
     (p.len() - 1) as u32
+}
+
+/// When every draft is accepted the bonus token is drawn from target row k (the row after the
+/// last draft), never from an earlier row: rows 0..k accept their draft with certainty and each
+/// row gives a different token all the mass, with and without draft distributions.
+#[test]
+fn bonus_token_comes_from_the_row_after_the_last_draft() {
+    let one_hot = |i: usize| {
+        let mut p = vec![0.0f32; 6];
+        p[i] = 1.0;
+        p
+    };
+    for k in 0..=4usize {
+        let drafts: Vec<u32> = (0..k as u32).collect();
+        let rows: Vec<Vec<f32>> = (0..=k).map(one_hot).collect();
+        let q: Vec<Vec<f32>> = (0..k).map(one_hot).collect();
+        for with_q in [false, true] {
+            for seed in 0..50 {
+                let a = accept_stochastic(&drafts, with_q.then_some(&q[..]), &rows, |lane| {
+                    qwen36_sampling::rng::uniform(seed, 0, 0, lane)
+                })
+                .unwrap();
+                assert_eq!(
+                    a,
+                    Acceptance {
+                        accepted: k,
+                        next: k as u32
+                    },
+                    "k={k} with_q={with_q}"
+                );
+            }
+        }
+    }
+    // A bonus row with spread mass: the bonus follows it.
+    let p_bonus = vec![0.1f32, 0.2, 0.3, 0.4];
+    let rows = vec![
+        vec![0.0, 1.0, 0.0, 0.0],
+        vec![0.0, 0.0, 1.0, 0.0],
+        p_bonus.clone(),
+    ];
+    let mut counts = vec![0usize; 4];
+    for seed in 0..20_000 {
+        let a = accept_stochastic(&[1, 2], None, &rows, |lane| {
+            qwen36_sampling::rng::uniform(seed, 0, 0, lane)
+        })
+        .unwrap();
+        assert_eq!(a.accepted, 2);
+        counts[a.next as usize] += 1;
+    }
+    let (stat, dof) = chi2(&counts, &p_bonus);
+    assert!(stat < chi2_limit(dof), "bonus chi2 {stat}: {counts:?}");
+}
+
+/// For k = 1..6 drafts each accepted with probability 1/2: a rejection at draft j draws the
+/// correction from row j without its draft, and after k acceptances the bonus comes from row k,
+/// each independent of the acceptance draws before it (no RNG lane is used twice).
+#[test]
+fn corrections_and_bonus_follow_their_rows_for_every_k() {
+    let v = 5usize;
+    let n = 40_000u64;
+    for k in 1..=6usize {
+        let drafts: Vec<u32> = (0..k).map(|j| ((j * 2) % v) as u32).collect();
+        // Row j gives its draft 1/2 and spreads the rest unevenly (a different spread per row).
+        let rows: Vec<Vec<f32>> = (0..=k)
+            .map(|j| {
+                let draft = drafts.get(j).map(|&d| d as usize);
+                let w: Vec<f32> = (0..v)
+                    .map(|i| {
+                        if Some(i) == draft {
+                            0.0
+                        } else {
+                            (1 + (i + j) % v) as f32
+                        }
+                    })
+                    .collect();
+                let rest = if draft.is_some() { 0.5 } else { 1.0 };
+                let total: f32 = w.iter().sum();
+                let mut p: Vec<f32> = w.iter().map(|x| rest * x / total).collect();
+                if let Some(d) = draft {
+                    p[d] = 0.5;
+                }
+                p
+            })
+            .collect();
+        let mut counts = vec![vec![0usize; v]; k + 1];
+        for seed in 0..n {
+            let a = accept_stochastic(&drafts, None, &rows, |lane| {
+                qwen36_sampling::rng::uniform(seed, 3, 0, lane)
+            })
+            .unwrap();
+            counts[a.accepted][a.next as usize] += 1;
+        }
+        for (j, c) in counts.iter().enumerate() {
+            let mut want = rows[j].clone();
+            if let Some(&d) = drafts.get(j) {
+                want[d as usize] = 0.0;
+            }
+            let total: f32 = want.iter().sum();
+            want.iter_mut().for_each(|x| *x /= total);
+            let (stat, dof) = chi2(c, &want);
+            assert!(
+                stat < chi2_limit(dof),
+                "k={k}, accepted {j}: chi2 {stat} over {} draws {c:?}",
+                c.iter().sum::<usize>()
+            );
+        }
+    }
+}
+
+/// Rows of a batch are sampled as `sample_at` samples each row alone, at one shared RNG step.
+#[test]
+fn sample_rows_equals_each_row_alone() {
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.9,
+        seed: 5,
+        ..Default::default()
+    };
+    let rows = [
+        [1.0f32, 2.0, 0.5, -1.0],
+        [0.0, 0.0, 3.0, 1.0],
+        [2.0, 2.0, 2.0, 2.0],
+    ];
+    let logits = candle_core::Tensor::new(&rows, &candle_core::Device::Cpu).unwrap();
+    let contexts: Vec<(&[u32], &[u32])> = vec![(&[0], &[]), (&[], &[2]), (&[1, 2], &[3])];
+    let mut s = sampler(params.clone());
+    let got = s.sample_rows(&logits, &contexts).unwrap();
+    assert_eq!(got.len(), 3);
+    let alone = sampler(params);
+    for (row, (l, (prompt, output))) in rows.iter().zip(&contexts).enumerate() {
+        assert_eq!(got[row], alone.sample_at(l, prompt, output, row, 0).unwrap());
+    }
+    assert!(s.sample_rows(&logits, &contexts[..2]).is_err());
+}
+
+#[test]
+fn stop_strings_emptiness_and_holdback_of_a_whole_text() {
+    assert!(StopStrings::new(Vec::<String>::new()).is_empty());
+    assert!(StopStrings::new([""]).is_empty());
+    let s = StopStrings::new(["Hello"]);
+    assert!(!s.is_empty());
+    // The whole text may be the start of a stop string.
+    assert_eq!(s.holdback("Hel"), 3);
+    assert_eq!(s.holdback("H"), 1);
+    assert_eq!(s.holdback("xHell"), 4);
 }
