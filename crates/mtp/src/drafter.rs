@@ -126,3 +126,42 @@ impl Drafter for NgramDrafter {
 
     fn reset(&mut self) {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ngram(d: &mut NgramDrafter, tokens: &[u32], k: usize) -> Vec<u32> {
+        let h = Tensor::zeros((1, 1, 1), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        d.propose(
+            &DraftContext {
+                tokens,
+                new_hidden: &h,
+            },
+            k,
+        )
+        .unwrap()
+    }
+
+    /// Prompt lookup by hand: the longest suffix (up to `max_n`) seen before wins, its latest
+    /// earlier occurrence is continued, and a continuation that runs into the end of the context
+    /// repeats its own proposal.
+    #[test]
+    fn ngram_continues_the_latest_longest_match() {
+        let mut d = NgramDrafter::default();
+        // Suffix [1, 2] occurred at 0: continue with 3, 4, 1, 2, then 3, 4 again.
+        assert_eq!(ngram(&mut d, &[1, 2, 3, 4, 1, 2], 3), vec![3, 4, 1]);
+        assert_eq!(ngram(&mut d, &[1, 2, 3, 4, 1, 2], 6), vec![3, 4, 1, 2, 3, 4]);
+        // [7, 2] beats the shorter [2]: [2] last occurred before 9, [7, 2] before 5.
+        assert_eq!(ngram(&mut d, &[7, 2, 5, 2, 9, 7, 2], 2), vec![5, 2]);
+        // The latest of two occurrences of [2].
+        assert_eq!(ngram(&mut d, &[2, 5, 2, 6, 2], 1), vec![6]);
+        // No earlier occurrence, or too short a context: nothing.
+        assert_eq!(ngram(&mut d, &[1, 2, 3], 2), Vec::<u32>::new());
+        assert_eq!(ngram(&mut d, &[4], 2), Vec::<u32>::new());
+        // min_n above the only match's length: nothing.
+        let mut long = NgramDrafter { min_n: 2, max_n: 3 };
+        assert_eq!(ngram(&mut long, &[2, 5, 2, 6, 2], 1), Vec::<u32>::new());
+        assert_eq!(ngram(&mut long, &[8, 2, 5, 8, 2], 2), vec![5, 8]);
+    }
+}

@@ -21,7 +21,8 @@ pub struct SpecStats {
 
 impl SpecStats {
     pub(crate) fn record(&mut self, drafted: usize, accepted: usize, k: usize) {
-        if self.reached.len() < k {
+        // k = 0 (plain decoding through the loop) still counts its cycles' accepted length 0.
+        if self.accepted_len_hist.len() < k + 1 {
             self.reached.resize(k, 0);
             self.accepted_at.resize(k, 0);
             self.accepted_len_hist.resize(k + 1, 0);

@@ -49,3 +49,28 @@ pub fn plain_greedy(model: &Qwen36Model, prompt: &[u32], n: usize) -> Vec<u32> {
     }
     out
 }
+
+/// The bundled trained model (models/qwen36-tiny): its MTP head's drafts are accepted ~60% of
+/// the time, so partial commits and bonus tokens are frequent.
+pub fn load_bundled() -> (Qwen36Model, MtpHead) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny");
+    let opts = LoadOptions {
+        device: test_device(),
+        ..Default::default()
+    };
+    let model = Qwen36Model::load(&dir, opts.clone()).unwrap();
+    let head = MtpHead::load_dir(&dir, model.config(), opts).unwrap();
+    (model, head)
+}
+
+/// A prompt of the bundled model's reference (Python source the model was not trained on).
+pub fn bundled_prompt(p: usize) -> Vec<u32> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny.reference.safetensors");
+    let r = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    r[&format!("prompt{p}.ids")]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}

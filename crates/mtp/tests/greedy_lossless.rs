@@ -132,3 +132,111 @@ fn greedy_speculative_with_a_draft_vocabulary_equals_plain_greedy() {
         out.stats.accepted_len_mean()
     );
 }
+
+/// The bundled model's trained head, whose drafts are often accepted: for k = 1..4, with the
+/// whole vocabulary and with a draft vocabulary of the first 1024 ids, the output equals plain
+/// greedy decoding and every accepted length 0..=k occurs (partial commits of every size).
+#[test]
+fn bundled_model_greedy_speculative_equals_plain_greedy() {
+    let (model, head) = load_bundled();
+    let n = 160;
+    let first: Vec<u32> = (0..1024).collect();
+    for vocab in [None, Some(&first)] {
+        for k in 1..=4 {
+            let mut hist = vec![0usize; k + 1];
+            for p in [0, 2] {
+                let prompt = bundled_prompt(p);
+                let want = plain_greedy(&model, &prompt, n);
+                let v = vocab.map(|ids| DraftVocab::new(&model, ids).unwrap());
+                let mut mtp =
+                    MtpDrafter::with_session(&model, &head, DraftSession::with_vocab(&model, &head, v));
+                let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
+                let cfg = SpecConfig {
+                    k,
+                    max_new_tokens: n,
+                    stop_token_ids: vec![],
+                };
+                let out = dec.generate(&mut mtp, &prompt, &cfg, |_| true).unwrap();
+                let first_diff = out.tokens.iter().zip(&want).position(|(a, b)| a != b);
+                assert_eq!(
+                    first_diff,
+                    None,
+                    "prompt {p} k={k} vocab {}: diverged",
+                    vocab.is_some()
+                );
+                assert_eq!(out.tokens.len(), n);
+                for (h, c) in hist.iter_mut().zip(&out.stats.accepted_len_hist) {
+                    *h += c;
+                }
+            }
+            eprintln!(
+                "bundled k={k} draft vocabulary {}: accepted lengths {hist:?}",
+                vocab.is_some()
+            );
+            assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");
+        }
+    }
+}
+
+/// The decoder runs one sequence: a session whose cache holds two is refused with a typed error.
+#[test]
+fn a_session_of_two_sequences_is_refused() {
+    let (model, _) = load("tiny-flat");
+    let session = qwen36_model::Session::new(&model, 2).unwrap();
+    assert_eq!(session.cache.batch(), 2);
+    let e = SpeculativeDecoder::with_session(&model, SamplingParams::greedy(), session)
+        .err()
+        .expect("batch 2 is refused");
+    assert!(matches!(e, qwen36_mtp::Error::Input(_)), "{e}");
+}
+
+/// Generation runs until the context is full: the last token is sampled from the logits of the
+/// last position the context holds, and the output is still the plain greedy one.
+#[test]
+fn generation_stops_when_the_context_is_full() {
+    let (model, head) = load("tiny-flat");
+    let max = model.config().max_position_embeddings;
+    let p = prompt("tiny-flat", "prompt0.ids", 150);
+    let long: Vec<u32> = p.iter().cycle().take(max - 5).copied().collect();
+    let want = plain_greedy(&model, &long, 6);
+    for k in [0, 1, 3] {
+        let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
+        let mut mtp = MtpDrafter::new(&model, &head);
+        let cfg = SpecConfig {
+            k,
+            max_new_tokens: 100,
+            stop_token_ids: vec![],
+        };
+        let out = dec.generate(&mut mtp, &long, &cfg, |_| true).unwrap();
+        assert_eq!(out.stop_reason, qwen36_mtp::SpecStopReason::ContextFull, "k={k}");
+        assert_eq!(out.tokens, want, "k={k}");
+    }
+}
+
+/// The callback can stop generation at the very first token; a stop token there is reported as
+/// the stop token even when the callback also asks to stop.
+#[test]
+fn the_first_token_can_end_generation() {
+    let (model, head) = load("tiny-flat");
+    let p = prompt("tiny-flat", "prompt0.ids", 20);
+    let first = plain_greedy(&model, &p, 1)[0];
+    let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
+    let mut mtp = MtpDrafter::new(&model, &head);
+    let cfg = |stop: Vec<u32>| SpecConfig {
+        k: 2,
+        max_new_tokens: 50,
+        stop_token_ids: stop,
+    };
+    let out = dec.generate(&mut mtp, &p, &cfg(vec![]), |_| false).unwrap();
+    assert_eq!(
+        (out.tokens.as_slice(), out.stop_reason),
+        (&[first][..], qwen36_mtp::SpecStopReason::Callback)
+    );
+    let out = dec.generate(&mut mtp, &p, &cfg(vec![first]), |_| false).unwrap();
+    assert_eq!(out.stop_reason, qwen36_mtp::SpecStopReason::StopToken(first));
+    let out = dec.generate(&mut mtp, &p, &cfg(vec![first]), |_| true).unwrap();
+    assert_eq!(
+        (out.tokens.len(), out.stop_reason),
+        (1, qwen36_mtp::SpecStopReason::StopToken(first))
+    );
+}

@@ -78,12 +78,22 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             }
             let mut cache = base.clone();
             model.forward_verify(&ids(&tokens), &mut cache).unwrap();
+            // Keeping none or more than were verified is refused, and the pass stays pending.
+            for bad in [0, k + 2] {
+                assert!(
+                    matches!(cache.commit(bad), Err(qwen36_model::Error::Cache(_))),
+                    "keep {bad}"
+                );
+            }
             cache.commit(a + 1).unwrap();
+            assert!(cache.commit(a + 1).is_err(), "a second commit of the same pass");
             assert_eq!(cache.seq_len(), p.len() + a + 1);
 
             let kept: Vec<u32> = p.iter().chain(&truth[..=a]).copied().collect();
             let mut fresh = model.new_cache(1).unwrap();
             model.forward(&ids(&kept), &mut fresh).unwrap();
+            assert_eq!(cache.layers().len(), model.config().num_hidden_layers);
+            assert_eq!(fresh.layers().len(), model.config().num_hidden_layers);
             for (l, (x, y)) in cache.layers().iter().zip(fresh.layers()).enumerate() {
                 match (x, y) {
                     (LayerCache::Gdn(x), LayerCache::Gdn(y)) => {
@@ -116,5 +126,51 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
                 truth[a + 2]
             );
         }
+    }
+}
+
+/// Drafts are never asked for past `max_new_tokens`: a drafter that always proposes all it is
+/// asked for is asked for at most the tokens still to generate.
+#[test]
+fn drafts_stop_at_max_new_tokens() {
+    struct Greedy {
+        truth: Vec<u32>,
+        prompt_len: usize,
+        max_new: usize,
+        asked: Vec<usize>,
+    }
+    impl Drafter for Greedy {
+        fn propose(&mut self, ctx: &DraftContext, k: usize) -> qwen36_mtp::Result<Vec<u32>> {
+            let done = ctx.tokens.len() - self.prompt_len;
+            assert!(
+                k < self.max_new - done + 1,
+                "asked for {k} drafts with {done} of {} done",
+                self.max_new
+            );
+            self.asked.push(k);
+            Ok(self.truth[done..done + k].to_vec())
+        }
+        fn reset(&mut self) {}
+    }
+    let (model, _) = load("tiny-flat");
+    let p = prompt("tiny-flat", "prompt0.ids", 30);
+    let truth = plain_greedy(&model, &p, 12);
+    // Every draft is accepted, so each cycle asks for min(k, tokens still to come after it).
+    for (max_new, want_asked) in [(2, vec![1]), (3, vec![2]), (7, vec![4, 1])] {
+        let mut d = Greedy {
+            truth: truth.clone(),
+            prompt_len: p.len(),
+            max_new,
+            asked: Vec::new(),
+        };
+        let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
+        let cfg = SpecConfig {
+            k: 4,
+            max_new_tokens: max_new,
+            stop_token_ids: vec![],
+        };
+        let out = dec.generate(&mut d, &p, &cfg, |_| true).unwrap();
+        assert_eq!(out.tokens, truth[..max_new]);
+        assert_eq!(d.asked, want_asked, "max_new {max_new}");
     }
 }
