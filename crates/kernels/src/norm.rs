@@ -133,6 +133,56 @@ mod tests {
         Ok(())
     }
 
+    /// Half-precision rows are normalised in f32 and rounded once: the output equals an f64
+    /// computation rounded to the dtype (a norm summed in the half dtype moves a third of the
+    /// elements by an ulp). Rounding f64 instead of f32 may flip a tie-near element by one ulp.
+    #[test]
+    fn half_rows_normalise_in_f32_and_round_once() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, dim) = (8, 256);
+        let x = qwen36_testutil::randn(11, 3.0, (rows, dim), &dev)?;
+        let w = qwen36_testutil::randn(12, 0.2, dim, &dev)?;
+        let norm = RmsNorm::zero_centred(&w, 1e-6)?;
+        let wv = w.to_vec1::<f32>()?;
+        for dt in [DType::BF16, DType::F16] {
+            let xh = x.to_dtype(dt)?;
+            let y = norm.forward(&xh)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let xs = xh.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let mut want = Vec::new();
+            for row in &xs {
+                let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64;
+                let inv = 1.0 / (ms + 1e-6).sqrt();
+                want.extend(
+                    row.iter()
+                        .zip(&wv)
+                        .map(|(&v, &w)| (v as f64 * inv * (1.0 + w as f64)) as f32),
+                );
+            }
+            let want = Tensor::from_vec(want, (rows, dim), &dev)?
+                .to_dtype(dt)?
+                .to_dtype(DType::F32)?;
+            let want = want.to_vec2::<f32>()?;
+            let ulp = if dt == DType::BF16 {
+                2f32.powi(-7)
+            } else {
+                2f32.powi(-10)
+            };
+            let mut differ = 0;
+            for (a, b) in y.iter().flatten().zip(want.iter().flatten()) {
+                if a != b {
+                    differ += 1;
+                    assert!((a - b).abs() <= ulp * b.abs(), "{dt:?}: {a} vs {b}");
+                }
+            }
+            assert!(
+                differ <= rows * dim / 100,
+                "{dt:?}: {differ} of {} elements differ",
+                rows * dim
+            );
+        }
+        Ok(())
+    }
+
     #[test]
     fn gated_uses_plain_weight_and_silu_gate() -> Result<()> {
         let x = [1.0f32, -2.0, 3.0, 0.5];

@@ -86,3 +86,188 @@ fn per_layer_errors() {
         }
     }
 }
+
+/// HF's own half-precision steps (tools/reference/half_reference.py): P prompt tokens, then S
+/// decode steps.
+const P: usize = 70;
+const S: usize = 6;
+/// Tokens of the verify pass checked against HF's decode steps.
+const V: usize = 4;
+
+fn half_reference(name: &str) -> std::collections::HashMap<String, candle_core::Tensor> {
+    candle_core::safetensors::load(
+        fixture_dir(name).join("half_reference.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap()
+}
+
+/// Per-layer row-relative errors of `ours` (`layers + 1` tensors `[rows, hidden]`: the residual
+/// stream entering each layer, then the final-norm output) against HF's `[layers + 1, rows,
+/// hidden]`.
+fn layer_errors(ours: &[candle_core::Tensor], hf: &candle_core::Tensor) -> Vec<f32> {
+    use candle_core::IndexOp;
+    ours.iter()
+        .enumerate()
+        .map(|(l, x)| max_row_rel_err(x, &hf.i(l).unwrap()))
+        .collect()
+}
+
+/// Our prefill and decode steps in `dtype`, layer by layer, and a verify pass's logits: errors
+/// against HF in the same dtype, and HF's own distance from its f32 steps, per layer.
+struct StepErrors {
+    prefill: Vec<f32>,
+    decode: Vec<f32>,
+    verify_logits: f32,
+    hf_prefill: Vec<f32>,
+    hf_decode: Vec<f32>,
+}
+
+fn step_errors(name: &str, dtype: DType, key: &str) -> StepErrors {
+    use candle_core::{IndexOp, Tensor};
+    let model = load(name, dtype);
+    let r = reference(name);
+    let h = half_reference(name);
+    let ids = ids_of(&r["prompt0.ids"]);
+    let hf_f32_prefill = &h["f32.prefill.hidden"];
+    let hf_prefill = &h[&format!("{key}.prefill.hidden")];
+    let hf_decode = &h[&format!("{key}.decode.hidden")]; // [S, layers + 1, hidden]
+
+    let mut cache = model.new_cache(1).unwrap();
+    let (fin, mut states) = model
+        .forward_hidden_states(&ids_tensor(&ids[..P + S]), &mut cache)
+        .unwrap();
+    states.pop();
+    states.push(fin);
+    let states: Vec<Tensor> = states.iter().map(|s| s.squeeze(0).unwrap()).collect();
+    let prefill = layer_errors(&states, hf_prefill);
+    let hf_prefill_own: Vec<f32> = (0..states.len())
+        .map(|l| max_row_rel_err(&hf_prefill.i(l).unwrap(), &hf_f32_prefill.i(l).unwrap()))
+        .collect();
+
+    let mut cache = model.new_cache(1).unwrap();
+    model.forward(&ids_tensor(&ids[..P]), &mut cache).unwrap();
+    let mut verify_cache = cache.clone();
+    let mut decode = vec![0f32; states.len()];
+    let mut hf_decode_own = vec![0f32; states.len()];
+    for s in 0..S {
+        let (fin, mut st) = model
+            .forward_hidden_states(&ids_tensor(&ids[P + s..P + s + 1]), &mut cache)
+            .unwrap();
+        st.pop();
+        st.push(fin);
+        let st: Vec<Tensor> = st.iter().map(|x| x.squeeze(0).unwrap()).collect();
+        let hf_s = hf_decode.i(s).unwrap().unsqueeze(1).unwrap();
+        let hf32_s = h["f32.decode.hidden"].i(s).unwrap().unsqueeze(1).unwrap();
+        for (l, e) in layer_errors(&st, &hf_s).into_iter().enumerate() {
+            decode[l] = decode[l].max(e);
+            let own = max_row_rel_err(&hf_s.i(l).unwrap(), &hf32_s.i(l).unwrap());
+            hf_decode_own[l] = hf_decode_own[l].max(own);
+        }
+    }
+    let hv = model
+        .forward_verify(&ids_tensor(&ids[P..P + V]), &mut verify_cache)
+        .unwrap();
+    let verify_logits = max_row_rel_err(
+        &model.logits(&hv).unwrap().squeeze(0).unwrap(),
+        &h[&format!("{key}.decode.logits")].narrow(0, 0, V).unwrap(),
+    );
+    StepErrors {
+        prefill,
+        decode,
+        verify_logits,
+        hf_prefill: hf_prefill_own,
+        hf_decode: hf_decode_own,
+    }
+}
+
+fn fmt(v: &[f32]) -> String {
+    v.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>().join(" ")
+}
+
+/// Our errors against HF's own steps in the same dtype, measured on the CPU: per layer (the
+/// residual stream entering each layer, then the final-norm output) for the prefill and the
+/// decode steps, then the verify pass's logits. The two implementations round at different
+/// points (ours keeps the GDN read-out in f32 up to the gated norm, HF rounds it; HF rounds
+/// the normalised value before the `(1 + w)` scale), so they part by a few half ulps from the
+/// first layer on, growing with depth; layer 0 (the embedding) is exact.
+struct Measured {
+    name: &'static str,
+    dtype: DType,
+    prefill: &'static [f32],
+    decode: &'static [f32],
+    verify: f32,
+}
+
+const MEASURED: [Measured; 4] = [
+    Measured {
+        name: "tiny-flat",
+        dtype: DType::BF16,
+        prefill: &[0.0, 1.29e-2, 1.56e-2, 2.25e-2, 3.45e-2, 4.11e-2, 5.07e-2],
+        decode: &[0.0, 8.20e-3, 1.56e-2, 1.96e-2, 2.41e-2, 2.53e-2, 4.38e-2],
+        verify: 2.2e-2,
+    },
+    Measured {
+        name: "tiny-nested",
+        dtype: DType::BF16,
+        prefill: &[0.0, 1.31e-2, 2.35e-2, 2.71e-2, 3.15e-2, 6.36e-2],
+        decode: &[0.0, 1.31e-2, 1.77e-2, 1.86e-2, 2.37e-2, 2.76e-2],
+        verify: 2.6e-2,
+    },
+    Measured {
+        name: "tiny-flat",
+        dtype: DType::F16,
+        prefill: &[0.0, 2.87e-3, 3.98e-3, 4.03e-3, 1.06e-2, 9.00e-3, 1.73e-2],
+        decode: &[0.0, 1.03e-3, 1.70e-3, 2.15e-3, 3.43e-3, 4.34e-3, 6.70e-3],
+        verify: 2.1e-3,
+    },
+    Measured {
+        name: "tiny-nested",
+        dtype: DType::F16,
+        prefill: &[0.0, 1.67e-3, 2.78e-3, 3.52e-3, 3.58e-3, 1.85e-2],
+        decode: &[0.0, 1.09e-3, 1.97e-3, 1.94e-3, 2.39e-3, 5.45e-3],
+        verify: 4.2e-3,
+    },
+];
+
+/// bf16 and f16 prefill, decode and verify steps against HF's own steps in the same dtype, layer
+/// by layer, within 1.5× the errors measured when the bounds were set (headroom for a change of
+/// summation order; on CUDA, whose kernels fuse and reduce in another order, 3×). A norm computed
+/// in half precision instead of f32 raises the first layers' f16 errors 1.6-2.8×, past these
+/// bounds; a convention error moves them by O(1).
+#[test]
+fn half_steps_within_measured_bounds_of_hf_half_steps() {
+    let factor = if test_device().is_cuda() { 3.0 } else { 1.5 };
+    for m in &MEASURED {
+        let key = if m.dtype == DType::BF16 { "bf16" } else { "f16" };
+        let e = step_errors(m.name, m.dtype, key);
+        eprintln!("{} {key} prefill ours-HF: {}", m.name, fmt(&e.prefill));
+        eprintln!("{} {key} prefill HF-f32:  {}", m.name, fmt(&e.hf_prefill));
+        eprintln!("{} {key} decode  ours-HF: {}", m.name, fmt(&e.decode));
+        eprintln!("{} {key} decode  HF-f32:  {}", m.name, fmt(&e.hf_decode));
+        eprintln!(
+            "{} {key} verify logits ours-HF decode: {:.2e}",
+            m.name, e.verify_logits
+        );
+        for (what, errs, bounds) in [
+            ("prefill", &e.prefill, m.prefill),
+            ("decode", &e.decode, m.decode),
+        ] {
+            assert_eq!(errs.len(), bounds.len());
+            for (l, (err, b)) in errs.iter().zip(bounds.iter()).enumerate() {
+                assert!(
+                    *err <= factor * b,
+                    "{} {key} {what} layer {l}: {err:.2e} > {factor} × {b:.2e}",
+                    m.name
+                );
+            }
+        }
+        assert!(
+            e.verify_logits <= factor * m.verify,
+            "{} {key} verify logits: {:.2e} > {factor} × {:.2e}",
+            m.name,
+            e.verify_logits,
+            m.verify
+        );
+    }
+}
