@@ -1,9 +1,14 @@
-//! Chat templates: the Jinja `chat_template` of tokenizer_config.json rendered with minijinja.
+//! Chat templates: the Jinja `chat_template` of tokenizer_config.json rendered with minijinja,
+//! set up to render like HF transformers' `apply_chat_template`.
 
-use std::path::Path;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use minijinja::{context, Environment};
-use serde_json::Value;
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Rest, ValueKind};
+use minijinja::{AutoEscape, Environment, ErrorKind, Output, State, UndefinedBehavior};
+use serde_json::{Map, Value};
 
 use crate::{Error, Result};
 
@@ -26,11 +31,27 @@ impl ChatMessage {
     }
 }
 
+/// The special-token names transformers passes to templates (its `SPECIAL_TOKENS_ATTRIBUTES`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Template variables set by the renderer itself, which `extra` may not override.
+const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
 /// A model's chat template (Qwen's is ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n`).
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     source: String,
-    path: std::path::PathBuf,
+    path: PathBuf,
+    /// Named special tokens of the tokenizer config, visible to the template as transformers does.
+    special_tokens: Vec<(String, String)>,
 }
 
 impl ChatTemplate {
@@ -42,43 +63,735 @@ impl ChatTemplate {
         };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+        let special_tokens = SPECIAL_TOKENS
+            .iter()
+            .filter_map(|&name| {
+                // A token is a string or a serialized AddedToken `{"content": ..., ...}`.
+                let tok = v.get(name)?;
+                let s = tok.as_str().or_else(|| tok.get("content")?.as_str())?;
+                Some((name.to_string(), s.to_string()))
+            })
+            .collect();
         Ok(match v.get("chat_template") {
             Some(Value::String(s)) => Some(Self {
                 source: s.clone(),
                 path: path.to_path_buf(),
+                special_tokens,
             }),
             _ => None,
         })
     }
 
+    /// The Jinja source of the template.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The same tokenizer config with another template source, like transformers'
+    /// `apply_chat_template(chat_template=...)`.
+    pub fn with_source(&self, source: impl Into<String>) -> Self {
+        Self {
+            source: source.into(),
+            ..self.clone()
+        }
+    }
+
     /// Renders `messages`; `add_generation_prompt` opens the assistant turn, `enable_thinking =
-    /// false` asks Qwen templates for an empty think block.
+    /// false` asks Qwen templates for an empty think block. Same as [`Self::render_json`].
     pub fn render(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         enable_thinking: bool,
     ) -> Result<String> {
-        let mut env = Environment::new();
-        // Qwen templates call Python string methods (`.startswith`, `.split`, ...).
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        let err = |e: minijinja::Error| Error::File {
-            path: self.path.clone(),
-            msg: format!("chat_template: {e}"),
-        };
-        env.add_template("chat", &self.source).map_err(err)?;
-        let msgs: Vec<_> = messages
+        let msgs: Vec<Value> = messages
             .iter()
-            .map(|m| context! { role => m.role.clone(), content => m.content.clone() })
+            .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
             .collect();
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(context! {
-                    messages => msgs,
-                    add_generation_prompt => add_generation_prompt,
-                    enable_thinking => enable_thinking,
-                })
-            })
+        let mut extra = Map::new();
+        extra.insert("enable_thinking".into(), Value::Bool(enable_thinking));
+        self.render_json(&msgs, None, add_generation_prompt, &extra)
+    }
+
+    /// Renders OpenAI-style `messages` (any fields: `tool_calls`, `reasoning_content`, tool
+    /// messages, content parts) like transformers' `apply_chat_template(tokenize=False)`.
+    ///
+    /// `tools` are JSON tool schemas (`None` renders as Jinja `none`); `extra` holds template
+    /// kwargs such as `enable_thinking` (an OpenAI `chat_template_kwargs`) and overrides the
+    /// config's special tokens. Map keys keep the order of the `serde_json` maps, so callers that
+    /// must match transformers on client key order need serde_json's `preserve_order` feature.
+    pub fn render_json(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<String> {
+        if let Some(key) = extra.keys().find(|k| RESERVED.contains(&k.as_str())) {
+            return Err(self.error(format!(
+                "chat_template: `{key}` is set by the renderer and cannot be passed as a template kwarg"
+            )));
+        }
+        let mut ctx: Vec<(Arc<str>, minijinja::Value)> = Vec::new();
+        let mut set = |key: &str, value: minijinja::Value| match ctx.iter_mut().find(|(k, _)| &**k == key) {
+            Some(slot) => slot.1 = value,
+            None => ctx.push((key.into(), value)),
+        };
+        set("messages", to_jinja_seq(messages));
+        set("tools", tools.map_or(minijinja::Value::from(()), to_jinja_seq));
+        set("documents", minijinja::Value::from(()));
+        set(
+            "add_generation_prompt",
+            minijinja::Value::from(add_generation_prompt),
+        );
+        for (name, tok) in &self.special_tokens {
+            set(name, minijinja::Value::from(tok.as_str()));
+        }
+        for (key, value) in extra {
+            set(key, to_jinja(value));
+        }
+        let ctx = minijinja::Value::from_object(JsonMap(ctx));
+
+        let err = |e: minijinja::Error| self.template_error(e);
+        let mut env = environment().map_err(err)?;
+        env.add_template("chat_template", &self.source).map_err(err)?;
+        env.get_template("chat_template")
+            .and_then(|t| t.render(ctx))
             .map_err(err)
+    }
+
+    fn error(&self, msg: String) -> Error {
+        Error::File {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+
+    /// Maps a minijinja error; one from the template's `raise_exception` carries its message.
+    fn template_error(&self, e: minijinja::Error) -> Error {
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(cur) = src {
+            if let Some(raised) = cur.downcast_ref::<Raised>() {
+                let line = e.line().map(|l| format!(" (line {l})")).unwrap_or_default();
+                return self.error(format!("chat_template raised an exception: {}{line}", raised.0));
+            }
+            src = cur.source();
+        }
+        self.error(format!("chat_template: {e}"))
+    }
+}
+
+/// A minijinja environment configured like transformers' `_compile_jinja_template`.
+fn environment<'s>() -> std::result::Result<Environment<'s>, minijinja::Error> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()?;
+    env.set_syntax(syntax);
+    env.set_auto_escape_callback(|_| AutoEscape::None);
+    env.set_undefined_behavior(UndefinedBehavior::Lenient);
+    // HF templates call Python string and dict methods (`.strip()`, `.startswith()`, `.items()`).
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_formatter(py_formatter);
+    env.add_filter("string", py_string);
+    // Jinja's `sequence` test holds for anything with a length and items: also strings and dicts.
+    env.add_test("sequence", |v: &minijinja::Value| {
+        matches!(
+            v.kind(),
+            ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Bytes
+        )
+    });
+    env.add_filter("tojson", tojson);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    Ok(env)
+}
+
+/// Marks an error as raised by the template's `raise_exception(message)`.
+#[derive(Debug)]
+struct Raised(String);
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Raised {}
+
+/// transformers' `raise_exception`: aborts rendering with the template's message.
+fn raise_exception(message: String) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
+}
+
+/// transformers' `strftime_now`: the current time formatted with a C `strftime` format (in UTC).
+fn strftime_now(format: String) -> String {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    strftime(&format, now.as_secs() as i64, now.subsec_micros())
+}
+
+/// Formats the UTC time `secs.micros` since the epoch with the common `strftime` directives
+/// (`%a %A %b %B %d %e %f %H %I %j %m %M %p %S %y %Y %%`, `-` flag for no padding); others
+/// are kept verbatim.
+fn strftime(format: &str, secs: i64, micros: u32) -> String {
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    let (hour, minute, second) = (tod / 3600, tod / 60 % 60, tod % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_mar + 2) / 153;
+    let day = doy_mar - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = format.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let unpadded = chars.peek() == Some(&'-');
+        if unpadded {
+            chars.next();
+        }
+        let num = |out: &mut String, v: i64, width: usize| {
+            let _ = if unpadded {
+                write!(out, "{v}")
+            } else {
+                write!(out, "{v:0width$}")
+            };
+        };
+        match chars.next() {
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
+            Some('d') => num(&mut out, day, 2),
+            Some('e') => {
+                let _ = write!(out, "{day:2}");
+            }
+            Some('f') => num(&mut out, i64::from(micros), 6),
+            Some('H') => num(&mut out, hour, 2),
+            Some('I') => num(&mut out, hour12, 2),
+            Some('j') => num(&mut out, yday, 3),
+            Some('m') => num(&mut out, month, 2),
+            Some('M') => num(&mut out, minute, 2),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('S') => num(&mut out, second, 2),
+            Some('y') => num(&mut out, year.rem_euclid(100), 2),
+            Some('Y') => num(&mut out, year, 4),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                if unpadded {
+                    out.push('-');
+                }
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// A JSON object as a minijinja map that keeps its key order (minijinja's own maps sort keys).
+#[derive(Debug)]
+struct JsonMap(Vec<(Arc<str>, minijinja::Value)>);
+
+impl Object for JsonMap {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &minijinja::Value) -> Option<minijinja::Value> {
+        let key = key.as_str()?;
+        self.0.iter().find(|(k, _)| &**k == key).map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| minijinja::Value::from(k.clone()))
+                .collect(),
+        )
+    }
+
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// Converts JSON to a template value, keeping object key order.
+fn to_jinja(v: &Value) -> minijinja::Value {
+    match v {
+        Value::Null => minijinja::Value::from(()),
+        Value::Bool(b) => minijinja::Value::from(*b),
+        Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => minijinja::Value::from(i),
+            (None, Some(u), _) => minijinja::Value::from(u),
+            (None, None, f) => minijinja::Value::from(f.unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => minijinja::Value::from(s.as_str()),
+        Value::Array(items) => to_jinja_seq(items),
+        Value::Object(map) => minijinja::Value::from_object(JsonMap(
+            map.iter()
+                .map(|(k, v)| (Arc::from(k.as_str()), to_jinja(v)))
+                .collect(),
+        )),
+    }
+}
+
+fn to_jinja_seq(items: &[Value]) -> minijinja::Value {
+    minijinja::Value::from(items.iter().map(to_jinja).collect::<Vec<_>>())
+}
+
+/// Writes `{{ value }}` as Python's `str()` would: floats as `repr`, lists and dicts as their
+/// Python reprs; everything else as minijinja does (already Python-like: `None`, `True`).
+fn py_formatter(
+    out: &mut Output,
+    state: &mut State,
+    value: &minijinja::Value,
+) -> std::result::Result<(), minijinja::Error> {
+    match value.kind() {
+        ValueKind::Number if !value.is_integer() => {
+            let f = f64::try_from(value.clone())?;
+            out.write_str(&py_float_str(f))?;
+            Ok(())
+        }
+        ValueKind::Seq | ValueKind::Map => {
+            let mut s = String::new();
+            py_repr(&mut s, value)?;
+            out.write_str(&s)?;
+            Ok(())
+        }
+        _ => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// Jinja's `string` filter (Python's `str()`), with floats, lists and dicts as [`py_formatter`].
+fn py_string(v: &minijinja::Value) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    Ok(match v.kind() {
+        ValueKind::String => v.clone(),
+        ValueKind::Number if !v.is_integer() => {
+            minijinja::Value::from(py_float_str(f64::try_from(v.clone())?))
+        }
+        ValueKind::Seq | ValueKind::Map => {
+            let mut s = String::new();
+            py_repr(&mut s, v)?;
+            minijinja::Value::from(s)
+        }
+        _ => minijinja::Value::from(v.to_string()),
+    })
+}
+
+/// Python's `str(float)`: the shortest round-tripping digits, `1e-05` / `1e+16` outside
+/// `1e-4 <= |f| < 1e16`, always a `.0` on integral values.
+fn py_float_str(f: f64) -> String {
+    if f.is_nan() {
+        return "nan".into();
+    }
+    if f.is_infinite() {
+        return if f < 0.0 { "-inf".into() } else { "inf".into() };
+    }
+    if f == 0.0 {
+        return if f.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
+    }
+    // `{:e}` gives the shortest round-trip digits, e.g. "-1.2345e-7".
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (neg, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => (true, m),
+        None => (false, mantissa),
+    };
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let mut out = String::from(if neg { "-" } else { "" });
+    if (-4..16).contains(&exp) {
+        if exp >= 0 {
+            let int_len = exp as usize + 1;
+            if digits.len() <= int_len {
+                out.push_str(&digits);
+                out.push_str(&"0".repeat(int_len - digits.len()));
+                out.push_str(".0");
+            } else {
+                out.push_str(&digits[..int_len]);
+                out.push('.');
+                out.push_str(&digits[int_len..]);
+            }
+        } else {
+            out.push_str("0.");
+            out.push_str(&"0".repeat((-exp - 1) as usize));
+            out.push_str(&digits);
+        }
+    } else {
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+    }
+    out
+}
+
+/// Python's `repr()` of a template value (strings quoted, `[..]`, `(..)`, `{k: v}`).
+fn py_repr(out: &mut String, v: &minijinja::Value) -> std::result::Result<(), minijinja::Error> {
+    match v.kind() {
+        ValueKind::String => py_str_repr(out, v.as_str().unwrap_or_default()),
+        ValueKind::Number if !v.is_integer() => out.push_str(&py_float_str(f64::try_from(v.clone())?)),
+        ValueKind::Seq => {
+            let tuple = v.is_tuple();
+            out.push(if tuple { '(' } else { '[' });
+            let mut n = 0;
+            for (i, item) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(out, &item)?;
+                n += 1;
+            }
+            if tuple && n == 1 {
+                out.push(',');
+            }
+            out.push(if tuple { ')' } else { ']' });
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(out, &key)?;
+                out.push_str(": ");
+                py_repr(out, &v.get_item(&key)?)?;
+            }
+            out.push('}');
+        }
+        ValueKind::Undefined => out.push_str("Undefined"),
+        _ => {
+            let _ = write!(out, "{v}");
+        }
+    }
+    Ok(())
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`; non-printable
+/// characters escaped (printability approximated: controls, separators and format characters).
+fn py_str_repr(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !py_printable(c) => {
+                let cp = c as u32;
+                let _ = match cp {
+                    0..=0xff => write!(out, "\\x{cp:02x}"),
+                    0x100..=0xffff => write!(out, "\\u{cp:04x}"),
+                    _ => write!(out, "\\U{cp:08x}"),
+                };
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+/// Approximates Python's `str.isprintable` for one character (no Unicode tables: unassigned
+/// code points count as printable).
+fn py_printable(c: char) -> bool {
+    let cp = c as u32;
+    !(c.is_control()
+        || matches!(cp, 0xa0 | 0xad | 0x1680 | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x2064)
+        || matches!(cp, 0x2066..=0x206f | 0x3000 | 0xfeff | 0xfff9..=0xfffb | 0xe000..=0xf8ff)
+        || matches!(cp, 0x600..=0x605 | 0x61c | 0x6dd | 0x70f | 0x180e | 0xe0001 | 0xe0020..=0xe007f)
+        || cp >= 0xf0000)
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, arguments by position or keyword, no HTML escaping.
+fn tojson(
+    value: &minijinja::Value,
+    args: Rest<minijinja::Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
+    if args.len() > NAMES.len() {
+        return Err(invalid(format!(
+            "tojson() takes at most 5 arguments ({} given)",
+            args.len() + 1
+        )));
+    }
+    let arg = |i: usize| -> std::result::Result<Option<minijinja::Value>, minijinja::Error> {
+        let kw: Option<minijinja::Value> = kwargs.get(NAMES[i])?;
+        let pos = args.get(i).cloned();
+        if pos.is_some() && kw.is_some() {
+            return Err(invalid(format!(
+                "tojson() got multiple values for argument '{}'",
+                NAMES[i]
+            )));
+        }
+        Ok(pos.or(kw).filter(|v| !v.is_none()))
+    };
+    let (ensure_ascii, indent, separators, sort_keys) = (arg(0)?, arg(1)?, arg(2)?, arg(3)?);
+    let ensure_ascii = ensure_ascii.is_some_and(|v| v.is_true());
+    let indent = match indent {
+        None => None,
+        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
+        Some(v) if v.is_integer() || v.kind() == ValueKind::Bool => {
+            let n =
+                i64::try_from(v.clone()).or_else(|_| Ok::<_, minijinja::Error>(i64::from(v.is_true())))?;
+            Some(" ".repeat(n.max(0) as usize))
+        }
+        Some(v) => {
+            return Err(invalid(format!(
+                "tojson(): indent must be an int or a string, not {}",
+                v.kind()
+            )))
+        }
+    };
+    let (item_sep, key_sep) = match separators {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some(v) => {
+            let parts: Vec<String> = v
+                .try_iter()
+                .map_err(|_| invalid("tojson(): separators must be an (item, key) pair".into()))?
+                .map(|p| p.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| invalid("tojson(): separators must be strings".into()))?;
+            match <[String; 2]>::try_from(parts) {
+                Ok([item, key]) => (item, key),
+                Err(_) => return Err(invalid("tojson(): separators must be an (item, key) pair".into())),
+            }
+        }
+    };
+    let sort_keys = sort_keys.is_some_and(|v| v.is_true());
+    kwargs.assert_all_used()?;
+    let opts = JsonOpts {
+        ensure_ascii,
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys,
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, &opts, 0)?;
+    Ok(minijinja::Value::from(out))
+}
+
+fn invalid(msg: String) -> minijinja::Error {
+    minijinja::Error::new(ErrorKind::InvalidOperation, msg)
+}
+
+/// `json.dumps` options.
+struct JsonOpts {
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+/// Python's JSON encoder: `NaN`/`Infinity` allowed, floats as `repr`, empty containers compact.
+fn write_json(
+    out: &mut String,
+    v: &minijinja::Value,
+    o: &JsonOpts,
+    level: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    let newline = |out: &mut String, level: usize| {
+        if let Some(ind) = &o.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    };
+    match v.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number if v.is_integer() => {
+            let _ = write!(out, "{v}");
+        }
+        ValueKind::Number => {
+            let f = f64::try_from(v.clone())?;
+            out.push_str(&if f.is_nan() {
+                "NaN".to_string()
+            } else if f.is_infinite() {
+                if f < 0.0 { "-Infinity" } else { "Infinity" }.to_string()
+            } else {
+                py_float_str(f)
+            });
+        }
+        ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), o.ensure_ascii),
+        ValueKind::Seq => {
+            let items: Vec<_> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item_sep);
+                }
+                newline(out, level + 1);
+                write_json(out, item, o, level + 1)?;
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<_> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if o.sort_keys {
+                keys.sort();
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item_sep);
+                }
+                newline(out, level + 1);
+                let name = match key.kind() {
+                    ValueKind::String => key.as_str().unwrap_or_default().to_string(),
+                    ValueKind::None => "null".into(),
+                    ValueKind::Bool => if key.is_true() { "true" } else { "false" }.into(),
+                    ValueKind::Number if !key.is_integer() => py_float_str(f64::try_from(key.clone())?),
+                    ValueKind::Number => key.to_string(),
+                    kind => {
+                        return Err(invalid(format!(
+                            "keys must be str, int, float, bool or None, not {kind}"
+                        )))
+                    }
+                };
+                write_json_str(out, &name, o.ensure_ascii);
+                out.push_str(&o.key_sep);
+                write_json(out, &v.get_item(key)?, o, level + 1)?;
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        kind => return Err(invalid(format!("Object of type {kind} is not JSON serializable"))),
+    }
+    Ok(())
+}
+
+/// A JSON string as Python writes it: `\"` `\\` `\n` `\r` `\t` `\b` `\f`, other controls as
+/// `\u00XX`; with `ensure_ascii` every non-ASCII character as `\uXXXX` (surrogate pairs above
+/// the BMP), lowercase hex.
+fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_float_str() {
+        let cases = [
+            (1.0, "1.0"),
+            (0.5, "0.5"),
+            (-0.0, "-0.0"),
+            (1e-7, "1e-07"),
+            (1e-4, "0.0001"),
+            (1.5e-5, "1.5e-05"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (123.456, "123.456"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (-2.5e300, "-2.5e+300"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(py_float_str(f), want, "{f:e}");
+        }
+    }
+
+    #[test]
+    fn strftime_known_instants() {
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %a %A %b %B %j", 0, 0),
+            "1970-01-01 00:00:00 Thu Thursday Jan January 001"
+        );
+        assert_eq!(
+            strftime("%d %b %Y, %I:%M %p, %-d/%-m/%y, %f %e %% %q", 1_700_000_000, 42),
+            "14 Nov 2023, 10:13 PM, 14/11/23, 000042 14 % %q"
+        );
+        // 2024-02-29 is day 60 of a leap year.
+        assert_eq!(strftime("%Y-%m-%d %j", 1_709_164_800, 0), "2024-02-29 060");
     }
 }

@@ -1,0 +1,235 @@
+//! The chat template against HF transformers: every case of tests/fixtures/chat_templates.json
+//! (written by tools/reference/chat_template_reference.py) must render byte for byte as
+//! transformers' `apply_chat_template(tokenize=False)`, or fail with transformers' message.
+
+use std::path::PathBuf;
+
+use qwen36::{ChatMessage, ChatTemplate};
+use serde_json::{Map, Value};
+
+/// The bundled model's template before tool support; plain chats must still render the same.
+const PLAIN_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn bundled() -> ChatTemplate {
+    let path = repo().join("models/qwen36-tiny/tokenizer_config.json");
+    ChatTemplate::from_tokenizer_config(&path)
+        .expect("tokenizer_config.json loads")
+        .expect("tokenizer_config.json has a chat_template")
+}
+
+/// One recorded transformers rendering.
+struct Case {
+    name: String,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    add_generation_prompt: bool,
+    kwargs: Map<String, Value>,
+    template: Option<String>,
+    expected: Result<String, String>,
+}
+
+fn cases() -> Vec<Case> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_templates.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let all: Vec<Value> = serde_json::from_str(&text).expect("fixture is JSON");
+    all.into_iter()
+        .map(|c| Case {
+            name: c["name"].as_str().expect("name").to_string(),
+            messages: c["messages"].as_array().expect("messages").clone(),
+            tools: c["tools"].as_array().cloned(),
+            add_generation_prompt: c["add_generation_prompt"]
+                .as_bool()
+                .expect("add_generation_prompt"),
+            kwargs: c["kwargs"].as_object().cloned().unwrap_or_default(),
+            template: c.get("template").and_then(Value::as_str).map(str::to_string),
+            expected: match (&c.get("rendered"), &c.get("error")) {
+                (Some(Value::String(s)), _) => Ok(s.clone()),
+                (_, Some(Value::String(e))) => Err(e.clone()),
+                _ => panic!("case without `rendered` or `error`: {c}"),
+            },
+        })
+        .collect()
+}
+
+/// Where two renderings first differ: byte offset, line and column, and both texts around it.
+fn first_difference(got: &str, want: &str, want_label: &str) -> String {
+    let at = got
+        .bytes()
+        .zip(want.bytes())
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(want.len()));
+    let line = want[..at].matches('\n').count() + 1;
+    let col = at - want[..at].rfind('\n').map_or(0, |i| i + 1);
+    let around = |s: &str| {
+        let mut lo = at.saturating_sub(40).min(s.len());
+        while !s.is_char_boundary(lo) {
+            lo -= 1;
+        }
+        let mut hi = (at + 40).min(s.len());
+        while !s.is_char_boundary(hi) {
+            hi += 1;
+        }
+        format!("{:?}", &s[lo..hi])
+    };
+    format!(
+        "first difference at byte {at} (line {line}, column {col}; lengths {} vs {}):\n  {:<13} {}\n  {:<13} {}",
+        got.len(),
+        want.len(),
+        "ours:",
+        around(got),
+        format!("{want_label}:"),
+        around(want)
+    )
+}
+
+#[test]
+fn renders_like_transformers() {
+    let base = bundled();
+    let cases = cases();
+    assert!(cases.len() >= 10, "only {} fixture cases", cases.len());
+    let mut failures = Vec::new();
+    for case in &cases {
+        let template = case
+            .template
+            .as_ref()
+            .map_or_else(|| base.clone(), |s| base.with_source(s.as_str()));
+        let got = template.render_json(
+            &case.messages,
+            case.tools.as_deref(),
+            case.add_generation_prompt,
+            &case.kwargs,
+        );
+        match (&case.expected, got) {
+            (Ok(want), Ok(got)) if &got == want => {}
+            (Ok(want), Ok(got)) => failures.push(format!(
+                "{}: {}",
+                case.name,
+                first_difference(&got, want, "transformers")
+            )),
+            (Ok(_), Err(e)) => failures.push(format!("{}: transformers renders it, we fail: {e}", case.name)),
+            (Err(msg), Err(e)) if e.to_string().contains(msg.as_str()) => {}
+            (Err(msg), Err(e)) => failures.push(format!(
+                "{}: error {e:?} lacks transformers' message {msg:?}",
+                case.name
+            )),
+            (Err(msg), Ok(got)) => failures.push(format!(
+                "{}: transformers raises {msg:?}, we render {got:?}",
+                case.name
+            )),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ from transformers:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn raise_exception_message_reaches_the_error() {
+    let err = bundled()
+        .render_json(
+            &[serde_json::json!({"role": "narrator", "content": "x"})],
+            None,
+            true,
+            &Map::new(),
+        )
+        .expect_err("an unknown role is rejected");
+    let msg = err.to_string();
+    assert!(msg.contains("Unknown message role: narrator"), "{msg}");
+    assert!(msg.contains("raised an exception"), "{msg}");
+}
+
+#[test]
+fn renderer_variables_cannot_be_overridden() {
+    let mut extra = Map::new();
+    extra.insert("messages".into(), Value::Array(vec![]));
+    let err = bundled()
+        .render_json(&[], None, false, &extra)
+        .expect_err("`messages` is reserved");
+    assert!(err.to_string().contains("`messages`"), "{err}");
+}
+
+/// The fixture cases that `ChatTemplate::render` can express: bundled template, string role and
+/// content only, no tools, no kwargs but `enable_thinking`.
+fn plain_cases() -> Vec<(Case, Vec<ChatMessage>, bool)> {
+    cases()
+        .into_iter()
+        .filter(|c| c.template.is_none() && c.tools.is_none() && c.expected.is_ok())
+        .filter(|c| c.kwargs.keys().all(|k| k == "enable_thinking"))
+        .filter_map(|c| {
+            let msgs = c
+                .messages
+                .iter()
+                .map(|m| {
+                    let (role, content) = (m.get("role")?.as_str()?, m.get("content")?.as_str()?);
+                    let plain = m.as_object()?.len() == 2 && ["system", "user", "assistant"].contains(&role);
+                    plain.then(|| ChatMessage::new(role, content))
+                })
+                .collect::<Option<Vec<_>>>()?;
+            // An absent `enable_thinking` renders like `true` in this template.
+            let thinking = c
+                .kwargs
+                .get("enable_thinking")
+                .map_or(Some(true), Value::as_bool)?;
+            Some((c, msgs, thinking))
+        })
+        .collect()
+}
+
+#[test]
+fn plain_render_matches_json_render() {
+    let template = bundled();
+    let plain = plain_cases();
+    assert!(plain.len() >= 5, "only {} plain cases", plain.len());
+    for (case, msgs, thinking) in &plain {
+        let got = template
+            .render(msgs, case.add_generation_prompt, *thinking)
+            .expect("renders");
+        let mut kwargs = Map::new();
+        kwargs.insert("enable_thinking".into(), Value::Bool(*thinking));
+        let json = template
+            .render_json(&case.messages, None, case.add_generation_prompt, &kwargs)
+            .expect("renders");
+        assert_eq!(
+            got,
+            json,
+            "{}: {}",
+            case.name,
+            first_difference(&got, &json, "render_json")
+        );
+        let want = case.expected.as_ref().expect("plain cases render");
+        assert_eq!(
+            &got,
+            want,
+            "{}: {}",
+            case.name,
+            first_difference(&got, want, "transformers")
+        );
+    }
+}
+
+#[test]
+fn plain_chats_render_as_the_previous_template() {
+    let template = bundled();
+    let previous = template.with_source(PLAIN_TEMPLATE);
+    for (case, msgs, thinking) in plain_cases() {
+        for gen in [false, true] {
+            let got = template.render(&msgs, gen, thinking).expect("renders");
+            let want = previous.render(&msgs, gen, thinking).expect("renders");
+            assert_eq!(
+                got,
+                want,
+                "{} (gen {gen}): {}",
+                case.name,
+                first_difference(&got, &want, "previous")
+            );
+        }
+    }
+}
