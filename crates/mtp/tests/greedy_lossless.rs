@@ -210,6 +210,13 @@ fn generation_stops_when_the_context_is_full() {
         let out = dec.generate(&mut mtp, &long, &cfg, |_| true).unwrap();
         assert_eq!(out.stop_reason, qwen36_mtp::SpecStopReason::ContextFull, "k={k}");
         assert_eq!(out.tokens, want, "k={k}");
+        // The room left (4 positions after the prompt) is used for drafts, not given up.
+        assert_eq!(
+            out.stats.drafted > 0,
+            k > 0,
+            "k={k}: {} drafts",
+            out.stats.drafted
+        );
     }
 }
 
