@@ -123,8 +123,21 @@ struct StepErrors {
     hf_decode: Vec<f32>,
 }
 
+/// Runs `ids` after `cache` and returns what HF's `output_hidden_states` holds: the residual
+/// stream entering each layer, then the final-norm output, each `[len, hidden]`.
+fn hf_layout_states(
+    model: &qwen36_model::Qwen36Model,
+    ids: &[u32],
+    cache: &mut qwen36_model::Cache,
+) -> Vec<candle_core::Tensor> {
+    let (fin, mut states) = model.forward_hidden_states(&ids_tensor(ids), cache).unwrap();
+    states.pop();
+    states.push(fin);
+    states.iter().map(|s| s.squeeze(0).unwrap()).collect()
+}
+
 fn step_errors(name: &str, dtype: DType, key: &str) -> StepErrors {
-    use candle_core::{IndexOp, Tensor};
+    use candle_core::IndexOp;
     let model = load(name, dtype);
     let r = reference(name);
     let h = half_reference(name);
@@ -134,12 +147,7 @@ fn step_errors(name: &str, dtype: DType, key: &str) -> StepErrors {
     let hf_decode = &h[&format!("{key}.decode.hidden")]; // [S, layers + 1, hidden]
 
     let mut cache = model.new_cache(1).unwrap();
-    let (fin, mut states) = model
-        .forward_hidden_states(&ids_tensor(&ids[..P + S]), &mut cache)
-        .unwrap();
-    states.pop();
-    states.push(fin);
-    let states: Vec<Tensor> = states.iter().map(|s| s.squeeze(0).unwrap()).collect();
+    let states = hf_layout_states(&model, &ids[..P + S], &mut cache);
     let prefill = layer_errors(&states, hf_prefill);
     let hf_prefill_own: Vec<f32> = (0..states.len())
         .map(|l| max_row_rel_err(&hf_prefill.i(l).unwrap(), &hf_f32_prefill.i(l).unwrap()))
@@ -151,12 +159,7 @@ fn step_errors(name: &str, dtype: DType, key: &str) -> StepErrors {
     let mut decode = vec![0f32; states.len()];
     let mut hf_decode_own = vec![0f32; states.len()];
     for s in 0..S {
-        let (fin, mut st) = model
-            .forward_hidden_states(&ids_tensor(&ids[P + s..P + s + 1]), &mut cache)
-            .unwrap();
-        st.pop();
-        st.push(fin);
-        let st: Vec<Tensor> = st.iter().map(|x| x.squeeze(0).unwrap()).collect();
+        let st = hf_layout_states(&model, &ids[P + s..P + s + 1], &mut cache);
         let hf_s = hf_decode.i(s).unwrap().unsqueeze(1).unwrap();
         let hf32_s = h["f32.decode.hidden"].i(s).unwrap().unsqueeze(1).unwrap();
         for (l, e) in layer_errors(&st, &hf_s).into_iter().enumerate() {
