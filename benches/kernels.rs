@@ -5,8 +5,11 @@
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
 use qwen36_kernels::conv1d::causal_conv1d;
-use qwen36_kernels::delta_rule::{chunked_gated_delta_rule, recurrent_gated_delta_rule, CHUNK_SIZE};
+use qwen36_kernels::delta_rule::{
+    chunked_gated_delta_rule, recurrent_gated_delta_rule, DeltaRuleInputs, DeltaRuleOutput, CHUNK_SIZE,
+};
 use qwen36_kernels::norm::{l2_norm, RmsNorm};
+use qwen36_kernels::KernelPolicy;
 
 const HK: usize = 16;
 const HV: usize = 48;
@@ -24,25 +27,36 @@ fn rule_inputs(t: usize) -> [Tensor; 6] {
     ]
 }
 
-fn delta_rule(c: &mut Criterion) {
+const P: &KernelPolicy = &KernelPolicy::DEFAULT;
+
+/// The token-by-token form over [`rule_inputs`], keeping every state with `keep`.
+fn recurrent(x: &[Tensor; 6], keep: bool) -> DeltaRuleOutput {
+    let [q, k, v, g, b, s] = x;
     let scale = (D as f32).powf(-0.5);
-    let [q, k, v, g, b, s] = rule_inputs(1);
+    recurrent_gated_delta_rule(DeltaRuleInputs::new(q, k, v, g, b), Some(s), scale, keep, P).unwrap()
+}
+
+/// The chunked form over [`rule_inputs`].
+fn chunked(x: &[Tensor; 6]) -> DeltaRuleOutput {
+    let [q, k, v, g, b, s] = x;
+    let scale = (D as f32).powf(-0.5);
+    chunked_gated_delta_rule(DeltaRuleInputs::new(q, k, v, g, b), Some(s), scale, CHUNK_SIZE, P).unwrap()
+}
+
+fn delta_rule(c: &mut Criterion) {
+    let x = rule_inputs(1);
     c.bench_function("recurrent decode 1 token (27B layer)", |bn| {
-        bn.iter(|| recurrent_gated_delta_rule(&q, &k, &v, &g, &b, Some(&s), scale, false).unwrap())
+        bn.iter(|| recurrent(&x, false))
     });
-    let [q, k, v, g, b, s] = rule_inputs(4);
+    let x = rule_inputs(4);
     c.bench_function("recurrent verify 4 tokens, keep states (27B layer)", |bn| {
-        bn.iter(|| recurrent_gated_delta_rule(&q, &k, &v, &g, &b, Some(&s), scale, true).unwrap())
+        bn.iter(|| recurrent(&x, true))
     });
-    let [q, k, v, g, b, s] = rule_inputs(256);
+    let x = rule_inputs(256);
     let mut group = c.benchmark_group("prefill 256 tokens (27B layer)");
     group.sample_size(10);
-    group.bench_function("chunked", |bn| {
-        bn.iter(|| chunked_gated_delta_rule(&q, &k, &v, &g, &b, Some(&s), scale, CHUNK_SIZE).unwrap())
-    });
-    group.bench_function("recurrent", |bn| {
-        bn.iter(|| recurrent_gated_delta_rule(&q, &k, &v, &g, &b, Some(&s), scale, false).unwrap())
-    });
+    group.bench_function("chunked", |bn| bn.iter(|| chunked(&x)));
+    group.bench_function("recurrent", |bn| bn.iter(|| recurrent(&x, false)));
     group.finish();
 }
 
@@ -53,7 +67,7 @@ fn conv_and_norms(c: &mut Criterion) {
     let st = Tensor::zeros((1, width, 3), DType::F32, &cpu).unwrap();
     let x1 = Tensor::randn(0f32, 1.0, (1, 1, width), &cpu).unwrap();
     c.bench_function("conv1d decode (27B layer)", |bn| {
-        bn.iter(|| causal_conv1d(&x1, &w, Some(&st)).unwrap())
+        bn.iter(|| causal_conv1d(&x1, &w, Some(&st), P).unwrap())
     });
     let x = Tensor::randn(0f32, 1.0, (1, 64, 5120), &cpu).unwrap();
     let norm = RmsNorm::zero_centred(&Tensor::zeros(5120, DType::F32, &cpu).unwrap(), 1e-6).unwrap();

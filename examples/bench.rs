@@ -21,7 +21,7 @@ use qwen36::model::{DraftSession, DraftVocab, LayerType, MtpHead, Weights};
 use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
 use qwen36::{Cache, Config, LoadOptions, Qwen36Model};
 
-/// The Qwen3.6-27B text config (ARCHITECTURE-qwen36 §1.2), the default model.
+/// The Qwen3.6-27B text config (docs/MODEL.md §1.2), the default model.
 const QWEN36_27B: &str = include_str!("configs/qwen3.6-27b.json");
 
 #[derive(Parser, Debug)]
@@ -177,9 +177,6 @@ struct Row {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
-    if let Some(c) = args.multi_row_gemv {
-        qwen36::kernels::linear::force_skinny_path(qwen36::kernels::linear::SkinnyPath::Multi(c));
-    }
     let device = if args.cuda {
         qwen36::model::cuda_device(0)?
     } else {
@@ -191,10 +188,15 @@ fn main() -> anyhow_like::Result<()> {
         "f32" => DType::F32,
         other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
     };
+    let mut kernels = qwen36::kernels::KernelPolicy::from_env();
+    if let Some(c) = args.multi_row_gemv {
+        kernels.skinny = qwen36::kernels::SkinnyPath::Multi(c);
+    }
     let opts = LoadOptions {
         dtype,
         device: device.clone(),
         check_finite: false,
+        kernels,
     };
     let (mut cfg, weights) = match &args.model {
         Some(dir) => (

@@ -103,7 +103,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         LoadOptions {
             dtype,
             device,
-            check_finite: true,
+            ..LoadOptions::default()
         },
     )?;
     let chat_text = match (&args.prompt, args.chat) {

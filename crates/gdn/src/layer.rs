@@ -3,9 +3,12 @@
 use candle_core::{DType, Tensor, D};
 use qwen36_kernels::{
     conv1d::{causal_conv1d, causal_conv1d_in_place},
-    delta_rule::{fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads},
+    delta_rule::{
+        fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads, GdnParams,
+    },
     linear::Linear,
     norm::{GatedRmsNorm, RmsNorm},
+    KernelPolicy,
 };
 
 use crate::{Error, GdnConfig, GdnState, Result};
@@ -183,6 +186,7 @@ pub struct GatedDeltaNet {
     dt_bias: Tensor,
     norm: GatedRmsNorm,
     out_proj: Linear,
+    policy: KernelPolicy,
 }
 
 impl GatedDeltaNet {
@@ -208,7 +212,25 @@ impl GatedDeltaNet {
             dt_bias: w.dt_bias.to_dtype(DType::F32)?,
             norm: GatedRmsNorm::new(&w.norm, cfg.rms_norm_eps)?,
             out_proj: Linear::new(w.out_proj, None),
+            policy: KernelPolicy::DEFAULT,
         })
+    }
+
+    /// The layer with every CUDA kernel of it (projections, conv, delta rule, norm) chosen and
+    /// launched under `policy`.
+    pub fn with_policy(self, policy: KernelPolicy) -> Self {
+        Self {
+            in_proj: self.in_proj.with_policy(policy),
+            norm: self.norm.with_policy(policy),
+            out_proj: self.out_proj.with_policy(policy),
+            policy,
+            ..self
+        }
+    }
+
+    /// The policy its CUDA kernels run under.
+    pub fn policy(&self) -> &KernelPolicy {
+        &self.policy
     }
 
     /// The layer's sizes.
@@ -304,7 +326,7 @@ impl GatedDeltaNet {
         };
         let (conv_out, conv_state, window) = if in_place && state.conv().dtype() == mixed.dtype() {
             let window = kept.as_ref().map(|cp| &cp.window);
-            let y = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), window)?;
+            let y = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), window, &self.policy)?;
             (y, state.conv().clone(), window.cloned())
         } else {
             let window = if verify {
@@ -313,7 +335,7 @@ impl GatedDeltaNet {
             } else {
                 None
             };
-            let (y, s) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()))?;
+            let (y, s) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()), &self.policy)?;
             (y, s, window)
         };
         let heads = GdnHeads {
@@ -336,22 +358,20 @@ impl GatedDeltaNet {
                 &conv_out,
                 &a,
                 &beta_logits,
-                &self.a_log,
-                &self.dt_bias,
+                GdnParams::new(&self.a_log, &self.dt_bias, heads),
                 state.recurrent(),
-                heads,
                 kept.as_ref().map(|cp| &cp.states),
+                &self.policy,
             )?
         } else {
             fused_gated_delta_rule(
                 &conv_out,
                 &a,
                 &beta_logits,
-                &self.a_log,
-                &self.dt_bias,
+                GdnParams::new(&self.a_log, &self.dt_bias, heads),
                 Some(state.recurrent()),
-                heads,
                 mode,
+                &self.policy,
             )?
         };
         let checkpoints = match (window, r.all_states) {
@@ -415,6 +435,26 @@ mod tests {
     use super::tests_support::*;
     use super::*;
     use candle_core::Device;
+
+    /// `with_policy` reaches every kernel-launching part: the projections, the norm and the
+    /// layer's own conv and delta-rule calls.
+    #[test]
+    fn with_policy_reaches_every_part() {
+        let policy = KernelPolicy {
+            pdl: false,
+            ..KernelPolicy::DEFAULT
+        };
+        let l = layer(1).with_policy(policy);
+        for p in [
+            l.in_proj.policy(),
+            l.norm.policy(),
+            l.out_proj.policy(),
+            l.policy(),
+        ] {
+            assert_eq!(p, &policy);
+        }
+        assert_eq!(layer(1).policy(), &KernelPolicy::DEFAULT);
+    }
 
     #[test]
     fn decode_steps_equal_prefill() -> Result<()> {

@@ -1,4 +1,4 @@
-// SwiGLU on a fused gate|up projection, the CUDA twin of `swiglu` in src/activation.rs: one
+// SwiGLU on a fused gate|up projection, the CUDA twin of `swiglu` in src/activation/: one
 // kernel instead of SiLU, a slice copy and a multiply. Built to PTX by build.rs.
 #include "common.cuh"
 

@@ -1,10 +1,9 @@
 // Argmax over the last dim (greedy decoding over a 248k-entry vocabulary), the CUDA twin of
-// `argmax_last_dim` in src/argmax.rs: candle's kernel gives each row to one block, which takes
+// `argmax_last_dim` in src/argmax/: candle's kernel gives each row to one block, which takes
 // ~250 µs for one row of 248320 logits on an H200; here chunks of a row reduce in parallel, then
 // one block per row merges them. Ties go to the lowest index; NaN never wins. Built by build.rs.
 #include "common.cuh"
 
-constexpr int ARGMAX_THREADS = 256;
 
 // (value, index) pair max: larger value, then lower index.
 __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {

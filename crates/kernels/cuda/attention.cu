@@ -1,6 +1,6 @@
 // Causal attention of a few new queries over a KV cache whose valid length lives in device memory
 // (so one recorded CUDA graph serves every decode position): the CUDA twin of
-// `decode_attention` in src/attention.rs. Split-K ("flash decoding"): each block scores one span of
+// `decode_attention` in src/attention/. Split-K ("flash decoding"): each block scores one span of
 // ATT_KEYS keys for every query row of one KV head and keeps unnormalised partial sums; a second
 // kernel merges the spans. Also the prefill kernels: a causal softmax over materialised scores
 // (any dtype) and a tiled FlashAttention-2 kernel on tensor cores (bf16/f16). Built to PTX by
@@ -8,8 +8,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-constexpr int ATT_THREADS = 128;
-constexpr int ATT_KEYS = 32;  // keys per span: one per lane in the softmax step
+constexpr int ATT_THREADS = ATTENTION_THREADS;
+constexpr int ATT_KEYS = ATTENTION_KEYS_PER_SPAN;  // keys per span: one per lane in the softmax step
 
 // q: [BH, R, D] (row r = group member · t + token), k, v: [BH, cap, D], len[0]: valid keys after
 // the t new ones were written (token i sits at position len - t + i and sees keys 0..=that).
@@ -124,7 +124,7 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
 // Merges the partial results of `per` consecutive spans at a time (of the ceil(len / ATT_KEYS)
 // spans that hold keys) for row r of head bh. Entry e of the input covers spans [e·per_in,
 // (e+1)·per_in); the output entry g covers input entries [g·GROUP, (g+1)·GROUP).
-constexpr int GROUP = 32;
+constexpr int GROUP = ATTENTION_GROUP;
 
 // Entries that hold keys at a merge level with `per` first-level partials per entry. The partial
 // kernel ran s0 blocks per head over the ceil(len / unit) units of `unit` keys, each block taking
@@ -237,12 +237,12 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
-// src/attention.rs: one kernel instead of a cast, a scale, a device-built mask, its add, the
+// src/attention/: one kernel instead of a cast, a scale, a device-built mask, its add, the
 // softmax and a cast back. x, y: [rows, keys]; row r is the query at position pos0 + r % tb and
 // sees keys 0..=that position; y = softmax(scale·x) over those keys, 0 past them. One block of
 // SM_THREADS per row: an online (max, sum) pass, then a normalising pass. VEC: 16-byte vectors
 // (keys·sizeof(T) a multiple of 16 and 16-byte aligned rows, checked by the launcher).
-constexpr int SM_THREADS = 256;
+constexpr int SM_THREADS = SOFTMAX_THREADS;
 
 __device__ __forceinline__ void online_add(float& m, float& s, float v) {
     if (v > m) {
@@ -330,7 +330,7 @@ CAUSAL_SOFTMAX(f16, __half)
 
 // ---------------------------------------------------------------------------------------------
 // Causal prefill attention, FlashAttention-2 style on tensor cores (mma.sync m16n8k16, f32
-// accumulate): the CUDA twin of `prefill_attention` in src/attention.rs for bf16/f16.
+// accumulate): the CUDA twin of `prefill_attention` in src/attention/ for bf16/f16.
 // Block = (tile of FA_BQ query rows, query head h, batch b), 4 warps of 16 query rows each. The
 // block walks the key tiles up to its last query's position: S = Q K^T (scaled by scale·log2 e),
 // causal mask, online softmax (running row max m and sum l, base 2), O += P V with P rounded to the
@@ -342,7 +342,7 @@ CAUSAL_SOFTMAX(f16, __half)
 // position pos0 + i and sees keys 0..=pos0 + i; out: [b, t, nh, HD] contiguous. gate (optional,
 // gated attention): [b, t, nh, HD] with strides g_bs, g_ts, g_hs, rows contiguous; the output is
 // multiplied by sigmoid(gate) as it is written.
-constexpr int FA_BQ = 64, FA_BK = 64, FA_WARPS = 4;
+constexpr int FA_BQ = FLASH_QUERY_TILE, FA_BK = FLASH_TILE, FA_WARPS = FLASH_WARPS;
 
 // Starts copying rows [r0, r0 + 64) of a [rows][HD] matrix (rows `rs` elements apart) into a
 // shared tile of row stride HD + 8; rows at or past `limit` are zero-filled.
@@ -663,7 +663,7 @@ FLASH_DECODE_DIMS(f16, __half, 1)
 FLASH_DECODE_DIMS(f16, __half, 2)
 
 // A step's new keys and values into the cache buffers, at positions read from device memory (so a
-// recorded graph replays at any position), the CUDA twin of `write_kv` in src/attention.rs: row
+// recorded graph replays at any position), the CUDA twin of `write_kv` in src/attention/: row
 // (b, h, i) of k and v (rows of D contiguous elements at b·sb + h·sh + i·st, k and v each with
 // their own strides) goes to row pos[i] of kc, vc [B, H, cap, D]. A position past the buffer is
 // skipped. Grid (t, H, B); the element type only matters by its size (a plain copy).

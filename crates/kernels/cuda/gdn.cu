@@ -1,4 +1,4 @@
-// CUDA twins of the GDN reference ops in src/{delta_rule,conv1d,gating}.rs.
+// CUDA twins of the GDN reference ops in src/{delta_rule,conv1d}/ and src/gating.rs.
 // Every kernel computes in f32; inputs may be f32, bf16 or f16. Built to PTX by build.rs.
 #include "common.cuh"
 #include "mma.cuh"
@@ -6,9 +6,9 @@
 // torch's softplus (threshold 20).
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-constexpr int BV = 32;  // state columns per block (one per lane)
-constexpr int NW = 4;   // warps per block; warp w holds rows w, w+NW, ...
-constexpr int MAXDK = 256;
+constexpr int BV = GDN_BV;  // state columns per block (one per lane)
+constexpr int NW = GDN_WARPS;  // warps per block; warp w holds rows w, w+NW, ...
+constexpr int MAXDK = GDN_MAX_DK;
 
 // Tokens staged in shared memory at a time by the recurrent kernel.
 constexpr int TB = 8;
@@ -204,7 +204,7 @@ GDN_WIDE(gdn_fused_f16, __half, __half)
 // per (b, c, tile of CONV_TT tokens) keeps its window in registers and reads each input once
 // (one block per output element was mostly block launches: 0.65 ms at 8k tokens). Grid: x =
 // B·ceil(T / CONV_TT) token tiles, then B rows for st_out; y = blocks of channels.
-constexpr int CONV_TT = 16;
+constexpr int CONV_TT = CONV_TOKENS;
 
 template <typename T>
 __device__ __forceinline__ float conv_in(const T* x, const T* st, int b, int i, int c, int Tn, int C, int H,
@@ -316,8 +316,8 @@ CONV_KERNEL(conv1d_f16, __half)
 // every chunk's output in parallel:  o = Qt hs + P Vt.
 // Both stage their tiles in (dynamic) shared memory and give each thread a 4x4 or 4x2 register
 // tile of every product, so the inner loops do 4 FMAs per shared-memory load.
-constexpr int CH = 64;
-constexpr int CHUNK_DK = 128;
+constexpr int CH = GDN_CHUNK;
+constexpr int CHUNK_DK = GDN_CHUNK_MAX_DK;
 constexpr int KS = CH + 4;        // row stride of the transposed [dk][C] tiles (16-byte rows)
 constexpr int XS = CHUNK_DK + 4;  // row stride of the [C][dk] tiles
 constexpr int PS = CH + 4;        // row stride of the [C][C] tile
@@ -340,7 +340,8 @@ struct ChunkBlock {
     }
 };
 
-// Shared memory of the prep kernel: 2 CHUNK_DK KS + CH CH + 6 CH floats (cuda.rs PREP_SMEM).
+// Shared memory of the prep kernel: 2 CHUNK_DK KS + CH CH + 6 CH floats.
+static_assert(4 * (2 * CHUNK_DK * KS + CH * CH + 6 * CH) <= GDN_PREP_SMEM, "the prep's tiles fit");
 
 __device__ __forceinline__ float f4(const float4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -590,7 +591,7 @@ __device__ __forceinline__ void tile4x2_madd(float (&acc)[4][2], const float* A,
 }
 
 // Shared memory of the scan kernel with SBV state columns: 2 CH XS + CHUNK_DK SBV + CH SBV floats
-// (the W and Kt tiles, the state tile, Vt; cuda.rs scan_smem).
+// (the W and Kt tiles, the state tile, Vt).
 
 // The scan: NT = 8 SBV threads. Phase 1 gives thread (tr, tc) rows 4tr..4tr+3 and columns 2tc,
 // 2tc+1 of Vt [C, SBV]; phase 3 gives thread (ti, tq) state rows 4ti..4ti+3 and columns
@@ -603,6 +604,8 @@ __device__ void gdn_chunk_scan(float* U, const float* __restrict__ W, const floa
                                float* __restrict__ hs, float* __restrict__ s_final, int B, int T, int Hv,
                                int dk, int dv) {
     constexpr int NT = 8 * SBV;
+    static_assert(4 * (2 * CH * XS + CHUNK_DK * SBV + CH * SBV) <= (SBV == 16 ? GDN_SCAN_SMEM_C16 : GDN_SCAN_SMEM_C32),
+                  "the scan's tiles fit");
     const int nc = (T + CH - 1) / CH;
     const int tiles = (dv + SBV - 1) / SBV;
     const int bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * SBV;
@@ -707,9 +710,9 @@ CHUNK_SCAN(gdn_chunk_scan_c32, 32)
 
 // Kernel 3: the outputs of every chunk in parallel, o = Qt hs + P Vt, one block of 256 threads
 // per (b, hv, chunk, 32 output columns); thread (tr, tc) computes rows 4tr..4tr+3, columns
-// 2tc, 2tc+1. Shared memory (floats): Qt [CH][XS], hs tile [CHUNK_DK][32], P [CH][PS], Vt [CH][32]
-// (cuda.rs OUT_SMEM).
-constexpr int OUT_COLS = 32;
+// 2tc, 2tc+1. Shared memory (floats): Qt [CH][XS], hs tile [CHUNK_DK][32], P [CH][PS], Vt [CH][32].
+constexpr int OUT_COLS = GDN_OUT_COLS;
+static_assert(4 * (CH * XS + CHUNK_DK * OUT_COLS + CH * PS + CH * OUT_COLS) <= GDN_OUT_SMEM, "the tiles fit");
 
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_out(const float* __restrict__ Vt_all, const float* __restrict__ Qt, const float* __restrict__ P,
@@ -775,19 +778,21 @@ extern "C" __global__ void __launch_bounds__(256)
 // distinct banks. dk <= 128 and dk, dv multiples of 8 (16-byte rows); columns past dk and dv and
 // rows past dk are zero-filled.
 using bf16 = __nv_bfloat16;
-constexpr int TC_S = CHUNK_DK + 8;  // row stride of [rows][dk] tiles
-constexpr int TC_OV = 64;           // output columns per output block
+constexpr int TC_S = GDN_TC_S;  // row stride of [rows][dk] tiles: CHUNK_DK + 8
+static_assert(TC_S == CHUNK_DK + 8, "padded rows");
+constexpr int TC_OV = GDN_TC_OV;    // output columns per output block
 constexpr int TC_OS = TC_OV + 8;    // row stride of the output kernel's [rows][64] tiles and of P
 
 // Shared memory of the tensor-core prep (bytes): raw k and v [CH][TC_S] bf16; a region that
 // first holds raw q [CH][TC_S] and A [CH][CH + 4] f32, then the column-scaled inverses
 // T diag(beta) and T diag(beta e^gamma / |k|), each a bf16 pair (hi, lo) [2][CH][CH + 8]; the six
-// per-row vectors (cuda.rs TC_PREP_SMEM). 72 KB: three blocks per SM.
+// per-row vectors. 72 KB: three blocks per SM.
 constexpr int TC_TS = CH + 8;
 constexpr int TC_PREP_REGION = 2 * 4 * CH * TC_TS;
 static_assert(2 * CH * TC_S + 4 * CH * PS <= TC_PREP_REGION, "q and A fit where the inverses go");
 constexpr int TC_PREP_SMEM = 2 * 2 * CH * TC_S + TC_PREP_REGION + 4 * 6 * CH;
 static_assert(TC_PREP_SMEM <= 227 * 1024 / 3, "three blocks per SM");
+static_assert(TC_PREP_SMEM <= GDN_TC_PREP_SMEM, "the launcher gives the prep its layout");
 
 // The prep of the tensor-core path, one block of 8 warps per (b, hv, chunk): U, W and P as
 // gdn_chunk_prep_fused_* forms them, in bf16, and gL; instead of Qt and Kt, their row factors
@@ -798,7 +803,7 @@ static_assert(TC_PREP_SMEM <= 227 * 1024 / 3, "three blocks per SM");
 // in f32, and U = T diag(beta) V, W = T diag(beta e^gamma / |k|) K run on tensor cores with the
 // f32 factor split into two bf16 parts (hi + lo: 16 significant bits), so U and W are accurate to
 // about 2^-16 before their one rounding to bf16. q, k, v rows 16-byte aligned (row strides and
-// offsets multiples of 8 elements: cuda.rs checks).
+// offsets multiples of 8 elements: delta_rule/cuda.rs checks).
 extern "C" __global__ void __launch_bounds__(256, 3)
     gdn_chunk_prep_tc(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                       long qk_stride, long v_stride, const bf16* __restrict__ ga, const bf16* __restrict__ gb,
@@ -1061,11 +1066,13 @@ __device__ __forceinline__ void chunk_out_tile(float (&o)[NT][4], float f0, floa
 
 // Shared memory of a scan with BV state columns per block (bytes): W and raw k [2][CH][TC_S]
 // (double-buffered), this tile's U [2][CH][BV + 8], the bf16 state [CHUNK_DK][BV + 8], Vt and
-// fk Vt [CH][BV + 8]; with the outputs (OUT) also raw q [2][CH][TC_S] and P [2][CH][TC_OS]
-// (cuda.rs `tc_scan_smem`).
+// fk Vt [CH][BV + 8]; with the outputs (OUT) also raw q [2][CH][TC_S] and P [2][CH][TC_OS].
 __host__ __device__ constexpr int tc_scan_smem(int bv, bool out) {
     return 2 * (4 * CH * TC_S + (2 * CH + CHUNK_DK + 2 * CH) * (bv + 8) + (out ? 2 * CH * (TC_S + TC_OS) : 0));
 }
+static_assert(tc_scan_smem(32, false) <= GDN_TC_SCAN_SMEM_BV32 && tc_scan_smem(64, false) <= GDN_TC_SCAN_SMEM_BV64 &&
+                  tc_scan_smem(64, true) <= GDN_TC_SCAN_OUT_SMEM_BV64,
+              "the launcher gives each scan its layout");
 
 // The scan, one block of WARPS warps per (b, hv, BV state columns). Warp w keeps state rows
 // 16(w % 8).. and columns SC(w / 8).. (f32 accumulators, SC = 8 BV / WARPS) for the whole
@@ -1075,9 +1082,10 @@ __host__ __device__ constexpr int tc_scan_smem(int bv, bool out) {
 // output kernel; Vt goes back over U. The chain of dependent steps per chunk is what bounds this
 // kernel (few blocks: B·Hv·dv/BV), so each thread's copies use offsets computed once, the global
 // writes go out as 16-byte rows of the shared tiles, and the products accumulate in two
-// independent halves. Wider blocks read W and k once for more columns (run 9 of the GDN table:
-// BV 64 took the scan from 362 to 290-306 µs at 8k; 16 warps instead of 8 did no better) but
-// need more shared memory than sm_86/89 give a block: the launcher picks BV by the device.
+// independent halves. Wider blocks read W and k once for more columns (measured on an H200,
+// docs/history/BENCHMARKS-log.md, GDN kernels: BV 64 took the scan from 362 to 290-306 µs at 8k;
+// 16 warps instead of 8 did no better) but need more shared memory than sm_86/89 give a block:
+// the launcher picks BV by the device.
 // OUT: the block also forms its columns of every chunk's outputs, o = fq (q hs) + P Vt (what
 // gdn_chunk_out_tc does from global copies), while hs and Vt are still in shared memory: q hs
 // shares the B fragments of W hs, and neither hs nor Vt goes to global memory (~600 MB of
@@ -1308,9 +1316,10 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Shared memory of the output kernel (bf16 elements): raw q [CH][TC_S], the hs tile
-// [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS] (cuda.rs TC_OUT_SMEM).
+// [CHUNK_DK][TC_OS], P [CH][TC_OS], Vt [CH][TC_OS].
 constexpr int TC_OUT_SMEM = 2 * (CH * TC_S + CHUNK_DK * TC_OS + 2 * CH * TC_OS);
 static_assert(TC_OUT_SMEM <= 227 * 1024 / 4, "four blocks per SM");
+static_assert(TC_OUT_SMEM <= GDN_TC_OUT_SMEM, "the launcher gives the output kernel its layout");
 
 // The outputs, o = Qt hs + P Vt = fq (q hs) + P Vt from the raw q rows, one block of 4 warps per
 // (b, hv, chunk, TC_OV output columns);

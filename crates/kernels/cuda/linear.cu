@@ -1,5 +1,5 @@
 // Skinny linear layer y = x · wᵀ (+ res) for few rows (decode: 1 row; MTP verify: k+1 rows), the CUDA
-// twin of the matmul in src/linear.rs. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
+// twin of the matmul in src/linear/. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
 // weight-streaming kernel does better: one warp per output column n streams row n of w once in
 // 16-byte loads and keeps the M dot products in registers (f32), one rounding at the output.
 // From two rows in 16-bit types, skinny_linear_tc does the products on tensor cores.
@@ -7,7 +7,6 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-constexpr int LINEAR_THREADS = 256;
 // Independent 16-byte weight loads in flight per lane.
 constexpr int UNROLL = 4;
 

@@ -1,11 +1,9 @@
-// CUDA twins of the RMSNorm variants in src/norm.rs: one block per row, sums in f32, one rounding
+// CUDA twins of the RMSNorm variants in src/norm/: one block per row, sums in f32, one rounding
 // at the output (the reference rounds the same way: f32 math, then a cast). Built to PTX by build.rs.
 #include "common.cuh"
 
-constexpr int NORM_THREADS = 256;
-// Vectors of 16 bytes each thread keeps in registers in the vectorised path: rows up to
-// NORM_THREADS · NORM_VECS · 16 bytes (8192 bf16, 4096 f32) take it.
-constexpr int NORM_VECS = 4;
+// NORM_VECS (src/consts.rs): vectors of 16 bytes each thread keeps in registers in the vectorised
+// path: rows up to NORM_THREADS · NORM_VECS · 16 bytes (8192 bf16, 4096 f32) take it.
 
 // y = s * rsqrt(mean(s^2) + eps) * scale, s = x (+ res, rounded to T and written to sum when res
 // is given). Rows of D elements, contiguous. When D fits the registers and rows are 16-byte
@@ -142,8 +140,7 @@ __device__ void gated_rms_norm(const float* __restrict__ x, const T* __restrict_
 // null for no norm. cos, sin: [T, rd/2] in T (rd = 0: no rotation). y: [B, H, T, hd]. One warp per
 // (token, head) row; the normalised row passes through shared memory for the rotation's partner
 // dims. Like the composition it replaces, the norm's output is rounded to T before the rotation.
-constexpr int ROPE_WARPS = 4;
-constexpr int ROPE_MAX_VECS = 2;  // 16-byte vectors per lane: hd ≤ 64 vectors
+// ROPE_MAX_VECS: 16-byte vectors per lane, hd ≤ 64 vectors.
 
 template <typename T>
 __device__ void norm_rope_heads(const T* __restrict__ x, long xs, int hs, const float* __restrict__ scale,

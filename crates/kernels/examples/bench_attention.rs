@@ -12,7 +12,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::time;
-use qwen36_kernels::attention::{decode_attention, prefill_attention};
+use qwen36_kernels::attention::{decode_attention, prefill_attention, AttentionInputs};
+use qwen36_kernels::KernelPolicy;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::new_cuda(0)?;
@@ -38,7 +39,12 @@ fn prefill(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn st
         let scale = (d as f64).powf(-0.5);
         let iters = if t > 8192 { 5 } else { 20 };
         let s = time(&dev, iters, || {
-            prefill_attention(&q, &k, &v, None, 0, scale).map(|_| ())
+            prefill_attention(
+                AttentionInputs::new(&q, &k, &v, None, scale),
+                0,
+                &KernelPolicy::from_env(),
+            )
+            .map(|_| ())
         })?;
         // Query i sees i + 1 keys: 2 products of 2·d flops per (query, key, head).
         let flops = 4.0 * (d * h) as f64 * (t * (t + 1) / 2) as f64;
@@ -59,7 +65,13 @@ fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std
             let l = Tensor::new(&[len as u32], dev)?;
             let scale = (d as f64).powf(-0.5);
             let s = time(dev, 200, || {
-                decode_attention(&q, &k, &v, &l, t, scale, None).map(|_| ())
+                decode_attention(
+                    AttentionInputs::new(&q, &k, &v, None, scale),
+                    &l,
+                    t,
+                    &KernelPolicy::from_env(),
+                )
+                .map(|_| ())
             })?;
             let bytes = (2 * kh * len * d * 2) as f64;
             println!("| {t} | {len} | {:.1} µs | {:.2} |", s * 1e6, bytes / s / 1e12);

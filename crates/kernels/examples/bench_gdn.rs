@@ -13,9 +13,8 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
 use qwen36_kernels::conv1d::causal_conv1d;
-use qwen36_kernels::delta_rule::{
-    force_chunk_path, fused_gated_delta_rule, ChunkPath, DeltaRuleMode, GdnHeads,
-};
+use qwen36_kernels::delta_rule::{fused_gated_delta_rule, DeltaRuleMode, GdnHeads, GdnParams};
+use qwen36_kernels::{ChunkPath, KernelPolicy};
 
 const HK: usize = 16;
 const HV: usize = 48;
@@ -118,9 +117,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let a = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let bb = Tensor::randn(0f32, 1.0, (b, t, HV), &dev)?.to_dtype(DType::BF16)?;
         let s0 = Tensor::randn(0f32, 0.1, (b, HV, D, D), &dev)?;
+        let mut policy = KernelPolicy::from_env();
         let mode = match chunked {
             Some(path) => {
-                force_chunk_path(path);
+                policy.chunk = path;
                 DeltaRuleMode::Chunked
             }
             None => DeltaRuleMode::Recurrent {
@@ -129,9 +129,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let iters = if t > 1000 { 5 } else { 200 };
         let s = time(&dev, iters, || {
-            fused_gated_delta_rule(&qkv, &a, &bb, &a_log, &dt_bias, Some(&s0), heads, mode)
-                .map(|_| ())
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+            fused_gated_delta_rule(
+                &qkv,
+                &a,
+                &bb,
+                GdnParams::new(&a_log, &dt_bias, heads),
+                Some(&s0),
+                mode,
+                &policy,
+            )
+            .map(|_| ())
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
         })?;
         let state = (b * HV * D * D * 4) as f64;
         let io = (b * t * (width * 2 + HV * 4 + HV * D * 4)) as f64;
@@ -154,7 +162,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let w = Tensor::randn(0f32, 0.3, (width, 4), &dev)?.to_dtype(DType::BF16)?;
         let st = Tensor::zeros((b, width, 3), DType::BF16, &dev)?;
         let s = time(&dev, 100, || {
-            causal_conv1d(&x, &w, Some(&st))
+            causal_conv1d(&x, &w, Some(&st), &KernelPolicy::from_env())
                 .map(|_| ())
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))
         })?;

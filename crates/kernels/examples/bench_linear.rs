@@ -14,7 +14,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
-use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
+use qwen36_kernels::linear::Linear;
+use qwen36_kernels::{KernelPolicy, SkinnyPath};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -47,13 +48,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
             for path in paths {
-                force_skinny_path(path);
+                let policy = KernelPolicy {
+                    skinny: path,
+                    ..KernelPolicy::from_env()
+                };
+                let lin = lin.clone().with_policy(policy);
                 let s = time(&dev, 50, || lin.forward(&x).map(|_| ()))?;
                 cells.push(format!("{:.2}", bytes / s / 1e12));
             }
             println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
         }
     }
-    force_skinny_path(SkinnyPath::Auto);
     Ok(())
 }

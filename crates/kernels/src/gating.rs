@@ -1,4 +1,4 @@
-//! GDN gates (ARCHITECTURE §2.1 step 5): per value head, in f32,
+//! GDN gates (docs/MODEL.md §2.1 step 5): per value head, in f32,
 //! `g = −exp(A_log) · softplus(a + dt_bias)` (the log decay, ≤ 0) and `β = sigmoid(b)`.
 
 use candle_core::{Device, Tensor};

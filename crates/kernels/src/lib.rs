@@ -1,8 +1,13 @@
 //! Tensor kernels for Qwen3.6 hybrid models.
 //!
-//! Every op has a plain CPU reference written for readability (f32 math, loops or candle ops);
-//! a CUDA twin with the same signature lives behind the `cuda` feature. Layouts follow fla:
-//! token-major `[batch, len, heads, dim]`, so projection outputs need no transpose.
+//! One folder per op: `mod.rs` is the public API (shape checks, then the CPU reference or the
+//! CUDA launch), `reference.rs` the plain CPU reference written for reading (f32 math, loops or
+//! candle ops; callable on its own, like fla's `naive.py`), and `cuda.rs` the launchers of the
+//! op's kernels in `cuda/*.cu`, behind the `cuda` feature. What the launchers share lives in
+//! `cuda/` (private), which imports no op; the sizes the kernels and launchers share come from
+//! one table (`consts`, also compiled into the kernels by build.rs). Where a CUDA op has a choice
+//! of kernels, the caller's [`KernelPolicy`] decides. Layouts follow fla: token-major `[batch, len,
+//! heads, dim]`, so projection outputs need no transpose.
 
 pub mod activation;
 pub mod argmax;
@@ -15,9 +20,40 @@ pub mod error;
 pub mod gating;
 pub mod linear;
 pub mod norm;
+pub mod policy;
 pub mod rope;
 
 pub use error::{Error, Result};
+pub use policy::{ChunkPath, KernelPolicy, SkinnyPath};
+
+/// The sizes shared with the CUDA sources (src/consts.rs, compiled into them by build.rs).
+#[allow(dead_code)]
+pub(crate) mod consts {
+    macro_rules! kernel_consts {
+        ($($name:ident = $value:expr;)*) => {
+            $(pub(crate) const $name: usize = $value;)*
+        };
+    }
+    include!("consts.rs");
+
+    // Sizes that must fit the hardware (the kernels check their own layouts against these).
+    const _: () = assert!(
+        GDN_TC_SCAN_OUT_SMEM_BV64 <= 227 * 1024,
+        "an sm_90 block holds the scan with outputs"
+    );
+    const _: () = assert!(
+        GDN_TC_PREP_SMEM * 3 <= 227 * 1024,
+        "three tensor-core preps per SM"
+    );
+    const _: () = assert!(
+        GDN_THREADS == 32 * GDN_WARPS && GDN_BV == 32,
+        "a lane per state column"
+    );
+    const _: () = assert!(
+        LINEAR_THREADS == NORM_THREADS,
+        "the normalising GEMV repeats the norm's threads"
+    );
+}
 
 /// Checks that `t` has exactly `want` dims; names the op and the argument otherwise.
 pub(crate) fn expect_rank(

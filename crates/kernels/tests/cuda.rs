@@ -4,14 +4,35 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use qwen36_kernels::attention::causal_softmax;
+use qwen36_kernels::attention::{causal_softmax, AttentionInputs};
 use qwen36_kernels::conv1d::causal_conv1d;
 use qwen36_kernels::delta_rule::{
-    chunked_gated_delta_rule, force_chunk_path, fused_gated_delta_rule, recurrent_gated_delta_rule,
-    ChunkPath, DeltaRuleMode, DeltaRuleOutput, GdnHeads, CHUNK_SIZE,
+    chunked_gated_delta_rule, fused_gated_delta_rule, recurrent_gated_delta_rule, DeltaRuleInputs,
+    DeltaRuleMode, DeltaRuleOutput, GdnHeads, GdnParams, CHUNK_SIZE,
 };
 use qwen36_kernels::norm::l2_norm;
+use qwen36_kernels::{ChunkPath, KernelPolicy, SkinnyPath};
 use qwen36_testutil::max_abs_diff as max_diff;
+
+/// The default kernel policy (every call below passes its policy explicitly, so tests may run in
+/// parallel).
+const P: &KernelPolicy = &KernelPolicy::DEFAULT;
+
+/// The default policy with `chunk` as the chunked delta rule's kernels.
+fn chunk_policy(chunk: ChunkPath) -> KernelPolicy {
+    KernelPolicy {
+        chunk,
+        ..KernelPolicy::DEFAULT
+    }
+}
+
+/// The default policy with `skinny` as the few-row linear kernel.
+fn skinny_policy(skinny: SkinnyPath) -> KernelPolicy {
+    KernelPolicy {
+        skinny,
+        ..KernelPolicy::DEFAULT
+    }
+}
 
 thread_local! {
     /// The next seed of this test's draws (each test runs on its own thread, so its tensors do
@@ -108,7 +129,7 @@ fn fused_inputs(b: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) 
     }
 }
 
-/// `fused_gated_delta_rule` with `path` forced for this one call (the default restored after).
+/// `fused_gated_delta_rule` with `path` as the chunked kernels.
 #[allow(clippy::too_many_arguments)]
 fn fused_on_path(
     path: ChunkPath,
@@ -121,10 +142,16 @@ fn fused_on_path(
     heads: GdnHeads,
     mode: DeltaRuleMode,
 ) -> DeltaRuleOutput {
-    force_chunk_path(path);
-    let got = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(s0), heads, mode);
-    force_chunk_path(ChunkPath::Auto);
-    got.unwrap()
+    fused_gated_delta_rule(
+        qkv,
+        a,
+        b,
+        GdnParams::new(a_log, dt_bias, heads),
+        Some(s0),
+        mode,
+        &chunk_policy(path),
+    )
+    .unwrap()
 }
 
 /// The fused recurrent kernel's 64-register variants, which grids of 1024 blocks or more take
@@ -145,17 +172,24 @@ fn batched_recurrent_kernel_matches_cpu() {
             let mode = DeltaRuleMode::Recurrent {
                 keep_all_states: true,
             };
-            let want = fused_gated_delta_rule(&qkv, &a, &b, &x.a_log, &x.dt_bias, Some(&x.s0), x.heads, mode)
-                .unwrap();
+            let want = fused_gated_delta_rule(
+                &qkv,
+                &a,
+                &b,
+                GdnParams::new(&x.a_log, &x.dt_bias, x.heads),
+                Some(&x.s0),
+                mode,
+                P,
+            )
+            .unwrap();
             let got = fused_gated_delta_rule(
                 &on(&qkv),
                 &on(&a),
                 &on(&b),
-                &on(&x.a_log),
-                &on(&x.dt_bias),
+                GdnParams::new(&on(&x.a_log), &on(&x.dt_bias), x.heads),
                 Some(&on(&x.s0)),
-                x.heads,
                 mode,
+                P,
             )
             .unwrap();
             let e = max_diff(&want.out, &got.out)
@@ -169,6 +203,22 @@ fn batched_recurrent_kernel_matches_cpu() {
     }
 }
 
+/// The CUDA kernels run chunks of `CHUNK_SIZE` tokens: another chunk size is an error naming
+/// both (it was silently ignored).
+#[test]
+fn chunked_refuses_other_chunk_sizes_on_cuda() {
+    let x = inputs(1, 10, 1, 2, 16, 16);
+    let d = gpu();
+    let on = |t: &Tensor| t.to_device(&d).unwrap();
+    let (q, k, v, g, beta) = (on(&x.q), on(&x.k), on(&x.v), on(&x.g), on(&x.beta));
+    let input = DeltaRuleInputs::new(&q, &k, &v, &g, &beta);
+    let e = chunked_gated_delta_rule(input, None, 0.25, 32, P)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("chunks of 64") && e.contains("not 32"), "{e}");
+    assert!(chunked_gated_delta_rule(input, None, 0.25, CHUNK_SIZE, P).is_ok());
+}
+
 #[test]
 fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
     // dk covers each compiled register-row variant; dv not a multiple of 32 covers partial tiles.
@@ -177,20 +227,46 @@ fn recurrent_and_chunked_match_cpu_for_every_row_variant() {
         let d = gpu();
         let on = |t: &Tensor| t.to_device(&d).unwrap();
         let scale = (dk as f32).powf(-0.5);
-        let cpu =
-            recurrent_gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, Some(&x.s0), scale, true).unwrap();
+        let cpu = recurrent_gated_delta_rule(
+            DeltaRuleInputs::new(&x.q, &x.k, &x.v, &x.g, &x.beta),
+            Some(&x.s0),
+            scale,
+            true,
+            P,
+        )
+        .unwrap();
         let (q, k, v, g, beta, s0) = (on(&x.q), on(&x.k), on(&x.v), on(&x.g), on(&x.beta), on(&x.s0));
-        let gpu_r = recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, Some(&s0), scale, true).unwrap();
+        let gpu_r = recurrent_gated_delta_rule(
+            DeltaRuleInputs::new(&q, &k, &v, &g, &beta),
+            Some(&s0),
+            scale,
+            true,
+            P,
+        )
+        .unwrap();
         let e = max_diff(&cpu.out, &gpu_r.out);
         assert!(e < 1e-5, "dk {dk}: out {e}");
         assert!(max_diff(&cpu.state, &gpu_r.state) < 1e-5, "dk {dk}: state");
         let (ca, ga) = (cpu.all_states.unwrap(), gpu_r.all_states.unwrap());
         assert!(max_diff(&ca, &ga) < 1e-5, "dk {dk}: intermediate states");
-        let ch = chunked_gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, None, scale, CHUNK_SIZE).unwrap();
+        let ch = chunked_gated_delta_rule(
+            DeltaRuleInputs::new(&x.q, &x.k, &x.v, &x.g, &x.beta),
+            None,
+            scale,
+            CHUNK_SIZE,
+            P,
+        )
+        .unwrap();
         for cols in [16, 32] {
-            force_chunk_path(ChunkPath::CudaCores(cols));
-            let gch = chunked_gated_delta_rule(&q, &k, &v, &g, &beta, None, scale, CHUNK_SIZE).unwrap();
-            force_chunk_path(ChunkPath::Auto);
+            let policy = chunk_policy(ChunkPath::CudaCores(cols));
+            let gch = chunked_gated_delta_rule(
+                DeltaRuleInputs::new(&q, &k, &v, &g, &beta),
+                None,
+                scale,
+                CHUNK_SIZE,
+                &policy,
+            )
+            .unwrap();
             assert!(
                 max_diff(&ch.out, &gch.out) < 1e-5,
                 "dk {dk} cols {cols}: chunked out"
@@ -234,7 +310,16 @@ fn fused_kernel_matches_cpu_composition() {
             ] {
                 let x = qkv.to_dtype(dtype).unwrap();
                 let (aa, bx) = (a.to_dtype(dtype).unwrap(), bb.to_dtype(dtype).unwrap());
-                let want = fused_gated_delta_rule(&x, &aa, &bx, &a_log, &dt, Some(&s0), heads, mode).unwrap();
+                let want = fused_gated_delta_rule(
+                    &x,
+                    &aa,
+                    &bx,
+                    GdnParams::new(&a_log, &dt, heads),
+                    Some(&s0),
+                    mode,
+                    P,
+                )
+                .unwrap();
                 let gx = on(&x);
                 // a and b as their own tensors, and as views into one wider row (as in the
                 // model's projection), which the kernels read in place.
@@ -286,7 +371,16 @@ fn tensor_core_chunked_path_stays_within_bf16_rounding() {
         let (x, a, bb) = (bf16(&inp.qkv), bf16(&inp.a), bf16(&inp.b));
         let (a_log, dt, s0, heads) = (inp.a_log, inp.dt_bias, inp.s0, inp.heads);
         let mode = DeltaRuleMode::Chunked;
-        let want = fused_gated_delta_rule(&x, &a, &bb, &a_log, &dt, Some(&s0), heads, mode).unwrap();
+        let want = fused_gated_delta_rule(
+            &x,
+            &a,
+            &bb,
+            GdnParams::new(&a_log, &dt, heads),
+            Some(&s0),
+            mode,
+            P,
+        )
+        .unwrap();
         let d = gpu();
         let on = |t: &Tensor| t.to_device(&d).unwrap();
         let largest = |x: &Tensor| -> f32 {
@@ -349,8 +443,8 @@ fn causal_softmax_matches_cpu() {
     for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::BF16, 4e-3), (DType::F16, 5e-4)] {
         for (lead, block, keys, pos0) in [(3, 5, 37, 30), (2, 16, 64, 48), (1, 1, 1000, 999), (2, 7, 8, 0)] {
             let x = randn(2.0, (lead, 2 * block, keys), dtype);
-            let want = causal_softmax(&x, 0.25, pos0, block).unwrap();
-            let got = causal_softmax(&x.to_device(&d).unwrap(), 0.25, pos0, block).unwrap();
+            let want = causal_softmax(&x, 0.25, pos0, block, P).unwrap();
+            let got = causal_softmax(&x.to_device(&d).unwrap(), 0.25, pos0, block, P).unwrap();
             // One rounding of a probability in [0, 1] to the dtype apart at most.
             let e = max_diff(&want, &got);
             assert!(e < tol, "{dtype:?} keys {keys}: {e}");
@@ -385,7 +479,7 @@ fn conv1d_matches_cpu() {
             (&x, Some(&s)),
             (&wide.narrow(2, 40, 200).unwrap(), Some(&s)),
         ] {
-            let (y, st) = causal_conv1d(x, &w, state).unwrap();
+            let (y, st) = causal_conv1d(x, &w, state, P).unwrap();
             let sd = state.map(|s| s.to_device(&d).unwrap());
             let (gx, gw) = (x.to_device(&d).unwrap(), w.to_device(&d).unwrap());
             let gx = if x.is_contiguous() {
@@ -393,7 +487,7 @@ fn conv1d_matches_cpu() {
             } else {
                 wide.to_device(&d).unwrap().narrow(2, 40, 200).unwrap()
             };
-            let (gy, gst) = causal_conv1d(&gx, &gw, sd.as_ref()).unwrap();
+            let (gy, gst) = causal_conv1d(&gx, &gw, sd.as_ref(), P).unwrap();
             // f32: ulps; half dtypes: at most one rounding step of the output apart.
             let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
             assert!(max_diff(&y, &gy) < tol, "{dtype:?}: y {}", max_diff(&y, &gy));
@@ -503,7 +597,7 @@ fn swiglu_epilogue_matches_cpu() {
 /// plus f32 sums in another order over K ≤ 5120 terms (~1e-6 of a row's scale; f32: 2e-6).
 #[test]
 fn linear_matches_cpu() {
-    use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
+    use qwen36_kernels::linear::Linear;
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
     for (dt, tol) in ONE_ROUNDING {
@@ -563,7 +657,8 @@ fn linear_matches_cpu() {
                     SkinnyPath::Auto,
                 ];
                 for path in paths {
-                    force_skinny_path(path);
+                    let lg = lg.clone().with_policy(skinny_policy(path));
+                    let lg_plain = lg_plain.clone().with_policy(skinny_policy(path));
                     let got = lg.forward(&xg).unwrap();
                     assert_eq!(got.dims(), [1, rows, n]);
                     assert_eq!(got.dtype(), dt);
@@ -582,7 +677,6 @@ fn linear_matches_cpu() {
                         );
                     }
                 }
-                force_skinny_path(SkinnyPath::Auto);
             }
         }
     }
@@ -595,7 +689,7 @@ fn linear_matches_cpu() {
 /// past the kernel's bound (8192 bf16 / 4096 f32 elements) and two rows take the two steps.
 #[test]
 fn normalising_projection_equals_norm_then_projection() {
-    use qwen36_kernels::linear::{force_skinny_path, Linear, SkinnyPath};
+    use qwen36_kernels::linear::Linear;
     use qwen36_kernels::norm::RmsNorm;
     let d = gpu();
     for (dt, _) in ONE_ROUNDING {
@@ -618,7 +712,7 @@ fn normalising_projection_equals_norm_then_projection() {
                 SkinnyPath::Streaming(4),
                 SkinnyPath::Auto,
             ] {
-                force_skinny_path(path);
+                let lin = lin.clone().with_policy(skinny_policy(path));
                 let want = lin.forward(&norm.forward(&x).unwrap()).unwrap();
                 let got = lin.forward_normed(&x, &norm).unwrap();
                 assert_eq!(got.dims(), [1, rows, n]);
@@ -628,7 +722,6 @@ fn normalising_projection_equals_norm_then_projection() {
                     "{dt:?} rows {rows} k {k} n {n} {path:?}"
                 );
             }
-            force_skinny_path(SkinnyPath::Auto);
             // The SwiGLU epilogue pairs [gate; up] rows: n even (33 covers partial warps above).
             if n % 2 == 0 {
                 let want = lin.forward_swiglu(&norm.forward(&x).unwrap()).unwrap();
@@ -678,19 +771,26 @@ fn in_place_state_updates_equal_fresh_ones() {
             let mode = DeltaRuleMode::Recurrent {
                 keep_all_states: keep,
             };
-            let want =
-                fused_gated_delta_rule(&qkv, &ga, &gb, &a_log, &dt_bias, Some(&s0), heads, mode).unwrap();
+            let want = fused_gated_delta_rule(
+                &qkv,
+                &ga,
+                &gb,
+                GdnParams::new(&a_log, &dt_bias, heads),
+                Some(&s0),
+                mode,
+                P,
+            )
+            .unwrap();
             let state = s0.copy().unwrap();
             let all = keep.then(|| Tensor::zeros((b, t, hv, dk, dv), DType::F32, &d).unwrap());
             let got = fused_gated_delta_rule_in_place(
                 &qkv,
                 &ga,
                 &gb,
-                &a_log,
-                &dt_bias,
+                GdnParams::new(&a_log, &dt_bias, heads),
                 &state,
-                heads,
                 all.as_ref(),
+                P,
             )
             .unwrap();
             assert_eq!(
@@ -715,10 +815,10 @@ fn in_place_state_updates_equal_fresh_ones() {
             let x = x.narrow(2, 40, c).unwrap();
             let w = randn(0.5, (c, 1, k), dtype).to_device(&d).unwrap();
             let st0 = randn(1.0, (b, c, k - 1), dtype).to_device(&d).unwrap();
-            let (y_want, st_want) = causal_conv1d(&x, &w, Some(&st0)).unwrap();
+            let (y_want, st_want) = causal_conv1d(&x, &w, Some(&st0), P).unwrap();
             let st = st0.copy().unwrap();
             let win = keep.then(|| Tensor::zeros((b, c, k - 1 + t), dtype, &d).unwrap());
-            let y = causal_conv1d_in_place(&x, &w, &st, win.as_ref()).unwrap();
+            let y = causal_conv1d_in_place(&x, &w, &st, win.as_ref(), P).unwrap();
             assert_eq!(max_diff(&y, &y_want), 0.0, "conv {dtype:?} t {t}");
             assert_eq!(max_diff(&st, &st_want), 0.0, "conv state {dtype:?} t {t}");
             // The kept window: the state before, then the raw inputs, channel-major.
@@ -770,11 +870,17 @@ fn decode_attention_matches_cpu() {
             // Odd lengths also apply an output gate read as a strided view.
             let gate =
                 (len % 2 == 1).then(|| randn(1.0, (b, t, h * g, 2 * hd), dt).narrow(3, hd, hd).unwrap());
-            let want = decode_attention(&q, &k, &v, &l, t, scale, gate.as_ref()).unwrap();
+            let want =
+                decode_attention(AttentionInputs::new(&q, &k, &v, gate.as_ref(), scale), &l, t, P).unwrap();
             let on = |x: &Tensor| x.to_device(&d).unwrap();
             let gate_d = gate.as_ref().map(on);
-            let got =
-                decode_attention(&on(&q), &on(&k), &on(&v), &on(&l), t, scale, gate_d.as_ref()).unwrap();
+            let got = decode_attention(
+                AttentionInputs::new(&on(&q), &on(&k), &on(&v), gate_d.as_ref(), scale),
+                &on(&l),
+                t,
+                P,
+            )
+            .unwrap();
             assert_eq!(got.dims(), want.dims());
             let e = max_row_rel_err(&got, &want);
             let tol = if gate.is_some() && dt != DType::F32 {
@@ -810,8 +916,8 @@ fn write_kv_matches_cpu() {
         let pos = Tensor::new(&[17u32, 18, 19], &Device::Cpu).unwrap();
         let on = |x: &Tensor| x.to_device(&d).unwrap();
         let (kg, vg) = (on(&kc), on(&vc));
-        write_kv(&on(&k), &on(&v), &kg, &vg, &on(&pos)).unwrap();
-        write_kv(&k, &v, &kc, &vc, &pos).unwrap();
+        write_kv(&on(&k), &on(&v), &kg, &vg, &on(&pos), P).unwrap();
+        write_kv(&k, &v, &kc, &vc, &pos, P).unwrap();
         assert_eq!(max_diff(&kg, &kc), 0.0, "{dt:?} keys");
         assert_eq!(max_diff(&vg, &vc), 0.0, "{dt:?} values");
     }
@@ -857,24 +963,30 @@ fn prefill_attention_matches_cpu() {
             let gate_rows = randn(1.0, (b, t, h, 2 * hd), dt);
             let gate = (case % 2 == 1).then(|| gate_rows.narrow(3, hd, hd).unwrap());
             let want = prefill_attention(
-                &q,
-                &k.narrow(2, 0, keys).unwrap(),
-                &v.narrow(2, 0, keys).unwrap(),
-                gate.as_ref(),
+                AttentionInputs::new(
+                    &q,
+                    &k.narrow(2, 0, keys).unwrap(),
+                    &v.narrow(2, 0, keys).unwrap(),
+                    gate.as_ref(),
+                    scale,
+                ),
                 pos0,
-                scale,
+                P,
             )
             .unwrap();
             let on = |x: &Tensor| x.to_device(&d).unwrap();
             let (kd, vd) = (on(&k), on(&v));
             let gd = gate.as_ref().map(|_| on(&gate_rows).narrow(3, hd, hd).unwrap());
             let got = prefill_attention(
-                &on(&q),
-                &kd.narrow(2, 0, keys).unwrap(),
-                &vd.narrow(2, 0, keys).unwrap(),
-                gd.as_ref(),
+                AttentionInputs::new(
+                    &on(&q),
+                    &kd.narrow(2, 0, keys).unwrap(),
+                    &vd.narrow(2, 0, keys).unwrap(),
+                    gd.as_ref(),
+                    scale,
+                ),
                 pos0,
-                scale,
+                P,
             )
             .unwrap();
             assert_eq!(got.dims(), want.dims());
@@ -908,8 +1020,8 @@ fn argmax_matches_cpu() {
                 .unwrap()
                 .to_dtype(dt)
                 .unwrap();
-            let want = argmax_last_dim(&x).unwrap().to_vec1::<u32>().unwrap();
-            let got = argmax_last_dim(&x.to_device(&d).unwrap())
+            let want = argmax_last_dim(&x, P).unwrap().to_vec1::<u32>().unwrap();
+            let got = argmax_last_dim(&x.to_device(&d).unwrap(), P)
                 .unwrap()
                 .to_vec1::<u32>()
                 .unwrap();
@@ -932,8 +1044,8 @@ fn swiglu_matches_cpu() {
     ] {
         for (rows, i) in [(1, 17408), (5, 300), (3, 7)] {
             let x = randn(2.0, (1, rows, 2 * i), dt);
-            let want = swiglu(&x).unwrap();
-            let got = swiglu(&x.to_device(&d).unwrap()).unwrap();
+            let want = swiglu(&x, P).unwrap();
+            let got = swiglu(&x.to_device(&d).unwrap(), P).unwrap();
             assert_eq!(got.dims(), [1, rows, i]);
             let e = max_row_rel_err(&got, &want);
             assert!(e <= tol, "{dt:?} rows {rows} I {i}: {e}");
@@ -983,8 +1095,8 @@ fn norm_rope_heads_matches_cpu() {
                     } else {
                         (None, None)
                     };
-                    let want = norm_rope_heads(&x, heads, stride, hd, nc, &cos, &sin).unwrap();
-                    let got = norm_rope_heads(&xg, heads, stride, hd, ng, &cg, &sg).unwrap();
+                    let want = norm_rope_heads(&x, heads, stride, hd, nc, &cos, &sin, P).unwrap();
+                    let got = norm_rope_heads(&xg, heads, stride, hd, ng, &cg, &sg, P).unwrap();
                     assert_eq!(got.dims(), [b, heads, t, hd]);
                     assert_eq!(want.dims(), got.dims());
                     let e = max_row_rel_err(&got, &want);

@@ -1,12 +1,13 @@
-//! Gated softmax attention (ARCHITECTURE §3.1): per-head q/gate split, (1+w) q/k norms, partial
+//! Gated softmax attention (docs/MODEL.md §3.1): per-head q/gate split, (1+w) q/k norms, partial
 //! RoPE, GQA, causal softmax, sigmoid output gate.
 
 use candle_core::{DType, Device, Tensor, D};
 use qwen36_kernels::attention::{
     causal_softmax, decode_attention, decode_attention_fits, prefill_attention, prefill_attention_fits,
+    AttentionInputs,
 };
 use qwen36_kernels::rope::norm_rope_heads;
-use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
+use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding, KernelPolicy};
 
 use crate::{Config, KvCache, Result, Weights};
 
@@ -84,6 +85,7 @@ pub struct GatedAttention {
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    policy: KernelPolicy,
 }
 
 impl GatedAttention {
@@ -91,6 +93,7 @@ impl GatedAttention {
     /// `self_attn.` (main layers and the MTP layer share this code).
     pub fn load(cfg: &Config, w: &Weights, prefix: &str) -> Result<Self> {
         let get = |name: &str, shape: &[usize]| w.get(name, shape, w.options().dtype);
+        let policy = w.options().kernels;
         let (h, nh, nkv, hd) = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -104,9 +107,13 @@ impl GatedAttention {
             } else {
                 None
             };
-            Ok(Linear::new(weight, bias))
+            Ok(Linear::new(weight, bias).with_policy(policy))
         };
         let eps = cfg.rms_norm_eps;
+        let norm = |name: &str| -> Result<RmsNorm> {
+            let w = get(&format!("{prefix}{name}.weight"), &[hd])?;
+            Ok(RmsNorm::zero_centred(&w, eps)?.with_policy(policy))
+        };
         Ok(Self {
             qkv_proj: Linear::fused(vec![
                 linear("q_proj", nh * hd * 2, h)?,
@@ -114,12 +121,25 @@ impl GatedAttention {
                 linear("v_proj", nkv * hd, h)?,
             ])?,
             o_proj: linear("o_proj", h, nh * hd)?,
-            q_norm: RmsNorm::zero_centred(&get(&format!("{prefix}q_norm.weight"), &[hd])?, eps)?,
-            k_norm: RmsNorm::zero_centred(&get(&format!("{prefix}k_norm.weight"), &[hd])?, eps)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
+            policy,
         })
+    }
+
+    /// The policies of every kernel-launching part (tests check that loading set them all).
+    #[cfg(test)]
+    pub(crate) fn policies(&self) -> Vec<KernelPolicy> {
+        let parts = [
+            self.qkv_proj.policy(),
+            self.o_proj.policy(),
+            self.q_norm.policy(),
+            self.k_norm.policy(),
+        ];
+        parts.into_iter().copied().chain([self.policy]).collect()
     }
 
     /// `x: [batch, len, hidden]` at positions `cache.len()..`; appends to `cache`.
@@ -191,7 +211,8 @@ impl GatedAttention {
             .narrow(2, 2 * nh + nkv, nkv)?;
         // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
         let (cos, sin) = (&step.cos, &step.sin);
-        let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin)?;
+        let p = &self.policy;
+        let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin, p)?;
         let k = norm_rope_heads(
             &qkv.narrow(D::Minus1, qd, kd)?,
             nkv,
@@ -200,21 +221,32 @@ impl GatedAttention {
             Some(&self.k_norm),
             cos,
             sin,
+            p,
         )?;
         let v = v.transpose(1, 2)?; // [b, nkv, t, hd], a view the cache copies once
 
         let out = if kernel {
             // Rows r = member·t + token of each KV head's group, as the kernel wants them.
-            let (kb, vb) = cache.append_at(&k, &v, &step.positions)?;
+            let (kb, vb) = cache.append_at(&k, &v, &step.positions, p)?;
             let q = q.reshape((b, nkv, nh / nkv * t, hd))?;
             let scale = (hd as f64).powf(-0.5);
             // The kernel applies the gate as it writes.
-            decode_attention(&q, &kb, &vb, &step.len, t, scale, Some(&gate))?
+            decode_attention(
+                AttentionInputs::new(&q, &kb, &vb, Some(&gate), scale),
+                &step.len,
+                t,
+                p,
+            )?
         } else {
             let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
             if prefill_attention_fits(hd, q.dtype(), q.device()) {
                 // The kernel applies the gate as it writes.
-                prefill_attention(&q, &k, &v, Some(&gate), start, (hd as f64).powf(-0.5))?.transpose(1, 2)?
+                prefill_attention(
+                    AttentionInputs::new(&q, &k, &v, Some(&gate), (hd as f64).powf(-0.5)),
+                    start,
+                    p,
+                )?
+                .transpose(1, 2)?
             } else {
                 let out = self.attend_blocks(&q, &k, &v, start, budget)?;
                 (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
@@ -279,7 +311,7 @@ impl GatedAttention {
         // Scores in the activation dtype (as the reference's matmul gives them); scale, causal
         // mask and softmax in f32 in one op.
         let scores = q.matmul(&k.t()?)?;
-        let probs = causal_softmax(&scores, scale, pos0, tb)?;
+        let probs = causal_softmax(&scores, scale, pos0, tb, &self.policy)?;
         let out = probs.matmul(&v)?; // [b, nkv, g·tb, hd]
         Ok(out.reshape((b, nh, tb, hd))?)
     }
@@ -310,6 +342,7 @@ mod tests {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
+            policy: KernelPolicy::DEFAULT,
         })
     }
 

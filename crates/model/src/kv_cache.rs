@@ -96,14 +96,22 @@ impl KvCache {
     /// Like [`Self::append`], but the positions come from a tensor, `positions`: u32
     /// `[new]` holding `len..len+new` (what a recorded CUDA graph reads at replay). Returns the
     /// whole buffers (see [`Self::buffers`]).
-    pub fn append_at(&mut self, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The write's kernel runs under `policy`.
+    pub fn append_at(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &Tensor,
+        policy: &qwen36_kernels::KernelPolicy,
+    ) -> Result<(Tensor, Tensor)> {
         let (b, h, new, d) = k.dims4()?;
         self.reserve(self.len + new, (b, h, d), k.dtype(), k.device())?;
         let (kb, vb) = self
             .buffers()
             .map(|(k, v)| (k.clone(), v.clone()))
             .expect("reserved");
-        qwen36_kernels::attention::write_kv(k, v, &kb, &vb, positions).map_err(candle_core::Error::wrap)?;
+        qwen36_kernels::attention::write_kv(k, v, &kb, &vb, positions, policy)
+            .map_err(candle_core::Error::wrap)?;
         self.len += new;
         Ok((kb, vb))
     }

@@ -2,7 +2,7 @@
 //!
 //! [`Config`] reads config.json (flat or nested), [`Weights`] maps the safetensors checkpoint,
 //! [`Qwen36Model`] stacks Gated DeltaNet and gated-attention decoder layers, and [`Cache`] holds one
-//! batch's KV caches and GDN states. See ARCHITECTURE.md for the math this follows.
+//! batch's KV caches and GDN states. See docs/MODEL.md for the math this follows.
 
 mod attention;
 mod cache;

@@ -24,10 +24,8 @@ impl Mlp {
     pub fn load(cfg: &Config, w: &Weights, prefix: &str) -> Result<Self> {
         let (h, i, dt) = (cfg.hidden_size, cfg.intermediate_size, w.options().dtype);
         let lin = |name: &str, shape: [usize; 2]| -> Result<Linear> {
-            Ok(Linear::new(
-                w.get(&format!("{prefix}{name}.weight"), &shape, dt)?,
-                None,
-            ))
+            let weight = w.get(&format!("{prefix}{name}.weight"), &shape, dt)?;
+            Ok(Linear::new(weight, None).with_policy(w.options().kernels))
         };
         Ok(Self {
             gate_up: Linear::fused(vec![lin("gate_proj", [i, h])?, lin("up_proj", [i, h])?])?,
@@ -72,7 +70,7 @@ impl DecoderLayer {
         let dtype = w.options().dtype;
         let norm = |name: &str| -> Result<RmsNorm> {
             let t = w.get(&format!("{prefix}{name}.weight"), &[cfg.hidden_size], dtype)?;
-            Ok(RmsNorm::zero_centred(&t, cfg.rms_norm_eps)?)
+            Ok(RmsNorm::zero_centred(&t, cfg.rms_norm_eps)?.with_policy(w.options().kernels))
         };
         let mixer = match kind {
             LayerType::LinearAttention => {
@@ -86,7 +84,7 @@ impl DecoderLayer {
                     };
                     w.get(&format!("{prefix}linear_attn.{name}"), shape, dt)
                 })?;
-                Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?)
+                Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?.with_policy(w.options().kernels))
             }
             LayerType::FullAttention => {
                 Mixer::Attention(GatedAttention::load(cfg, w, &format!("{prefix}self_attn."))?)
@@ -108,6 +106,18 @@ impl DecoderLayer {
             Mixer::Gdn(_) => true,
             Mixer::Attention(a) => a.uses_decode_kernel(tokens, dtype, device),
         }
+    }
+
+    /// The policies of every kernel-launching part (tests check that loading set them all).
+    #[cfg(test)]
+    pub(crate) fn policies(&self) -> Vec<qwen36_kernels::KernelPolicy> {
+        let mut all = vec![*self.input_norm.policy(), *self.post_norm.policy()];
+        all.extend([*self.mlp.gate_up.policy(), *self.mlp.down.policy()]);
+        match &self.mixer {
+            Mixer::Gdn(g) => all.push(*g.policy()),
+            Mixer::Attention(a) => all.extend(a.policies()),
+        }
+        all
     }
 
     /// `x + mixer(norm(x))`, then `+ mlp(norm(·))`. With `verify`, a GDN layer runs token by token
@@ -165,7 +175,10 @@ impl Qwen36Model {
             return Err(Error::Dtype(dtype));
         }
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.lm(name, &[h])?, eps)?) };
+        let policy = w.options().kernels;
+        let norm = |name: &str| -> Result<RmsNorm> {
+            Ok(RmsNorm::zero_centred(&w.lm(name, &[h])?, eps)?.with_policy(policy))
+        };
         let embed_w = w.lm("embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head_w = if cfg.tie_word_embeddings {
             embed_w.clone()
@@ -178,7 +191,7 @@ impl Qwen36Model {
         Ok(Self {
             embed: Embedding::new(embed_w, h),
             norm: norm("norm.weight")?,
-            lm_head: Linear::new(lm_head_w, None),
+            lm_head: Linear::new(lm_head_w, None).with_policy(policy),
             rope: RotaryEmbedding::new(cfg.rotary_dim(), cfg.rope_theta)?,
             layers,
             dtype,
@@ -485,11 +498,11 @@ pub(crate) fn logits_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
     Ok(head.forward(hidden)?.to_dtype(DType::F32)?)
 }
 
-/// The argmax of [`logits_of`] over the last dim, u32, on the device (ties to the lowest index).
+/// The argmax of [`logits_of`] over the last dim, u32, on the device (ties to the lowest index;
+/// under the head's kernel policy).
 pub(crate) fn greedy_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
-    Ok(qwen36_kernels::argmax::argmax_last_dim(&logits_of(
-        head, hidden,
-    )?)?)
+    let logits = logits_of(head, hidden)?;
+    Ok(qwen36_kernels::argmax::argmax_last_dim(&logits, head.policy())?)
 }
 
 #[cfg(test)]
@@ -510,6 +523,34 @@ mod tests {
         let want = (&x + mlp.forward(&norm.forward(&x)?)?)?;
         let got = mlp.forward_block(&x, &norm)?;
         assert_eq!(qwen36_testutil::max_abs_diff(&got, &want), 0.0);
+        Ok(())
+    }
+
+    /// The policy of `LoadOptions::kernels` reaches every layer of the model, its MTP head and a
+    /// draft vocabulary's head: a load site that forgot it would run the default kernels.
+    #[test]
+    fn every_layer_runs_under_the_loaded_policy() -> Result<()> {
+        use qwen36_kernels::{ChunkPath, KernelPolicy, SkinnyPath};
+        let cfg = Config::from_file(qwen36_testutil::bundled_dir().join("config.json"))?;
+        let policy = KernelPolicy {
+            chunk: ChunkPath::CudaCores(16),
+            skinny: SkinnyPath::Matmul,
+            pdl: false,
+        };
+        let w = Weights::random(LoadOptions {
+            kernels: policy,
+            ..LoadOptions::default()
+        });
+        let model = Qwen36Model::from_weights(cfg.clone(), &w)?;
+        let mut all = vec![*model.norm.policy(), *model.lm_head.policy()];
+        for layer in &model.layers {
+            all.extend(layer.policies());
+        }
+        let head = crate::MtpHead::load(&cfg, &w)?;
+        all.extend(head.policies());
+        all.push(*crate::DraftVocab::new(&model, &[0, 5, 9])?.policy());
+        assert!(all.len() > 8 * cfg.num_hidden_layers, "{} parts", all.len());
+        assert!(all.iter().all(|p| p == &policy), "{all:?}");
         Ok(())
     }
 }

@@ -1,4 +1,4 @@
-//! The Multi-Token-Prediction head (ARCHITECTURE §4.1): `mtp.fc`, two pre-fc norms, one (or more)
+//! The Multi-Token-Prediction head (docs/MODEL.md §4.1): `mtp.fc`, two pre-fc norms, one (or more)
 //! gated-attention decoder layers with their own KV cache, `mtp.norm`; embedding and lm_head are
 //! the main model's.
 //!
@@ -21,6 +21,19 @@ pub struct MtpHead {
     norm_hidden: RmsNorm,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
+}
+
+impl MtpHead {
+    /// The policies of every kernel-launching part (tests check that loading set them all).
+    #[cfg(test)]
+    pub(crate) fn policies(&self) -> Vec<qwen36_kernels::KernelPolicy> {
+        let mut all = vec![*self.fc.policy(), *self.norm.policy()];
+        all.extend([*self.norm_embedding.policy(), *self.norm_hidden.policy()]);
+        for layer in &self.layers {
+            all.extend(layer.policies());
+        }
+        all
+    }
 }
 
 /// A draft vocabulary: the token ids a draft step may propose, with their rows of lm_head. A
@@ -55,8 +68,15 @@ impl DraftVocab {
             Some(_) => {}
         }
         let ids = Tensor::new(ids.as_slice(), model.device())?;
-        let lm_head = Linear::new(model.lm_head().weight().index_select(&ids, 0)?, None);
+        let head = model.lm_head();
+        let lm_head = Linear::new(head.weight().index_select(&ids, 0)?, None).with_policy(*head.policy());
         Ok(Self { ids, lm_head })
+    }
+
+    /// The policy of its head's kernels.
+    #[cfg(test)]
+    pub(crate) fn policy(&self) -> &qwen36_kernels::KernelPolicy {
+        self.lm_head.policy()
     }
 
     /// The first `n` ids of the vocabulary plus `extra` (e.g. the stop ids). A byte-level BPE
@@ -177,14 +197,16 @@ impl MtpHead {
             return Err(Error::NoMtpHead);
         }
         let (h, dt, eps) = (cfg.hidden_size, w.options().dtype, cfg.rms_norm_eps);
-        let norm =
-            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::zero_centred(&w.get(name, &[h], dt)?, eps)?) };
+        let policy = w.options().kernels;
+        let norm = |name: &str| -> Result<RmsNorm> {
+            Ok(RmsNorm::zero_centred(&w.get(name, &[h], dt)?, eps)?.with_policy(policy))
+        };
         let n = cfg.mtp_num_hidden_layers.max(1);
         let layers = (0..n)
             .map(|i| DecoderLayer::load(cfg, w, &format!("mtp.layers.{i}."), LayerType::FullAttention))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            fc: Linear::new(w.get("mtp.fc.weight", &[h, 2 * h], dt)?, None),
+            fc: Linear::new(w.get("mtp.fc.weight", &[h, 2 * h], dt)?, None).with_policy(policy),
             norm_embedding: norm("mtp.pre_fc_norm_embedding.weight")?,
             norm_hidden: norm("mtp.pre_fc_norm_hidden.weight")?,
             layers,

@@ -20,6 +20,9 @@ pub struct LoadOptions {
     pub device: Device,
     /// Refuse tensors holding NaN or infinity (one extra pass over the weights).
     pub check_finite: bool,
+    /// The CUDA kernel variants every layer runs (the measured defaults, and `QWEN36_PDL=0` read
+    /// here for A/B benchmarks); held by the model, never global.
+    pub kernels: qwen36_kernels::KernelPolicy,
 }
 
 impl Default for LoadOptions {
@@ -28,6 +31,7 @@ impl Default for LoadOptions {
             dtype: DType::F32,
             device: Device::Cpu,
             check_finite: true,
+            kernels: qwen36_kernels::KernelPolicy::from_env(),
         }
     }
 }

@@ -20,7 +20,7 @@ fn copy_fixture(name: &str) -> tempfile::TempDir {
 }
 
 fn load_dir(dir: &Path) -> Result<Qwen36Model, Error> {
-    Qwen36Model::load(dir, opts(DType::F32))
+    Qwen36Model::load(dir, load_options(DType::F32))
 }
 
 /// Rewrites `file` in `dir` after `edit` changes its tensors.
@@ -169,7 +169,7 @@ fn unsupported_dtype_is_refused() {
         fixture_dir("tiny-flat"),
         LoadOptions {
             dtype: DType::U8,
-            ..opts(DType::F32)
+            ..load_options(DType::F32)
         },
     )
     .unwrap_err();

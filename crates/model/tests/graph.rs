@@ -1,32 +1,27 @@
 //! CUDA-graph decode against the eager path on the bundled model (GPU only: scripts/gpu-check).
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
-
 use candle_core::{DType, Device, Tensor, D};
 use qwen36_model::{
     graph_device, Cache, DecodeGraph, DraftStepper, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Stepper,
 };
-use qwen36_testutil::max_abs_diff;
+use qwen36_testutil::{bundled_dir, max_abs_diff};
 
 fn model(dtype: DType) -> (Qwen36Model, Device) {
     model_on(dtype, graph_device(0).expect("a CUDA device"))
-}
-
-fn model_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny")
 }
 
 fn options(dtype: DType, dev: &Device) -> LoadOptions {
     LoadOptions {
         dtype,
         device: dev.clone(),
-        check_finite: true,
+        ..LoadOptions::default()
     }
 }
 
 fn model_on(dtype: DType, dev: Device) -> (Qwen36Model, Device) {
-    (Qwen36Model::load(model_dir(), options(dtype, &dev)).unwrap(), dev)
+    let m = Qwen36Model::load(bundled_dir(), options(dtype, &dev)).unwrap();
+    (m, dev)
 }
 
 fn ids(tokens: &[u32]) -> Tensor {
@@ -176,7 +171,7 @@ fn graphed_drafts_equal_eager() {
         (DType::BF16, 1e-2, Some(1000)),
     ] {
         let (m, dev) = model(dtype);
-        let head = MtpHead::load_dir(model_dir(), m.config(), options(dtype, &dev)).unwrap();
+        let head = MtpHead::load_dir(bundled_dir(), m.config(), options(dtype, &dev)).unwrap();
         // With a draft vocabulary, both sides draft over the first 1000 ids.
         let vocab = vocab.map(|n| DraftVocab::first(&m, n, &[]).unwrap());
         let vocab = vocab.as_ref();

@@ -13,9 +13,7 @@ use candle_core::DType;
 use common::*;
 
 fn check(dtype: DType, key: &str, factor: f32) {
-    for name in FIXTURES {
-        let model = load(name, dtype);
-        let r = reference(name);
+    for (name, model, r) in fixture_models(dtype) {
         let hf_err = r[&format!("prompt0.hf_{key}_rel_err")].to_vec1::<f32>().unwrap()[0];
         let tol = factor * hf_err;
         let ids = ids_of(&r["prompt0.ids"]);
@@ -57,9 +55,7 @@ fn f16_logits_within_rounding_of_f32_reference() {
 fn per_layer_errors() {
     use candle_core::IndexOp;
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        for name in FIXTURES {
-            let model = load(name, dtype);
-            let r = reference(name);
+        for (name, model, r) in fixture_models(dtype) {
             let ids = ids_of(&r["prompt0.ids"]);
             let mut cache = model.new_cache(1).unwrap();
             let (fin, states) = model
@@ -95,11 +91,7 @@ const S: usize = 6;
 const V: usize = 4;
 
 fn half_reference(name: &str) -> std::collections::HashMap<String, candle_core::Tensor> {
-    candle_core::safetensors::load(
-        fixture_dir(name).join("half_reference.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap()
+    load_tensors(fixture_dir(name).join("half_reference.safetensors"))
 }
 
 /// Per-layer row-relative errors of `ours` (`layers + 1` tensors `[rows, hidden]`: the residual
@@ -138,8 +130,7 @@ fn hf_layout_states(
 
 fn step_errors(name: &str, dtype: DType, key: &str) -> StepErrors {
     use candle_core::IndexOp;
-    let model = load(name, dtype);
-    let r = reference(name);
+    let (model, r) = load_with_reference(name, dtype);
     let h = half_reference(name);
     let ids = ids_of(&r["prompt0.ids"]);
     let hf_f32_prefill = &h["f32.prefill.hidden"];

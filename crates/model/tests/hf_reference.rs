@@ -11,9 +11,7 @@ use common::*;
 
 #[test]
 fn prompt_logits_and_hidden_states_match_hf() {
-    for name in FIXTURES {
-        let model = load(name, DType::F32);
-        let r = reference(name);
+    for (name, model, r) in fixture_models(DType::F32) {
         for p in 0..2 {
             let ids = ids_of(&r[&format!("prompt{p}.ids")]);
             let mut cache = model.new_cache(1).unwrap();
@@ -47,15 +45,12 @@ fn prompt_logits_and_hidden_states_match_hf() {
 
 #[test]
 fn greedy_continuation_matches_hf() {
-    for name in FIXTURES {
-        let model = load(name, DType::F32);
-        let r = reference(name);
+    for (name, model, r) in fixture_models(DType::F32) {
         for p in 0..2 {
             let ids = ids_of(&r[&format!("prompt{p}.ids")]);
             let want = ids_of(&r[&format!("prompt{p}.greedy")]);
             assert!(want.len() >= 40);
-            let mut cache = model.new_cache(1).unwrap();
-            let got = greedy(&model, &mut cache, &ids, want.len());
+            let got = plain_greedy(&model, &ids, want.len());
             assert_eq!(got, want, "{name} prompt{p}: greedy continuation differs from HF");
         }
     }
@@ -63,9 +58,8 @@ fn greedy_continuation_matches_hf() {
 
 #[test]
 fn prefill_then_decode_equals_prefill() {
-    for name in FIXTURES {
-        let model = load(name, DType::F32);
-        let ids = ids_of(&reference(name)["prompt0.ids"]);
+    for (name, model, r) in fixture_models(DType::F32) {
+        let ids = ids_of(&r["prompt0.ids"]);
         let t = ids.len();
         let mut c1 = model.new_cache(1).unwrap();
         let full = model
@@ -100,12 +94,9 @@ fn prefill_then_decode_equals_prefill() {
 
 #[test]
 fn sequences_back_to_back_through_a_reset_cache_equal_each_alone() {
-    for name in FIXTURES {
-        let model = load(name, DType::F32);
-        let r = reference(name);
+    for (name, model, r) in fixture_models(DType::F32) {
         let (a, b) = (ids_of(&r["prompt0.ids"]), ids_of(&r["prompt1.ids"]));
-        let mut fresh = model.new_cache(1).unwrap();
-        let b_alone = greedy(&model, &mut fresh, &b, 40);
+        let b_alone = plain_greedy(&model, &b, 40);
         let mut cache = model.new_cache(1).unwrap();
         let a_first = greedy(&model, &mut cache, &a, 40);
         cache.reset().unwrap();
@@ -124,8 +115,7 @@ fn sequences_back_to_back_through_a_reset_cache_equal_each_alone() {
 #[test]
 fn batch_rows_equal_single_runs() {
     let name = "tiny-nested";
-    let model = load(name, DType::F32);
-    let r = reference(name);
+    let (model, r) = load_with_reference(name, DType::F32);
     let (a, b) = (ids_of(&r["prompt0.ids"]), ids_of(&r["prompt1.ids"]));
     let n = b.len();
     let batch = candle_core::Tensor::new(vec![a[..n].to_vec(), b.clone()], &test_device()).unwrap();

@@ -10,9 +10,8 @@ use qwen36_model::{DraftVocab, Error, MtpHead};
 #[test]
 fn mtp_logits_and_chained_drafts_match_reference() {
     for name in FIXTURES {
-        let model = load(name, DType::F32);
-        let head = MtpHead::load_dir(fixture_dir(name), model.config(), opts(DType::F32)).unwrap();
-        let r = reference(name);
+        let (model, head) = load_with_head(name);
+        let r = fixture_reference(name);
         let ids = ids_of(&r["prompt0.ids"]);
         let first = ids_of(&r["prompt0.greedy"])[0];
         let mut next: Vec<u32> = ids[1..].to_vec();
@@ -87,9 +86,9 @@ fn missing_mtp_head_is_a_clear_error_only_when_asked() {
     map.retain(|k, _| !k.starts_with("mtp."));
     candle_core::safetensors::save(&map, &path).unwrap();
     // The main model loads fine without it...
-    let model = qwen36_model::Qwen36Model::load(dir.path(), opts(DType::F32)).unwrap();
+    let model = qwen36_model::Qwen36Model::load(dir.path(), load_options(DType::F32)).unwrap();
     // ...and asking for the head names the problem.
-    let e = MtpHead::load_dir(dir.path(), model.config(), opts(DType::F32)).unwrap_err();
+    let e = MtpHead::load_dir(dir.path(), model.config(), load_options(DType::F32)).unwrap_err();
     assert!(matches!(e, Error::NoMtpHead), "{e}");
 }
 
@@ -100,9 +99,8 @@ fn missing_mtp_head_is_a_clear_error_only_when_asked() {
 #[test]
 fn draft_vocabulary_drafts_the_best_of_its_ids() {
     let name = "tiny-nested";
-    let model = load(name, DType::F32);
-    let head = MtpHead::load_dir(fixture_dir(name), model.config(), opts(DType::F32)).unwrap();
-    let r = reference(name);
+    let (model, head) = load_with_head(name);
+    let r = fixture_reference(name);
     let ids = ids_of(&r["prompt0.ids"]);
     let mut cache = model.new_cache(1).unwrap();
     let hidden = model.forward_hidden(&ids_tensor(&ids), &mut cache).unwrap();

@@ -6,7 +6,7 @@ mod common;
 use candle_core::Tensor;
 use common::*;
 use qwen36_model::{MtpHead, Qwen36Model};
-use qwen36_mtp::{DraftContext, Drafter, MtpDrafter, SpecConfig, SpeculativeDecoder};
+use qwen36_mtp::{DraftContext, Drafter, MtpDrafter};
 use qwen36_sampling::SamplingParams;
 
 /// Wraps an [`MtpDrafter`] and checks each proposal against a new drafter fed every committed
@@ -66,13 +66,7 @@ fn run(
         hidden: None,
         proposals: 0,
     };
-    let mut dec = SpeculativeDecoder::new(model, params).unwrap();
-    let cfg = SpecConfig {
-        k,
-        max_new_tokens: n,
-        stop_token_ids: vec![],
-    };
-    let out = dec.generate(&mut checked, prompt, &cfg, |_| true).unwrap();
+    let out = speculate(model, params, &mut checked, prompt, k, n);
     assert_eq!(checked.proposals, out.stats.cycles);
     out.stats.accepted_len_hist
 }
@@ -95,16 +89,15 @@ fn bundled_model_proposals_equal_a_fresh_head_after_every_commit() {
     ] {
         let hist = run(&model, &head, &bundled_prompt(0), k, params, 96);
         eprintln!("bundled k={k}: accepted lengths {hist:?}");
-        assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");
+        assert_every_accepted_length(&hist, &format!("k={k}"));
     }
 }
 
 /// The random fixtures (drafts almost always rejected: the cache is cut back every cycle).
 #[test]
 fn fixture_proposals_equal_a_fresh_head_after_every_commit() {
-    for name in ["tiny-flat", "tiny-nested"] {
-        let (model, head) = load(name);
-        let p = prompt(name, "prompt0.ids", 40);
+    for name in FIXTURES {
+        let (model, head, p) = load_with_prompt(name, "prompt0.ids", 40);
         run(&model, &head, &p, 3, SamplingParams::greedy(), 48);
     }
 }
@@ -113,10 +106,9 @@ fn fixture_proposals_equal_a_fresh_head_after_every_commit() {
 /// with, the drafter proposes nothing.
 #[test]
 fn no_drafts_asked_or_nothing_new_proposes_nothing() {
-    let (model, head) = load("tiny-flat");
-    let p = prompt("tiny-flat", "prompt0.ids", 10);
+    let (model, head, p) = load_with_prompt("tiny-flat", "prompt0.ids", 10);
     let mut cache = model.new_cache(1).unwrap();
-    let hidden = model.forward_hidden(&ids(&p), &mut cache).unwrap();
+    let hidden = model.forward_hidden(&ids_tensor(&p), &mut cache).unwrap();
     let mut tokens = p.clone();
     tokens.push(1);
     let mut d = MtpDrafter::new(&model, &head);

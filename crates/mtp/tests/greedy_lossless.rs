@@ -12,22 +12,15 @@ const N: usize = 1000;
 
 #[test]
 fn greedy_speculative_equals_plain_greedy() {
-    for name in ["tiny-flat", "tiny-nested"] {
-        let (model, head) = load(name);
-        let p = prompt(name, "prompt1.ids", 16);
+    for name in FIXTURES {
+        let (model, head, p) = load_with_prompt(name, "prompt1.ids", 16);
         let want = plain_greedy(&model, &p, N);
         for k in 1..=4 {
             let mut mtp = MtpDrafter::new(&model, &head);
             let mut ngram = NgramDrafter::default();
             let drafters: [(&str, &mut dyn Drafter); 2] = [("mtp", &mut mtp), ("ngram", &mut ngram)];
             for (dname, drafter) in drafters {
-                let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
-                let cfg = SpecConfig {
-                    k,
-                    max_new_tokens: N,
-                    stop_token_ids: vec![],
-                };
-                let out = dec.generate(drafter, &p, &cfg, |_| true).unwrap();
+                let out = speculate(&model, SamplingParams::greedy(), drafter, &p, k, N);
                 let first_diff = out.tokens.iter().zip(&want).position(|(a, b)| a != b);
                 assert_eq!(first_diff, None, "{name} {dname} k={k}: diverged");
                 assert_eq!(out.tokens.len(), N);
@@ -52,18 +45,13 @@ fn greedy_speculative_equals_plain_greedy() {
 #[test]
 fn reused_decoder_starts_each_sequence_fresh_and_keeps_its_graphs() {
     let name = "tiny-nested";
-    let (model, head) = load(name);
-    let p = prompt(name, "prompt1.ids", 16);
+    let (model, head, p) = load_with_prompt(name, "prompt1.ids", 16);
     let want = plain_greedy(&model, &p, 64);
     // A different sequence of the same length in between: its KV entries and GDN states must not
     // leak into the next one.
     let other: Vec<u32> = p.iter().rev().copied().collect();
     assert_ne!(other, p);
-    let cfg = SpecConfig {
-        k: 3,
-        max_new_tokens: 64,
-        stop_token_ids: vec![],
-    };
+    let cfg = spec_config(3, 64);
     let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
     let mut mtp = MtpDrafter::new(&model, &head);
     let first = dec.generate(&mut mtp, &p, &cfg, |_| true).unwrap().tokens;
@@ -99,8 +87,7 @@ fn greedy_speculative_with_a_draft_vocabulary_equals_plain_greedy() {
         }
     }
     let name = "tiny-nested";
-    let (model, head) = load(name);
-    let p = prompt(name, "prompt1.ids", 16);
+    let (model, head, p) = load_with_prompt(name, "prompt1.ids", 16);
     let n = 300;
     let want = plain_greedy(&model, &p, n);
     // The ids 0..64 and every seventh one after: ~1/7 of the vocabulary.
@@ -110,13 +97,7 @@ fn greedy_speculative_with_a_draft_vocabulary_equals_plain_greedy() {
     let session = DraftSession::with_vocab(&model, &head, Some(vocab));
     let mut mtp = MtpDrafter::with_session(&model, &head, session);
     let mut rec = Recording(&mut mtp, Vec::new());
-    let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
-    let cfg = SpecConfig {
-        k: 3,
-        max_new_tokens: n,
-        stop_token_ids: vec![],
-    };
-    let out = dec.generate(&mut rec, &p, &cfg, |_| true).unwrap();
+    let out = speculate(&model, SamplingParams::greedy(), &mut rec, &p, 3, n);
     assert_eq!(out.tokens, want);
     assert!(!rec.1.is_empty());
     let outside = rec.1.iter().filter(|t| ids.binary_search(t).is_err()).count();
@@ -150,13 +131,7 @@ fn bundled_model_greedy_speculative_equals_plain_greedy() {
                 let v = vocab.map(|ids| DraftVocab::new(&model, ids).unwrap());
                 let mut mtp =
                     MtpDrafter::with_session(&model, &head, DraftSession::with_vocab(&model, &head, v));
-                let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
-                let cfg = SpecConfig {
-                    k,
-                    max_new_tokens: n,
-                    stop_token_ids: vec![],
-                };
-                let out = dec.generate(&mut mtp, &prompt, &cfg, |_| true).unwrap();
+                let out = speculate(&model, SamplingParams::greedy(), &mut mtp, &prompt, k, n);
                 let first_diff = out.tokens.iter().zip(&want).position(|(a, b)| a != b);
                 assert_eq!(
                     first_diff,
@@ -173,7 +148,7 @@ fn bundled_model_greedy_speculative_equals_plain_greedy() {
                 "bundled k={k} draft vocabulary {}: accepted lengths {hist:?}",
                 vocab.is_some()
             );
-            assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");
+            assert_every_accepted_length(&hist, &format!("k={k}"));
         }
     }
 }
@@ -181,7 +156,7 @@ fn bundled_model_greedy_speculative_equals_plain_greedy() {
 /// The decoder runs one sequence: a session whose cache holds two is refused with a typed error.
 #[test]
 fn a_session_of_two_sequences_is_refused() {
-    let (model, _) = load("tiny-flat");
+    let (model, _) = load_with_head("tiny-flat");
     let session = qwen36_model::Session::new(&model, 2).unwrap();
     assert_eq!(session.cache.batch(), 2);
     let e = SpeculativeDecoder::with_session(&model, SamplingParams::greedy(), session)
@@ -194,20 +169,14 @@ fn a_session_of_two_sequences_is_refused() {
 /// last position the context holds, and the output is still the plain greedy one.
 #[test]
 fn generation_stops_when_the_context_is_full() {
-    let (model, head) = load("tiny-flat");
+    let (model, head) = load_with_head("tiny-flat");
     let max = model.config().max_position_embeddings;
     let p = prompt("tiny-flat", "prompt0.ids", 150);
     let long: Vec<u32> = p.iter().cycle().take(max - 5).copied().collect();
     let want = plain_greedy(&model, &long, 6);
     for k in [0, 1, 3] {
-        let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
         let mut mtp = MtpDrafter::new(&model, &head);
-        let cfg = SpecConfig {
-            k,
-            max_new_tokens: 100,
-            stop_token_ids: vec![],
-        };
-        let out = dec.generate(&mut mtp, &long, &cfg, |_| true).unwrap();
+        let out = speculate(&model, SamplingParams::greedy(), &mut mtp, &long, k, 100);
         assert_eq!(out.stop_reason, qwen36_mtp::SpecStopReason::ContextFull, "k={k}");
         assert_eq!(out.tokens, want, "k={k}");
         // The room left (4 positions after the prompt) is used for drafts, not given up.
@@ -224,8 +193,7 @@ fn generation_stops_when_the_context_is_full() {
 /// the stop token even when the callback also asks to stop.
 #[test]
 fn the_first_token_can_end_generation() {
-    let (model, head) = load("tiny-flat");
-    let p = prompt("tiny-flat", "prompt0.ids", 20);
+    let (model, head, p) = load_with_prompt("tiny-flat", "prompt0.ids", 20);
     let first = plain_greedy(&model, &p, 1)[0];
     let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
     let mut mtp = MtpDrafter::new(&model, &head);

@@ -7,7 +7,7 @@ mod common;
 use candle_core::IndexOp;
 use common::*;
 use qwen36_model::LayerCache;
-use qwen36_mtp::{DraftContext, Drafter, SpecConfig, SpeculativeDecoder};
+use qwen36_mtp::{DraftContext, Drafter};
 use qwen36_sampling::SamplingParams;
 
 /// Proposes `truth` after the prompt, corrupting draft position `cycle % (k + 1)` (none when k).
@@ -37,8 +37,7 @@ impl Drafter for Oracle {
 #[test]
 fn every_accepted_length_occurs_and_output_stays_greedy() {
     let name = "tiny-nested";
-    let (model, _) = load(name);
-    let p = prompt(name, "prompt0.ids", 40);
+    let (model, _, p) = load_with_prompt(name, "prompt0.ids", 40);
     let n = 200;
     for k in 1..=4 {
         let truth = plain_greedy(&model, &p, n + k + 1);
@@ -48,28 +47,21 @@ fn every_accepted_length_occurs_and_output_stays_greedy() {
             vocab: model.config().vocab_size as u32,
             cycle: 0,
         };
-        let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
-        let cfg = SpecConfig {
-            k,
-            max_new_tokens: n,
-            stop_token_ids: vec![],
-        };
-        let out = dec.generate(&mut oracle, &p, &cfg, |_| true).unwrap();
+        let out = speculate(&model, SamplingParams::greedy(), &mut oracle, &p, k, n);
         assert_eq!(out.tokens, truth[..n], "k={k}");
         let hist = &out.stats.accepted_len_hist;
-        assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");
+        assert_every_accepted_length(hist, &format!("k={k}"));
     }
 }
 
 #[test]
 fn commit_equals_a_fresh_run_over_the_kept_tokens() {
-    for name in ["tiny-flat", "tiny-nested"] {
-        let (model, _) = load(name);
-        let p = prompt(name, "prompt0.ids", 70);
+    for name in FIXTURES {
+        let (model, _, p) = load_with_prompt(name, "prompt0.ids", 70);
         let k = 4;
         let truth = plain_greedy(&model, &p, k + 3);
         let mut base = model.new_cache(1).unwrap();
-        model.forward(&ids(&p), &mut base).unwrap();
+        model.forward(&ids_tensor(&p), &mut base).unwrap();
         for a in 0..=k {
             // Verify [x, d1..dk] with d_{a+1} wrong, keep x and a drafts: a + 1 tokens.
             let mut tokens: Vec<u32> = truth[..=k].to_vec();
@@ -77,7 +69,7 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
                 tokens[a + 1] = (tokens[a + 1] + 1) % model.config().vocab_size as u32;
             }
             let mut cache = base.clone();
-            model.forward_verify(&ids(&tokens), &mut cache).unwrap();
+            model.forward_verify(&ids_tensor(&tokens), &mut cache).unwrap();
             // Keeping none or more than were verified is refused, and the pass stays pending.
             for bad in [0, k + 2] {
                 assert!(
@@ -91,7 +83,7 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
 
             let kept: Vec<u32> = p.iter().chain(&truth[..=a]).copied().collect();
             let mut fresh = model.new_cache(1).unwrap();
-            model.forward(&ids(&kept), &mut fresh).unwrap();
+            model.forward(&ids_tensor(&kept), &mut fresh).unwrap();
             assert_eq!(cache.layers().len(), model.config().num_hidden_layers);
             assert_eq!(fresh.layers().len(), model.config().num_hidden_layers);
             for (l, (x, y)) in cache.layers().iter().zip(fresh.layers()).enumerate() {
@@ -109,8 +101,8 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
             }
             // The next step from the committed cache equals the fresh one.
             let next = truth[a + 1];
-            let l1 = model.forward_last(&ids(&[next]), &mut cache).unwrap();
-            let l2 = model.forward_last(&ids(&[next]), &mut fresh).unwrap();
+            let l1 = model.forward_last(&ids_tensor(&[next]), &mut cache).unwrap();
+            let l2 = model.forward_last(&ids_tensor(&[next]), &mut fresh).unwrap();
             let rel = max_abs_diff(&l1, &l2)
                 / l2.abs()
                     .unwrap()
@@ -152,8 +144,7 @@ fn drafts_stop_at_max_new_tokens() {
         }
         fn reset(&mut self) {}
     }
-    let (model, _) = load("tiny-flat");
-    let p = prompt("tiny-flat", "prompt0.ids", 30);
+    let (model, _, p) = load_with_prompt("tiny-flat", "prompt0.ids", 30);
     let truth = plain_greedy(&model, &p, 12);
     // Every draft is accepted, so each cycle asks for min(k, tokens still to come after it).
     for (max_new, want_asked) in [(2, vec![1]), (3, vec![2]), (7, vec![4, 1])] {
@@ -163,13 +154,7 @@ fn drafts_stop_at_max_new_tokens() {
             max_new,
             asked: Vec::new(),
         };
-        let mut dec = SpeculativeDecoder::new(&model, SamplingParams::greedy()).unwrap();
-        let cfg = SpecConfig {
-            k: 4,
-            max_new_tokens: max_new,
-            stop_token_ids: vec![],
-        };
-        let out = dec.generate(&mut d, &p, &cfg, |_| true).unwrap();
+        let out = speculate(&model, SamplingParams::greedy(), &mut d, &p, 4, max_new);
         assert_eq!(out.tokens, truth[..max_new]);
         assert_eq!(d.asked, want_asked, "max_new {max_new}");
     }

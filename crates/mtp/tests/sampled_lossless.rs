@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use qwen36_model::{MtpHead, Qwen36Model};
-use qwen36_mtp::{DraftContext, Drafter, MtpDrafter, NgramDrafter, SpecConfig, SpeculativeDecoder};
+use qwen36_mtp::{DraftContext, Drafter, MtpDrafter, NgramDrafter};
 use qwen36_sampling::{rng, Sampler, SamplingParams};
 
 const SEEDS: u64 = 600;
@@ -25,7 +25,7 @@ fn target_rows(model: &Qwen36Model, params: &SamplingParams, prompt: &[u32], out
     let ctx: Vec<u32> = prompt.iter().chain(out).copied().collect();
     let mut cache = model.new_cache(1).unwrap();
     let logits = model
-        .forward(&ids(&ctx), &mut cache)
+        .forward(&ids_tensor(&ctx), &mut cache)
         .unwrap()
         .squeeze(0)
         .unwrap()
@@ -68,7 +68,7 @@ impl Drafter for TargetArgmax<'_> {
         let mut t = ctx.tokens.to_vec();
         for _ in 0..k {
             let mut cache = self.model.new_cache(1).unwrap();
-            let l = self.model.forward_last(&ids(&t), &mut cache).unwrap();
+            let l = self.model.forward_last(&ids_tensor(&t), &mut cache).unwrap();
             let l = l.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
             let (prompt, output) = t.split_at(self.prompt_len);
             let l = self.sampler.penalised(&l, prompt, output);
@@ -156,13 +156,7 @@ fn check(
             seed,
             ..params.clone()
         };
-        let mut dec = SpeculativeDecoder::new(model, params.clone()).unwrap();
-        let cfg = SpecConfig {
-            k,
-            max_new_tokens: N,
-            stop_token_ids: vec![],
-        };
-        let out = dec.generate(&mut rec, prompt, &cfg, |_| true).unwrap();
+        let out = speculate(model, params.clone(), &mut rec, prompt, k, N);
         assert_eq!(out.tokens.len(), N);
         for (a, c) in out.stats.accepted_len_hist.iter().zip(hist.iter_mut()) {
             *c += a;
@@ -214,13 +208,13 @@ fn check(
 /// are frequent: k = 1..4 under every parameter set.
 #[test]
 fn every_position_and_bonus_token_follow_the_target() {
-    let m = load("tiny-vocab");
+    let m = load_with_head("tiny-vocab");
     let p = prompt("tiny-vocab", "prompt0.ids", 8);
     for k in 1..=4 {
         for params in param_sets() {
             let (bonus, hist) = check(&m, &p, SEEDS, "target", k, &params);
             assert!(bonus >= 100, "k={k}: only {bonus} bonus tokens");
-            assert!(hist.iter().all(|&c| c > 0), "k={k}: accepted lengths {hist:?}");
+            assert_every_accepted_length(&hist, &format!("k={k}"));
         }
     }
 }
@@ -228,7 +222,7 @@ fn every_position_and_bonus_token_follow_the_target() {
 /// The MTP head's and the n-gram drafter's proposals (mostly rejected on this random model).
 #[test]
 fn every_position_follows_the_target_with_model_drafters() {
-    let m = load("tiny-vocab");
+    let m = load_with_head("tiny-vocab");
     let p = prompt("tiny-vocab", "prompt0.ids", 8);
     for (i, params) in param_sets().iter().enumerate() {
         for (dname, k) in [("mtp", 1 + 2 * i), ("ngram", 2 + 2 * i)] {
@@ -248,5 +242,5 @@ fn every_position_follows_the_target_on_the_bundled_model() {
     let m = load_bundled();
     let p = bundled_prompt(2);
     let (_, hist) = check(&m, &p, 160, "mtp", 3, &param_sets()[0]);
-    assert!(hist.iter().all(|&c| c > 0), "accepted lengths {hist:?}");
+    assert_every_accepted_length(&hist, "bundled");
 }

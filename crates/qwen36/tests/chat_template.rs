@@ -2,20 +2,14 @@
 //! (written by tools/reference/chat_template_reference.py) must render byte for byte as
 //! transformers' `apply_chat_template(tokenize=False)`, or fail with transformers' message.
 
-use std::path::PathBuf;
-
 use qwen36::{ChatMessage, ChatTemplate};
 use serde_json::{Map, Value};
 
 /// The bundled model's template before tool support; plain chats must still render the same.
 const PLAIN_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}";
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn bundled() -> ChatTemplate {
-    let path = repo().join("models/qwen36-tiny/tokenizer_config.json");
+    let path = qwen36_testutil::bundled_dir().join("tokenizer_config.json");
     ChatTemplate::from_tokenizer_config(&path)
         .expect("tokenizer_config.json loads")
         .expect("tokenizer_config.json has a chat_template")
@@ -33,7 +27,7 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_templates.json");
+    let path = qwen36_testutil::crate_fixture("qwen36", "chat_templates.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let all: Vec<Value> = serde_json::from_str(&text).expect("fixture is JSON");
     all.into_iter()

@@ -1,27 +1,17 @@
 //! The high-level generator on the HF fixture models.
 
+mod common;
+
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
-use qwen36::{GenerateOptions, Generator, LoadOptions, SamplingParams, StopReason};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../model/tests/fixtures")
-        .join(name)
-}
-
-fn reference(name: &str, key: &str) -> Vec<u32> {
-    let r =
-        candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu).unwrap();
-    r[key].to_dtype(DType::U32).unwrap().to_vec1().unwrap()
-}
+use common::*;
+use qwen36::{GenerateOptions, SamplingParams, StopReason};
 
 #[test]
 fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
-    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
-    let prompt = reference("tiny-nested", "prompt1.ids");
-    let want = reference("tiny-nested", "prompt1.greedy");
+    let g = load_generator(fixture_dir("tiny-nested"));
+    let prompt = fixture_ids("tiny-nested", "prompt1.ids");
+    let want = fixture_ids("tiny-nested", "prompt1.greedy");
     let opts = GenerateOptions {
         max_new_tokens: want.len(),
         sampling: Some(SamplingParams::greedy()),
@@ -54,7 +44,7 @@ fn greedy_generation_matches_hf_and_stops_on_stop_ids() {
 #[test]
 fn sampled_generation_is_reproducible_by_seed() {
     // tiny-nested spreads logits over ~10 units (tiny-flat over ~50: sampling there is near-greedy).
-    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
+    let g = load_generator(fixture_dir("tiny-nested"));
     let run = |seed| {
         let s = SamplingParams {
             temperature: 1.5,
@@ -76,7 +66,7 @@ fn sampled_generation_is_reproducible_by_seed() {
 
 #[test]
 fn text_prompt_without_tokenizer_is_an_error() {
-    let g = Generator::load(fixture("tiny-flat"), test_opts()).unwrap();
+    let g = load_generator(fixture_dir("tiny-flat"));
     let e = g
         .generate_text("hello", &GenerateOptions::default(), |_| {})
         .unwrap_err();
@@ -86,9 +76,9 @@ fn text_prompt_without_tokenizer_is_an_error() {
 #[test]
 fn speculative_generation_equals_plain_greedy() {
     use qwen36::{DrafterKind, Speculative};
-    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
+    let g = load_generator(fixture_dir("tiny-nested"));
     assert!(g.mtp_head().is_some());
-    let prompt = reference("tiny-nested", "prompt1.ids");
+    let prompt = fixture_ids("tiny-nested", "prompt1.ids");
     let base = GenerateOptions {
         max_new_tokens: 60,
         sampling: Some(SamplingParams::greedy()),
@@ -116,7 +106,7 @@ fn speculative_generation_equals_plain_greedy() {
 fn mtp_without_head_is_a_typed_error() {
     use qwen36::{DrafterKind, Speculative};
     let dir = tempfile_dir();
-    let g = Generator::load(&dir, test_opts()).unwrap();
+    let g = load_generator(&dir);
     let opts = GenerateOptions {
         speculative: Some(Speculative {
             k: 2,
@@ -134,28 +124,23 @@ fn mtp_without_head_is_a_typed_error() {
 fn tempfile_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("qwen36-nomtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(fixture("tiny-flat").join("config.json"), dir.join("config.json")).unwrap();
-    let mut map =
-        candle_core::safetensors::load(fixture("tiny-flat").join("model.safetensors"), &Device::Cpu).unwrap();
+    std::fs::copy(
+        fixture_dir("tiny-flat").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let mut map = load_tensors(fixture_dir("tiny-flat").join("model.safetensors"));
     map.retain(|k, _| !k.starts_with("mtp."));
     candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
     dir
 }
 
-/// Load options for the test device.
-fn test_opts() -> LoadOptions {
-    LoadOptions {
-        device: qwen36_testutil::test_device(),
-        ..Default::default()
-    }
-}
-
 #[test]
 fn kept_caches_start_each_generation_fresh() {
     use qwen36::{DrafterKind, Speculative};
-    let g = Generator::load(fixture("tiny-nested"), test_opts()).unwrap();
-    let prompt = reference("tiny-nested", "prompt1.ids");
-    let want = reference("tiny-nested", "prompt1.greedy");
+    let g = load_generator(fixture_dir("tiny-nested"));
+    let prompt = fixture_ids("tiny-nested", "prompt1.ids");
+    let want = fixture_ids("tiny-nested", "prompt1.greedy");
     // A longer, different sequence in between (its KV buffers grow): nothing of it may leak.
     let other: Vec<u32> = prompt.iter().rev().chain(&prompt).copied().collect();
     let greedy = GenerateOptions {

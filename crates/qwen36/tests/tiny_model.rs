@@ -2,23 +2,17 @@
 //! PyTorch / transformers numbers recorded at training time (models/qwen36-tiny.reference.safetensors,
 //! f32 from the shipped bf16 weights).
 
+mod common;
+
 use std::collections::HashMap;
-use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{Device, Tensor, D};
+use common::*;
 use qwen36::mtp::{MtpDrafter, SpecConfig, SpeculativeDecoder};
-use qwen36::{GenerateOptions, Generator, LoadOptions, SamplingParams};
-
-fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny")
-}
-
-fn reference() -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(dir().join("../qwen36-tiny.reference.safetensors"), &Device::Cpu).unwrap()
-}
+use qwen36::{GenerateOptions, Generator, SamplingParams};
 
 fn ids(r: &HashMap<String, Tensor>, key: &str) -> Vec<u32> {
-    r[key].to_dtype(DType::U32).unwrap().to_vec1().unwrap()
+    ids_of(&r[key])
 }
 
 fn scalar(r: &HashMap<String, Tensor>, key: &str) -> f64 {
@@ -26,7 +20,7 @@ fn scalar(r: &HashMap<String, Tensor>, key: &str) -> f64 {
 }
 
 fn generator() -> Generator {
-    Generator::load(dir(), test_opts()).unwrap()
+    load_generator(bundled_dir())
 }
 
 /// Mean next-token NLL over 4 windows of 512 held-out tokens equals PyTorch's to 1e-3 relative
@@ -34,7 +28,7 @@ fn generator() -> Generator {
 #[test]
 fn heldout_perplexity_matches_pytorch() {
     let g = generator();
-    let r = reference();
+    let r = bundled_reference();
     let all = ids(&r, "heldout.ids");
     let windows = (all.len() - 1) / 512;
     let mut nll = 0.0f64;
@@ -75,7 +69,7 @@ fn candle_nn_log_softmax(logits: &Tensor) -> Vec<Vec<f32>> {
 #[test]
 fn greedy_generation_matches_transformers_for_64_tokens() {
     let g = generator();
-    let r = reference();
+    let r = bundled_reference();
     for p in 0..3 {
         let prompt = ids(&r, &format!("prompt{p}.ids"));
         let want = ids(&r, &format!("prompt{p}.greedy"));
@@ -97,7 +91,7 @@ fn greedy_generation_matches_transformers_for_64_tokens() {
 #[test]
 fn mtp_acceptance_matches_pytorch() {
     let g = generator();
-    let r = reference();
+    let r = bundled_reference();
     let head = g.mtp_head().expect("the bundled model has an MTP head");
     let (mut reached, mut accepted) = (0usize, 0usize);
     for p in 0..3 {
@@ -161,14 +155,6 @@ fn default_sampling_does_not_loop() {
             "seed {seed}: only {} distinct tokens in the last 256",
             distinct.len()
         );
-    }
-}
-
-/// Load options for the test device.
-fn test_opts() -> LoadOptions {
-    LoadOptions {
-        device: qwen36_testutil::test_device(),
-        ..Default::default()
     }
 }
 

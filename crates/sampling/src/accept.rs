@@ -1,4 +1,4 @@
-//! Speculative acceptance (Leviathan et al.; ARCHITECTURE §4.4): lossless by construction.
+//! Speculative acceptance (Leviathan et al.; docs/MODEL.md §4.4): lossless by construction.
 
 use crate::sampler::{argmax, draw_index};
 use crate::{Error, Result};

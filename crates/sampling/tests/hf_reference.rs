@@ -38,8 +38,11 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn cases() -> Vec<Case> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf_sampler.json");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let path = qwen36_testutil::crate_fixture("sampling", "hf_sampler.json");
+    let v: Value = serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap();
     v["cases"]
         .as_array()
         .unwrap()

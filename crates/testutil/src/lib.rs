@@ -1,4 +1,14 @@
-//! Helpers shared by the qwen36 test suites.
+//! Helpers shared by the qwen36 test suites: the test device, tensor comparisons, seeded random
+//! tensors, and the fixtures (found at run time, see [`workspace_dir`]).
+//!
+//! This crate depends on candle only: qwen36-kernels dev-depends on it, so it cannot depend on
+//! qwen36-model (or anything else above the kernels). The helpers that need the model (loading
+//! onto the test device, greedy decoding) are in `include/model.rs`, which the suites of the
+//! crates that depend on qwen36-model compile into themselves with `#[path]`.
+
+mod fixtures;
+
+pub use fixtures::*;
 
 use candle_core::{DType, Device, Shape, Tensor};
 

@@ -5,13 +5,14 @@
 //! calls `griddepcontrol.launch_dependents` first thing), do what does not depend on earlier
 //! kernels (the GEMV loads its first weights), then block in `griddepcontrol.wait` until the
 //! previous grid has completed and its writes are visible (which, as that grid waited in turn,
-//! orders the whole chain). Measured on an H200 (docs/BENCHMARKS.md, E23): 0.3-0.7 ms off an
-//! eager decode step of Qwen3.6-27B, nothing measurable inside a CUDA graph.
+//! orders the whole chain). Measured on an H200 (docs/history/BENCHMARKS-log.md, the PDL A/B
+//! runs): 0.3-0.7 ms off an eager decode step of Qwen3.6-27B, nothing measurable inside a CUDA
+//! graph.
 //!
 //! Every kernel in `cuda/*.cu` calls `pdl_wait()` (common.cuh) before it reads or writes global
 //! memory that another kernel touches; that is what makes the attribute safe for all of them. The
-//! attribute is set only where the device is sm_90+ and the PTX was built for it (on older PTX
-//! the wait compiles to nothing); `QWEN36_PDL=0` turns it off (for A/B benchmarks).
+//! attribute is set where the [`KernelPolicy`] asks for it, the device is sm_90+ and the PTX was
+//! built for it (on older PTX the wait compiles to nothing).
 //!
 //! cudarc's `LaunchArgs` cannot pass launch attributes, so this replaces it for our kernels. What
 //! it leaves out is cudarc's per-buffer events, which only act when a context runs several
@@ -29,6 +30,8 @@ use candle_core::cuda::cudarc::driver::{
     LaunchConfig,
 };
 use candle_core::CudaDevice;
+
+use crate::KernelPolicy;
 
 /// Compute capability the PTX was built for (build.rs).
 const PTX_CAP: &str = env!("QWEN36_PTX_CAP");
@@ -80,11 +83,15 @@ pub(crate) struct KernelCall<'a> {
 }
 
 impl<'a> KernelCall<'a> {
-    pub(crate) fn new(dev: &CudaDevice, func: &'a CudaFunction) -> Self {
+    /// A launch of `func` on `dev`'s stream, with PDL where `policy` and the device allow it.
+    pub(crate) fn new(dev: &CudaDevice, func: &'a CudaFunction, policy: &KernelPolicy) -> Self {
         let stream = dev.cuda_stream();
+        // Every launch sets the device up (its first also configures the memory pool), whatever
+        // the policy says about PDL.
+        let setup = device_setup(&stream);
         Self {
             func,
-            pdl: device_setup(&stream).pdl,
+            pdl: policy.pdl && setup.pdl,
             stream,
             words: [0; MAX_ARGS],
             n: 0,
@@ -144,16 +151,16 @@ impl<'a> KernelCall<'a> {
     }
 }
 
-/// How our launches run on one device.
+/// What one device supports of our launches.
 #[derive(Clone, Copy)]
 struct DeviceSetup {
-    /// Launches carry the PDL attribute.
+    /// Launches may carry the PDL attribute (an sm_90+ device and PTX built for it).
     pdl: bool,
 }
 
-/// The launch settings of `stream`'s device, decided at its first launch and cached per device
-/// ordinal; that first launch also makes the device's memory pool keep freed memory
-/// ([`keep_freed_memory`]).
+/// What `stream`'s device supports, found at its first launch and cached per device ordinal (a
+/// fact of the hardware and the build, the same for every policy); that first launch also makes
+/// the device's memory pool keep freed memory ([`keep_freed_memory`]).
 fn device_setup(stream: &CudaStream) -> DeviceSetup {
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
     let ctx = stream.context();
@@ -168,8 +175,7 @@ fn device_setup(stream: &CudaStream) -> DeviceSetup {
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         .unwrap_or(0);
     let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
-    let off = std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0");
-    let on = major >= 9 && ptx_cap >= 90 && !off;
+    let on = major >= 9 && ptx_cap >= 90;
     if let Some(s) = slot {
         s.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }

@@ -1,17 +1,19 @@
 //! Causal depthwise conv1d with a fused SiLU, the short convolution in front of GDN
-//! (ARCHITECTURE §2.1 step 3).
+//! (docs/MODEL.md §2.1 step 3).
 //!
 //! `y_t[c] = silu(Σ_j w[c, j] · x_{t-K+1+j}[c])`, tap `K-1` on the current token. The state is the
 //! last `K-1` **raw** inputs per channel (before conv and SiLU), oldest first, zeros for a fresh
 //! sequence; it is kept in the activation dtype like the reference.
+//!
+//! [`reference`] holds the CPU form; `cuda.rs` the launchers of cuda/gdn.cu's conv kernels.
 
-use candle_core::{Device, Tensor};
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod reference;
 
-use crate::{expect_rank, host_f32, Error, Result};
+use candle_core::Tensor;
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
+use crate::{expect_rank, Error, KernelPolicy, Result};
 
 /// Checks shapes and returns `(batch, len, channels, kernel)`.
 fn check(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(usize, usize, usize, usize)> {
@@ -51,45 +53,19 @@ fn check(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(usize, 
 /// Causal conv1d + SiLU over `x: [batch, len, channels]` with `weight: [channels, (1,) kernel]`,
 /// continuing from `state: [batch, channels, kernel-1]` (`None` = fresh sequence).
 /// Returns `(y: [batch, len, channels], new_state: [batch, channels, kernel-1])`, both in `x`'s dtype.
-pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-    let (b, t, c, k) = check(x, weight, state)?;
+pub fn causal_conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    state: Option<&Tensor>,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Tensor)> {
+    let (_, _, _, k) = check(x, weight, state)?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return crate::cuda::conv1d(x, weight, state, k);
+        return cuda::conv1d(x, weight, state, k, policy);
     }
-    let hist = k - 1;
-    let xs = host_f32(x)?;
-    let w = host_f32(weight)?;
-    let st = match state {
-        Some(s) => host_f32(s)?,
-        None => vec![0.0; b * c * hist],
-    };
-    let mut y = vec![0.0f32; b * t * c];
-    let mut new_state = vec![0.0f32; b * c * hist];
-    // The window for channel `ch`: `hist` state values then `t` inputs.
-    let mut window = vec![0.0f32; hist + t];
-    for bi in 0..b {
-        for ch in 0..c {
-            window[..hist].copy_from_slice(&st[(bi * c + ch) * hist..(bi * c + ch + 1) * hist]);
-            for ti in 0..t {
-                window[hist + ti] = xs[(bi * t + ti) * c + ch];
-            }
-            let wk = &w[ch * k..(ch + 1) * k];
-            for ti in 0..t {
-                let acc: f32 = wk.iter().zip(&window[ti..ti + k]).map(|(a, b)| a * b).sum();
-                y[(bi * t + ti) * c + ch] = silu(acc);
-            }
-            new_state[(bi * c + ch) * hist..(bi * c + ch + 1) * hist].copy_from_slice(&window[t..t + hist]);
-        }
-    }
-    let dev = x.device();
-    let y = Tensor::from_vec(y, (b, t, c), &Device::Cpu)?
-        .to_dtype(x.dtype())?
-        .to_device(dev)?;
-    let s = Tensor::from_vec(new_state, (b, c, hist), &Device::Cpu)?
-        .to_dtype(x.dtype())?
-        .to_device(dev)?;
-    Ok((y, s))
+    let _ = (k, policy);
+    reference::causal_conv1d(x, weight, state)
 }
 
 /// [`causal_conv1d`] with the state updated in place: `state: [batch, channels, kernel-1]`
@@ -104,6 +80,7 @@ pub fn causal_conv1d_in_place(
     weight: &Tensor,
     state: &Tensor,
     window: Option<&Tensor>,
+    policy: &KernelPolicy,
 ) -> Result<Tensor> {
     let op = "causal_conv1d_in_place";
     let (b, t, c, k) = check(x, weight, Some(state))?;
@@ -129,8 +106,9 @@ pub fn causal_conv1d_in_place(
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return crate::cuda::conv1d_in_place(x, weight, state, k, window);
+        return cuda::conv1d_in_place(x, weight, state, k, window, policy);
     }
+    let _ = policy;
     if let Some(w) = window {
         w.slice_set(
             &Tensor::cat(&[state, &x.transpose(1, 2)?], 2)?.contiguous()?,
@@ -138,23 +116,31 @@ pub fn causal_conv1d_in_place(
             0,
         )?;
     }
-    let (y, s) = causal_conv1d(x, weight, Some(state))?;
+    let (y, s) = reference::causal_conv1d(x, weight, Some(state))?;
     state.slice_set(&s, 0, 0)?;
     Ok(y)
 }
 
 /// One decode step: `x: [batch, channels]`, `state: [batch, channels, kernel-1]`.
 /// Returns `(y: [batch, channels], new_state)`.
-pub fn causal_conv1d_step(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn causal_conv1d_step(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Tensor)> {
     expect_rank("causal_conv1d_step", "x", x, 2)?;
-    let (y, s) = causal_conv1d(&x.unsqueeze(1)?, weight, Some(state))?;
+    let (y, s) = causal_conv1d(&x.unsqueeze(1)?, weight, Some(state), policy)?;
     Ok((y.squeeze(1)?, s))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::reference::silu;
     use super::*;
-    use candle_core::DType;
+    use candle_core::{DType, Device};
+
+    const P: &KernelPolicy = &KernelPolicy::DEFAULT;
 
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -176,7 +162,7 @@ mod tests {
         let dev = Device::Cpu;
         let xt = Tensor::from_vec(x.clone(), (b, t, c), &dev)?;
         let wt = Tensor::from_vec(w.clone(), (c, 1, k), &dev)?;
-        let (y, s) = causal_conv1d(&xt, &wt, None)?;
+        let (y, s) = causal_conv1d(&xt, &wt, None, P)?;
         let y = y.flatten_all()?.to_vec1::<f32>()?;
         for bi in 0..b {
             for ti in 0..t {
@@ -210,12 +196,12 @@ mod tests {
         let dev = Device::Cpu;
         let x = Tensor::from_vec(rand_vec(b * t * c, 3), (b, t, c), &dev)?;
         let w = Tensor::from_vec(rand_vec(c * k, 4), (c, k), &dev)?;
-        let (y_all, s_all) = causal_conv1d(&x, &w, None)?;
+        let (y_all, s_all) = causal_conv1d(&x, &w, None, P)?;
         // Short prompt (1 token < k-1) exercises the zero-filled state.
-        let (y0, mut s) = causal_conv1d(&x.narrow(1, 0, 1)?, &w, None)?;
+        let (y0, mut s) = causal_conv1d(&x.narrow(1, 0, 1)?, &w, None, P)?;
         let mut ys = vec![y0];
         for ti in 1..t {
-            let (yt, st) = causal_conv1d_step(&x.narrow(1, ti, 1)?.squeeze(1)?, &w, &s)?;
+            let (yt, st) = causal_conv1d_step(&x.narrow(1, ti, 1)?.squeeze(1)?, &w, &s, P)?;
             ys.push(yt.unsqueeze(1)?);
             s = st;
         }
@@ -232,7 +218,7 @@ mod tests {
         let x = Tensor::zeros((1, 2, 3), DType::F32, &dev)?;
         let w = Tensor::zeros((3, 4), DType::F32, &dev)?;
         let s = Tensor::zeros((1, 3, 2), DType::F32, &dev)?;
-        let err = causal_conv1d(&x, &w, Some(&s)).unwrap_err().to_string();
+        let err = causal_conv1d(&x, &w, Some(&s), P).unwrap_err().to_string();
         assert!(err.contains("state must be [1, 3, 3]"), "{err}");
         Ok(())
     }
@@ -246,26 +232,26 @@ mod tests {
         let x = Tensor::new(rand_vec(2 * 3 * 5, 7), &dev)?.reshape((2, 3, 5))?;
         let w = Tensor::new(rand_vec(5 * 4, 8), &dev)?.reshape((5, 4))?;
         let s0 = Tensor::new(rand_vec(2 * 5 * 3, 9), &dev)?.reshape((2, 5, 3))?;
-        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, None).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, None, P).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
         let strided = Tensor::zeros((2, 3, 5), DType::F32, &dev)?.transpose(1, 2)?;
-        let err = causal_conv1d_in_place(&x, &w, &strided, None).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &strided, None, P).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
-        let (y_want, s_want) = causal_conv1d(&x, &w, Some(&s0))?;
+        let (y_want, s_want) = causal_conv1d(&x, &w, Some(&s0), P)?;
         let state = s0.copy()?;
         // The window must fit and be a buffer of its own.
         let short = Tensor::zeros((2, 5, 5), DType::F32, &dev)?;
-        let err = causal_conv1d_in_place(&x, &w, &state, Some(&short)).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &state, Some(&short), P).unwrap_err();
         assert!(err.to_string().contains("window must be"), "{err}");
         let both = Tensor::zeros((2 * 5 * 3 + 2 * 5 * 6,), DType::F32, &dev)?;
         let (aliased_state, aliased_window) = (
             both.narrow(0, 0, 30)?.reshape((2, 5, 3))?,
             both.narrow(0, 30, 60)?.reshape((2, 5, 6))?,
         );
-        let err = causal_conv1d_in_place(&x, &w, &aliased_state, Some(&aliased_window)).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &aliased_state, Some(&aliased_window), P).unwrap_err();
         assert!(err.to_string().contains("shares its buffer"), "{err}");
         let window = Tensor::zeros((2, 5, 6), DType::F32, &dev)?;
-        let y = causal_conv1d_in_place(&x, &w, &state, Some(&window))?;
+        let y = causal_conv1d_in_place(&x, &w, &state, Some(&window), P)?;
         let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
             Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
         };

@@ -1,4 +1,4 @@
-//! The gated delta rule (ARCHITECTURE §2.2-2.3): the GDN recurrence, in f32.
+//! The gated delta rule (docs/MODEL.md §2.2-2.3): the GDN recurrence, in f32.
 //!
 //! Per value head `h` with state `S ∈ R^{dk×dv}` and for each token:
 //! ```text
@@ -13,13 +13,16 @@
 //!
 //! Shapes: `q, k: [batch, len, k_heads, dk]`, `v: [batch, len, v_heads, dv]`,
 //! `g, beta: [batch, len, v_heads]`, state `[batch, v_heads, dk, dv]` (f32 only).
+//!
+//! [`reference`] holds the CPU forms; `cuda.rs` the launchers of cuda/gdn.cu.
 
-use std::sync::{Mutex, PoisonError};
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod reference;
 
-use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
+use candle_core::{DType, Tensor};
 
-use crate::{expect_rank, host_f32, Error, Result};
+use crate::{expect_rank, Error, KernelPolicy, Result};
 
 /// Outputs of a delta-rule call.
 #[derive(Debug, Clone)]
@@ -30,6 +33,24 @@ pub struct DeltaRuleOutput {
     pub state: Tensor,
     /// With `keep_all_states`: the state after every token, `[batch, len, v_heads, dk, dv]`, f32.
     pub all_states: Option<Tensor>,
+}
+
+/// The inputs of the unfused forms: `q, k: [batch, len, k_heads, dk]` (L2-normalised),
+/// `v: [batch, len, v_heads, dv]`, `g` (log decays) and `beta: [batch, len, v_heads]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaRuleInputs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
+}
+
+impl<'a> DeltaRuleInputs<'a> {
+    /// The five tensors in the order the math names them.
+    pub fn new(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, g: &'a Tensor, beta: &'a Tensor) -> Self {
+        Self { q, k, v, g, beta }
+    }
 }
 
 /// Sizes shared by both forms (and the CUDA launches), checked once.
@@ -43,15 +64,8 @@ pub(crate) struct Dims {
     pub dv: usize,
 }
 
-fn check(
-    op: &'static str,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: Option<&Tensor>,
-) -> Result<Dims> {
+fn check(op: &'static str, x: DeltaRuleInputs, state: Option<&Tensor>) -> Result<Dims> {
+    let DeltaRuleInputs { q, k, v, g, beta } = x;
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         expect_rank(op, name, t, 4)?;
     }
@@ -98,171 +112,26 @@ fn check_heads_and_state(op: &'static str, d: Dims, state: Option<&Tensor>) -> R
     Ok(())
 }
 
-/// Host copies of the inputs, in the token-major layout of the tensors.
-struct Host {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    g: Vec<f32>,
-    beta: Vec<f32>,
-    state: Vec<f32>,
-}
-
-impl Host {
-    fn new(
-        d: Dims,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        state: Option<&Tensor>,
-    ) -> Result<Self> {
-        Ok(Self {
-            q: host_f32(q)?,
-            k: host_f32(k)?,
-            v: host_f32(v)?,
-            g: host_f32(g)?,
-            beta: host_f32(beta)?,
-            state: match state {
-                Some(s) => host_f32(s)?,
-                None => vec![0.0; d.b * d.hv * d.dk * d.dv],
-            },
-        })
-    }
-    /// Range of the q/k row that value head `hv` reads at token `t`.
-    fn qk_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> std::ops::Range<usize> {
-        let h = hv / (d.hv / d.hk);
-        let off = ((b * d.t + t) * d.hk + h) * d.dk;
-        off..off + d.dk
-    }
-    fn v_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> std::ops::Range<usize> {
-        let off = ((b * d.t + t) * d.hv + hv) * d.dv;
-        off..off + d.dv
-    }
-    fn gate_at(&self, d: Dims, b: usize, t: usize, hv: usize) -> usize {
-        (b * d.t + t) * d.hv + hv
-    }
-    fn state_of(&self, d: Dims, b: usize, hv: usize) -> &[f32] {
-        let n = d.dk * d.dv;
-        &self.state[(b * d.hv + hv) * n..(b * d.hv + hv + 1) * n]
-    }
-}
-
-/// Runs `f` over the (batch, value head) units: in parallel when there is enough work to pay for
-/// waking threads (a decode step of a tiny model has a few thousand flops per unit).
-fn per_unit<F: Fn(usize) -> HeadResult + Sync + Send>(d: Dims, f: F) -> Vec<HeadResult> {
-    let units = d.b * d.hv;
-    if units * d.t * d.dk * d.dv < 1 << 16 {
-        (0..units).map(f).collect()
-    } else {
-        (0..units).into_par_iter().map(f).collect()
-    }
-}
-
-/// What one (batch, value head) unit produces.
-struct HeadResult {
-    out: Vec<f32>,         // [t, dv]
-    state: Vec<f32>,       // [dk, dv]
-    all: Option<Vec<f32>>, // [t, dk, dv]
-}
-
-/// Assembles per-head results (ordered by `b * hv + h`) into the output tensors.
-fn assemble(d: Dims, heads: Vec<HeadResult>, device: &Device) -> Result<DeltaRuleOutput> {
-    let n = d.dk * d.dv;
-    let mut out = vec![0.0f32; d.b * d.t * d.hv * d.dv];
-    let mut state = vec![0.0f32; d.b * d.hv * n];
-    let keep = heads.first().is_some_and(|h| h.all.is_some());
-    let mut all = if keep {
-        vec![0.0f32; d.b * d.t * d.hv * n]
-    } else {
-        Vec::new()
-    };
-    for (unit, hr) in heads.into_iter().enumerate() {
-        let (b, h) = (unit / d.hv, unit % d.hv);
-        for t in 0..d.t {
-            let dst = ((b * d.t + t) * d.hv + h) * d.dv;
-            out[dst..dst + d.dv].copy_from_slice(&hr.out[t * d.dv..(t + 1) * d.dv]);
-            if let Some(a) = &hr.all {
-                let dst = ((b * d.t + t) * d.hv + h) * n;
-                all[dst..dst + n].copy_from_slice(&a[t * n..(t + 1) * n]);
-            }
-        }
-        state[unit * n..(unit + 1) * n].copy_from_slice(&hr.state);
-    }
-    let cpu = Device::Cpu;
-    Ok(DeltaRuleOutput {
-        out: Tensor::from_vec(out, (d.b, d.t, d.hv, d.dv), &cpu)?.to_device(device)?,
-        state: Tensor::from_vec(state, (d.b, d.hv, d.dk, d.dv), &cpu)?.to_device(device)?,
-        all_states: if keep {
-            Some(Tensor::from_vec(all, (d.b, d.t, d.hv, d.dk, d.dv), &cpu)?.to_device(device)?)
-        } else {
-            None
-        },
-    })
-}
-
 /// Token-by-token gated delta rule. With `keep_all_states`, also returns the state after every
 /// token (what a speculative verify needs to roll back to any accepted length).
-#[allow(clippy::too_many_arguments)]
 pub fn recurrent_gated_delta_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
+    x: DeltaRuleInputs,
     initial_state: Option<&Tensor>,
     scale: f32,
     keep_all_states: bool,
+    policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
-    let d = check("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)?;
+    let d = check("recurrent_gated_delta_rule", x, initial_state)?;
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::cuda::recurrent(d, q, k, v, g, beta, initial_state, scale, keep_all_states);
+    if x.q.device().is_cuda() {
+        return cuda::recurrent(d, x, initial_state, scale, keep_all_states, policy);
     }
-    let x = Host::new(d, q, k, v, g, beta, initial_state)?;
-    let heads: Vec<HeadResult> = per_unit(d, |unit| {
-        let (b, h) = (unit / d.hv, unit % d.hv);
-        let mut s = x.state_of(d, b, h).to_vec();
-        let mut out = vec![0.0f32; d.t * d.dv];
-        let mut all = keep_all_states.then(|| Vec::with_capacity(d.t * d.dk * d.dv));
-        let mut delta = vec![0.0f32; d.dv];
-        for t in 0..d.t {
-            let kt = &x.k[x.qk_at(d, b, t, h)];
-            let qt = &x.q[x.qk_at(d, b, t, h)];
-            let vt = &x.v[x.v_at(d, b, t, h)];
-            let gi = x.gate_at(d, b, t, h);
-            let (decay, bt) = (x.g[gi].exp(), x.beta[gi]);
-            s.iter_mut().for_each(|e| *e *= decay);
-            // δ = β (v − Sᵀk), read from the decayed state.
-            delta.copy_from_slice(vt);
-            for (i, &ki) in kt.iter().enumerate() {
-                for (dj, sij) in delta.iter_mut().zip(&s[i * d.dv..(i + 1) * d.dv]) {
-                    *dj -= sij * ki;
-                }
-            }
-            delta.iter_mut().for_each(|e| *e *= bt);
-            // S += k δᵀ, then o = Sᵀ (scale q).
-            let o = &mut out[t * d.dv..(t + 1) * d.dv];
-            for i in 0..d.dk {
-                let row = &mut s[i * d.dv..(i + 1) * d.dv];
-                let qi = qt[i] * scale;
-                for ((sij, dj), oj) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
-                    *sij += kt[i] * dj;
-                    *oj += *sij * qi;
-                }
-            }
-            if let Some(a) = all.as_mut() {
-                a.extend_from_slice(&s);
-            }
-        }
-        HeadResult { out, state: s, all }
-    });
-    assemble(d, heads, q.device())
+    let _ = (d, policy);
+    reference::recurrent(x, initial_state, scale, keep_all_states)
 }
 
-/// Chunk length of the chunked form (fla's default).
-pub const CHUNK_SIZE: usize = 64;
+/// Chunk length of the chunked form (fla's default), the one the CUDA kernels are built for.
+pub const CHUNK_SIZE: usize = crate::consts::GDN_CHUNK;
 
 /// Chunked (WY/UT transform) gated delta rule for prefill; exact for any length `T`
 /// (the last chunk is simply shorter, which equals zero padding with β = 0, g = 0).
@@ -271,136 +140,30 @@ pub const CHUNK_SIZE: usize = 64;
 /// `A_rs = β_r Γ_rs k_r·k_s (s < r)`, `U = (I+A)⁻¹ diag(β) V`, `W = (I+A)⁻¹ diag(β e^γ) K`,
 /// `Ṽ = U − W S₀`, `o_r = e^{γ_r} q_rᵀS₀ + Σ_{s≤r} Γ_rs (q_r·k_s) ṽ_s`,
 /// `S_exit = e^{γ_L} S₀ + Σ_s e^{γ_L−γ_s} k_s ṽ_sᵀ`.
-#[allow(clippy::too_many_arguments)]
+///
+/// On CUDA the kernels run chunks of [`CHUNK_SIZE`]; another `chunk_size` is an error there (the
+/// result does not depend on it beyond rounding: the reference takes any).
 pub fn chunked_gated_delta_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
+    x: DeltaRuleInputs,
     initial_state: Option<&Tensor>,
     scale: f32,
     chunk_size: usize,
+    policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
-    let d = check("chunked_gated_delta_rule", q, k, v, g, beta, initial_state)?;
-    if chunk_size == 0 {
+    let op = "chunked_gated_delta_rule";
+    let d = check(op, x, initial_state)?;
+    if x.q.device().is_cuda() && chunk_size != CHUNK_SIZE {
         return Err(Error::Shape {
-            op: "chunked_gated_delta_rule",
-            msg: "chunk_size must be positive".into(),
+            op,
+            msg: format!("the CUDA kernels run chunks of {CHUNK_SIZE} tokens, not {chunk_size}"),
         });
     }
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::cuda::chunked(d, q, k, v, g, beta, initial_state, scale);
+    if x.q.device().is_cuda() {
+        return cuda::chunked(d, x, initial_state, scale, policy);
     }
-    let x = Host::new(d, q, k, v, g, beta, initial_state)?;
-    let (dk, dv) = (d.dk, d.dv);
-    let heads: Vec<HeadResult> = per_unit(d, |unit| {
-        let (b, h) = (unit / d.hv, unit % d.hv);
-        let mut s = x.state_of(d, b, h).to_vec();
-        let mut out = vec![0.0f32; d.t * dv];
-        let c = chunk_size;
-        let (mut gamma, mut bet) = (vec![0.0f32; c], vec![0.0f32; c]);
-        let mut kk = vec![0.0f32; c * c];
-        let mut a = vec![0.0f32; c * c];
-        let mut u = vec![0.0f32; c * dv];
-        let mut w = vec![0.0f32; c * dk];
-        let mut vt = vec![0.0f32; c * dv];
-        let mut start = 0;
-        while start < d.t {
-            let l = c.min(d.t - start);
-            let kr = |r: usize| &x.k[x.qk_at(d, b, start + r, h)];
-            let qr = |r: usize| &x.q[x.qk_at(d, b, start + r, h)];
-            let vr = |r: usize| &x.v[x.v_at(d, b, start + r, h)];
-            let dot = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f32>();
-            let mut acc = 0.0f32;
-            for r in 0..l {
-                let gi = x.gate_at(d, b, start + r, h);
-                acc += x.g[gi];
-                gamma[r] = acc;
-                bet[r] = x.beta[gi];
-            }
-            for r in 0..l {
-                for s_ in 0..r {
-                    kk[r * c + s_] = dot(kr(r), kr(s_));
-                    a[r * c + s_] = bet[r] * (gamma[r] - gamma[s_]).exp() * kk[r * c + s_];
-                }
-            }
-            // Forward substitution: rows of U and W.
-            for r in 0..l {
-                let (vrow, krow) = (vr(r), kr(r));
-                let eg = gamma[r].exp();
-                for j in 0..dv {
-                    u[r * dv + j] = bet[r] * vrow[j];
-                }
-                for i in 0..dk {
-                    w[r * dk + i] = bet[r] * eg * krow[i];
-                }
-                for s_ in 0..r {
-                    let ars = a[r * c + s_];
-                    for j in 0..dv {
-                        u[r * dv + j] -= ars * u[s_ * dv + j];
-                    }
-                    for i in 0..dk {
-                        w[r * dk + i] -= ars * w[s_ * dk + i];
-                    }
-                }
-            }
-            // Ṽ = U − W S₀ (the per-token deltas).
-            for r in 0..l {
-                let vrow = &mut vt[r * dv..(r + 1) * dv];
-                vrow.copy_from_slice(&u[r * dv..(r + 1) * dv]);
-                for i in 0..dk {
-                    let wri = w[r * dk + i];
-                    for (vj, sij) in vrow.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                        *vj -= wri * sij;
-                    }
-                }
-            }
-            // Outputs: inter-chunk read of S₀ plus intra-chunk attention (diagonal included).
-            for r in 0..l {
-                let qrow = qr(r);
-                let o = &mut out[(start + r) * dv..(start + r + 1) * dv];
-                let eg = gamma[r].exp() * scale;
-                for i in 0..dk {
-                    let qi = qrow[i] * eg;
-                    for (oj, sij) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                        *oj += qi * sij;
-                    }
-                }
-                for s_ in 0..=r {
-                    let coef = (gamma[r] - gamma[s_]).exp() * dot(qrow, kr(s_)) * scale;
-                    for (oj, vj) in o.iter_mut().zip(&vt[s_ * dv..(s_ + 1) * dv]) {
-                        *oj += coef * vj;
-                    }
-                }
-            }
-            // Exit state.
-            let gl = gamma[l - 1];
-            let chunk_decay = gl.exp();
-            s.iter_mut().for_each(|e| *e *= chunk_decay);
-            for s_ in 0..l {
-                let f = (gl - gamma[s_]).exp();
-                let krow = kr(s_);
-                for i in 0..dk {
-                    let ki = krow[i] * f;
-                    for (sij, vj) in s[i * dv..(i + 1) * dv]
-                        .iter_mut()
-                        .zip(&vt[s_ * dv..(s_ + 1) * dv])
-                    {
-                        *sij += ki * vj;
-                    }
-                }
-            }
-            start += l;
-        }
-        HeadResult {
-            out,
-            state: s,
-            all: None,
-        }
-    });
-    assemble(d, heads, q.device())
+    let _ = (d, policy);
+    reference::chunked(x, initial_state, scale, chunk_size)
 }
 
 /// Head layout of a GDN layer: q and k have `k_heads × k_dim`, v has `v_heads × v_dim`.
@@ -410,38 +173,6 @@ pub struct GdnHeads {
     pub v_heads: usize,
     pub k_dim: usize,
     pub v_dim: usize,
-}
-
-/// Which CUDA kernels the chunked fused op runs: a benchmark and test knob ([`force_chunk_path`]).
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ChunkPath {
-    /// The default: bf16 activations on tensor cores with the widest scan block the device's
-    /// shared memory holds (on sm_90 64 state columns that also form the outputs, on sm_80 64
-    /// columns and on sm_86 and sm_89 32, each followed by the output kernel), other dtypes on
-    /// the f32 CUDA-core kernels with 32 columns per scan block.
-    Auto,
-    /// The f32 CUDA-core kernels with 16 or 32 state columns per scan block, for every dtype.
-    CudaCores(usize),
-    /// For bf16 activations, the tensor-core kernels with 32 or 64 state columns per scan block
-    /// (64 only where it fits, else 32) and the separate output kernel.
-    TensorCores(usize),
-}
-
-/// The path [`force_chunk_path`] set.
-static CHUNK_PATH: Mutex<ChunkPath> = Mutex::new(ChunkPath::Auto);
-
-/// Forces `path` for every later chunked call in the process ([`ChunkPath::Auto`] restores the
-/// default).
-#[doc(hidden)]
-pub fn force_chunk_path(path: ChunkPath) {
-    *CHUNK_PATH.lock().unwrap_or_else(PoisonError::into_inner) = path;
-}
-
-/// The path [`force_chunk_path`] set.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn chunk_path() -> ChunkPath {
-    *CHUNK_PATH.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The fused op's sizes from `qkv: [batch, len, width]` and `heads`, once its shapes are checked
@@ -483,6 +214,26 @@ fn check_fused(
     Ok(d)
 }
 
+/// A GDN layer's fixed parameters of its core: `a_log, dt_bias: [Hv]` (f32; the gates'
+/// `A_log` and `dt_bias`) and the head layout.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnParams<'a> {
+    pub a_log: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+    pub heads: GdnHeads,
+}
+
+impl<'a> GdnParams<'a> {
+    /// The parameters in the order the layer's checkpoint names them.
+    pub fn new(a_log: &'a Tensor, dt_bias: &'a Tensor, heads: GdnHeads) -> Self {
+        Self {
+            a_log,
+            dt_bias,
+            heads,
+        }
+    }
+}
+
 /// Which form of the delta rule [`fused_gated_delta_rule`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeltaRuleMode {
@@ -494,49 +245,27 @@ pub enum DeltaRuleMode {
 
 /// GDN's core in one call, from the conv output to the read-out: splits `qkv: [batch, len,
 /// 2·Hk·dk + Hv·dv]` into q, k, v, L2-normalises q and k per head (eps 1e-6), computes the gates
-/// from `a, b: [batch, len, Hv]`, `a_log, dt_bias: [Hv]` and runs the delta rule with scale
+/// from `a, b: [batch, len, Hv]` and the layer's `a_log, dt_bias` and runs the delta rule with scale
 /// `dk^-1/2`. CPU: the composition of [`crate::norm::l2_norm`], [`crate::gating::gdn_gating`] and
 /// the delta-rule forms; CUDA: one kernel for the recurrent form, two or three (prep, scan, and
-/// the outputs unless the scan forms them) for the chunked form.
+/// the outputs unless the scan forms them; `policy.chunk` picks them) for the chunked form.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gated_delta_rule(
     qkv: &Tensor,
     a: &Tensor,
     b: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
+    layer: GdnParams,
     state: Option<&Tensor>,
-    heads: GdnHeads,
     mode: DeltaRuleMode,
+    policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
-    let d = check_fused("fused_gated_delta_rule", qkv, a, b, heads, state)?;
-    let Dims {
-        b: bs,
-        t,
-        hk,
-        hv,
-        dk,
-        dv,
-    } = d;
-    let kd = hk * dk;
+    let d = check_fused("fused_gated_delta_rule", qkv, a, b, layer.heads, state)?;
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        return crate::cuda::fused(d, qkv, a, b, a_log, dt_bias, state, mode);
+        return cuda::fused(d, qkv, a, b, layer, state, mode, policy);
     }
-    let q = qkv.narrow(2, 0, kd)?.reshape((bs, t, hk, dk))?;
-    let k = qkv.narrow(2, kd, kd)?.reshape((bs, t, hk, dk))?;
-    let v = qkv.narrow(2, 2 * kd, hv * dv)?.reshape((bs, t, hv, dv))?;
-    let q = crate::norm::l2_norm(&q, 1e-6)?;
-    let k = crate::norm::l2_norm(&k, 1e-6)?;
-    let v = v.to_dtype(DType::F32)?;
-    let (g, beta) = crate::gating::gdn_gating(a, b, a_log, dt_bias)?;
-    let scale = (dk as f32).powf(-0.5);
-    match mode {
-        DeltaRuleMode::Chunked => chunked_gated_delta_rule(&q, &k, &v, &g, &beta, state, scale, CHUNK_SIZE),
-        DeltaRuleMode::Recurrent { keep_all_states } => {
-            recurrent_gated_delta_rule(&q, &k, &v, &g, &beta, state, scale, keep_all_states)
-        }
-    }
+    let _ = (d, policy);
+    reference::fused(qkv, a, b, layer, state, mode)
 }
 
 /// [`fused_gated_delta_rule`] in the recurrent form with the state updated in place: `state`
@@ -551,11 +280,10 @@ pub fn fused_gated_delta_rule_in_place(
     qkv: &Tensor,
     a: &Tensor,
     b: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
+    layer: GdnParams,
     state: &Tensor,
-    heads: GdnHeads,
     all_states: Option<&Tensor>,
+    policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
     if !state.is_contiguous() || state.dtype() != DType::F32 {
@@ -568,6 +296,7 @@ pub fn fused_gated_delta_rule_in_place(
         });
     }
     if let Some(all) = all_states {
+        let heads = layer.heads;
         let want = [qkv.dim(0)?, qkv.dim(1)?, heads.v_heads, heads.k_dim, heads.v_dim];
         crate::expect_out_buffer(op, "all_states", all, DType::F32, &want, ("the state", state))?;
     }
@@ -576,10 +305,10 @@ pub fn fused_gated_delta_rule_in_place(
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
         // The same shape checks as the fresh-state op, before the kernel runs.
-        let d = check_fused(op, qkv, a, b, heads, Some(state))?;
-        return crate::cuda::fused_in_place(d, qkv, a, b, a_log, dt_bias, state, all_states);
+        let d = check_fused(op, qkv, a, b, layer.heads, Some(state))?;
+        return cuda::fused_in_place(d, qkv, a, b, layer, state, all_states, policy);
     }
-    let r = fused_gated_delta_rule(qkv, a, b, a_log, dt_bias, Some(state), heads, mode)?;
+    let r = fused_gated_delta_rule(qkv, a, b, layer, Some(state), mode, policy)?;
     state.slice_set(&r.state, 0, 0)?;
     if let (Some(dst), Some(src)) = (all_states, &r.all_states) {
         dst.slice_set(src, 0, 0)?;
@@ -594,6 +323,9 @@ pub fn fused_gated_delta_rule_in_place(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
+
+    const P: &KernelPolicy = &KernelPolicy::DEFAULT;
 
     struct Case {
         q: Tensor,
@@ -716,7 +448,13 @@ mod tests {
     fn recurrent_matches_naive_matrix_form() -> Result<()> {
         let c = case(2, 37, 2, 6, 8, 12, 11);
         let scale = 8f32.powf(-0.5);
-        let r = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, true)?;
+        let r = recurrent_gated_delta_rule(
+            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
+            Some(&c.s0),
+            scale,
+            true,
+            P,
+        )?;
         let (out, fin) = naive(&c, scale as f64);
         assert!(max_abs_diff(&r.out, &out) < TOL as f64);
         assert!(max_abs_diff(&r.state, &fin) < TOL as f64);
@@ -725,14 +463,17 @@ mod tests {
         assert_eq!(all.dims(), &[2, 37, 6, 8, 12]);
         assert_eq!(max_diff(&all.narrow(1, 36, 1)?.squeeze(1)?, &r.state), 0.0);
         let one = recurrent_gated_delta_rule(
-            &c.q.narrow(1, 0, 1)?,
-            &c.k.narrow(1, 0, 1)?,
-            &c.v.narrow(1, 0, 1)?,
-            &c.g.narrow(1, 0, 1)?,
-            &c.beta.narrow(1, 0, 1)?,
+            DeltaRuleInputs::new(
+                &c.q.narrow(1, 0, 1)?,
+                &c.k.narrow(1, 0, 1)?,
+                &c.v.narrow(1, 0, 1)?,
+                &c.g.narrow(1, 0, 1)?,
+                &c.beta.narrow(1, 0, 1)?,
+            ),
             Some(&c.s0),
             scale,
             false,
+            P,
         )?;
         assert_eq!(max_diff(&all.narrow(1, 0, 1)?.squeeze(1)?, &one.state), 0.0);
         Ok(())
@@ -744,9 +485,20 @@ mod tests {
         for (t, seed) in [(1usize, 1u64), (63, 2), (64, 3), (65, 4), (150, 5)] {
             let c = case(1, t, 2, 6, 16, 24, seed);
             let scale = 16f32.powf(-0.5);
-            let r = recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, false)?;
-            let ch =
-                chunked_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&c.s0), scale, CHUNK_SIZE)?;
+            let r = recurrent_gated_delta_rule(
+                DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
+                Some(&c.s0),
+                scale,
+                false,
+                P,
+            )?;
+            let ch = chunked_gated_delta_rule(
+                DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
+                Some(&c.s0),
+                scale,
+                CHUNK_SIZE,
+                P,
+            )?;
             let (d_out, d_state) = (max_diff(&r.out, &ch.out), max_diff(&r.state, &ch.state));
             assert!(
                 d_out < TOL && d_state < TOL,
@@ -760,27 +512,39 @@ mod tests {
     fn chunked_continues_from_its_own_state() -> Result<()> {
         let c = case(2, 100, 1, 2, 8, 8, 9);
         let scale = 0.35;
-        let full = chunked_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, None, scale, 16)?;
-        let part = |x: &Tensor, s, l| x.narrow(1, s, l).unwrap();
-        let a = chunked_gated_delta_rule(
-            &part(&c.q, 0, 70),
-            &part(&c.k, 0, 70),
-            &part(&c.v, 0, 70),
-            &part(&c.g, 0, 70),
-            &part(&c.beta, 0, 70),
+        let full = chunked_gated_delta_rule(
+            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
             None,
             scale,
             16,
+            P,
+        )?;
+        let part = |x: &Tensor, s, l| x.narrow(1, s, l).unwrap();
+        let a = chunked_gated_delta_rule(
+            DeltaRuleInputs::new(
+                &part(&c.q, 0, 70),
+                &part(&c.k, 0, 70),
+                &part(&c.v, 0, 70),
+                &part(&c.g, 0, 70),
+                &part(&c.beta, 0, 70),
+            ),
+            None,
+            scale,
+            16,
+            P,
         )?;
         let b = chunked_gated_delta_rule(
-            &part(&c.q, 70, 30),
-            &part(&c.k, 70, 30),
-            &part(&c.v, 70, 30),
-            &part(&c.g, 70, 30),
-            &part(&c.beta, 70, 30),
+            DeltaRuleInputs::new(
+                &part(&c.q, 70, 30),
+                &part(&c.k, 70, 30),
+                &part(&c.v, 70, 30),
+                &part(&c.g, 70, 30),
+                &part(&c.beta, 70, 30),
+            ),
             Some(&a.state),
             scale,
             16,
+            P,
         )?;
         assert!(max_diff(&Tensor::cat(&[&a.out, &b.out], 1)?, &full.out) < TOL);
         assert!(max_diff(&b.state, &full.state) < TOL);
@@ -791,8 +555,14 @@ mod tests {
     fn non_f32_state_is_refused() -> Result<()> {
         let c = case(1, 2, 1, 1, 4, 4, 1);
         let s = c.s0.to_dtype(DType::BF16)?;
-        let err =
-            recurrent_gated_delta_rule(&c.q, &c.k, &c.v, &c.g, &c.beta, Some(&s), 0.5, false).unwrap_err();
+        let err = recurrent_gated_delta_rule(
+            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
+            Some(&s),
+            0.5,
+            false,
+            P,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("must be f32"), "{err}");
         Ok(())
     }
@@ -815,7 +585,15 @@ mod tests {
             Tensor::zeros(2, DType::F32, &dev)?,
         );
         let run = |s: &Tensor, all: Option<&Tensor>| {
-            fused_gated_delta_rule_in_place(&qkv, &ab, &ab, &a_log, &dt_bias, s, heads, all)
+            fused_gated_delta_rule_in_place(
+                &qkv,
+                &ab,
+                &ab,
+                GdnParams::new(&a_log, &dt_bias, heads),
+                s,
+                all,
+                P,
+            )
         };
         let s0 = qwen36_testutil::randn(303, 0.5, (1, 2, 4, 4), &dev)?;
         let err = run(&s0.to_dtype(DType::BF16)?, None).unwrap_err().to_string();
@@ -830,13 +608,12 @@ mod tests {
             &qkv,
             &ab,
             &ab,
-            &a_log,
-            &dt_bias,
+            GdnParams::new(&a_log, &dt_bias, heads),
             Some(&s0),
-            heads,
             DeltaRuleMode::Recurrent {
                 keep_all_states: true,
             },
+            P,
         )?;
         let state = s0.copy()?;
         let got = run(&state, None)?;

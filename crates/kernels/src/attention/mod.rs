@@ -5,13 +5,20 @@
 //! reference (f32 loops). Prefill: [`prefill_attention`] (a FlashAttention-2 kernel on CUDA for
 //! bf16/f16, see [`prefill_attention_fits`]); elsewhere the model's matmul path, with
 //! [`causal_softmax`] between its two matmuls.
+//!
+//! [`reference`] holds the CPU forms (f32 loops, candle's softmax and scatter); `cuda.rs` the
+//! launchers of cuda/attention.cu.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod reference;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::{expect_rank, Error, Result};
+use crate::{expect_rank, Error, KernelPolicy, Result};
 
 /// Keys per span of the CUDA split-K kernel (one per lane in its softmax step).
-pub const KEYS_PER_SPAN: usize = 32;
+pub const KEYS_PER_SPAN: usize = crate::consts::ATTENTION_KEYS_PER_SPAN;
 /// Shared memory the CUDA kernel may use per block without opting in.
 const SHARED_BYTES: usize = 48 * 1024;
 
@@ -23,22 +30,38 @@ pub fn decode_attention_fits(rows: usize, head_dim: usize, dtype: DType) -> bool
         && rows * (head_dim + KEYS_PER_SPAN) * 4 <= SHARED_BYTES
 }
 
+/// The operands of an attention call: queries, keys and values (shapes at each op), the output
+/// gate of gated attention (multiplied in as `sigmoid(gate)`) and the score scale.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionInputs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub gate: Option<&'a Tensor>,
+    pub scale: f64,
+}
+
+impl<'a> AttentionInputs<'a> {
+    /// `softmax(scale · q·kᵀ)·v`, times `sigmoid(gate)` when given.
+    pub fn new(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, gate: Option<&'a Tensor>, scale: f64) -> Self {
+        Self { q, k, v, gate, scale }
+    }
+}
+
 /// `q: [b, kv_heads, g·t, hd]` (row `r` is query head `kv·g + r / t` at new token `r % t`),
 /// `k, v: [b, kv_heads, cap, hd]` (the cache buffers), `len`: u32 `[1]`, the valid keys including
 /// the `t` new ones, `len ≤ cap`. New token `i` sits at position `len − t + i` and attends to
-/// keys `0..=len − t + i`, scaled by `scale`. With `gate: [b, t, kv_heads·g, hd]` (any strides;
+/// keys `0..=len − t + i`, scaled by `x.scale`. With `gate: [b, t, kv_heads·g, hd]` (any strides;
 /// gated attention) the output is multiplied by `sigmoid(gate)` (on CUDA as it is written).
 /// Returns `[b, t, kv_heads·g, hd]` in `q`'s dtype: token-major, the layout the output projection
 /// reads.
 pub fn decode_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    x: AttentionInputs,
     len: &Tensor,
     new_tokens: usize,
-    scale: f64,
-    gate: Option<&Tensor>,
+    policy: &KernelPolicy,
 ) -> Result<Tensor> {
+    let AttentionInputs { q, k, v, gate, .. } = x;
     let op = "decode_attention";
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
         expect_rank(op, arg, t, 4)?;
@@ -69,16 +92,10 @@ pub fn decode_attention(
     }
     if q.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return crate::cuda::decode_attention(q, k, v, len, t, scale, gate);
+        return cuda::decode_attention(x, len, t, policy);
     }
-    let out = reference(q, k, v, len, t, scale)?
-        .reshape((b, h, r / t, t, d))?
-        .permute((0, 3, 1, 2, 4))?
-        .reshape((b, t, heads, d))?;
-    Ok(match gate {
-        Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
-        None => out,
-    })
+    let _ = (heads, policy);
+    reference::decode_attention(x, len, t)
 }
 
 /// Writes a step's new keys and values into the cache buffers: row `i` of `k, v: [b, kv_heads,
@@ -93,6 +110,7 @@ pub fn write_kv(
     k_cache: &Tensor,
     v_cache: &Tensor,
     positions: &Tensor,
+    policy: &KernelPolicy,
 ) -> Result<()> {
     let op = "write_kv";
     for (arg, t) in [("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)] {
@@ -139,59 +157,10 @@ pub fn write_kv(
     )?;
     if k.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return crate::cuda::write_kv(k, v, k_cache, v_cache, positions);
+        return cuda::write_kv(k, v, k_cache, v_cache, positions, policy);
     }
-    let index = positions
-        .reshape((1, 1, t, 1))?
-        .broadcast_as((b, h, t, d))?
-        .contiguous()?;
-    k_cache.scatter_set(&index, &k.contiguous()?, 2)?;
-    v_cache.scatter_set(&index, &v.contiguous()?, 2)?;
-    Ok(())
-}
-
-/// The CPU reference: f32 loops over every (batch, head, row), softmax over the visible keys.
-fn reference(q: &Tensor, k: &Tensor, v: &Tensor, len: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
-    let l = len.to_device(&Device::Cpu)?.to_vec1::<u32>()?[0] as usize;
-    reference_rows(q, k, v, l, t, scale)
-}
-
-/// [`reference`] with the valid length `l` as a host number (clamped to the buffer).
-fn reference_rows(q: &Tensor, k: &Tensor, v: &Tensor, l: usize, t: usize, scale: f64) -> Result<Tensor> {
-    let (b, h, r, d) = q.dims4()?;
-    let cap = k.dim(2)?;
-    let l = l.min(cap);
-    let (qh, kh, vh) = (crate::host_f32(q)?, crate::host_f32(k)?, crate::host_f32(v)?);
-    let mut out = vec![0f32; b * h * r * d];
-    let mut p = vec![0f32; l];
-    for bh in 0..b * h {
-        for row in 0..r {
-            let qr = &qh[(bh * r + row) * d..][..d];
-            // Visible keys: 0..=position of this row's token.
-            let seen = (l + 1 + row % t).saturating_sub(t).min(l);
-            let mut m = f32::NEG_INFINITY;
-            for (j, pj) in p[..seen].iter_mut().enumerate() {
-                let kr = &kh[(bh * cap + j) * d..][..d];
-                *pj = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale as f32;
-                m = m.max(*pj);
-            }
-            let mut sum = 0f32;
-            for pj in &mut p[..seen] {
-                *pj = (*pj - m).exp();
-                sum += *pj;
-            }
-            let o = &mut out[(bh * r + row) * d..][..d];
-            for (j, pj) in p[..seen].iter().enumerate() {
-                let vr = &vh[(bh * cap + j) * d..][..d];
-                for (oe, ve) in o.iter_mut().zip(vr) {
-                    *oe += pj / sum * ve;
-                }
-            }
-        }
-    }
-    Ok(Tensor::from_vec(out, (b, h, r, d), &Device::Cpu)?
-        .to_dtype(q.dtype())?
-        .to_device(q.device())?)
+    let _ = (b, h, t, d, policy);
+    reference::write_kv(k, v, k_cache, v_cache, positions)
 }
 
 /// Head dims the CUDA tensor-core attention kernels (prefill and decode) are built for.
@@ -211,14 +180,8 @@ pub fn prefill_attention_fits(head_dim: usize, dtype: DType, device: &Device) ->
 /// `sigmoid(gate)` (on CUDA as it is written). Returns `[b, heads, t, hd]` in `q`'s dtype (on CUDA
 /// a transposed view of a `[b, t, heads, hd]` buffer, the layout the output projection reads). CPU
 /// and unsupported CUDA cases: the f32 reference, then the gate in `q`'s dtype.
-pub fn prefill_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    gate: Option<&Tensor>,
-    pos0: usize,
-    scale: f64,
-) -> Result<Tensor> {
+pub fn prefill_attention(x: AttentionInputs, pos0: usize, policy: &KernelPolicy) -> Result<Tensor> {
+    let AttentionInputs { q, k, v, gate, .. } = x;
     let op = "prefill_attention";
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
         expect_rank(op, arg, t, 4)?;
@@ -244,22 +207,23 @@ pub fn prefill_attention(
         .all(|x| x.dtype() == q.dtype());
     if prefill_attention_fits(d, q.dtype(), q.device()) && same_dtype {
         #[cfg(feature = "cuda")]
-        return crate::cuda::prefill_attention(q, k, v, gate, pos0, scale);
+        return cuda::prefill_attention(x, pos0, policy);
     }
-    // Rows r = member·t + token of each KV head's group, as the reference takes them.
-    let qg = q.contiguous()?.reshape((b, kh, h / kh * t, d))?;
-    let out = reference_rows(&qg, k, v, pos0 + t, t, scale)?.reshape((b, h, t, d))?;
-    Ok(match gate {
-        Some(g) => (out * candle_nn::ops::sigmoid(&g.transpose(1, 2)?.to_dtype(q.dtype())?)?)?,
-        None => out,
-    })
+    let _ = (same_dtype, policy);
+    reference::prefill_attention(x, pos0)
 }
 
 /// Causal softmax of a prefill block's attention scores `[..., rows, keys]`: row `r` (counted over
 /// all leading dims) is the query at position `pos0 + r % block` and sees keys `0..=pos0 + r %
 /// block`. Returns `softmax(scale · scores)` over those keys and 0 past them, in the scores' dtype
 /// (computed in f32). CPU: the scale, an additive mask and candle's softmax; CUDA: one kernel.
-pub fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: usize) -> Result<Tensor> {
+pub fn causal_softmax(
+    scores: &Tensor,
+    scale: f64,
+    pos0: usize,
+    block: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
     let op = "causal_softmax";
     let keys = scores.dim(D::Minus1)?;
     let rows = scores.elem_count() / keys.max(1);
@@ -274,24 +238,17 @@ pub fn causal_softmax(scores: &Tensor, scale: f64, pos0: usize, block: usize) ->
     }
     if scores.device().is_cuda() {
         #[cfg(feature = "cuda")]
-        return crate::cuda::causal_softmax(scores, scale, pos0, block);
+        return cuda::causal_softmax(scores, scale, pos0, block, policy);
     }
-    let dev = scores.device();
-    let x = (scores.to_dtype(DType::F32)?.reshape((rows, keys))? * scale)?;
-    let pos = Tensor::arange(pos0 as u32, (pos0 + block) as u32, dev)?
-        .repeat(rows / block)?
-        .reshape((rows, 1))?;
-    let key = Tensor::arange(0u32, keys as u32, dev)?.reshape((1, keys))?;
-    // A large finite negative rather than -inf: exp underflows to exactly 0 either way, and
-    // 0 * -inf would be NaN.
-    let mask = (key.broadcast_gt(&pos)?.to_dtype(DType::F32)? * -1e30)?;
-    let probs = candle_nn::ops::softmax_last_dim(&x.broadcast_add(&mask)?)?;
-    Ok(probs.to_dtype(scores.dtype())?.reshape(scores.dims())?)
+    let _ = policy;
+    reference::causal_softmax(scores, scale, pos0, block)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const P: &KernelPolicy = &KernelPolicy::DEFAULT;
 
     /// The reference against softmax(q·kᵀ·scale + causal mask)·v built from candle ops, for a
     /// verify of 3 new tokens with 2 query heads per KV head over a buffer longer than `len`.
@@ -303,7 +260,7 @@ mod tests {
         let k = qwen36_testutil::randn(202, 1.0, (b, h, cap, d), &dev)?;
         let v = qwen36_testutil::randn(203, 1.0, (b, h, cap, d), &dev)?;
         let lt = Tensor::new(&[len as u32], &dev)?;
-        let got = decode_attention(&q, &k, &v, &lt, t, 0.3, None)?;
+        let got = decode_attention(AttentionInputs::new(&q, &k, &v, None, 0.3), &lt, t, P)?;
         let (kv, vv) = (k.narrow(2, 0, len)?, v.narrow(2, 0, len)?);
         let scores = (q.matmul(&kv.t()?)? * 0.3)?; // [b, h, g·t, len]
         let mask: Vec<f32> = (0..g * t)
@@ -322,7 +279,7 @@ mod tests {
         // A gate (read through its strides) multiplies by its sigmoid.
         let wide = qwen36_testutil::randn(204, 1.0, (b, t, h * g, 2 * d), &dev)?;
         let gate = wide.narrow(3, d, d)?;
-        let gated = decode_attention(&q, &k, &v, &lt, t, 0.3, Some(&gate))?;
+        let gated = decode_attention(AttentionInputs::new(&q, &k, &v, Some(&gate), 0.3), &lt, t, P)?;
         let want = (want * candle_nn::ops::sigmoid(&gate)?)?;
         let diff = (gated - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "gated: max diff {diff}");
@@ -340,7 +297,7 @@ mod tests {
         let kbuf = qwen36_testutil::randn(206, 1.0, (b, kh, cap + 3, d), &dev)?;
         let vbuf = qwen36_testutil::randn(207, 1.0, (b, kh, cap + 3, d), &dev)?;
         let (k, v) = (kbuf.narrow(2, 0, cap)?, vbuf.narrow(2, 0, cap)?);
-        let got = prefill_attention(&q, &k, &v, None, pos0, 0.4)?;
+        let got = prefill_attention(AttentionInputs::new(&q, &k, &v, None, 0.4), pos0, P)?;
         assert_eq!(got.dims(), [b, h, t, d]);
         let seen = pos0 + t;
         let mask: Vec<f32> = (0..t)
@@ -363,18 +320,32 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(diff < 1e-5, "head {head}: max diff {diff}");
         }
-        let e = prefill_attention(&q, &k.narrow(2, 0, 8)?, &v.narrow(2, 0, 8)?, None, pos0, 0.4).unwrap_err();
+        let e = prefill_attention(
+            AttentionInputs::new(&q, &k.narrow(2, 0, 8)?, &v.narrow(2, 0, 8)?, None, 0.4),
+            pos0,
+            P,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("at position 5"), "{e}");
-        let e =
-            prefill_attention(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, None, 0, 0.4).unwrap_err();
+        let e = prefill_attention(
+            AttentionInputs::new(&q, &k.narrow(1, 0, 1)?.repeat((1, 4, 1, 1))?, &k, None, 0.4),
+            0,
+            P,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
         // The gate multiplies each output element by its sigmoid; a gate of the wrong shape is named.
         let gate = qwen36_testutil::randn(208, 1.0, (b, t, h, d), &dev)?;
-        let gated = prefill_attention(&q, &k, &v, Some(&gate), pos0, 0.4)?;
+        let gated = prefill_attention(AttentionInputs::new(&q, &k, &v, Some(&gate), 0.4), pos0, P)?;
         let want = (&got * candle_nn::ops::sigmoid(&gate.transpose(1, 2)?)?)?;
         let diff = (gated - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(diff < 1e-6, "gated: max diff {diff}");
-        let e = prefill_attention(&q, &k, &v, Some(&gate.narrow(1, 0, 2)?), pos0, 0.4).unwrap_err();
+        let e = prefill_attention(
+            AttentionInputs::new(&q, &k, &v, Some(&gate.narrow(1, 0, 2)?), 0.4),
+            pos0,
+            P,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
         Ok(())
     }
@@ -385,7 +356,7 @@ mod tests {
     fn causal_softmax_masks_future_keys() -> Result<()> {
         let dev = Device::Cpu;
         let x = qwen36_testutil::randn(209, 1.0, (2, 6, 7), &dev)?;
-        let y = causal_softmax(&x, 0.5, 4, 3)?.to_vec3::<f32>()?;
+        let y = causal_softmax(&x, 0.5, 4, 3, P)?.to_vec3::<f32>()?;
         let xs = x.to_vec3::<f32>()?;
         for (xb, yb) in xs.iter().zip(&y) {
             for (r, (xr, yr)) in xb.iter().zip(yb).enumerate() {
@@ -402,7 +373,7 @@ mod tests {
                 }
             }
         }
-        let e = causal_softmax(&x, 1.0, 0, 5).unwrap_err();
+        let e = causal_softmax(&x, 1.0, 0, 5, P).unwrap_err();
         assert!(e.to_string().contains("whole blocks"), "{e}");
         Ok(())
     }
@@ -420,18 +391,18 @@ mod tests {
             Tensor::ones((b, h, cap, d), DType::F32, &dev)?,
         );
         let pos = Tensor::new(&[3u32, 4], &dev)?;
-        write_kv(&k, &v, &kc, &vc, &pos)?;
+        write_kv(&k, &v, &kc, &vc, &pos, P)?;
         let max = |x: Tensor| -> Result<f32> { Ok(x.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
         assert_eq!(max((kc.narrow(2, 3, 2)? - &k)?)?, 0.0);
         assert_eq!(max((vc.narrow(2, 3, 2)? - &v)?)?, 0.0);
         assert_eq!(max(kc.narrow(2, 0, 3)?)?, 0.0);
         assert_eq!(max((vc.narrow(2, 5, 1)? - 1.0)?)?, 0.0);
-        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[3u32], &dev)?).unwrap_err();
+        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[3u32], &dev)?, P).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
-        let e = write_kv(&k, &v, &kc, &kc, &pos).unwrap_err();
+        let e = write_kv(&k, &v, &kc, &kc, &pos, P).unwrap_err();
         assert!(e.to_string().contains("shares its buffer"), "{e}");
         // A position past the buffer: candle's scatter refuses it on the CPU (CUDA skips it).
-        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[5u32, 6], &dev)?).unwrap_err();
+        let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[5u32, 6], &dev)?, P).unwrap_err();
         assert!(e.to_string().contains("invalid index 6"), "{e}");
         Ok(())
     }
@@ -442,9 +413,15 @@ mod tests {
         let q = Tensor::zeros((1, 2, 3, 8), DType::F32, &dev).unwrap();
         let k = Tensor::zeros((1, 2, 5, 8), DType::F32, &dev).unwrap();
         let len = Tensor::new(&[4u32], &dev).unwrap();
-        let e = decode_attention(&q, &k, &k, &len, 2, 1.0, None).unwrap_err();
+        let e = decode_attention(AttentionInputs::new(&q, &k, &k, None, 1.0), &len, 2, P).unwrap_err();
         assert!(e.to_string().contains("new tokens"), "{e}");
-        let e = decode_attention(&q, &k, &k, &Tensor::new(&[4f32], &dev).unwrap(), 1, 1.0, None).unwrap_err();
+        let e = decode_attention(
+            AttentionInputs::new(&q, &k, &k, None, 1.0),
+            &Tensor::new(&[4f32], &dev).unwrap(),
+            1,
+            P,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("len must be u32"), "{e}");
     }
 }

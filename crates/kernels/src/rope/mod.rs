@@ -1,13 +1,22 @@
-//! Partial rotate-half rotary position embedding (ARCHITECTURE §3.1 step 4).
+//! Partial rotate-half rotary position embedding (docs/MODEL.md §3.1 step 4).
 //!
 //! Only the first `rotary_dim` dims of each head rotate (64 of 256 for Qwen3.6, from
 //! `partial_rotary_factor = 0.25`); the rest pass through. Pairs are `(i, i + rotary_dim/2)`.
 //! For text-only input the interleaved mRoPE of Qwen3.6 is exactly this 1-D RoPE.
+//!
+//! [`reference`] holds the CPU forms (candle's `rope_thd`); `cuda.rs` the launcher of the fused
+//! q/k norm + RoPE kernel.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod reference;
 
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::norm::RmsNorm;
-use crate::{expect_rank, Error, Result};
+use crate::{expect_rank, Error, KernelPolicy, Result};
+
+pub use reference::apply_partial_rope;
 
 /// Inverse frequencies `θ^(-2j/rotary_dim)`, `j < rotary_dim/2`, in f32 like the reference.
 #[derive(Debug, Clone)]
@@ -78,28 +87,14 @@ impl RotaryEmbedding {
     }
 }
 
-/// Rotate-half RoPE on the first `2 * cos.dim(1)` dims of `x: [batch, len, heads, head_dim]`,
-/// with `cos, sin: [len, rotary_dim/2]` in `x`'s dtype.
-pub fn apply_partial_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    expect_rank("rope", "x", x, 4)?;
-    let head_dim = x.dim(D::Minus1)?;
-    let rotary_dim = 2 * cos.dim(D::Minus1)?;
-    let rot = x.narrow(D::Minus1, 0, rotary_dim)?.contiguous()?;
-    let rot = candle_nn::rotary_emb::rope_thd(&rot, cos, sin)?;
-    if rotary_dim == head_dim {
-        return Ok(rot);
-    }
-    let pass = x.narrow(D::Minus1, rotary_dim, head_dim - rotary_dim)?;
-    Ok(Tensor::cat(&[&rot, &pass], D::Minus1)?)
-}
-
 /// The q or k preparation of a gated-attention layer: per-head (1+w) RMSNorm (`norm`, or none),
 /// then rotate-half RoPE on the first `2 · cos.dim(1)` dims, returned head-major.
 /// `x: [batch, len, n]` holds per token `heads` heads of `head_dim` elements, `head_stride` apart
 /// (`heads · head_stride ≤ n`): a narrow of the fused projection rows is read in place on CUDA.
 /// `cos, sin: [len, rotary_dim/2]` in `x`'s dtype. Returns `[batch, heads, len, head_dim]`. On CUDA
-/// one kernel; elsewhere, and for rows the kernel does not take, the composition of
-/// [`RmsNorm::forward`] and [`apply_partial_rope`] (the reference).
+/// one kernel (launched under `policy`); elsewhere, and for rows the kernel does not take, the
+/// composition of [`RmsNorm::forward`] and [`apply_partial_rope`] ([`reference::norm_rope_heads`]).
+#[allow(clippy::too_many_arguments)]
 pub fn norm_rope_heads(
     x: &Tensor,
     heads: usize,
@@ -108,6 +103,7 @@ pub fn norm_rope_heads(
     norm: Option<&RmsNorm>,
     cos: &Tensor,
     sin: &Tensor,
+    policy: &KernelPolicy,
 ) -> Result<Tensor> {
     let op = "norm_rope_heads";
     expect_rank(op, "x", x, 3)?;
@@ -132,7 +128,7 @@ pub fn norm_rope_heads(
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         let (scale, eps) = norm.map(|n| n.parts()).unzip();
-        if let Some(y) = crate::cuda::norm_rope_heads(
+        if let Some(y) = cuda::norm_rope_heads(
             x,
             heads,
             head_stride,
@@ -141,29 +137,20 @@ pub fn norm_rope_heads(
             eps.unwrap_or(0.0),
             cos,
             sin,
+            policy,
         )? {
             return Ok(y);
         }
     }
-    let xh = x
-        .narrow(2, 0, heads * head_stride)?
-        .reshape((b, t, heads, head_stride))?
-        .narrow(3, 0, head_dim)?;
-    let y = match norm {
-        Some(nm) => nm.forward(&xh)?,
-        None => xh,
-    };
-    let y = if half > 0 {
-        apply_partial_rope(&y, cos, sin)?
-    } else {
-        y
-    };
-    Ok(y.transpose(1, 2)?.contiguous()?)
+    let _ = (b, t, policy);
+    reference::norm_rope_heads(x, heads, head_stride, head_dim, norm, cos, sin)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const P: &KernelPolicy = &KernelPolicy::DEFAULT;
 
     /// Naive rotate-half on one head vector.
     fn naive(x: &[f32], pos: usize, rotary_dim: usize, theta: f32) -> Vec<f32> {
@@ -193,7 +180,7 @@ mod tests {
         let norm = RmsNorm::zero_centred(&Tensor::new(w.as_slice(), &Device::Cpu)?, 1e-6)?;
         let rope = RotaryEmbedding::new(rd, 10_000.0)?;
         let (cos, sin) = rope.cos_sin(pos, t, DType::F32, &Device::Cpu)?;
-        let y = norm_rope_heads(&x, heads, stride, hd, Some(&norm), &cos, &sin)?;
+        let y = norm_rope_heads(&x, heads, stride, hd, Some(&norm), &cos, &sin, P)?;
         assert_eq!(y.dims(), [b, heads, t, hd]);
         let got = y.flatten_all()?.to_vec1::<f32>()?;
         for bi in 0..b {
@@ -220,7 +207,7 @@ mod tests {
         let x = Tensor::zeros((1, 2, 16), DType::F32, &Device::Cpu)?;
         let (cos, sin) = RotaryEmbedding::new(4, 10_000.0)?.cos_sin(0, 2, DType::F32, &Device::Cpu)?;
         for (heads, stride, hd) in [(3, 8, 8), (2, 8, 9)] {
-            let e = norm_rope_heads(&x, heads, stride, hd, None, &cos, &sin).unwrap_err();
+            let e = norm_rope_heads(&x, heads, stride, hd, None, &cos, &sin, P).unwrap_err();
             assert!(
                 matches!(
                     e,
@@ -233,7 +220,7 @@ mod tests {
             );
         }
         let (c3, s3) = RotaryEmbedding::new(4, 10_000.0)?.cos_sin(0, 3, DType::F32, &Device::Cpu)?;
-        assert!(norm_rope_heads(&x, 2, 8, 8, None, &c3, &s3).is_err());
+        assert!(norm_rope_heads(&x, 2, 8, 8, None, &c3, &s3, P).is_err());
         Ok(())
     }
 

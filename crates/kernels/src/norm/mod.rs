@@ -1,26 +1,19 @@
 //! RMSNorm variants and L2 normalisation, all computed in f32 and cast back to the input dtype.
 //!
-//! Qwen3.6 uses two RMSNorm conventions (ARCHITECTURE §3.2): the zero-centred `(1 + w)` norm for
+//! Qwen3.6 uses two RMSNorm conventions (docs/MODEL.md §3.2): the zero-centred `(1 + w)` norm for
 //! every decoder, final and q/k norm, and a plain-weight norm gated by `silu(z)` inside GDN.
+//!
+//! [`reference`] holds the CPU forms (candle ops in f32); `cuda.rs` the launchers of cuda/norm.cu.
 
-use candle_core::{DType, Tensor, D};
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+pub mod reference;
 
-use crate::Result;
+use candle_core::{DType, Tensor};
 
-/// `x / sqrt(mean(x²) + eps)` over the last dim, in f32.
-fn rms_normalise_f32(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?;
-    let mean_sq = x.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(x.broadcast_mul(&(mean_sq + eps)?.sqrt()?.recip()?)?)
-}
+use crate::{KernelPolicy, Result};
 
-/// L2 normalisation over the last dim: `x / sqrt(Σx² + eps)`, returned in f32.
-/// GDN applies it to q and k per head with `eps = 1e-6`.
-pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?;
-    let sum_sq = x.sqr()?.sum_keepdim(D::Minus1)?;
-    Ok(x.broadcast_mul(&(sum_sq + eps)?.sqrt()?.recip()?)?)
-}
+pub use reference::l2_norm;
 
 /// Zero-centred RMSNorm (`Qwen3_5RMSNorm`, Gemma style): `y = norm(x) · (1 + w)`.
 /// The stored weight is `1 + w` in f32, so the checkpoint's `w` is added to once, at load.
@@ -28,13 +21,28 @@ pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
 pub struct RmsNorm {
     scale: Tensor,
     eps: f64,
+    policy: KernelPolicy,
 }
 
 impl RmsNorm {
     /// Builds the norm from the checkpoint weight `w` (`[dim]`, zero-initialised in training).
     pub fn zero_centred(w: &Tensor, eps: f64) -> Result<Self> {
         let scale = (w.to_dtype(DType::F32)? + 1.0)?;
-        Ok(Self { scale, eps })
+        Ok(Self {
+            scale,
+            eps,
+            policy: KernelPolicy::DEFAULT,
+        })
+    }
+
+    /// The norm with its CUDA kernels launched under `policy`.
+    pub fn with_policy(self, policy: KernelPolicy) -> Self {
+        Self { policy, ..self }
+    }
+
+    /// The policy its CUDA kernels run under.
+    pub fn policy(&self) -> &KernelPolicy {
+        &self.policy
     }
 
     /// The stored `1 + w` (f32 `[dim]`) and eps, for kernels that fuse the norm.
@@ -47,17 +55,16 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return Ok(crate::cuda::rms_norm(x, None, &self.scale, self.eps)?.0);
+            return Ok(cuda::rms_norm(x, None, &self.scale, self.eps, &self.policy)?.0);
         }
-        let y = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.scale)?;
-        Ok(y.to_dtype(x.dtype())?)
+        reference::rms_norm(x, &self.scale, self.eps)
     }
 
     /// `forward(x + residual)`, also returning the sum (the new residual stream).
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() && x.dims() == residual.dims() && x.dtype() == residual.dtype() {
-            let (y, sum) = crate::cuda::rms_norm(x, Some(residual), &self.scale, self.eps)?;
+            let (y, sum) = cuda::rms_norm(x, Some(residual), &self.scale, self.eps, &self.policy)?;
             return Ok((y, sum.expect("a residual gives a sum")));
         }
         let sum = (x + residual)?;
@@ -70,6 +77,7 @@ impl RmsNorm {
 pub struct GatedRmsNorm {
     weight: Tensor,
     eps: f64,
+    policy: KernelPolicy,
 }
 
 impl GatedRmsNorm {
@@ -78,13 +86,24 @@ impl GatedRmsNorm {
         Ok(Self {
             weight: w.to_dtype(DType::F32)?,
             eps,
+            policy: KernelPolicy::DEFAULT,
         })
+    }
+
+    /// The norm with its CUDA kernel launched under `policy`.
+    pub fn with_policy(self, policy: KernelPolicy) -> Self {
+        Self { policy, ..self }
+    }
+
+    /// The policy its CUDA kernel runs under.
+    pub fn policy(&self) -> &KernelPolicy {
+        &self.policy
     }
 
     /// `x: [..., heads, dim]`, `z`: the same shape or with the last two dims merged (`[..., heads·dim]`,
     /// as the projection gives it: on CUDA a narrow of the projection is read in place); the output
     /// has `x`'s shape and `out_dtype`. `x` may be f32 (the GDN read-out) to avoid an f16 overflow
-    /// before normalisation (ARCHITECTURE §6 pitfall 3).
+    /// before normalisation (docs/MODEL.md §6 pitfall 3).
     pub fn forward(&self, x: &Tensor, z: &Tensor, out_dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda()
@@ -92,16 +111,9 @@ impl GatedRmsNorm {
             && z.dtype() == out_dtype
             && z.elem_count() == x.elem_count()
         {
-            return crate::cuda::gated_rms_norm(x, z, &self.weight, self.eps);
+            return cuda::gated_rms_norm(x, z, &self.weight, self.eps, &self.policy);
         }
-        let z = if z.dims() == x.dims() {
-            z.clone()
-        } else {
-            z.reshape(x.dims())?
-        };
-        let n = rms_normalise_f32(x, self.eps)?.broadcast_mul(&self.weight)?;
-        let gate = candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?;
-        Ok((n * gate)?.to_dtype(out_dtype)?)
+        reference::gated_rms_norm(x, z, &self.weight, self.eps, out_dtype)
     }
 }
 

@@ -1,51 +1,30 @@
 //! Linear layers `y = x·wᵀ (+ b)`. The reference is candle's matmul (what `candle_nn::Linear`
-//! runs); on CUDA, calls with one row (decode) go to a weight-streaming kernel instead, because cuBLAS reads the weights at only ~84% of the copy
-//! bandwidth on those shapes (PERF-ANCHORS) and decode is nothing but reading weights.
+//! runs, [`reference::linear`]); on CUDA, calls with one row (decode) go to a weight-streaming
+//! kernel instead (`cuda.rs`), because cuBLAS reads the weights at only ~84% of the copy bandwidth
+//! on those shapes (PERF-ANCHORS) and decode is nothing but reading weights.
 
-use std::sync::{Mutex, PoisonError};
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod reference;
 
 use candle_core::{Module, Tensor};
 
 use crate::norm::RmsNorm;
-use crate::{Error, Result};
+use crate::policy::SkinnyPath;
+use crate::{Error, KernelPolicy, Result};
 
 /// The most rows (`batch · len`) a call may have to use the CUDA weight-streaming kernel.
-pub const SKINNY_MAX_ROWS: usize = 8;
+pub const SKINNY_MAX_ROWS: usize = crate::consts::LINEAR_MAX_ROWS;
 
-/// Which kernel a CUDA call of at most [`SKINNY_MAX_ROWS`] rows runs (a benchmark and test knob).
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SkinnyPath {
-    /// The measured default ([`streaming_columns`]).
-    Auto,
-    /// candle's matmul (cuBLAS).
-    Matmul,
-    /// The streaming kernel computing 1, 2 or 4 output columns per warp.
-    Streaming(usize),
-    /// One row as [`SkinnyPath::Auto`], 2..=[`SKINNY_MAX_ROWS`] rows (a verify pass) through the
-    /// streaming kernel with 1, 2 or 4 columns per warp.
-    Multi(usize),
-}
-
-/// The path [`force_skinny_path`] set.
-static SKINNY_PATH: Mutex<SkinnyPath> = Mutex::new(SkinnyPath::Auto);
-
-/// Forces `path` for every later skinny call in the process ([`SkinnyPath::Auto`] restores the
-/// default). The streaming kernel falls back to the matmul where it cannot take the operands.
-#[doc(hidden)]
-pub fn force_skinny_path(path: SkinnyPath) {
-    *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) = path;
-}
-
-/// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide (the forced
-/// path, else the default), or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
+/// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
+/// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
 /// bench_linear): at one row the kernel beats cuBLAS by 0-10% with one column per warp, or two for
 /// 8k-32k wide outputs. From two rows on cuBLAS: the kernel for 2..8 rows (on tensor cores in
 /// bf16/f16) beats it in isolation at two rows but not inside the verify's graph, and from three
 /// rows on not at all.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn streaming_columns(rows: usize, columns: usize) -> Option<usize> {
-    match *SKINNY_PATH.lock().unwrap_or_else(PoisonError::into_inner) {
+fn streaming_columns(path: SkinnyPath, rows: usize, columns: usize) -> Option<usize> {
+    match path {
         SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 && (8192..32768).contains(&columns) => Some(2),
         SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 => Some(1),
         SkinnyPath::Streaming(c) | SkinnyPath::Multi(c) => Some(c),
@@ -67,6 +46,7 @@ fn out_dims(x: &Tensor, n: usize) -> Vec<usize> {
 #[derive(Debug, Clone)]
 pub struct Linear {
     inner: candle_nn::Linear,
+    policy: KernelPolicy,
 }
 
 impl Linear {
@@ -74,12 +54,23 @@ impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self {
             inner: candle_nn::Linear::new(weight, bias),
+            policy: KernelPolicy::DEFAULT,
         }
     }
 
+    /// The layer with its CUDA kernels chosen and launched under `policy`.
+    pub fn with_policy(self, policy: KernelPolicy) -> Self {
+        Self { policy, ..self }
+    }
+
+    /// The policy its CUDA calls run under.
+    pub fn policy(&self) -> &KernelPolicy {
+        &self.policy
+    }
+
     /// Several layers with the same input as one: weights (and biases) stacked along `out` in the
-    /// given order, so one pass reads every weight once. Split the output with
-    /// [`Tensor::narrow`] on the last dim at the running sums of [`Self::out_features`].
+    /// given order, so one pass reads every weight once (under the first layer's policy). Split the
+    /// output with [`Tensor::narrow`] on the last dim at the running sums of [`Self::out_features`].
     pub fn fused(parts: Vec<Linear>) -> Result<Self> {
         let Some(first) = parts.first() else {
             return Err(Error::Shape {
@@ -97,6 +88,7 @@ impl Linear {
         if parts.len() == 1 {
             return Ok(parts.into_iter().next().expect("one layer"));
         }
+        let policy = first.policy;
         let weights: Vec<&Tensor> = parts.iter().map(|p| p.weight()).collect();
         let weight = Tensor::cat(&weights, 0)?;
         let bias = if has_bias {
@@ -105,7 +97,7 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self::new(weight, bias))
+        Ok(Self::new(weight, bias).with_policy(policy))
     }
 
     /// `[out, in]`.
@@ -129,8 +121,7 @@ impl Linear {
         if let Some((y, _)) = self.forward_skinny(x, None, None)? {
             return Ok(y);
         }
-        // candle's CUDA matmul rejects some strided inputs (a row view at an odd offset, say).
-        Ok(self.inner.forward(&x.contiguous()?)?)
+        reference::linear(&self.inner, x)
     }
 
     /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
@@ -153,7 +144,7 @@ impl Linear {
         if let Some(y) = self.forward_skinny_swiglu(x, None)? {
             return Ok(y);
         }
-        crate::activation::swiglu(&self.forward(x)?)
+        crate::activation::swiglu(&self.forward(x)?, &self.policy)
     }
 
     /// `self.forward_swiglu(norm.forward(x))`, on CUDA for one row in one kernel that normalises
@@ -177,16 +168,17 @@ impl Linear {
             return Ok(None);
         }
         let x2 = x.contiguous()?.reshape((1, k))?;
-        let what = crate::cuda::Skinny::SwiGlu;
-        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts))? else {
+        let what = cuda::Skinny::SwiGlu;
+        let Some(y) = cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts), &self.policy)?
+        else {
             return Ok(None);
         };
         Ok(Some(y.reshape(out_dims(x, n / 2))?))
     }
 
     /// `(rows, in, out, columns per warp)` when the CUDA streaming kernel takes `x` (a CUDA tensor
-    /// of the weight's dtype, 1..=[`SKINNY_MAX_ROWS`] rows, the path not switched off by
-    /// [`force_skinny_path`]); `None` for the matmul.
+    /// of the weight's dtype, 1..=[`SKINNY_MAX_ROWS`] rows, the path not switched off by the
+    /// policy); `None` for the matmul.
     #[cfg(feature = "cuda")]
     fn skinny_operands(&self, x: &Tensor) -> Result<Option<(usize, usize, usize, usize)>> {
         let w = self.weight();
@@ -199,7 +191,7 @@ impl Linear {
         if rows == 0 || rows > SKINNY_MAX_ROWS || w.dim(1)? != k {
             return Ok(None);
         }
-        Ok(streaming_columns(rows, n).map(|columns| (rows, k, n, columns)))
+        Ok(streaming_columns(self.policy.skinny, rows, n).map(|columns| (rows, k, n, columns)))
     }
 
     /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
@@ -209,7 +201,7 @@ impl Linear {
         if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
             return Ok(if added { y } else { (residual + y)? });
         }
-        Ok((residual + self.inner.forward(&x.contiguous()?)?)?)
+        Ok((residual + reference::linear(&self.inner, x)?)?)
     }
 
     /// The CUDA streaming kernel, when it applies ([`streaming_columns`], matching dtypes,
@@ -238,11 +230,12 @@ impl Linear {
             _ => None,
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        let what = crate::cuda::Skinny::Linear {
+        let what = cuda::Skinny::Linear {
             res: r2.as_ref(),
             columns,
         };
-        let Some(y) = crate::cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts))? else {
+        let Some(y) = cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts), &self.policy)?
+        else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;
@@ -268,22 +261,36 @@ mod tests {
     use candle_core::{DType, Device};
 
     /// The one-row default measured on the H200 (2 columns per warp for 8k-32k wide outputs, else
-    /// 1; cuBLAS from two rows on), and the forced paths.
+    /// 1; cuBLAS from two rows on), and the other paths.
     #[test]
-    fn streaming_columns_follow_the_measured_default_or_the_forced_path() {
-        force_skinny_path(SkinnyPath::Auto);
-        assert_eq!(streaming_columns(1, 16480), Some(2));
-        assert_eq!(streaming_columns(1, 5120), Some(1));
-        assert_eq!(streaming_columns(1, 248320), Some(1));
-        assert_eq!(streaming_columns(2, 5120), None);
-        force_skinny_path(SkinnyPath::Matmul);
-        assert_eq!(streaming_columns(1, 5120), None);
-        force_skinny_path(SkinnyPath::Streaming(4));
-        assert_eq!(streaming_columns(3, 5120), Some(4));
-        force_skinny_path(SkinnyPath::Multi(4));
-        assert_eq!(streaming_columns(1, 5120), Some(1));
-        assert_eq!(streaming_columns(4, 5120), Some(4));
-        force_skinny_path(SkinnyPath::Auto);
+    fn streaming_columns_follow_the_measured_default_or_the_chosen_path() {
+        use SkinnyPath::*;
+        assert_eq!(streaming_columns(Auto, 1, 16480), Some(2));
+        assert_eq!(streaming_columns(Auto, 1, 5120), Some(1));
+        assert_eq!(streaming_columns(Auto, 1, 248320), Some(1));
+        assert_eq!(streaming_columns(Auto, 2, 5120), None);
+        assert_eq!(streaming_columns(Matmul, 1, 5120), None);
+        assert_eq!(streaming_columns(Streaming(4), 3, 5120), Some(4));
+        assert_eq!(streaming_columns(Multi(4), 1, 5120), Some(1));
+        assert_eq!(streaming_columns(Multi(4), 4, 5120), Some(4));
+    }
+
+    /// A layer keeps its policy when fused (the first part's) and a fresh one has the default.
+    #[test]
+    fn fused_layers_keep_the_first_policy() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::zeros((2, 4), DType::F32, &dev)?;
+        let policy = KernelPolicy {
+            skinny: SkinnyPath::Matmul,
+            ..KernelPolicy::DEFAULT
+        };
+        assert_eq!(Linear::new(w.clone(), None).policy(), &KernelPolicy::DEFAULT);
+        let parts = vec![
+            Linear::new(w.clone(), None).with_policy(policy),
+            Linear::new(w, None),
+        ];
+        assert_eq!(Linear::fused(parts)?.policy(), &policy);
+        Ok(())
     }
 
     /// The normalising kernel takes one row up to its bound (so the GPU suite's bit-identity test,
@@ -306,16 +313,16 @@ mod tests {
             let w = Tensor::zeros((64, k), dt, &d)?;
             let norm = norm_for(k)?;
             for what in [
-                crate::cuda::Skinny::Linear {
+                cuda::Skinny::Linear {
                     res: None,
                     columns: 2,
                 },
-                crate::cuda::Skinny::SwiGlu,
+                cuda::Skinny::SwiGlu,
             ] {
-                if rows > 1 && matches!(what, crate::cuda::Skinny::SwiGlu) {
+                if rows > 1 && matches!(what, cuda::Skinny::SwiGlu) {
                     continue;
                 }
-                let got = crate::cuda::skinny_linear(&x, &w, what, Some(norm.parts()))?;
+                let got = cuda::skinny_linear(&x, &w, what, Some(norm.parts()), &KernelPolicy::DEFAULT)?;
                 assert_eq!(got.is_some(), takes, "rows {rows} k {k} {dt:?}");
             }
         }

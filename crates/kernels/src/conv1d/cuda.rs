@@ -1,0 +1,157 @@
+//! Launchers of the causal conv1d kernels in cuda/gdn.cu: the prefill kernel (tiles of
+//! `CONV_TOKENS` tokens per thread) and the few-token one that updates the state in place.
+
+use candle_core::cuda::WrapErr;
+use candle_core::Tensor;
+
+use crate::consts::CONV_TOKENS;
+use crate::cuda::{
+    device, dtype_suffix, err, for_float_dtype, in_place, row_stride, rows_view, view, with_out_buffer, wrap,
+    KernelCall, LaunchConfig, GDN,
+};
+use crate::{KernelPolicy, Result};
+
+/// CUDA twin of [`super::causal_conv1d`]: `x: [b, t, c]`, `weight: [c, k]`, `state: [b, c, k-1]`.
+pub(crate) fn conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    state: Option<&Tensor>,
+    k: usize,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Tensor)> {
+    let op = "causal_conv1d";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
+    }
+    let dt = x.dtype();
+    let dev = device(op, x)?;
+    let (b, t, c) = x.dims3()?;
+    // Rows of a wider projection are read in place.
+    let (x, xs) = match row_stride(x) {
+        Some(rs) => (x.clone(), rs),
+        None => (x.contiguous()?, c),
+    };
+    let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
+    let state = state.map(|s| s.to_dtype(dt)?.contiguous()).transpose()?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xst, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            let st = state.as_ref().map(|s| s.storage_and_layout());
+            let stv = match &st {
+                Some((s, l)) => Some(view::<$t>(op, s, l)?),
+                None => None,
+            };
+            // SAFETY: uninitialised; the kernel writes every element of y and of the new state.
+            let y = unsafe { dev.alloc::<$t>(b * t * c)? };
+            let st_out = unsafe { dev.alloc::<$t>(b * c * (k - 1))? };
+            let func = GDN.func(&dev, &format!("conv1d_{}", dtype_suffix(op, dt)?))?;
+            let mut lb = KernelCall::new(&dev, &func, policy);
+            let null = 0u64;
+            let xs64 = xs as i64;
+            lb.arg(&xv).arg(&xs64).arg(&wv);
+            match &stv {
+                Some(s) => lb.arg(s),
+                None => lb.arg(&null),
+            };
+            lb.arg(&y).arg(&st_out);
+            let dims = [b as i32, t as i32, c as i32, k as i32];
+            for v in &dims {
+                lb.arg(v);
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    (b * t.div_ceil(CONV_TOKENS) + b) as u32,
+                    c.div_ceil(256) as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x as b·t rows of c elements xs
+            // apart (the view spans exactly them), i64 xs, w [c·k], state [b·c·(k-1)] or null,
+            // fresh outputs of the sizes it writes, then i32 dims; one block row per tile of
+            // CONV_TOKENS tokens of a sequence (y), then one per sequence (the new state), one
+            // thread per channel.
+            unsafe { lb.launch(cfg) }.w()?;
+            Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
+        }};
+    }
+    for_float_dtype!(op, dt)
+}
+
+/// Threads per block of the few-token conv kernel: small blocks spread its one thread per
+/// channel over many SMs (a decode step has ~10k channels, a latency-bound handful of loads each).
+const CONV_SEQ_THREADS: u32 = 128;
+
+/// CUDA twin of [`super::causal_conv1d_in_place`] (shapes checked by the caller; `state` and `window`
+/// contiguous in `x`'s dtype, `window` `[b, c, k-1+t]`): `x: [b, t, c]`, `weight: [c, k]`;
+/// returns y, overwrites `state` and writes the window into `window`.
+pub(crate) fn conv1d_in_place(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    k: usize,
+    window: Option<&Tensor>,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let op = "causal_conv1d_in_place";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
+    }
+    let (b, t, c) = x.dims3()?;
+    let (x, xs) = match row_stride(x) {
+        Some(rs) => (x.clone(), rs),
+        None => (x.contiguous()?, c),
+    };
+    let dt = x.dtype();
+    let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
+    let dev = device(op, &x)?;
+    let name = format!("conv1d_{}_in_place", dtype_suffix(op, dt)?);
+    macro_rules! go {
+        ($t:ty) => {
+            with_out_buffer::<$t, _>(op, window, |win| {
+                let mut y = None;
+                in_place(op, state, |st, range| {
+                    let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
+                    let (xst, xl) = x.storage_and_layout();
+                    let (ws, wl) = w.storage_and_layout();
+                    let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
+                    let wv = view::<$t>(op, &ws, wl)?;
+                    // SAFETY: uninitialised; the kernel writes every element of y.
+                    let out = unsafe { dev.alloc::<$t>(b * t * c)? };
+                    let func = GDN.func(&dev, &name)?;
+                    let mut lb = KernelCall::new(&dev, &func, policy);
+                    let (xs64, null) = (xs as i64, 0u64);
+                    lb.arg(&xv).arg(&xs64).arg(&wv).arg(&out).arg(&mut state);
+                    match win {
+                        Some(wb) => lb.arg(wb),
+                        None => lb.arg(&null),
+                    };
+                    let dims = [b as i32, t as i32, c as i32, k as i32];
+                    for v in &dims {
+                        lb.arg(v);
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: ((b * c).div_ceil(CONV_SEQ_THREADS as usize) as u32, 1, 1),
+                        block_dim: (CONV_SEQ_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows of
+                    // c elements xs apart (the view spans exactly them), i64 xs, w [c·k], a fresh
+                    // y [b·t·c], the state [b·c·(k-1)] (checked by the caller), the caller's
+                    // window [b·c·(k-1+t)] (checked by the caller, disjoint from the state) or
+                    // null, i32 dims; one thread per (sequence, channel), each reading its state
+                    // entries before writing them.
+                    unsafe { lb.launch(cfg) }.w()?;
+                    y = Some(wrap(out, &dev, (b, t, c)));
+                    Ok(())
+                })?;
+                y.ok_or_else(|| err(op, "the in-place launch did not run"))
+            })
+        };
+    }
+    for_float_dtype!(op, dt)
+}

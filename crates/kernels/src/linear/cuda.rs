@@ -1,0 +1,178 @@
+//! Launcher of the weight-streaming GEMV kernels in cuda/linear.cu (one to
+//! `LINEAR_MAX_ROWS` rows; a residual, SwiGLU or RMSNorm fused in).
+
+use candle_core::cuda::WrapErr;
+use candle_core::{DType, Layout, Tensor};
+
+use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS};
+use crate::cuda::{device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
+use crate::{KernelPolicy, Result};
+
+/// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
+/// or, for `w = [gate; up]`, the MLP activation `silu(x·gateᵀ) · (x·upᵀ)` (one row).
+#[derive(Clone, Copy)]
+pub(crate) enum Skinny<'a> {
+    Linear { res: Option<&'a Tensor>, columns: usize },
+    SwiGlu,
+}
+
+/// Rows the normalising skinny kernels take: at most `NORM_THREADS · NORM_VECS` 16-byte vectors
+/// (cuda/norm.cu), the rows of the RMSNorm kernel's register path, whose bits they repeat (the
+/// kernel's other path sums in another order), with the same thread to vector map
+/// (`LINEAR_THREADS` is `NORM_THREADS`, src/consts.rs).
+const NORM_MAX_VECS: usize = NORM_THREADS * NORM_VECS;
+
+/// CUDA weight-streaming `x·wᵀ` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]` of the
+/// same dtype, with the epilogue of `what`: `res: [m, n]` (same dtype) added as the output is
+/// written when given, or the SwiGLU of the two halves (`[1, n / 2]`). With `norm` (the RMSNorm's
+/// f32 `[k]` scale `1 + w` and eps), `x` is normalised on the way in: the product equals the
+/// RMSNorm kernel's output times `wᵀ`, bit for bit. `None` when the kernel cannot take the
+/// operands (rows not 16-byte multiples or not 16-byte aligned, `w` or `res` not contiguous; with
+/// `norm`, more than one row, rows past the RMSNorm kernel's register path, a strided or non-f32
+/// scale):
+/// the caller falls back to the matmul (after the separate norm).
+pub(crate) fn skinny_linear(
+    x: &Tensor,
+    w: &Tensor,
+    what: Skinny,
+    norm: Option<(&Tensor, f64)>,
+    policy: &KernelPolicy,
+) -> Result<Option<Tensor>> {
+    let op = "skinny_linear";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    let (res, columns) = match what {
+        Skinny::Linear { res, columns } => (res, columns),
+        Skinny::SwiGlu => (None, 2),
+    };
+    let swiglu = matches!(what, Skinny::SwiGlu);
+    if kw != k
+        || w.dtype() != dt
+        || !(1..=LINEAR_MAX_ROWS).contains(&m)
+        || ![1, 2, 4].contains(&columns)
+        || (swiglu && (m != 1 || n % 2 != 0))
+    {
+        return Err(err(
+            op,
+            format!(
+                "x {:?} {dt:?} and w {:?} {:?} do not fit ({columns} columns per warp)",
+                x.dims(),
+                w.dims(),
+                w.dtype()
+            ),
+        ));
+    }
+    if let Some(r) = res {
+        if r.dims() != [m, n] || r.dtype() != dt {
+            return Err(err(
+                op,
+                format!(
+                    "residual {:?} {:?}, expected [{m}, {n}] {dt:?}",
+                    r.dims(),
+                    r.dtype()
+                ),
+            ));
+        }
+    }
+    let size = dt.size_in_bytes();
+    let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    if (k * size) % 16 != 0
+        || !aligned(x.layout())
+        || !aligned(w.layout())
+        || res.is_some_and(|r| !r.is_contiguous())
+    {
+        return Ok(None);
+    }
+    if let Some((scale, _)) = norm {
+        if m != 1
+            || k * size > NORM_MAX_VECS * 16
+            || scale.dims() != [k]
+            || scale.dtype() != DType::F32
+            || !scale.is_contiguous()
+        {
+            return Ok(None);
+        }
+    }
+    let dev = device(op, x)?;
+    let null: u64 = 0;
+    let norm_guard = norm.map(|(s, eps)| (s.storage_and_layout(), eps as f32));
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            let res_guard = res.map(|r| r.storage_and_layout());
+            let rv = match &res_guard {
+                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
+                None => None,
+            };
+            // Output columns: the SwiGLU epilogue writes one per gate/up pair.
+            let out_n = if swiglu { n / 2 } else { n };
+            // SAFETY: uninitialised; the kernel writes every element (each warp its `columns`
+            // columns, or its one pair, for every row m).
+            let y = unsafe { dev.alloc::<$t>(m * out_n)? };
+            let sfx = dtype_suffix(op, dt)?;
+            let name = match (swiglu, &norm_guard) {
+                (true, None) => format!("skinny_swiglu_{sfx}"),
+                (true, Some(_)) => format!("skinny_swiglu_norm_{sfx}"),
+                // Two rows and more in 16-bit types: the tensor-core twin (same arguments).
+                (false, None) if m > 1 && dt != DType::F32 => {
+                    format!("skinny_linear_tc_{sfx}_m{m}_r{columns}")
+                }
+                (false, None) => format!("skinny_linear_{sfx}_m{m}_r{columns}"),
+                (false, Some(_)) => format!("skinny_linear_norm_{sfx}_r{columns}"),
+            };
+            let func = LINEAR.func(&dev, &name)?;
+            let mut lb = KernelCall::new(&dev, &func, policy);
+            let (n32, k32) = (out_n as i32, k as i32);
+            lb.arg(&xv);
+            let scale_view = match &norm_guard {
+                Some(((ss, sl), eps)) => Some((view::<f32>(op, ss, sl)?, *eps)),
+                None => None,
+            };
+            if let Some((sv, eps)) = &scale_view {
+                lb.arg(sv).arg(eps);
+            }
+            lb.arg(&wv);
+            if !swiglu {
+                match &rv {
+                    Some(rv) => lb.arg(rv),
+                    None => lb.arg(&null),
+                };
+            }
+            lb.arg(&y).arg(&n32).arg(&k32);
+            let warps = if swiglu { out_n } else { n.div_ceil(columns) };
+            let cfg = LaunchConfig {
+                grid_dim: ((warps * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
+                block_dim: (LINEAR_THREADS as u32, 1, 1),
+                // The normalised row.
+                shared_mem_bytes: if scale_view.is_some() {
+                    (k * size) as u32
+                } else {
+                    0
+                },
+            };
+            if n > 0 {
+                // SAFETY: arguments match `skinny_linear_*_m{m}_r{columns}` or its tensor-core
+                // twin `skinny_linear_tc_*` (the same signature; res [m·n] contiguous
+                // or a null pointer, 0u64) or `skinny_swiglu_*` (no res; m = 1, n even) in
+                // cuda/linear.cu, or their `_norm_` twins, which also take the f32 scale [k]
+                // (contiguous) and eps after x, one row of at most NORM_MAX_VECS vectors and k·size
+                // bytes of dynamic shared memory (≤ 16 KiB, under the default 48 KiB): x [m·k] and
+                // w [n·k] contiguous and 16-byte aligned with k·size a multiple of 16 (checked
+                // above), y [m·out_n], i32 out_n and k; one warp per `columns` columns or per
+                // gate/up pair.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some(wrap(y, &dev, (m, out_n))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        _ => Ok(None),
+    }
+}

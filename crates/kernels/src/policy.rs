@@ -1,0 +1,75 @@
+//! Which CUDA kernel variants the ops run where there is a choice: a value chosen once (when a
+//! model loads) and passed to every op that launches a kernel, so that two models, or two tests,
+//! in one process can run different variants side by side. The default is what measured fastest
+//! on an H200 (docs/BENCHMARKS.md); the other variants exist for benchmarks and tests. On the CPU
+//! the policy changes nothing: there is one reference per op.
+
+/// The kernels of the chunked delta rule (prefill).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChunkPath {
+    /// bf16 activations on tensor cores with the widest scan block the device's shared memory
+    /// holds (on sm_90 64 state columns that also form the outputs, on sm_80 64 columns and on
+    /// sm_86 and sm_89 32, each followed by the output kernel); other dtypes on the f32 CUDA-core
+    /// kernels with 32 columns per scan block.
+    #[default]
+    Auto,
+    /// The f32 CUDA-core kernels with 16 or 32 state columns per scan block, for every dtype.
+    CudaCores(usize),
+    /// For bf16 activations, the tensor-core kernels with 32 or 64 state columns per scan block
+    /// (64 only where it fits, else 32) and the separate output kernel.
+    TensorCores(usize),
+}
+
+/// The kernel of a linear layer called with at most
+/// [`SKINNY_MAX_ROWS`](crate::linear::SKINNY_MAX_ROWS) rows (decode, drafts, verify).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SkinnyPath {
+    /// The measured default: the weight-streaming kernel for one row, cuBLAS from two rows on.
+    #[default]
+    Auto,
+    /// candle's matmul (cuBLAS).
+    Matmul,
+    /// The streaming kernel computing 1, 2 or 4 output columns per warp, for every row count.
+    Streaming(usize),
+    /// One row as [`SkinnyPath::Auto`]; two rows and more (a verify pass) through the streaming
+    /// kernel with 1, 2 or 4 columns per warp.
+    Multi(usize),
+}
+
+/// The kernel variants a model's ops run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelPolicy {
+    /// The chunked delta rule's kernels.
+    pub chunk: ChunkPath,
+    /// Linear layers of a few rows.
+    pub skinny: SkinnyPath,
+    /// Programmatic dependent launch: on sm_90+ devices (with PTX built for them) a kernel may
+    /// start while the one before it finishes (0.3-0.7 ms off an eager decode step of Qwen3.6-27B,
+    /// nothing measurable inside a CUDA graph: docs/history/BENCHMARKS-log.md, the PDL A/B runs).
+    /// Ignored where unsupported.
+    pub pdl: bool,
+}
+
+impl Default for KernelPolicy {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+impl KernelPolicy {
+    /// The measured defaults: every path `Auto`, PDL on (a constant, for `&KernelPolicy::DEFAULT`).
+    pub const DEFAULT: Self = Self {
+        chunk: ChunkPath::Auto,
+        skinny: SkinnyPath::Auto,
+        pdl: true,
+    };
+
+    /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
+    /// programmatic dependent launch off. Read when called (at load), never during a launch.
+    pub fn from_env() -> Self {
+        Self {
+            pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
+            ..Self::DEFAULT
+        }
+    }
+}
