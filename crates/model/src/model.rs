@@ -549,7 +549,8 @@ mod tests {
         let head = crate::MtpHead::load(&cfg, &w)?;
         all.extend(head.policies());
         all.push(*crate::DraftVocab::new(&model, &[0, 5, 9])?.policy());
-        assert!(all.len() > 8 * cfg.num_hidden_layers, "{} parts", all.len());
+        // At least the two norms, the MLP's two projections and the mixer per layer.
+        assert!(all.len() > 5 * cfg.num_hidden_layers, "{} parts", all.len());
         assert!(all.iter().all(|p| p == &policy), "{all:?}");
         Ok(())
     }

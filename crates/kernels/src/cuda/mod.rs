@@ -18,7 +18,8 @@ pub(crate) use launch::KernelCall;
 
 use crate::{Error, Result};
 
-/// A PTX module that build.rs compiled from `cuda/<file>.cu`, loaded into a device at its first use.
+/// A PTX module that build.rs compiled from `cuda/<file>.cu`, loaded into a device at its first use
+/// (the modules are statics, so each PTX text is in the binary once whichever ops use it).
 pub(crate) struct Ptx {
     name: &'static str,
     code: &'static str,
@@ -34,17 +35,17 @@ macro_rules! ptx {
 }
 
 /// cuda/gdn.cu: the delta rule (recurrent, fused, chunked) and the causal conv1d.
-pub(crate) const GDN: Ptx = ptx!("gdn");
+pub(crate) static GDN: Ptx = ptx!("gdn");
 /// cuda/norm.cu: the RMSNorm variants and the fused q/k norm + RoPE.
-pub(crate) const NORM: Ptx = ptx!("norm");
+pub(crate) static NORM: Ptx = ptx!("norm");
 /// cuda/linear.cu: the weight-streaming GEMV kernels.
-pub(crate) const LINEAR: Ptx = ptx!("linear");
+pub(crate) static LINEAR: Ptx = ptx!("linear");
 /// cuda/attention.cu: decode and prefill attention, the KV write, the causal softmax.
-pub(crate) const ATTENTION: Ptx = ptx!("attention");
+pub(crate) static ATTENTION: Ptx = ptx!("attention");
 /// cuda/argmax.cu.
-pub(crate) const ARGMAX: Ptx = ptx!("argmax");
+pub(crate) static ARGMAX: Ptx = ptx!("argmax");
 /// cuda/activation.cu: SwiGLU.
-pub(crate) const ACTIVATION: Ptx = ptx!("activation");
+pub(crate) static ACTIVATION: Ptx = ptx!("activation");
 
 impl Ptx {
     /// Kernel `name` of this module on `dev`.
