@@ -50,7 +50,7 @@ pub fn crate_fixture(krate: &str, file: &str) -> PathBuf {
 /// file, one sharded with a nested (multimodal-style) config.
 pub const FIXTURES: [&str; 2] = ["tiny-flat", "tiny-nested"];
 
-/// A fixture model's directory (crates/model/tests/fixtures/<name>): "tiny-flat", "tiny-nested"
+/// A fixture model's directory (`crates/model/tests/fixtures/<name>`): "tiny-flat", "tiny-nested"
 /// or "tiny-vocab" (16 ids).
 pub fn fixture_dir(name: &str) -> PathBuf {
     crate_fixture("model", name)

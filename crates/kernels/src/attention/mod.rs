@@ -6,7 +6,7 @@
 //! bf16/f16, see [`prefill_attention_fits`]); elsewhere the model's matmul path, with
 //! [`causal_softmax`] between its two matmuls.
 //!
-//! [`reference`] holds the CPU forms (f32 loops, candle's softmax and scatter); `cuda.rs` the
+//! [`reference`](mod@reference) holds the CPU forms (f32 loops, candle's softmax and scatter); `cuda.rs` the
 //! launchers of cuda/attention.cu.
 
 #[cfg(feature = "cuda")]

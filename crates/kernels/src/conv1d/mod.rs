@@ -5,7 +5,7 @@
 //! last `K-1` **raw** inputs per channel (before conv and SiLU), oldest first, zeros for a fresh
 //! sequence; it is kept in the activation dtype like the reference.
 //!
-//! [`reference`] holds the CPU form; `cuda.rs` the launchers of cuda/gdn.cu's conv kernels.
+//! [`reference`](mod@reference) holds the CPU form; `cuda.rs` the launchers of cuda/gdn.cu's conv kernels.
 
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -14,7 +14,7 @@
 //! Shapes: `q, k: [batch, len, k_heads, dk]`, `v: [batch, len, v_heads, dv]`,
 //! `g, beta: [batch, len, v_heads]`, state `[batch, v_heads, dk, dv]` (f32 only).
 //!
-//! [`reference`] holds the CPU forms; `cuda.rs` the launchers of cuda/gdn.cu.
+//! [`reference`](mod@reference) holds the CPU forms; `cuda.rs` the launchers of cuda/gdn.cu.
 
 #[cfg(feature = "cuda")]
 mod cuda;

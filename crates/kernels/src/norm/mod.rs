@@ -3,7 +3,7 @@
 //! Qwen3.6 uses two RMSNorm conventions (docs/MODEL.md §3.2): the zero-centred `(1 + w)` norm for
 //! every decoder, final and q/k norm, and a plain-weight norm gated by `silu(z)` inside GDN.
 //!
-//! [`reference`] holds the CPU forms (candle ops in f32); `cuda.rs` the launchers of cuda/norm.cu.
+//! [`reference`](mod@reference) holds the CPU forms (candle ops in f32); `cuda.rs` the launchers of cuda/norm.cu.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

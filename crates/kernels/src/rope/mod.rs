@@ -4,7 +4,7 @@
 //! `partial_rotary_factor = 0.25`); the rest pass through. Pairs are `(i, i + rotary_dim/2)`.
 //! For text-only input the interleaved mRoPE of Qwen3.6 is exactly this 1-D RoPE.
 //!
-//! [`reference`] holds the CPU forms (candle's `rope_thd`); `cuda.rs` the launcher of the fused
+//! [`reference`](mod@reference) holds the CPU forms (candle's `rope_thd`); `cuda.rs` the launcher of the fused
 //! q/k norm + RoPE kernel.
 
 #[cfg(feature = "cuda")]
