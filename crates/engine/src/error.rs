@@ -1,0 +1,22 @@
+//! Typed errors of the engine.
+
+/// What went wrong, naming the pool or the limit.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A pool has fewer free entries than asked for; nothing was allocated.
+    #[error("the {pool} pool has {free} free of {capacity}, {wanted} wanted")]
+    Exhausted {
+        pool: &'static str,
+        wanted: usize,
+        free: usize,
+        capacity: usize,
+    },
+    /// An index that is not allocated was retained or released (a bookkeeping bug upstream).
+    #[error("{pool} {index} is not allocated")]
+    NotAllocated { pool: &'static str, index: u32 },
+    /// The memory budget cannot hold what was asked for.
+    #[error("a budget of {budget} bytes cannot hold {what}")]
+    Budget { budget: u64, what: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
