@@ -14,6 +14,9 @@ pub enum Error {
     /// An index that is not allocated was retained or released (a bookkeeping bug upstream).
     #[error("{pool} {index} is not allocated")]
     NotAllocated { pool: &'static str, index: u32 },
+    /// A pool cannot be made with these sizes.
+    #[error("a {pool} pool {msg}")]
+    Size { pool: &'static str, msg: String },
     /// The memory budget cannot hold what was asked for.
     #[error("a budget of {budget} bytes cannot hold {what}")]
     Budget { budget: u64, what: String },

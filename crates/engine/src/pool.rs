@@ -24,13 +24,16 @@ struct Refcounts {
 }
 
 impl Refcounts {
-    fn new(pool: &'static str, capacity: usize) -> Self {
-        let capacity = u32::try_from(capacity).expect("a pool of at most u32::MAX entries");
-        Self {
+    fn new(pool: &'static str, capacity: usize) -> Result<Self> {
+        let n = u32::try_from(capacity).map_err(|_| Error::Size {
             pool,
-            refs: vec![0; capacity as usize],
-            free: (0..capacity).collect(),
-        }
+            msg: format!("of {capacity} entries is over the u32 index range"),
+        })?;
+        Ok(Self {
+            pool,
+            refs: vec![0; capacity],
+            free: (0..n).collect(),
+        })
     }
 
     /// `n` free indices, lowest first, each with one reference; none when fewer are free.
@@ -89,8 +92,8 @@ pub struct SlotPool(Refcounts);
 
 impl SlotPool {
     /// `capacity` slots, all free.
-    pub fn new(capacity: usize) -> Self {
-        Self(Refcounts::new("state slot", capacity))
+    pub fn new(capacity: usize) -> Result<Self> {
+        Ok(Self(Refcounts::new("state slot", capacity)?))
     }
 
     /// A free slot with one holder. The caller zeroes its state before use (a slot keeps what
@@ -133,13 +136,19 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// `capacity` blocks of `block_size` positions each, all free.
-    pub fn new(capacity: usize, block_size: usize) -> Self {
-        assert!(block_size > 0, "blocks hold at least one position");
-        Self {
-            refs: Refcounts::new("KV block", capacity),
-            block_size,
+    /// `capacity` blocks of `block_size` (at least 1) positions each, all free.
+    pub fn new(capacity: usize, block_size: usize) -> Result<Self> {
+        let pool = "KV block";
+        if block_size == 0 {
+            return Err(Error::Size {
+                pool,
+                msg: "needs blocks of at least one position".into(),
+            });
         }
+        Ok(Self {
+            refs: Refcounts::new(pool, capacity)?,
+            block_size,
+        })
     }
 
     /// Positions per block.
@@ -239,7 +248,7 @@ mod tests {
     /// Lowest free first, all or nothing, and an exhausted pool names what was asked for.
     #[test]
     fn allocation_takes_the_lowest_free_and_is_all_or_nothing() -> Result<()> {
-        let mut pool = BlockPool::new(5, 16);
+        let mut pool = BlockPool::new(5, 16)?;
         assert_eq!(pool.alloc(2)?, [BlockId(0), BlockId(1)]);
         let e = pool.alloc(4).unwrap_err();
         assert!(
@@ -261,13 +270,19 @@ mod tests {
         // Exactly what is free fits.
         assert_eq!(pool.alloc(2)?, [BlockId(3), BlockId(4)]);
         assert_eq!((pool.free(), pool.capacity()), (0, 5));
+        // Blocks of no positions are refused, naming the pool.
+        let e = BlockPool::new(5, 0).unwrap_err().to_string();
+        assert!(
+            e.contains("KV block pool needs blocks of at least one position"),
+            "{e}"
+        );
         Ok(())
     }
 
     /// A shared entry is freed by its last holder only, and never twice.
     #[test]
     fn refcounts_free_at_the_last_release() -> Result<()> {
-        let mut slots = SlotPool::new(2);
+        let mut slots = SlotPool::new(2)?;
         let s = slots.alloc()?;
         slots.retain(s)?;
         assert_eq!(slots.refs(s), 2);
@@ -289,7 +304,7 @@ mod tests {
     /// gives every block back; an allocation that does not fit leaves it as it was.
     #[test]
     fn block_tables_grow_locate_truncate_and_release() -> Result<()> {
-        let mut pool = BlockPool::new(4, 4);
+        let mut pool = BlockPool::new(4, 4)?;
         let mut t = BlockTable::default();
         t.reserve(5, &mut pool)?;
         assert_eq!(t.blocks(), [BlockId(0), BlockId(1)]);

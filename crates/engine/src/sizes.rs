@@ -23,11 +23,11 @@ impl StateBytes {
         let count = |kind| cfg.layer_types.iter().filter(|&&t| t == kind).count() as u64;
         let (gdn, attention) = (count(LayerType::LinearAttention), count(LayerType::FullAttention));
         let act = dtype.size_in_bytes() as u64;
-        let (hk, hv) = (cfg.linear_num_key_heads as u64, cfg.linear_num_value_heads as u64);
-        let (dk, dv) = (cfg.linear_key_head_dim as u64, cfg.linear_value_head_dim as u64);
-        let conv_dim = 2 * hk * dk + hv * dv;
-        let window = conv_dim * (cfg.linear_conv_kernel_dim as u64).saturating_sub(1);
-        let slot = gdn * (hv * dk * dv * 4 + window * act);
+        // The shapes GdnState allocates: [Hv, dk, dv] f32 and [conv_dim, K − 1].
+        let g = cfg.gdn();
+        let state = (g.num_v_heads * g.k_head_dim * g.v_head_dim) as u64 * 4;
+        let window = (g.conv_dim() * g.conv_kernel.saturating_sub(1)) as u64;
+        let slot = gdn * (state + window * act);
         let kv_layers = attention + if mtp { cfg.mtp_num_hidden_layers as u64 } else { 0 };
         let per_position = kv_layers * 2 * (cfg.num_key_value_heads * cfg.head_dim) as u64 * act;
         Self {

@@ -336,6 +336,12 @@ mod tests {
         s0: Tensor,
     }
 
+    impl Case {
+        fn inputs(&self) -> DeltaRuleInputs<'_> {
+            DeltaRuleInputs::new(&self.q, &self.k, &self.v, &self.g, &self.beta)
+        }
+    }
+
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
         (0..n)
@@ -448,13 +454,7 @@ mod tests {
     fn recurrent_matches_naive_matrix_form() -> Result<()> {
         let c = case(2, 37, 2, 6, 8, 12, 11);
         let scale = 8f32.powf(-0.5);
-        let r = recurrent_gated_delta_rule(
-            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
-            Some(&c.s0),
-            scale,
-            true,
-            P,
-        )?;
+        let r = recurrent_gated_delta_rule(c.inputs(), Some(&c.s0), scale, true, P)?;
         let (out, fin) = naive(&c, scale as f64);
         assert!(max_abs_diff(&r.out, &out) < TOL as f64);
         assert!(max_abs_diff(&r.state, &fin) < TOL as f64);
@@ -485,20 +485,8 @@ mod tests {
         for (t, seed) in [(1usize, 1u64), (63, 2), (64, 3), (65, 4), (150, 5)] {
             let c = case(1, t, 2, 6, 16, 24, seed);
             let scale = 16f32.powf(-0.5);
-            let r = recurrent_gated_delta_rule(
-                DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
-                Some(&c.s0),
-                scale,
-                false,
-                P,
-            )?;
-            let ch = chunked_gated_delta_rule(
-                DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
-                Some(&c.s0),
-                scale,
-                CHUNK_SIZE,
-                P,
-            )?;
+            let r = recurrent_gated_delta_rule(c.inputs(), Some(&c.s0), scale, false, P)?;
+            let ch = chunked_gated_delta_rule(c.inputs(), Some(&c.s0), scale, CHUNK_SIZE, P)?;
             let (d_out, d_state) = (max_diff(&r.out, &ch.out), max_diff(&r.state, &ch.state));
             assert!(
                 d_out < TOL && d_state < TOL,
@@ -512,13 +500,7 @@ mod tests {
     fn chunked_continues_from_its_own_state() -> Result<()> {
         let c = case(2, 100, 1, 2, 8, 8, 9);
         let scale = 0.35;
-        let full = chunked_gated_delta_rule(
-            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
-            None,
-            scale,
-            16,
-            P,
-        )?;
+        let full = chunked_gated_delta_rule(c.inputs(), None, scale, 16, P)?;
         let part = |x: &Tensor, s, l| x.narrow(1, s, l).unwrap();
         let a = chunked_gated_delta_rule(
             DeltaRuleInputs::new(
@@ -555,14 +537,7 @@ mod tests {
     fn non_f32_state_is_refused() -> Result<()> {
         let c = case(1, 2, 1, 1, 4, 4, 1);
         let s = c.s0.to_dtype(DType::BF16)?;
-        let err = recurrent_gated_delta_rule(
-            DeltaRuleInputs::new(&c.q, &c.k, &c.v, &c.g, &c.beta),
-            Some(&s),
-            0.5,
-            false,
-            P,
-        )
-        .unwrap_err();
+        let err = recurrent_gated_delta_rule(c.inputs(), Some(&s), 0.5, false, P).unwrap_err();
         assert!(err.to_string().contains("must be f32"), "{err}");
         Ok(())
     }
