@@ -20,6 +20,25 @@ pub enum Error {
     /// The memory budget cannot hold what was asked for.
     #[error("a budget of {budget} bytes cannot hold {what}")]
     Budget { budget: u64, what: String },
+    /// A request is malformed (empty prompt, ids outside the vocabulary, bad sampling).
+    #[error("request: {0}")]
+    Request(String),
+    /// A request can never fit: it needs more positions than the context or the whole pool.
+    #[error("the request needs {needed} positions (prompt + max_tokens); the model's context is {context} and the KV pool holds {pool}")]
+    TooLong {
+        needed: usize,
+        context: usize,
+        pool: usize,
+    },
+    /// The waiting queue is full.
+    #[error("the queue is full ({0} requests wait); retry later")]
+    QueueFull(usize),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] qwen36_model::Error),
+    /// candle failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -1,15 +1,23 @@
-//! The serving engine: many sequences at once over pooled state (issue 22, built in steps).
+//! The serving engine: many sequences at once over pooled GDN state and paged KV (issue 22,
+//! built in steps).
 //!
-//! This step holds the pools' bookkeeping: a fixed set of GDN state slots (a running sequence's
-//! recurrent state and conv window in every GDN layer) and of paged KV blocks (`block_size`
-//! positions of every attention layer's K and V), both refcounted so that the prefix cache can
-//! share them, and sized from a memory budget ([`PoolSizes`]). The scheduler, the batched forward
-//! and the runner come next; see docs/ARCHITECTURE.md.
+//! [`Engine`] takes [`Request`]s, schedules them by continuous batching (chunked prefill under a
+//! per-step token budget, FCFS, preemption of the newest sequence when KV blocks run out) and
+//! runs each step as one flat forward of every scheduled sequence
+//! ([`qwen36_model::Qwen36Model::forward_batch`]); each request's [`RequestHandle`] receives
+//! its tokens as [`Event`]s. The pools' bookkeeping: a fixed set of GDN state slots and of paged
+//! KV blocks, both refcounted so that the prefix cache can share them, sized from a memory
+//! budget ([`PoolSizes`]). See docs/ARCHITECTURE.md.
 
+mod engine;
 mod error;
 mod pool;
+mod request;
+mod scheduler;
 mod sizes;
 
+pub use engine::{Engine, EngineConfig, StepStats};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
+pub use request::{Event, Request, RequestHandle, StopReason, Usage};
 pub use sizes::{PoolSizes, StateBytes};

@@ -65,6 +65,30 @@ impl VerifyCheckpoints {
         }
     }
 
+    /// Batch member `i`'s checkpoints alone (views, batch 1).
+    pub fn member(&self, i: usize) -> Result<Self> {
+        Ok(Self {
+            states: self.states.narrow(0, i, 1)?,
+            window: self.window.narrow(0, i, 1)?,
+            seen_before: self.seen_before,
+        })
+    }
+
+    /// The state after the first `keep` tokens (1..=len): the conv window `[batch, conv_dim,
+    /// K-1]` and the recurrent state `[batch, Hv, dk, dv]` f32, exactly as running only those
+    /// tokens would leave them.
+    pub fn state_after(&self, keep: usize) -> Result<(Tensor, Tensor)> {
+        let n = self.len();
+        if keep == 0 || keep > n {
+            return Err(Error::State(format!(
+                "cannot keep {keep} of the {n} verified tokens (need 1..={n})"
+            )));
+        }
+        let hist = self.window.dim(2)? - n;
+        let recurrent = self.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
+        Ok((self.window.narrow(2, keep, hist)?, recurrent))
+    }
+
     /// The states after each token, `[batch, len, Hv, dk, dv]` f32.
     pub fn states(&self) -> &Tensor {
         &self.states
@@ -278,6 +302,58 @@ impl GatedDeltaNet {
         Ok((y, cp.expect("verify keeps checkpoints")))
     }
 
+    /// The residual block over a flat batch of several sequences: `x: [1, rows, hidden]` holds
+    /// each group's rows in order (a group: `batch` sequences of `len` tokens, sequence-major), the
+    /// projections read all rows at once and each group's conv and delta rule run from its own
+    /// state (`[batch, ...]`), as [`Self::forward_block`] (or with `verify`,
+    /// [`Self::forward_verify_block`]) runs them. Returns `[1, rows, hidden]` and, per group, its
+    /// checkpoints when it verifies.
+    pub fn forward_groups_block(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        groups: &mut [GdnGroup<'_>],
+    ) -> Result<(Tensor, Vec<Option<VerifyCheckpoints>>)> {
+        let (b, n, _) = self.check_input(x)?;
+        let rows: usize = groups.iter().map(|g| g.batch * g.len).sum();
+        if b != 1 || rows != n || groups.iter().any(|g| g.batch * g.len == 0) {
+            return Err(Error::Input(format!(
+                "a flat batch is [1, rows, hidden] with non-empty groups covering its rows; found \
+                 {:?} for groups of {rows} rows",
+                x.dims()
+            )));
+        }
+        let proj = self.in_proj.forward_normed(x, norm)?;
+        let width = proj.dim(D::Minus1)?;
+        let (mut outs, mut checkpoints) = (Vec::with_capacity(groups.len()), Vec::new());
+        let mut row = 0;
+        for g in groups.iter_mut() {
+            let part = proj
+                .narrow(1, row, g.batch * g.len)?
+                .reshape((g.batch, g.len, width))?;
+            let (out, cp) = self.mix(&part, g.state, g.verify)?;
+            let (_, _, hv, dv) = out.dims4()?;
+            outs.push(out.reshape((1, g.batch * g.len, hv, dv))?);
+            checkpoints.push(cp);
+            row += g.batch * g.len;
+        }
+        let out = Tensor::cat(&outs, 1)?;
+        Ok((self.finish(x, &proj, &out, Some(norm))?, checkpoints))
+    }
+
+    /// Checks `x: [batch, len > 0, hidden]`; returns its dims.
+    fn check_input(&self, x: &Tensor) -> Result<(usize, usize, usize)> {
+        let c = &self.cfg;
+        match x.dims3() {
+            Ok((b, t, h)) if h == c.hidden_size && t > 0 => Ok((b, t, h)),
+            _ => Err(Error::Input(format!(
+                "expected [batch, len>0, {}], found {:?}",
+                c.hidden_size,
+                x.dims()
+            ))),
+        }
+    }
+
     /// The layer on `x`, or with `block` (the norm before it) the residual block around it.
     fn run(
         &self,
@@ -286,15 +362,26 @@ impl GatedDeltaNet {
         state: &mut GdnState,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+        self.check_input(x)?;
+        let proj = match block {
+            Some(norm) => self.in_proj.forward_normed(x, norm)?,
+            None => self.in_proj.forward(x)?,
+        };
+        let (out, checkpoints) = self.mix(&proj, state, verify)?;
+        Ok((self.finish(x, &proj, &out, block)?, checkpoints))
+    }
+
+    /// The conv and the delta rule of `proj: [batch, len, qkv|z|b|a]` (the input projection's
+    /// output) from `state`, which it advances. Returns the read-out `[batch, len, Hv, dv]` f32
+    /// and, with `verify`, the checkpoints.
+    fn mix(
+        &self,
+        proj: &Tensor,
+        state: &mut GdnState,
+        verify: bool,
+    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let c = &self.cfg;
-        let (b, t, h) = x.dims3()?;
-        if h != c.hidden_size || t == 0 {
-            return Err(Error::Input(format!(
-                "expected [batch, len>0, {}], found {:?}",
-                c.hidden_size,
-                x.dims()
-            )));
-        }
+        let (b, t, _) = proj.dims3()?;
         if state.conv().dims() != [b, c.conv_dim(), c.conv_kernel - 1] {
             return Err(Error::State(format!(
                 "conv state {:?} does not fit batch {b} of this layer (want [{b}, {}, {}])",
@@ -304,12 +391,7 @@ impl GatedDeltaNet {
             )));
         }
         let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
-        let proj = match block {
-            Some(norm) => self.in_proj.forward_normed(x, norm)?,
-            None => self.in_proj.forward(x)?,
-        };
         let mixed = proj.narrow(D::Minus1, 0, cd)?;
-        let z = proj.narrow(D::Minus1, cd, vd)?;
         let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
         let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
 
@@ -383,15 +465,37 @@ impl GatedDeltaNet {
             _ => None,
         };
         state.update(conv_state, r.state, t)?;
+        Ok((r.out, checkpoints))
+    }
 
+    /// The gated norm of the read-out `out: [batch, len, Hv, dv]` with the z part of `proj`, and
+    /// the output projection (with `block`, adding the residual stream `x`).
+    fn finish(&self, x: &Tensor, proj: &Tensor, out: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, _) = x.dims3()?;
+        let (cd, vd) = (c.conv_dim(), c.value_dim());
         // z stays a view of the projection ([b, t, hv·dv]); the norm reads it per head.
-        let y = self.norm.forward(&r.out, &z, x.dtype())?.reshape((b, t, vd))?;
-        let out = match block {
+        let z = proj.narrow(D::Minus1, cd, vd)?;
+        let y = self.norm.forward(out, &z, x.dtype())?.reshape((b, t, vd))?;
+        Ok(match block {
             Some(_) => self.out_proj.forward_add(&y, x)?,
             None => self.out_proj.forward(&y)?,
-        };
-        Ok((out, checkpoints))
+        })
     }
+}
+
+/// One group of a flat batch for [`GatedDeltaNet::forward_groups_block`]: `batch` sequences of
+/// `len` tokens each (their rows consecutive, sequence-major) and their state `[batch, ...]`.
+#[derive(Debug)]
+pub struct GdnGroup<'a> {
+    /// Sequences in the group.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub len: usize,
+    /// Their state, advanced by the pass.
+    pub state: &'a mut GdnState,
+    /// Run token by token keeping checkpoints (a speculative verify).
+    pub verify: bool,
 }
 
 #[cfg(test)]

@@ -146,10 +146,7 @@ impl GdnState {
     /// Keeps the first `keep` tokens (1..=len) of a verify pass: the state becomes exactly the state
     /// after token `keep - 1` of that pass, as if only those tokens had been run.
     pub fn commit(&mut self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
-        Self::check_keep(checkpoints, keep)?;
-        let hist = self.conv.dim(2)?;
-        let recurrent = checkpoints.states.narrow(1, keep - 1, 1)?.squeeze(1)?;
-        let conv = checkpoints.window.narrow(2, keep, hist)?;
+        let (conv, recurrent) = checkpoints.state_after(keep)?;
         self.set(conv, recurrent)?;
         self.seen = checkpoints.seen_before + keep;
         Ok(())

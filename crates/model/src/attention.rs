@@ -74,6 +74,40 @@ impl AttnStep {
     }
 }
 
+/// The new tokens' heads: q `[b, nh, t, hd]` and k `[b, nkv, t, hd]` normalised and rotated, v
+/// `[b, nkv, t, hd]` and the output gate `[b, t, nh, hd]` (views of the projection).
+struct Heads {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
+}
+
+impl Heads {
+    /// Rows `row..row+len` of a flat batch (`b = 1`).
+    fn rows(&self, row: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            q: self.q.narrow(2, row, len)?,
+            k: self.k.narrow(2, row, len)?,
+            v: self.v.narrow(2, row, len)?,
+            gate: self.gate.narrow(1, row, len)?,
+        })
+    }
+}
+
+/// One sequence's part of a flat batch with paged K/V ([`GatedAttention::forward_paged_block`]).
+#[derive(Debug, Clone)]
+pub(crate) struct PagedSeq {
+    /// Positions before the new tokens.
+    pub start: usize,
+    /// New tokens (the sequence's rows of the batch).
+    pub len: usize,
+    /// u32 `[start + len]`: the pool row of every position.
+    pub rows: Tensor,
+    /// `(pool row, first new token, tokens)`: runs of new tokens with consecutive pool rows.
+    pub writes: Vec<(usize, usize, usize)>,
+}
+
 /// One gated-attention mixer.
 #[derive(Debug, Clone)]
 pub struct GatedAttention {
@@ -189,9 +223,69 @@ impl GatedAttention {
         kernel: bool,
         budget: usize,
     ) -> Result<Tensor> {
+        let start = cache.len();
+        let heads = self.project(x, block, &step.cos, &step.sin)?;
+        let out = if kernel {
+            let (kb, vb) = cache.append_at(&heads.k, &heads.v, &step.positions, &self.policy)?;
+            self.attend_new(&heads, &kb, &vb, start, Some(&step.len), budget)?
+        } else {
+            let (k, v) = cache.append(&heads.k, &heads.v)?; // [b, nkv, L, hd]
+            self.attend_new(&heads, &k, &v, start, None, budget)?
+        };
+        self.output(&out, x, block)
+    }
+
+    /// The pre-norm residual block over a flat batch of several sequences (`x: [1, rows,
+    /// hidden]`, `cos, sin: [rows, rotary_dim/2]` at each row's position) with paged K/V:
+    /// `k_pool, v_pool: [pool rows, kv_heads, head_dim]`, a position's row given by its
+    /// sequence's block table. The projections read all rows at once; each sequence writes its
+    /// new keys and values into the pool and attends over its own positions, with the kernels a
+    /// pass of its length takes alone (so each sequence's result is what it gets alone).
+    pub(crate) fn forward_paged_block(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        (cos, sin): (&Tensor, &Tensor),
+        seqs: &[PagedSeq],
+        (k_pool, v_pool): (&Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        let heads = self.project(x, Some(norm), cos, sin)?;
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for s in seqs {
+            let part = heads.rows(row, s.len)?;
+            // New keys and values token-major, [len, nkv, hd], into their pool rows.
+            let k_new = part.k.squeeze(0)?.transpose(0, 1)?.contiguous()?;
+            let v_new = part.v.squeeze(0)?.transpose(0, 1)?.contiguous()?;
+            for &(pool_row, token, n) in &s.writes {
+                k_pool.slice_set(&k_new.narrow(0, token, n)?, 0, pool_row)?;
+                v_pool.slice_set(&v_new.narrow(0, token, n)?, 0, pool_row)?;
+            }
+            // Every position of the sequence, head-major: [1, nkv, start + len, hd].
+            let gather = |pool: &Tensor| -> Result<Tensor> {
+                Ok(pool
+                    .index_select(&s.rows, 0)?
+                    .transpose(0, 1)?
+                    .unsqueeze(0)?
+                    .contiguous()?)
+            };
+            let (k, v) = (gather(k_pool)?, gather(v_pool)?);
+            let len = if self.uses_decode_kernel(s.len, x.dtype(), x.device()) {
+                Some(Tensor::new(&[(s.start + s.len) as u32], x.device())?)
+            } else {
+                None
+            };
+            outs.push(self.attend_new(&part, &k, &v, s.start, len.as_ref(), SCORE_BUDGET)?);
+            row += s.len;
+        }
+        self.output(&Tensor::cat(&outs, 1)?, x, Some(norm))
+    }
+
+    /// The q|k|v projection of `x: [b, t, hidden]` (with `block`, normalising `x` as it reads
+    /// it) split into heads, q and k normalised and rotated by `cos, sin: [t, rotary_dim/2]`.
+    fn project(&self, x: &Tensor, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let start = cache.len();
         let qkv = match block {
             Some(norm) => self.qkv_proj.forward_normed(x, norm)?,
             None => self.qkv_proj.forward(x)?,
@@ -210,49 +304,52 @@ impl GatedAttention {
             .reshape((b, t, 2 * (nh + nkv), hd))?
             .narrow(2, 2 * nh + nkv, nkv)?;
         // Per-head norm + RoPE, head-major, read from the projection rows: [b, nh | nkv, t, hd].
-        let (cos, sin) = (&step.cos, &step.sin);
         let p = &self.policy;
         let q = norm_rope_heads(&qg, nh, 2 * hd, hd, Some(&self.q_norm), cos, sin, p)?;
-        let k = norm_rope_heads(
-            &qkv.narrow(D::Minus1, qd, kd)?,
-            nkv,
-            hd,
-            hd,
-            Some(&self.k_norm),
-            cos,
-            sin,
-            p,
-        )?;
+        let kx = qkv.narrow(D::Minus1, qd, kd)?;
+        let k = norm_rope_heads(&kx, nkv, hd, hd, Some(&self.k_norm), cos, sin, p)?;
         let v = v.transpose(1, 2)?; // [b, nkv, t, hd], a view the cache copies once
+        Ok(Heads { q, k, v, gate })
+    }
 
-        let out = if kernel {
+    /// Gated causal attention of the new tokens `heads` (at positions `start..start+t`) over
+    /// the keys and values `k, v: [b, nkv, L, hd]` of every position (theirs written): with
+    /// `len` (u32 `[1]`, the valid length; `k, v` may be longer) the decode kernel, else the
+    /// prefill kernel where it fits, else the matmul path in query blocks of about `budget`
+    /// scores. Returns `[b, t, nh, hd]`.
+    fn attend_new(
+        &self,
+        heads: &Heads,
+        k: &Tensor,
+        v: &Tensor,
+        start: usize,
+        len: Option<&Tensor>,
+        budget: usize,
+    ) -> Result<Tensor> {
+        let (b, _, t, hd) = heads.q.dims4()?;
+        let (nh, nkv) = (self.n_heads, self.n_kv_heads);
+        let scale = (hd as f64).powf(-0.5);
+        let (p, gate) = (&self.policy, &heads.gate);
+        Ok(if let Some(len) = len {
             // Rows r = member·t + token of each KV head's group, as the kernel wants them.
-            let (kb, vb) = cache.append_at(&k, &v, &step.positions, p)?;
-            let q = q.reshape((b, nkv, nh / nkv * t, hd))?;
-            let scale = (hd as f64).powf(-0.5);
+            let q = heads.q.reshape((b, nkv, nh / nkv * t, hd))?;
             // The kernel applies the gate as it writes.
-            decode_attention(
-                AttentionInputs::new(&q, &kb, &vb, Some(&gate), scale),
-                &step.len,
-                t,
-                p,
-            )?
-        } else {
-            let (k, v) = cache.append(&k, &v)?; // [b, nkv, L, hd]
-            if prefill_attention_fits(hd, q.dtype(), q.device()) {
-                // The kernel applies the gate as it writes.
-                prefill_attention(
-                    AttentionInputs::new(&q, &k, &v, Some(&gate), (hd as f64).powf(-0.5)),
-                    start,
-                    p,
-                )?
+            decode_attention(AttentionInputs::new(&q, k, v, Some(gate), scale), len, t, p)?
+        } else if prefill_attention_fits(hd, heads.q.dtype(), heads.q.device()) {
+            // The kernel applies the gate as it writes.
+            prefill_attention(AttentionInputs::new(&heads.q, k, v, Some(gate), scale), start, p)?
                 .transpose(1, 2)?
-            } else {
-                let out = self.attend_blocks(&q, &k, &v, start, budget)?;
-                (out.transpose(1, 2)? * candle_nn::ops::sigmoid(&gate)?)?
-            }
-        }; // [b, t, nh, hd]
-        let out = out.reshape((b, t, nh * hd))?;
+        } else {
+            let out = self.attend_blocks(&heads.q, k, v, start, budget)?;
+            (out.transpose(1, 2)? * candle_nn::ops::sigmoid(gate)?)?
+        })
+    }
+
+    /// The output projection of the attention output `out: [b, t, nh, hd]` (with `block`,
+    /// adding the residual stream `x`).
+    fn output(&self, out: &Tensor, x: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let out = out.reshape((b, t, self.n_heads * self.head_dim))?;
         Ok(match block {
             Some(_) => self.o_proj.forward_add(&out, x)?,
             None => self.o_proj.forward(&out)?,

@@ -13,6 +13,7 @@ mod graph;
 mod kv_cache;
 mod model;
 mod mtp_head;
+mod paged;
 mod stepper;
 mod weights;
 
@@ -25,5 +26,6 @@ pub use graph::{graph_device, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
+pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
 pub use stepper::{cuda_device, DraftSession, DraftStepper, Session, Stepper};
 pub use weights::{LoadOptions, Weights};

@@ -5,11 +5,15 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
-use qwen36_gdn::{GatedDeltaNet, GdnWeights, VerifyCheckpoints};
+use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, VerifyCheckpoints};
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
-use crate::attention::AttnStep;
-use crate::{Cache, Config, Error, GatedAttention, LayerCache, LayerType, LoadOptions, Result, Weights};
+use crate::attention::{AttnStep, PagedSeq};
+use crate::paged::{PagedLayer, PoolShape};
+use crate::{
+    BatchOutput, BatchPending, Cache, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
+    LoadOptions, PagedCache, Result, Weights,
+};
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
 #[derive(Debug, Clone)]
@@ -146,6 +150,80 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// [`Self::forward`] over a flat batch (`x: [1, rows, hidden]`) with pooled caches: a GDN
+    /// layer gathers each group's states from their slots, runs the groups and writes the new
+    /// states back; an attention layer reads and writes paged K/V. Returns, for a GDN layer
+    /// with verifying groups, every group's checkpoints.
+    fn forward_paged(
+        &self,
+        x: &Tensor,
+        pool: &PagedLayer,
+        batch: &ForwardBatch,
+        flat: &FlatInputs,
+    ) -> Result<(Tensor, Option<Vec<Option<VerifyCheckpoints>>>)> {
+        let norm = &self.input_norm;
+        let (r, checkpoints) = match (&self.mixer, pool) {
+            (Mixer::Gdn(g), PagedLayer::Gdn { conv, recurrent }) => {
+                let mut states = flat
+                    .slots
+                    .iter()
+                    .map(|slots| {
+                        let c = conv.index_select(slots, 0)?;
+                        let r = recurrent.index_select(slots, 0)?;
+                        Ok(GdnState::from_parts(c, r, 0)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut groups: Vec<GdnGroup> = batch
+                    .groups
+                    .iter()
+                    .zip(states.iter_mut())
+                    .map(|(members, state)| {
+                        let first = &batch.chunks[members[0]];
+                        GdnGroup {
+                            batch: members.len(),
+                            len: first.tokens.len(),
+                            state,
+                            verify: first.verify,
+                        }
+                    })
+                    .collect();
+                let (r, cps) = g.forward_groups_block(x, norm, &mut groups)?;
+                for (members, state) in batch.groups.iter().zip(&states) {
+                    for (i, &chunk) in members.iter().enumerate() {
+                        let slot = batch.chunks[chunk].slot as usize;
+                        conv.slice_set(&state.conv().narrow(0, i, 1)?.contiguous()?, 0, slot)?;
+                        let rec = state.recurrent().narrow(0, i, 1)?.contiguous()?;
+                        recurrent.slice_set(&rec, 0, slot)?;
+                    }
+                }
+                let verifies = cps.iter().any(Option::is_some);
+                (r, verifies.then_some(cps))
+            }
+            (Mixer::Attention(a), PagedLayer::Attention { k, v }) => {
+                let rope = (&flat.cos, &flat.sin);
+                (a.forward_paged_block(x, norm, rope, &flat.seqs, (k, v))?, None)
+            }
+            _ => {
+                return Err(Error::Cache(
+                    "layer kinds of the pool and the model differ".into(),
+                ))
+            }
+        };
+        Ok((self.mlp.forward_block(&r, &self.post_norm)?, checkpoints))
+    }
+}
+
+/// What every layer of one flat forward shares: each row's RoPE angles, each group's slots
+/// and each sequence's paged positions.
+struct FlatInputs {
+    cos: Tensor,
+    sin: Tensor,
+    /// u32 `[members]` per group.
+    slots: Vec<Tensor>,
+    seqs: Vec<PagedSeq>,
+}
+
 /// A loaded Qwen3.6 text model (no MTP head).
 #[derive(Debug, Clone)]
 pub struct Qwen36Model {
@@ -244,6 +322,97 @@ impl Qwen36Model {
             batch,
             seq_len: 0,
             pending: None,
+        })
+    }
+
+    /// Empty pools for serving: `slots` GDN states (every GDN layer's conv window and f32
+    /// recurrent state) and `blocks` KV blocks of `block_size` positions (every attention
+    /// layer's keys and values).
+    pub fn new_paged_cache(&self, slots: usize, blocks: usize, block_size: usize) -> Result<PagedCache> {
+        let kinds = self.layers.iter().map(|l| match &l.mixer {
+            Mixer::Gdn(g) => {
+                let c = g.config();
+                PoolShape::Gdn {
+                    conv: vec![c.conv_dim(), c.conv_kernel - 1],
+                    recurrent: vec![c.num_v_heads, c.k_head_dim, c.v_head_dim],
+                }
+            }
+            Mixer::Attention(_) => PoolShape::Attention {
+                kv_heads: self.cfg.num_key_value_heads,
+                head_dim: self.cfg.head_dim,
+            },
+        });
+        PagedCache::zeros(kinds, (slots, blocks, block_size), self.dtype, &self.device)
+    }
+
+    /// Runs every chunk of `batch` (prefill chunks, decode tokens, verifies) in one pass over
+    /// the pools of `cache`, each from its slot's state and its blocks' K/V, and advances them.
+    /// Each chunk's hidden states are what it gets run alone through a [`Cache`] (the same
+    /// kernels for its token count, from the same state). Returns the final-norm hidden states
+    /// of every row and, when a chunk verifies, the checkpoints for [`PagedCache::commit`].
+    pub fn forward_batch(&self, batch: &ForwardBatch, cache: &mut PagedCache) -> Result<BatchOutput> {
+        batch.check(cache, self.cfg.vocab_size, self.cfg.max_position_embeddings)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::Cache(format!(
+                "a pool of {} layers used with a model of {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        for c in batch.chunks.iter().filter(|c| c.start == 0) {
+            cache.clear_slot(c.slot)?;
+        }
+        let order: Vec<usize> = batch.row_order().collect();
+        let ids: Vec<u32> = order
+            .iter()
+            .flat_map(|&i| batch.chunks[i].tokens.iter().copied())
+            .collect();
+        let positions = order.iter().flat_map(|&i| {
+            let c = &batch.chunks[i];
+            c.start..c.start + c.tokens.len()
+        });
+        let (cos, sin) = self.rope.cos_sin_at(positions, self.dtype, &self.device)?;
+        let slots = batch
+            .groups
+            .iter()
+            .map(|members| {
+                let s: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
+                Ok(Tensor::new(s.as_slice(), &self.device)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let flat = FlatInputs {
+            cos,
+            sin,
+            slots,
+            seqs: batch.paged_seqs(cache)?,
+        };
+        let mut x = self
+            .embed
+            .forward(&Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (layer, pool) in self.layers.iter().zip(&cache.layers) {
+            let (y, cps) = layer.forward_paged(&x, pool, batch, &flat)?;
+            layers.push(cps);
+            x = y;
+        }
+        let pending = layers.iter().any(Option::is_some).then(|| {
+            let mut member_of = vec![None; batch.chunks.len()];
+            for (g, members) in batch.groups.iter().enumerate() {
+                for (i, &chunk) in members.iter().enumerate() {
+                    if batch.chunks[chunk].verify {
+                        member_of[chunk] = Some((g, i));
+                    }
+                }
+            }
+            BatchPending {
+                layers,
+                member_of,
+                slots: batch.chunks.iter().map(|c| c.slot).collect(),
+            }
+        });
+        Ok(BatchOutput {
+            hidden: self.norm.forward(&x)?.squeeze(0)?,
+            pending,
         })
     }
 

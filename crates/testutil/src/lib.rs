@@ -106,3 +106,35 @@ pub fn rand_uniform(
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)
 }
+
+/// A seeded stream of integers for randomised tests (SplitMix64): the same seed gives the same
+/// draws on every run.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    seed: u64,
+    i: u64,
+}
+
+impl Rng {
+    /// The stream `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self { seed, i: 0 }
+    }
+
+    /// A draw in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        self.i += 1;
+        (splitmix(self.seed, self.i) % n as u64) as usize
+    }
+
+    /// A draw in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        self.i += 1;
+        unit(self.seed, self.i) < p
+    }
+}

@@ -53,16 +53,27 @@ impl RotaryEmbedding {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        self.cos_sin_at(start..start + len, dtype, device)
+    }
+
+    /// `(cos, sin)` for any positions (the rows of a flat batch of several sequences), each
+    /// `[positions, rotary_dim/2]`, in `dtype`.
+    pub fn cos_sin_at(
+        &self,
+        positions: impl IntoIterator<Item = usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(len * half);
-        let mut sin = Vec::with_capacity(len * half);
-        for p in start..start + len {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in positions {
             for &f in &self.inv_freq {
                 let angle = p as f32 * f;
                 cos.push(angle.cos());
                 sin.push(angle.sin());
             }
         }
+        let len = cos.len() / half;
         let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
         Ok((cos, sin))

@@ -1,0 +1,121 @@
+//! What a client submits and what it gets back: a request, its handle and its events.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Duration;
+
+use qwen36_sampling::{Sampled, SamplingParams};
+
+/// One generation request, in token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The prompt (at least one id).
+    pub prompt: Vec<u32>,
+    /// How tokens are drawn; its seed makes the request reproducible whatever else runs.
+    pub sampling: SamplingParams,
+    /// Upper bound on generated tokens; `None`: until a stop id or the context is full.
+    pub max_tokens: Option<usize>,
+    /// Generation stops after any of these ids (the id is the last token sent).
+    pub stop_ids: Vec<u32>,
+    /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
+    pub logprobs: bool,
+}
+
+impl Request {
+    /// Greedy decoding of `prompt` for at most `max_tokens` tokens.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(max_tokens),
+            stop_ids: Vec::new(),
+            logprobs: false,
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` generated.
+    MaxTokens,
+    /// A stop id was generated (the last token sent).
+    StopToken(u32),
+    /// The client cancelled (or dropped its handle).
+    Cancelled,
+    /// The model's context, or the whole KV pool, is full.
+    ContextFull,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Times the request was preempted (its state freed and recomputed later).
+    pub preemptions: usize,
+}
+
+/// What a request's handle receives, in order: tokens, then exactly one `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New tokens (one per decode step; several when a speculative verify accepts drafts).
+    Token {
+        ids: Vec<u32>,
+        /// Per id, when the request asked for log-probabilities.
+        logprobs: Option<Vec<Sampled>>,
+    },
+    /// The request ended normally.
+    Finished { reason: StopReason, usage: Usage },
+    /// The request could not go on (the message names why); nothing more follows.
+    Failed { error: String },
+}
+
+/// The client's side of a submitted request: its events, and cancellation.
+#[derive(Debug)]
+pub struct RequestHandle {
+    id: u64,
+    events: Receiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    pub(crate) fn new(id: u64, events: Receiver<Event>, cancel: Arc<AtomicBool>) -> Self {
+        Self { id, events, cancel }
+    }
+
+    /// The request's id (unique per engine, in submission order).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Asks the engine to stop the request; its slot and blocks are freed at the next step and it
+    /// ends with [`StopReason::Cancelled`].
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// The next event, waiting for it; `None` once the engine has dropped the request's sender
+    /// (after its last event).
+    pub fn recv(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+
+    /// The next event if one is ready.
+    pub fn try_recv(&self) -> Option<Event> {
+        self.events.try_recv().ok()
+    }
+
+    /// The next event, waiting at most `timeout`.
+    pub fn recv_timeout(&self, timeout: Duration) -> Option<Event> {
+        self.events.recv_timeout(timeout).ok()
+    }
+
+    /// Every event already sent, without waiting.
+    pub fn drain(&self) -> Vec<Event> {
+        std::iter::from_fn(|| self.try_recv()).collect()
+    }
+}

@@ -1,0 +1,175 @@
+//! Continuous batching: which sequences run in the next forward and how many tokens each.
+//!
+//! FCFS: running sequences first (decode tokens and the rest of their prompts, oldest first),
+//! then waiting ones while a slot, KV blocks and the step's token budget allow; a prompt longer
+//! than the budget runs in chunks over several steps, beside everyone's decode tokens. When KV
+//! blocks run out the newest running sequence is preempted: its slot and blocks are freed and it
+//! waits again, to be recomputed from its prompt and the tokens it already has.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use qwen36_sampling::Sampler;
+
+use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, StopReason};
+
+/// One request inside the engine.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+    pub sampler: Sampler,
+    pub max_tokens: Option<usize>,
+    pub stop_ids: Vec<u32>,
+    pub logprobs: bool,
+    pub events: Sender<Event>,
+    pub cancel: Arc<AtomicBool>,
+    pub slot: Option<SlotId>,
+    pub table: BlockTable,
+    /// Tokens whose state and K/V are in the pools (the position of the next token to run).
+    pub computed: usize,
+    pub preemptions: usize,
+}
+
+impl Sequence {
+    /// Prompt and generated tokens.
+    pub fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    /// Tokens `range` of prompt ++ output.
+    pub fn tokens(&self, from: usize, n: usize) -> Vec<u32> {
+        self.prompt
+            .iter()
+            .chain(&self.output)
+            .skip(from)
+            .take(n)
+            .copied()
+            .collect()
+    }
+
+    /// Tokens known but not yet run (the prompt's rest, or the last sampled token).
+    pub fn pending(&self) -> usize {
+        self.len() - self.computed
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Frees its slot and blocks.
+    pub fn release(&mut self, slots: &mut SlotPool, blocks: &mut BlockPool) -> Result<()> {
+        if let Some(slot) = self.slot.take() {
+            slots.release(slot)?;
+        }
+        self.table.release(blocks)?;
+        self.computed = 0;
+        Ok(())
+    }
+}
+
+/// How many tokens one running sequence runs in the next forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Scheduled {
+    /// Index into the running sequences.
+    pub index: usize,
+    pub tokens: usize,
+}
+
+/// The next forward's plan, and the sequences that ended while planning it (already released).
+pub(crate) type Plan = (Vec<Scheduled>, Vec<(Sequence, StopReason)>);
+
+/// The queues and the pools' bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    /// Waiting sequences, oldest (smallest id) first.
+    pub waiting: VecDeque<Sequence>,
+    /// Running sequences (holding a slot), oldest first after each `schedule`.
+    pub running: Vec<Sequence>,
+    pub slots: SlotPool,
+    pub blocks: BlockPool,
+    /// The most tokens one forward runs.
+    pub step_tokens: usize,
+}
+
+impl Scheduler {
+    /// Plans the next forward; sequences that end here (cancelled, or too long for the whole
+    /// pool) come back with their reason, already released.
+    pub fn schedule(&mut self) -> Result<Plan> {
+        let mut ended = Vec::new();
+        for queue_pos in (0..self.waiting.len()).rev() {
+            if self.waiting[queue_pos].cancelled() {
+                let s = self.waiting.remove(queue_pos).expect("index in range");
+                ended.push((s, StopReason::Cancelled));
+            }
+        }
+        for i in (0..self.running.len()).rev() {
+            if self.running[i].cancelled() {
+                let mut s = self.running.remove(i);
+                s.release(&mut self.slots, &mut self.blocks)?;
+                ended.push((s, StopReason::Cancelled));
+            }
+        }
+        self.running.sort_by_key(|s| s.id);
+        let mut plan = Vec::new();
+        let mut budget = self.step_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let tokens = self.running[i].pending().min(budget);
+            let needed = self.running[i].computed + tokens;
+            let s = &mut self.running[i];
+            match s.table.reserve(needed, &mut self.blocks) {
+                Ok(()) => {
+                    plan.push(Scheduled { index: i, tokens });
+                    budget -= tokens;
+                    i += 1;
+                }
+                Err(Error::Exhausted { .. }) => {
+                    // Preempt the newest (possibly this one) and try again.
+                    let newest = self.running.len() - 1;
+                    let mut victim = self.running.remove(newest);
+                    victim.release(&mut self.slots, &mut self.blocks)?;
+                    if newest == 0 {
+                        // Alone and still too long: the whole pool is its context.
+                        ended.push((victim, StopReason::ContextFull));
+                    } else {
+                        victim.preemptions += 1;
+                        self.wait(victim);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // Admit waiting sequences in order while a slot, blocks and the budget allow.
+        while budget > 0 && self.slots.free() > 0 {
+            let Some(s) = self.waiting.front_mut() else { break };
+            let tokens = s.pending().min(budget);
+            if s.table.reserve(tokens, &mut self.blocks).is_err() {
+                if self.running.is_empty() {
+                    let s = self.waiting.pop_front().expect("a front");
+                    ended.push((s, StopReason::ContextFull));
+                    continue;
+                }
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("a front");
+            s.slot = Some(self.slots.alloc()?);
+            self.running.push(s);
+            plan.push(Scheduled {
+                index: self.running.len() - 1,
+                tokens,
+            });
+            budget -= tokens;
+        }
+        Ok((plan, ended))
+    }
+
+    /// Queues `s` by age (preempted sequences go before younger ones).
+    pub fn wait(&mut self, s: Sequence) {
+        let at = self.waiting.partition_point(|w| w.id < s.id);
+        self.waiting.insert(at, s);
+    }
+}

@@ -1,0 +1,353 @@
+//! The engine against each request run alone: random request sets arriving at random steps,
+//! chunked prefill, cancellations and preemptions give every request the tokens (and
+//! log-probabilities) of its solo greedy run; seeded sampling is reproducible whatever the batch;
+//! bad requests are typed errors; the pools end empty.
+
+#[path = "../../testutil/include/model.rs"]
+mod model_helpers;
+
+use candle_core::DType;
+use qwen36_engine::{Engine, EngineConfig, Error, Event, Request, RequestHandle, StopReason, Usage};
+use qwen36_model::Qwen36Model;
+use qwen36_sampling::SamplingParams;
+use qwen36_testutil::{ids_tensor, Rng};
+
+fn bundled() -> Qwen36Model {
+    model_helpers::load_bundled().0
+}
+
+/// Greedy decoding of `n` tokens alone through a `Cache` (one token per forward after the whole
+/// prompt), with each step's f32 logits.
+fn solo(model: &Qwen36Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut cache = model.new_cache(1).unwrap();
+    let mut logits = model.forward_last(&ids_tensor(prompt), &mut cache).unwrap();
+    let (mut ids, mut rows) = (Vec::new(), Vec::new());
+    loop {
+        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let next = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
+        ids.push(next);
+        rows.push(row);
+        if ids.len() == n {
+            return (ids, rows);
+        }
+        logits = model.forward_last(&ids_tensor(&[next]), &mut cache).unwrap();
+    }
+}
+
+/// Everything a handle received: the ids, the per-token log-probabilities, and how it ended.
+struct Outcome {
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    end: Option<(StopReason, Usage)>,
+}
+
+fn collect(h: &RequestHandle) -> Outcome {
+    let mut o = Outcome {
+        ids: Vec::new(),
+        logprobs: Vec::new(),
+        end: None,
+    };
+    for e in h.drain() {
+        assert!(o.end.is_none(), "an event after the request ended: {e:?}");
+        match e {
+            Event::Token { ids, logprobs } => {
+                o.ids.extend(&ids);
+                o.logprobs
+                    .extend(logprobs.into_iter().flatten().map(|s| s.logprob));
+            }
+            Event::Finished { reason, usage } => o.end = Some((reason, usage)),
+            Event::Failed { error } => panic!("request failed: {error}"),
+        }
+    }
+    o
+}
+
+fn log_softmax_at(row: &[f32], i: usize) -> f32 {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m as f64 + row.iter().map(|&l| ((l - m) as f64).exp()).sum::<f64>().ln();
+    (row[i] as f64 - lse) as f32
+}
+
+/// Runs random requests through `engine` (arrivals at random steps, some cancelled) and checks
+/// each against its solo run; returns the preemptions and the cancellations seen.
+fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> (usize, usize) {
+    let model = engine.model().clone();
+    let vocab = model.config().vocab_size;
+    let mut rng = Rng::new(seed);
+    struct Planned {
+        req: Request,
+        arrive: usize,
+        cancel_at: Option<usize>,
+    }
+    let planned: Vec<Planned> = (0..n)
+        .map(|_| {
+            let len = rng.range(1, max_prompt);
+            let mut req = Request::greedy(
+                (0..len).map(|_| rng.below(vocab) as u32).collect(),
+                rng.range(1, 20),
+            );
+            req.logprobs = true;
+            Planned {
+                req,
+                arrive: rng.below(2 * n),
+                cancel_at: rng.chance(0.2).then(|| rng.range(1, 6)),
+            }
+        })
+        .collect();
+    let mut handles: Vec<Option<RequestHandle>> = (0..n).map(|_| None).collect();
+    let mut outcomes: Vec<Option<Outcome>> = (0..n).map(|_| None).collect();
+    let mut step = 0;
+    while step < 2 * n || engine.pending() > 0 {
+        for (i, p) in planned.iter().enumerate() {
+            if p.arrive == step {
+                handles[i] = Some(engine.submit(p.req.clone()).unwrap());
+            }
+            if let (Some(at), Some(h)) = (p.cancel_at, &handles[i]) {
+                if p.arrive + at == step {
+                    h.cancel();
+                }
+            }
+        }
+        engine.step().unwrap();
+        step += 1;
+        assert!(step < 10_000, "the engine does not finish");
+    }
+    let (mut preemptions, mut cancels) = (0, 0);
+    for (i, p) in planned.iter().enumerate() {
+        let o = collect(handles[i].as_ref().unwrap());
+        let (reason, usage) = o.end.clone().expect("every request ends");
+        preemptions += usage.preemptions;
+        let max = p.req.max_tokens.unwrap();
+        let (want, rows) = solo(&model, &p.req.prompt, max);
+        assert_eq!(usage.prompt_tokens, p.req.prompt.len());
+        assert_eq!(usage.completion_tokens, o.ids.len());
+        match reason {
+            StopReason::MaxTokens => assert_eq!(o.ids, want, "request {i}: tokens differ from its solo run"),
+            StopReason::Cancelled => {
+                assert!(p.cancel_at.is_some(), "request {i} was cancelled unasked");
+                cancels += 1;
+                assert_eq!(
+                    o.ids,
+                    want[..o.ids.len()],
+                    "request {i}: tokens before the cancel differ"
+                );
+            }
+            r => panic!("request {i} ended with {r:?}"),
+        }
+        // The engine's logits are within 1e-5 of the solo run's, relative to the row's largest
+        // logit; a log-probability moves by at most twice a logit's change.
+        for (t, (&lp, row)) in o.logprobs.iter().zip(&rows).enumerate() {
+            let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = (lp - log_softmax_at(row, want[t] as usize)).abs();
+            assert!(
+                err <= 2e-5 * scale,
+                "request {i} token {t}: log-probability off by {err:e}"
+            );
+        }
+        outcomes[i] = Some(o);
+    }
+    assert_eq!(
+        engine.pool_use(),
+        (0, 0),
+        "the pools must be empty once every request ended"
+    );
+    (preemptions, cancels)
+}
+
+#[test]
+fn random_requests_equal_their_solo_runs() {
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        block_size: 8,
+        step_tokens: 48,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(bundled(), cfg).unwrap();
+    let (_, cancels) = check_random(&mut engine, 3, 12, 300);
+    assert!(cancels > 0, "the request set was meant to cancel some");
+}
+
+/// KV blocks for about two sequences: the newest is preempted and recomputed, and every result
+/// stays that of the solo run.
+#[test]
+fn preemption_keeps_every_result() {
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        kv_blocks: Some(8),
+        block_size: 8,
+        step_tokens: 64,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(bundled(), cfg).unwrap();
+    let (preemptions, _) = check_random(&mut engine, 5, 8, 40);
+    assert!(
+        preemptions > 0,
+        "the pool was meant to be too small for every sequence at once"
+    );
+}
+
+fn sampled(prompt: Vec<u32>, seed: u64) -> Request {
+    Request {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed,
+            ..Default::default()
+        },
+        ..Request::greedy(prompt, 16)
+    }
+}
+
+/// Runs `reqs` submitted in `order`, `max_seqs` at once; the tokens per request (in `reqs` order).
+fn run_all(
+    model: &Qwen36Model,
+    reqs: &[Request],
+    order: &[usize],
+    max_seqs: usize,
+    step_tokens: usize,
+) -> Vec<Vec<u32>> {
+    let cfg = EngineConfig {
+        max_seqs,
+        step_tokens,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), cfg).unwrap();
+    let mut handles: Vec<(usize, RequestHandle)> = order
+        .iter()
+        .map(|&i| (i, engine.submit(reqs[i].clone()).unwrap()))
+        .collect();
+    engine.run_to_completion().unwrap();
+    handles.sort_by_key(|(i, _)| *i);
+    handles.iter().map(|(_, h)| collect(h).ids).collect()
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_whatever_the_batch() {
+    let model = bundled();
+    let reqs: Vec<Request> = (0..5u32)
+        .map(|i| {
+            sampled(
+                (0..(3 + 7 * i)).map(|j| (j * 31 + i * 7) % 4000).collect(),
+                100 + i as u64,
+            )
+        })
+        .collect();
+    let together = run_all(&model, &reqs, &[0, 1, 2, 3, 4], 5, 512);
+    let reversed = run_all(&model, &reqs, &[4, 3, 2, 1, 0], 2, 9);
+    assert_eq!(together, reversed);
+    let alone = run_all(&model, &reqs[2..3], &[0], 1, 512);
+    assert_eq!(alone[0], together[2]);
+    let mut reseeded = reqs[2].clone();
+    reseeded.sampling.seed += 1;
+    assert_ne!(
+        run_all(&model, &[reseeded], &[0], 1, 512)[0],
+        together[2],
+        "another seed must draw otherwise"
+    );
+}
+
+#[test]
+fn stop_ids_end_a_request_on_the_id() {
+    let model = bundled();
+    let prompt: Vec<u32> = (1..20).collect();
+    let (want, _) = solo(&model, &prompt, 6);
+    let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+    let mut req = Request::greedy(prompt, 6);
+    req.stop_ids = vec![want[2]];
+    let first = want.iter().position(|&t| t == want[2]).unwrap();
+    let h = engine.submit(req).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    assert_eq!(o.ids, want[..=first]);
+    assert_eq!(o.end.unwrap().0, StopReason::StopToken(want[2]));
+    assert!(h.recv().is_none(), "the sender is dropped after the last event");
+}
+
+/// Without `max_tokens` a request runs until the pool (here smaller than the context) is full.
+#[test]
+fn a_request_without_max_tokens_stops_when_the_pool_is_full() {
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        kv_blocks: Some(3),
+        block_size: 8,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(bundled(), cfg).unwrap();
+    let h = engine
+        .submit(Request {
+            max_tokens: None,
+            ..Request::greedy(vec![1, 2, 3, 4, 5], 1)
+        })
+        .unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    assert_eq!(o.end.unwrap().0, StopReason::ContextFull);
+    // 24 positions: the prompt, then generated tokens run up to the last position; the token
+    // sampled there is sent too.
+    assert_eq!(o.ids.len(), 24 - 5 + 1);
+    assert_eq!(engine.pool_use(), (0, 0));
+}
+
+#[test]
+fn bad_requests_are_typed_errors() {
+    let cfg = EngineConfig {
+        max_seqs: 2,
+        kv_blocks: Some(4),
+        block_size: 8,
+        max_queue: 2,
+        ..Default::default()
+    };
+    let model = bundled();
+    let vocab = model.config().vocab_size as u32;
+    let mut engine = Engine::new(model, cfg).unwrap();
+    let err = |e: &mut Engine, r: Request| e.submit(r).unwrap_err();
+    assert!(
+        matches!(err(&mut engine, Request::greedy(vec![], 4)), Error::Request(m) if m.contains("no tokens"))
+    );
+    assert!(
+        matches!(err(&mut engine, Request::greedy(vec![vocab], 4)), Error::Request(m) if m.contains("outside the vocabulary"))
+    );
+    assert!(
+        matches!(err(&mut engine, Request::greedy(vec![1], 0)), Error::Request(m) if m.contains("max_tokens"))
+    );
+    let mut hot = Request::greedy(vec![1], 4);
+    hot.sampling.temperature = -1.0;
+    assert!(matches!(err(&mut engine, hot), Error::Request(m) if m.contains("temperature")));
+    // 32 positions in the pool: prompt + max_tokens − 1 must fit.
+    assert!(engine.submit(Request::greedy(vec![1; 30], 3)).is_ok());
+    assert!(matches!(
+        err(&mut engine, Request::greedy(vec![1; 30], 4)),
+        Error::TooLong {
+            needed: 34,
+            pool: 32,
+            ..
+        }
+    ));
+    engine.submit(Request::greedy(vec![1], 2)).unwrap();
+    assert!(matches!(
+        err(&mut engine, Request::greedy(vec![1], 2)),
+        Error::QueueFull(2)
+    ));
+    assert!(Engine::new(
+        bundled(),
+        EngineConfig {
+            step_tokens: 0,
+            ..Default::default()
+        }
+    )
+    .is_err());
+    engine.run_to_completion().unwrap();
+    assert_eq!(engine.pool_use(), (0, 0));
+}
+
+#[test]
+fn over_the_context_is_refused() {
+    let model = model_helpers::load("tiny-flat", DType::F32);
+    let context = model.config().max_position_embeddings;
+    let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+    assert!(matches!(
+        engine.submit(Request::greedy(vec![1; context], 2)).unwrap_err(),
+        Error::TooLong { needed, context: c, .. } if needed == context + 2 && c == context
+    ));
+    assert!(engine.submit(Request::greedy(vec![1; context], 1)).is_ok());
+}

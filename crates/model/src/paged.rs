@@ -1,0 +1,357 @@
+//! Pooled caches and flat batches for serving many sequences at once.
+//!
+//! A [`PagedCache`] holds every GDN layer's state for a fixed set of sequence slots and every
+//! attention layer's keys and values in fixed-size blocks of positions; a sequence owns a slot
+//! and a list of blocks (its block table), which the engine hands out. A [`ForwardBatch`] lists,
+//! per sequence, the new tokens of one forward (a prefill chunk, a decode token, or the tokens a
+//! speculative verify checks); [`crate::Qwen36Model::forward_batch`] runs them all in one pass.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor};
+use qwen36_gdn::VerifyCheckpoints;
+
+use crate::attention::PagedSeq;
+use crate::{Error, Result};
+
+/// What one layer keeps for every sequence of the pool.
+#[derive(Debug, Clone)]
+pub(crate) enum PagedLayer {
+    /// GDN layer: conv windows `[slots, conv_dim, K-1]` (activation dtype) and recurrent
+    /// states `[slots, Hv, dk, dv]` f32, one row per sequence slot.
+    Gdn { conv: Tensor, recurrent: Tensor },
+    /// Attention layer: keys and values `[blocks · block_size, kv_heads, head_dim]`; position
+    /// `j` of block `b` is row `b · block_size + j`.
+    Attention { k: Tensor, v: Tensor },
+}
+
+/// The pools of the whole model: GDN state per slot, paged K/V per block. Made by
+/// [`crate::Qwen36Model::new_paged_cache`]; written in place by each forward.
+#[derive(Debug)]
+pub struct PagedCache {
+    pub(crate) layers: Vec<PagedLayer>,
+    pub(crate) slots: usize,
+    pub(crate) blocks: usize,
+    pub(crate) block_size: usize,
+}
+
+impl PagedCache {
+    /// Sequence slots (GDN states).
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// KV blocks.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Positions per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Zeroes slot `slot`'s GDN state in every layer (a sequence starting there sees nothing of
+    /// the one before).
+    pub fn clear_slot(&mut self, slot: u32) -> Result<()> {
+        self.check_slot(slot)?;
+        for layer in &self.layers {
+            if let PagedLayer::Gdn { conv, recurrent } = layer {
+                for pool in [conv, recurrent] {
+                    let row = pool.narrow(0, 0, 1)?.zeros_like()?;
+                    pool.slice_set(&row, 0, slot as usize)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Slot `slot`'s state in GDN layer `layer` (counting all layers): the conv window
+    /// `[conv_dim, K-1]` and the recurrent state `[Hv, dk, dv]` (copies). `None` for an
+    /// attention layer.
+    pub fn slot_state(&self, layer: usize, slot: u32) -> Result<Option<(Tensor, Tensor)>> {
+        self.check_slot(slot)?;
+        Ok(match self.layers.get(layer) {
+            Some(PagedLayer::Gdn { conv, recurrent }) => {
+                let row = |t: &Tensor| t.get(slot as usize).and_then(|r| r.copy());
+                Some((row(conv)?, row(recurrent)?))
+            }
+            Some(PagedLayer::Attention { .. }) => None,
+            None => return Err(Error::Cache(format!("no layer {layer}"))),
+        })
+    }
+
+    /// After a forward that verified `chunk` (its [`SeqChunk::verify`]): keeps its first `keep`
+    /// tokens, setting its slot's GDN states to exactly the state after them. Its K/V past them
+    /// stay in the blocks, unread, until later tokens overwrite them: the caller shortens the
+    /// sequence.
+    pub fn commit(&mut self, pending: &BatchPending, chunk: usize, keep: usize) -> Result<()> {
+        let (group, member) = pending
+            .member_of
+            .get(chunk)
+            .copied()
+            .flatten()
+            .ok_or_else(|| Error::Cache(format!("chunk {chunk} was not verified in this batch")))?;
+        let slot = pending.slots[chunk];
+        self.check_slot(slot)?;
+        for (layer, cps) in self.layers.iter().zip(&pending.layers) {
+            let (PagedLayer::Gdn { conv, recurrent }, Some(cps)) = (layer, cps) else {
+                continue;
+            };
+            let cp = cps
+                .get(group)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| Error::Cache("a verify group without checkpoints".into()))?;
+            let (c, r) = cp.member(member)?.state_after(keep)?;
+            conv.slice_set(&c.contiguous()?, 0, slot as usize)?;
+            recurrent.slice_set(&r.contiguous()?, 0, slot as usize)?;
+        }
+        Ok(())
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<()> {
+        if slot as usize >= self.slots {
+            return Err(Error::Cache(format!(
+                "slot {slot} is outside the pool of {} slots",
+                self.slots
+            )));
+        }
+        Ok(())
+    }
+
+    /// The pool row of each of the first `len` positions of a sequence with block table
+    /// `blocks`: u32 `[len]`.
+    pub(crate) fn position_rows(&self, blocks: &[u32], len: usize) -> Vec<u32> {
+        let bs = self.block_size;
+        (0..len)
+            .map(|p| blocks[p / bs] * bs as u32 + (p % bs) as u32)
+            .collect()
+    }
+}
+
+/// One sequence's new tokens in a [`ForwardBatch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// The sequence's GDN state slot.
+    pub slot: u32,
+    /// Tokens the sequence has already run (the position of the first new token); 0 starts the
+    /// sequence from a zero state, whatever the slot held.
+    pub start: usize,
+    /// The new tokens (at least one).
+    pub tokens: Vec<u32>,
+    /// The sequence's KV blocks, covering at least `start + tokens.len()` positions.
+    pub blocks: Vec<u32>,
+    /// Keep the GDN state after every new token (a speculative verify), for
+    /// [`PagedCache::commit`]; the tokens then run one by one like decode steps.
+    pub verify: bool,
+}
+
+/// The sequences of one forward, in groups that run their GDN conv and delta rule together
+/// (equal token counts and mode: every decode token of a step is one group). Rows of the
+/// output follow the groups; [`Self::rows`] says where each chunk's are.
+#[derive(Debug, Clone)]
+pub struct ForwardBatch {
+    pub(crate) chunks: Vec<SeqChunk>,
+    /// Chunk indices per group, in row order.
+    pub(crate) groups: Vec<Vec<usize>>,
+    /// The first row of each chunk.
+    first_row: Vec<usize>,
+    rows: usize,
+}
+
+impl ForwardBatch {
+    /// Groups `chunks` (in their order of first appearance by token count and mode).
+    pub fn new(chunks: Vec<SeqChunk>) -> Self {
+        let mut keys: Vec<(usize, bool)> = Vec::new();
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let key = (c.tokens.len(), c.verify);
+            match keys.iter().position(|k| *k == key) {
+                Some(g) => groups[g].push(i),
+                None => {
+                    keys.push(key);
+                    groups.push(vec![i]);
+                }
+            }
+        }
+        let mut first_row = vec![0; chunks.len()];
+        let mut rows = 0;
+        for &i in groups.iter().flatten() {
+            first_row[i] = rows;
+            rows += chunks[i].tokens.len();
+        }
+        Self {
+            chunks,
+            groups,
+            first_row,
+            rows,
+        }
+    }
+
+    /// The chunks, in the order given.
+    pub fn chunks(&self) -> &[SeqChunk] {
+        &self.chunks
+    }
+
+    /// Rows of the output that hold chunk `i`'s tokens, in token order.
+    pub fn rows(&self, i: usize) -> Range<usize> {
+        let r = self.first_row[i];
+        r..r + self.chunks[i].tokens.len()
+    }
+
+    /// Rows (tokens) in the batch.
+    pub fn total_rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The chunk indices in row order.
+    pub(crate) fn row_order(&self) -> impl Iterator<Item = usize> + '_ {
+        self.groups.iter().flatten().copied()
+    }
+
+    /// Checks the batch against the pools and the model's vocabulary and context.
+    pub(crate) fn check(&self, cache: &PagedCache, vocab: usize, max_positions: usize) -> Result<()> {
+        if self.chunks.is_empty() {
+            return Err(Error::Input("an empty batch".into()));
+        }
+        let mut slots = std::collections::HashSet::new();
+        for (i, c) in self.chunks.iter().enumerate() {
+            let end = c.start + c.tokens.len();
+            if c.tokens.is_empty() {
+                return Err(Error::Input(format!("chunk {i} has no tokens")));
+            }
+            if let Some(&id) = c.tokens.iter().find(|&&id| id as usize >= vocab) {
+                return Err(Error::Input(format!(
+                    "chunk {i}: token id {id} is outside the vocabulary of {vocab}"
+                )));
+            }
+            if end > max_positions {
+                return Err(Error::ContextOverflow {
+                    needed: end,
+                    max: max_positions,
+                });
+            }
+            cache.check_slot(c.slot)?;
+            if !slots.insert(c.slot) {
+                return Err(Error::Cache(format!(
+                    "slot {} is used twice in one batch",
+                    c.slot
+                )));
+            }
+            if c.blocks.len() * cache.block_size < end {
+                return Err(Error::Cache(format!(
+                    "chunk {i}: {} blocks of {} positions do not hold {end} positions",
+                    c.blocks.len(),
+                    cache.block_size
+                )));
+            }
+            if let Some(&b) = c.blocks.iter().find(|&&b| b as usize >= cache.blocks) {
+                return Err(Error::Cache(format!(
+                    "chunk {i}: block {b} is outside the pool of {} blocks",
+                    cache.blocks
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Per chunk in row order, what the attention layers need: every position's pool row and
+    /// the runs of consecutive pool rows the new tokens go to.
+    pub(crate) fn paged_seqs(&self, cache: &PagedCache) -> Result<Vec<PagedSeq>> {
+        let device = cache.device()?;
+        self.row_order()
+            .map(|i| {
+                let c = &self.chunks[i];
+                let len = c.tokens.len();
+                let rows = cache.position_rows(&c.blocks, c.start + len);
+                let mut writes: Vec<(usize, usize, usize)> = Vec::new();
+                for (token, &row) in rows[c.start..].iter().enumerate() {
+                    match writes.last_mut() {
+                        Some((r0, _, n)) if *r0 + *n == row as usize => *n += 1,
+                        _ => writes.push((row as usize, token, 1)),
+                    }
+                }
+                Ok(PagedSeq {
+                    start: c.start,
+                    len,
+                    rows: Tensor::new(rows.as_slice(), &device)?,
+                    writes,
+                })
+            })
+            .collect()
+    }
+}
+
+/// What a forward with verifying chunks keeps for [`PagedCache::commit`]: per layer, each
+/// group's checkpoints (GDN layers; `None` for attention layers).
+#[derive(Debug, Clone)]
+pub struct BatchPending {
+    pub(crate) layers: Vec<Option<Vec<Option<VerifyCheckpoints>>>>,
+    /// Per chunk: (group, index in the group) when it verified.
+    pub(crate) member_of: Vec<Option<(usize, usize)>>,
+    pub(crate) slots: Vec<u32>,
+}
+
+/// The result of [`crate::Qwen36Model::forward_batch`].
+#[derive(Debug, Clone)]
+pub struct BatchOutput {
+    /// Final-norm hidden states `[rows, hidden]` (rows as [`ForwardBatch::rows`] gives them).
+    pub hidden: Tensor,
+    /// The checkpoints, when some chunk verified.
+    pub pending: Option<BatchPending>,
+}
+
+impl PagedCache {
+    fn device(&self) -> Result<candle_core::Device> {
+        match self.layers.first() {
+            Some(PagedLayer::Gdn { conv, .. }) => Ok(conv.device().clone()),
+            Some(PagedLayer::Attention { k, .. }) => Ok(k.device().clone()),
+            None => Err(Error::Cache("a cache of no layers".into())),
+        }
+    }
+
+    /// A pool of `slots` GDN states and `blocks` KV blocks of `block_size` positions, zeroed.
+    pub(crate) fn zeros(
+        kinds: impl Iterator<Item = PoolShape>,
+        (slots, blocks, block_size): (usize, usize, usize),
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        if slots == 0 || blocks == 0 || block_size == 0 {
+            return Err(Error::Cache(format!(
+                "a pool needs slots, blocks and positions per block; found {slots}, {blocks}, {block_size}"
+            )));
+        }
+        let layers = kinds
+            .map(|k| {
+                Ok(match k {
+                    PoolShape::Gdn { conv, recurrent } => PagedLayer::Gdn {
+                        conv: Tensor::zeros([&[slots][..], &conv].concat(), dtype, device)?,
+                        recurrent: Tensor::zeros([&[slots][..], &recurrent].concat(), DType::F32, device)?,
+                    },
+                    PoolShape::Attention { kv_heads, head_dim } => {
+                        let shape = (blocks * block_size, kv_heads, head_dim);
+                        PagedLayer::Attention {
+                            k: Tensor::zeros(shape, dtype, device)?,
+                            v: Tensor::zeros(shape, dtype, device)?,
+                        }
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            slots,
+            blocks,
+            block_size,
+        })
+    }
+}
+
+/// The shape of one layer's pooled cache per slot or position.
+pub(crate) enum PoolShape {
+    /// A GDN layer's conv window `[conv_dim, K-1]` and recurrent state `[Hv, dk, dv]`.
+    Gdn { conv: Vec<usize>, recurrent: Vec<usize> },
+    /// An attention layer's K/V row `[kv_heads, head_dim]`.
+    Attention { kv_heads: usize, head_dim: usize },
+}

@@ -1,0 +1,289 @@
+//! The flat batched forward over pooled caches (`Qwen36Model::forward_batch`) against each
+//! sequence run alone through its own `Cache`: random arrivals, prefill chunks, decode tokens and
+//! speculative verifies with random commits, in few slots and scattered blocks so that slots and
+//! blocks are reused.
+
+#[path = "../../testutil/include/model.rs"]
+mod model_helpers;
+
+use candle_core::{DType, Tensor};
+use model_helpers::{load, load_at};
+use qwen36_model::{Cache, Error, ForwardBatch, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_testutil::{bundled_dir, ids_tensor, max_row_rel_err, Rng};
+
+/// f32 on the CPU: a chunk's rows go through the same kernels as alone, but the projections see
+/// more rows (the matmul may block the reduction differently), so rows agree to rounding; the
+/// issue's bound for a batched sequence against its solo run.
+const TOL: f32 = 1e-5;
+
+struct Seq {
+    prompt: Vec<u32>,
+    arrive: usize,
+    /// Tokens past the prompt before it leaves.
+    extra: usize,
+    slot: Option<u32>,
+    blocks: Vec<u32>,
+    /// Tokens run (committed).
+    pos: usize,
+    /// The greedy token after `pos`, once the prompt is in.
+    next: Option<u32>,
+    solo: Cache,
+    done: bool,
+}
+
+/// Free ids of a pool, handed out in a scrambled order.
+struct Free(Vec<u32>);
+
+impl Free {
+    fn take(&mut self, rng: &mut Rng) -> Option<u32> {
+        (!self.0.is_empty()).then(|| {
+            let i = rng.below(self.0.len());
+            self.0.swap_remove(i)
+        })
+    }
+}
+
+fn argmax_rows(logits: &Tensor) -> Vec<u32> {
+    logits
+        .argmax(candle_core::D::Minus1)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap()
+}
+
+/// Runs `n` random sequences through a pool of `slots` slots and `blocks` blocks of
+/// `block_size`; returns (the largest row error against the solo runs, slot reuses, verifies).
+fn run_random(
+    model: &Qwen36Model,
+    seed: u64,
+    n: usize,
+    (slots, blocks, block_size): (usize, usize, usize),
+) -> (f32, usize, usize) {
+    let mut rng = Rng::new(seed);
+    let vocab = model.config().vocab_size;
+    let mut seqs: Vec<Seq> = (0..n)
+        .map(|i| {
+            let len = rng.range(1, 40);
+            Seq {
+                prompt: (0..len).map(|_| rng.below(vocab) as u32).collect(),
+                arrive: rng.below(3 * n) + i / 2,
+                extra: rng.range(1, 12),
+                slot: None,
+                blocks: Vec::new(),
+                pos: 0,
+                next: None,
+                solo: model.new_cache(1).unwrap(),
+                done: false,
+            }
+        })
+        .collect();
+    let mut pool = model.new_paged_cache(slots, blocks, block_size).unwrap();
+    let mut free_slots = Free((0..slots as u32).collect());
+    let mut free_blocks = Free((0..blocks as u32).collect());
+    let (mut worst, mut used_slots, mut reuses, mut verifies) = (0f32, vec![false; slots], 0, 0);
+    for step in 0.. {
+        if seqs.iter().all(|s| s.done) {
+            break;
+        }
+        assert!(step < 10_000, "the schedule does not finish");
+        let mut chunks = Vec::new();
+        let mut members = Vec::new();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if s.done || s.arrive > step {
+                continue;
+            }
+            if s.slot.is_none() {
+                let Some(slot) = free_slots.take(&mut rng) else {
+                    continue;
+                };
+                reuses += used_slots[slot as usize] as usize;
+                used_slots[slot as usize] = true;
+                s.slot = Some(slot);
+            }
+            let (tokens, verify) = match s.next {
+                None => {
+                    let t = rng.range(1, (s.prompt.len() - s.pos).min(13));
+                    (s.prompt[s.pos..s.pos + t].to_vec(), false)
+                }
+                Some(next) if rng.chance(0.3) => {
+                    let drafts = rng.range(1, 3);
+                    let mut t = vec![next];
+                    t.extend((0..drafts).map(|_| rng.below(vocab) as u32));
+                    (t, true)
+                }
+                Some(next) => (vec![next], false),
+            };
+            let end = s.pos + tokens.len();
+            while s.blocks.len() * block_size < end {
+                match free_blocks.take(&mut rng) {
+                    Some(b) => s.blocks.push(b),
+                    None => break,
+                }
+            }
+            if s.blocks.len() * block_size < end {
+                continue; // no room this step
+            }
+            chunks.push(SeqChunk {
+                slot: s.slot.unwrap(),
+                start: s.pos,
+                tokens,
+                blocks: s.blocks.clone(),
+                verify,
+            });
+            members.push(i);
+        }
+        if chunks.is_empty() {
+            continue;
+        }
+        let batch = ForwardBatch::new(chunks);
+        let out = model.forward_batch(&batch, &mut pool).unwrap();
+        let logits = model.logits(&out.hidden).unwrap();
+        for (c, &i) in members.iter().enumerate() {
+            let s = &mut seqs[i];
+            let chunk = &batch.chunks()[c];
+            let ids = ids_tensor(&chunk.tokens);
+            let mine = logits.narrow(0, batch.rows(c).start, chunk.tokens.len()).unwrap();
+            let solo = if chunk.verify {
+                let h = model.forward_verify(&ids, &mut s.solo).unwrap();
+                model.logits(&h).unwrap().squeeze(0).unwrap()
+            } else {
+                model.forward(&ids, &mut s.solo).unwrap().squeeze(0).unwrap()
+            };
+            worst = worst.max(max_row_rel_err(&mine, &solo));
+            let (greedy, solo_greedy) = (argmax_rows(&mine), argmax_rows(&solo));
+            assert_eq!(
+                greedy, solo_greedy,
+                "sequence {i} step {step}: batched greedy ids differ from solo"
+            );
+            let keep = if chunk.verify {
+                verifies += 1;
+                let keep = rng.range(1, chunk.tokens.len());
+                pool.commit(out.pending.as_ref().unwrap(), c, keep).unwrap();
+                s.solo.commit(keep).unwrap();
+                keep
+            } else {
+                chunk.tokens.len()
+            };
+            s.pos += keep;
+            if s.pos >= s.prompt.len() {
+                s.next = Some(greedy[keep - 1]);
+            }
+            if s.pos >= s.prompt.len() + s.extra {
+                s.done = true;
+                free_slots.0.push(s.slot.take().unwrap());
+                free_blocks.0.append(&mut s.blocks);
+            }
+        }
+    }
+    (worst, reuses, verifies)
+}
+
+#[test]
+fn batched_forward_equals_each_sequence_alone() {
+    let (model, _) = model_helpers::load_bundled();
+    let (worst, reuses, verifies) = run_random(&model, 7, 9, (3, 40, 4));
+    assert!(worst <= TOL, "largest row error against the solo runs: {worst:e}");
+    assert!(
+        reuses >= 3 && verifies >= 5,
+        "the schedule must reuse slots ({reuses}) and verify ({verifies})"
+    );
+}
+
+#[test]
+fn batched_forward_equals_solo_on_the_hf_fixture() {
+    let model = load("tiny-flat", DType::F32);
+    let (worst, reuses, _) = run_random(&model, 11, 6, (2, 64, 16));
+    assert!(worst <= TOL, "largest row error against the solo runs: {worst:e}");
+    assert!(reuses >= 2);
+}
+
+fn chunk(slot: u32, start: usize, tokens: &[u32], blocks: &[u32]) -> SeqChunk {
+    SeqChunk {
+        slot,
+        start,
+        tokens: tokens.to_vec(),
+        blocks: blocks.to_vec(),
+        verify: false,
+    }
+}
+
+#[test]
+fn bad_batches_are_typed_errors() {
+    let model = load_at(bundled_dir(), DType::F32);
+    let mut pool: PagedCache = model.new_paged_cache(2, 4, 4).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let run =
+        |pool: &mut PagedCache, chunks: Vec<SeqChunk>| model.forward_batch(&ForwardBatch::new(chunks), pool);
+    let cases: Vec<(Vec<SeqChunk>, &str)> = vec![
+        (vec![], "empty batch"),
+        (vec![chunk(0, 0, &[], &[0])], "no tokens"),
+        (vec![chunk(0, 0, &[vocab], &[0])], "outside the vocabulary"),
+        (vec![chunk(2, 0, &[1], &[0])], "slot 2 is outside the pool of 2"),
+        (
+            vec![chunk(0, 0, &[1], &[0]), chunk(0, 0, &[2], &[1])],
+            "slot 0 is used twice",
+        ),
+        (
+            vec![chunk(0, 3, &[1, 2], &[0])],
+            "1 blocks of 4 positions do not hold 5",
+        ),
+        (vec![chunk(0, 0, &[1], &[4])], "block 4 is outside the pool of 4"),
+    ];
+    for (chunks, want) in cases {
+        let e = run(&mut pool, chunks).unwrap_err().to_string();
+        assert!(e.contains(want), "{e:?} should say {want:?}");
+    }
+    let max = model.config().max_position_embeddings;
+    let blocks: Vec<u32> = vec![0; max / 4 + 1];
+    let e = run(&mut pool, vec![chunk(0, max, &[1], &blocks)]).unwrap_err();
+    assert!(
+        matches!(e, Error::ContextOverflow { needed, .. } if needed == max + 1),
+        "{e}"
+    );
+    assert!(model.new_paged_cache(0, 4, 4).is_err() && model.new_paged_cache(1, 4, 0).is_err());
+    // A commit needs a verified chunk of that batch.
+    let out = run(&mut pool, vec![chunk(0, 0, &[1, 2], &[0])]).unwrap();
+    assert!(out.pending.is_none());
+    let mut verify = chunk(1, 0, &[1, 2, 3], &[1]);
+    verify.verify = true;
+    let out = run(&mut pool, vec![chunk(0, 2, &[3], &[0]), verify]).unwrap();
+    let pending = out.pending.unwrap();
+    assert!(pool
+        .commit(&pending, 0, 1)
+        .unwrap_err()
+        .to_string()
+        .contains("chunk 0 was not verified"));
+    assert!(pool.commit(&pending, 1, 4).is_err() && pool.commit(&pending, 1, 0).is_err());
+    pool.commit(&pending, 1, 2).unwrap();
+}
+
+/// A sequence started in a slot sees nothing of the slot's last sequence, and clearing a slot
+/// zeroes exactly that slot.
+#[test]
+fn slots_start_clean_and_clear_alone() {
+    let model = load_at(bundled_dir(), DType::F32);
+    let mut pool = model.new_paged_cache(2, 8, 4).unwrap();
+    let prompt = [5u32, 9, 2, 7, 7, 1];
+    let fresh = model
+        .forward_batch(&ForwardBatch::new(vec![chunk(0, 0, &prompt, &[0, 1])]), &mut pool)
+        .unwrap();
+    // Dirty both slots, then start the same prompt in slot 1 over other blocks.
+    let other = [3u32, 3, 8];
+    model
+        .forward_batch(&ForwardBatch::new(vec![chunk(1, 0, &other, &[2])]), &mut pool)
+        .unwrap();
+    let again = model
+        .forward_batch(&ForwardBatch::new(vec![chunk(1, 0, &prompt, &[3, 4])]), &mut pool)
+        .unwrap();
+    assert_eq!(max_row_rel_err(&again.hidden, &fresh.hidden), 0.0);
+    let gdn = (0..model.config().num_hidden_layers)
+        .find(|&l| pool.slot_state(l, 0).unwrap().is_some())
+        .unwrap();
+    let norm = |t: Tensor| t.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    pool.clear_slot(0).unwrap();
+    let (conv0, rec0) = pool.slot_state(gdn, 0).unwrap().unwrap();
+    let (_, rec1) = pool.slot_state(gdn, 1).unwrap().unwrap();
+    assert_eq!(norm(conv0.to_dtype(DType::F32).unwrap()) + norm(rec0), 0.0);
+    assert!(norm(rec1) > 0.0, "clearing slot 0 must leave slot 1");
+    assert!(pool.clear_slot(2).is_err());
+}
