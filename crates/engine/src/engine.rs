@@ -1,15 +1,22 @@
 //! The engine: requests in, one batched forward per step, events out.
 
+use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::channel;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use qwen36_model::{ForwardBatch, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_model::{BatchPending, ForwardBatch, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_mtp::{accept_drafts, NgramDrafter};
 use qwen36_sampling::Sampler;
 
 use crate::scheduler::{Scheduler, Sequence};
-use crate::{BlockPool, Error, Event, Request, RequestHandle, Result, SlotPool, StopReason, Usage};
+use crate::{
+    BlockPool, Error, Event, Request, RequestHandle, Result, SlotPool, Speculation, StopReason, Usage,
+};
+
+/// Logits rows (f32, one per token) of one sequence's chunk.
+type Rows = Vec<Vec<f32>>;
 
 /// Sizes and limits of an engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +162,11 @@ impl Engine {
             table: Default::default(),
             computed: 0,
             preemptions: 0,
+            speculation: req.speculation,
+            verify: false,
+            drafts: Vec::new(),
+            drafted: 0,
+            accepted: 0,
         });
         Ok(RequestHandle::new(id, rx, cancel))
     }
@@ -175,10 +187,11 @@ impl Engine {
         (s.capacity() - s.free(), b.capacity() - b.free())
     }
 
-    /// Runs one forward of every scheduled sequence, samples their next tokens and sends the
-    /// events. A failing forward fails the requests in it (each gets [`Event::Failed`]) and
-    /// returns the error.
+    /// Runs one forward of every scheduled sequence, samples their next tokens (or verifies
+    /// their drafts) and sends the events. A failing forward fails the requests in it (each gets
+    /// [`Event::Failed`]) and returns the error.
     pub fn step(&mut self) -> Result<StepStats> {
+        self.draft();
         let (plan, ended) = self.sched.schedule()?;
         let mut stats = StepStats {
             finished: ended.len(),
@@ -194,64 +207,83 @@ impl Engine {
             .iter()
             .map(|p| {
                 let s = &self.sched.running[p.index];
+                let mut tokens = s.tokens(s.computed, p.tokens - s.drafts.len());
+                tokens.extend(&s.drafts);
                 SeqChunk {
                     slot: s.slot.expect("a running sequence has a slot").0,
                     start: s.computed,
-                    tokens: s.tokens(s.computed, p.tokens),
+                    tokens,
                     blocks: s.table.blocks().iter().map(|b| b.0).collect(),
-                    verify: false,
+                    verify: s.verify,
                 }
             })
             .collect();
         stats.sequences = chunks.len();
         stats.tokens = chunks.iter().map(|c| c.tokens.len()).sum();
         let batch = ForwardBatch::new(chunks);
-        // Rows whose logits are sampled: the last row of each chunk that reaches its end.
-        let sampled: Vec<(usize, usize)> = plan
+        // The rows whose logits are read: a verify's every row, else the last row of a chunk
+        // that reaches the end of what its sequence knows (a chunk inside a prompt has none).
+        let reads: Vec<Range<usize>> = plan
             .iter()
             .enumerate()
-            .filter(|(_, p)| self.sched.running[p.index].pending() == p.tokens)
-            .map(|(c, p)| (p.index, batch.rows(c).end - 1))
+            .map(|(c, p)| {
+                let rows = batch.rows(c);
+                let s = &self.sched.running[p.index];
+                if batch.chunks()[c].verify {
+                    rows
+                } else if s.pending() == p.tokens {
+                    rows.end - 1..rows.end
+                } else {
+                    rows.end..rows.end
+                }
+            })
             .collect();
-        let logits = match self.forward(&batch, &sampled) {
+        let (logits, pending) = match self.forward(&batch, &reads) {
             Ok(l) => l,
             Err(e) => {
                 self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
                 return Err(e);
             }
         };
-        for p in &plan {
-            self.sched.running[p.index].computed += p.tokens;
-        }
         let mut done = Vec::new();
-        for ((index, _), row) in sampled.iter().zip(logits) {
-            let s = &mut self.sched.running[*index];
-            match s.sampler.sample(&row, &s.prompt, &s.output) {
-                Ok(tok) => {
-                    s.output.push(tok.token);
-                    stats.generated += 1;
-                    let logprobs = s.logprobs.then(|| vec![tok.clone()]);
-                    let sent = s.events.send(Event::Token {
-                        ids: vec![tok.token],
-                        logprobs,
-                    });
-                    let context = self.model.config().max_position_embeddings;
-                    let reason = if sent.is_err() {
-                        Some(StopReason::Cancelled)
-                    } else if s.stop_ids.contains(&tok.token) {
-                        Some(StopReason::StopToken(tok.token))
-                    } else if s.max_tokens.is_some_and(|m| s.output.len() >= m) {
-                        Some(StopReason::MaxTokens)
-                    } else if s.len() > context {
-                        Some(StopReason::ContextFull)
-                    } else {
-                        None
-                    };
+        for (c, (p, rows)) in plan.iter().zip(logits).enumerate() {
+            let s = &mut self.sched.running[p.index];
+            if rows.is_empty() {
+                s.computed += p.tokens;
+                continue;
+            }
+            let fresh = if batch.chunks()[c].verify {
+                let drafts = std::mem::take(&mut s.drafts);
+                match accept_drafts(&mut s.sampler, &drafts, &rows, &s.prompt, &s.output) {
+                    Ok(acc) => {
+                        let pending = pending.as_ref().expect("a verify keeps checkpoints");
+                        self.cache.commit(pending, c, acc.accepted + 1)?;
+                        s.computed += acc.accepted + 1;
+                        s.drafted += drafts.len();
+                        s.accepted += acc.accepted;
+                        let mut fresh = drafts[..acc.accepted].to_vec();
+                        fresh.push(acc.next);
+                        Ok(fresh)
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            } else {
+                s.computed += p.tokens;
+                let row = &rows[0];
+                s.sampler
+                    .sample(row, &s.prompt, &s.output)
+                    .map(|t| vec![t.token])
+                    .map_err(|e| e.to_string())
+            };
+            let context = self.model.config().max_position_embeddings;
+            match fresh.map(|fresh| emit(s, &fresh, &rows, context)) {
+                Ok((n, reason)) => {
+                    stats.generated += n;
                     if let Some(r) = reason {
-                        done.push((*index, Ok(r)));
+                        done.push((p.index, Ok(r)));
                     }
                 }
-                Err(e) => done.push((*index, Err(e.to_string()))),
+                Err(e) => done.push((p.index, Err(e))),
             }
         }
         done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
@@ -277,16 +309,52 @@ impl Engine {
         Ok(())
     }
 
-    /// The forward of `batch` and the f32 logits of the `sampled` rows.
-    fn forward(&mut self, batch: &ForwardBatch, sampled: &[(usize, usize)]) -> Result<Vec<Vec<f32>>> {
-        let out = self.model.forward_batch(batch, &mut self.cache)?;
-        if sampled.is_empty() {
-            return Ok(Vec::new());
+    /// Proposes the drafts of every decoding sequence that speculates, within its `max_tokens`
+    /// and the context.
+    fn draft(&mut self) {
+        let context = self.model.config().max_position_embeddings;
+        for s in &mut self.sched.running {
+            s.drafts.clear();
+            s.verify = false;
+            let Some(Speculation::Ngram { k, min_n, max_n }) = s.speculation else {
+                continue;
+            };
+            if s.pending() != 1 {
+                continue;
+            }
+            s.verify = true;
+            let left = s.max_tokens.map_or(usize::MAX, |m| m - s.output.len());
+            let room = context.saturating_sub(s.computed + 1);
+            let k = k.min(left).min(room);
+            if k > 0 {
+                let all = s.tokens(0, s.len());
+                s.drafts = NgramDrafter { min_n, max_n }.propose_tokens(&all, k);
+            }
         }
-        let rows: Vec<u32> = sampled.iter().map(|&(_, r)| r as u32).collect();
-        let rows = Tensor::new(rows.as_slice(), out.hidden.device())?;
-        let logits = self.model.logits(&out.hidden.index_select(&rows, 0)?)?;
-        Ok(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+    }
+
+    /// The forward of `batch`, the f32 logits of the rows in `reads` (one list per entry) and
+    /// the checkpoints of its verifies.
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        reads: &[Range<usize>],
+    ) -> Result<(Vec<Rows>, Option<BatchPending>)> {
+        let out = self.model.forward_batch(batch, &mut self.cache)?;
+        let rows: Vec<u32> = reads.iter().flat_map(|r| r.clone().map(|i| i as u32)).collect();
+        let mut flat = if rows.is_empty() {
+            Vec::new()
+        } else {
+            let rows = Tensor::new(rows.as_slice(), out.hidden.device())?;
+            let logits = self.model.logits(&out.hidden.index_select(&rows, 0)?)?;
+            logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
+        }
+        .into_iter();
+        let per_read = reads
+            .iter()
+            .map(|r| flat.by_ref().take(r.len()).collect())
+            .collect();
+        Ok((per_read, out.pending))
     }
 
     /// Ends the running sequences at `indices` with `Failed`, freeing what they hold.
@@ -302,12 +370,48 @@ impl Engine {
     }
 }
 
+/// Appends `fresh` tokens (row `j` of `rows` gave `fresh[j]`) to `s`'s output up to its first
+/// stop: a stop id, `max_tokens`, or a full context; sends them. Returns how many were added and
+/// the stop, if any.
+fn emit(s: &mut Sequence, fresh: &[u32], rows: &[Vec<f32>], context: usize) -> (usize, Option<StopReason>) {
+    let mut reason = None;
+    let mut sent = Vec::new();
+    for &t in fresh {
+        s.output.push(t);
+        sent.push(t);
+        if s.stop_ids.contains(&t) {
+            reason = Some(StopReason::StopToken(t));
+        } else if s.max_tokens.is_some_and(|m| s.output.len() >= m) {
+            reason = Some(StopReason::MaxTokens);
+        } else if s.len() > context {
+            reason = Some(StopReason::ContextFull);
+        }
+        if reason.is_some() {
+            break;
+        }
+    }
+    // The state holds every accepted token; those past a stop are never read again.
+    let logprobs = s.logprobs.then(|| {
+        sent.iter()
+            .zip(rows)
+            .map(|(&t, row)| s.sampler.logprobs(row, t))
+            .collect()
+    });
+    let n = sent.len();
+    if s.events.send(Event::Token { ids: sent, logprobs }).is_err() {
+        reason = Some(StopReason::Cancelled);
+    }
+    (n, reason)
+}
+
 /// Sends a sequence's `Finished` event.
 fn finish(s: &Sequence, reason: StopReason) {
     let usage = Usage {
         prompt_tokens: s.prompt.len(),
         completion_tokens: s.output.len(),
         preemptions: s.preemptions,
+        drafted: s.drafted,
+        accepted: s.accepted,
     };
     // A client that is gone has nothing to receive.
     let _ = s.events.send(Event::Finished { reason, usage });

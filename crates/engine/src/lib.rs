@@ -19,5 +19,5 @@ mod sizes;
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
-pub use request::{Event, Request, RequestHandle, StopReason, Usage};
+pub use request::{Event, Request, RequestHandle, Speculation, StopReason, Usage};
 pub use sizes::{PoolSizes, StateBytes};

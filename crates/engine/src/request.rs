@@ -20,6 +20,27 @@ pub struct Request {
     pub stop_ids: Vec<u32>,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
+    /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
+    pub speculation: Option<Speculation>,
+}
+
+/// How a request drafts tokens for a speculative verify.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speculation {
+    /// Prompt lookup: up to `k` drafts continuing the latest earlier occurrence of the context's
+    /// longest recurring suffix of `min_n..=max_n` tokens (no weights, no state).
+    Ngram { k: usize, min_n: usize, max_n: usize },
+}
+
+impl Speculation {
+    /// Prompt lookup with `k` drafts and suffixes of 1..=4 tokens.
+    pub fn ngram(k: usize) -> Self {
+        Self::Ngram {
+            k,
+            min_n: 1,
+            max_n: 4,
+        }
+    }
 }
 
 impl Request {
@@ -31,6 +52,7 @@ impl Request {
             max_tokens: Some(max_tokens),
             stop_ids: Vec::new(),
             logprobs: false,
+            speculation: None,
         }
     }
 }
@@ -57,6 +79,9 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Times the request was preempted (its state freed and recomputed later).
     pub preemptions: usize,
+    /// Drafts verified, and those accepted (speculative decoding).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 /// What a request's handle receives, in order: tokens, then exactly one `Finished` or `Failed`.

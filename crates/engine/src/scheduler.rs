@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use qwen36_sampling::Sampler;
 
-use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, StopReason};
+use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, Speculation, StopReason};
 
 /// One request inside the engine.
 #[derive(Debug)]
@@ -32,6 +32,14 @@ pub(crate) struct Sequence {
     /// Tokens whose state and K/V are in the pools (the position of the next token to run).
     pub computed: usize,
     pub preemptions: usize,
+    pub speculation: Option<Speculation>,
+    /// The next forward verifies the last token and `drafts` (a speculating sequence's decode
+    /// step, even without drafts: acceptance then draws the token as the speculative decoder does).
+    pub verify: bool,
+    /// Drafts to verify after the last token in the next forward.
+    pub drafts: Vec<u32>,
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Sequence {
@@ -56,6 +64,11 @@ impl Sequence {
         self.len() - self.computed
     }
 
+    /// Tokens the next forward would run: the pending ones, and after a decode token its drafts.
+    fn wanted(&self) -> usize {
+        self.pending() + self.drafts.len()
+    }
+
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
     }
@@ -67,6 +80,8 @@ impl Sequence {
         }
         self.table.release(blocks)?;
         self.computed = 0;
+        self.verify = false;
+        self.drafts.clear();
         Ok(())
     }
 }
@@ -118,9 +133,11 @@ impl Scheduler {
         let mut budget = self.step_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let tokens = self.running[i].pending().min(budget);
-            let needed = self.running[i].computed + tokens;
             let s = &mut self.running[i];
+            let tokens = s.wanted().min(budget);
+            // Drafts beyond the budget are dropped; the pending tokens are never split from them.
+            s.drafts.truncate(tokens.saturating_sub(s.pending()));
+            let needed = s.computed + tokens;
             match s.table.reserve(needed, &mut self.blocks) {
                 Ok(()) => {
                     plan.push(Scheduled { index: i, tokens });

@@ -7,7 +7,9 @@
 mod model_helpers;
 
 use candle_core::DType;
-use qwen36_engine::{Engine, EngineConfig, Error, Event, Request, RequestHandle, StopReason, Usage};
+use qwen36_engine::{
+    Engine, EngineConfig, Error, Event, Request, RequestHandle, Speculation, StopReason, Usage,
+};
 use qwen36_model::Qwen36Model;
 use qwen36_sampling::SamplingParams;
 use qwen36_testutil::{ids_tensor, Rng};
@@ -68,9 +70,29 @@ fn log_softmax_at(row: &[f32], i: usize) -> f32 {
     (row[i] as f64 - lse) as f32
 }
 
-/// Runs random requests through `engine` (arrivals at random steps, some cancelled) and checks
-/// each against its solo run; returns the preemptions and the cancellations seen.
-fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> (usize, usize) {
+/// What a random request set went through.
+#[derive(Debug, Default)]
+struct Totals {
+    preemptions: usize,
+    cancels: usize,
+    drafted: usize,
+    accepted: usize,
+}
+
+/// A prompt in which the model's own continuation recurs: random ids, the model's greedy
+/// continuation of them, then the same ids again (so that prompt lookup drafts what the model
+/// is likely to say).
+fn echo_prompt(model: &Qwen36Model, rng: &mut Rng, len: usize) -> Vec<u32> {
+    let vocab = model.config().vocab_size;
+    let seed: Vec<u32> = (0..len.div_ceil(3)).map(|_| rng.below(vocab) as u32).collect();
+    let (cont, _) = solo(model, &seed, len.div_ceil(3));
+    [&seed[..], &cont, &seed].concat()
+}
+
+/// Runs random requests through `engine` (arrivals at random steps, some cancelled; with
+/// `speculate`, most with n-gram drafts of random k) and checks each against its solo greedy
+/// run.
+fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize, speculate: bool) -> Totals {
     let model = engine.model().clone();
     let vocab = model.config().vocab_size;
     let mut rng = Rng::new(seed);
@@ -82,11 +104,15 @@ fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> 
     let planned: Vec<Planned> = (0..n)
         .map(|_| {
             let len = rng.range(1, max_prompt);
-            let mut req = Request::greedy(
-                (0..len).map(|_| rng.below(vocab) as u32).collect(),
-                rng.range(1, 20),
-            );
+            let prompt = match speculate {
+                true => echo_prompt(&model, &mut rng, len),
+                false => (0..len).map(|_| rng.below(vocab) as u32).collect(),
+            };
+            let mut req = Request::greedy(prompt, rng.range(1, 20));
             req.logprobs = true;
+            if speculate && rng.chance(0.8) {
+                req.speculation = Some(Speculation::ngram(rng.range(1, 3)));
+            }
             Planned {
                 req,
                 arrive: rng.below(2 * n),
@@ -112,11 +138,13 @@ fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> 
         step += 1;
         assert!(step < 10_000, "the engine does not finish");
     }
-    let (mut preemptions, mut cancels) = (0, 0);
+    let mut totals = Totals::default();
     for (i, p) in planned.iter().enumerate() {
         let o = collect(handles[i].as_ref().unwrap());
         let (reason, usage) = o.end.clone().expect("every request ends");
-        preemptions += usage.preemptions;
+        totals.preemptions += usage.preemptions;
+        totals.drafted += usage.drafted;
+        totals.accepted += usage.accepted;
         let max = p.req.max_tokens.unwrap();
         let (want, rows) = solo(&model, &p.req.prompt, max);
         assert_eq!(usage.prompt_tokens, p.req.prompt.len());
@@ -125,7 +153,7 @@ fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> 
             StopReason::MaxTokens => assert_eq!(o.ids, want, "request {i}: tokens differ from its solo run"),
             StopReason::Cancelled => {
                 assert!(p.cancel_at.is_some(), "request {i} was cancelled unasked");
-                cancels += 1;
+                totals.cancels += 1;
                 assert_eq!(
                     o.ids,
                     want[..o.ids.len()],
@@ -151,7 +179,7 @@ fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize) -> 
         (0, 0),
         "the pools must be empty once every request ended"
     );
-    (preemptions, cancels)
+    totals
 }
 
 #[test]
@@ -163,8 +191,8 @@ fn random_requests_equal_their_solo_runs() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let (_, cancels) = check_random(&mut engine, 3, 12, 300);
-    assert!(cancels > 0, "the request set was meant to cancel some");
+    let totals = check_random(&mut engine, 3, 12, 300, false);
+    assert!(totals.cancels > 0, "the request set was meant to cancel some");
 }
 
 /// KV blocks for about two sequences: the newest is preempted and recomputed, and every result
@@ -179,10 +207,28 @@ fn preemption_keeps_every_result() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let (preemptions, _) = check_random(&mut engine, 5, 8, 40);
+    let totals = check_random(&mut engine, 5, 8, 40, false);
     assert!(
-        preemptions > 0,
+        totals.preemptions > 0,
         "the pool was meant to be too small for every sequence at once"
+    );
+}
+
+/// Greedy speculative decoding with prompt-lookup drafts, batched with plain requests: every
+/// request's tokens are its plain solo greedy run's.
+#[test]
+fn ngram_speculation_equals_plain_greedy() {
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        block_size: 8,
+        step_tokens: 40,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(bundled(), cfg).unwrap();
+    let t = check_random(&mut engine, 17, 12, 80, true);
+    assert!(
+        t.accepted > 0 && t.accepted < t.drafted,
+        "drafts must be accepted and rejected: {t:?}"
     );
 }
 
@@ -350,4 +396,33 @@ fn over_the_context_is_refused() {
         Error::TooLong { needed, context: c, .. } if needed == context + 2 && c == context
     ));
     assert!(engine.submit(Request::greedy(vec![1; context], 1)).is_ok());
+}
+
+/// Sampled speculative decoding in the engine (batched with other requests) draws exactly the
+/// tokens of `SpeculativeDecoder` with the same drafter and seed: one RNG step per verify, the
+/// same lossless acceptance.
+#[test]
+fn sampled_ngram_speculation_equals_the_speculative_decoder() {
+    use qwen36_mtp::{NgramDrafter, SpecConfig, SpeculativeDecoder};
+    let model = bundled();
+    let mut rng = Rng::new(23);
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| Request {
+            speculation: Some(Speculation::ngram(3)),
+            ..sampled(echo_prompt(&model, &mut rng, 20 + 9 * i), 40 + i as u64)
+        })
+        .collect();
+    let batched = run_all(&model, &reqs, &[0, 1, 2, 3], 4, 512);
+    for (r, got) in reqs.iter().zip(&batched) {
+        let mut dec = SpeculativeDecoder::new(&model, r.sampling.clone()).unwrap();
+        let cfg = SpecConfig {
+            k: 3,
+            max_new_tokens: r.max_tokens.unwrap(),
+            stop_token_ids: vec![],
+        };
+        let want = dec
+            .generate(&mut NgramDrafter::default(), &r.prompt, &cfg, |_| true)
+            .unwrap();
+        assert_eq!(got, &want.tokens);
+    }
 }

@@ -147,7 +147,7 @@ impl<'m> SpeculativeDecoder<'m> {
             let ids = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
             let h = stepper.forward_verify(model, &ids, cache)?;
             let rows = model.logits(&h)?.squeeze(0)?.to_vec2::<f32>()?;
-            let acc = accept(&mut self.sampler, &drafts, &rows, prompt, &output)?;
+            let acc = accept_drafts(&mut self.sampler, &drafts, &rows, prompt, &output)?;
             stepper.commit(cache, acc.accepted + 1)?;
             stats.record(drafts.len(), acc.accepted, cfg.k);
 
@@ -178,8 +178,10 @@ impl<'m> SpeculativeDecoder<'m> {
     }
 }
 
-/// Accepts a prefix of `drafts` given the target rows (row j follows `output + drafts[..j]`).
-fn accept(
+/// Accepts a prefix of `drafts` (the drafter's argmax picks) given the target logits `rows` of a
+/// verify pass (row j follows `output + drafts[..j]`), under `sampler`'s processing: greedy, or
+/// lossless rejection sampling with one RNG step of `sampler` per call.
+pub fn accept_drafts(
     sampler: &mut Sampler,
     drafts: &[u32],
     rows: &[Vec<f32>],

@@ -104,9 +104,10 @@ impl Default for NgramDrafter {
     }
 }
 
-impl Drafter for NgramDrafter {
-    fn propose(&mut self, ctx: &DraftContext, k: usize) -> Result<Vec<u32>> {
-        let t = ctx.tokens;
+impl NgramDrafter {
+    /// Up to `k` drafts continuing `tokens`: what followed the latest earlier occurrence of its
+    /// longest suffix of `min_n..=max_n` tokens (none when no suffix recurs).
+    pub fn propose_tokens(&self, t: &[u32], k: usize) -> Vec<u32> {
         for n in (self.min_n.max(1)..=self.max_n).rev() {
             if t.len() <= n {
                 continue;
@@ -118,10 +119,16 @@ impl Drafter for NgramDrafter {
                 for j in start + n..start + n + k {
                     out.push(if j < t.len() { t[j] } else { out[j - t.len()] });
                 }
-                return Ok(out);
+                return out;
             }
         }
-        Ok(Vec::new())
+        Vec::new()
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, ctx: &DraftContext, k: usize) -> Result<Vec<u32>> {
+        Ok(self.propose_tokens(ctx.tokens, k))
     }
 
     fn reset(&mut self) {}

@@ -9,7 +9,7 @@ mod drafter;
 mod error;
 mod stats;
 
-pub use decoder::{SpecConfig, SpecOutput, SpecStopReason, SpeculativeDecoder};
+pub use decoder::{accept_drafts, SpecConfig, SpecOutput, SpecStopReason, SpeculativeDecoder};
 pub use drafter::{DraftContext, Drafter, MtpDrafter, NgramDrafter};
 pub use error::{Error, Result};
 pub use stats::SpecStats;

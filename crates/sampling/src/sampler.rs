@@ -211,6 +211,12 @@ impl Sampler {
         } else {
             draw_index(&probs, self.uniform(row, step, 0), row)?
         };
+        Ok(self.logprobs(logits, token as u32))
+    }
+
+    /// `token`'s log-probability under the raw distribution of `logits`, with the
+    /// `top_logprobs` most likely tokens (for a token chosen elsewhere, e.g. an accepted draft).
+    pub fn logprobs(&self, logits: &[f32], token: u32) -> Sampled {
         let lp = log_softmax(logits);
         let mut top_logprobs = Vec::new();
         if self.params.top_logprobs > 0 {
@@ -224,11 +230,11 @@ impl Sampler {
             idx.sort_unstable_by(cmp);
             top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
         }
-        Ok(Sampled {
-            token: token as u32,
-            logprob: lp[token],
+        Sampled {
+            token,
+            logprob: lp[token as usize],
             top_logprobs,
-        })
+        }
     }
 
     /// Samples the next token of one sequence from `logits: [vocab]`.
