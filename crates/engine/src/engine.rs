@@ -6,7 +6,7 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use qwen36_model::{BatchPending, ForwardBatch, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_mtp::{accept_drafts, NgramDrafter};
 use qwen36_sampling::Sampler;
 
@@ -65,6 +65,8 @@ pub struct StepStats {
 pub struct Engine {
     model: Qwen36Model,
     cache: PagedCache,
+    /// The MTP head and its KV pool (same block tables as the target's), when loaded.
+    mtp: Option<(MtpHead, PagedCache)>,
     sched: Scheduler,
     cfg: EngineConfig,
     next_id: u64,
@@ -73,6 +75,16 @@ pub struct Engine {
 impl Engine {
     /// An engine over `model` with pools sized by `cfg`.
     pub fn new(model: Qwen36Model, cfg: EngineConfig) -> Result<Self> {
+        Self::build(model, None, cfg)
+    }
+
+    /// An engine over `model` whose requests may draft with its MTP `head`
+    /// ([`Speculation::Mtp`]).
+    pub fn with_mtp_head(model: Qwen36Model, head: MtpHead, cfg: EngineConfig) -> Result<Self> {
+        Self::build(model, Some(head), cfg)
+    }
+
+    fn build(model: Qwen36Model, head: Option<MtpHead>, cfg: EngineConfig) -> Result<Self> {
         let context = model.config().max_position_embeddings;
         if cfg.step_tokens == 0 || cfg.max_seqs == 0 {
             return Err(Error::Size {
@@ -94,9 +106,17 @@ impl Engine {
             step_tokens: cfg.step_tokens,
         };
         let cache = model.new_paged_cache(cfg.max_seqs, blocks, cfg.block_size)?;
+        let mtp = match head {
+            Some(h) => {
+                let pool = h.new_paged_cache(&model, cfg.max_seqs, blocks, cfg.block_size)?;
+                Some((h, pool))
+            }
+            None => None,
+        };
         Ok(Self {
             model,
             cache,
+            mtp,
             sched,
             cfg,
             next_id: 0,
@@ -140,6 +160,11 @@ impl Engine {
                 pool,
             });
         }
+        if matches!(req.speculation, Some(Speculation::Mtp { .. })) && self.mtp.is_none() {
+            return Err(Error::Request(
+                "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
+            ));
+        }
         if self.sched.waiting.len() >= self.cfg.max_queue {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
@@ -165,6 +190,7 @@ impl Engine {
             speculation: req.speculation,
             verify: false,
             drafts: Vec::new(),
+            mtp_len: 0,
             drafted: 0,
             accepted: 0,
         });
@@ -238,7 +264,7 @@ impl Engine {
                 }
             })
             .collect();
-        let (logits, pending) = match self.forward(&batch, &reads) {
+        let (logits, pending, hidden) = match self.forward(&batch, &reads) {
             Ok(l) => l,
             Err(e) => {
                 self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
@@ -246,10 +272,15 @@ impl Engine {
             }
         };
         let mut done = Vec::new();
+        let mut feeds = Vec::new();
         for (c, (p, rows)) in plan.iter().zip(logits).enumerate() {
             let s = &mut self.sched.running[p.index];
+            let mtp = matches!(s.speculation, Some(Speculation::Mtp { .. }));
             if rows.is_empty() {
                 s.computed += p.tokens;
+                if mtp {
+                    feeds.push((p.index, batch.chunks()[c].start, batch.rows(c)));
+                }
                 continue;
             }
             let fresh = if batch.chunks()[c].verify {
@@ -276,14 +307,26 @@ impl Engine {
                     .map_err(|e| e.to_string())
             };
             let context = self.model.config().max_position_embeddings;
+            let start = batch.chunks()[c].start;
             match fresh.map(|fresh| emit(s, &fresh, &rows, context)) {
                 Ok((n, reason)) => {
                     stats.generated += n;
                     if let Some(r) = reason {
                         done.push((p.index, Ok(r)));
+                    } else if mtp {
+                        // The pairs of the positions this forward committed.
+                        let rows = batch.rows(c);
+                        feeds.push((p.index, start, rows.start..rows.start + (s.computed - start)));
                     }
                 }
                 Err(e) => done.push((p.index, Err(e))),
+            }
+        }
+        if let Err(e) = self.mtp_draft(&feeds, &hidden) {
+            let mut failed: Vec<usize> = feeds.iter().map(|f| f.0).collect();
+            failed.retain(|i| !done.iter().any(|(d, _)| d == i));
+            for i in failed {
+                done.push((i, Err(format!("MTP drafting failed: {e}"))));
             }
         }
         done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
@@ -314,23 +357,147 @@ impl Engine {
     fn draft(&mut self) {
         let context = self.model.config().max_position_embeddings;
         for s in &mut self.sched.running {
-            s.drafts.clear();
-            s.verify = false;
+            s.verify = s.speculation.is_some() && s.pending() == 1;
             let Some(Speculation::Ngram { k, min_n, max_n }) = s.speculation else {
+                // MTP drafts were made at the end of the last step.
+                if !s.verify {
+                    s.drafts.clear();
+                }
                 continue;
             };
+            s.drafts.clear();
             if s.pending() != 1 {
                 continue;
             }
-            s.verify = true;
-            let left = s.max_tokens.map_or(usize::MAX, |m| m - s.output.len());
-            let room = context.saturating_sub(s.computed + 1);
-            let k = k.min(left).min(room);
+            let k = draft_room(s, k, context);
             if k > 0 {
                 let all = s.tokens(0, s.len());
                 s.drafts = NgramDrafter { min_n, max_n }.propose_tokens(&all, k);
             }
         }
+    }
+
+    /// Feeds each MTP-speculating sequence's newly committed pairs to the MTP head (`feeds`:
+    /// running index, first position, and the rows of `hidden` holding those positions' final
+    /// hidden states), all sequences in one batched pass, then chains greedy draft steps for those
+    /// now decoding: their drafts for the next step's verify.
+    fn mtp_draft(&mut self, feeds: &[(usize, usize, Range<usize>)], hidden: &Tensor) -> Result<()> {
+        let Some((head, pool)) = self.mtp.as_mut() else {
+            return Ok(());
+        };
+        let context = self.model.config().max_position_embeddings;
+        let running = &mut self.sched.running;
+        // The chunks of draft step 0, and per chunk (running index, drafts wanted).
+        let (mut chunks, mut sources, mut who) = (Vec::new(), Vec::new(), Vec::new());
+        for (index, start, rows) in feeds {
+            let s = &mut running[*index];
+            let Some(Speculation::Mtp { k }) = s.speculation else {
+                continue;
+            };
+            if s.mtp_len != *start || rows.is_empty() {
+                continue; // a gap in the pairs (cannot happen): no drafts, still lossless
+            }
+            let m = rows.len();
+            let k = if s.pending() == 1 {
+                draft_room(s, k, context)
+            } else {
+                0
+            };
+            // The chain writes MTP positions up to start + m + k − 2; without room, fewer drafts.
+            let k = match s
+                .table
+                .reserve(*start + m + k.saturating_sub(1), &mut self.sched.blocks)
+            {
+                Ok(()) => k,
+                Err(_) => k.min(1),
+            };
+            chunks.push(SeqChunk {
+                slot: s.slot.expect("a running sequence has a slot").0,
+                start: *start,
+                tokens: s.tokens(start + 1, m),
+                blocks: s.table.blocks().iter().map(|b| b.0).collect(),
+                verify: false,
+            });
+            sources.push(rows.clone());
+            who.push((*index, k));
+            s.mtp_len = start + m;
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let batch = ForwardBatch::new(chunks);
+        let mut order = vec![0u32; batch.total_rows()];
+        for (c, src) in sources.iter().enumerate() {
+            for (dst, r) in batch.rows(c).zip(src.clone()) {
+                order[dst] = r as u32;
+            }
+        }
+        let order = Tensor::new(order.as_slice(), hidden.device())?;
+        let out = head.forward_batch(&self.model, &hidden.index_select(&order, 0)?, &batch, pool, 0)?;
+        // Chain: each drafting sequence's last state and token so far.
+        let mut chain: Vec<(usize, usize)> = Vec::new(); // (running index, drafts wanted)
+        let mut lasts = Vec::new();
+        for (c, &(index, k)) in who.iter().enumerate() {
+            if k > 0 {
+                let last = batch.rows(c).end - 1;
+                chain.push((index, k));
+                lasts.push(last as u32);
+                running[index].drafts.clear();
+            }
+        }
+        if chain.is_empty() {
+            return Ok(());
+        }
+        let lasts = Tensor::new(lasts.as_slice(), out.device())?;
+        let mut states = out.index_select(&lasts, 0)?;
+        let mut tokens = self.model.greedy_ids(&states)?.to_vec1::<u32>()?;
+        for (&(index, _), &t) in chain.iter().zip(&tokens) {
+            running[index].drafts.push(t);
+        }
+        for step in 1.. {
+            let live: Vec<usize> = (0..chain.len()).filter(|&i| chain[i].1 > step).collect();
+            if live.is_empty() {
+                break;
+            }
+            let chunks: Vec<SeqChunk> = live
+                .iter()
+                .map(|&i| {
+                    let s = &running[chain[i].0];
+                    SeqChunk {
+                        slot: s.slot.expect("a running sequence has a slot").0,
+                        start: s.mtp_len + step - 1,
+                        tokens: vec![tokens[i]],
+                        blocks: s.table.blocks().iter().map(|b| b.0).collect(),
+                        verify: false,
+                    }
+                })
+                .collect();
+            let batch = ForwardBatch::new(chunks);
+            let mut order = vec![0u32; live.len()];
+            for (c, &i) in live.iter().enumerate() {
+                order[batch.rows(c).start] = i as u32;
+            }
+            let rows = states.index_select(&Tensor::new(order.as_slice(), states.device())?, 0)?;
+            let out = head.forward_batch(&self.model, &rows, &batch, pool, step)?;
+            let picks: Vec<u32> = live
+                .iter()
+                .enumerate()
+                .map(|(c, _)| batch.rows(c).start as u32)
+                .collect();
+            let picked = out.index_select(&Tensor::new(picks.as_slice(), out.device())?, 0)?;
+            let next = self.model.greedy_ids(&picked)?.to_vec1::<u32>()?;
+            // States and tokens of every chain member, the live ones advanced.
+            let mut all: Vec<Tensor> = (0..chain.len())
+                .map(|i| states.narrow(0, i, 1))
+                .collect::<candle_core::Result<_>>()?;
+            for (c, &i) in live.iter().enumerate() {
+                all[i] = picked.narrow(0, c, 1)?;
+                tokens[i] = next[c];
+                running[chain[i].0].drafts.push(next[c]);
+            }
+            states = Tensor::cat(&all, 0)?;
+        }
+        Ok(())
     }
 
     /// The forward of `batch`, the f32 logits of the rows in `reads` (one list per entry) and
@@ -339,7 +506,7 @@ impl Engine {
         &mut self,
         batch: &ForwardBatch,
         reads: &[Range<usize>],
-    ) -> Result<(Vec<Rows>, Option<BatchPending>)> {
+    ) -> Result<(Vec<Rows>, Option<BatchPending>, Tensor)> {
         let out = self.model.forward_batch(batch, &mut self.cache)?;
         let rows: Vec<u32> = reads.iter().flat_map(|r| r.clone().map(|i| i as u32)).collect();
         let mut flat = if rows.is_empty() {
@@ -354,7 +521,7 @@ impl Engine {
             .iter()
             .map(|r| flat.by_ref().take(r.len()).collect())
             .collect();
-        Ok((per_read, out.pending))
+        Ok((per_read, out.pending, out.hidden))
     }
 
     /// Ends the running sequences at `indices` with `Failed`, freeing what they hold.
@@ -368,6 +535,12 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Drafts a decoding sequence may verify: `k` within its `max_tokens` and the context.
+fn draft_room(s: &Sequence, k: usize, context: usize) -> usize {
+    let left = s.max_tokens.map_or(usize::MAX, |m| m - s.output.len());
+    k.min(left).min(context.saturating_sub(s.computed + 1))
 }
 
 /// Appends `fresh` tokens (row `j` of `rows` gave `fresh[j]`) to `s`'s output up to its first

@@ -30,6 +30,9 @@ pub enum Speculation {
     /// Prompt lookup: up to `k` drafts continuing the latest earlier occurrence of the context's
     /// longest recurring suffix of `min_n..=max_n` tokens (no weights, no state).
     Ngram { k: usize, min_n: usize, max_n: usize },
+    /// The checkpoint's MTP head: a greedy chain of up to `k` draft steps per verify, every
+    /// sequence's steps batched (needs [`crate::Engine::with_mtp_head`]).
+    Mtp { k: usize },
 }
 
 impl Speculation {

@@ -38,6 +38,9 @@ pub(crate) struct Sequence {
     pub verify: bool,
     /// Drafts to verify after the last token in the next forward.
     pub drafts: Vec<u32>,
+    /// Pairs in the MTP head's KV (positions `0..mtp_len`; entries past it are draft-chain
+    /// leftovers, overwritten by the next pairs).
+    pub mtp_len: usize,
     pub drafted: usize,
     pub accepted: usize,
 }
@@ -82,6 +85,7 @@ impl Sequence {
         self.computed = 0;
         self.verify = false;
         self.drafts.clear();
+        self.mtp_len = 0;
         Ok(())
     }
 }

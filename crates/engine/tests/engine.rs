@@ -92,7 +92,13 @@ fn echo_prompt(model: &Qwen36Model, rng: &mut Rng, len: usize) -> Vec<u32> {
 /// Runs random requests through `engine` (arrivals at random steps, some cancelled; with
 /// `speculate`, most with n-gram drafts of random k) and checks each against its solo greedy
 /// run.
-fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize, speculate: bool) -> Totals {
+fn check_random(
+    engine: &mut Engine,
+    seed: u64,
+    n: usize,
+    max_prompt: usize,
+    speculate: &[Speculation],
+) -> Totals {
     let model = engine.model().clone();
     let vocab = model.config().vocab_size;
     let mut rng = Rng::new(seed);
@@ -104,14 +110,14 @@ fn check_random(engine: &mut Engine, seed: u64, n: usize, max_prompt: usize, spe
     let planned: Vec<Planned> = (0..n)
         .map(|_| {
             let len = rng.range(1, max_prompt);
-            let prompt = match speculate {
-                true => echo_prompt(&model, &mut rng, len),
-                false => (0..len).map(|_| rng.below(vocab) as u32).collect(),
+            let prompt = match speculate.is_empty() {
+                false => echo_prompt(&model, &mut rng, len),
+                true => (0..len).map(|_| rng.below(vocab) as u32).collect(),
             };
             let mut req = Request::greedy(prompt, rng.range(1, 20));
             req.logprobs = true;
-            if speculate && rng.chance(0.8) {
-                req.speculation = Some(Speculation::ngram(rng.range(1, 3)));
+            if !speculate.is_empty() && rng.chance(0.8) {
+                req.speculation = Some(speculate[rng.below(speculate.len())]);
             }
             Planned {
                 req,
@@ -191,7 +197,7 @@ fn random_requests_equal_their_solo_runs() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let totals = check_random(&mut engine, 3, 12, 300, false);
+    let totals = check_random(&mut engine, 3, 12, 300, &[]);
     assert!(totals.cancels > 0, "the request set was meant to cancel some");
 }
 
@@ -207,7 +213,7 @@ fn preemption_keeps_every_result() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let totals = check_random(&mut engine, 5, 8, 40, false);
+    let totals = check_random(&mut engine, 5, 8, 40, &[]);
     assert!(
         totals.preemptions > 0,
         "the pool was meant to be too small for every sequence at once"
@@ -225,7 +231,8 @@ fn ngram_speculation_equals_plain_greedy() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let t = check_random(&mut engine, 17, 12, 80, true);
+    let ks = [1, 2, 3].map(Speculation::ngram);
+    let t = check_random(&mut engine, 17, 12, 80, &ks);
     assert!(
         t.accepted > 0 && t.accepted < t.drafted,
         "drafts must be accepted and rejected: {t:?}"
@@ -396,6 +403,76 @@ fn over_the_context_is_refused() {
         Error::TooLong { needed, context: c, .. } if needed == context + 2 && c == context
     ));
     assert!(engine.submit(Request::greedy(vec![1; context], 1)).is_ok());
+}
+
+/// Greedy MTP speculation (k = 1..3, batched draft steps) beside n-gram and plain requests:
+/// every request's tokens are its plain solo greedy run's; the bundled model's trained head
+/// makes full and partial acceptances frequent.
+#[test]
+fn mtp_speculation_equals_plain_greedy() {
+    let (model, head) = model_helpers::load_bundled();
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        block_size: 8,
+        step_tokens: 40,
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let kinds = [
+        Speculation::Mtp { k: 1 },
+        Speculation::Mtp { k: 2 },
+        Speculation::Mtp { k: 3 },
+        Speculation::ngram(2),
+    ];
+    let t = check_random(&mut engine, 29, 12, 80, &kinds);
+    assert!(
+        t.accepted > t.drafted / 4 && t.accepted < t.drafted,
+        "drafts must be accepted often and rejected sometimes: {t:?}"
+    );
+}
+
+/// Sampled MTP speculation in the engine draws exactly the tokens of `SpeculativeDecoder` with
+/// `MtpDrafter` and the same seed, batched or not.
+#[test]
+fn sampled_mtp_speculation_equals_the_speculative_decoder() {
+    use qwen36_mtp::{MtpDrafter, SpecConfig, SpeculativeDecoder};
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(31);
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| Request {
+            speculation: Some(Speculation::Mtp { k: 1 + i % 3 }),
+            ..sampled(echo_prompt(&model, &mut rng, 12 + 7 * i), 60 + i as u64)
+        })
+        .collect();
+    let cfg = EngineConfig {
+        max_seqs: 3,
+        step_tokens: 30,
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+    let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    engine.run_to_completion().unwrap();
+    for (r, h) in reqs.iter().zip(&handles) {
+        let Some(Speculation::Mtp { k }) = r.speculation else {
+            unreachable!()
+        };
+        let mut dec = SpeculativeDecoder::new(&model, r.sampling.clone()).unwrap();
+        let cfg = SpecConfig {
+            k,
+            max_new_tokens: r.max_tokens.unwrap(),
+            stop_token_ids: vec![],
+        };
+        let want = dec
+            .generate(&mut MtpDrafter::new(&model, &head), &r.prompt, &cfg, |_| true)
+            .unwrap();
+        let got = collect(h);
+        assert_eq!(got.ids, want.tokens);
+        let usage = got.end.unwrap().1;
+        assert_eq!(
+            (usage.drafted, usage.accepted),
+            (want.stats.drafted, want.stats.accepted)
+        );
+    }
 }
 
 /// Sampled speculative decoding in the engine (batched with other requests) draws exactly the

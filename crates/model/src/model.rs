@@ -155,7 +155,7 @@ impl DecoderLayer {
     /// layer gathers each group's states from their slots, runs the groups and writes the new
     /// states back; an attention layer reads and writes paged K/V. Returns, for a GDN layer
     /// with verifying groups, every group's checkpoints.
-    fn forward_paged(
+    pub(crate) fn forward_paged(
         &self,
         x: &Tensor,
         pool: &PagedLayer,
@@ -216,7 +216,7 @@ impl DecoderLayer {
 
 /// What every layer of one flat forward shares: each row's RoPE angles, each group's slots
 /// and each sequence's paged positions.
-struct FlatInputs {
+pub(crate) struct FlatInputs {
     cos: Tensor,
     sin: Tensor,
     /// u32 `[members]` per group.
@@ -362,33 +362,8 @@ impl Qwen36Model {
         for c in batch.chunks.iter().filter(|c| c.start == 0) {
             cache.clear_slot(c.slot)?;
         }
-        let order: Vec<usize> = batch.row_order().collect();
-        let ids: Vec<u32> = order
-            .iter()
-            .flat_map(|&i| batch.chunks[i].tokens.iter().copied())
-            .collect();
-        let positions = order.iter().flat_map(|&i| {
-            let c = &batch.chunks[i];
-            c.start..c.start + c.tokens.len()
-        });
-        let (cos, sin) = self.rope.cos_sin_at(positions, self.dtype, &self.device)?;
-        let slots = batch
-            .groups
-            .iter()
-            .map(|members| {
-                let s: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
-                Ok(Tensor::new(s.as_slice(), &self.device)?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let flat = FlatInputs {
-            cos,
-            sin,
-            slots,
-            seqs: batch.paged_seqs(cache)?,
-        };
-        let mut x = self
-            .embed
-            .forward(&Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?)?;
+        let (flat, ids) = self.flat_inputs(batch, cache)?;
+        let mut x = self.embed.forward(&ids)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for (layer, pool) in self.layers.iter().zip(&cache.layers) {
             let (y, cps) = layer.forward_paged(&x, pool, batch, &flat)?;
@@ -414,6 +389,40 @@ impl Qwen36Model {
             hidden: self.norm.forward(&x)?.squeeze(0)?,
             pending,
         })
+    }
+
+    /// What every layer of a flat forward over `batch` shares, and the batch's token ids
+    /// `[1, rows]` in row order.
+    pub(crate) fn flat_inputs(
+        &self,
+        batch: &ForwardBatch,
+        cache: &PagedCache,
+    ) -> Result<(FlatInputs, Tensor)> {
+        let order: Vec<usize> = batch.row_order().collect();
+        let ids: Vec<u32> = order
+            .iter()
+            .flat_map(|&i| batch.chunks[i].tokens.iter().copied())
+            .collect();
+        let positions = order.iter().flat_map(|&i| {
+            let c = &batch.chunks[i];
+            c.start..c.start + c.tokens.len()
+        });
+        let (cos, sin) = self.rope.cos_sin_at(positions, self.dtype, &self.device)?;
+        let slots = batch
+            .groups
+            .iter()
+            .map(|members| {
+                let s: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
+                Ok(Tensor::new(s.as_slice(), &self.device)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let flat = FlatInputs {
+            cos,
+            sin,
+            slots,
+            seqs: batch.paged_seqs(cache)?,
+        };
+        Ok((flat, Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?))
     }
 
     /// Checks ids `[batch, len]` (u32) against the vocabulary, the cache and the context.

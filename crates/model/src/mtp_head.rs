@@ -11,7 +11,10 @@ use qwen36_kernels::norm::RmsNorm;
 
 use crate::attention::AttnStep;
 use crate::model::DecoderLayer;
-use crate::{Config, Error, KvCache, LayerCache, LayerType, Qwen36Model, Result, Weights};
+use crate::paged::PoolShape;
+use crate::{
+    Config, Error, ForwardBatch, KvCache, LayerCache, LayerType, PagedCache, Qwen36Model, Result, Weights,
+};
 
 /// The MTP head of a Qwen3.6 checkpoint.
 #[derive(Debug, Clone)]
@@ -248,6 +251,59 @@ impl MtpHead {
     ) -> Result<Tensor> {
         let attn = self.step_attn(model, cache, step, hidden.dim(1)?)?;
         self.forward_with(model, hidden, next_ids, cache, step, &attn)
+    }
+
+    /// Empty pools of the head's KV for serving: `blocks` blocks of `block_size` positions per
+    /// MTP layer, indexed by the same block tables as the target's KV (a sequence's MTP entry at
+    /// position `i` is its pair `(h_i, x_{i+1})`); `slots` only bounds the sequences of a batch.
+    pub fn new_paged_cache(
+        &self,
+        model: &Qwen36Model,
+        slots: usize,
+        blocks: usize,
+        block_size: usize,
+    ) -> Result<PagedCache> {
+        let cfg = model.config();
+        let kinds = self.layers.iter().map(|_| PoolShape::Attention {
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        });
+        PagedCache::zeros(kinds, (slots, blocks, block_size), model.dtype(), model.device())
+    }
+
+    /// [`Self::forward`] over a flat batch of several sequences with paged KV: chunk `i` of
+    /// `batch` feeds pairs at MTP positions `start..` with `tokens` the next ids and `hidden`'s
+    /// rows `batch.rows(i)` (`hidden: [rows, hidden]`) the states. Returns the post-`mtp.norm`
+    /// states `[rows, hidden]`.
+    pub fn forward_batch(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<Tensor> {
+        let cfg = model.config();
+        batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
+        if cache.layers.len() != self.layers.len() || hidden.dims() != [batch.total_rows(), cfg.hidden_size] {
+            return Err(Error::Cache(format!(
+                "an MTP pool of {} layers and hidden states {:?} used with a head of {} layers \
+                 and a batch of {} rows",
+                cache.layers.len(),
+                hidden.dims(),
+                self.layers.len(),
+                batch.total_rows()
+            )));
+        }
+        let (flat, ids) = model.flat_inputs(batch, cache)?;
+        let e = self.norm_embedding.forward(&model.embedding().forward(&ids)?)?;
+        let hn = self
+            .norm_hidden
+            .forward(&hidden.to_dtype(e.dtype())?.unsqueeze(0)?)?;
+        let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
+        let i = self.layer_index(step);
+        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], batch, &flat)?;
+        Ok(self.norm.forward(&y)?.squeeze(0)?)
     }
 
     /// One greedy draft step: [`Self::forward`], then the post-norm state of the last position
