@@ -33,6 +33,9 @@ pub enum Error {
     /// The waiting queue is full.
     #[error("the queue is full ({0} requests wait); retry later")]
     QueueFull(usize),
+    /// The engine has shut down and takes no more requests.
+    #[error("the engine has shut down")]
+    Stopped,
     /// The model failed.
     #[error(transparent)]
     Model(#[from] qwen36_model::Error),

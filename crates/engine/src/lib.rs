@@ -5,7 +5,8 @@
 //! per-step token budget, FCFS, preemption of the newest sequence when KV blocks run out) and
 //! runs each step as one flat forward of every scheduled sequence
 //! ([`qwen36_model::Qwen36Model::forward_batch`]); each request's [`RequestHandle`] receives
-//! its tokens as [`Event`]s. The pools' bookkeeping: a fixed set of GDN state slots and of paged
+//! its tokens as [`Event`]s. [`Engine::spawn`] runs it on a thread of its own behind a cloneable
+//! [`EngineClient`] (what a server holds); [`Engine::step`] drives it from the caller instead. The pools' bookkeeping: a fixed set of GDN state slots and of paged
 //! KV blocks, both refcounted so that the prefix cache can share them, sized from a memory
 //! budget ([`PoolSizes`]). See docs/ARCHITECTURE.md.
 
@@ -15,9 +16,11 @@ mod pool;
 mod request;
 mod scheduler;
 mod sizes;
+mod thread;
 
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use request::{Event, Request, RequestHandle, Speculation, StopReason, Usage};
 pub use sizes::{PoolSizes, StateBytes};
+pub use thread::EngineClient;

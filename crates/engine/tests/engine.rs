@@ -503,3 +503,45 @@ fn sampled_ngram_speculation_equals_the_speculative_decoder() {
         assert_eq!(got, &want.tokens);
     }
 }
+
+/// The engine on its own thread: requests submitted from several threads at once each get their
+/// solo tokens; a shutdown lets submitted requests finish and refuses new ones.
+#[test]
+fn a_spawned_engine_serves_many_threads() {
+    let model = bundled();
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..5 + 11 * i).map(|j| (j * 13 + i) % 4000).collect())
+        .collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| solo(&model, p, 8).0).collect();
+    let client = Engine::new(model, EngineConfig::default()).unwrap().spawn();
+    let threads: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                let h = client.submit(Request::greedy(p, 8)).unwrap();
+                let mut ids = Vec::new();
+                while let Some(e) = h.recv() {
+                    if let Event::Token { ids: new, .. } = e {
+                        ids.extend(new);
+                    }
+                }
+                ids
+            })
+        })
+        .collect();
+    let got: Vec<Vec<u32>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got, want);
+    let last = client.submit(Request::greedy(prompts[0].clone(), 8)).unwrap();
+    client.shutdown();
+    let o = collect(&last);
+    assert_eq!(
+        (o.ids, o.end.unwrap().0),
+        (want[0].clone(), StopReason::MaxTokens)
+    );
+    assert!(matches!(
+        client.submit(Request::greedy(vec![1], 1)),
+        Err(Error::Stopped)
+    ));
+}
