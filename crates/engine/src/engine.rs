@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_mtp::{accept_drafts, NgramDrafter};
-use qwen36_sampling::Sampler;
+use qwen36_sampling::{Acceptance, Sampler};
 
 use crate::scheduler::{Scheduler, Sequence};
 use crate::{
@@ -19,7 +19,7 @@ use crate::{
 type Rows = Vec<Vec<f32>>;
 
 /// Sizes and limits of an engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// Sequences running at once (GDN state slots).
     pub max_seqs: usize,
@@ -31,6 +31,10 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// The most tokens one forward runs (prefill chunks and decode tokens together).
     pub step_tokens: usize,
+    /// Benchmarks only: a verify accepts draft `j` with probability `rates[j]` (the last rate
+    /// for later positions) instead of checking it, so that speculative decoding can be timed
+    /// with random weights at a real model's acceptance. The tokens are then meaningless.
+    pub timing_accept_rates: Option<Vec<f64>>,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +45,7 @@ impl Default for EngineConfig {
             block_size: 16,
             max_queue: 256,
             step_tokens: 512,
+            timing_accept_rates: None,
         }
     }
 }
@@ -285,7 +290,11 @@ impl Engine {
             }
             let fresh = if batch.chunks()[c].verify {
                 let drafts = std::mem::take(&mut s.drafts);
-                match accept_drafts(&mut s.sampler, &drafts, &rows, &s.prompt, &s.output) {
+                let acc = match &self.cfg.timing_accept_rates {
+                    Some(rates) => Ok(timed_acceptance(rates, &drafts, &rows, &mut s.sampler)),
+                    None => accept_drafts(&mut s.sampler, &drafts, &rows, &s.prompt, &s.output),
+                };
+                match acc {
                     Ok(acc) => {
                         let pending = pending.as_ref().expect("a verify keeps checkpoints");
                         self.cache.commit(pending, c, acc.accepted + 1)?;
@@ -535,6 +544,19 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
+/// `rates[j]` while all before it passed; the next token is row `accepted`'s argmax.
+fn timed_acceptance(rates: &[f64], drafts: &[u32], rows: &[Vec<f32>], sampler: &mut Sampler) -> Acceptance {
+    let step = sampler.next_step();
+    let rate = |j: usize| rates.get(j).or(rates.last()).copied().unwrap_or(0.0);
+    let accepted = (0..drafts.len())
+        .take_while(|&j| sampler.uniform(0, step, j as u64) < rate(j))
+        .count();
+    let row = &rows[accepted];
+    let next = (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32;
+    Acceptance { accepted, next }
 }
 
 /// Drafts a decoding sequence may verify: `k` within its `max_tokens` and the context.

@@ -545,3 +545,36 @@ fn a_spawned_engine_serves_many_threads() {
         Err(Error::Stopped)
     ));
 }
+
+/// The benchmarks' timing mode accepts at the given rates, whatever the drafts.
+#[test]
+fn timing_accept_rates_set_the_acceptance() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(41);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|_| echo_prompt(&model, &mut rng, 30)).collect();
+    for (rates, all) in [(vec![1.0], true), (vec![0.0], false)] {
+        let cfg = EngineConfig {
+            timing_accept_rates: Some(rates),
+            ..Default::default()
+        };
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .map(|p| {
+                let req = Request {
+                    speculation: Some(Speculation::Mtp { k: 3 }),
+                    ..Request::greedy(p.clone(), 20)
+                };
+                engine.submit(req).unwrap()
+            })
+            .collect();
+        engine.run_to_completion().unwrap();
+        for h in &handles {
+            let o = collect(h);
+            let u = o.end.unwrap().1;
+            assert_eq!(o.ids.len(), 20);
+            assert!(u.drafted > 0);
+            assert_eq!(u.accepted, if all { u.drafted } else { 0 }, "{u:?}");
+        }
+    }
+}

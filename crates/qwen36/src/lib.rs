@@ -10,7 +10,8 @@
 //! ```
 //!
 //! The building blocks are re-exported: [`model`] (config, loading, layers, caches), [`gdn`] (the
-//! Gated DeltaNet layer and its f32 state), [`kernels`], [`sampling`] and [`mtp`].
+//! Gated DeltaNet layer and its f32 state), [`kernels`], [`sampling`], [`mtp`] and [`engine`]
+//! (many requests at once: continuous batching over pooled state).
 
 mod chat;
 mod error;
@@ -22,6 +23,7 @@ pub use generate::{
     DrafterKind, GenerateOptions, GenerationConfig, GenerationOutput, Generator, Speculative, StopReason,
     TokenEvent,
 };
+pub use qwen36_engine as engine;
 pub use qwen36_gdn as gdn;
 pub use qwen36_kernels as kernels;
 pub use qwen36_model as model;

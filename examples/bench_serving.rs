@@ -1,0 +1,275 @@
+//! Serving throughput and latency of the engine under an offered load, in the form of SGLang's
+//! `bench_serving --dataset-name random`: `--num-prompts` requests of `--input-len` random
+//! tokens, each generating `--output-len` tokens (no stop ids), at most `--concurrency` in flight.
+//!
+//! ```text
+//! # Qwen3.6-27B shapes, random bf16 weights made on the GPU:
+//! cargo run --release --features cuda --example bench_serving -- --cuda --concurrency 1,4,16
+//! # with MTP at the published acceptance of the real head (tokens then mean nothing):
+//! cargo run --release --features cuda --example bench_serving -- --cuda --mtp 3 \
+//!     --accept-rates 0.963,0.804,0.640
+//! # the bundled model on CPU:
+//! cargo run --release --example bench_serving -- --model models/qwen36-tiny --dtype f32 \
+//!     --input-len 128 --output-len 64 --concurrency 1,4
+//! ```
+//! Per concurrency: output tok/s, TPOT mean/p50/p99, TTFT mean/p99, the pool's peak memory, and
+//! the mean decode step against the bytes it must move (weights once + each sequence's GDN
+//! state read and written + its K/V read) at the copy bandwidth measured in the same run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use clap::Parser;
+use qwen36::engine::{Engine, EngineConfig, Event, Request, RequestHandle, Speculation};
+use qwen36::model::{MtpHead, Weights};
+use qwen36::{Config, LoadOptions, Qwen36Model};
+
+#[path = "common/hw.rs"]
+mod hw;
+use hw::{anyhow_like, copy_bandwidth, peak_gb, reset_peak, Cost};
+
+/// The Qwen3.6-27B text config (docs/MODEL.md §1.2), the default model.
+const QWEN36_27B: &str = include_str!("configs/qwen3.6-27b.json");
+
+#[derive(Parser, Debug)]
+#[command(about = "Serving throughput and latency of the qwen36 engine under an offered load")]
+struct Args {
+    /// config.json to build with random weights (default: Qwen3.6-27B's, built in).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A checkpoint directory to load instead of random weights.
+    #[arg(long, conflicts_with = "config")]
+    model: Option<PathBuf>,
+    /// Keep only the first N decoder layers (quick runs).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 1024)]
+    input_len: usize,
+    /// Generated tokens per request.
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Requests in flight at most; one run per value.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    concurrency: Vec<usize>,
+    /// Requests per run (default: 4 × concurrency, at least 4).
+    #[arg(long)]
+    num_prompts: Option<usize>,
+    /// Tokens per engine step (prefill chunks and decode tokens together).
+    #[arg(long, default_value_t = 2048)]
+    step_tokens: usize,
+    /// MTP drafts per verify (0: plain decoding).
+    #[arg(long, default_value_t = 0)]
+    mtp: usize,
+    /// Timing mode: accept draft j with probability rates[j] instead of checking it (for random
+    /// weights; the published Qwen3.6-27B MTP rates at k = 3 are 0.963,0.804,0.640).
+    #[arg(long, value_delimiter = ',')]
+    accept_rates: Option<Vec<f64>>,
+    /// Activation and weight dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Run on the first CUDA GPU (needs --features cuda).
+    #[arg(long)]
+    cuda: bool,
+}
+
+/// What one request saw.
+struct Timing {
+    submitted: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+}
+
+fn main() -> anyhow_like::Result<()> {
+    let args = Args::parse();
+    let device = if args.cuda {
+        qwen36::model::cuda_device(0)?
+    } else {
+        Device::Cpu
+    };
+    let dtype = match args.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
+    };
+    let opts = LoadOptions {
+        dtype,
+        device: device.clone(),
+        check_finite: false,
+        kernels: qwen36::kernels::KernelPolicy::from_env(),
+    };
+    let random = args.model.is_none();
+    let (mut cfg, weights) = match &args.model {
+        Some(dir) => (
+            Config::from_file(dir.join("config.json"))?,
+            Weights::open(dir, opts)?,
+        ),
+        None => {
+            let cfg = match &args.config {
+                Some(path) => Config::from_file(path)?,
+                None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
+            };
+            if !device.is_cpu() {
+                device.set_seed(0)?;
+            }
+            (cfg, Weights::random(opts))
+        }
+    };
+    if let Some(n) = args.layers {
+        cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
+        cfg.layer_types.truncate(cfg.num_hidden_layers);
+    }
+    let per_seq = args.input_len + args.output_len + args.mtp + 1;
+    cfg.max_position_embeddings = cfg.max_position_embeddings.max(per_seq);
+    let copy_bw = copy_bandwidth(&device, dtype)?;
+    eprintln!("measured: copy {:.1} GB/s (read + write)", copy_bw / 1e9);
+    let model = Qwen36Model::from_weights(cfg.clone(), &weights)?;
+    let head = match args.mtp {
+        0 => None,
+        _ => Some(MtpHead::load(&cfg, &weights)?),
+    };
+    if args.mtp > 0 && random && args.accept_rates.is_none() {
+        eprintln!("note: random weights accept no drafts; pass --accept-rates to time MTP at a real head's acceptance");
+    }
+    if args.accept_rates.is_some() {
+        eprintln!(
+            "timing mode: drafts are accepted at the given rates, so the generated tokens are not meaningful"
+        );
+    }
+    let cost = Cost::new(&cfg, dtype.size_in_bytes());
+    let vocab = cfg.vocab_size;
+    println!(
+        "input {} / output {} tokens, {dtype:?}, MTP k = {}{}",
+        args.input_len,
+        args.output_len,
+        args.mtp,
+        match &args.accept_rates {
+            Some(r) => format!(" (accept rates {r:?})"),
+            None => String::new(),
+        }
+    );
+    println!(
+        "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | step limit (ms) | peak GB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for &conc in &args.concurrency {
+        let n = args.num_prompts.unwrap_or((4 * conc).max(4));
+        let block_size = 16;
+        let engine_cfg = EngineConfig {
+            max_seqs: conc,
+            kv_blocks: Some(conc * per_seq.div_ceil(block_size) + conc),
+            block_size,
+            max_queue: n,
+            step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
+            timing_accept_rates: args.accept_rates.clone(),
+        };
+        let mut engine = match &head {
+            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,
+            None => Engine::new(model.clone(), engine_cfg)?,
+        };
+        reset_peak(&device);
+        let mut rng = 0x2545_f491_4f6c_dd1du64 ^ conc as u64;
+        let mut next_id = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % vocab as u64) as u32
+        };
+        let mut live: Vec<(usize, RequestHandle)> = Vec::new();
+        let mut timings: Vec<Timing> = Vec::new();
+        let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
+        let start = Instant::now();
+        while timings.len() < n || !live.is_empty() {
+            while live.len() < conc && timings.len() < n {
+                let mut req =
+                    Request::greedy((0..args.input_len).map(|_| next_id()).collect(), args.output_len);
+                if args.mtp > 0 {
+                    req.speculation = Some(Speculation::Mtp { k: args.mtp });
+                }
+                live.push((timings.len(), engine.submit(req)?));
+                timings.push(Timing {
+                    submitted: Instant::now(),
+                    first: None,
+                    last: None,
+                    tokens: 0,
+                });
+            }
+            let t0 = Instant::now();
+            let stats = engine.step()?;
+            device.synchronize()?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            // A step of decode tokens (and verifies) only: no prefill chunk in it.
+            if stats.sequences > 0 && stats.tokens == stats.sequences * (args.mtp + 1) {
+                decode_ms += ms;
+                decode_batch += stats.sequences;
+                decode_steps += 1;
+            }
+            let now = Instant::now();
+            live.retain(|(i, h)| {
+                let t = &mut timings[*i];
+                for e in h.drain() {
+                    match e {
+                        Event::Token { ids, .. } => {
+                            t.first.get_or_insert(now);
+                            t.last = Some(now);
+                            t.tokens += ids.len();
+                        }
+                        Event::Finished { .. } => return false,
+                        Event::Failed { error } => {
+                            eprintln!("request {i} failed: {error}");
+                            return false;
+                        }
+                    }
+                }
+                true
+            });
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let out_tokens: usize = timings.iter().map(|t| t.tokens).sum();
+        let mut ttft: Vec<f64> = timings
+            .iter()
+            .filter_map(|t| t.first.map(|f| (f - t.submitted).as_secs_f64() * 1e3))
+            .collect();
+        let mut tpot: Vec<f64> = timings
+            .iter()
+            .filter(|t| t.tokens > 1)
+            .map(|t| (t.last.unwrap() - t.first.unwrap()).as_secs_f64() * 1e3 / (t.tokens - 1) as f64)
+            .collect();
+        let (batch, step) = match decode_steps {
+            0 => (0.0, f64::NAN),
+            s => (decode_batch as f64 / s as f64, decode_ms / s as f64),
+        };
+        // Weights once, each sequence's GDN state read and written (k + 1 times in a verify),
+        // and its K/V read at the mean context of its decode.
+        let ctx = args.input_len + args.output_len / 2;
+        let limit_bytes = cost.weight_bytes + batch * (cost.state_bytes(args.mtp + 1) + cost.kv_bytes(ctx));
+        println!(
+            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} | {} |",
+            out_tokens as f64 / secs,
+            mean(&tpot),
+            quantile(&mut tpot, 0.5),
+            quantile(&mut tpot, 0.99),
+            mean(&ttft),
+            quantile(&mut ttft, 0.99),
+            limit_bytes / copy_bw * 1e3,
+            peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
+        );
+    }
+    Ok(())
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// The `q` quantile (nearest rank) of `v`.
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1]
+}
