@@ -66,6 +66,10 @@ struct Args {
     /// weights; the published Qwen3.6-27B MTP rates at k = 3 are 0.963,0.804,0.640).
     #[arg(long, value_delimiter = ',')]
     accept_rates: Option<Vec<f64>>,
+    /// Always draft `--mtp` tokens (default: the engine picks 0..=k per round from the measured
+    /// costs and acceptance).
+    #[arg(long)]
+    fixed_k: bool,
     /// Activation and weight dtype: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
     dtype: String,
@@ -165,6 +169,7 @@ fn main() -> anyhow_like::Result<()> {
             max_queue: n,
             step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
             timing_accept_rates: args.accept_rates.clone(),
+            adaptive_k: !args.fixed_k,
         };
         let mut engine = match &head {
             Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,
@@ -202,7 +207,7 @@ fn main() -> anyhow_like::Result<()> {
             device.synchronize()?;
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             // A step of decode tokens (and verifies) only: no prefill chunk in it.
-            if stats.sequences > 0 && stats.tokens == stats.sequences * (args.mtp + 1) {
+            if stats.sequences > 0 && stats.tokens <= stats.sequences * (args.mtp + 1) {
                 decode_ms += ms;
                 decode_batch += stats.sequences;
                 decode_steps += 1;

@@ -4,6 +4,7 @@ use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::channel;
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
@@ -11,6 +12,7 @@ use qwen36_mtp::{accept_drafts, NgramDrafter};
 use qwen36_sampling::{Acceptance, Sampler};
 
 use crate::scheduler::{Scheduler, Sequence};
+use crate::spec::{choose_k, AcceptanceCounts, SpecCosts};
 use crate::{
     BlockPool, Error, Event, Request, RequestHandle, Result, SlotPool, Speculation, StopReason, Usage,
 };
@@ -35,6 +37,10 @@ pub struct EngineConfig {
     /// for later positions) instead of checking it, so that speculative decoding can be timed
     /// with random weights at a real model's acceptance. The tokens are then meaningless.
     pub timing_accept_rates: Option<Vec<f64>>,
+    /// Choose each round's number of drafts (up to what a request asks, 0 included) from the
+    /// measured acceptance and costs ([`crate::spec::choose_k`]); `false` always drafts the
+    /// requested `k`.
+    pub adaptive_k: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +52,7 @@ impl Default for EngineConfig {
             max_queue: 256,
             step_tokens: 512,
             timing_accept_rates: None,
+            adaptive_k: true,
         }
     }
 }
@@ -75,6 +82,11 @@ pub struct Engine {
     sched: Scheduler,
     cfg: EngineConfig,
     next_id: u64,
+    /// Measured (or given) costs of decode and verify steps and of MTP draft steps.
+    costs: SpecCosts,
+    /// Acceptance over every request, per drafter: the prior of each request's own rates.
+    accept_mtp: AcceptanceCounts,
+    accept_ngram: AcceptanceCounts,
 }
 
 impl Engine {
@@ -125,7 +137,15 @@ impl Engine {
             sched,
             cfg,
             next_id: 0,
+            costs: SpecCosts::default(),
+            accept_mtp: AcceptanceCounts::default(),
+            accept_ngram: AcceptanceCounts::default(),
         })
+    }
+
+    /// Replaces the measured speculation costs (e.g. with [`SpecCosts::fixed`] ones).
+    pub fn set_spec_costs(&mut self, costs: SpecCosts) {
+        self.costs = costs;
     }
 
     /// The model.
@@ -196,6 +216,8 @@ impl Engine {
             verify: false,
             drafts: Vec::new(),
             mtp_len: 0,
+            unfed: None,
+            accept: AcceptanceCounts::default(),
             drafted: 0,
             accepted: 0,
         });
@@ -269,6 +291,7 @@ impl Engine {
                 }
             })
             .collect();
+        let started = Instant::now();
         let (logits, pending, hidden) = match self.forward(&batch, &reads) {
             Ok(l) => l,
             Err(e) => {
@@ -301,6 +324,12 @@ impl Engine {
                         s.computed += acc.accepted + 1;
                         s.drafted += drafts.len();
                         s.accepted += acc.accepted;
+                        s.accept.record(drafts.len(), acc.accepted);
+                        match s.speculation {
+                            Some(Speculation::Mtp { .. }) => &mut self.accept_mtp,
+                            _ => &mut self.accept_ngram,
+                        }
+                        .record(drafts.len(), acc.accepted);
                         let mut fresh = drafts[..acc.accepted].to_vec();
                         fresh.push(acc.next);
                         Ok(fresh)
@@ -330,6 +359,16 @@ impl Engine {
                 }
                 Err(e) => done.push((p.index, Err(e))),
             }
+        }
+        // A step of decode tokens and verifies only: what a cycle of its length costs.
+        let decode_only = plan
+            .iter()
+            .zip(batch.chunks())
+            .all(|(p, c)| c.verify || p.tokens == 1);
+        if decode_only {
+            let t = batch.chunks().iter().map(|c| c.tokens.len()).max().unwrap_or(1);
+            self.costs
+                .record_step(plan.len(), t, started.elapsed().as_secs_f64());
         }
         if let Err(e) = self.mtp_draft(&feeds, &hidden) {
             let mut failed: Vec<usize> = feeds.iter().map(|f| f.0).collect();
@@ -365,6 +404,28 @@ impl Engine {
     /// and the context.
     fn draft(&mut self) {
         let context = self.model.config().max_position_embeddings;
+        let batch = self.sched.running.len();
+        let ngram =
+            |s: &Sequence| matches!(s.speculation, Some(Speculation::Ngram { .. })) && s.pending() == 1;
+        let k_max = self
+            .sched
+            .running
+            .iter()
+            .filter(|s| ngram(s))
+            .map(|s| s.speculation.map_or(0, |sp| sp.k()))
+            .max()
+            .unwrap_or(0);
+        let alphas: Vec<Vec<f64>> = self
+            .sched
+            .running
+            .iter()
+            .filter(|s| ngram(s))
+            .map(|s| rates(&s.accept, &self.accept_ngram, k_max))
+            .collect();
+        let k_round = match self.cfg.adaptive_k {
+            true => choose_k(&alphas, k_max, batch, &self.costs, false),
+            false => k_max,
+        };
         for s in &mut self.sched.running {
             s.verify = s.speculation.is_some() && s.pending() == 1;
             let Some(Speculation::Ngram { k, min_n, max_n }) = s.speculation else {
@@ -378,7 +439,7 @@ impl Engine {
             if s.pending() != 1 {
                 continue;
             }
-            let k = draft_room(s, k, context);
+            let k = draft_room(s, k.min(k_round), context);
             if k > 0 {
                 let all = s.tokens(0, s.len());
                 s.drafts = NgramDrafter { min_n, max_n }.propose_tokens(&all, k);
@@ -395,54 +456,88 @@ impl Engine {
             return Ok(());
         };
         let context = self.model.config().max_position_embeddings;
+        let batch_size = self.sched.running.len();
         let running = &mut self.sched.running;
-        // The chunks of draft step 0, and per chunk (running index, drafts wanted).
-        let (mut chunks, mut sources, mut who) = (Vec::new(), Vec::new(), Vec::new());
+        // This round's drafts: the best k for the sequences now decoding.
+        let decoding =
+            |s: &Sequence| matches!(s.speculation, Some(Speculation::Mtp { .. })) && s.pending() == 1;
+        let deciders: Vec<&Sequence> = feeds
+            .iter()
+            .map(|f| &running[f.0])
+            .filter(|s| decoding(s))
+            .collect();
+        let k_max = deciders
+            .iter()
+            .map(|s| s.speculation.map_or(0, |sp| sp.k()))
+            .max()
+            .unwrap_or(0);
+        let alphas: Vec<Vec<f64>> = deciders
+            .iter()
+            .map(|s| rates(&s.accept, &self.accept_mtp, k_max))
+            .collect();
+        let k_round = match self.cfg.adaptive_k {
+            true => choose_k(&alphas, k_max, batch_size, &self.costs, true),
+            false => k_max,
+        };
+        // The chunks of draft step 0, their states, and per chunk (running index, drafts wanted).
+        let (mut chunks, mut parts, mut who) = (Vec::new(), Vec::new(), Vec::new());
         for (index, start, rows) in feeds {
             let s = &mut running[*index];
             let Some(Speculation::Mtp { k }) = s.speculation else {
                 continue;
             };
-            if s.mtp_len != *start || rows.is_empty() {
-                continue; // a gap in the pairs (cannot happen): no drafts, still lossless
+            let unfed = s.unfed.take();
+            let held = unfed.as_ref().map_or(Ok(0), |u| u.dim(0))?;
+            if s.mtp_len + held != *start || rows.is_empty() {
+                continue; // a gap in the pairs (cannot happen): no more drafts, still lossless
             }
-            let m = rows.len();
-            let k = if s.pending() == 1 {
-                draft_room(s, k, context)
+            let idx: Vec<u32> = rows.clone().map(|r| r as u32).collect();
+            let new = hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?;
+            let states = match unfed {
+                Some(u) => Tensor::cat(&[&u, &new], 0)?,
+                None => new,
+            };
+            let m = states.dim(0)?;
+            let k = if decoding(s) {
+                draft_room(s, k.min(k_round), context)
             } else {
                 0
             };
+            // Without drafts now, the pairs wait (the head is not run) unless many are held.
+            if k == 0 && m < FEED_AT_MOST {
+                s.unfed = Some(states);
+                continue;
+            }
             // The chain writes MTP positions up to start + m + k − 2; without room, fewer drafts.
+            let first = s.mtp_len;
             let k = match s
                 .table
-                .reserve(*start + m + k.saturating_sub(1), &mut self.sched.blocks)
+                .reserve(first + m + k.saturating_sub(1), &mut self.sched.blocks)
             {
                 Ok(()) => k,
                 Err(_) => k.min(1),
             };
             chunks.push(SeqChunk {
                 slot: s.slot.expect("a running sequence has a slot").0,
-                start: *start,
-                tokens: s.tokens(start + 1, m),
+                start: first,
+                tokens: s.tokens(first + 1, m),
                 blocks: s.table.blocks().iter().map(|b| b.0).collect(),
                 verify: false,
             });
-            sources.push(rows.clone());
+            parts.push(states);
             who.push((*index, k));
-            s.mtp_len = start + m;
+            s.mtp_len = first + m;
         }
         if chunks.is_empty() {
             return Ok(());
         }
         let batch = ForwardBatch::new(chunks);
-        let mut order = vec![0u32; batch.total_rows()];
-        for (c, src) in sources.iter().enumerate() {
-            for (dst, r) in batch.rows(c).zip(src.clone()) {
-                order[dst] = r as u32;
-            }
-        }
-        let order = Tensor::new(order.as_slice(), hidden.device())?;
-        let out = head.forward_batch(&self.model, &hidden.index_select(&order, 0)?, &batch, pool, 0)?;
+        let mut in_rows: Vec<usize> = (0..parts.len()).collect();
+        in_rows.sort_by_key(|&c| batch.rows(c).start);
+        let input = Tensor::cat(&in_rows.iter().map(|&c| &parts[c]).collect::<Vec<_>>(), 0)?;
+        let drafting = who.iter().filter(|w| w.1 > 0).count();
+        let started = Instant::now();
+        let out = head.forward_batch(&self.model, &input, &batch, pool, 0)?;
         // Chain: each drafting sequence's last state and token so far.
         let mut chain: Vec<(usize, usize)> = Vec::new(); // (running index, drafts wanted)
         let mut lasts = Vec::new();
@@ -460,10 +555,16 @@ impl Engine {
         let lasts = Tensor::new(lasts.as_slice(), out.device())?;
         let mut states = out.index_select(&lasts, 0)?;
         let mut tokens = self.model.greedy_ids(&states)?.to_vec1::<u32>()?;
+        // The first step's cost as a decode round has it: a few new pairs per sequence.
+        if batch.total_rows() <= who.len() * (k_max + 1) {
+            self.costs
+                .record_draft(drafting, 0, started.elapsed().as_secs_f64());
+        }
         for (&(index, _), &t) in chain.iter().zip(&tokens) {
             running[index].drafts.push(t);
         }
         for step in 1.. {
+            let started = Instant::now();
             let live: Vec<usize> = (0..chain.len()).filter(|&i| chain[i].1 > step).collect();
             if live.is_empty() {
                 break;
@@ -505,6 +606,8 @@ impl Engine {
                 running[chain[i].0].drafts.push(next[c]);
             }
             states = Tensor::cat(&all, 0)?;
+            self.costs
+                .record_draft(live.len(), step, started.elapsed().as_secs_f64());
         }
         Ok(())
     }
@@ -557,6 +660,16 @@ fn timed_acceptance(rates: &[f64], drafts: &[u32], rows: &[Vec<f32>], sampler: &
     let row = &rows[accepted];
     let next = (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32;
     Acceptance { accepted, next }
+}
+
+/// Pairs a sequence may hold back from its MTP head (while it drafts nothing) before they are
+/// fed anyway: their hidden states wait in memory (`[pairs, hidden]`).
+const FEED_AT_MOST: usize = 512;
+
+/// A sequence's acceptance rates for draft positions `0..k`, shrunk toward the engine-wide ones
+/// (themselves toward 1/2).
+fn rates(own: &AcceptanceCounts, all: &AcceptanceCounts, k: usize) -> Vec<f64> {
+    (0..k).map(|j| own.rate(j, all.rate(j, 0.5, 4.0), 4.0)).collect()
 }
 
 /// Drafts a decoding sequence may verify: `k` within its `max_tokens` and the context.

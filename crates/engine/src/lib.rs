@@ -16,6 +16,7 @@ mod pool;
 mod request;
 mod scheduler;
 mod sizes;
+pub mod spec;
 mod thread;
 
 pub use engine::{Engine, EngineConfig, StepStats};
@@ -23,4 +24,5 @@ pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use request::{Event, Request, RequestHandle, Speculation, StopReason, Usage};
 pub use sizes::{PoolSizes, StateBytes};
+pub use spec::{AcceptanceCounts, SpecCosts};
 pub use thread::EngineClient;

@@ -36,6 +36,13 @@ pub enum Speculation {
 }
 
 impl Speculation {
+    /// The most drafts per verify.
+    pub fn k(&self) -> usize {
+        match *self {
+            Self::Ngram { k, .. } | Self::Mtp { k } => k,
+        }
+    }
+
     /// Prompt lookup with `k` drafts and suffixes of 1..=4 tokens.
     pub fn ngram(k: usize) -> Self {
         Self::Ngram {

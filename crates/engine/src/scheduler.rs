@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use qwen36_sampling::Sampler;
 
+use crate::spec::AcceptanceCounts;
 use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, Speculation, StopReason};
 
 /// One request inside the engine.
@@ -41,6 +42,11 @@ pub(crate) struct Sequence {
     /// Pairs in the MTP head's KV (positions `0..mtp_len`; entries past it are draft-chain
     /// leftovers, overwritten by the next pairs).
     pub mtp_len: usize,
+    /// Final hidden states `[pairs, hidden]` of the positions after `mtp_len` not yet fed to the
+    /// MTP head (held while the sequence drafts nothing).
+    pub unfed: Option<candle_core::Tensor>,
+    /// How often its drafts were accepted, per position.
+    pub accept: AcceptanceCounts,
     pub drafted: usize,
     pub accepted: usize,
 }
@@ -86,6 +92,7 @@ impl Sequence {
         self.verify = false;
         self.drafts.clear();
         self.mtp_len = 0;
+        self.unfed = None;
         Ok(())
     }
 }

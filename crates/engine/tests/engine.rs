@@ -8,7 +8,7 @@ mod model_helpers;
 
 use candle_core::DType;
 use qwen36_engine::{
-    Engine, EngineConfig, Error, Event, Request, RequestHandle, Speculation, StopReason, Usage,
+    Engine, EngineConfig, Error, Event, Request, RequestHandle, SpecCosts, Speculation, StopReason, Usage,
 };
 use qwen36_model::Qwen36Model;
 use qwen36_sampling::SamplingParams;
@@ -228,6 +228,7 @@ fn ngram_speculation_equals_plain_greedy() {
         max_seqs: 4,
         block_size: 8,
         step_tokens: 40,
+        adaptive_k: false,
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
@@ -262,6 +263,7 @@ fn run_all(
     let cfg = EngineConfig {
         max_seqs,
         step_tokens,
+        adaptive_k: false,
         ..Default::default()
     };
     let mut engine = Engine::new(model.clone(), cfg).unwrap();
@@ -415,6 +417,7 @@ fn mtp_speculation_equals_plain_greedy() {
         max_seqs: 4,
         block_size: 8,
         step_tokens: 40,
+        adaptive_k: false,
         ..Default::default()
     };
     let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
@@ -447,6 +450,7 @@ fn sampled_mtp_speculation_equals_the_speculative_decoder() {
     let cfg = EngineConfig {
         max_seqs: 3,
         step_tokens: 30,
+        adaptive_k: false,
         ..Default::default()
     };
     let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
@@ -555,6 +559,7 @@ fn timing_accept_rates_set_the_acceptance() {
     for (rates, all) in [(vec![1.0], true), (vec![0.0], false)] {
         let cfg = EngineConfig {
             timing_accept_rates: Some(rates),
+            adaptive_k: false,
             ..Default::default()
         };
         let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
@@ -575,6 +580,50 @@ fn timing_accept_rates_set_the_acceptance() {
             assert_eq!(o.ids.len(), 20);
             assert!(u.drafted > 0);
             assert_eq!(u.accepted, if all { u.drafted } else { 0 }, "{u:?}");
+        }
+    }
+}
+
+/// With costs given, the engine's choice of k: drafts that cost more than they save fall to
+/// k = 0 (MTP and prompt lookup alike), cheap ones are taken; either way the tokens are the solo
+/// greedy run's. With the costs it measures itself (this CPU) too.
+#[test]
+fn adaptive_k_follows_the_costs_and_stays_lossless() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(47);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|_| echo_prompt(&model, &mut rng, 24)).collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| solo(&model, p, 16).0).collect();
+    let costly = SpecCosts::fixed(8, 4, |t| 7e-3 * t as f64, 5e-3, 5e-3);
+    let cheap = SpecCosts::fixed(8, 4, |_| 7e-3, 1e-4, 1e-4);
+    for (costs, drafts) in [(Some(costly), false), (Some(cheap), true), (None, true)] {
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), EngineConfig::default()).unwrap();
+        let fixed = costs.is_some();
+        if let Some(c) = costs {
+            engine.set_spec_costs(c);
+        }
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let speculation = Some(match i % 2 {
+                    0 => Speculation::Mtp { k: 3 },
+                    _ => Speculation::ngram(3),
+                });
+                let req = Request {
+                    speculation,
+                    ..Request::greedy(p.clone(), 16)
+                };
+                engine.submit(req).unwrap()
+            })
+            .collect();
+        engine.run_to_completion().unwrap();
+        for (h, want) in handles.iter().zip(&want) {
+            let o = collect(h);
+            assert_eq!(&o.ids, want);
+            let drafted = o.end.unwrap().1.drafted;
+            if fixed {
+                assert_eq!(drafted > 0, drafts, "drafted {drafted}");
+            }
         }
     }
 }
