@@ -145,6 +145,30 @@ fn main() -> anyhow_like::Result<()> {
     }
     let cost = Cost::new(&cfg, dtype.size_in_bytes());
     let vocab = cfg.vocab_size;
+    // Warm-up (kernel modules, cuBLAS handles, the memory pool) outside the timed runs.
+    {
+        let mut engine = match &head {
+            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), EngineConfig::default())?,
+            None => Engine::new(
+                model.clone(),
+                EngineConfig {
+                    max_seqs: 1,
+                    ..Default::default()
+                },
+            )?,
+        };
+        let mut req = Request::greedy(
+            (0..args.input_len.min(256) as u32)
+                .map(|i| i % vocab as u32)
+                .collect(),
+            4,
+        );
+        if args.mtp > 0 {
+            req.speculation = Some(Speculation::Mtp { k: args.mtp });
+        }
+        let _warm = engine.submit(req)?;
+        engine.run_to_completion()?;
+    }
     println!(
         "input {} / output {} tokens, {dtype:?}, MTP k = {}{}",
         args.input_len,

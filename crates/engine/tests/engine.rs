@@ -168,13 +168,19 @@ fn check_random(
             }
             r => panic!("request {i} ended with {r:?}"),
         }
-        // The engine's logits are within 1e-5 of the solo run's, relative to the row's largest
-        // logit; a log-probability moves by at most twice a logit's change.
+        // The engine's logits are within 1e-5 of the solo run's (CUDA: 1e-4, see
+        // model/tests/batch.rs), relative to the row's largest logit; a log-probability moves by
+        // at most twice a logit's change.
+        let rel = if qwen36_testutil::test_device().is_cuda() {
+            1e-4
+        } else {
+            1e-5
+        };
         for (t, (&lp, row)) in o.logprobs.iter().zip(&rows).enumerate() {
             let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             let err = (lp - log_softmax_at(row, want[t] as usize)).abs();
             assert!(
-                err <= 2e-5 * scale,
+                err <= 2.0 * rel * scale,
                 "request {i} token {t}: log-probability off by {err:e}"
             );
         }

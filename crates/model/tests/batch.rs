@@ -11,10 +11,19 @@ use model_helpers::{load, load_at};
 use qwen36_model::{Cache, Error, ForwardBatch, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_testutil::{bundled_dir, ids_tensor, max_row_rel_err, Rng};
 
-/// f32 on the CPU: a chunk's rows go through the same kernels as alone, but the projections see
-/// more rows (the matmul may block the reduction differently), so rows agree to rounding; the
-/// issue's bound for a batched sequence against its solo run.
-const TOL: f32 = 1e-5;
+/// The bound on a batched chunk's rows against its solo run, relative to each row's scale: the
+/// issue's 1e-5 in f32 on the CPU, where a chunk's rows go through the same kernels as alone but
+/// the projections see more rows (the matmul may block the reduction differently; measured
+/// 5.6e-6). On CUDA one row takes the streaming GEMV and several cuBLAS, whose f32 reductions
+/// differ in order: measured 3.9e-5 over the HF fixture's six layers, bounded at 1e-4 until
+/// the decode kernels are batch-invariant.
+fn tol() -> f32 {
+    if qwen36_testutil::test_device().is_cuda() {
+        1e-4
+    } else {
+        1e-5
+    }
+}
 
 struct Seq {
     prompt: Vec<u32>,
@@ -182,7 +191,10 @@ fn run_random(
 fn batched_forward_equals_each_sequence_alone() {
     let (model, _) = model_helpers::load_bundled();
     let (worst, reuses, verifies) = run_random(&model, 7, 9, (3, 40, 4));
-    assert!(worst <= TOL, "largest row error against the solo runs: {worst:e}");
+    assert!(
+        worst <= tol(),
+        "largest row error against the solo runs: {worst:e}"
+    );
     assert!(
         reuses >= 3 && verifies >= 5,
         "the schedule must reuse slots ({reuses}) and verify ({verifies})"
@@ -193,7 +205,10 @@ fn batched_forward_equals_each_sequence_alone() {
 fn batched_forward_equals_solo_on_the_hf_fixture() {
     let model = load("tiny-flat", DType::F32);
     let (worst, reuses, _) = run_random(&model, 11, 6, (2, 64, 16));
-    assert!(worst <= TOL, "largest row error against the solo runs: {worst:e}");
+    assert!(
+        worst <= tol(),
+        "largest row error against the solo runs: {worst:e}"
+    );
     assert!(reuses >= 2);
 }
 
