@@ -147,15 +147,14 @@ fn main() -> anyhow_like::Result<()> {
     let vocab = cfg.vocab_size;
     // Warm-up (kernel modules, cuBLAS handles, the memory pool) outside the timed runs.
     {
+        let warm_cfg = EngineConfig {
+            max_seqs: 1,
+            kv_blocks: Some(per_seq.div_ceil(16) + 1),
+            ..Default::default()
+        };
         let mut engine = match &head {
-            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), EngineConfig::default())?,
-            None => Engine::new(
-                model.clone(),
-                EngineConfig {
-                    max_seqs: 1,
-                    ..Default::default()
-                },
-            )?,
+            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), warm_cfg)?,
+            None => Engine::new(model.clone(), warm_cfg)?,
         };
         let mut req = Request::greedy(
             (0..args.input_len.min(256) as u32)
