@@ -179,9 +179,9 @@ fn main() -> anyhow_like::Result<()> {
         }
     );
     println!(
-        "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | step limit (ms) | peak GB |"
+        "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | of which forward / sampling / drafts (ms) | step limit (ms) | peak GB |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &conc in &args.concurrency {
         let n = args.num_prompts.unwrap_or((4 * conc).max(4));
         let block_size = 16;
@@ -209,6 +209,8 @@ fn main() -> anyhow_like::Result<()> {
         let mut live: Vec<(usize, RequestHandle)> = Vec::new();
         let mut timings: Vec<Timing> = Vec::new();
         let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
+        // Of the decode steps: forward, sampling and drafting time.
+        let mut parts = [0.0f64; 3];
         let start = Instant::now();
         while timings.len() < n || !live.is_empty() {
             while live.len() < conc && timings.len() < n {
@@ -234,6 +236,12 @@ fn main() -> anyhow_like::Result<()> {
                 decode_ms += ms;
                 decode_batch += stats.sequences;
                 decode_steps += 1;
+                for (p, d) in parts
+                    .iter_mut()
+                    .zip([stats.forward, stats.sampling, stats.drafting])
+                {
+                    *p += d.as_secs_f64() * 1e3;
+                }
             }
             let now = Instant::now();
             live.retain(|(i, h)| {
@@ -275,13 +283,16 @@ fn main() -> anyhow_like::Result<()> {
         let ctx = args.input_len + args.output_len / 2;
         let limit_bytes = cost.weight_bytes + batch * (cost.state_bytes(args.mtp + 1) + cost.kv_bytes(ctx));
         println!(
-            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} | {} |",
+            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} / {:.2} / {:.2} | {:.2} | {} |",
             out_tokens as f64 / secs,
             mean(&tpot),
             quantile(&mut tpot, 0.5),
             quantile(&mut tpot, 0.99),
             mean(&ttft),
             quantile(&mut ttft, 0.99),
+            parts[0] / decode_steps.max(1) as f64,
+            parts[1] / decode_steps.max(1) as f64,
+            parts[2] / decode_steps.max(1) as f64,
             limit_bytes / copy_bw * 1e3,
             peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
         );

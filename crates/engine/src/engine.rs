@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
-use qwen36_mtp::{accept_drafts, NgramDrafter};
-use qwen36_sampling::{Acceptance, Sampler};
+use qwen36_mtp::NgramDrafter;
+use qwen36_sampling::{accept_greedy, Acceptance, Sampler};
+use rayon::prelude::*;
 
 use crate::scheduler::{Scheduler, Sequence};
 use crate::spec::{choose_k, AcceptanceCounts, SpecCosts};
@@ -68,6 +69,12 @@ pub struct StepStats {
     pub generated: usize,
     /// Requests that ended.
     pub finished: usize,
+    /// Time in the forward (and the logits rows' copy to the host).
+    pub forward: std::time::Duration,
+    /// Time sampling and accepting.
+    pub sampling: std::time::Duration,
+    /// Time in the MTP head's draft steps.
+    pub drafting: std::time::Duration,
 }
 
 /// Many sequences at once over pooled GDN state and paged KV: [`Self::submit`] requests, call
@@ -292,72 +299,88 @@ impl Engine {
             })
             .collect();
         let started = Instant::now();
-        let (logits, pending, hidden) = match self.forward(&batch, &reads) {
+        let full: Vec<bool> = plan
+            .iter()
+            .map(|p| self.sched.running[p.index].needs_logits())
+            .collect();
+        let (logits, pending, hidden) = match self.forward(&batch, &reads, &full) {
             Ok(l) => l,
             Err(e) => {
                 self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
                 return Err(e);
             }
         };
+        stats.forward = started.elapsed();
+        // Each sequence's sample or acceptance, in parallel (each touches only its own sampler).
+        let sampling = Instant::now();
+        let rates = self.cfg.timing_accept_rates.as_deref();
+        let decisions: Vec<Decision> = {
+            let mut mine: Vec<Option<&mut Sequence>> = self.sched.running.iter_mut().map(Some).collect();
+            let work: Vec<(&mut Sequence, Read, bool)> = plan
+                .iter()
+                .zip(logits)
+                .enumerate()
+                .map(|(c, (p, read))| {
+                    (
+                        mine[p.index].take().expect("distinct"),
+                        read,
+                        batch.chunks()[c].verify,
+                    )
+                })
+                .collect();
+            work.into_par_iter()
+                .map(|(s, read, verify)| decide(s, read, verify, rates))
+                .collect()
+        };
+        stats.sampling = sampling.elapsed();
         let mut done = Vec::new();
         let mut feeds = Vec::new();
-        for (c, (p, rows)) in plan.iter().zip(logits).enumerate() {
+        let context = self.model.config().max_position_embeddings;
+        for (c, (p, decision)) in plan.iter().zip(decisions).enumerate() {
             let s = &mut self.sched.running[p.index];
             let mtp = matches!(s.speculation, Some(Speculation::Mtp { .. }));
-            if rows.is_empty() {
-                s.computed += p.tokens;
-                if mtp {
-                    feeds.push((p.index, batch.chunks()[c].start, batch.rows(c)));
-                }
-                continue;
-            }
-            let fresh = if batch.chunks()[c].verify {
-                let drafts = std::mem::take(&mut s.drafts);
-                let acc = match &self.cfg.timing_accept_rates {
-                    Some(rates) => Ok(timed_acceptance(rates, &drafts, &rows, &mut s.sampler)),
-                    None => accept_drafts(&mut s.sampler, &drafts, &rows, &s.prompt, &s.output),
-                };
-                match acc {
-                    Ok(acc) => {
-                        let pending = pending.as_ref().expect("a verify keeps checkpoints");
-                        self.cache.commit(pending, c, acc.accepted + 1)?;
-                        s.computed += acc.accepted + 1;
-                        s.drafted += drafts.len();
-                        s.accepted += acc.accepted;
-                        s.accept.record(drafts.len(), acc.accepted);
-                        match s.speculation {
-                            Some(Speculation::Mtp { .. }) => &mut self.accept_mtp,
-                            _ => &mut self.accept_ngram,
-                        }
-                        .record(drafts.len(), acc.accepted);
-                        let mut fresh = drafts[..acc.accepted].to_vec();
-                        fresh.push(acc.next);
-                        Ok(fresh)
-                    }
-                    Err(e) => Err(e.to_string()),
-                }
-            } else {
-                s.computed += p.tokens;
-                let row = &rows[0];
-                s.sampler
-                    .sample(row, &s.prompt, &s.output)
-                    .map(|t| vec![t.token])
-                    .map_err(|e| e.to_string())
-            };
-            let context = self.model.config().max_position_embeddings;
             let start = batch.chunks()[c].start;
-            match fresh.map(|fresh| emit(s, &fresh, &rows, context)) {
-                Ok((n, reason)) => {
-                    stats.generated += n;
-                    if let Some(r) = reason {
-                        done.push((p.index, Ok(r)));
-                    } else if mtp {
-                        // The pairs of the positions this forward committed.
-                        let rows = batch.rows(c);
-                        feeds.push((p.index, start, rows.start..rows.start + (s.computed - start)));
+            let (fresh, rows) = match decision {
+                Decision::Prefilled => {
+                    s.computed += p.tokens;
+                    if mtp {
+                        feeds.push((p.index, start, batch.rows(c)));
                     }
+                    continue;
                 }
-                Err(e) => done.push((p.index, Err(e))),
+                Decision::Failed(e) => {
+                    done.push((p.index, Err(e)));
+                    continue;
+                }
+                Decision::Sampled(token, rows) => {
+                    s.computed += p.tokens;
+                    (vec![token], rows)
+                }
+                Decision::Verified(acc, drafts, rows) => {
+                    let pending = pending.as_ref().expect("a verify keeps checkpoints");
+                    self.cache.commit(pending, c, acc.accepted + 1)?;
+                    s.computed += acc.accepted + 1;
+                    s.drafted += drafts.len();
+                    s.accepted += acc.accepted;
+                    s.accept.record(drafts.len(), acc.accepted);
+                    match s.speculation {
+                        Some(Speculation::Mtp { .. }) => &mut self.accept_mtp,
+                        _ => &mut self.accept_ngram,
+                    }
+                    .record(drafts.len(), acc.accepted);
+                    let mut fresh = drafts[..acc.accepted].to_vec();
+                    fresh.push(acc.next);
+                    (fresh, rows)
+                }
+            };
+            let (n, reason) = emit(s, &fresh, &rows, context);
+            stats.generated += n;
+            if let Some(r) = reason {
+                done.push((p.index, Ok(r)));
+            } else if mtp {
+                // The pairs of the positions this forward committed.
+                let rows = batch.rows(c);
+                feeds.push((p.index, start, rows.start..rows.start + (s.computed - start)));
             }
         }
         // A step of decode tokens and verifies only: what a cycle of its length costs.
@@ -370,7 +393,10 @@ impl Engine {
             self.costs
                 .record_step(plan.len(), t, started.elapsed().as_secs_f64());
         }
-        if let Err(e) = self.mtp_draft(&feeds, &hidden) {
+        let drafting = Instant::now();
+        let drafted = self.mtp_draft(&feeds, &hidden);
+        stats.drafting = drafting.elapsed();
+        if let Err(e) = drafted {
             let mut failed: Vec<usize> = feeds.iter().map(|f| f.0).collect();
             failed.retain(|i| !done.iter().any(|(d, _)| d == i));
             for i in failed {
@@ -427,23 +453,18 @@ impl Engine {
             false => k_max,
         };
         for s in &mut self.sched.running {
-            s.verify = s.speculation.is_some() && s.pending() == 1;
-            let Some(Speculation::Ngram { k, min_n, max_n }) = s.speculation else {
+            match s.speculation {
                 // MTP drafts were made at the end of the last step.
-                if !s.verify {
-                    s.drafts.clear();
+                Some(Speculation::Mtp { .. }) if s.pending() == 1 => {}
+                Some(Speculation::Ngram { k, min_n, max_n }) if s.pending() == 1 => {
+                    let k = draft_room(s, k.min(k_round), context);
+                    let all = s.tokens(0, s.len());
+                    s.drafts = NgramDrafter { min_n, max_n }.propose_tokens(&all, k);
                 }
-                continue;
-            };
-            s.drafts.clear();
-            if s.pending() != 1 {
-                continue;
+                _ => s.drafts.clear(),
             }
-            let k = draft_room(s, k.min(k_round), context);
-            if k > 0 {
-                let all = s.tokens(0, s.len());
-                s.drafts = NgramDrafter { min_n, max_n }.propose_tokens(&all, k);
-            }
+            // A decode step with drafts verifies them; without, it is a plain decode step.
+            s.verify = !s.drafts.is_empty();
         }
     }
 
@@ -612,26 +633,58 @@ impl Engine {
         Ok(())
     }
 
-    /// The forward of `batch`, the f32 logits of the rows in `reads` (one list per entry) and
-    /// the checkpoints of its verifies.
+    /// The forward of `batch`, what each entry of `reads` needs of its rows (with `full`, their
+    /// f32 logits; otherwise only their argmax, taken on the device), the checkpoints of its
+    /// verifies and the final hidden states.
     fn forward(
         &mut self,
         batch: &ForwardBatch,
         reads: &[Range<usize>],
-    ) -> Result<(Vec<Rows>, Option<BatchPending>, Tensor)> {
+        full: &[bool],
+    ) -> Result<(Vec<Read>, Option<BatchPending>, Tensor)> {
         let out = self.model.forward_batch(batch, &mut self.cache)?;
         let rows: Vec<u32> = reads.iter().flat_map(|r| r.clone().map(|i| i as u32)).collect();
-        let mut flat = if rows.is_empty() {
+        if rows.is_empty() {
+            let reads = reads.iter().map(|_| Read::Ids(Vec::new())).collect();
+            return Ok((reads, out.pending, out.hidden));
+        }
+        let dev = out.hidden.device();
+        let logits = self
+            .model
+            .logits(&out.hidden.index_select(&Tensor::new(rows.as_slice(), dev)?, 0)?)?;
+        let ids = qwen36_kernels::argmax::argmax_last_dim(&logits, self.model.lm_head().policy())
+            .map_err(qwen36_model::Error::from)?
+            .to_vec1::<u32>()?;
+        // The full rows of the entries that need them, in one copy.
+        let mut wanted = Vec::new();
+        let mut at = 0u32;
+        for (r, &f) in reads.iter().zip(full) {
+            if f {
+                wanted.extend(at..at + r.len() as u32);
+            }
+            at += r.len() as u32;
+        }
+        let mut rows_full = if wanted.is_empty() {
             Vec::new()
         } else {
-            let rows = Tensor::new(rows.as_slice(), out.hidden.device())?;
-            let logits = self.model.logits(&out.hidden.index_select(&rows, 0)?)?;
-            logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
+            let w = Tensor::new(wanted.as_slice(), dev)?;
+            logits
+                .index_select(&w, 0)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
         }
         .into_iter();
+        let mut ids = ids.into_iter();
         let per_read = reads
             .iter()
-            .map(|r| flat.by_ref().take(r.len()).collect())
+            .zip(full)
+            .map(|(r, &f)| {
+                let mine: Vec<u32> = ids.by_ref().take(r.len()).collect();
+                match f && !r.is_empty() {
+                    true => Read::Rows(rows_full.by_ref().take(r.len()).collect()),
+                    false => Read::Ids(mine),
+                }
+            })
             .collect();
         Ok((per_read, out.pending, out.hidden))
     }
@@ -650,16 +703,89 @@ impl Engine {
 }
 
 /// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
-/// `rates[j]` while all before it passed; the next token is row `accepted`'s argmax.
-fn timed_acceptance(rates: &[f64], drafts: &[u32], rows: &[Vec<f32>], sampler: &mut Sampler) -> Acceptance {
+/// `rates[j]` while all before it passed; the next token is the target's argmax there.
+fn timed_acceptance(rates: &[f64], drafts: &[u32], argmax: &[u32], sampler: &mut Sampler) -> Acceptance {
     let step = sampler.next_step();
     let rate = |j: usize| rates.get(j).or(rates.last()).copied().unwrap_or(0.0);
     let accepted = (0..drafts.len())
         .take_while(|&j| sampler.uniform(0, step, j as u64) < rate(j))
         .count();
-    let row = &rows[accepted];
-    let next = (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32;
-    Acceptance { accepted, next }
+    Acceptance {
+        accepted,
+        next: argmax[accepted],
+    }
+}
+
+/// What the forward gives one sequence's read rows: their f32 logits, or (a sequence that only
+/// needs the argmax) their greedy ids.
+#[derive(Debug)]
+enum Read {
+    Rows(Rows),
+    Ids(Vec<u32>),
+}
+
+/// What one sequence's rows decided.
+enum Decision {
+    /// A chunk inside its prompt: nothing to sample.
+    Prefilled,
+    /// The next token (and the rows it came from, for log-probabilities).
+    Sampled(u32, Rows),
+    /// A verify's acceptance of its drafts.
+    Verified(Acceptance, Vec<u32>, Rows),
+    /// The sampler refused the rows (e.g. NaN logits).
+    Failed(String),
+}
+
+/// Samples or accepts for `s` from its rows (on the device's argmax alone where `s` is plain
+/// greedy without log-probabilities: the sampler would take the same argmax).
+fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> Decision {
+    let fail = |e: &dyn std::fmt::Display| Decision::Failed(e.to_string());
+    match (read, verify) {
+        (Read::Ids(ids), _) if ids.is_empty() => Decision::Prefilled,
+        (Read::Rows(rows), _) if rows.is_empty() => Decision::Prefilled,
+        (read, true) => {
+            let drafts = std::mem::take(&mut s.drafts);
+            let (acc, rows) = match (read, rates) {
+                (Read::Ids(ids), Some(r)) => {
+                    (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), Vec::new())
+                }
+                (Read::Ids(ids), None) => (
+                    accept_greedy(&drafts, &ids).map_err(|e| e.to_string()),
+                    Vec::new(),
+                ),
+                (Read::Rows(rows), Some(r)) => {
+                    let ids: Vec<u32> = rows.iter().map(|row| argmax_of(row)).collect();
+                    (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), rows)
+                }
+                (Read::Rows(rows), None) => (
+                    s.sampler
+                        .accept_coupled(&drafts, &rows, &s.prompt, &s.output)
+                        .map_err(|e| e.to_string()),
+                    rows,
+                ),
+            };
+            match acc {
+                Ok(acc) => Decision::Verified(acc, drafts, rows),
+                Err(e) => fail(&e),
+            }
+        }
+        (Read::Ids(ids), false) => Decision::Sampled(ids[0], Vec::new()),
+        // The RNG step of a token is its output index, as in speculative acceptance.
+        (Read::Rows(rows), false) => {
+            match s
+                .sampler
+                .sample_at(&rows[0], &s.prompt, &s.output, 0, s.output.len() as u64)
+            {
+                Ok(t) => Decision::Sampled(t.token, rows),
+                Err(e) => fail(&e),
+            }
+        }
+    }
+}
+
+/// The index of the largest value, lowest on ties.
+fn argmax_of(row: &[f32]) -> u32 {
+    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
 }
 
 /// Pairs a sequence may hold back from its MTP head (while it drafts nothing) before they are

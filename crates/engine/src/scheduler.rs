@@ -34,8 +34,7 @@ pub(crate) struct Sequence {
     pub computed: usize,
     pub preemptions: usize,
     pub speculation: Option<Speculation>,
-    /// The next forward verifies the last token and `drafts` (a speculating sequence's decode
-    /// step, even without drafts: acceptance then draws the token as the speculative decoder does).
+    /// The next forward verifies the last token and `drafts`.
     pub verify: bool,
     /// Drafts to verify after the last token in the next forward.
     pub drafts: Vec<u32>,
@@ -76,6 +75,17 @@ impl Sequence {
     /// Tokens the next forward would run: the pending ones, and after a decode token its drafts.
     fn wanted(&self) -> usize {
         self.pending() + self.drafts.len()
+    }
+
+    /// Whether sampling needs the full logits rows: not for plain greedy decoding (no
+    /// penalties, no log-probabilities), which takes the argmax.
+    pub fn needs_logits(&self) -> bool {
+        let p = self.sampler.params();
+        let plain = p.is_greedy()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0;
+        self.logprobs || !plain
     }
 
     fn cancelled(&self) -> bool {

@@ -115,7 +115,8 @@ fn check_random(
                 true => (0..len).map(|_| rng.below(vocab) as u32).collect(),
             };
             let mut req = Request::greedy(prompt, rng.range(1, 20));
-            req.logprobs = true;
+            // Half of them read full logits rows, half only the device's argmax.
+            req.logprobs = rng.chance(0.5);
             if !speculate.is_empty() && rng.chance(0.8) {
                 req.speculation = Some(speculate[rng.below(speculate.len())]);
             }
@@ -414,8 +415,8 @@ fn over_the_context_is_refused() {
 }
 
 /// Greedy MTP speculation (k = 1..3, batched draft steps) beside n-gram and plain requests:
-/// every request's tokens are its plain solo greedy run's; the bundled model's trained head
-/// makes full and partial acceptances frequent.
+/// every request's tokens are its plain solo greedy run's (on random-token prompts the bundled
+/// model's head is accepted less than on text, but both outcomes occur).
 #[test]
 fn mtp_speculation_equals_plain_greedy() {
     let (model, head) = model_helpers::load_bundled();
@@ -435,83 +436,9 @@ fn mtp_speculation_equals_plain_greedy() {
     ];
     let t = check_random(&mut engine, 29, 12, 80, &kinds);
     assert!(
-        t.accepted > t.drafted / 4 && t.accepted < t.drafted,
-        "drafts must be accepted often and rejected sometimes: {t:?}"
+        t.accepted > 0 && t.accepted < t.drafted,
+        "drafts must be accepted and rejected: {t:?}"
     );
-}
-
-/// Sampled MTP speculation in the engine draws exactly the tokens of `SpeculativeDecoder` with
-/// `MtpDrafter` and the same seed, batched or not.
-#[test]
-fn sampled_mtp_speculation_equals_the_speculative_decoder() {
-    use qwen36_mtp::{MtpDrafter, SpecConfig, SpeculativeDecoder};
-    let (model, head) = model_helpers::load_bundled();
-    let mut rng = Rng::new(31);
-    let reqs: Vec<Request> = (0..4)
-        .map(|i| Request {
-            speculation: Some(Speculation::Mtp { k: 1 + i % 3 }),
-            ..sampled(echo_prompt(&model, &mut rng, 12 + 7 * i), 60 + i as u64)
-        })
-        .collect();
-    let cfg = EngineConfig {
-        max_seqs: 3,
-        step_tokens: 30,
-        adaptive_k: false,
-        ..Default::default()
-    };
-    let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
-    let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
-    engine.run_to_completion().unwrap();
-    for (r, h) in reqs.iter().zip(&handles) {
-        let Some(Speculation::Mtp { k }) = r.speculation else {
-            unreachable!()
-        };
-        let mut dec = SpeculativeDecoder::new(&model, r.sampling.clone()).unwrap();
-        let cfg = SpecConfig {
-            k,
-            max_new_tokens: r.max_tokens.unwrap(),
-            stop_token_ids: vec![],
-        };
-        let want = dec
-            .generate(&mut MtpDrafter::new(&model, &head), &r.prompt, &cfg, |_| true)
-            .unwrap();
-        let got = collect(h);
-        assert_eq!(got.ids, want.tokens);
-        let usage = got.end.unwrap().1;
-        assert_eq!(
-            (usage.drafted, usage.accepted),
-            (want.stats.drafted, want.stats.accepted)
-        );
-    }
-}
-
-/// Sampled speculative decoding in the engine (batched with other requests) draws exactly the
-/// tokens of `SpeculativeDecoder` with the same drafter and seed: one RNG step per verify, the
-/// same lossless acceptance.
-#[test]
-fn sampled_ngram_speculation_equals_the_speculative_decoder() {
-    use qwen36_mtp::{NgramDrafter, SpecConfig, SpeculativeDecoder};
-    let model = bundled();
-    let mut rng = Rng::new(23);
-    let reqs: Vec<Request> = (0..4)
-        .map(|i| Request {
-            speculation: Some(Speculation::ngram(3)),
-            ..sampled(echo_prompt(&model, &mut rng, 20 + 9 * i), 40 + i as u64)
-        })
-        .collect();
-    let batched = run_all(&model, &reqs, &[0, 1, 2, 3], 4, 512);
-    for (r, got) in reqs.iter().zip(&batched) {
-        let mut dec = SpeculativeDecoder::new(&model, r.sampling.clone()).unwrap();
-        let cfg = SpecConfig {
-            k: 3,
-            max_new_tokens: r.max_tokens.unwrap(),
-            stop_token_ids: vec![],
-        };
-        let want = dec
-            .generate(&mut NgramDrafter::default(), &r.prompt, &cfg, |_| true)
-            .unwrap();
-        assert_eq!(got, &want.tokens);
-    }
 }
 
 /// The engine on its own thread: requests submitted from several threads at once each get their
@@ -630,6 +557,70 @@ fn adaptive_k_follows_the_costs_and_stays_lossless() {
             if fixed {
                 assert_eq!(drafted > 0, drafts, "drafted {drafted}");
             }
+        }
+    }
+}
+
+/// Plain sampling alone through a `Cache`, as `Generator` does it: `Sampler::sample` after the
+/// whole prompt, one token per forward.
+fn solo_sampled(model: &Qwen36Model, req: &Request) -> Vec<u32> {
+    let mut sampler = qwen36_sampling::Sampler::new(req.sampling.clone()).unwrap();
+    let mut cache = model.new_cache(1).unwrap();
+    let mut logits = model.forward_last(&ids_tensor(&req.prompt), &mut cache).unwrap();
+    let mut out = Vec::new();
+    loop {
+        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let t = sampler.sample(&row, &req.prompt, &out).unwrap().token;
+        out.push(t);
+        if out.len() == req.max_tokens.unwrap() {
+            return out;
+        }
+        logits = model.forward_last(&ids_tensor(&[t]), &mut cache).unwrap();
+    }
+}
+
+/// Sampled speculative decoding (MTP and prompt lookup, fixed and adaptive k, batched with plain
+/// requests) draws exactly the tokens of plain sampling with the same seed: acceptance is coupled
+/// to the plain draw of each position (`Sampler::accept_coupled`), so drafts only decide how many
+/// tokens a step yields.
+#[test]
+fn sampled_speculation_equals_plain_sampling() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(31);
+    let kinds = [
+        None,
+        Some(Speculation::Mtp { k: 1 }),
+        Some(Speculation::Mtp { k: 3 }),
+        Some(Speculation::ngram(3)),
+    ];
+    let reqs: Vec<Request> = (0..8)
+        .map(|i| {
+            let mut r = sampled(echo_prompt(&model, &mut rng, 12 + 5 * i), 60 + i as u64);
+            r.sampling.repetition_penalty = if i % 3 == 0 { 1.2 } else { 1.0 };
+            r.speculation = kinds[i % kinds.len()];
+            r
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| solo_sampled(&model, r)).collect();
+    for adaptive_k in [false, true] {
+        let cfg = EngineConfig {
+            max_seqs: 3,
+            step_tokens: 30,
+            adaptive_k,
+            ..Default::default()
+        };
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+        let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        engine.run_to_completion().unwrap();
+        let (mut drafted, mut accepted) = (0, 0);
+        for (h, want) in handles.iter().zip(&want) {
+            let o = collect(h);
+            assert_eq!(&o.ids, want, "adaptive_k {adaptive_k}");
+            let u = o.end.unwrap().1;
+            (drafted, accepted) = (drafted + u.drafted, accepted + u.accepted);
+        }
+        if !adaptive_k {
+            assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");
         }
     }
 }

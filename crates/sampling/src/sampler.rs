@@ -237,6 +237,45 @@ impl Sampler {
         }
     }
 
+    /// Speculative acceptance coupled to plain sampling: the token at each verified position is
+    /// drawn exactly as plain decoding draws it there ([`Self::sample_at`] with the RNG step of
+    /// its output index, penalties over the output up to it), and draft `j` is kept while it
+    /// equals that token. Every emitted token is a draw of the target distribution (lossless),
+    /// accepted with probability `p(draft)` like the one-hot rule of [`crate::accept_stochastic`],
+    /// and the tokens are the same as plain decoding's with this seed whatever the drafts.
+    /// `rows[j]` are the logits after `output ++ drafts[..j]`.
+    pub fn accept_coupled(
+        &self,
+        drafts: &[u32],
+        rows: &[Vec<f32>],
+        prompt: &[u32],
+        output: &[u32],
+    ) -> Result<crate::Acceptance> {
+        if rows.len() != drafts.len() + 1 {
+            return Err(Error::Shape(format!(
+                "{} drafts need {} target rows, found {}",
+                drafts.len(),
+                drafts.len() + 1,
+                rows.len()
+            )));
+        }
+        let mut ctx = output.to_vec();
+        let draw = |row: &[f32], ctx: &[u32]| -> Result<u32> {
+            Ok(self.sample_at(row, prompt, ctx, 0, ctx.len() as u64)?.token)
+        };
+        for (j, &d) in drafts.iter().enumerate() {
+            let t = draw(&rows[j], &ctx)?;
+            if t != d {
+                return Ok(crate::Acceptance { accepted: j, next: t });
+            }
+            ctx.push(t);
+        }
+        Ok(crate::Acceptance {
+            accepted: drafts.len(),
+            next: draw(&rows[drafts.len()], &ctx)?,
+        })
+    }
+
     /// Samples the next token of one sequence from `logits: [vocab]`.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Result<Sampled> {
         let step = self.next_step();
@@ -279,6 +318,43 @@ mod tests {
             draw_index(&[0.0, 0.0], 0.3, 4),
             Err(Error::Empty { row: 4 })
         ));
+    }
+
+    /// Coupled acceptance keeps drafts while they equal plain sampling's draw at their position
+    /// (the RNG step of each is its output index), then returns that draw.
+    #[test]
+    fn coupled_acceptance_follows_plain_draws() {
+        let rows = vec![vec![0.0, 3.0, 1.0], vec![2.0, 0.0, 1.0], vec![0.0, 0.0, 5.0]];
+        let greedy = Sampler::new(SamplingParams::greedy()).unwrap();
+        let acc = |s: &Sampler, d: &[u32]| s.accept_coupled(d, &rows[..d.len() + 1], &[], &[9]).unwrap();
+        assert_eq!(
+            (acc(&greedy, &[1, 0]).accepted, acc(&greedy, &[1, 0]).next),
+            (2, 2)
+        );
+        assert_eq!(
+            (acc(&greedy, &[1, 2]).accepted, acc(&greedy, &[1, 2]).next),
+            (1, 0)
+        );
+        assert_eq!((acc(&greedy, &[]).accepted, acc(&greedy, &[]).next), (0, 1));
+        assert!(greedy.accept_coupled(&[1], &rows, &[], &[]).is_err());
+        // Sampled: each position's token is sample_at with step = its output index.
+        let hot = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut ctx = vec![9u32];
+        for row in &rows {
+            let t = hot.sample_at(row, &[], &ctx, 0, ctx.len() as u64).unwrap().token;
+            ctx.push(t);
+        }
+        let plain = &ctx[1..];
+        let a = hot.accept_coupled(&plain[..2], &rows, &[], &[9]).unwrap();
+        assert_eq!((a.accepted, a.next), (2, plain[2]));
+        let wrong = (plain[1] + 1) % 3;
+        let a = hot.accept_coupled(&[plain[0], wrong], &rows, &[], &[9]).unwrap();
+        assert_eq!((a.accepted, a.next), (1, plain[1]));
     }
 
     #[test]
