@@ -159,18 +159,15 @@ pub fn expected_tokens(alpha: &[f64], k: usize) -> f64 {
 /// (`mtp`: drafts come from the MTP head and cost its steps; otherwise drafting is free). A `k`
 /// whose cost is not measured yet is chosen to measure it, largest first.
 pub fn choose_k(alphas: &[Vec<f64>], k_max: usize, batch: usize, costs: &SpecCosts, mtp: bool) -> usize {
-    let mut best = (0, f64::MIN);
-    for k in (0..=k_max).rev() {
-        let Some(secs) = costs.cycle(batch, k, mtp) else {
-            return k;
-        };
-        let tokens: f64 = alphas.iter().map(|a| expected_tokens(a, k)).sum();
-        let rate = tokens / secs.max(1e-12);
-        if rate > best.1 * (1.0 + 1e-9) || (k < best.0 && rate >= best.1) {
-            best = (k, rate);
-        }
+    if let Some(k) = (0..=k_max).rev().find(|&k| costs.cycle(batch, k, mtp).is_none()) {
+        return k;
     }
-    best.0
+    let rate = |k: usize| -> f64 {
+        let tokens: f64 = alphas.iter().map(|a| expected_tokens(a, k)).sum();
+        tokens / costs.cycle(batch, k, mtp).unwrap_or(f64::INFINITY).max(1e-12)
+    };
+    // The smallest k of the best rate (a tie costs nothing to keep plain).
+    (1..=k_max).fold(0, |best, k| if rate(k) > rate(best) { k } else { best })
 }
 
 #[cfg(test)]
@@ -212,6 +209,38 @@ mod tests {
         assert_eq!(choose_k(&alpha, 3, 1, &flat, false), 3);
         // Nothing accepted: never worth a draft, even at no cost beyond the verify.
         assert_eq!(choose_k(&[vec![0.0; 3]], 3, 1, &flat, true), 0);
+    }
+
+    /// A cycle is its verify of k + 1 tokens, plus with MTP the first draft step and k − 1
+    /// further ones; costs are kept per power-of-two batch.
+    #[test]
+    fn a_cycle_adds_its_draft_steps() {
+        let ms = |t: usize| t as f64 * 1e-3;
+        let c = SpecCosts::fixed(4, 4, ms, 10e-3, 100e-3);
+        let at = |b, k, mtp| c.cycle(b, k, mtp).map(|s| (s * 1e6).round() / 1e3);
+        assert_eq!(at(1, 0, true), Some(1.0));
+        assert_eq!(at(1, 1, true), Some(12.0));
+        assert_eq!(at(1, 3, true), Some(214.0));
+        assert_eq!(at(1, 3, false), Some(4.0));
+        assert_eq!(at(4, 2, true), Some(113.0), "batches 3..4 share bucket 4");
+        assert_eq!(at(2, 1, true), Some(12.0));
+        assert_eq!(at(8, 1, true), None, "fixed up to batch 4 only");
+        // Measured: the first draft step and the later ones are kept apart.
+        let mut m = SpecCosts::default();
+        for t in 1..=3 {
+            m.record_step(2, t, ms(t));
+        }
+        m.record_draft(2, 0, 10e-3);
+        assert_eq!(m.cycle(2, 1, true).map(|s| (s * 1e6).round()), Some(12e3));
+        assert!(m.cycle(2, 2, true).is_none(), "no later draft step measured yet");
+        m.record_draft(2, 1, 100e-3);
+        m.record_draft(2, 2, 100e-3);
+        assert_eq!(m.cycle(2, 2, true).map(|s| (s * 1e6).round()), Some(113e3));
+        // Given costs do not move.
+        let mut f = SpecCosts::fixed(1, 2, ms, 0.0, 0.0);
+        f.record_step(1, 1, 5.0);
+        f.record_draft(1, 0, 5.0);
+        assert_eq!(f.cycle(1, 1, true), Some(2e-3));
     }
 
     /// Where the costs end, the unmeasured k is tried (largest first).
