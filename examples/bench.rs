@@ -12,35 +12,23 @@
 //! prefill's context, and the MTP cycle (k drafts + a verify of k+1 tokens) for k = 1..4 (bytes
 //! against the measured copy bandwidth). Peak memory per row is the CUDA pool's high-water mark.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use clap::Parser;
-use qwen36::model::{DraftSession, DraftVocab, MtpHead, Weights};
+use qwen36::model::{DraftSession, DraftVocab, MtpHead};
 use qwen36::mtp::{DraftContext, Drafter, MtpDrafter};
-use qwen36::{Cache, Config, LoadOptions, Qwen36Model};
+use qwen36::{Cache, Qwen36Model};
 
 #[path = "common/hw.rs"]
 mod hw;
-use hw::{anyhow_like, copy_bandwidth, gemm_rate, peak_gb, reset_peak, Cost};
-
-/// The Qwen3.6-27B text config (docs/MODEL.md §1.2), the default model.
-const QWEN36_27B: &str = include_str!("configs/qwen3.6-27b.json");
+use hw::{anyhow_like, copy_bandwidth, gemm_rate, peak_gb, reset_peak, setup, Cost, ModelArgs};
 
 #[derive(Parser, Debug)]
 #[command(about = "Time prefill, decode and MTP cycles of a Qwen3.6 model")]
 struct Args {
-    /// config.json to build with random weights (default: Qwen3.6-27B's,
-    /// examples/configs/qwen3.6-27b.json, built in).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// A checkpoint directory to load instead of random weights.
-    #[arg(long, conflicts_with = "config")]
-    model: Option<PathBuf>,
-    /// Keep only the first N decoder layers (quick runs; the table then describes that model).
-    #[arg(long)]
-    layers: Option<usize>,
+    #[command(flatten)]
+    run: ModelArgs,
     /// Prompt lengths; decode and MTP rows run at each of these contexts.
     #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768")]
     prefill: Vec<usize>,
@@ -52,12 +40,6 @@ struct Args {
     mtp_cycles: usize,
     #[arg(long, default_value_t = 4)]
     max_k: usize,
-    /// Activation and weight dtype: bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
-    /// Run on the first CUDA GPU (needs --features cuda).
-    #[arg(long)]
-    cuda: bool,
     /// Print the table as one JSON object too.
     #[arg(long)]
     json: bool,
@@ -98,49 +80,11 @@ struct Row {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
-    let device = if args.cuda {
-        qwen36::model::cuda_device(0)?
-    } else {
-        Device::Cpu
-    };
-    let dtype = match args.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
-    };
     let mut kernels = qwen36::kernels::KernelPolicy::from_env();
     if let Some(c) = args.multi_row_gemv {
         kernels.skinny = qwen36::kernels::SkinnyPath::Multi(c);
     }
-    let opts = LoadOptions {
-        dtype,
-        device: device.clone(),
-        check_finite: false,
-        kernels,
-    };
-    let (mut cfg, weights) = match &args.model {
-        Some(dir) => (
-            Config::from_file(dir.join("config.json"))?,
-            Weights::open(dir, opts)?,
-        ),
-        None => {
-            let cfg = match &args.config {
-                Some(path) => Config::from_file(path)?,
-                // Built in, so the binary runs from any directory (e.g. on a GPU machine).
-                None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
-            };
-            if !device.is_cpu() {
-                // Repeatable weights on a GPU (candle's CPU generator cannot be seeded).
-                device.set_seed(0)?;
-            }
-            (cfg, Weights::random(opts))
-        }
-    };
-    if let Some(n) = args.layers {
-        cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
-        cfg.layer_types.truncate(cfg.num_hidden_layers);
-    }
+    let (device, dtype, mut cfg, weights) = setup(&args.run, kernels)?;
     let max_ctx =
         args.prefill.iter().max().copied().unwrap_or(0) + args.decode_steps + 5 * args.mtp_cycles * 2;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(max_ctx);
@@ -222,7 +166,7 @@ fn main() -> anyhow_like::Result<()> {
             &device,
         ));
         #[cfg(feature = "cuda")]
-        if args.cuda {
+        if args.run.cuda {
             let mut graph = qwen36::model::DecodeGraph::new(&device, 1)?;
             let ms = decode_loop(&device, args.decode_steps, &mut tokens, &mut tok, |tok| {
                 let ids = Tensor::new(&[[tok]], &Device::Cpu)?;
@@ -245,7 +189,7 @@ fn main() -> anyhow_like::Result<()> {
         };
         tokens.push(tok);
         // Eager verify passes, then (CUDA) verify passes replayed from graphs.
-        let mut graph = new_graph(&device, args.cuda)?;
+        let mut graph = new_graph(&device, args.run.cuda)?;
         let modes = if graph.is_some() { 2 } else { 1 };
         let vocab = args
             .draft_vocab
@@ -345,7 +289,7 @@ fn main() -> anyhow_like::Result<()> {
             })
             .collect();
         let j = serde_json::json!({"copy_tb_s": copy_bw / 1e12, "gemm_tflop_s": gemm_rate / 1e12,
-            "layers": cfg.num_hidden_layers, "dtype": args.dtype, "rows": rows_json});
+            "layers": cfg.num_hidden_layers, "dtype": args.run.dtype, "rows": rows_json});
         println!("{j}");
     }
     Ok(())

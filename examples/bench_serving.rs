@@ -16,34 +16,22 @@
 //! the mean decode step against the bytes it must move (weights once + each sequence's GDN
 //! state read and written + its K/V read) at the copy bandwidth measured in the same run.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
 use clap::Parser;
 use qwen36::engine::{Engine, EngineConfig, Event, Request, RequestHandle, Speculation};
-use qwen36::model::{MtpHead, Weights};
-use qwen36::{Config, LoadOptions, Qwen36Model};
+use qwen36::model::MtpHead;
+use qwen36::Qwen36Model;
 
 #[path = "common/hw.rs"]
 mod hw;
-use hw::{anyhow_like, copy_bandwidth, peak_gb, reset_peak, Cost};
-
-/// The Qwen3.6-27B text config (docs/MODEL.md §1.2), the default model.
-const QWEN36_27B: &str = include_str!("configs/qwen3.6-27b.json");
+use hw::{anyhow_like, copy_bandwidth, peak_gb, reset_peak, setup, Cost, ModelArgs};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serving throughput and latency of the qwen36 engine under an offered load")]
 struct Args {
-    /// config.json to build with random weights (default: Qwen3.6-27B's, built in).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// A checkpoint directory to load instead of random weights.
-    #[arg(long, conflicts_with = "config")]
-    model: Option<PathBuf>,
-    /// Keep only the first N decoder layers (quick runs).
-    #[arg(long)]
-    layers: Option<usize>,
+    #[command(flatten)]
+    run: ModelArgs,
     /// Prompt tokens per request.
     #[arg(long, default_value_t = 1024)]
     input_len: usize,
@@ -70,12 +58,6 @@ struct Args {
     /// costs and acceptance).
     #[arg(long)]
     fixed_k: bool,
-    /// Activation and weight dtype: bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
-    /// Run on the first CUDA GPU (needs --features cuda).
-    #[arg(long)]
-    cuda: bool,
 }
 
 /// What one request saw.
@@ -88,44 +70,8 @@ struct Timing {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
-    let device = if args.cuda {
-        qwen36::model::cuda_device(0)?
-    } else {
-        Device::Cpu
-    };
-    let dtype = match args.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
-    };
-    let opts = LoadOptions {
-        dtype,
-        device: device.clone(),
-        check_finite: false,
-        kernels: qwen36::kernels::KernelPolicy::from_env(),
-    };
-    let random = args.model.is_none();
-    let (mut cfg, weights) = match &args.model {
-        Some(dir) => (
-            Config::from_file(dir.join("config.json"))?,
-            Weights::open(dir, opts)?,
-        ),
-        None => {
-            let cfg = match &args.config {
-                Some(path) => Config::from_file(path)?,
-                None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
-            };
-            if !device.is_cpu() {
-                device.set_seed(0)?;
-            }
-            (cfg, Weights::random(opts))
-        }
-    };
-    if let Some(n) = args.layers {
-        cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
-        cfg.layer_types.truncate(cfg.num_hidden_layers);
-    }
+    let random = args.run.model.is_none();
+    let (device, dtype, mut cfg, weights) = setup(&args.run, qwen36::kernels::KernelPolicy::from_env())?;
     let per_seq = args.input_len + args.output_len + args.mtp + 1;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(per_seq);
     let copy_bw = copy_bandwidth(&device, dtype)?;

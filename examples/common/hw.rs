@@ -5,9 +5,92 @@
 
 use std::time::Instant;
 
+use std::path::PathBuf;
+
 use candle_core::{DType, Device, Tensor};
-use qwen36::model::LayerType;
-use qwen36::Config;
+use qwen36::kernels::KernelPolicy;
+use qwen36::model::{LayerType, Weights};
+use qwen36::{Config, LoadOptions};
+
+/// The Qwen3.6-27B text config (docs/MODEL.md §1.2), the benchmarks' default model; built in, so
+/// the binaries run from any directory (e.g. on a GPU machine).
+pub const QWEN36_27B: &str = include_str!("../configs/qwen3.6-27b.json");
+
+/// The model a benchmark runs (flattened into its arguments).
+#[derive(clap::Args, Debug)]
+pub struct ModelArgs {
+    /// config.json to build with random weights (default: Qwen3.6-27B's,
+    /// examples/configs/qwen3.6-27b.json, built in).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A checkpoint directory to load instead of random weights.
+    #[arg(long, conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+    /// Keep only the first N decoder layers (quick runs; the results then describe that model).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Activation and weight dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Run on the first CUDA GPU (needs --features cuda).
+    #[arg(long)]
+    pub cuda: bool,
+}
+
+/// What a benchmark runs on: the device (`--cuda`: the first GPU, made for CUDA graphs), the
+/// dtype, and the checkpoint of `--model`, or random weights for the config of `--config`
+/// (default Qwen3.6-27B's), cut to its first `--layers` decoder layers.
+pub fn setup(
+    args: &ModelArgs,
+    kernels: KernelPolicy,
+) -> anyhow_like::Result<(Device, DType, Config, Weights)> {
+    let (model, config, layers, dtype, cuda) = (
+        args.model.as_deref(),
+        args.config.as_deref(),
+        args.layers,
+        args.dtype.as_str(),
+        args.cuda,
+    );
+    let device = if cuda {
+        qwen36::model::cuda_device(0)?
+    } else {
+        Device::Cpu
+    };
+    let dtype = match dtype {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        other => return Err(format!("unknown dtype {other} (bf16, f16 or f32)").into()),
+    };
+    let opts = LoadOptions {
+        dtype,
+        device: device.clone(),
+        check_finite: false,
+        kernels,
+    };
+    let (mut cfg, weights) = match model {
+        Some(dir) => (
+            Config::from_file(dir.join("config.json"))?,
+            Weights::open(dir, opts)?,
+        ),
+        None => {
+            let cfg = match config {
+                Some(path) => Config::from_file(path)?,
+                None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
+            };
+            if !device.is_cpu() {
+                // Repeatable weights on a GPU (candle's CPU generator cannot be seeded).
+                device.set_seed(0)?;
+            }
+            (cfg, Weights::random(opts))
+        }
+    };
+    if let Some(n) = layers {
+        cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
+        cfg.layer_types.truncate(cfg.num_hidden_layers);
+    }
+    Ok((device, dtype, cfg, weights))
+}
 
 /// Bytes and FLOPs one forward must move or do, from the config alone.
 pub struct Cost {
