@@ -18,6 +18,10 @@ use crate::{
     BlockPool, Error, Event, Request, RequestHandle, Result, SlotPool, Speculation, StopReason, Usage,
 };
 
+/// Positions per slot of a pool sized by default (16384: 1 GiB of K/V per sequence at the
+/// Qwen3.6-27B shapes in bf16, where the whole 262144-position context would take 16 GiB).
+pub const DEFAULT_POSITIONS: usize = 16384;
+
 /// Logits rows (f32, one per token) of one sequence's chunk.
 type Rows = Vec<Vec<f32>>;
 
@@ -26,7 +30,9 @@ type Rows = Vec<Vec<f32>>;
 pub struct EngineConfig {
     /// Sequences running at once (GDN state slots).
     pub max_seqs: usize,
-    /// KV blocks in the pool; `None`: enough for every slot to reach the model's context.
+    /// KV blocks in the pool; `None`: enough for every slot to hold the model's context or
+    /// [`DEFAULT_POSITIONS`], whichever is shorter (size a pool for long contexts from a memory
+    /// budget with [`crate::PoolSizes`]; a request that can never fit is refused at submit).
     pub kv_blocks: Option<usize>,
     /// Positions per KV block.
     pub block_size: usize,
@@ -121,7 +127,7 @@ impl Engine {
         }
         let blocks = cfg
             .kv_blocks
-            .unwrap_or_else(|| cfg.max_seqs * context.div_ceil(cfg.block_size.max(1)));
+            .unwrap_or_else(|| cfg.max_seqs * context.min(DEFAULT_POSITIONS).div_ceil(cfg.block_size.max(1)));
         let sched = Scheduler {
             waiting: Default::default(),
             running: Vec::new(),
@@ -689,6 +695,18 @@ impl Engine {
         Ok((per_read, out.pending, out.hidden))
     }
 
+    /// Ends every waiting and running request with `Failed` naming `e`, freeing what they hold
+    /// (after an error no request can go on from).
+    pub(crate) fn fail_all(&mut self, e: &Error) {
+        let running: Vec<usize> = (0..self.sched.running.len()).collect();
+        if self.fail_running(&running, e).is_err() {
+            self.sched.running.clear();
+        }
+        for s in self.sched.waiting.drain(..) {
+            let _ = s.events.send(Event::Failed { error: e.to_string() });
+        }
+    }
+
     /// Ends the running sequences at `indices` with `Failed`, freeing what they hold.
     fn fail_running(&mut self, indices: &[usize], e: &Error) -> Result<()> {
         let mut indices = indices.to_vec();
@@ -849,4 +867,36 @@ fn finish(s: &Sequence, reason: StopReason) {
     };
     // A client that is gone has nothing to receive.
     let _ = s.events.send(Event::Finished { reason, usage });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After an error no request can go on from, every waiting and running request gets
+    /// `Failed` naming it, and the pools are empty.
+    #[test]
+    fn fail_all_ends_every_request() {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let cfg = EngineConfig {
+            max_seqs: 1,
+            ..Default::default()
+        };
+        let mut engine = Engine::new(model, cfg).unwrap();
+        let handles: Vec<RequestHandle> = (0..2)
+            .map(|i| engine.submit(Request::greedy(vec![1, 2, 3 + i], 8)).unwrap())
+            .collect();
+        engine.step().unwrap();
+        assert_eq!((engine.waiting(), engine.pool_use().0), (1, 1));
+        engine.fail_all(&Error::Stopped);
+        assert_eq!((engine.pending(), engine.pool_use()), (0, (0, 0)));
+        for h in &handles {
+            let last = h.drain().pop();
+            assert!(
+                matches!(&last, Some(Event::Failed { error }) if error.contains("shut down")),
+                "{last:?}"
+            );
+        }
+    }
 }

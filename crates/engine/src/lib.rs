@@ -19,7 +19,7 @@ mod sizes;
 pub mod spec;
 mod thread;
 
-pub use engine::{Engine, EngineConfig, StepStats};
+pub use engine::{Engine, EngineConfig, StepStats, DEFAULT_POSITIONS};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use request::{Event, Request, RequestHandle, Speculation, StopReason, Usage};

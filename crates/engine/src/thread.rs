@@ -45,8 +45,7 @@ impl Engine {
 }
 
 /// The engine thread: takes commands, steps while requests wait or run, and after a shutdown
-/// (or once every client is gone) finishes what was submitted and returns. A failing step has
-/// already failed its requests (each got `Event::Failed`); the loop goes on with the others.
+/// (or once every client is gone) finishes what was submitted and returns.
 fn run(mut engine: Engine, commands: Receiver<Command>) {
     let mut open = true;
     loop {
@@ -74,7 +73,11 @@ fn run(mut engine: Engine, commands: Receiver<Command>) {
         if engine.pending() == 0 {
             return;
         }
-        let _ = engine.step();
+        // A failing step (a device error, or a bookkeeping bug) fails every request with its
+        // message: none waits for ever on a broken engine.
+        if let Err(e) = engine.step() {
+            engine.fail_all(&e);
+        }
     }
 }
 
