@@ -72,11 +72,6 @@ impl Sequence {
         self.len() - self.computed
     }
 
-    /// Tokens the next forward would run: the pending ones, and after a decode token its drafts.
-    fn wanted(&self) -> usize {
-        self.pending() + self.drafts.len()
-    }
-
     /// Whether sampling needs the full logits rows: not for plain greedy decoding (no
     /// penalties, no log-probabilities), which takes the argmax.
     pub fn needs_logits(&self) -> bool {
@@ -150,25 +145,48 @@ impl Scheduler {
             }
         }
         self.running.sort_by_key(|s| s.id);
-        let mut plan = Vec::new();
+        // Every running sequence's pending tokens first (oldest first), then drafts from what
+        // the budget leaves, so that drafts never starve another sequence's decode token.
         let mut budget = self.step_tokens;
+        let mut counts: Vec<usize> = self
+            .running
+            .iter()
+            .map(|s| {
+                let t = s.pending().min(budget);
+                budget -= t;
+                t
+            })
+            .collect();
+        for (s, count) in self.running.iter_mut().zip(&mut counts) {
+            let drafts = if *count == s.pending() {
+                s.drafts.len().min(budget)
+            } else {
+                0
+            };
+            s.drafts.truncate(drafts);
+            *count += drafts;
+            budget -= drafts;
+        }
+        let mut plan = Vec::new();
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() {
+            let tokens = counts[i];
+            if tokens == 0 {
+                i += 1;
+                continue;
+            }
             let s = &mut self.running[i];
-            let tokens = s.wanted().min(budget);
-            // Drafts beyond the budget are dropped; the pending tokens are never split from them.
-            s.drafts.truncate(tokens.saturating_sub(s.pending()));
             let needed = s.computed + tokens;
             match s.table.reserve(needed, &mut self.blocks) {
                 Ok(()) => {
                     plan.push(Scheduled { index: i, tokens });
-                    budget -= tokens;
                     i += 1;
                 }
                 Err(Error::Exhausted { .. }) => {
                     // Preempt the newest (possibly this one) and try again.
                     let newest = self.running.len() - 1;
                     let mut victim = self.running.remove(newest);
+                    budget += counts.remove(newest);
                     victim.release(&mut self.slots, &mut self.blocks)?;
                     if newest == 0 {
                         // Alone and still too long: the whole pool is its context.

@@ -624,3 +624,69 @@ fn sampled_speculation_equals_plain_sampling() {
         }
     }
 }
+
+/// Greedy decoding with penalties reads the full logits rows (the device's argmax would ignore
+/// the penalties): each such request equals a solo greedy run through the penalising sampler.
+#[test]
+fn greedy_with_penalties_applies_them() {
+    let model = bundled();
+    let mut rng = Rng::new(53);
+    let mut engine = Engine::new(model.clone(), EngineConfig::default()).unwrap();
+    let reqs: Vec<Request> = [(5.0, 0.0, 0.0), (1.0, 10.0, 0.0), (1.0, 0.0, 10.0)]
+        .into_iter()
+        .map(|(rep, presence, frequency)| {
+            let mut r = Request::greedy(echo_prompt(&model, &mut rng, 18), 24);
+            r.sampling.repetition_penalty = rep;
+            r.sampling.presence_penalty = presence;
+            r.sampling.frequency_penalty = frequency;
+            r
+        })
+        .collect();
+    let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    engine.run_to_completion().unwrap();
+    let mut changed = 0;
+    for (r, h) in reqs.iter().zip(&handles) {
+        let want = solo_sampled(&model, r);
+        changed += (want != solo(&model, &r.prompt, 24).0) as usize;
+        assert_eq!(collect(h).ids, want);
+    }
+    assert_eq!(
+        changed, 3,
+        "every penalty must change its greedy run for the test to mean anything"
+    );
+}
+
+/// When the step's token budget cannot hold every sequence's drafts, every decoding sequence
+/// still gets its token each step: drafts take only what the decode tokens leave.
+#[test]
+fn drafts_never_starve_other_sequences() {
+    let (model, head) = model_helpers::load_bundled();
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        step_tokens: 6,
+        adaptive_k: false,
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let handles: Vec<RequestHandle> = (0..4u32)
+        .map(|i| {
+            let req = Request {
+                speculation: Some(Speculation::Mtp { k: 3 }),
+                ..Request::greedy(vec![5 + i], 40)
+            };
+            engine.submit(req).unwrap()
+        })
+        .collect();
+    // The one-token prompts take the first step; from then on each step has 4 decode tokens
+    // and room for 2 drafts.
+    engine.step().unwrap();
+    let mut counts = vec![0usize; 4];
+    for _ in 0..6 {
+        engine.step().unwrap();
+        for (c, h) in counts.iter_mut().zip(&handles) {
+            let before = *c;
+            *c += collect(h).ids.len();
+            assert!(*c > before, "a sequence got no token in a step: {counts:?}");
+        }
+    }
+}
