@@ -304,8 +304,8 @@ impl GatedDeltaNet {
 
     /// The residual block over a flat batch of several sequences: `x: [1, rows, hidden]` holds
     /// each group's rows in order (a group: `batch` sequences of `len` tokens, sequence-major), the
-    /// projections read all rows at once and each group's conv and delta rule run from its own
-    /// state (`[batch, ...]`), as [`Self::forward_block`] (or with `verify`,
+    /// projections read all rows at once and each group's conv and delta rule run from its states
+    /// (its own, or rows of pools: [`GroupState`]), as [`Self::forward_block`] (or with `verify`,
     /// [`Self::forward_verify_block`]) runs them. Returns `[1, rows, hidden]` and, per group, its
     /// checkpoints when it verifies.
     pub fn forward_groups_block(
@@ -331,7 +331,14 @@ impl GatedDeltaNet {
             let part = proj
                 .narrow(1, row, g.batch * g.len)?
                 .reshape((g.batch, g.len, width))?;
-            let (out, cp) = self.mix(&part, g.state, g.verify)?;
+            let (out, cp) = match &mut g.state {
+                GroupState::Own(state) => self.mix(&part, state, g.verify)?,
+                GroupState::Pooled {
+                    conv,
+                    recurrent,
+                    slots,
+                } => self.mix_pooled(&part, (conv, recurrent, slots), g.verify)?,
+            };
             let (_, _, hv, dv) = out.dims4()?;
             outs.push(out.reshape((1, g.batch * g.len, hv, dv))?);
             checkpoints.push(cp);
@@ -408,7 +415,14 @@ impl GatedDeltaNet {
         };
         let (conv_out, conv_state, window) = if in_place && state.conv().dtype() == mixed.dtype() {
             let window = kept.as_ref().map(|cp| &cp.window);
-            let y = causal_conv1d_in_place(&mixed, &self.conv_weight, state.conv(), window, &self.policy)?;
+            let y = causal_conv1d_in_place(
+                &mixed,
+                &self.conv_weight,
+                state.conv(),
+                None,
+                window,
+                &self.policy,
+            )?;
             (y, state.conv().clone(), window.cloned())
         } else {
             let window = if verify {
@@ -442,6 +456,7 @@ impl GatedDeltaNet {
                 &beta_logits,
                 GdnParams::new(&self.a_log, &self.dt_bias, heads),
                 state.recurrent(),
+                None,
                 kept.as_ref().map(|cp| &cp.states),
                 &self.policy,
             )?
@@ -468,6 +483,71 @@ impl GatedDeltaNet {
         Ok((r.out, checkpoints))
     }
 
+    /// [`Self::mix`] for sequences whose states are rows `slots` (u32 `[batch]`) of pools (conv
+    /// windows `[pool, conv_dim, K-1]` in the activation dtype, recurrent states `[pool, Hv, dk,
+    /// dv]` f32), which the kernels read and write in place: one token per sequence, or with
+    /// `verify` any number, token by token, keeping the checkpoints (batch-indexed, `seen_before`
+    /// 0). The same kernels and sums as [`Self::mix`] on the gathered rows.
+    fn mix_pooled(
+        &self,
+        proj: &Tensor,
+        (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
+        verify: bool,
+    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+        let c = &self.cfg;
+        let (b, t, _) = proj.dims3()?;
+        if t != 1 && !verify {
+            return Err(Error::Input(format!(
+                "pooled states run decode steps and verifies; a prefill of {t} tokens runs from its own state"
+            )));
+        }
+        let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
+        let mixed = proj.narrow(D::Minus1, 0, cd)?;
+        let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
+        let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
+        let hist = c.conv_kernel - 1;
+        let kept = if verify {
+            let dev = proj.device();
+            // SAFETY: uninitialised buffers that the ops below fill entirely before anything reads
+            // them: the conv writes every sequence's whole window (the K-1 held inputs, then each
+            // new one) and the delta rule every token's full state (both kernels and the CPU
+            // forms, which copy whole tensors in).
+            let (window, states) = unsafe {
+                (
+                    Tensor::empty((b, cd, hist + t), conv.dtype(), dev)?,
+                    Tensor::empty((b, t, hv, c.k_head_dim, c.v_head_dim), DType::F32, dev)?,
+                )
+            };
+            Some(VerifyCheckpoints {
+                states,
+                window,
+                seen_before: 0,
+            })
+        } else {
+            None
+        };
+        let window = kept.as_ref().map(|cp| &cp.window);
+        let conv_out =
+            causal_conv1d_in_place(&mixed, &self.conv_weight, conv, Some(slots), window, &self.policy)?;
+        let heads = GdnHeads {
+            k_heads: c.num_k_heads,
+            v_heads: c.num_v_heads,
+            k_dim: c.k_head_dim,
+            v_dim: c.v_head_dim,
+        };
+        let r = fused_gated_delta_rule_in_place(
+            &conv_out,
+            &a,
+            &beta_logits,
+            GdnParams::new(&self.a_log, &self.dt_bias, heads),
+            recurrent,
+            Some(slots),
+            kept.as_ref().map(|cp| &cp.states),
+            &self.policy,
+        )?;
+        Ok((r.out, kept))
+    }
+
     /// The gated norm of the read-out `out: [batch, len, Hv, dv]` with the z part of `proj`, and
     /// the output projection (with `block`, adding the residual stream `x`).
     fn finish(&self, x: &Tensor, proj: &Tensor, out: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
@@ -485,17 +565,32 @@ impl GatedDeltaNet {
 }
 
 /// One group of a flat batch for [`GatedDeltaNet::forward_groups_block`]: `batch` sequences of
-/// `len` tokens each (their rows consecutive, sequence-major) and their state `[batch, ...]`.
+/// `len` tokens each (their rows consecutive, sequence-major) and their states.
 #[derive(Debug)]
 pub struct GdnGroup<'a> {
     /// Sequences in the group.
     pub batch: usize,
     /// Tokens per sequence.
     pub len: usize,
-    /// Their state, advanced by the pass.
-    pub state: &'a mut GdnState,
+    /// Their states, advanced by the pass.
+    pub state: GroupState<'a>,
     /// Run token by token keeping checkpoints (a speculative verify).
     pub verify: bool,
+}
+
+/// Where a [`GdnGroup`]'s states live.
+#[derive(Debug)]
+pub enum GroupState<'a> {
+    /// A state of their own, `[batch, ...]`.
+    Own(&'a mut GdnState),
+    /// Rows `slots` (u32 `[batch]`, distinct) of pooled states: conv windows `[pool, conv_dim,
+    /// K-1]` (activation dtype) and recurrent states `[pool, Hv, dk, dv]` f32, updated in place.
+    /// For decode steps (`len` 1) and verifies; a verify's checkpoints are batch-indexed.
+    Pooled {
+        conv: &'a Tensor,
+        recurrent: &'a Tensor,
+        slots: &'a Tensor,
+    },
 }
 
 #[cfg(test)]
@@ -792,6 +887,100 @@ mod verify_tests {
         assert_eq!(max_diff(s.recurrent(), left.recurrent()), 0.0);
         assert_eq!(max_diff(s.conv(), left.conv()), 0.0);
         assert!(s.commit(&cp, 0).is_err() && s.commit(&cp, 6).is_err());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::tests_support::*;
+    use super::*;
+    use candle_core::Device;
+
+    /// A flat batch of a decode group and a verify group whose states are rows of pools gives
+    /// what the same groups give from states of their own (equal bits on the CPU): outputs, the
+    /// pools' rows afterwards, the verify's checkpoints; the other rows stay; a pooled prefill is
+    /// refused.
+    #[test]
+    fn pooled_groups_equal_own_states() -> Result<()> {
+        let l = layer(7);
+        let dev = Device::Cpu;
+        let norm = RmsNorm::zero_centred(&(qwen36_testutil::randn(120, 0.3, 24, &dev)?), 1e-6)?;
+        let c = cfg();
+        let pool = 5;
+        let conv0 = qwen36_testutil::randn(121, 1.0, (pool, c.conv_dim(), c.conv_kernel - 1), &dev)?;
+        let rec0 = qwen36_testutil::randn(122, 0.5, (pool, c.num_v_heads, c.k_head_dim, c.v_head_dim), &dev)?;
+        // Group 0: two decode tokens (slots 4, 1); group 1: one verify of 3 tokens (slot 2).
+        let slots = [Tensor::new(&[4u32, 1], &dev)?, Tensor::new(&[2u32], &dev)?];
+        let x = qwen36_testutil::randn(123, 1.0, (1, 5, 24), &dev)?;
+        let (conv, rec) = (conv0.copy()?, rec0.copy()?);
+        let specs = [(2, 1, false), (1, 3, true)];
+        let mut groups: Vec<GdnGroup> = specs
+            .iter()
+            .zip(&slots)
+            .map(|(&(batch, len, verify), slots)| GdnGroup {
+                batch,
+                len,
+                state: GroupState::Pooled {
+                    conv: &conv,
+                    recurrent: &rec,
+                    slots,
+                },
+                verify,
+            })
+            .collect();
+        let (y, cps) = l.forward_groups_block(&x, &norm, &mut groups)?;
+
+        let own = |s: &Tensor| -> Result<GdnState> {
+            GdnState::from_parts(conv0.index_select(s, 0)?, rec0.index_select(s, 0)?, 0)
+        };
+        let mut states = [own(&slots[0])?, own(&slots[1])?];
+        let [s0, s1] = &mut states;
+        let mut groups = vec![
+            GdnGroup {
+                batch: 2,
+                len: 1,
+                state: GroupState::Own(s0),
+                verify: false,
+            },
+            GdnGroup {
+                batch: 1,
+                len: 3,
+                state: GroupState::Own(s1),
+                verify: true,
+            },
+        ];
+        let (y_own, cps_own) = l.forward_groups_block(&x, &norm, &mut groups)?;
+        assert_eq!(max_diff(&y, &y_own), 0.0);
+        for (state, s) in states.iter().zip(&slots) {
+            assert_eq!(max_diff(&conv.index_select(s, 0)?, state.conv()), 0.0);
+            assert_eq!(max_diff(&rec.index_select(s, 0)?, state.recurrent()), 0.0);
+        }
+        for untouched in [0, 3] {
+            assert_eq!(max_diff(&rec.get(untouched)?, &rec0.get(untouched)?), 0.0);
+            assert_eq!(max_diff(&conv.get(untouched)?, &conv0.get(untouched)?), 0.0);
+        }
+        assert!(cps[0].is_none() && cps_own[0].is_none());
+        let (a, b) = (cps[1].as_ref().expect("kept"), cps_own[1].as_ref().expect("kept"));
+        for keep in 1..=3 {
+            let (ca, ra) = a.state_after(keep)?;
+            let (cb, rb) = b.state_after(keep)?;
+            assert_eq!(max_diff(&ca, &cb), 0.0, "keep {keep}");
+            assert_eq!(max_diff(&ra, &rb), 0.0, "keep {keep}");
+        }
+
+        let mut prefill = [GdnGroup {
+            batch: 1,
+            len: 5,
+            state: GroupState::Pooled {
+                conv: &conv,
+                recurrent: &rec,
+                slots: &slots[1],
+            },
+            verify: false,
+        }];
+        let e = l.forward_groups_block(&x, &norm, &mut prefill).unwrap_err();
+        assert!(e.to_string().contains("prefill of 5 tokens"), "{e}");
         Ok(())
     }
 }

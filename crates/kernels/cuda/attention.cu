@@ -11,6 +11,26 @@
 constexpr int ATT_THREADS = ATTENTION_THREADS;
 constexpr int ATT_KEYS = ATTENTION_KEYS_PER_SPAN;  // keys per span: one per lane in the softmax step
 
+// Where the decode kernels find key/value position `pos` of KV head bh = b·H + h, in rows of D
+// elements: a contiguous run of `cap` rows per head (table null: a [B, H, cap, D] buffer), or a
+// paged pool ([blocks · bs, H, D]) through sequence b's block table, table[b·maxb + pos / bs]
+// (cap = maxb·bs). A block id at or past `nblocks` reads block 0 (memory that exists).
+struct KvRows {
+    const unsigned* table;
+    int maxb, bs, nblocks, H;
+    __device__ __forceinline__ long row(int bh, int cap, int pos) const {
+        if (table == nullptr) return (long)bh * cap + pos;
+        const int b = bh / H, h = bh % H;
+        unsigned blk = table[(long)b * maxb + pos / bs];
+        if (blk >= (unsigned)nblocks) blk = 0;
+        return ((long)blk * bs + pos % bs) * H + h;
+    }
+    // The valid keys of head bh: the shared len[0], or sequence b's len[b] when paged.
+    __device__ __forceinline__ int len_of(const unsigned* len_p, int bh) const {
+        return (int)len_p[table == nullptr ? 0 : bh / H];
+    }
+};
+
 // q: [BH, R, D] (row r = group member · t + token), k, v: [BH, cap, D], len[0]: valid keys after
 // the t new ones were written (token i sits at position len - t + i and sees keys 0..=that).
 // part_o: [BH, S, R, D] f32 unnormalised sums, part_ml: [BH, S, R, 2] f32 (max, sum of exp).
@@ -18,18 +38,20 @@ constexpr int ATT_KEYS = ATTENTION_KEYS_PER_SPAN;  // keys per span: one per lan
 template <typename T>
 __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
-                             float* __restrict__ part_ml, int R, int D, int cap, int t, float scale) {
+                             float* __restrict__ part_ml, int R, int D, int cap, int t, float scale,
+                             const KvRows kv) {
     extern __shared__ float sm[];
     float* qs = sm;
     float* sc = sm + R * D;
+    __shared__ long rows[ATT_KEYS];  // the span's key rows
     const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x;
-    const int L = min((int)len_p[0], cap);  // a length past the buffer reads no further
+    const int L = min(kv.len_of(len_p, bh), cap);  // a length past the buffer reads no further
     const int key0 = s * ATT_KEYS;
     if (key0 >= L) return;  // spans past the length are never read by the merge
     q += (size_t)bh * R * D;
-    k += (size_t)bh * cap * D;
-    v += (size_t)bh * cap * D;
     for (int i = threadIdx.x; i < R * D; i += ATT_THREADS) qs[i] = to_f(q[i]);
+    // Keys past the length read the last valid key (memory that exists) and are masked below.
+    if (threadIdx.x < ATT_KEYS) rows[threadIdx.x] = kv.row(bh, cap, min(key0 + (int)threadIdx.x, L - 1));
     __syncthreads();
 
     // Scores: lane = key (one full dot product per lane, no reductions), warp w takes rows w,
@@ -41,8 +63,7 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
     constexpr int RPW = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nvec = D / V, first = L - t;
-    // Keys past the length read the last valid key (memory that exists) and are masked below.
-    const uint4* kr = reinterpret_cast<const uint4*>(k + (size_t)min(key0 + lane, L - 1) * D);
+    const uint4* kr = reinterpret_cast<const uint4*>(k + (size_t)rows[lane] * D);
     for (int r0 = warp; r0 < R; r0 += WARPS * RPW) {
         float acc[RPW];
 #pragma unroll
@@ -106,7 +127,7 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
     for (int d = threadIdx.x; d < D; d += ATT_THREADS) {
         float vv[ATT_KEYS];
 #pragma unroll
-        for (int j = 0; j < ATT_KEYS; ++j) vv[j] = j < nk ? to_f(v[(size_t)(key0 + j) * D + d]) : 0.f;
+        for (int j = 0; j < ATT_KEYS; ++j) vv[j] = j < nk ? to_f(v[(size_t)rows[j] * D + d]) : 0.f;
         for (int r0 = 0; r0 < R; r0 += 8) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -129,8 +150,8 @@ constexpr int GROUP = ATTENTION_GROUP;
 // Entries that hold keys at a merge level with `per` first-level partials per entry. The partial
 // kernel ran s0 blocks per head over the ceil(len / unit) units of `unit` keys, each block taking
 // ceil(units / s0) consecutive units (one unit each when s0 covers the buffer).
-__device__ __forceinline__ int entries(const unsigned* len_p, int unit, int s0, int per) {
-    const int units = ((int)len_p[0] + unit - 1) / unit;
+__device__ __forceinline__ int entries(int len, int unit, int s0, int per) {
+    const int units = (len + unit - 1) / unit;
     const int upb = max((units + s0 - 1) / s0, 1);
     const int parts = (units + upb - 1) / upb;
     return (parts + per - 1) / per;
@@ -141,9 +162,11 @@ __device__ __forceinline__ int entries(const unsigned* len_p, int unit, int s0, 
 __device__ void attn_merge_group(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                  const unsigned* __restrict__ len_p, float* __restrict__ out_o,
                                  float* __restrict__ out_ml, int R, int D, int S, int per_in, int unit,
-                                 int s0) {
+                                 int s0, int len_h) {
     const int r = blockIdx.x, bh = blockIdx.y, g = blockIdx.z, G = gridDim.z;
-    const int n = min(entries(len_p, unit, s0, per_in), S) - g * GROUP;
+    // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0].
+    const int len = (int)len_p[len_h > 0 ? bh / len_h : 0];
+    const int n = min(entries(len, unit, s0, per_in), S) - g * GROUP;
     if (n <= 0) return;
     const float* ml = part_ml + (((size_t)bh * S + g * GROUP) * R + r) * 2;  // entry e at ml[e·R·2]
     float m[GROUP];
@@ -182,10 +205,10 @@ template <typename T>
 __device__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                            const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per,
                            int unit, int s0, const T* __restrict__ gate, long gsb, long gst, long gsh, int H,
-                           int Tn) {
+                           int Tn, int paged) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
-    const int ns = min(entries(len_p, unit, s0, per), S);
+    const int ns = min(entries((int)len_p[paged ? bh / H : 0], unit, s0, per), S);
     const float* ml = part_ml + ((size_t)bh * S * R + r) * 2;  // entry s at ml[s·R·2]
     float M = -INFINITY;
 #pragma unroll 8
@@ -218,22 +241,29 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_partial_##SUFFIX(const T* q, const T* k, const T* v, const unsigned* len,         \
                                      float* part_o, float* part_ml, int R, int D, int cap, int t,    \
-                                     float scale) { pdl_enter();                                                  \
-        attn_partial<T>(q, k, v, len, part_o, part_ml, R, D, cap, t, scale);                         \
+                                     float scale, const unsigned* table, int maxb, int bs,           \
+                                     int nblocks, int H) {                                           \
+        pdl_enter();                                                                                 \
+        attn_partial<T>(q, k, v, len, part_o, part_ml, R, D, cap, t, scale,                          \
+                        KvRows{table, maxb, bs, nblocks, H});                                        \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
                                    T* out, int R, int D, int S, int per, int unit, int s0,           \
-                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn) { pdl_enter();     \
-        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn);  \
+                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn,       \
+                                   int paged) {                                                      \
+        pdl_enter();                                                                                 \
+        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn,  \
+                      paged);                                                                        \
     }
 ATTENTION_KERNELS(f32, float)
 ATTENTION_KERNELS(bf16, __nv_bfloat16)
 ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
-                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0) { pdl_enter();
-    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0);
+                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int len_h) {
+    pdl_enter();
+    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h);
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
@@ -537,6 +567,20 @@ FLASH_PREFILL(f16, __half, 256)
 // ---------------------------------------------------------------------------------------------
 // Decode / verify attention on tensor cores: the partial results of attn_partial (then merged by
 // the same kernels) for bf16/f16, head dims 64/128/256 and R <= 16·MT query rows of one KV head.
+// Starts copying key/value positions [r0, r0 + 64) of head bh (rows found through `kv`) into a
+// shared tile of row stride HD + 8; positions at or past `limit` are zero-filled.
+template <typename T, int HD>
+__device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, const KvRows& kv, int bh, int cap,
+                                             int r0, int limit) {
+    constexpr int SEGS = HD * sizeof(T) / 16, E = 16 / sizeof(T);
+    for (int e = threadIdx.x; e < 64 * SEGS; e += FA_WARPS * 32) {
+        const int r = e / SEGS, sg = e % SEGS;
+        const bool ok = r0 + r < limit;
+        const long row = kv.row(bh, cap, ok ? r0 + r : 0);
+        cp_async16_or_zero(&dst[r * (HD + 8) + E * sg], &src[row * HD + E * sg], ok);
+    }
+}
+
 // Block (split s, bh) takes ceil(tiles / S) consecutive tiles of FA_BK keys (tiles = ceil(len /
 // FA_BK), read from device memory: the grid is fixed by the buffer, so a recorded graph serves
 // every length); blocks past the last tile return. Warp w takes row tile w % MT and key part
@@ -546,7 +590,8 @@ FLASH_PREFILL(f16, __half, 256)
 template <typename T, int HD, int MT>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
-                             float* __restrict__ part_ml, int R, int cap, int t, float scale_log2) {
+                             float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
+                             const KvRows kv) {
     constexpr int LD = HD + 8;
     constexpr int KW = FA_BK * MT / FA_WARPS;  // keys per warp per tile
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -554,19 +599,17 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     T* Ks = Qs + 16 * MT * LD;
     T* Vs = Ks + FA_BK * LD;
     const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x;
-    const int L = min((int)len_p[0], cap);
+    const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
     const int tps = max((nt + S - 1) / S, 1);
     const int t0 = s * tps, t1 = min(t0 + tps, nt);
     if (t0 >= t1) return;  // past the keys: the merge never reads this split
     q += (size_t)bh * R * HD;
-    k += (size_t)bh * cap * HD;
-    v += (size_t)bh * cap * HD;
     cp_async_tile<16 * MT, HD / 8, FA_WARPS * 32>(Qs, LD, q, HD, 0, R, HD / 8);
     cp_async_commit();
-    fa_load_tile<T, HD>(Ks, k, HD, t0 * FA_BK, L);
+    kv_load_tile<T, HD>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
     cp_async_commit();
-    fa_load_tile<T, HD>(Vs, v, HD, t0 * FA_BK, L);
+    kv_load_tile<T, HD>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
     cp_async_commit();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -585,7 +628,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
         float sc[KW / 8][4];
         fa_scores<T, HD>(sc, Qs, Ks, LD, rt * 16, kp * KW);
         __syncthreads();
-        if (tile + 1 < t1) fa_load_tile<T, HD>(Ks, k, HD, (tile + 1) * FA_BK, L);
+        if (tile + 1 < t1) kv_load_tile<T, HD>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
         cp_async_commit();
 
         // Every key at or past L is past every row's position: masked too.
@@ -595,7 +638,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
         __syncthreads();
         fa_accumulate<T, HD>(o, sc, Vs, LD, kp * KW);
         __syncthreads();
-        if (tile + 1 < t1) fa_load_tile<T, HD>(Vs, v, HD, (tile + 1) * FA_BK, L);
+        if (tile + 1 < t1) kv_load_tile<T, HD>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -650,8 +693,11 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                           \
         flash_decode_##SUFFIX##_d##HD##_m##MT(const T* q, const T* k, const T* v, const unsigned* len,    \
                                               float* part_o, float* part_ml, int R, int cap, int t,       \
-                                              float sl2) { pdl_enter();                                                \
-        flash_decode<T, HD, MT>(q, k, v, len, part_o, part_ml, R, cap, t, sl2);                           \
+                                              float sl2, const unsigned* table, int maxb, int bs,         \
+                                              int nblocks, int H) {                                       \
+        pdl_enter();                                                                                      \
+        flash_decode<T, HD, MT>(q, k, v, len, part_o, part_ml, R, cap, t, sl2,                            \
+                                KvRows{table, maxb, bs, nblocks, H});                                     \
     }
 #define FLASH_DECODE_DIMS(SUFFIX, T, MT) \
     FLASH_DECODE(SUFFIX, T, 64, MT)      \
@@ -663,20 +709,22 @@ FLASH_DECODE_DIMS(f16, __half, 1)
 FLASH_DECODE_DIMS(f16, __half, 2)
 
 // A step's new keys and values into the cache buffers, at positions read from device memory (so a
-// recorded graph replays at any position), the CUDA twin of `write_kv` in src/attention/: row
-// (b, h, i) of k and v (rows of D contiguous elements at b·sb + h·sh + i·st, k and v each with
-// their own strides) goes to row pos[i] of kc, vc [B, H, cap, D]. A position past the buffer is
-// skipped. Grid (t, H, B); the element type only matters by its size (a plain copy).
+// recorded graph replays at any position), the CUDA twin of `write_kv` and `write_kv_rows` in
+// src/attention/: row (b, h, i) of k and v (rows of D contiguous elements at b·sb + h·sh + i·st,
+// k and v each with their own strides) goes to position pos[i] of kc, vc, whose rows of D sit at
+// b·csb + h·csh + position·csp ([B, H, cap, D] caches, or a [cap, H, D] pool with B = 1). A
+// position past the buffer is skipped. Grid (t, H, B); the element type only matters by its size
+// (a plain copy).
 template <typename T>
 __device__ void kv_write(const T* __restrict__ k, const T* __restrict__ v, long ksb, long ksh, long kst,
                          long vsb, long vsh, long vst, const unsigned* __restrict__ pos, T* __restrict__ kc,
-                         T* __restrict__ vc, int cap, int D) {
-    const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+                         T* __restrict__ vc, long csb, long csh, long csp, int cap, int D) {
+    const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const unsigned p = pos[i];
     if (p >= (unsigned)cap) return;
     const T* kr = k + b * ksb + h * ksh + i * kst;
     const T* vr = v + b * vsb + h * vsh + i * vst;
-    const size_t row = (((size_t)b * H + h) * cap + p) * D;
+    const size_t row = b * csb + h * csh + (long)p * csp;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         kc[row + d] = kr[d];
         vc[row + d] = vr[d];
@@ -686,8 +734,10 @@ __device__ void kv_write(const T* __restrict__ k, const T* __restrict__ v, long 
 #define KV_WRITE_KERNEL(BYTES, T)                                                                    \
     extern "C" __global__ void kv_write_b##BYTES(const T* k, const T* v, long ksb, long ksh, long kst, \
                                                  long vsb, long vsh, long vst, const unsigned* pos,    \
-                                                 T* kc, T* vc, int cap, int D) { pdl_enter();                       \
-        kv_write<T>(k, v, ksb, ksh, kst, vsb, vsh, vst, pos, kc, vc, cap, D);                          \
+                                                 T* kc, T* vc, long csb, long csh, long csp, int cap,  \
+                                                 int D) {                                              \
+        pdl_enter();                                                                                   \
+        kv_write<T>(k, v, ksb, ksh, kst, vsb, vsh, vst, pos, kc, vc, csb, csh, csp, cap, D);           \
     }
 KV_WRITE_KERNEL(2, unsigned short)
 KV_WRITE_KERNEL(4, unsigned int)

@@ -20,7 +20,8 @@ constexpr int TB = 8;
 // FUSED: q, k are raw (L2-normalised here, eps), ga/gb are the a/b projections (g and beta computed
 // here from a_log, dt_bias); otherwise q, k are normalised and ga = g, gb = beta.
 // q/k/v rows: token row `bt` (= b*T + t) starts at bt*stride; head h at h*dk (q, k) or h*dv (v);
-// ga/gb rows (Hv values each) start at bt*g_stride.
+// ga/gb rows (Hv values each) start at bt*g_stride. With `slots` ([B] u32, a pool of `pool`
+// states) sequence b's state is row slots[b] of s0 / s_final: a batch over a state pool, in place.
 // The inputs of up to TB tokens (q, k, this tile's v, gates, norms) are staged in shared memory
 // before their loop, so a token's step waits on no global load: a verify pass of T tokens costs
 // about one load latency, not T.
@@ -28,11 +29,19 @@ constexpr int TB = 8;
 // before the kernel waits for the previous one: the state was written a whole step ago, and a
 // prefetch into L2 (the point of coherence) cannot observe a stale copy, so it is safe before the
 // wait, and the loads after it hit L2 instead of DRAM.
-__device__ __forceinline__ void gdn_prefetch_state(const float* state, int dk, int dv) {
+__device__ __forceinline__ void gdn_prefetch_state(const float* state, int Hv, int dk, int dv, int sb) {
     const int tiles = (dv + BV - 1) / BV;
-    const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-    for (int r = threadIdx.x; state != nullptr && r < dk; r += blockDim.x)
-        prefetch_l2(state + ((long)bh * dk + r) * dv + tile * BV);
+    const int hv = (blockIdx.x / tiles) % Hv, tile = blockIdx.x % tiles;
+    for (int r = threadIdx.x; state != nullptr && sb >= 0 && r < dk; r += blockDim.x)
+        prefetch_l2(state + (((long)sb * Hv + hv) * dk + r) * dv + tile * BV);
+}
+
+// The state row of sequence b: b itself, or with a slot table (a pool of `pool` states) slots[b];
+// -1 for a slot outside the pool (the sequence then runs from a zero state and keeps nothing).
+__device__ __forceinline__ int state_slot(const unsigned* slots, int pool, int b) {
+    if (slots == nullptr) return b;
+    const unsigned s = slots[b];
+    return s < (unsigned)pool ? (int)s : -1;
 }
 
 template <typename TQ, typename TG, bool FUSED, int ROWS>
@@ -42,7 +51,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                               const float* s0, float* __restrict__ out, float* s_final,
                               float* __restrict__ s_all, int in_place, int T, int Hk, int Hv, int dk, int dv,
-                              float scale, float eps) {
+                              float scale, float eps, int sb) {
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
@@ -56,14 +65,15 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     __shared__ float red_m[NW][BV], red_o[NW][BV];
 
     float s[ROWS];
-    const long head = (long)(b * Hv + hv) * dk * dv;
+    // The state's row: sb (the sequence's slot; -1: none, start from zeros and keep nothing).
+    const long head = (long)(max(sb, 0) * Hv + hv) * dk * dv;
     // In place: the state starts in s_final. Each thread reads and later writes only its own
     // elements, so the buffers may alias (hence no __restrict__ on s0 and s_final).
     const float* init = in_place ? s_final : s0;
 #pragma unroll
     for (int i = 0; i < ROWS; i++) {
         const int r = w + NW * i;
-        s[i] = (init != nullptr && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
+        s[i] = (init != nullptr && sb >= 0 && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
     }
     for (int t0 = 0; t0 < T; t0 += TB) {
         const int nt = min(TB, T - t0);
@@ -150,7 +160,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         }
         __syncthreads();  // before the next group overwrites the staged inputs
     }
-    if (col_ok) {
+    if (col_ok && sb >= 0) {
 #pragma unroll
         for (int i = 0; i < ROWS; i++) {
             const int r = w + NW * i;
@@ -164,12 +174,15 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         NAME(const TQ* q, const TQ* k, const TQ* v, long qk_stride, long v_stride, const TG* ga, const TG* gb, \
              long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
-             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps) {                \
+             float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps,          \
+             const unsigned* slots, int pool) {                                                                \
         pdl_launch_dependents();                                                                               \
-        gdn_prefetch_state(in_place ? s_final : s0, dk, dv);                                                  \
+        const int tiles_ = (dv + BV - 1) / BV;                                                                 \
+        const int sb = state_slot(slots, pool, blockIdx.x / tiles_ / Hv);                                      \
+        gdn_prefetch_state(in_place ? s_final : s0, Hv, dk, dv, sb);                                          \
         pdl_wait();                                                                                            \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
-                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps);          \
+                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps, sb);      \
     }
 
 #define GDN_ROWS(NAME, TQ, TG, FUSED) \
@@ -261,20 +274,25 @@ __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w
 // the Tn tokens in order with its window in registers (K <= 8), reading its K-1 entries of st (the
 // state in and out) before writing them. Same y as conv1d, the same sums in the same order.
 // win_out (optional, [B, C, K-1+Tn]): the raw window concat(state before, x) a speculative verify
-// keeps for its commit.
+// keeps for its commit. slots (optional, [B] of a pool of `pool` states): sequence b's state is
+// row slots[b] of st, so a batch runs over a state pool with no gather or scatter.
 template <typename T>
 __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict__ w, T* __restrict__ y,
-                           T* __restrict__ st, T* __restrict__ win_out, int B, int Tn, int C, int K) {
+                           T* __restrict__ st, T* __restrict__ win_out, int B, int Tn, int C, int K,
+                           const unsigned* __restrict__ slots, int pool) {
     const long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (idx >= (long)B * C) return;
     const int b = idx / C, c = idx % C, H = K - 1;
+    // The state row: b, or its slot in a pool (-1 outside it: zeros in, nothing kept).
+    const int sb = state_slot(slots, pool, b);
     T* wo = win_out != nullptr ? win_out + ((long)b * C + c) * (H + Tn) : nullptr;
     float wt[8], win[8];  // win[0..H): the last H inputs, oldest first
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         wt[j] = j < K ? to_f(w[(long)c * K + j]) : 0.f;
-        win[j] = j < H ? to_f(st[((long)b * C + c) * H + j]) : 0.f;
-        if (wo != nullptr && j < H) wo[j] = st[((long)b * C + c) * H + j];
+        const T held = (j < H && sb >= 0) ? st[((long)sb * C + c) * H + j] : from_f<T>(0.f);
+        win[j] = j < H ? to_f(held) : 0.f;
+        if (wo != nullptr && j < H) wo[j] = held;
     }
     for (int t = 0; t < Tn; t++) {
         const long row = (long)b * Tn + t;
@@ -283,7 +301,7 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
     }
 #pragma unroll
     for (int j = 0; j < 7; j++)
-        if (j < H) st[((long)b * C + c) * H + j] = from_f<T>(win[j]);
+        if (j < H && sb >= 0) st[((long)sb * C + c) * H + j] = from_f<T>(win[j]);
 }
 
 #define CONV_KERNEL(NAME, T)                                                                                  \
@@ -292,8 +310,9 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
         conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
     }                                                                                                         \
     extern "C" __global__ void NAME##_in_place(const T* x, long xs, const T* w, T* y, T* st, T* win, int B,   \
-                                               int Tn, int C, int K) { pdl_enter();                                       \
-        conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K);                                                    \
+                                               int Tn, int C, int K, const unsigned* slots, int pool) {        \
+        pdl_enter();                                                                                          \
+        conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K, slots, pool);                                       \
     }
 CONV_KERNEL(conv1d_f32, float)
 CONV_KERNEL(conv1d_bf16, __nv_bfloat16)

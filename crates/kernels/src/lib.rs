@@ -110,3 +110,56 @@ pub(crate) fn expect_out_buffer(
     }
     Ok(())
 }
+
+/// Checks a slot table for an op over a state pool: `slots` u32 `[batch]` for `batch` sequences
+/// whose states are rows of a pool of `pool` rows.
+pub(crate) fn expect_slots(
+    op: &'static str,
+    slots: &candle_core::Tensor,
+    batch: usize,
+    pool: usize,
+) -> Result<()> {
+    if slots.dtype() != candle_core::DType::U32 || slots.dims() != [batch] || pool == 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "slots must be u32 [{batch}] over a pool of at least one state, found {:?} {:?} \
+                 (pool {pool})",
+                slots.dtype(),
+                slots.dims()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The CPU form of an in-place op over rows `slots` of a state `pool` (`[pool, ...]`): gathers
+/// those rows into a state of their own, runs `f` on it (which updates it in place) and writes
+/// each row back. A slot outside the pool or used twice is an error.
+pub(crate) fn on_pool_rows<R>(
+    op: &'static str,
+    pool: &candle_core::Tensor,
+    slots: &candle_core::Tensor,
+    f: impl FnOnce(&candle_core::Tensor) -> Result<R>,
+) -> Result<R> {
+    let ids = slots.to_vec1::<u32>()?;
+    let rows = pool.dim(0)?;
+    for (i, &s) in ids.iter().enumerate() {
+        let bad = if s as usize >= rows {
+            Some(format!("slot {s} is outside the pool of {rows} states"))
+        } else if ids[..i].contains(&s) {
+            Some(format!("slot {s} is used twice"))
+        } else {
+            None
+        };
+        if let Some(msg) = bad {
+            return Err(Error::Shape { op, msg });
+        }
+    }
+    let own = pool.index_select(slots, 0)?.contiguous()?;
+    let r = f(&own)?;
+    for (i, &s) in ids.iter().enumerate() {
+        pool.slice_set(&own.narrow(0, i, 1)?, 0, s as usize)?;
+    }
+    Ok(r)
+}

@@ -789,6 +789,7 @@ fn in_place_state_updates_equal_fresh_ones() {
                 &gb,
                 GdnParams::new(&a_log, &dt_bias, heads),
                 &state,
+                None,
                 all.as_ref(),
                 P,
             )
@@ -818,7 +819,7 @@ fn in_place_state_updates_equal_fresh_ones() {
             let (y_want, st_want) = causal_conv1d(&x, &w, Some(&st0), P).unwrap();
             let st = st0.copy().unwrap();
             let win = keep.then(|| Tensor::zeros((b, c, k - 1 + t), dtype, &d).unwrap());
-            let y = causal_conv1d_in_place(&x, &w, &st, win.as_ref(), P).unwrap();
+            let y = causal_conv1d_in_place(&x, &w, &st, None, win.as_ref(), P).unwrap();
             assert_eq!(max_diff(&y, &y_want), 0.0, "conv {dtype:?} t {t}");
             assert_eq!(max_diff(&st, &st_want), 0.0, "conv state {dtype:?} t {t}");
             // The kept window: the state before, then the raw inputs, channel-major.
@@ -894,6 +895,240 @@ fn decode_attention_matches_cpu() {
                 gate.is_some()
             );
         }
+    }
+}
+
+/// Over a state pool, the in-place GDN kernels (delta rule and conv) with a slot table give
+/// bit for bit what they give on the gathered rows alone, write back only those rows, and (a
+/// slot past the pool) run that sequence from a zero state and write nothing.
+#[test]
+fn pooled_in_place_states_equal_gathered_ones() {
+    use qwen36_kernels::conv1d::causal_conv1d_in_place;
+    use qwen36_kernels::delta_rule::fused_gated_delta_rule_in_place;
+    let d = gpu();
+    let (b, hk, hv, dk, dv, pool) = (3, 2, 4, 128, 128, 7);
+    let heads = GdnHeads {
+        k_heads: hk,
+        v_heads: hv,
+        k_dim: dk,
+        v_dim: dv,
+    };
+    let width = 2 * hk * dk + hv * dv;
+    let a_log = qwen36_testutil::rand_uniform(527, 0f32, 2.5, hv, &d).unwrap();
+    let dt_bias = (qwen36_testutil::rand_uniform(528, 0f32, 1.0, hv, &d).unwrap() - 3.0).unwrap();
+    let layer = GdnParams::new(&a_log, &dt_bias, heads);
+    let slots = Tensor::new(&[5u32, 0, 3], &d).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, keep) in [(1, false), (4, true)] {
+            let proj = randn(1.0, (b, t, width + 2 * hv), dtype).to_device(&d).unwrap();
+            let qkv = proj.narrow(2, 0, width).unwrap().contiguous().unwrap();
+            let (ga, gb) = (
+                proj.narrow(2, width, hv).unwrap(),
+                proj.narrow(2, width + hv, hv).unwrap(),
+            );
+            let pool0 = qwen36_testutil::randn(529, 0.5, (pool, hv, dk, dv), &d).unwrap();
+            let own = pool0.index_select(&slots, 0).unwrap();
+            let all = |_| Tensor::zeros((b, t, hv, dk, dv), DType::F32, &d).unwrap();
+            let (all_own, all_pool) = (keep.then(|| all(0)), keep.then(|| all(1)));
+            let want =
+                fused_gated_delta_rule_in_place(&qkv, &ga, &gb, layer, &own, None, all_own.as_ref(), P)
+                    .unwrap();
+            let states = pool0.copy().unwrap();
+            let got = fused_gated_delta_rule_in_place(
+                &qkv,
+                &ga,
+                &gb,
+                layer,
+                &states,
+                Some(&slots),
+                all_pool.as_ref(),
+                P,
+            )
+            .unwrap();
+            assert_eq!(max_diff(&got.out, &want.out), 0.0, "{dtype:?} t {t}");
+            assert_eq!(
+                max_diff(&states.index_select(&slots, 0).unwrap(), &own),
+                0.0,
+                "{dtype:?} t {t}: the slots' rows"
+            );
+            for row in [1, 2, 4, 6] {
+                assert_eq!(
+                    max_diff(&states.get(row).unwrap(), &pool0.get(row).unwrap()),
+                    0.0,
+                    "row {row} untouched"
+                );
+            }
+            if let (Some(a), Some(b)) = (&all_own, &all_pool) {
+                assert_eq!(max_diff(a, b), 0.0, "{dtype:?} t {t}: every token's state");
+            }
+            // A slot past the pool: a zero state in, nothing written.
+            let outside = Tensor::new(&[5u32, 9, 3], &d).unwrap();
+            let states = pool0.copy().unwrap();
+            let r = fused_gated_delta_rule_in_place(&qkv, &ga, &gb, layer, &states, Some(&outside), None, P)
+                .unwrap();
+            let zero = own.zeros_like().unwrap();
+            let fresh = fused_gated_delta_rule_in_place(&qkv, &ga, &gb, layer, &zero, None, None, P).unwrap();
+            assert_eq!(
+                max_diff(&r.out.get(1).unwrap(), &fresh.out.get(1).unwrap()),
+                0.0,
+                "from a zero state"
+            );
+            for row in [0, 1, 2, 4, 6] {
+                assert_eq!(max_diff(&states.get(row).unwrap(), &pool0.get(row).unwrap()), 0.0);
+            }
+
+            let (c, k) = (200, 4);
+            let x = randn(1.0, (b, t, c + 60), dtype).to_device(&d).unwrap();
+            let x = x.narrow(2, 40, c).unwrap();
+            let w = randn(0.5, (c, 1, k), dtype).to_device(&d).unwrap();
+            let cpool0 = randn(1.0, (pool, c, k - 1), dtype).to_device(&d).unwrap();
+            let cown = cpool0.index_select(&slots, 0).unwrap();
+            let win = |_| Tensor::zeros((b, c, k - 1 + t), dtype, &d).unwrap();
+            let (win_own, win_pool) = (keep.then(|| win(0)), keep.then(|| win(1)));
+            let y_want = causal_conv1d_in_place(&x, &w, &cown, None, win_own.as_ref(), P).unwrap();
+            let cpool = cpool0.copy().unwrap();
+            let y = causal_conv1d_in_place(&x, &w, &cpool, Some(&slots), win_pool.as_ref(), P).unwrap();
+            assert_eq!(max_diff(&y, &y_want), 0.0, "conv {dtype:?} t {t}");
+            assert_eq!(max_diff(&cpool.index_select(&slots, 0).unwrap(), &cown), 0.0);
+            for row in [1, 2, 4, 6] {
+                assert_eq!(max_diff(&cpool.get(row).unwrap(), &cpool0.get(row).unwrap()), 0.0);
+            }
+            if let (Some(a), Some(b)) = (&win_own, &win_pool) {
+                assert_eq!(max_diff(a, b), 0.0, "conv window {dtype:?} t {t}");
+            }
+        }
+    }
+}
+
+/// The paged decode kernels (tensor cores for bf16 at head dims 64/128/256, the split-K kernel
+/// for f32 and for rows past 32) against the CPU reference: sequences of different lengths in
+/// shuffled blocks, one past 64 tiles (several tiles per split), gated or not; the tolerances of
+/// `decode_attention_matches_cpu`.
+#[test]
+fn paged_decode_attention_matches_cpu() {
+    use qwen36_kernels::attention::{paged_decode_attention, Pages};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let cpu = Device::Cpu;
+    for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2f32.powi(-6))] {
+        for (t, hd, lens) in [
+            (1, 256, vec![1usize, 217, 1030]),
+            (4, 256, vec![4, 64, 5000]),
+            (2, 64, vec![33, 90]),
+        ] {
+            let (h, g, bs) = (2, 6, 16);
+            let b = lens.len();
+            let maxb = lens.iter().max().unwrap().div_ceil(bs);
+            let blocks = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
+            // Every sequence's blocks, drawn from a shuffled pool; unused table entries 0.
+            let mut ids: Vec<u32> = (0..blocks as u32).collect();
+            let mut rng = qwen36_testutil::Rng::new(hd as u64 + t as u64);
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i + 1));
+            }
+            let mut next = 0;
+            let mut table = vec![0u32; b * maxb];
+            for (i, l) in lens.iter().enumerate() {
+                for j in 0..l.div_ceil(bs) {
+                    table[i * maxb + j] = ids[next];
+                    next += 1;
+                }
+            }
+            let table = Tensor::from_vec(table, (b, maxb), &cpu).unwrap();
+            let lens_t = Tensor::new(
+                lens.iter().map(|&l| l as u32).collect::<Vec<_>>().as_slice(),
+                &cpu,
+            )
+            .unwrap();
+            let q = randn(1.0, (b, h, g * t, hd), dt);
+            let kp = randn(1.0, (blocks * bs, h, hd), dt);
+            let vp = randn(1.0, (blocks * bs, h, hd), dt);
+            let gate = (t > 1).then(|| randn(1.0, (b, t, h * g, 2 * hd), dt).narrow(3, hd, hd).unwrap());
+            let scale = (hd as f64).powf(-0.5);
+            let pages = Pages {
+                tables: &table,
+                lens: &lens_t,
+                block_size: bs,
+            };
+            let want = paged_decode_attention(
+                AttentionInputs::new(&q, &kp, &vp, gate.as_ref(), scale),
+                pages,
+                t,
+                P,
+            )
+            .unwrap();
+            let on = |x: &Tensor| x.to_device(&d).unwrap();
+            let (table_d, lens_d, gate_d) = (on(&table), on(&lens_t), gate.as_ref().map(on));
+            let pages_d = Pages {
+                tables: &table_d,
+                lens: &lens_d,
+                block_size: bs,
+            };
+            let got = paged_decode_attention(
+                AttentionInputs::new(&on(&q), &on(&kp), &on(&vp), gate_d.as_ref(), scale),
+                pages_d,
+                t,
+                P,
+            )
+            .unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let e = max_row_rel_err(&got, &want);
+            let tol = if gate.is_some() && dt != DType::F32 {
+                2.0 * tol
+            } else {
+                tol
+            };
+            assert!(e <= tol, "{dt:?} t {t} hd {hd} lens {lens:?}: {e}");
+            eprintln!("paged_decode_attention {dt:?} t {t} hd {hd} lens {lens:?}: max row rel err {e:.2e}");
+            // Each sequence alone (a batch of one) gets exactly what it gets in the batch.
+            for i in 0..b {
+                let one = |x: &Tensor| x.narrow(0, i, 1).unwrap();
+                let (ti, li) = (one(&table_d), one(&lens_d));
+                let gi = gate_d.as_ref().map(one);
+                let alone = paged_decode_attention(
+                    AttentionInputs::new(&one(&on(&q)), &on(&kp), &on(&vp), gi.as_ref(), scale),
+                    Pages {
+                        tables: &ti,
+                        lens: &li,
+                        block_size: bs,
+                    },
+                    t,
+                    P,
+                )
+                .unwrap();
+                assert_eq!(
+                    max_diff(&alone, &one(&got)),
+                    0.0,
+                    "{dt:?} t {t} hd {hd} sequence {i} alone"
+                );
+            }
+        }
+    }
+}
+
+/// The pool KV write kernel against candle's scatter on the CPU: bit-exact rows, a value view
+/// with strides, the rows around left alone.
+#[test]
+fn write_kv_rows_matches_cpu() {
+    use qwen36_kernels::attention::write_kv_rows;
+    let d = gpu();
+    for dt in [DType::F32, DType::BF16] {
+        let (h, n, hd, rows) = (4, 5, 256, 40);
+        let k = randn(1.0, (h, n, hd), dt);
+        let v = randn(1.0, (n, 2 * h, hd), dt)
+            .narrow(1, h, h)
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap();
+        let kp = randn(1.0, (rows, h, hd), dt);
+        let vp = randn(1.0, (rows, h, hd), dt);
+        let at = Tensor::new(&[17u32, 3, 18, 39, 0], &Device::Cpu).unwrap();
+        let on = |x: &Tensor| x.to_device(&d).unwrap();
+        let (kg, vg) = (on(&kp), on(&vp));
+        write_kv_rows(&on(&k), &on(&v), &kg, &vg, &on(&at), P).unwrap();
+        write_kv_rows(&k, &v, &kp, &vp, &at, P).unwrap();
+        assert_eq!(max_diff(&kg, &kp), 0.0, "{dt:?} keys");
+        assert_eq!(max_diff(&vg, &vp), 0.0, "{dt:?} values");
     }
 }
 

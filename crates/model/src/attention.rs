@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use qwen36_kernels::attention::{
-    causal_softmax, decode_attention, decode_attention_fits, prefill_attention, prefill_attention_fits,
-    AttentionInputs,
+    causal_softmax, decode_attention, decode_attention_fits, paged_decode_attention, prefill_attention,
+    prefill_attention_fits, write_kv_rows, AttentionInputs, Pages,
 };
 use qwen36_kernels::rope::norm_rope_heads;
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding, KernelPolicy};
@@ -75,12 +75,14 @@ impl AttnStep {
 }
 
 /// The new tokens' heads: q `[b, nh, t, hd]` and k `[b, nkv, t, hd]` normalised and rotated, v
-/// `[b, nkv, t, hd]` and the output gate `[b, t, nh, hd]` (views of the projection).
+/// `[b, nkv, t, hd]` and the output gate `[b, t, nh, hd]` (views of the projection `proj`, `[b,
+/// t, (2·nh + 2·nkv)·hd]`).
 struct Heads {
     q: Tensor,
     k: Tensor,
     v: Tensor,
     gate: Tensor,
+    proj: Tensor,
 }
 
 impl Heads {
@@ -91,8 +93,27 @@ impl Heads {
             k: self.k.narrow(2, row, len)?,
             v: self.v.narrow(2, row, len)?,
             gate: self.gate.narrow(1, row, len)?,
+            proj: self.proj.narrow(1, row, len)?,
         })
     }
+}
+
+/// One part of a flat batch for the attention layers ([`GatedAttention::forward_paged_block`]),
+/// in row order.
+#[derive(Debug, Clone)]
+pub(crate) enum AttnPart {
+    /// `batch` sequences of `t` new tokens each, attended in one paged decode launch.
+    Decode {
+        batch: usize,
+        t: usize,
+        /// u32 `[batch, max blocks]`: their block tables.
+        tables: Tensor,
+        /// u32 `[batch]`: their positions once the new ones are written.
+        lens: Tensor,
+        block_size: usize,
+    },
+    /// One sequence attending over its positions gathered from the pools.
+    Seq(PagedSeq),
 }
 
 /// One sequence's part of a flat batch with paged K/V ([`GatedAttention::forward_paged_block`]).
@@ -104,8 +125,6 @@ pub(crate) struct PagedSeq {
     pub len: usize,
     /// u32 `[start + len]`: the pool row of every position.
     pub rows: Tensor,
-    /// `(pool row, first new token, tokens)`: runs of new tokens with consecutive pool rows.
-    pub writes: Vec<(usize, usize, usize)>,
 }
 
 /// One gated-attention mixer.
@@ -238,47 +257,97 @@ impl GatedAttention {
     /// The pre-norm residual block over a flat batch of several sequences (`x: [1, rows,
     /// hidden]`, `cos, sin: [rows, rotary_dim/2]` at each row's position) with paged K/V:
     /// `k_pool, v_pool: [pool rows, kv_heads, head_dim]`, a position's row given by its
-    /// sequence's block table. The projections read all rows at once; each sequence writes its
-    /// new keys and values into the pool and attends over its own positions, with the kernels a
-    /// pass of its length takes alone (so each sequence's result is what it gets alone).
+    /// sequence's block table. The projections read all rows at once and every row's key and
+    /// value go to its pool row (`kv_rows`, u32 `[rows]`) in one write; then each part attends:
+    /// a decode group in one paged launch, any other sequence over its gathered positions with
+    /// the kernels a pass of its length takes alone.
     pub(crate) fn forward_paged_block(
         &self,
         x: &Tensor,
         norm: &RmsNorm,
         (cos, sin): (&Tensor, &Tensor),
-        seqs: &[PagedSeq],
+        (kv_rows, parts): (&Tensor, &[AttnPart]),
         (k_pool, v_pool): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
         let heads = self.project(x, Some(norm), cos, sin)?;
-        let mut outs = Vec::with_capacity(seqs.len());
+        let p = &self.policy;
+        write_kv_rows(
+            &heads.k.squeeze(0)?,
+            &heads.v.squeeze(0)?,
+            k_pool,
+            v_pool,
+            kv_rows,
+            p,
+        )?;
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let scale = (hd as f64).powf(-0.5);
+        let mut outs = Vec::with_capacity(parts.len());
         let mut row = 0;
-        for s in seqs {
-            let part = heads.rows(row, s.len)?;
-            // New keys and values token-major, [len, nkv, hd], into their pool rows.
-            let k_new = part.k.squeeze(0)?.transpose(0, 1)?.contiguous()?;
-            let v_new = part.v.squeeze(0)?.transpose(0, 1)?.contiguous()?;
-            for &(pool_row, token, n) in &s.writes {
-                k_pool.slice_set(&k_new.narrow(0, token, n)?, 0, pool_row)?;
-                v_pool.slice_set(&v_new.narrow(0, token, n)?, 0, pool_row)?;
+        for part in parts {
+            match part {
+                AttnPart::Decode {
+                    batch,
+                    t,
+                    tables,
+                    lens,
+                    block_size,
+                } => {
+                    let (b, t) = (*batch, *t);
+                    let rows = heads.rows(row, b * t)?;
+                    // [nh, b·t, hd] → [b, nkv, g·t, hd], rows member·t + token (one copy).
+                    let q = rows
+                        .q
+                        .squeeze(0)?
+                        .reshape((nh, b, t, hd))?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .reshape((b, nkv, nh / nkv * t, hd))?;
+                    // The gate as a view of this part's projection rows, [b, t, nh, hd].
+                    let gate = self.gate_of(&rows.proj.reshape((b, t, ()))?)?;
+                    let pages = Pages {
+                        tables,
+                        lens,
+                        block_size: *block_size,
+                    };
+                    let x = AttentionInputs::new(&q, k_pool, v_pool, Some(&gate), scale);
+                    let out = paged_decode_attention(x, pages, t, p)?;
+                    outs.push(out.reshape((1, b * t, nh, hd))?);
+                    row += b * t;
+                }
+                AttnPart::Seq(s) => {
+                    let part = heads.rows(row, s.len)?;
+                    // Every position of the sequence, head-major: [1, nkv, start + len, hd].
+                    let gather = |pool: &Tensor| -> Result<Tensor> {
+                        Ok(pool
+                            .index_select(&s.rows, 0)?
+                            .transpose(0, 1)?
+                            .unsqueeze(0)?
+                            .contiguous()?)
+                    };
+                    let (k, v) = (gather(k_pool)?, gather(v_pool)?);
+                    let len = if self.uses_decode_kernel(s.len, x.dtype(), x.device()) {
+                        Some(Tensor::new(&[(s.start + s.len) as u32], x.device())?)
+                    } else {
+                        None
+                    };
+                    outs.push(self.attend_new(&part, &k, &v, s.start, len.as_ref(), SCORE_BUDGET)?);
+                    row += s.len;
+                }
             }
-            // Every position of the sequence, head-major: [1, nkv, start + len, hd].
-            let gather = |pool: &Tensor| -> Result<Tensor> {
-                Ok(pool
-                    .index_select(&s.rows, 0)?
-                    .transpose(0, 1)?
-                    .unsqueeze(0)?
-                    .contiguous()?)
-            };
-            let (k, v) = (gather(k_pool)?, gather(v_pool)?);
-            let len = if self.uses_decode_kernel(s.len, x.dtype(), x.device()) {
-                Some(Tensor::new(&[(s.start + s.len) as u32], x.device())?)
-            } else {
-                None
-            };
-            outs.push(self.attend_new(&part, &k, &v, s.start, len.as_ref(), SCORE_BUDGET)?);
-            row += s.len;
         }
         self.output(&Tensor::cat(&outs, 1)?, x, Some(norm))
+    }
+
+    /// The output gate `[b, t, nh, hd]` as a view of the projection `proj: [b, t, width]`:
+    /// q_proj rows are `[q_h0 | gate_h0 | q_h1 | gate_h1 | ...]`, and the whole row `[q|gate per
+    /// head | k | v]` is nh + nkv blocks of 2·hd, so a free reshape exposes the gates.
+    fn gate_of(&self, proj: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = proj.dims3()?;
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        Ok(proj
+            .reshape((b, t, nh + nkv, 2 * hd))?
+            .narrow(2, 0, nh)?
+            .narrow(3, hd, hd)?)
     }
 
     /// The q|k|v projection of `x: [b, t, hidden]` (with `block`, normalising `x` as it reads
@@ -291,14 +360,10 @@ impl GatedAttention {
             None => self.qkv_proj.forward(x)?,
         };
         let (qd, kd) = (2 * nh * hd, nkv * hd);
-        // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat. The
-        // whole row [q|gate per head | k | v] is nh + nkv blocks of 2·hd, so a free reshape of the
-        // projection exposes the gates as a strided view [b, t, nh, hd] (no copy).
+        // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat; the
+        // gates are a strided view [b, t, nh, hd] (no copy).
         let qg = qkv.narrow(D::Minus1, 0, qd)?;
-        let gate = qkv
-            .reshape((b, t, nh + nkv, 2 * hd))?
-            .narrow(2, 0, nh)?
-            .narrow(3, hd, hd)?;
+        let gate = self.gate_of(&qkv)?;
         // Likewise in blocks of hd the values are blocks 2·nh + nkv.. of each row.
         let v = qkv
             .reshape((b, t, 2 * (nh + nkv), hd))?
@@ -309,7 +374,13 @@ impl GatedAttention {
         let kx = qkv.narrow(D::Minus1, qd, kd)?;
         let k = norm_rope_heads(&kx, nkv, hd, hd, Some(&self.k_norm), cos, sin, p)?;
         let v = v.transpose(1, 2)?; // [b, nkv, t, hd], a view the cache copies once
-        Ok(Heads { q, k, v, gate })
+        Ok(Heads {
+            q,
+            k,
+            v,
+            gate,
+            proj: qkv,
+        })
     }
 
     /// Gated causal attention of the new tokens `heads` (at positions `start..start+t`) over

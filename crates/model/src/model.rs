@@ -5,10 +5,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
-use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, VerifyCheckpoints};
+use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, VerifyCheckpoints};
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
-use crate::attention::{AttnStep, PagedSeq};
+use crate::attention::{AttnPart, AttnStep};
 use crate::paged::{PagedLayer, PoolShape};
 use crate::{
     BatchOutput, BatchPending, Cache, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
@@ -152,9 +152,9 @@ impl DecoderLayer {
 
 impl DecoderLayer {
     /// [`Self::forward`] over a flat batch (`x: [1, rows, hidden]`) with pooled caches: a GDN
-    /// layer gathers each group's states from their slots, runs the groups and writes the new
-    /// states back; an attention layer reads and writes paged K/V. Returns, for a GDN layer
-    /// with verifying groups, every group's checkpoints.
+    /// layer runs decode and verify groups on their slots in place, and each prefill group from
+    /// its slots' states gathered (written back after); an attention layer reads and writes paged
+    /// K/V. Returns, for a GDN layer with verifying groups, every group's checkpoints.
     pub(crate) fn forward_paged(
         &self,
         x: &Tensor,
@@ -165,31 +165,49 @@ impl DecoderLayer {
         let norm = &self.input_norm;
         let (r, checkpoints) = match (&self.mixer, pool) {
             (Mixer::Gdn(g), PagedLayer::Gdn { conv, recurrent }) => {
-                let mut states = flat
-                    .slots
+                // A decode or verify group runs on the pools; a prefill group from its rows.
+                let pooled = |members: &[usize]| {
+                    let first = &batch.chunks[members[0]];
+                    first.verify || first.tokens.len() == 1
+                };
+                let mut own = batch
+                    .groups
                     .iter()
-                    .map(|slots| {
+                    .zip(&flat.slots)
+                    .map(|(members, slots)| {
+                        if pooled(members) {
+                            return Ok(None);
+                        }
                         let c = conv.index_select(slots, 0)?;
                         let r = recurrent.index_select(slots, 0)?;
-                        Ok(GdnState::from_parts(c, r, 0)?)
+                        Ok(Some(GdnState::from_parts(c, r, 0)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let mut groups: Vec<GdnGroup> = batch
                     .groups
                     .iter()
-                    .zip(states.iter_mut())
-                    .map(|(members, state)| {
+                    .zip(own.iter_mut())
+                    .zip(&flat.slots)
+                    .map(|((members, state), slots)| {
                         let first = &batch.chunks[members[0]];
                         GdnGroup {
                             batch: members.len(),
                             len: first.tokens.len(),
-                            state,
+                            state: match state {
+                                Some(state) => GroupState::Own(state),
+                                None => GroupState::Pooled {
+                                    conv,
+                                    recurrent,
+                                    slots,
+                                },
+                            },
                             verify: first.verify,
                         }
                     })
                     .collect();
                 let (r, cps) = g.forward_groups_block(x, norm, &mut groups)?;
-                for (members, state) in batch.groups.iter().zip(&states) {
+                for (members, state) in batch.groups.iter().zip(&own) {
+                    let Some(state) = state else { continue };
                     for (i, &chunk) in members.iter().enumerate() {
                         let slot = batch.chunks[chunk].slot as usize;
                         conv.slice_set(&state.conv().narrow(0, i, 1)?.contiguous()?, 0, slot)?;
@@ -202,7 +220,8 @@ impl DecoderLayer {
             }
             (Mixer::Attention(a), PagedLayer::Attention { k, v }) => {
                 let rope = (&flat.cos, &flat.sin);
-                (a.forward_paged_block(x, norm, rope, &flat.seqs, (k, v))?, None)
+                let parts = (&flat.kv_rows, flat.attn.as_slice());
+                (a.forward_paged_block(x, norm, rope, parts, (k, v))?, None)
             }
             _ => {
                 return Err(Error::Cache(
@@ -214,14 +233,16 @@ impl DecoderLayer {
     }
 }
 
-/// What every layer of one flat forward shares: each row's RoPE angles, each group's slots
-/// and each sequence's paged positions.
+/// What every layer of one flat forward shares: each row's RoPE angles, each group's slots,
+/// each row's KV pool row and the attention parts.
 pub(crate) struct FlatInputs {
     cos: Tensor,
     sin: Tensor,
     /// u32 `[members]` per group.
     slots: Vec<Tensor>,
-    seqs: Vec<PagedSeq>,
+    /// u32 `[rows]`: the pool row each row's key and value go to.
+    kv_rows: Tensor,
+    attn: Vec<AttnPart>,
 }
 
 /// A loaded Qwen3.6 text model (no MTP head).
@@ -391,6 +412,15 @@ impl Qwen36Model {
         })
     }
 
+    /// True when the attention layers run a flat batch's sequences of `tokens` new tokens each
+    /// as one paged decode launch (where the decode kernel takes them: CUDA, few tokens).
+    fn paged_decode(&self, tokens: usize) -> bool {
+        self.layers.iter().any(|l| match &l.mixer {
+            Mixer::Attention(a) => a.uses_decode_kernel(tokens, self.dtype, &self.device),
+            Mixer::Gdn(_) => false,
+        })
+    }
+
     /// What every layer of a flat forward over `batch` shares, and the batch's token ids
     /// `[1, rows]` in row order.
     pub(crate) fn flat_inputs(
@@ -416,11 +446,14 @@ impl Qwen36Model {
                 Ok(Tensor::new(s.as_slice(), &self.device)?)
             })
             .collect::<Result<Vec<_>>>()?;
+        let decode = |t: usize| self.paged_decode(t);
+        let (kv_rows, attn) = batch.attention_parts(cache, decode)?;
         let flat = FlatInputs {
             cos,
             sin,
             slots,
-            seqs: batch.paged_seqs(cache)?,
+            kv_rows,
+            attn,
         };
         Ok((flat, Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?))
     }

@@ -11,7 +11,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor};
 use qwen36_gdn::VerifyCheckpoints;
 
-use crate::attention::PagedSeq;
+use crate::attention::{AttnPart, PagedSeq};
 use crate::{Error, Result};
 
 /// What one layer keeps for every sequence of the pool.
@@ -119,11 +119,10 @@ impl PagedCache {
         Ok(())
     }
 
-    /// The pool row of each of the first `len` positions of a sequence with block table
-    /// `blocks`: u32 `[len]`.
-    pub(crate) fn position_rows(&self, blocks: &[u32], len: usize) -> Vec<u32> {
+    /// The pool row of each position in `positions` of a sequence with block table `blocks`.
+    pub(crate) fn position_rows(&self, blocks: &[u32], positions: Range<usize>) -> Vec<u32> {
         let bs = self.block_size;
-        (0..len)
+        positions
             .map(|p| blocks[p / bs] * bs as u32 + (p % bs) as u32)
             .collect()
     }
@@ -255,30 +254,59 @@ impl ForwardBatch {
         Ok(())
     }
 
-    /// Per chunk in row order, what the attention layers need: every position's pool row and
-    /// the runs of consecutive pool rows the new tokens go to.
-    pub(crate) fn paged_seqs(&self, cache: &PagedCache) -> Result<Vec<PagedSeq>> {
+    /// What the attention layers need, in row order: the pool row of every new token (u32
+    /// `[rows]`) and the parts that attend: each group whose token count `decode` accepts as one
+    /// paged decode launch (its block tables and lengths), every other chunk on its own (the
+    /// pool rows of all its positions).
+    pub(crate) fn attention_parts(
+        &self,
+        cache: &PagedCache,
+        decode: impl Fn(usize) -> bool,
+    ) -> Result<(Tensor, Vec<AttnPart>)> {
         let device = cache.device()?;
-        self.row_order()
-            .map(|i| {
+        let mut kv_rows: Vec<u32> = Vec::with_capacity(self.rows);
+        let mut parts = Vec::new();
+        for members in &self.groups {
+            let t = self.chunks[members[0]].tokens.len();
+            for &i in members {
                 let c = &self.chunks[i];
-                let len = c.tokens.len();
-                let rows = cache.position_rows(&c.blocks, c.start + len);
-                let mut writes: Vec<(usize, usize, usize)> = Vec::new();
-                for (token, &row) in rows[c.start..].iter().enumerate() {
-                    match writes.last_mut() {
-                        Some((r0, _, n)) if *r0 + *n == row as usize => *n += 1,
-                        _ => writes.push((row as usize, token, 1)),
-                    }
+                kv_rows.extend(cache.position_rows(&c.blocks, c.start..c.start + t));
+                if !decode(t) {
+                    let rows = cache.position_rows(&c.blocks, 0..c.start + t);
+                    parts.push(AttnPart::Seq(PagedSeq {
+                        start: c.start,
+                        len: t,
+                        rows: Tensor::new(rows.as_slice(), &device)?,
+                    }));
                 }
-                Ok(PagedSeq {
-                    start: c.start,
-                    len,
-                    rows: Tensor::new(rows.as_slice(), &device)?,
-                    writes,
-                })
-            })
-            .collect()
+            }
+            if decode(t) {
+                let maxb = members
+                    .iter()
+                    .map(|&i| self.chunks[i].blocks.len())
+                    .max()
+                    .unwrap_or(0);
+                let tables: Vec<u32> = members
+                    .iter()
+                    .flat_map(|&i| {
+                        let b = &self.chunks[i].blocks;
+                        (0..maxb).map(move |j| b.get(j).copied().unwrap_or(0))
+                    })
+                    .collect();
+                let lens: Vec<u32> = members
+                    .iter()
+                    .map(|&i| (self.chunks[i].start + t) as u32)
+                    .collect();
+                parts.push(AttnPart::Decode {
+                    batch: members.len(),
+                    t,
+                    tables: Tensor::from_vec(tables, (members.len(), maxb), &device)?,
+                    lens: Tensor::new(lens.as_slice(), &device)?,
+                    block_size: cache.block_size,
+                });
+            }
+        }
+        Ok((Tensor::new(kv_rows.as_slice(), &device)?, parts))
     }
 }
 

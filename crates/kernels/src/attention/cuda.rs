@@ -29,9 +29,58 @@ pub(crate) fn write_kv(
     positions: &Tensor,
     policy: &KernelPolicy,
 ) -> Result<()> {
-    let op = "write_kv";
-    let (b, h, t, d) = k.dims4()?;
+    let (_, h, _, d) = k.dims4()?;
     let cap = k_cache.dim(2)?;
+    let strides = [h * cap * d, cap * d, d].map(|s| s as i64);
+    kv_write(
+        "write_kv",
+        k,
+        v,
+        (k_cache, v_cache),
+        (cap, strides),
+        positions,
+        policy,
+    )
+}
+
+/// CUDA twin of [`super::write_kv_rows`] (shapes checked by the caller): the KV write kernel with
+/// the pool's layout, `[rows, h, d]`.
+pub(crate) fn write_kv_rows(
+    k: &Tensor,
+    v: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    rows: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let (h, _, d) = k.dims3()?;
+    let cap = k_pool.dim(0)?;
+    let strides = [0, d, h * d].map(|s| s as i64);
+    let (k, v) = (k.unsqueeze(0)?, v.unsqueeze(0)?);
+    kv_write(
+        "write_kv_rows",
+        &k,
+        &v,
+        (k_pool, v_pool),
+        (cap, strides),
+        rows,
+        policy,
+    )
+}
+
+/// The KV write kernel: row `i` of `k, v: [b, h, t, d]` to position `positions[i]` of each
+/// cache, whose position rows (`cap` of them per head) sit at the given (batch, head, position)
+/// element strides.
+fn kv_write(
+    op: &'static str,
+    k: &Tensor,
+    v: &Tensor,
+    (k_cache, v_cache): (&Tensor, &Tensor),
+    (cap, cache_strides): (usize, [i64; 3]),
+    positions: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let (b, h, t, d) = k.dims4()?;
     let ((k, ks), (v, vs)) = (strided_rows(k)?, strided_rows(v)?);
     let positions = positions.contiguous()?;
     let dt = k.dtype();
@@ -57,7 +106,11 @@ pub(crate) fn write_kv(
                         lb.arg(s);
                     }
                     let (cap32, d32) = (cap as i32, d as i32);
-                    lb.arg(&pv).arg(&mut kc).arg(&mut vc).arg(&cap32).arg(&d32);
+                    lb.arg(&pv).arg(&mut kc).arg(&mut vc);
+                    for s in &cache_strides {
+                        lb.arg(s);
+                    }
+                    lb.arg(&cap32).arg(&d32);
                     let cfg = LaunchConfig {
                         grid_dim: (t as u32, h as u32, b as u32),
                         block_dim: (d.min(256) as u32, 1, 1),
@@ -66,8 +119,10 @@ pub(crate) fn write_kv(
                     // SAFETY: arguments match `kv_write_b{2,4}` in cuda/attention.cu for this
                     // dtype's size: k and v [b, h, t, d] with contiguous rows, each view spanning
                     // every element its three i64 strides address, positions [t] u32, the cache
-                    // buffers [b, h, cap, d] contiguous (checked by the caller; distinct storages,
-                    // checked too), i32 cap, d; grid (t, h, b); positions ≥ cap are skipped.
+                    // buffers contiguous (checked by the caller; distinct storages, checked too)
+                    // with the three i64 strides of their layout ([b, h, cap, d], or a [cap, h, d]
+                    // pool with b = 1), i32 cap, d; grid (t, h, b); positions ≥ cap are skipped,
+                    // so every write stays inside the buffers.
                     if b * h * t * d > 0 {
                         unsafe { lb.launch(cfg) }.w()?;
                     }
@@ -112,12 +167,61 @@ pub(crate) fn decode_attention(
     t: usize,
     policy: &KernelPolicy,
 ) -> Result<Tensor> {
+    let cap = x.k.dim(2)?;
+    decode("decode_attention", x, len, t, None, cap, policy)
+}
+
+/// CUDA twin of [`super::paged_decode_attention`] (shapes checked by the caller): the decode
+/// kernels reading keys and values through the block tables, a length per sequence, and a fixed
+/// number of splits per KV head (so a sequence's reduction order depends on its length alone).
+pub(crate) fn paged_decode_attention(
+    x: AttentionInputs,
+    pages: super::Pages,
+    t: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let cap = pages.tables.dim(1)? * pages.block_size;
+    let blocks = x.k.dim(0)? / pages.block_size;
+    let paging = Paging {
+        tables: pages.tables.contiguous()?,
+        maxb: pages.tables.dim(1)?,
+        block_size: pages.block_size,
+        blocks,
+    };
+    decode(
+        "paged_decode_attention",
+        x,
+        pages.lens,
+        t,
+        Some(paging),
+        cap,
+        policy,
+    )
+}
+
+/// Block tables of a paged decode launch: `[b, maxb]` u32, positions per block, pool blocks.
+struct Paging {
+    tables: Tensor,
+    maxb: usize,
+    block_size: usize,
+    blocks: usize,
+}
+
+/// The decode kernels over `cap` key positions per KV head: a `[b, h, cap, d]` buffer with one
+/// shared length, or with `paging` the pools through the block tables, a length per sequence.
+fn decode(
+    op: &'static str,
+    x: AttentionInputs,
+    len: &Tensor,
+    t: usize,
+    paging: Option<Paging>,
+    cap: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
     let AttentionInputs { q, k, v, gate, scale } = x;
-    let op = "decode_attention";
     let dt = q.dtype();
     let dev = device(op, q)?;
     let (b, h, r, d) = q.dims4()?;
-    let cap = k.dim(2)?;
     if !decode_attention_fits(r, d, dt) || k.dtype() != dt || v.dtype() != dt {
         return Err(err(
             op,
@@ -132,7 +236,9 @@ pub(crate) fn decode_attention(
     // partials (one per split of a KV head: `spans` of them, each over `unit`-key units) go
     // through the same merge kernels.
     let tensor_cores = matches!(dt, DType::BF16 | DType::F16) && PREFILL_HEAD_DIMS.contains(&d) && r <= 32;
-    let (spans, unit) = if tensor_cores {
+    let (spans, unit) = if tensor_cores && paging.is_some() {
+        (FLASH_DECODE_SPLITS, FLASH_TILE)
+    } else if tensor_cores {
         (cap.div_ceil(FLASH_TILE).clamp(1, FLASH_DECODE_SPLITS), FLASH_TILE)
     } else {
         (cap.div_ceil(KEYS_PER_SPAN).max(1), KEYS_PER_SPAN)
@@ -160,6 +266,27 @@ pub(crate) fn decode_attention(
             let kv = view::<$t>(op, &ks, kl)?;
             let vv = view::<$t>(op, &vs, vl)?;
             let lv = view::<u32>(op, &ls, ll)?;
+            let table_guard = paging.as_ref().map(|p| p.tables.storage_and_layout());
+            let table_view = match &table_guard {
+                Some((ts, tl)) => Some(view::<u32>(op, ts, tl)?),
+                None => None,
+            };
+            // The paging arguments every partial kernel takes after its own: table (or null),
+            // i32 maxb, block size, pool blocks, KV heads; and the merges' length selector.
+            let null_table = 0u64;
+            let (maxb32, bs32, nb32, h32) = match &paging {
+                Some(p) => (p.maxb as i32, p.block_size as i32, p.blocks as i32, h as i32),
+                None => (0, 1, 0, h as i32),
+            };
+            let push_paging = |lb: &mut KernelCall| {
+                match &table_view {
+                    Some(tv) => lb.arg(tv),
+                    None => lb.arg(&null_table),
+                };
+                lb.arg(&maxb32).arg(&bs32).arg(&nb32).arg(&h32);
+            };
+            let paged32 = i32::from(paging.is_some());
+            let len_h = paged32 * h32;
             let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
             let gv = match &gate_guard {
                 Some((gs, gl)) => Some(span_view::<$t>(op, gs, gl)?),
@@ -191,30 +318,35 @@ pub(crate) fn decode_attention(
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
+                push_paging(&mut lb);
                 let cfg = LaunchConfig {
                     grid_dim: (spans as u32, bh as u32, 1),
                     block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
                 // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] with
-                // r ≤ 16·mt, k and v [bh·cap·d] contiguous, len [1] u32 (clamped to cap by the
-                // kernel), scratch of bh·spans·r·(d | 2) f32 (the grid's x is spans), i32 r, cap,
-                // t, f32 scale·log2 e; 128 threads and the shared memory the kernel lays out.
+                // r ≤ 16·mt, k and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks
+                // read through tables [b·maxb] u32 (block ids past the pool read block 0), len
+                // [1] or (paged) [b] u32 (clamped to cap by the kernel), scratch of
+                // bh·spans·r·(d | 2) f32 (the grid's x is spans), i32 r, cap, t, f32 scale·log2 e,
+                // the paging arguments; 128 threads and the shared memory the kernel lays out.
                 unsafe { lb.launch(cfg) }.w()?;
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
                 let mut lb = KernelCall::new(&dev, &partial, policy);
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
                 lb.arg(&r32).arg(&d32).arg(&cap32).arg(&t32).arg(&scale32);
+                push_paging(&mut lb);
                 let cfg = LaunchConfig {
                     grid_dim: (spans as u32, bh as u32, 1),
                     block_dim: (ATTENTION_THREADS as u32, 1, 1),
                     shared_mem_bytes: (r * (d + KEYS_PER_SPAN) * 4) as u32,
                 };
                 // SAFETY: arguments match `attn_decode_partial_*` in cuda/attention.cu: q [bh·r·d],
-                // k and v [bh·cap·d] contiguous (16-byte rows: `decode_attention_fits`), len [1] u32
-                // (the kernel clamps it to cap), scratch of bh·spans·r·(d | 2) f32, i32 r, d, cap, t,
-                // f32 scale; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
+                // k and v [bh·cap·d] contiguous (16-byte rows: `decode_attention_fits`) or pools
+                // read through the tables as above, len [1] or [b] u32 (the kernel clamps it to
+                // cap), scratch of bh·spans·r·(d | 2) f32, i32 r, d, cap, t, f32 scale, the paging
+                // arguments; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
                 unsafe { lb.launch(cfg) }.w()?;
             }
             // Long buffers: merge groups of ATTENTION_GROUP spans first, in parallel, so that the
@@ -229,15 +361,16 @@ pub(crate) fn decode_attention(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
-                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&len_h);
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, bh as u32, groups as u32),
                     block_dim: (ATTENTION_THREADS as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 // SAFETY: arguments match `attn_decode_merge_group`: the scratch written above,
-                // len [1] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span per
-                // input entry, the partial kernel's unit and split count; grid (r, bh, groups).
+                // len [1] or [b] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span
+                // per input entry, the partial kernel's unit and split count, the KV heads per
+                // length (0: one shared length); grid (r, bh, groups).
                 unsafe { lb.launch(cfg) }.w()?;
                 Some((o2, ml2, groups))
             } else {
@@ -249,7 +382,7 @@ pub(crate) fn decode_attention(
             };
             let merge = ATTENTION.func(&dev, &format!("attn_decode_merge_{sfx}"))?;
             let mut lb = KernelCall::new(&dev, &merge, policy);
-            let (e32, per32, h32) = (entries as i32, per as i32, h as i32);
+            let (e32, per32) = (entries as i32, per as i32);
             lb.arg(o_in)
                 .arg(ml_in)
                 .arg(&lv)
@@ -268,14 +401,14 @@ pub(crate) fn decode_attention(
             for s in &g_strides {
                 lb.arg(s);
             }
-            lb.arg(&h32).arg(&t32);
+            lb.arg(&h32).arg(&t32).arg(&paged32);
             let cfg = LaunchConfig {
                 grid_dim: (r as u32, bh as u32, 1),
                 block_dim: (ATTENTION_THREADS as u32, 1, 1),
                 shared_mem_bytes: (entries * 4) as u32,
             };
             // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
-            // groups of ATTENTION_GROUP spans), len [1] u32, out [bh·r·d] (written as [b, t,
+            // groups of ATTENTION_GROUP spans), len [1] or (paged, flag 1) [b] u32, out [bh·r·d] (written as [b, t,
             // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit and split
             // count, the gate [b, t, h·r/t, d] with contiguous rows (its view spans every element
             // its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked

@@ -27,7 +27,7 @@ const SHARED_BYTES: usize = 48 * 1024;
 pub fn decode_attention_fits(rows: usize, head_dim: usize, dtype: DType) -> bool {
     rows > 0
         && (head_dim * dtype.size_in_bytes()) % 16 == 0
-        && rows * (head_dim + KEYS_PER_SPAN) * 4 <= SHARED_BYTES
+        && rows * (head_dim + KEYS_PER_SPAN) * 4 + KEYS_PER_SPAN * 8 <= SHARED_BYTES
 }
 
 /// The operands of an attention call: queries, keys and values (shapes at each op), the output
@@ -161,6 +161,134 @@ pub fn write_kv(
     }
     let _ = (b, h, t, d, policy);
     reference::write_kv(k, v, k_cache, v_cache, positions)
+}
+
+/// Writes new keys and values into paged pools: row `i` of `k, v: [kv_heads, n, hd]` (any
+/// strides with contiguous rows) goes to pool row `rows[i]` of `k_pool, v_pool: [pool rows,
+/// kv_heads, hd]` (contiguous, updated in place). `rows` is a u32 `[n]` device tensor (a recorded
+/// CUDA graph replays once it is rewritten); rows must be below the pool's (on CUDA a row past
+/// it is skipped rather than read back to check). CUDA: one kernel for both pools; elsewhere
+/// candle's scatter.
+pub fn write_kv_rows(
+    k: &Tensor,
+    v: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    rows: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let op = "write_kv_rows";
+    for (arg, t, rank) in [
+        ("k", k, 3),
+        ("v", v, 3),
+        ("k_pool", k_pool, 3),
+        ("v_pool", v_pool, 3),
+    ] {
+        expect_rank(op, arg, t, rank)?;
+    }
+    let (h, n, d) = k.dims3()?;
+    let pool_dims = k_pool.dims();
+    let fits = v.dims() == k.dims()
+        && v_pool.dims() == pool_dims
+        && pool_dims[1..] == [h, d]
+        && [v, k_pool, v_pool].iter().all(|x| x.dtype() == k.dtype())
+        && rows.dims() == [n]
+        && rows.dtype() == DType::U32;
+    if !fits {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "k {:?}, v {:?}, pools {:?} / {:?} and rows {:?} {:?} do not fit",
+                k.dims(),
+                v.dims(),
+                k_pool.dims(),
+                v_pool.dims(),
+                rows.dtype(),
+                rows.dims()
+            ),
+        });
+    }
+    crate::expect_out_buffer(op, "k_pool", k_pool, k.dtype(), pool_dims, ("v_pool", v_pool))?;
+    crate::expect_out_buffer(op, "v_pool", v_pool, k.dtype(), pool_dims, ("k_pool", k_pool))?;
+    if n == 0 {
+        return Ok(());
+    }
+    if k.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return cuda::write_kv_rows(k, v, k_pool, v_pool, rows, policy);
+    }
+    let _ = policy;
+    reference::write_kv_rows(k, v, k_pool, v_pool, rows)
+}
+
+/// Where [`paged_decode_attention`] finds each sequence's keys: `tables: [batch, max_blocks]`
+/// u32 (sequence `i`'s position `p` is pool row `tables[i][p / block_size] · block_size + p %
+/// block_size`; entries past its length are not read) and `lens: [batch]` u32, its valid
+/// positions once the new ones are written (device tensors: a recorded graph replays once they
+/// are rewritten).
+#[derive(Debug, Clone, Copy)]
+pub struct Pages<'a> {
+    pub tables: &'a Tensor,
+    pub lens: &'a Tensor,
+    pub block_size: usize,
+}
+
+/// [`decode_attention`] for a batch of sequences of different lengths whose keys and values
+/// live in paged pools: `x.q: [batch, kv_heads, g·t, hd]` (rows member·t + token, as
+/// [`decode_attention`] takes them), `x.k, x.v: [pool rows, kv_heads, hd]` (contiguous), the
+/// gate `[batch, t, g·kv_heads, hd]`; sequence `i`'s new tokens sit at positions `lens[i] - t..`.
+/// Returns `[batch, t, g·kv_heads, hd]`. On CUDA each sequence's reduction order depends only on
+/// its own length (a fixed split of its keys), so a sequence gets the same result in any batch.
+pub fn paged_decode_attention(
+    x: AttentionInputs,
+    pages: Pages,
+    new_tokens: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let AttentionInputs { q, k, v, gate, .. } = x;
+    let op = "paged_decode_attention";
+    expect_rank(op, "q", q, 4)?;
+    expect_rank(op, "k", k, 3)?;
+    let (b, h, r, d) = q.dims4()?;
+    let t = new_tokens;
+    let bs = pages.block_size;
+    let fits = k.dims()[1..] == [h, d]
+        && v.dims() == k.dims()
+        && [k, v].iter().all(|x| x.dtype() == q.dtype() && x.is_contiguous())
+        && t > 0
+        && r % t == 0
+        && bs > 0
+        && k.dim(0)? % bs == 0
+        && pages.tables.rank() == 2
+        && pages.tables.dim(0)? == b
+        && pages.tables.dtype() == DType::U32
+        && pages.lens.dims() == [b]
+        && pages.lens.dtype() == DType::U32;
+    let heads = h * r / t.max(1);
+    let gate_fits = gate.is_none_or(|g| g.dims() == [b, t, heads, d] && g.dtype() == q.dtype());
+    if !fits || !gate_fits {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "q {:?}, pools {:?} / {:?} (contiguous {}), blocks of {bs}, tables {:?} {:?}, lens                  {:?} {:?}, gate {:?} and {t} new tokens do not fit",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                k.is_contiguous() && v.is_contiguous(),
+                pages.tables.dtype(),
+                pages.tables.dims(),
+                pages.lens.dtype(),
+                pages.lens.dims(),
+                gate.map(|g| (g.dims(), g.dtype()))
+            ),
+        });
+    }
+    if q.device().is_cuda() {
+        #[cfg(feature = "cuda")]
+        return cuda::paged_decode_attention(x, pages, t, policy);
+    }
+    let _ = policy;
+    reference::paged_decode_attention(x, pages, t)
 }
 
 /// Head dims the CUDA tensor-core attention kernels (prefill and decode) are built for.
@@ -404,6 +532,107 @@ mod tests {
         // A position past the buffer: candle's scatter refuses it on the CPU (CUDA skips it).
         let e = write_kv(&k, &v, &kc, &vc, &Tensor::new(&[5u32, 6], &dev)?, P).unwrap_err();
         assert!(e.to_string().contains("invalid index 6"), "{e}");
+        Ok(())
+    }
+
+    /// Rows land at their pool rows (keys and values, from strided views) and nowhere else; bad
+    /// shapes, one buffer for both pools and a row past the pool are errors.
+    #[test]
+    fn write_kv_rows_writes_pool_rows() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, n, d, rows) = (2, 3, 4, 8);
+        let k = qwen36_testutil::randn(220, 1.0, (h, n, d), &dev)?;
+        let v = qwen36_testutil::randn(221, 1.0, (n, h, d), &dev)?.transpose(0, 1)?;
+        let (kp, vp) = (
+            Tensor::zeros((rows, h, d), DType::F32, &dev)?,
+            Tensor::ones((rows, h, d), DType::F32, &dev)?,
+        );
+        let at = [6u32, 1, 2];
+        write_kv_rows(&k, &v, &kp, &vp, &Tensor::new(&at, &dev)?, P)?;
+        let max = |x: Tensor| -> Result<f32> { Ok(x.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
+        for (i, &row) in at.iter().enumerate() {
+            let row = row as usize;
+            assert_eq!(max((kp.get(row)? - k.narrow(1, i, 1)?.squeeze(1)?)?)?, 0.0);
+            assert_eq!(max((vp.get(row)? - v.narrow(1, i, 1)?.squeeze(1)?)?)?, 0.0);
+        }
+        for row in [0, 3, 4, 5, 7] {
+            assert_eq!(max(kp.get(row)?)?, 0.0);
+            assert_eq!(max((vp.get(row)? - 1.0)?)?, 0.0);
+        }
+        let e = write_kv_rows(&k, &v, &kp, &vp, &Tensor::new(&[1u32, 2], &dev)?, P).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+        let e = write_kv_rows(&k, &v, &kp, &kp, &Tensor::new(&at, &dev)?, P).unwrap_err();
+        assert!(e.to_string().contains("shares its buffer"), "{e}");
+        let e = write_kv_rows(&k, &v, &kp, &vp, &Tensor::new(&[1u32, 2, 8], &dev)?, P).unwrap_err();
+        assert!(e.to_string().contains("invalid index 8"), "{e}");
+        Ok(())
+    }
+
+    /// Sequences of different lengths whose positions sit in shuffled blocks of a pool attend as
+    /// each does over its own contiguous buffer (positions mapped to pool rows by hand), gated
+    /// or not; bad tables are named.
+    #[test]
+    fn paged_decode_reads_each_sequence_through_its_table() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, g, t, d, bs) = (2, 3, 2, 8, 4);
+        // Sequence lengths (new tokens included) and their blocks in a pool of 9.
+        let lens = [7usize, 11, 2];
+        let tables: [Vec<u32>; 3] = [vec![5, 0], vec![8, 2, 6], vec![3]];
+        let maxb = 3;
+        let kp = qwen36_testutil::randn(230, 1.0, (9 * bs, h, d), &dev)?;
+        let vp = qwen36_testutil::randn(231, 1.0, (9 * bs, h, d), &dev)?;
+        let q = qwen36_testutil::randn(232, 1.0, (3, h, g * t, d), &dev)?;
+        let gate = qwen36_testutil::randn(233, 1.0, (3, t, h * g, d), &dev)?;
+        let flat: Vec<u32> = tables
+            .iter()
+            .flat_map(|tb| (0..maxb).map(move |j| tb.get(j).copied().unwrap_or(0)))
+            .collect();
+        let table_t = Tensor::from_vec(flat, (3, maxb), &dev)?;
+        let lens_t = Tensor::new(lens.map(|l| l as u32).as_slice(), &dev)?;
+        let pages = Pages {
+            tables: &table_t,
+            lens: &lens_t,
+            block_size: bs,
+        };
+        for gate in [None, Some(&gate)] {
+            let got = paged_decode_attention(AttentionInputs::new(&q, &kp, &vp, gate, 0.4), pages, t, P)?;
+            assert_eq!(got.dims(), [3, t, h * g, d]);
+            for (i, (&len, table)) in lens.iter().zip(&tables).enumerate() {
+                // The sequence's own [1, h, len, d] buffer, position by position.
+                let own = |pool: &Tensor| -> Result<Tensor> {
+                    let rows: Vec<Tensor> = (0..len)
+                        .map(|p| pool.get(table[p / bs] as usize * bs + p % bs))
+                        .collect::<std::result::Result<_, _>>()?;
+                    Ok(Tensor::stack(&rows, 1)?.unsqueeze(0)?)
+                };
+                let gi = gate.map(|g| g.narrow(0, i, 1)).transpose()?;
+                let want = decode_attention(
+                    AttentionInputs::new(&q.narrow(0, i, 1)?, &own(&kp)?, &own(&vp)?, gi.as_ref(), 0.4),
+                    &Tensor::new(&[len as u32], &dev)?,
+                    t,
+                    P,
+                )?;
+                let diff = (got.narrow(0, i, 1)? - want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "sequence {i}");
+            }
+        }
+        let short = Tensor::new(&[7u32, 11], &dev)?;
+        let bad = Pages {
+            lens: &short,
+            ..pages
+        };
+        let e = paged_decode_attention(AttentionInputs::new(&q, &kp, &vp, None, 0.4), bad, t, P).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+        let odd = Pages {
+            block_size: 5,
+            ..pages
+        };
+        let e = paged_decode_attention(AttentionInputs::new(&q, &kp, &vp, None, 0.4), odd, t, P).unwrap_err();
+        assert!(e.to_string().contains("blocks of 5"), "{e}");
         Ok(())
     }
 

@@ -40,6 +40,53 @@ pub fn write_kv(
     Ok(())
 }
 
+/// [`super::write_kv_rows`] through candle's scatter along the pool's rows (arguments checked by
+/// the caller; a row past the pool is an error).
+pub fn write_kv_rows(k: &Tensor, v: &Tensor, k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor) -> Result<()> {
+    let (h, n, d) = k.dims3()?;
+    let index = rows.reshape((n, 1, 1))?.broadcast_as((n, h, d))?.contiguous()?;
+    k_pool.scatter_set(&index, &k.transpose(0, 1)?.contiguous()?, 0)?;
+    v_pool.scatter_set(&index, &v.transpose(0, 1)?.contiguous()?, 0)?;
+    Ok(())
+}
+
+/// [`super::paged_decode_attention`] on the host (arguments checked by the caller): each
+/// sequence's keys and values gathered from the pools through its block table, then
+/// [`decode_attention`] on them. A block past the pool is an error.
+pub fn paged_decode_attention(x: AttentionInputs, pages: super::Pages, t: usize) -> Result<Tensor> {
+    let AttentionInputs { q, k, v, gate, scale } = x;
+    let cpu = Device::Cpu;
+    let tables = pages.tables.to_device(&cpu)?.to_vec2::<u32>()?;
+    let lens = pages.lens.to_device(&cpu)?.to_vec1::<u32>()?;
+    let bs = pages.block_size;
+    let mut outs = Vec::with_capacity(lens.len());
+    for (i, (table, &len)) in tables.iter().zip(&lens).enumerate() {
+        let len = (len as usize).min(table.len() * bs);
+        let rows: Vec<u32> = (0..len)
+            .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
+            .collect();
+        let rows = Tensor::new(rows.as_slice(), k.device())?;
+        // [len, kv_heads, hd] → [1, kv_heads, len, hd]
+        let gather = |pool: &Tensor| -> Result<Tensor> {
+            Ok(pool
+                .index_select(&rows, 0)?
+                .transpose(0, 1)?
+                .unsqueeze(0)?
+                .contiguous()?)
+        };
+        let (ks, vs) = (gather(k)?, gather(v)?);
+        let gate = gate.map(|g| g.narrow(0, i, 1)).transpose()?;
+        let qi = q.narrow(0, i, 1)?;
+        let lt = Tensor::new(&[len as u32], &cpu)?;
+        outs.push(decode_attention(
+            AttentionInputs::new(&qi, &ks, &vs, gate.as_ref(), scale),
+            &lt,
+            t,
+        )?);
+    }
+    Ok(Tensor::cat(&outs, 0)?)
+}
+
 /// [`super::prefill_attention`] on the host (arguments checked by the caller): the f32 loops, then
 /// the gate in `q`'s dtype.
 pub fn prefill_attention(x: AttentionInputs, pos0: usize) -> Result<Tensor> {

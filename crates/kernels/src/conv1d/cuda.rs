@@ -93,11 +93,14 @@ pub(crate) fn conv1d_in_place(
     x: &Tensor,
     weight: &Tensor,
     state: &Tensor,
+    slots: Option<&Tensor>,
     k: usize,
     window: Option<&Tensor>,
     policy: &KernelPolicy,
 ) -> Result<Tensor> {
     let op = "causal_conv1d_in_place";
+    let slots = slots.map(Tensor::contiguous).transpose()?;
+    let pool = state.dim(0)? as i32;
     if k > 8 {
         return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
     }
@@ -134,6 +137,16 @@ pub(crate) fn conv1d_in_place(
                     for v in &dims {
                         lb.arg(v);
                     }
+                    let slot_guard = slots.as_ref().map(|s| s.storage_and_layout());
+                    let slot_view = match &slot_guard {
+                        Some((ss, sl)) => Some(view::<u32>(op, ss, sl)?),
+                        None => None,
+                    };
+                    match &slot_view {
+                        Some(sv) => lb.arg(sv),
+                        None => lb.arg(&null),
+                    };
+                    lb.arg(&pool);
                     let cfg = LaunchConfig {
                         grid_dim: ((b * c).div_ceil(CONV_SEQ_THREADS as usize) as u32, 1, 1),
                         block_dim: (CONV_SEQ_THREADS, 1, 1),
@@ -141,10 +154,12 @@ pub(crate) fn conv1d_in_place(
                     };
                     // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows of
                     // c elements xs apart (the view spans exactly them), i64 xs, w [c·k], a fresh
-                    // y [b·t·c], the state [b·c·(k-1)] (checked by the caller), the caller's
-                    // window [b·c·(k-1+t)] (checked by the caller, disjoint from the state) or
-                    // null, i32 dims; one thread per (sequence, channel), each reading its state
-                    // entries before writing them.
+                    // y [b·t·c], the state [pool·c·(k-1)] (pool = b without slots; checked by the
+                    // caller), the caller's window [b·c·(k-1+t)] (checked by the caller, disjoint
+                    // from the state) or null, i32 dims, the slots [b] u32 or null and i32 pool
+                    // (the kernel touches no row at or past pool); one thread per (sequence,
+                    // channel), each reading its state entries before writing them (distinct
+                    // slots give distinct rows; the caller's duty).
                     unsafe { lb.launch(cfg) }.w()?;
                     y = Some(wrap(out, &dev, (b, t, c)));
                     Ok(())

@@ -75,15 +75,31 @@ pub fn causal_conv1d(
 /// another buffer than `state`), receives the raw window `concat(state before, xᵀ)`: what a
 /// speculative verify keeps to commit any accepted prefix. On CUDA one thread per channel walks
 /// the tokens in order: meant for a few tokens (decode, speculative verify), not for prefill.
+///
+/// With `slots` (u32 `[batch]`, distinct), `state` is a pool `[pool, channels, kernel-1]` and
+/// sequence `i` reads and writes its row `slots[i]`: a batch over pooled states, with no gather
+/// or scatter. A slot outside the pool is an error on the CPU; on CUDA (which does not read the
+/// slots back) that sequence runs from a zero window and keeps nothing.
 pub fn causal_conv1d_in_place(
     x: &Tensor,
     weight: &Tensor,
     state: &Tensor,
+    slots: Option<&Tensor>,
     window: Option<&Tensor>,
     policy: &KernelPolicy,
 ) -> Result<Tensor> {
     let op = "causal_conv1d_in_place";
-    let (b, t, c, k) = check(x, weight, Some(state))?;
+    if let Some(slots) = slots {
+        crate::expect_slots(op, slots, x.dim(0)?, state.dim(0)?)?;
+    }
+    let per_seq = match slots {
+        // The pool's rows stand for the batch in the shape checks.
+        Some(_) => state
+            .narrow(0, 0, 1)?
+            .broadcast_as([&[x.dim(0)?][..], &state.dims()[1..]].concat())?,
+        None => state.clone(),
+    };
+    let (b, t, c, k) = check(x, weight, Some(&per_seq))?;
     if !state.is_contiguous() || state.dtype() != x.dtype() {
         return Err(Error::Shape {
             op,
@@ -106,7 +122,12 @@ pub fn causal_conv1d_in_place(
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return cuda::conv1d_in_place(x, weight, state, k, window, policy);
+        return cuda::conv1d_in_place(x, weight, state, slots, k, window, policy);
+    }
+    if let Some(slots) = slots {
+        return crate::on_pool_rows(op, state, slots, |own| {
+            causal_conv1d_in_place(x, weight, own, None, window, policy)
+        });
     }
     let _ = policy;
     if let Some(w) = window {
@@ -232,26 +253,26 @@ mod tests {
         let x = Tensor::new(rand_vec(2 * 3 * 5, 7), &dev)?.reshape((2, 3, 5))?;
         let w = Tensor::new(rand_vec(5 * 4, 8), &dev)?.reshape((5, 4))?;
         let s0 = Tensor::new(rand_vec(2 * 5 * 3, 9), &dev)?.reshape((2, 5, 3))?;
-        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, None, P).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &s0.to_dtype(DType::F16)?, None, None, P).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
         let strided = Tensor::zeros((2, 3, 5), DType::F32, &dev)?.transpose(1, 2)?;
-        let err = causal_conv1d_in_place(&x, &w, &strided, None, P).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &strided, None, None, P).unwrap_err();
         assert!(err.to_string().contains("contiguous"), "{err}");
         let (y_want, s_want) = causal_conv1d(&x, &w, Some(&s0), P)?;
         let state = s0.copy()?;
         // The window must fit and be a buffer of its own.
         let short = Tensor::zeros((2, 5, 5), DType::F32, &dev)?;
-        let err = causal_conv1d_in_place(&x, &w, &state, Some(&short), P).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &state, None, Some(&short), P).unwrap_err();
         assert!(err.to_string().contains("window must be"), "{err}");
         let both = Tensor::zeros((2 * 5 * 3 + 2 * 5 * 6,), DType::F32, &dev)?;
         let (aliased_state, aliased_window) = (
             both.narrow(0, 0, 30)?.reshape((2, 5, 3))?,
             both.narrow(0, 30, 60)?.reshape((2, 5, 6))?,
         );
-        let err = causal_conv1d_in_place(&x, &w, &aliased_state, Some(&aliased_window), P).unwrap_err();
+        let err = causal_conv1d_in_place(&x, &w, &aliased_state, None, Some(&aliased_window), P).unwrap_err();
         assert!(err.to_string().contains("shares its buffer"), "{err}");
         let window = Tensor::zeros((2, 5, 6), DType::F32, &dev)?;
-        let y = causal_conv1d_in_place(&x, &w, &state, Some(&window), P)?;
+        let y = causal_conv1d_in_place(&x, &w, &state, None, Some(&window), P)?;
         let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
             Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
         };
@@ -259,6 +280,43 @@ mod tests {
         assert_eq!(diff(&state, &s_want)?, 0.0);
         let want_window = Tensor::cat(&[&s0, &x.transpose(1, 2)?], 2)?;
         assert_eq!(diff(&window, &want_window)?, 0.0);
+        Ok(())
+    }
+
+    /// Over a pool, each sequence reads and writes only its slot's row, as the op on that row
+    /// alone does; the other rows keep their values; bad slot tables are refused by name.
+    #[test]
+    fn pooled_state_updates_only_its_slots() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::new(rand_vec(2 * 3 * 5, 17), &dev)?.reshape((2, 3, 5))?;
+        let w = Tensor::new(rand_vec(5 * 4, 18), &dev)?.reshape((5, 4))?;
+        let pool0 = Tensor::new(rand_vec(4 * 5 * 3, 19), &dev)?.reshape((4, 5, 3))?;
+        let slots = Tensor::new(&[3u32, 1], &dev)?;
+        let pool = pool0.copy()?;
+        let window = Tensor::zeros((2, 5, 6), DType::F32, &dev)?;
+        let y = causal_conv1d_in_place(&x, &w, &pool, Some(&slots), Some(&window), P)?;
+        let own = pool0.index_select(&slots, 0)?;
+        let (y_want, s_want) = causal_conv1d(&x, &w, Some(&own), P)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        };
+        assert_eq!(diff(&y, &y_want)?, 0.0);
+        assert_eq!(diff(&pool.get(3)?, &s_want.get(0)?)?, 0.0);
+        assert_eq!(diff(&pool.get(1)?, &s_want.get(1)?)?, 0.0);
+        for untouched in [0, 2] {
+            assert_eq!(diff(&pool.get(untouched)?, &pool0.get(untouched)?)?, 0.0);
+        }
+        let want_window = Tensor::cat(&[&own, &x.transpose(1, 2)?], 2)?;
+        assert_eq!(diff(&window, &want_window)?, 0.0);
+        for (bad, msg) in [
+            (Tensor::new(&[3u32, 4], &dev)?, "outside the pool"),
+            (Tensor::new(&[2u32, 2], &dev)?, "used twice"),
+            (Tensor::new(&[1u32], &dev)?, "slots must be u32 [2]"),
+            (Tensor::new(&[1i64, 2], &dev)?, "slots must be u32 [2]"),
+        ] {
+            let err = causal_conv1d_in_place(&x, &w, &pool, Some(&bad), None, P).unwrap_err();
+            assert!(err.to_string().contains(msg), "{err}");
+        }
         Ok(())
     }
 }

@@ -167,10 +167,18 @@ impl Keep<'_, '_> {
     }
 }
 
+/// The rows of an in-place state buffer: `rows` states, sequence `i` at row `slots[i]` (u32
+/// `[b]`) or, without slots, at row `i`.
+#[derive(Clone, Copy)]
+struct Pool<'a> {
+    slots: Option<&'a Tensor>,
+    rows: usize,
+}
+
 /// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`KernelInputs`]).
-/// With `in_place` (a state buffer of `[b, hv, dk, dv]` f32, and `inp.state` None) the kernel
-/// starts from that buffer and writes the final state back into it; the returned `state` is then
-/// `None`.
+/// With `in_place` (a state buffer of `[rows, hv, dk, dv]` f32 and its [`Pool`], and `inp.state`
+/// None) the kernel starts from that buffer and writes the final state back into it; the
+/// returned `state` is then `None`.
 #[allow(clippy::too_many_arguments)]
 fn launch_recurrent<T: CudaDType>(
     op: &'static str,
@@ -179,7 +187,7 @@ fn launch_recurrent<T: CudaDType>(
     inp: KernelInputs,
     scale: f32,
     keep: Keep,
-    in_place: Option<&mut CudaViewMut<'_, f32>>,
+    in_place: Option<(&mut CudaViewMut<'_, f32>, Pool)>,
     policy: &KernelPolicy,
 ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let dev = device(op, inp.q.0)?;
@@ -198,6 +206,8 @@ fn launch_recurrent<T: CudaDType>(
         Keep::Fresh => Some(unsafe { dev.alloc::<f32>(n_state * d.t)? }),
         _ => None,
     };
+    let pool = in_place.as_ref().map(|(_, p)| *p);
+    let slot_guard = pool.and_then(|p| p.slots).map(|s| s.storage_and_layout());
     with_views::<T, _>(op, &inp, |v| {
         let func = GDN.func(&dev, &name)?;
         let mut lb = KernelCall::new(&dev, &func, policy);
@@ -209,7 +219,7 @@ fn launch_recurrent<T: CudaDType>(
                 lb.arg(s);
                 0
             }
-            (None, Some(s)) => {
+            (None, Some((s, _))) => {
                 lb.arg(s);
                 1
             }
@@ -227,15 +237,26 @@ fn launch_recurrent<T: CudaDType>(
         }
         let eps = 1e-6f32;
         lb.arg(&scale).arg(&eps);
+        let slot_view = match &slot_guard {
+            Some((ss, sl)) => Some(view::<u32>(op, ss, sl)?),
+            None => None,
+        };
+        match &slot_view {
+            Some(sv) => lb.arg(sv),
+            None => lb.arg(&v.null),
+        };
+        let rows = pool.map_or(d.b, |p| p.rows) as i32;
+        lb.arg(&rows);
         let cfg = state_column_blocks(d);
         // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (the shared
         // input prefix, the initial state or null, then the outputs, the in-place flag, i32
-        // dims, f32 scale and eps); buffers have the sizes checked by the callers, outputs are
-        // fresh allocations of the sizes the kernel writes or (in place, flag 1, initial state
-        // null) the caller's state buffer of that size, which the kernel reads before it writes
-        // (each thread its own elements), the caller's buffer for every token's state (`Keep::
-        // Into`, b·t·hv·dk·dv f32: checked by the caller, disjoint from the state), and null (0)
-        // is passed only where the kernel tests for it.
+        // dims, f32 scale and eps, the slots or null and i32 rows); buffers have the sizes
+        // checked by the callers, outputs are fresh allocations of the sizes the kernel writes
+        // or (in place, flag 1, initial state null) the caller's state buffer of rows·hv·dk·dv
+        // f32, which the kernel reads before it writes (each thread its own elements; rows
+        // slots[i] < rows, distinct by the caller's duty, else row i < b = rows), the caller's
+        // buffer for every token's state (`Keep::Into`, b·t·hv·dk·dv f32: checked by the caller,
+        // disjoint from the state), and null (0) is passed only where the kernel tests for it.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
@@ -774,11 +795,17 @@ pub(crate) fn fused_in_place(
     b: &Tensor,
     layer: GdnParams,
     state: &Tensor,
+    slots: Option<&Tensor>,
     all_states: Option<&Tensor>,
     policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
     let args = FusedArgs::new(d, qkv, a, b, layer)?;
+    let slots = slots.map(Tensor::contiguous).transpose()?;
+    let pool = Pool {
+        slots: slots.as_ref(),
+        rows: state.dim(0)?,
+    };
     let name = args.recurrent_kernel(op, d)?;
     let scale = (d.dk as f32).powf(-0.5);
     let dt = args.qkv.dtype();
@@ -790,7 +817,16 @@ pub(crate) fn fused_in_place(
             let keep = all.map_or(Keep::No, Keep::Into);
             macro_rules! go {
                 ($t:ty) => {
-                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, Some(&mut view), policy)
+                    launch_recurrent::<$t>(
+                        op,
+                        name,
+                        d,
+                        inp,
+                        scale,
+                        keep,
+                        Some((&mut view, pool)),
+                        policy,
+                    )
                 };
             }
             out = Some(for_float_dtype!(op, dt)?.0);

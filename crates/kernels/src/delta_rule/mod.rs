@@ -275,6 +275,11 @@ pub fn fused_gated_delta_rule(
 /// another buffer than `state`), receives the state after every token, as
 /// `Recurrent { keep_all_states: true }` returns it: a verify pass's checkpoints, written where the
 /// caller keeps them. The output's `state` and `all_states` are those tensors themselves.
+///
+/// With `slots` (u32 `[batch]`, distinct), `state` is a pool `[pool, Hv, dk, dv]` and sequence `i`
+/// reads and writes its row `slots[i]` (a batch over pooled states, with no gather or scatter);
+/// the output's `state` is then the pool. A slot outside the pool is an error on the CPU; on CUDA
+/// (which does not read the slots back) that sequence runs from a zero state and keeps nothing.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_gated_delta_rule_in_place(
     qkv: &Tensor,
@@ -282,10 +287,14 @@ pub fn fused_gated_delta_rule_in_place(
     b: &Tensor,
     layer: GdnParams,
     state: &Tensor,
+    slots: Option<&Tensor>,
     all_states: Option<&Tensor>,
     policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
+    if let Some(slots) = slots {
+        crate::expect_slots(op, slots, qkv.dim(0)?, state.dim(0)?)?;
+    }
     if !state.is_contiguous() || state.dtype() != DType::F32 {
         return Err(Error::Shape {
             op,
@@ -302,11 +311,27 @@ pub fn fused_gated_delta_rule_in_place(
     }
     let keep_all_states = all_states.is_some();
     let mode = DeltaRuleMode::Recurrent { keep_all_states };
+    // The shape checks of the fresh-state op, the pool's rows standing for the batch.
+    let per_seq = match slots {
+        Some(_) => state
+            .narrow(0, 0, 1)?
+            .broadcast_as([&[qkv.dim(0)?][..], &state.dims()[1..]].concat())?,
+        None => state.clone(),
+    };
+    let d = check_fused(op, qkv, a, b, layer.heads, Some(&per_seq))?;
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
-        // The same shape checks as the fresh-state op, before the kernel runs.
-        let d = check_fused(op, qkv, a, b, layer.heads, Some(state))?;
-        return cuda::fused_in_place(d, qkv, a, b, layer, state, all_states, policy);
+        return cuda::fused_in_place(d, qkv, a, b, layer, state, slots, all_states, policy);
+    }
+    let _ = d;
+    if let Some(slots) = slots {
+        let out = crate::on_pool_rows(op, state, slots, |own| {
+            fused_gated_delta_rule_in_place(qkv, a, b, layer, own, None, all_states, policy)
+        })?;
+        return Ok(DeltaRuleOutput {
+            state: state.clone(),
+            ..out
+        });
     }
     let r = fused_gated_delta_rule(qkv, a, b, layer, Some(state), mode, policy)?;
     state.slice_set(&r.state, 0, 0)?;
@@ -566,6 +591,7 @@ mod tests {
                 &ab,
                 GdnParams::new(&a_log, &dt_bias, heads),
                 s,
+                None,
                 all,
                 P,
             )
@@ -615,6 +641,55 @@ mod tests {
         let got = run(&s0.copy()?, Some(&all))?;
         assert_eq!(got.all_states.map(|t| t.id()), Some(all.id()));
         assert_eq!(max_diff(&all, &want_all), 0.0);
+        Ok(())
+    }
+
+    /// Over a pool, each sequence runs from and writes back only its slot's row, exactly as the
+    /// op on those rows alone; the other rows keep their values; bad slot tables are refused.
+    #[test]
+    fn pooled_state_updates_only_its_slots() -> Result<()> {
+        let dev = Device::Cpu;
+        let heads = GdnHeads {
+            k_heads: 1,
+            v_heads: 2,
+            k_dim: 4,
+            v_dim: 4,
+        };
+        let (b, t) = (2, 3);
+        let qkv = qwen36_testutil::randn(311, 1.0, (b, t, 2 * 4 + 2 * 4), &dev)?;
+        let ab = qwen36_testutil::randn(312, 1.0, (b, t, 2), &dev)?;
+        let (a_log, dt_bias) = (
+            Tensor::ones(2, DType::F32, &dev)?,
+            Tensor::zeros(2, DType::F32, &dev)?,
+        );
+        let layer = GdnParams::new(&a_log, &dt_bias, heads);
+        let pool0 = qwen36_testutil::randn(313, 0.5, (5, 2, 4, 4), &dev)?;
+        let slots = Tensor::new(&[4u32, 0], &dev)?;
+        let own = pool0.index_select(&slots, 0)?;
+        let mode = DeltaRuleMode::Recurrent {
+            keep_all_states: true,
+        };
+        let want = fused_gated_delta_rule(&qkv, &ab, &ab, layer, Some(&own), mode, P)?;
+        let pool = pool0.copy()?;
+        let all = Tensor::zeros((b, t, 2, 4, 4), DType::F32, &dev)?;
+        let got = fused_gated_delta_rule_in_place(&qkv, &ab, &ab, layer, &pool, Some(&slots), Some(&all), P)?;
+        assert_eq!(got.state.id(), pool.id());
+        assert_eq!(max_diff(&got.out, &want.out), 0.0);
+        assert_eq!(max_diff(&pool.get(4)?, &want.state.get(0)?), 0.0);
+        assert_eq!(max_diff(&pool.get(0)?, &want.state.get(1)?), 0.0);
+        for untouched in 1..4 {
+            assert_eq!(max_diff(&pool.get(untouched)?, &pool0.get(untouched)?), 0.0);
+        }
+        assert_eq!(max_diff(&all, &want.all_states.expect("kept")), 0.0);
+        for (bad, msg) in [
+            (Tensor::new(&[5u32, 0], &dev)?, "outside the pool"),
+            (Tensor::new(&[1u32, 1], &dev)?, "used twice"),
+            (Tensor::new(&[1u32, 2, 3], &dev)?, "slots must be u32 [2]"),
+        ] {
+            let err = fused_gated_delta_rule_in_place(&qkv, &ab, &ab, layer, &pool, Some(&bad), None, P)
+                .unwrap_err();
+            assert!(err.to_string().contains(msg), "{err}");
+        }
         Ok(())
     }
 }
