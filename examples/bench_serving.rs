@@ -125,7 +125,7 @@ fn main() -> anyhow_like::Result<()> {
         }
     );
     println!(
-        "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | of which forward / sampling / drafts (ms) | step limit (ms) | peak GB |"
+        "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | of which forward / sampling / drafts / commits (ms) | step limit (ms) | peak GB |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for &conc in &args.concurrency {
@@ -155,8 +155,8 @@ fn main() -> anyhow_like::Result<()> {
         let mut live: Vec<(usize, RequestHandle)> = Vec::new();
         let mut timings: Vec<Timing> = Vec::new();
         let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
-        // Of the decode steps: forward, sampling and drafting time.
-        let mut parts = [0.0f64; 3];
+        // Of the decode steps: forward, sampling, drafting and committing time.
+        let mut parts = [0.0f64; 4];
         let start = Instant::now();
         while timings.len() < n || !live.is_empty() {
             while live.len() < conc && timings.len() < n {
@@ -182,9 +182,10 @@ fn main() -> anyhow_like::Result<()> {
                 decode_ms += ms;
                 decode_batch += stats.sequences;
                 decode_steps += 1;
-                for (p, d) in parts
-                    .iter_mut()
-                    .zip([stats.forward, stats.sampling, stats.drafting])
+                for (p, d) in
+                    parts
+                        .iter_mut()
+                        .zip([stats.forward, stats.sampling, stats.drafting, stats.committing])
                 {
                     *p += d.as_secs_f64() * 1e3;
                 }
@@ -229,7 +230,7 @@ fn main() -> anyhow_like::Result<()> {
         let ctx = args.input_len + args.output_len / 2;
         let limit_bytes = cost.weight_bytes + batch * (cost.state_bytes(args.mtp + 1) + cost.kv_bytes(ctx));
         println!(
-            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} / {:.2} / {:.2} | {:.2} | {} |",
+            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} / {:.2} / {:.2} / {:.2} | {:.2} | {} |",
             out_tokens as f64 / secs,
             mean(&tpot),
             quantile(&mut tpot, 0.5),
@@ -239,6 +240,7 @@ fn main() -> anyhow_like::Result<()> {
             parts[0] / decode_steps.max(1) as f64,
             parts[1] / decode_steps.max(1) as f64,
             parts[2] / decode_steps.max(1) as f64,
+            parts[3] / decode_steps.max(1) as f64,
             limit_bytes / copy_bw * 1e3,
             peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
         );

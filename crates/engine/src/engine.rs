@@ -81,6 +81,9 @@ pub struct StepStats {
     pub sampling: std::time::Duration,
     /// Time in the MTP head's draft steps.
     pub drafting: std::time::Duration,
+    /// Time committing verified sequences' states (queuing the copies; the device runs them
+    /// before the next read).
+    pub committing: std::time::Duration,
 }
 
 /// Many sequences at once over pooled GDN state and paged KV: [`Self::submit`] requests, call
@@ -341,6 +344,7 @@ impl Engine {
         stats.sampling = sampling.elapsed();
         let mut done = Vec::new();
         let mut feeds = Vec::new();
+        let mut commits = Vec::new();
         let context = self.model.config().max_position_embeddings;
         for (c, (p, decision)) in plan.iter().zip(decisions).enumerate() {
             let s = &mut self.sched.running[p.index];
@@ -363,8 +367,7 @@ impl Engine {
                     (vec![token], rows)
                 }
                 Decision::Verified(acc, drafts, rows) => {
-                    let pending = pending.as_ref().expect("a verify keeps checkpoints");
-                    self.cache.commit(pending, c, acc.accepted + 1)?;
+                    commits.push((c, acc.accepted + 1));
                     s.computed += acc.accepted + 1;
                     s.drafted += drafts.len();
                     s.accepted += acc.accepted;
@@ -388,6 +391,12 @@ impl Engine {
                 let rows = batch.rows(c);
                 feeds.push((p.index, start, rows.start..rows.start + (s.computed - start)));
             }
+        }
+        if !commits.is_empty() {
+            let committing = Instant::now();
+            let pending = pending.as_ref().expect("a verify keeps checkpoints");
+            self.cache.commit_many(pending, &commits)?;
+            stats.committing = committing.elapsed();
         }
         // A step of decode tokens and verifies only: what a cycle of its length costs.
         let decode_only = plan

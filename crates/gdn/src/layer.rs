@@ -94,6 +94,12 @@ impl VerifyCheckpoints {
         &self.states
     }
 
+    /// The raw conv window, `[batch, conv_dim, K-1 + len]`: the K-1 inputs held before the pass,
+    /// then its new ones (the window after keeping `keep` tokens is columns `keep..keep + K-1`).
+    pub fn window(&self) -> &Tensor {
+        &self.window
+    }
+
     /// Tokens the state had seen before the verify pass.
     pub fn seen_before(&self) -> usize {
         self.seen_before

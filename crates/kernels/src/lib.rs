@@ -13,6 +13,7 @@ pub mod activation;
 pub mod argmax;
 pub mod attention;
 pub mod conv1d;
+pub mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod delta_rule;

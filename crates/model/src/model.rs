@@ -363,7 +363,13 @@ impl Qwen36Model {
                 head_dim: self.cfg.head_dim,
             },
         });
-        PagedCache::zeros(kinds, (slots, blocks, block_size), self.dtype, &self.device)
+        PagedCache::zeros(
+            kinds,
+            (slots, blocks, block_size),
+            self.dtype,
+            &self.device,
+            *self.lm_head.policy(),
+        )
     }
 
     /// Runs every chunk of `batch` (prefill chunks, decode tokens, verifies) in one pass over

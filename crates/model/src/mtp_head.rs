@@ -268,7 +268,13 @@ impl MtpHead {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         });
-        PagedCache::zeros(kinds, (slots, blocks, block_size), model.dtype(), model.device())
+        PagedCache::zeros(
+            kinds,
+            (slots, blocks, block_size),
+            model.dtype(),
+            model.device(),
+            *model.lm_head().policy(),
+        )
     }
 
     /// [`Self::forward`] over a flat batch of several sequences with paged KV: chunk `i` of

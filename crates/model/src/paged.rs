@@ -10,6 +10,8 @@ use std::ops::Range;
 
 use candle_core::{DType, Tensor};
 use qwen36_gdn::VerifyCheckpoints;
+use qwen36_kernels::copy::copy_rows;
+use qwen36_kernels::KernelPolicy;
 
 use crate::attention::{AttnPart, PagedSeq};
 use crate::{Error, Result};
@@ -33,6 +35,8 @@ pub struct PagedCache {
     pub(crate) slots: usize,
     pub(crate) blocks: usize,
     pub(crate) block_size: usize,
+    /// The kernel policy of its own launches (the commits' copies): the model's.
+    policy: KernelPolicy,
 }
 
 impl PagedCache {
@@ -86,25 +90,66 @@ impl PagedCache {
     /// stay in the blocks, unread, until later tokens overwrite them: the caller shortens the
     /// sequence.
     pub fn commit(&mut self, pending: &BatchPending, chunk: usize, keep: usize) -> Result<()> {
-        let (group, member) = pending
-            .member_of
-            .get(chunk)
-            .copied()
-            .flatten()
-            .ok_or_else(|| Error::Cache(format!("chunk {chunk} was not verified in this batch")))?;
-        let slot = pending.slots[chunk];
-        self.check_slot(slot)?;
+        self.commit_many(pending, &[(chunk, keep)])
+    }
+
+    /// [`Self::commit`] for several verified chunks at once, `(chunk, keep)` each (distinct
+    /// chunks): one copy per GDN layer, pool and verify group for all of them.
+    pub fn commit_many(&mut self, pending: &BatchPending, keeps: &[(usize, usize)]) -> Result<()> {
+        // Per verify group: each kept chunk's slot, its member index, its row of the group's
+        // per-token states (member · len + keep - 1) and its window's first column (keep).
+        let mut groups: Vec<(usize, [Vec<u32>; 4])> = Vec::new();
+        for &(chunk, keep) in keeps {
+            let (group, member) = pending
+                .member_of
+                .get(chunk)
+                .copied()
+                .flatten()
+                .ok_or_else(|| Error::Cache(format!("chunk {chunk} was not verified in this batch")))?;
+            let slot = pending.slots[chunk];
+            self.check_slot(slot)?;
+            let len = pending.group_len(group)?;
+            if keep == 0 || keep > len {
+                return Err(Error::Cache(format!(
+                    "cannot keep {keep} of chunk {chunk}'s {len} verified tokens (need 1..={len})"
+                )));
+            }
+            let at = match groups.iter().position(|g| g.0 == group) {
+                Some(at) => at,
+                None => {
+                    groups.push((group, Default::default()));
+                    groups.len() - 1
+                }
+            };
+            let [slots, members, rows, cols] = &mut groups[at].1;
+            slots.push(slot);
+            members.push(member as u32);
+            rows.push((member * len + keep - 1) as u32);
+            cols.push(keep as u32);
+        }
+        let device = self.device()?;
+        let groups = groups
+            .into_iter()
+            .map(|(group, lists)| {
+                let [s, m, r, c] = lists.map(|v| Tensor::new(v.as_slice(), &device));
+                Ok((group, s?, m?, r?, c?))
+            })
+            .collect::<Result<Vec<_>>>()?;
         for (layer, cps) in self.layers.iter().zip(&pending.layers) {
             let (PagedLayer::Gdn { conv, recurrent }, Some(cps)) = (layer, cps) else {
                 continue;
             };
-            let cp = cps
-                .get(group)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| Error::Cache("a verify group without checkpoints".into()))?;
-            let (c, r) = cp.member(member)?.state_after(keep)?;
-            conv.slice_set(&c.contiguous()?, 0, slot as usize)?;
-            recurrent.slice_set(&r.contiguous()?, 0, slot as usize)?;
+            for (group, slots, members, rows, cols) in &groups {
+                let cp = cps
+                    .get(*group)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| Error::Cache("a verify group without checkpoints".into()))?;
+                // [members, len, Hv, dk, dv] as rows [members · len, Hv, dk, dv].
+                let (b, t, hv, dk, dv) = cp.states().dims5()?;
+                let states = cp.states().reshape((b * t, hv, dk, dv))?;
+                copy_rows(recurrent, &states, slots, rows, None, &self.policy)?;
+                copy_rows(conv, cp.window(), slots, members, Some(cols), &self.policy)?;
+            }
         }
         Ok(())
     }
@@ -320,6 +365,18 @@ pub struct BatchPending {
     pub(crate) slots: Vec<u32>,
 }
 
+impl BatchPending {
+    /// Tokens each chunk of verify group `group` ran.
+    fn group_len(&self, group: usize) -> Result<usize> {
+        self.layers
+            .iter()
+            .flatten()
+            .find_map(|cps| cps.get(group).and_then(Option::as_ref))
+            .map(VerifyCheckpoints::len)
+            .ok_or_else(|| Error::Cache(format!("group {group} kept no checkpoints")))
+    }
+}
+
 /// The result of [`crate::Qwen36Model::forward_batch`].
 #[derive(Debug, Clone)]
 pub struct BatchOutput {
@@ -344,6 +401,7 @@ impl PagedCache {
         (slots, blocks, block_size): (usize, usize, usize),
         dtype: DType,
         device: &candle_core::Device,
+        policy: KernelPolicy,
     ) -> Result<Self> {
         if slots == 0 || blocks == 0 || block_size == 0 {
             return Err(Error::Cache(format!(
@@ -372,6 +430,7 @@ impl PagedCache {
             slots,
             blocks,
             block_size,
+            policy,
         })
     }
 }

@@ -147,6 +147,8 @@ fn run_random(
         let batch = ForwardBatch::new(chunks);
         let out = model.forward_batch(&batch, &mut pool).unwrap();
         let logits = model.logits(&out.hidden).unwrap();
+        // Every verified chunk's commit at once, after the step (as the engine commits).
+        let mut keeps = Vec::new();
         for (c, &i) in members.iter().enumerate() {
             let s = &mut seqs[i];
             let chunk = &batch.chunks()[c];
@@ -167,7 +169,7 @@ fn run_random(
             let keep = if chunk.verify {
                 verifies += 1;
                 let keep = rng.range(1, chunk.tokens.len());
-                pool.commit(out.pending.as_ref().unwrap(), c, keep).unwrap();
+                keeps.push((c, keep));
                 s.solo.commit(keep).unwrap();
                 keep
             } else {
@@ -182,6 +184,9 @@ fn run_random(
                 free_slots.0.push(s.slot.take().unwrap());
                 free_blocks.0.append(&mut s.blocks);
             }
+        }
+        if let Some(pending) = &out.pending {
+            pool.commit_many(pending, &keeps).unwrap();
         }
     }
     (worst, reuses, verifies)
