@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_mtp::NgramDrafter;
-use qwen36_sampling::{accept_greedy, Acceptance, Sampler};
+use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, Sampler, TextStream};
 use rayon::prelude::*;
 
 use crate::scheduler::{Scheduler, Sequence};
@@ -103,6 +103,18 @@ pub struct Engine {
     /// Acceptance over every request, per drafter: the prior of each request's own rates.
     accept_mtp: AcceptanceCounts,
     accept_ngram: AcceptanceCounts,
+    /// Turns output tokens into the events' text, when set.
+    detokenizer: Option<Detokenizer>,
+}
+
+/// The engine's detokenizer ([`Engine::with_detokenizer`]).
+#[derive(Clone)]
+struct Detokenizer(Arc<dyn Detokenize>);
+
+impl std::fmt::Debug for Detokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Detokenizer")
+    }
 }
 
 impl Engine {
@@ -156,7 +168,15 @@ impl Engine {
             costs: SpecCosts::default(),
             accept_mtp: AcceptanceCounts::default(),
             accept_ngram: AcceptanceCounts::default(),
+            detokenizer: None,
         })
+    }
+
+    /// The engine with a detokenizer: every request's `Token` events then carry their text, and
+    /// requests may stop at strings ([`Request::stop_strings`]).
+    pub fn with_detokenizer(mut self, detokenizer: Arc<dyn Detokenize>) -> Self {
+        self.detokenizer = Some(Detokenizer(detokenizer));
+        self
     }
 
     /// Replaces the measured speculation costs (e.g. with [`SpecCosts::fixed`] ones).
@@ -206,6 +226,11 @@ impl Engine {
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
             ));
         }
+        if !req.stop_strings.is_empty() && self.detokenizer.is_none() {
+            return Err(Error::Request(
+                "stop strings need a detokenizer (Engine::with_detokenizer)".into(),
+            ));
+        }
         if self.sched.waiting.len() >= self.cfg.max_queue {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
@@ -221,6 +246,10 @@ impl Engine {
             sampler,
             max_tokens: req.max_tokens,
             stop_ids: req.stop_ids,
+            text: self
+                .detokenizer
+                .as_ref()
+                .map(|_| TextStream::new(&req.stop_strings)),
             logprobs: req.logprobs,
             events: tx,
             cancel: cancel.clone(),
@@ -266,8 +295,8 @@ impl Engine {
             finished: ended.len(),
             ..Default::default()
         };
-        for (s, reason) in ended {
-            finish(&s, reason);
+        for (mut s, reason) in ended {
+            self.finish(&mut s, reason);
         }
         if plan.is_empty() {
             return Ok(stats);
@@ -382,7 +411,13 @@ impl Engine {
                     (fresh, rows)
                 }
             };
-            let (n, reason) = emit(s, &fresh, &rows, context);
+            let (n, reason) = match emit(s, &fresh, &rows, context, self.detokenizer.as_ref()) {
+                Ok(emitted) => emitted,
+                Err(error) => {
+                    done.push((p.index, Err(error)));
+                    continue;
+                }
+            };
             stats.generated += n;
             if let Some(r) = reason {
                 done.push((p.index, Ok(r)));
@@ -424,13 +459,34 @@ impl Engine {
             let mut s = self.sched.running.remove(index);
             s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
             match outcome {
-                Ok(reason) => finish(&s, reason),
+                Ok(reason) => self.finish(&mut s, reason),
                 Err(error) => {
                     let _ = s.events.send(Event::Failed { error });
                 }
             }
         }
         Ok(stats)
+    }
+
+    /// Sends a sequence's last events: the text its stream still holds, then `Finished`.
+    fn finish(&self, s: &mut Sequence, reason: StopReason) {
+        let tail = s.text.as_mut().map(TextStream::finish).unwrap_or_default();
+        // A client that is gone has nothing to receive.
+        if !tail.is_empty() {
+            let _ = s.events.send(Event::Token {
+                ids: Vec::new(),
+                text: tail,
+                logprobs: None,
+            });
+        }
+        let usage = Usage {
+            prompt_tokens: s.prompt.len(),
+            completion_tokens: s.output.len(),
+            preemptions: s.preemptions,
+            drafted: s.drafted,
+            accepted: s.accepted,
+        };
+        let _ = s.events.send(Event::Finished { reason, usage });
     }
 
     /// Steps until no request waits or runs.
@@ -832,19 +888,36 @@ fn draft_room(s: &Sequence, k: usize, context: usize) -> usize {
 }
 
 /// Appends `fresh` tokens (row `j` of `rows` gave `fresh[j]`) to `s`'s output up to its first
-/// stop: a stop id, `max_tokens`, or a full context; sends them. Returns how many were added and
-/// the stop, if any.
-fn emit(s: &mut Sequence, fresh: &[u32], rows: &[Vec<f32>], context: usize) -> (usize, Option<StopReason>) {
+/// stop: a stop id, a stop string in the text, `max_tokens`, or a full context; sends them with
+/// their text. Returns how many were added and the stop, if any; an error when detokenizing
+/// fails.
+fn emit(
+    s: &mut Sequence,
+    fresh: &[u32],
+    rows: &[Vec<f32>],
+    context: usize,
+    detokenizer: Option<&Detokenizer>,
+) -> std::result::Result<(usize, Option<StopReason>), String> {
     let mut reason = None;
     let mut sent = Vec::new();
+    let mut text = String::new();
     for &t in fresh {
         s.output.push(t);
         sent.push(t);
         if s.stop_ids.contains(&t) {
             reason = Some(StopReason::StopToken(t));
-        } else if s.max_tokens.is_some_and(|m| s.output.len() >= m) {
+        } else if let (Some(stream), Some(d)) = (s.text.as_mut(), detokenizer) {
+            let (piece, go_on) = stream
+                .push(t, d.0.as_ref())
+                .map_err(|e| format!("detokenizing failed: {e}"))?;
+            text.push_str(&piece);
+            if !go_on {
+                reason = Some(StopReason::StopString(stream.stopped_by().unwrap_or(0)));
+            }
+        }
+        if reason.is_none() && s.max_tokens.is_some_and(|m| s.output.len() >= m) {
             reason = Some(StopReason::MaxTokens);
-        } else if s.len() > context {
+        } else if reason.is_none() && s.len() > context {
             reason = Some(StopReason::ContextFull);
         }
         if reason.is_some() {
@@ -859,23 +932,15 @@ fn emit(s: &mut Sequence, fresh: &[u32], rows: &[Vec<f32>], context: usize) -> (
             .collect()
     });
     let n = sent.len();
-    if s.events.send(Event::Token { ids: sent, logprobs }).is_err() {
+    let event = Event::Token {
+        ids: sent,
+        text,
+        logprobs,
+    };
+    if s.events.send(event).is_err() {
         reason = Some(StopReason::Cancelled);
     }
-    (n, reason)
-}
-
-/// Sends a sequence's `Finished` event.
-fn finish(s: &Sequence, reason: StopReason) {
-    let usage = Usage {
-        prompt_tokens: s.prompt.len(),
-        completion_tokens: s.output.len(),
-        preemptions: s.preemptions,
-        drafted: s.drafted,
-        accepted: s.accepted,
-    };
-    // A client that is gone has nothing to receive.
-    let _ = s.events.send(Event::Finished { reason, usage });
+    Ok((n, reason))
 }
 
 #[cfg(test)]

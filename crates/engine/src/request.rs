@@ -18,6 +18,9 @@ pub struct Request {
     pub max_tokens: Option<usize>,
     /// Generation stops after any of these ids (the id is the last token sent).
     pub stop_ids: Vec<u32>,
+    /// Generation stops once the text contains any of these (it ends where the match starts;
+    /// needs [`crate::Engine::with_detokenizer`]).
+    pub stop_strings: Vec<String>,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
     /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
@@ -61,6 +64,7 @@ impl Request {
             sampling: SamplingParams::greedy(),
             max_tokens: Some(max_tokens),
             stop_ids: Vec::new(),
+            stop_strings: Vec::new(),
             logprobs: false,
             speculation: None,
         }
@@ -78,6 +82,8 @@ pub enum StopReason {
     Cancelled,
     /// The model's context, or the whole KV pool, is full.
     ContextFull,
+    /// A stop string appeared in the text (its index in the request's list).
+    StopString(usize),
 }
 
 /// Token counts of a finished request.
@@ -100,6 +106,11 @@ pub enum Event {
     /// New tokens (one per decode step; several when a speculative verify accepts drafts).
     Token {
         ids: Vec<u32>,
+        /// The text they complete, with a detokenizer (else empty): a character split across
+        /// tokens, or text that may begin a stop string, waits for the tokens that settle it; a
+        /// stop id adds none; what is still held when the request ends comes in a last `Token`
+        /// with no ids.
+        text: String,
         /// Per id, when the request asked for log-probabilities.
         logprobs: Option<Vec<Sampled>>,
     },

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use qwen36_sampling::Sampler;
+use qwen36_sampling::{Sampler, TextStream};
 
 use crate::spec::AcceptanceCounts;
 use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, Speculation, StopReason};
@@ -25,6 +25,8 @@ pub(crate) struct Sequence {
     pub sampler: Sampler,
     pub max_tokens: Option<usize>,
     pub stop_ids: Vec<u32>,
+    /// The output's text as it streams, with the stop strings (when the engine detokenizes).
+    pub text: Option<TextStream>,
     pub logprobs: bool,
     pub events: Sender<Event>,
     pub cancel: Arc<AtomicBool>,

@@ -36,9 +36,11 @@ fn solo(model: &Qwen36Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32
     }
 }
 
-/// Everything a handle received: the ids, the per-token log-probabilities, and how it ended.
+/// Everything a handle received: the ids, their text, the per-token log-probabilities, and how
+/// it ended.
 struct Outcome {
     ids: Vec<u32>,
+    text: String,
     logprobs: Vec<f32>,
     end: Option<(StopReason, Usage)>,
 }
@@ -46,14 +48,16 @@ struct Outcome {
 fn collect(h: &RequestHandle) -> Outcome {
     let mut o = Outcome {
         ids: Vec::new(),
+        text: String::new(),
         logprobs: Vec::new(),
         end: None,
     };
     for e in h.drain() {
         assert!(o.end.is_none(), "an event after the request ended: {e:?}");
         match e {
-            Event::Token { ids, logprobs } => {
+            Event::Token { ids, text, logprobs } => {
                 o.ids.extend(&ids);
+                o.text.push_str(&text);
                 o.logprobs
                     .extend(logprobs.into_iter().flatten().map(|s| s.logprob));
             }
@@ -689,4 +693,84 @@ fn drafts_never_starve_other_sequences() {
             assert!(*c > before, "a sequence got no token in a step: {counts:?}");
         }
     }
+}
+
+/// A byte-level test vocabulary: ids ≡ 0 (mod 5) are the lead byte of "é", ids ≡ 1 its
+/// continuation byte, the others one ASCII letter; a byte sequence that is not UTF-8 decodes as
+/// U+FFFD, as byte-level tokenizers give it.
+fn test_decode(ids: &[u32]) -> Result<String, String> {
+    let bytes: Vec<u8> = ids
+        .iter()
+        .map(|&i| match i % 5 {
+            0 => 0xC3,
+            1 => 0xA9,
+            _ => b'a' + (i % 26) as u8,
+        })
+        .collect();
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// With a detokenizer the events' text adds up to the output's text (characters split across
+/// tokens included), alone or beside other requests, plain or speculative; a stop string ends the
+/// request on the token that completes it, with the text cut where it starts; stop strings
+/// without a detokenizer are refused.
+#[test]
+fn text_streams_and_stop_strings_end_requests() {
+    let model = bundled();
+    let vocab = model.config().vocab_size;
+    let mut plain = Engine::new(model.clone(), EngineConfig::default()).unwrap();
+    let mut req = Request::greedy(vec![1, 2, 3], 4);
+    req.stop_strings = vec!["ab".into()];
+    assert!(matches!(plain.submit(req).unwrap_err(), Error::Request(m) if m.contains("detokenizer")));
+
+    let mut engine = Engine::new(model.clone(), EngineConfig::default())
+        .unwrap()
+        .with_detokenizer(std::sync::Arc::new(test_decode));
+    let mut rng = Rng::new(41);
+    let mut checked_stops = 0;
+    for round in 0..6 {
+        let prompt: Vec<u32> = (0..rng.range(2, 30)).map(|_| rng.below(vocab) as u32).collect();
+        let (ids, _) = solo(&model, &prompt, 24);
+        let text = test_decode(&ids).unwrap();
+        // The whole output's text, from the events.
+        let mut whole = Request::greedy(prompt.clone(), 24);
+        if round % 2 == 1 {
+            whole.speculation = Some(Speculation::ngram(3));
+        }
+        let h_whole = engine.submit(whole).unwrap();
+        // A stop string: two letters of the text from its middle, when it has them.
+        let chars: Vec<(usize, char)> = text.char_indices().collect();
+        let stop = chars
+            .windows(2)
+            .skip(chars.len() / 3)
+            .find(|w| w.iter().all(|(_, c)| c.is_ascii_lowercase()))
+            .map(|w| format!("{}{}", w[0].1, w[1].1));
+        let h_stop = stop.as_ref().map(|stop| {
+            let mut r = Request::greedy(prompt.clone(), 24);
+            r.stop_strings = vec!["never-there".into(), stop.clone()];
+            engine.submit(r).unwrap()
+        });
+        engine.run_to_completion().unwrap();
+        let o = collect(&h_whole);
+        assert_eq!(o.ids, ids, "round {round}");
+        assert_eq!(o.text, text, "round {round}: the events' text");
+        assert_eq!(o.end.map(|e| e.0), Some(StopReason::MaxTokens));
+        if let (Some(stop), Some(h)) = (stop, h_stop) {
+            // The first token after which the text holds the stop string.
+            let n = (1..=ids.len())
+                .find(|&n| test_decode(&ids[..n]).unwrap().contains(&stop))
+                .expect("the stop string is in the text");
+            let o = collect(&h);
+            assert_eq!(o.ids, ids[..n], "round {round}: stops on the completing token");
+            let full = test_decode(&ids[..n]).unwrap();
+            assert_eq!(o.text, full[..full.find(&stop).unwrap()], "round {round}");
+            assert_eq!(o.end.map(|e| e.0), Some(StopReason::StopString(1)));
+            checked_stops += 1;
+        }
+    }
+    assert!(
+        checked_stops >= 3,
+        "only {checked_stops} rounds had a stop string to check"
+    );
+    assert_eq!(engine.pool_use(), (0, 0));
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use qwen36_model::{DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
 use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
-use qwen36_sampling::{Sampler, SamplingParams, StopStrings};
+use qwen36_sampling::{Sampler, SamplingParams, TextStream};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -311,6 +311,15 @@ impl Generator {
         self.tok()?.decode(ids, true).map_err(|e| self.tok_err(e))
     }
 
+    /// The tokenizer's decode (special tokens skipped, as [`Self::decode`]) for an engine's
+    /// events ([`qwen36_engine::Engine::with_detokenizer`]); `None` without a tokenizer.
+    pub fn detokenizer(&self) -> Option<std::sync::Arc<dyn qwen36_sampling::Detokenize>> {
+        let tok = self.tokenizer.clone()?;
+        Some(std::sync::Arc::new(move |ids: &[u32]| {
+            tok.decode(ids, true).map_err(|e| e.to_string())
+        }))
+    }
+
     /// The stop ids used when the options give none: generation_config's, else config.json's.
     pub fn default_stop_ids(&self) -> Vec<u32> {
         if self.generation_config.eos_token_ids.is_empty() {
@@ -347,7 +356,12 @@ impl Generator {
             .stop_token_ids
             .clone()
             .unwrap_or_else(|| self.default_stop_ids());
-        let mut stream = TextStream::new(self, &opts.stop_strings);
+        // The text as it streams (none without a tokenizer).
+        let mut stream = self
+            .tokenizer
+            .as_ref()
+            .map(|_| TextStream::new(&opts.stop_strings));
+        let decode = |ids: &[u32]| self.decode(ids).map_err(|e| e.to_string());
         let mut failure = None;
         let t0 = Instant::now();
         let mut first_token_secs = None;
@@ -358,13 +372,17 @@ impl Generator {
                 on_token(TokenEvent { token, text: "" });
                 return false;
             }
-            match stream.push(token) {
+            let Some(stream) = stream.as_mut() else {
+                on_token(TokenEvent { token, text: "" });
+                return true;
+            };
+            match stream.push(token, &decode) {
                 Ok((piece, go_on)) => {
                     on_token(TokenEvent { token, text: &piece });
                     go_on
                 }
                 Err(e) => {
-                    failure = Some(e);
+                    failure = Some(self.tok_err(e));
                     false
                 }
             }
@@ -383,10 +401,12 @@ impl Generator {
             return Err(e);
         }
         let stop_reason = match reason {
-            StopReason::StopString(_) => StopReason::StopString(stream.stopped_by.unwrap_or(0)),
+            StopReason::StopString(_) => {
+                StopReason::StopString(stream.as_ref().and_then(TextStream::stopped_by).unwrap_or(0))
+            }
             r => r,
         };
-        let tail = stream.finish();
+        let tail = stream.as_mut().map(TextStream::finish).unwrap_or_default();
         if !tail.is_empty() {
             on_token(TokenEvent {
                 token: *tokens.last().unwrap_or(&0),
@@ -396,7 +416,7 @@ impl Generator {
         Ok(GenerationOutput {
             prompt_tokens: prompt.len(),
             tokens,
-            text: stream.text,
+            text: stream.map(TextStream::into_text),
             stop_reason,
             prefill_secs,
             decode_secs: total - prefill_secs,
@@ -507,96 +527,5 @@ impl Generator {
             SpecStopReason::Callback => StopReason::StopString(0),
         };
         Ok((out.tokens, reason, out.stats))
-    }
-}
-
-/// Incremental detokenisation for streaming: decodes only the tokens after the last complete
-/// character (so a long generation costs O(n), not O(n²)), cuts the text at a stop string, and
-/// holds back a tail that may start a stop string or is an incomplete UTF-8 sequence.
-struct TextStream<'g> {
-    generator: &'g Generator,
-    stops: StopStrings,
-    /// Longest stop string in bytes: how far back a new match can start.
-    stop_len: usize,
-    tokens: Vec<u32>,
-    /// Decoded text so far (`None` without a tokenizer).
-    text: Option<String>,
-    /// `text[..settled_bytes]` is the decode of `tokens[..settled_tokens]` and ends on a complete
-    /// character; the rest is the decode of the newer tokens, redone on every push.
-    settled_tokens: usize,
-    settled_bytes: usize,
-    emitted: usize,
-    stopped_by: Option<usize>,
-}
-
-/// The largest char boundary of `s` at or below `i`.
-fn floor_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-impl<'g> TextStream<'g> {
-    fn new(generator: &'g Generator, stop_strings: &[String]) -> Self {
-        Self {
-            generator,
-            stop_len: stop_strings.iter().map(String::len).max().unwrap_or(0),
-            stops: StopStrings::new(stop_strings.iter().cloned()),
-            tokens: Vec::new(),
-            text: generator.tokenizer.as_ref().map(|_| String::new()),
-            settled_tokens: 0,
-            settled_bytes: 0,
-            emitted: 0,
-            stopped_by: None,
-        }
-    }
-
-    /// Adds a token; returns the newly printable text and whether generation may go on.
-    fn push(&mut self, token: u32) -> Result<(String, bool)> {
-        self.tokens.push(token);
-        let Some(t) = self.text.as_mut() else {
-            return Ok((String::new(), true));
-        };
-        let tail = self.generator.decode(&self.tokens[self.settled_tokens..])?;
-        t.truncate(self.settled_bytes);
-        t.push_str(&tail);
-        if !tail.ends_with('\u{FFFD}') {
-            self.settled_tokens = self.tokens.len();
-            self.settled_bytes = t.len();
-        }
-        let mut go_on = true;
-        // Only text that could contain a new match: the stop length back from the last emission.
-        let from = floor_boundary(t, self.emitted.saturating_sub(self.stop_len));
-        if let Some(m) = self.stops.find(&t[from..]) {
-            t.truncate(from + m.start);
-            self.settled_bytes = self.settled_bytes.min(t.len());
-            self.stopped_by = Some(m.index);
-            go_on = false;
-        }
-        let mut end = t.len() - if go_on { self.stops.holdback(t) } else { 0 };
-        while go_on && t[..end].ends_with('\u{FFFD}') {
-            end -= '\u{FFFD}'.len_utf8();
-        }
-        let piece = if end > self.emitted {
-            t[self.emitted..end].to_string()
-        } else {
-            String::new()
-        };
-        self.emitted = self.emitted.max(end);
-        Ok((piece, go_on))
-    }
-
-    /// Text still held back when generation ends.
-    fn finish(&mut self) -> String {
-        match &self.text {
-            Some(t) if t.len() > self.emitted => {
-                let tail = t[self.emitted..].to_string();
-                self.emitted = t.len();
-                tail
-            }
-            _ => String::new(),
-        }
     }
 }

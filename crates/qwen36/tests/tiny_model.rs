@@ -202,3 +202,66 @@ fn streamed_text_equals_full_decode_and_stop_strings_cut() {
     assert_eq!(streamed, text[..at]);
     assert_eq!(cut.stop_reason, qwen36::StopReason::StopString(0));
 }
+
+/// The engine, given the generator's detokenizer (the real tokenizer), streams the generator's
+/// greedy text, and a stop string cuts both at the same place.
+#[test]
+fn engine_text_equals_the_generators() {
+    use qwen36::engine::{Engine, EngineConfig, Event, Request, StopReason};
+    let g = generator();
+    let opts = GenerateOptions {
+        max_new_tokens: 60,
+        sampling: Some(SamplingParams::greedy()),
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    let prompt = g.encode("def fibonacci(n):").unwrap();
+    let detok = g.detokenizer().expect("the bundled model has a tokenizer");
+    let mut engine = Engine::new(g.model().clone(), EngineConfig::default())
+        .unwrap()
+        .with_detokenizer(detok);
+    let mut run = |stops: Vec<String>| {
+        let mut req = Request::greedy(prompt.clone(), 60);
+        req.stop_strings = stops;
+        let h = engine.submit(req).unwrap();
+        engine.run_to_completion().unwrap();
+        let (mut ids, mut text, mut end) = (Vec::new(), String::new(), None);
+        for e in h.drain() {
+            match e {
+                Event::Token { ids: i, text: t, .. } => {
+                    ids.extend(i);
+                    text.push_str(&t);
+                }
+                Event::Finished { reason, .. } => end = Some(reason),
+                Event::Failed { error } => panic!("{error}"),
+            }
+        }
+        (ids, text, end)
+    };
+    let out = g.generate(&prompt, &opts, |_| {}).unwrap();
+    let text = out.text.clone().unwrap();
+    let (ids, streamed, end) = run(vec![]);
+    assert_eq!(ids, out.tokens);
+    assert_eq!(streamed, text);
+    assert_eq!(end, Some(StopReason::MaxTokens));
+    // A stop string from the middle of that text (three characters).
+    let mut mid = text.len() / 2;
+    while !text.is_char_boundary(mid) {
+        mid += 1;
+    }
+    let stop: String = text[mid..].chars().take(3).collect();
+    let cut = g
+        .generate(
+            &prompt,
+            &GenerateOptions {
+                stop_strings: vec![stop.clone()],
+                ..opts
+            },
+            |_| {},
+        )
+        .unwrap();
+    let (ids, streamed, end) = run(vec![stop]);
+    assert_eq!(ids, cut.tokens);
+    assert_eq!(Some(streamed), cut.text);
+    assert_eq!(end, Some(StopReason::StopString(0)));
+}

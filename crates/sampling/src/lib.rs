@@ -11,9 +11,11 @@ mod params;
 pub mod rng;
 mod sampler;
 mod stop;
+mod text;
 
 pub use accept::{accept_greedy, accept_stochastic, Acceptance};
 pub use error::{Error, Result};
 pub use params::SamplingParams;
 pub use sampler::{Sampled, Sampler};
 pub use stop::{StopMatch, StopStrings};
+pub use text::{Detokenize, TextStream};

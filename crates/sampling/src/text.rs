@@ -1,0 +1,190 @@
+//! Streaming detokenisation: the text of each new token as it arrives, cut at stop strings.
+
+use crate::StopStrings;
+
+/// Token ids to text: a tokenizer's decode (which special tokens it skips is the caller's
+/// choice). An incomplete UTF-8 sequence at the end decodes as U+FFFD, as byte-level tokenizers
+/// give it.
+pub trait Detokenize: Send + Sync {
+    /// The text of `ids`; an error says why they cannot be decoded.
+    fn decode(&self, ids: &[u32]) -> Result<String, String>;
+}
+
+impl<F: Fn(&[u32]) -> Result<String, String> + Send + Sync> Detokenize for F {
+    fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self(ids)
+    }
+}
+
+/// Incremental detokenisation for streaming: decodes only the tokens after the last complete
+/// character (so a long generation costs O(n), not O(n²)), cuts the text at a stop string, and
+/// holds back a tail that may start a stop string or is an incomplete UTF-8 sequence.
+#[derive(Debug, Clone)]
+pub struct TextStream {
+    stops: StopStrings,
+    /// Longest stop string in bytes: how far back a new match can start.
+    stop_len: usize,
+    tokens: Vec<u32>,
+    text: String,
+    /// `text[..settled_bytes]` is the decode of `tokens[..settled_tokens]` and ends on a complete
+    /// character; the rest is the decode of the newer tokens, redone on every push.
+    settled_tokens: usize,
+    settled_bytes: usize,
+    emitted: usize,
+    stopped_by: Option<usize>,
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+impl TextStream {
+    /// A stream that stops at any of `stop_strings` (empty strings are ignored).
+    pub fn new(stop_strings: &[String]) -> Self {
+        Self {
+            stop_len: stop_strings.iter().map(String::len).max().unwrap_or(0),
+            stops: StopStrings::new(stop_strings.iter().cloned()),
+            tokens: Vec::new(),
+            text: String::new(),
+            settled_tokens: 0,
+            settled_bytes: 0,
+            emitted: 0,
+            stopped_by: None,
+        }
+    }
+
+    /// Adds a token; returns the newly printable text and whether generation may go on (false
+    /// once a stop string matched: the text ends where it starts).
+    pub fn push(&mut self, token: u32, decoder: &dyn Detokenize) -> Result<(String, bool), String> {
+        self.tokens.push(token);
+        let t = &mut self.text;
+        let tail = decoder.decode(&self.tokens[self.settled_tokens..])?;
+        t.truncate(self.settled_bytes);
+        t.push_str(&tail);
+        if !tail.ends_with('\u{FFFD}') {
+            self.settled_tokens = self.tokens.len();
+            self.settled_bytes = t.len();
+        }
+        let mut go_on = true;
+        // Only text that could contain a new match: the stop length back from the last emission.
+        let from = floor_boundary(t, self.emitted.saturating_sub(self.stop_len));
+        if let Some(m) = self.stops.find(&t[from..]) {
+            t.truncate(from + m.start);
+            self.settled_bytes = self.settled_bytes.min(t.len());
+            self.stopped_by = Some(m.index);
+            go_on = false;
+        }
+        let mut end = t.len() - if go_on { self.stops.holdback(t) } else { 0 };
+        while go_on && t[..end].ends_with('\u{FFFD}') {
+            end -= '\u{FFFD}'.len_utf8();
+        }
+        let piece = if end > self.emitted {
+            t[self.emitted..end].to_string()
+        } else {
+            String::new()
+        };
+        self.emitted = self.emitted.max(end);
+        Ok((piece, go_on))
+    }
+
+    /// Text still held back when generation ends.
+    pub fn finish(&mut self) -> String {
+        if self.text.len() > self.emitted {
+            let tail = self.text[self.emitted..].to_string();
+            self.emitted = self.text.len();
+            tail
+        } else {
+            String::new()
+        }
+    }
+
+    /// The whole text so far (cut at a stop string).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The text, consuming the stream.
+    pub fn into_text(self) -> String {
+        self.text
+    }
+
+    /// Which stop string matched, once one did.
+    pub fn stopped_by(&self) -> Option<usize> {
+        self.stopped_by
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level vocabulary: token i is `PIECES[i]`'s bytes; an incomplete UTF-8 tail decodes
+    /// as U+FFFD.
+    const PIECES: [&[u8]; 6] = [b"Hel", b"lo ", b"wor", b"ld", &[0xE2, 0x82], &[0xAC]];
+
+    fn decode(ids: &[u32]) -> Result<String, String> {
+        let bytes: Vec<u8> = ids
+            .iter()
+            .map(|&i| PIECES.get(i as usize).copied().ok_or(format!("no token {i}")))
+            .collect::<Result<Vec<_>, _>>()?
+            .concat();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn run(tokens: &[u32], stops: &[&str]) -> (Vec<String>, bool, TextStream) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = TextStream::new(&stops);
+        let mut pieces = Vec::new();
+        for &t in tokens {
+            let (piece, go_on) = s.push(t, &decode).unwrap();
+            pieces.push(piece);
+            if !go_on {
+                return (pieces, false, s);
+            }
+        }
+        (pieces, true, s)
+    }
+
+    /// Pieces concatenate to the text; a character split across tokens is held until complete.
+    #[test]
+    fn split_characters_wait_for_their_last_byte() {
+        let (pieces, go_on, mut s) = run(&[0, 1, 4, 5, 3], &[]);
+        assert!(go_on);
+        assert_eq!(pieces, ["Hel", "lo ", "", "€", "ld"]);
+        assert_eq!(s.text(), "Hello €ld");
+        assert_eq!(s.finish(), "");
+    }
+
+    /// A stop string across token boundaries ends the stream where it starts; the text that might
+    /// begin one is held back until it cannot, and what is held at the end comes out of finish.
+    #[test]
+    fn stop_strings_cut_the_text_and_hold_back_their_prefixes() {
+        let (pieces, go_on, s) = run(&[0, 1, 2, 3], &["o wo"]);
+        assert!(!go_on);
+        assert_eq!(pieces, ["Hel", "l", ""]);
+        assert_eq!(s.text(), "Hell");
+        assert_eq!(s.stopped_by(), Some(0));
+        // The "l" that could begin "lo!" is held until the next token shows it does not.
+        let (pieces, go_on, mut s) = run(&[0, 1, 3], &["xyz", "lo!"]);
+        assert!(go_on);
+        assert_eq!(pieces, ["He", "llo ", "ld"]);
+        assert_eq!(s.finish(), "");
+        let (_, _, mut s2) = run(&[0, 1, 2], &["world"]);
+        assert_eq!(s2.finish(), "wor");
+        assert_eq!(s2.stopped_by(), None);
+        let (_, _, s3) = run(&[0], &[]);
+        assert_eq!(s3.into_text(), "Hel");
+    }
+
+    /// A decode error is the caller's, unchanged.
+    #[test]
+    fn decode_errors_pass_through() {
+        let mut s = TextStream::new(&[]);
+        assert_eq!(s.push(9, &decode).unwrap_err(), "no token 9");
+    }
+}
