@@ -430,7 +430,12 @@ impl Engine {
         if !commits.is_empty() {
             let committing = Instant::now();
             let pending = pending.as_ref().expect("a verify keeps checkpoints");
-            self.cache.commit_many(pending, &commits)?;
+            if let Err(e) = self.cache.commit_many(pending, &commits) {
+                // The states are not the accepted ones: no sequence of the step can go on.
+                let e = Error::from(e);
+                self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
+                return Err(e);
+            }
             stats.committing = committing.elapsed();
         }
         // A step of decode tokens and verifies only: what a cycle of its length costs.

@@ -162,10 +162,11 @@ __device__ __forceinline__ int entries(int len, int unit, int s0, int per) {
 __device__ void attn_merge_group(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                  const unsigned* __restrict__ len_p, float* __restrict__ out_o,
                                  float* __restrict__ out_ml, int R, int D, int S, int per_in, int unit,
-                                 int s0, int len_h) {
+                                 int s0, int len_h, int cap) {
     const int r = blockIdx.x, bh = blockIdx.y, g = blockIdx.z, G = gridDim.z;
-    // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0].
-    const int len = (int)len_p[len_h > 0 ? bh / len_h : 0];
+    // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0]; clamped
+    // to the buffer as the partial kernels clamp it (entries past it were never written).
+    const int len = min((int)len_p[len_h > 0 ? bh / len_h : 0], cap);
     const int n = min(entries(len, unit, s0, per_in), S) - g * GROUP;
     if (n <= 0) return;
     const float* ml = part_ml + (((size_t)bh * S + g * GROUP) * R + r) * 2;  // entry e at ml[e·R·2]
@@ -205,10 +206,10 @@ template <typename T>
 __device__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                            const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per,
                            int unit, int s0, const T* __restrict__ gate, long gsb, long gst, long gsh, int H,
-                           int Tn, int paged) {
+                           int Tn, int paged, int cap) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
-    const int ns = min(entries((int)len_p[paged ? bh / H : 0], unit, s0, per), S);
+    const int ns = min(entries(min((int)len_p[paged ? bh / H : 0], cap), unit, s0, per), S);
     const float* ml = part_ml + ((size_t)bh * S * R + r) * 2;  // entry s at ml[s·R·2]
     float M = -INFINITY;
 #pragma unroll 8
@@ -251,19 +252,20 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
                                    T* out, int R, int D, int S, int per, int unit, int s0,           \
                                    const T* gate, long gsb, long gst, long gsh, int H, int Tn,       \
-                                   int paged) {                                                      \
+                                   int paged, int cap) {                                             \
         pdl_enter();                                                                                 \
         attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn,  \
-                      paged);                                                                        \
+                      paged, cap);                                                                   \
     }
 ATTENTION_KERNELS(f32, float)
 ATTENTION_KERNELS(bf16, __nv_bfloat16)
 ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
-                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int len_h) {
+                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int len_h,
+                            int cap) {
     pdl_enter();
-    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h);
+    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h, cap);
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in

@@ -11,7 +11,8 @@ __device__ void copy_rows(const T* __restrict__ src, T* __restrict__ dst, const 
                           int dst_n, int m, int src_w, int dst_w) {
     const int i = blockIdx.x;
     const unsigned sr = src_rows[i], dr = dst_rows[i], c0 = src_cols != nullptr ? src_cols[i] : 0;
-    if (sr >= (unsigned)src_n || dr >= (unsigned)dst_n || c0 + (unsigned)dst_w > (unsigned)src_w) return;
+    // (dst_w <= src_w: checked by the launcher; the window test cannot wrap around.)
+    if (sr >= (unsigned)src_n || dr >= (unsigned)dst_n || c0 > (unsigned)(src_w - dst_w)) return;
     const long total = (long)m * dst_w;
     const long e0 = (long)blockIdx.y * COPY_TILE, e1 = min(e0 + COPY_TILE, total);
     const T* s = src + (long)sr * m * src_w + c0;

@@ -361,7 +361,12 @@ impl Generator {
             .tokenizer
             .as_ref()
             .map(|_| TextStream::new(&opts.stop_strings));
-        let decode = |ids: &[u32]| self.decode(ids).map_err(|e| e.to_string());
+        // Self::decode's, on the tokenizer alone (a CUDA generator is not Sync: its graphs).
+        let tokenizer = self.tokenizer.as_ref();
+        let decode = |ids: &[u32]| match tokenizer {
+            Some(t) => t.decode(ids, true).map_err(|e| e.to_string()),
+            None => Err("no tokenizer".to_string()),
+        };
         let mut failure = None;
         let t0 = Instant::now();
         let mut first_token_secs = None;

@@ -14,17 +14,20 @@ pub struct StopMatch {
 /// much of the tail to keep back because it may be the start of a stop string.
 #[derive(Debug, Clone, Default)]
 pub struct StopStrings {
-    strings: Vec<String>,
+    /// The non-empty strings, each with its index in the list given.
+    strings: Vec<(usize, String)>,
 }
 
 impl StopStrings {
-    /// Empty strings are ignored.
+    /// Empty strings are ignored (a match's index still counts them: it is the string's place in
+    /// `strings`).
     pub fn new(strings: impl IntoIterator<Item = impl Into<String>>) -> Self {
         Self {
             strings: strings
                 .into_iter()
                 .map(Into::into)
-                .filter(|s: &String| !s.is_empty())
+                .enumerate()
+                .filter(|(_, s)| !s.is_empty())
                 .collect(),
         }
     }
@@ -38,15 +41,17 @@ impl StopStrings {
     pub fn find(&self, text: &str) -> Option<StopMatch> {
         self.strings
             .iter()
-            .enumerate()
-            .filter_map(|(index, s)| text.find(s.as_str()).map(|start| StopMatch { start, index }))
+            .filter_map(|(index, s)| {
+                text.find(s.as_str())
+                    .map(|start| StopMatch { start, index: *index })
+            })
             .min_by_key(|m| (m.start, m.index))
     }
 
     /// Bytes at the end of `text` that could begin a stop string (always on a char boundary).
     pub fn holdback(&self, text: &str) -> usize {
         let mut hold = 0;
-        for s in &self.strings {
+        for (_, s) in &self.strings {
             for n in (1..s.len().min(text.len() + 1)).rev() {
                 if s.is_char_boundary(n) && text.ends_with(&s[..n]) {
                     hold = hold.max(n);

@@ -179,6 +179,10 @@ mod tests {
         assert_eq!(s2.stopped_by(), None);
         let (_, _, s3) = run(&[0], &[]);
         assert_eq!(s3.into_text(), "Hel");
+        // A match's index is its string's place in the list given, empty strings counted.
+        let (_, go_on, s4) = run(&[0, 1, 2], &["", "lo "]);
+        assert!(!go_on);
+        assert_eq!(s4.stopped_by(), Some(1));
     }
 
     /// A decode error is the caller's, unchanged.

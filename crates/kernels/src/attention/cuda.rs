@@ -350,8 +350,9 @@ fn decode(
                 unsafe { lb.launch(cfg) }.w()?;
             }
             // Long buffers: merge groups of ATTENTION_GROUP spans first, in parallel, so that the
-            // final merge reads few entries.
-            let grouped = if spans > ATTENTION_GROUP {
+            // final merge reads few entries. Paged launches always do, so that a sequence's sums
+            // do not depend on how long its batch's longest table is.
+            let grouped = if spans > ATTENTION_GROUP || paging.is_some() {
                 let groups = spans.div_ceil(ATTENTION_GROUP);
                 // SAFETY: uninitialised; the group kernel writes every group below the
                 // device-side length, which is all the final merge reads.
@@ -361,7 +362,7 @@ fn decode(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
-                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&len_h);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&len_h).arg(&cap32);
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, bh as u32, groups as u32),
                     block_dim: (ATTENTION_THREADS as u32, 1, 1),
@@ -370,7 +371,8 @@ fn decode(
                 // SAFETY: arguments match `attn_decode_merge_group`: the scratch written above,
                 // len [1] or [b] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span
                 // per input entry, the partial kernel's unit and split count, the KV heads per
-                // length (0: one shared length); grid (r, bh, groups).
+                // length (0: one shared length), i32 cap (the length clamped to it, as the
+                // partial kernels clamp it); grid (r, bh, groups).
                 unsafe { lb.launch(cfg) }.w()?;
                 Some((o2, ml2, groups))
             } else {
@@ -401,7 +403,7 @@ fn decode(
             for s in &g_strides {
                 lb.arg(s);
             }
-            lb.arg(&h32).arg(&t32).arg(&paged32);
+            lb.arg(&h32).arg(&t32).arg(&paged32).arg(&cap32);
             let cfg = LaunchConfig {
                 grid_dim: (r as u32, bh as u32, 1),
                 block_dim: (ATTENTION_THREADS as u32, 1, 1),
@@ -412,7 +414,9 @@ fn decode(
             // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit and split
             // count, the gate [b, t, h·r/t, d] with contiguous rows (its view spans every element
             // its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked
-            // by the caller); shared memory one f32 per entry (≤ 48 KiB: checked above).
+            // by the caller), the paged flag and i32 cap (the merge reads only the entries of the
+            // length clamped to cap, all written above); shared memory one f32 per entry (≤ 48
+            // KiB: checked above).
             unsafe { lb.launch(cfg) }.w()?;
             Ok(wrap(out, &dev, (b, t, h * r / t, d)))
         }};
