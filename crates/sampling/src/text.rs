@@ -185,6 +185,19 @@ mod tests {
         assert_eq!(s4.stopped_by(), Some(1));
     }
 
+    /// A stop string at the very start of the text, split across tokens, is found; a text that
+    /// starts with a multi-byte character is searched from a character boundary.
+    #[test]
+    fn stop_strings_at_the_start_and_after_wide_characters() {
+        let (pieces, go_on, s) = run(&[0, 1], &["Hello"]);
+        assert!(!go_on);
+        assert_eq!(pieces, ["", ""]);
+        assert_eq!(s.text(), "");
+        let (pieces, go_on, _) = run(&[4, 5, 0, 1], &["zz"]);
+        assert!(go_on);
+        assert_eq!(pieces, ["", "€", "Hel", "lo "]);
+    }
+
     /// A decode error is the caller's, unchanged.
     #[test]
     fn decode_errors_pass_through() {
