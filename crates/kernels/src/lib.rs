@@ -112,6 +112,23 @@ pub(crate) fn expect_out_buffer(
     Ok(())
 }
 
+/// The state an in-place op checks against its batch of `batch` sequences: `state` itself, or
+/// with a slot table (checked: [`expect_slots`]) a view of the pool's first row as `[batch,
+/// ...]`, so the op's per-sequence shape checks serve both.
+pub(crate) fn state_per_sequence(
+    op: &'static str,
+    state: &candle_core::Tensor,
+    slots: Option<&candle_core::Tensor>,
+    batch: usize,
+) -> Result<candle_core::Tensor> {
+    let Some(slots) = slots else {
+        return Ok(state.clone());
+    };
+    expect_slots(op, slots, batch, state.dim(0)?)?;
+    let dims = [&[batch][..], &state.dims()[1..]].concat();
+    Ok(state.narrow(0, 0, 1)?.broadcast_as(dims)?)
+}
+
 /// Checks a slot table for an op over a state pool: `slots` u32 `[batch]` for `batch` sequences
 /// whose states are rows of a pool of `pool` rows.
 pub(crate) fn expect_slots(

@@ -89,16 +89,7 @@ pub fn causal_conv1d_in_place(
     policy: &KernelPolicy,
 ) -> Result<Tensor> {
     let op = "causal_conv1d_in_place";
-    if let Some(slots) = slots {
-        crate::expect_slots(op, slots, x.dim(0)?, state.dim(0)?)?;
-    }
-    let per_seq = match slots {
-        // The pool's rows stand for the batch in the shape checks.
-        Some(_) => state
-            .narrow(0, 0, 1)?
-            .broadcast_as([&[x.dim(0)?][..], &state.dims()[1..]].concat())?,
-        None => state.clone(),
-    };
+    let per_seq = crate::state_per_sequence(op, state, slots, x.dim(0)?)?;
     let (b, t, c, k) = check(x, weight, Some(&per_seq))?;
     if !state.is_contiguous() || state.dtype() != x.dtype() {
         return Err(Error::Shape {

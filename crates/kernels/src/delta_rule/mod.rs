@@ -292,9 +292,6 @@ pub fn fused_gated_delta_rule_in_place(
     policy: &KernelPolicy,
 ) -> Result<DeltaRuleOutput> {
     let op = "fused_gated_delta_rule_in_place";
-    if let Some(slots) = slots {
-        crate::expect_slots(op, slots, qkv.dim(0)?, state.dim(0)?)?;
-    }
     if !state.is_contiguous() || state.dtype() != DType::F32 {
         return Err(Error::Shape {
             op,
@@ -312,12 +309,7 @@ pub fn fused_gated_delta_rule_in_place(
     let keep_all_states = all_states.is_some();
     let mode = DeltaRuleMode::Recurrent { keep_all_states };
     // The shape checks of the fresh-state op, the pool's rows standing for the batch.
-    let per_seq = match slots {
-        Some(_) => state
-            .narrow(0, 0, 1)?
-            .broadcast_as([&[qkv.dim(0)?][..], &state.dims()[1..]].concat())?,
-        None => state.clone(),
-    };
+    let per_seq = crate::state_per_sequence(op, state, slots, qkv.dim(0)?)?;
     let d = check_fused(op, qkv, a, b, layer.heads, Some(&per_seq))?;
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
