@@ -58,6 +58,9 @@ struct Args {
     /// costs and acceptance).
     #[arg(long)]
     fixed_k: bool,
+    /// Run every step eagerly (no CUDA graphs).
+    #[arg(long)]
+    eager: bool,
 }
 
 /// What one request saw.
@@ -139,6 +142,7 @@ fn main() -> anyhow_like::Result<()> {
             step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
             timing_accept_rates: args.accept_rates.clone(),
             adaptive_k: !args.fixed_k,
+            cuda_graphs: !args.eager,
         };
         let mut engine = match &head {
             Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,

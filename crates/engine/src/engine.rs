@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use qwen36_model::{BatchPending, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_model::{BatchPending, BatchStepper, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_mtp::NgramDrafter;
 use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, Sampler, TextStream};
 use rayon::prelude::*;
@@ -48,6 +48,9 @@ pub struct EngineConfig {
     /// measured acceptance and costs ([`crate::spec::choose_k`]); `false` always drafts the
     /// requested `k`.
     pub adaptive_k: bool,
+    /// Replay decode and verify steps from recorded CUDA graphs where the model's device can
+    /// record them (a device from `qwen36_model::cuda_device`); `false` runs every step eagerly.
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +63,7 @@ impl Default for EngineConfig {
             step_tokens: 512,
             timing_accept_rates: None,
             adaptive_k: true,
+            cuda_graphs: true,
         }
     }
 }
@@ -93,6 +97,8 @@ pub struct StepStats {
 pub struct Engine {
     model: Qwen36Model,
     cache: PagedCache,
+    /// Runs the forwards over `cache` (its graphs are bound to the pools).
+    runner: BatchStepper,
     /// The MTP head and its KV pool (same block tables as the target's), when loaded.
     mtp: Option<(MtpHead, PagedCache)>,
     sched: Scheduler,
@@ -151,6 +157,12 @@ impl Engine {
             step_tokens: cfg.step_tokens,
         };
         let cache = model.new_paged_cache(cfg.max_seqs, blocks, cfg.block_size)?;
+        // Graphs' block tables cover a sequence of up to DEFAULT_POSITIONS (256 KiB of tables
+        // per step at 64 sequences in blocks of 16), so those never make them re-record.
+        let table_blocks = context
+            .min(DEFAULT_POSITIONS)
+            .min(blocks * cfg.block_size)
+            .div_ceil(cfg.block_size);
         let mtp = match head {
             Some(h) => {
                 let pool = h.new_paged_cache(&model, cfg.max_seqs, blocks, cfg.block_size)?;
@@ -159,6 +171,7 @@ impl Engine {
             None => None,
         };
         Ok(Self {
+            runner: BatchStepper::new(&model, cfg.cuda_graphs, table_blocks),
             model,
             cache,
             mtp,
@@ -187,6 +200,11 @@ impl Engine {
     /// The model.
     pub fn model(&self) -> &Qwen36Model {
         &self.model
+    }
+
+    /// Whether its decode and verify steps replay CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        self.runner.uses_graphs()
     }
 
     /// The sizes it runs with.
@@ -718,7 +736,7 @@ impl Engine {
         reads: &[Range<usize>],
         full: &[bool],
     ) -> Result<(Vec<Read>, Option<BatchPending>, Tensor)> {
-        let out = self.model.forward_batch(batch, &mut self.cache)?;
+        let out = self.runner.forward(&self.model, batch, &mut self.cache)?;
         let rows: Vec<u32> = reads.iter().flat_map(|r| r.clone().map(|i| i as u32)).collect();
         if rows.is_empty() {
             let reads = reads.iter().map(|_| Read::Ids(Vec::new())).collect();

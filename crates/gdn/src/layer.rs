@@ -65,6 +65,33 @@ impl VerifyCheckpoints {
         }
     }
 
+    /// Checkpoint buffers for a verify of `states: [batch, len, Hv, dk, dv]` f32 and `window:
+    /// [batch, conv_dim, K-1 + len]` that the pass fills (kept across passes, e.g. by a recorded
+    /// CUDA graph, instead of fresh ones each pass).
+    pub fn from_buffers(states: Tensor, window: Tensor) -> Result<Self> {
+        let fits = states.rank() == 5
+            && states.dtype() == DType::F32
+            && window.rank() == 3
+            && states.is_contiguous()
+            && window.is_contiguous()
+            && states.dim(0)? == window.dim(0)?
+            && window.dim(2)? > states.dim(1)?;
+        if !fits {
+            return Err(Error::State(format!(
+                "checkpoint buffers are contiguous f32 states [batch, len, Hv, dk, dv] and a window \
+                 [batch, conv_dim, K-1 + len]; found {:?} {:?} and {:?}",
+                states.dims(),
+                states.dtype(),
+                window.dims()
+            )));
+        }
+        Ok(Self {
+            states,
+            window,
+            seen_before: 0,
+        })
+    }
+
     /// Batch member `i`'s checkpoints alone (views, batch 1).
     pub fn member(&self, i: usize) -> Result<Self> {
         Ok(Self {
@@ -343,7 +370,8 @@ impl GatedDeltaNet {
                     conv,
                     recurrent,
                     slots,
-                } => self.mix_pooled(&part, (conv, recurrent, slots), g.verify)?,
+                    kept,
+                } => self.mix_pooled(&part, (conv, recurrent, slots), g.verify, *kept)?,
             };
             let (_, _, hv, dv) = out.dims4()?;
             outs.push(out.reshape((1, g.batch * g.len, hv, dv))?);
@@ -493,12 +521,14 @@ impl GatedDeltaNet {
     /// windows `[pool, conv_dim, K-1]` in the activation dtype, recurrent states `[pool, Hv, dk,
     /// dv]` f32), which the kernels read and write in place: one token per sequence, or with
     /// `verify` any number, token by token, keeping the checkpoints (batch-indexed, `seen_before`
-    /// 0). The same kernels and sums as [`Self::mix`] on the gathered rows.
+    /// 0), into `kept` when given (else fresh buffers). The same kernels and sums as
+    /// [`Self::mix`] on the gathered rows.
     fn mix_pooled(
         &self,
         proj: &Tensor,
         (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
         verify: bool,
+        kept: Option<&VerifyCheckpoints>,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let c = &self.cfg;
         let (b, t, _) = proj.dims3()?;
@@ -512,7 +542,16 @@ impl GatedDeltaNet {
         let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
         let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
         let hist = c.conv_kernel - 1;
-        let kept = if verify {
+        let kept = if let (true, Some(kept)) = (verify, kept) {
+            let (states, window) = (kept.states.dims(), kept.window.dims());
+            if states != [b, t, hv, c.k_head_dim, c.v_head_dim] || window != [b, cd, hist + t] {
+                return Err(Error::State(format!(
+                    "checkpoint buffers {states:?} and {window:?} do not fit a verify of {b} \
+                     sequences of {t} tokens"
+                )));
+            }
+            Some(kept.clone())
+        } else if verify {
             let dev = proj.device();
             // SAFETY: uninitialised buffers that the ops below fill entirely before anything reads
             // them: the conv writes every sequence's whole window (the K-1 held inputs, then each
@@ -591,11 +630,13 @@ pub enum GroupState<'a> {
     Own(&'a mut GdnState),
     /// Rows `slots` (u32 `[batch]`, distinct) of pooled states: conv windows `[pool, conv_dim,
     /// K-1]` (activation dtype) and recurrent states `[pool, Hv, dk, dv]` f32, updated in place.
-    /// For decode steps (`len` 1) and verifies; a verify's checkpoints are batch-indexed.
+    /// For decode steps (`len` 1) and verifies; a verify's checkpoints are batch-indexed, written
+    /// into `kept` when given ([`VerifyCheckpoints::from_buffers`]).
     Pooled {
         conv: &'a Tensor,
         recurrent: &'a Tensor,
         slots: &'a Tensor,
+        kept: Option<&'a VerifyCheckpoints>,
     },
 }
 
@@ -920,22 +961,32 @@ mod group_tests {
         let slots = [Tensor::new(&[4u32, 1], &dev)?, Tensor::new(&[2u32], &dev)?];
         let x = qwen36_testutil::randn(123, 1.0, (1, 5, 24), &dev)?;
         let (conv, rec) = (conv0.copy()?, rec0.copy()?);
-        let specs = [(2, 1, false), (1, 3, true)];
+        // The verify writes its checkpoints into buffers given to it.
+        let hv = (c.num_v_heads, c.k_head_dim, c.v_head_dim);
+        let kept = VerifyCheckpoints::from_buffers(
+            Tensor::zeros((1, 3, hv.0, hv.1, hv.2), DType::F32, &dev)?,
+            Tensor::zeros((1, c.conv_dim(), c.conv_kernel - 1 + 3), DType::F32, &dev)?,
+        )?;
+        let specs = [(2, 1, false, None), (1, 3, true, Some(&kept))];
         let mut groups: Vec<GdnGroup> = specs
             .iter()
             .zip(&slots)
-            .map(|(&(batch, len, verify), slots)| GdnGroup {
+            .map(|(&(batch, len, verify, kept), slots)| GdnGroup {
                 batch,
                 len,
                 state: GroupState::Pooled {
                     conv: &conv,
                     recurrent: &rec,
                     slots,
+                    kept,
                 },
                 verify,
             })
             .collect();
         let (y, cps) = l.forward_groups_block(&x, &norm, &mut groups)?;
+        let given = cps[1].as_ref().expect("kept");
+        assert_eq!(given.states().id(), kept.states().id());
+        assert_eq!(given.window().id(), kept.window().id());
 
         let own = |s: &Tensor| -> Result<GdnState> {
             GdnState::from_parts(conv0.index_select(s, 0)?, rec0.index_select(s, 0)?, 0)
@@ -982,11 +1033,24 @@ mod group_tests {
                 conv: &conv,
                 recurrent: &rec,
                 slots: &slots[1],
+                kept: None,
             },
             verify: false,
         }];
         let e = l.forward_groups_block(&x, &norm, &mut prefill).unwrap_err();
         assert!(e.to_string().contains("prefill of 5 tokens"), "{e}");
+        // Buffers for 3 tokens do not take a verify of 5.
+        prefill[0].verify = true;
+        if let GroupState::Pooled { kept: k, .. } = &mut prefill[0].state {
+            *k = Some(&kept);
+        }
+        let e = l.forward_groups_block(&x, &norm, &mut prefill).unwrap_err();
+        assert!(
+            e.to_string().contains("do not fit a verify of 1 sequences of 5"),
+            "{e}"
+        );
+        let bad = VerifyCheckpoints::from_buffers(kept.window().clone(), kept.window().clone());
+        assert!(bad.is_err());
         Ok(())
     }
 }

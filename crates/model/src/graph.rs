@@ -16,13 +16,16 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
-use candle_core::{Device, Tensor, TensorId};
-use qwen36_gdn::GdnState;
+use candle_core::{DType, Device, Tensor, TensorId};
+use qwen36_gdn::{GdnState, VerifyCheckpoints};
 
-use qwen36_gdn::VerifyCheckpoints;
-
-use crate::attention::AttnStep;
-use crate::{Cache, DraftVocab, Error, LayerCache, MtpCache, MtpHead, Qwen36Model, Result};
+use crate::attention::{AttnPart, AttnStep};
+use crate::model::{FlatGroup, FlatInputs};
+use crate::paged::PagedLayer;
+use crate::{
+    BatchOutput, Cache, DraftVocab, Error, ForwardBatch, LayerCache, MtpCache, MtpHead, PagedCache,
+    Qwen36Model, Result,
+};
 
 /// What a run of layers returns: the hidden state `[batch, len, hidden]` and, for a verify pass,
 /// the checkpoints of its GDN layers in layer order.
@@ -455,4 +458,359 @@ impl DraftGraph {
         });
         Ok(out)
     }
+}
+
+/// Recorded graphs of flat forwards ([`Qwen36Model::forward_batch`]) whose sequences all decode
+/// one token or all verify the same number: one graph per bucket of [`crate::BATCH_BUCKETS`], tokens per
+/// sequence and block-table width (a power of two), bound to one [`PagedCache`] (its pools). Their inputs (token
+/// ids, RoPE rows, slots, KV rows, block tables, lengths) are device buffers rewritten before each
+/// replay; a verify's checkpoints go to buffers shared by every verify graph.
+pub struct BatchGraph {
+    stream: Arc<CudaStream>,
+    device: Device,
+    /// The narrowest block tables recorded (a wider batch doubles the width as needed).
+    table_blocks: usize,
+    steps: Vec<BatchStep>,
+    /// The pool tensors the graphs were recorded with.
+    bound_to: Vec<TensorId>,
+    /// Per layer (GDN layers only): the flat storage of the verify checkpoints (f32 states, conv
+    /// windows) that every verify graph's checkpoints are leading views of.
+    kept: Vec<Option<(Tensor, Tensor)>>,
+    recordings: usize,
+    replays: usize,
+}
+
+/// A recorded graph that may move to another thread with its owner (an engine runs on a thread
+/// of its own).
+struct SendGraph(CudaGraph);
+
+// SAFETY: a CUDA graph and its executable are driver handles that any thread may use: cudarc
+// binds the graph's context to the calling thread on every launch and on drop. CUDA only forbids
+// using one graph from several threads at once, which cannot happen here: `SendGraph` is not
+// `Sync`, so only the thread that owns it (through its `BatchGraph`) can launch or drop it.
+unsafe impl Send for SendGraph {}
+
+/// One recorded flat step: `seqs` sequences (padding included) of `len` tokens, block tables
+/// `width` wide; `output = layers(inputs)`, `[seqs · len, hidden]`.
+struct BatchStep {
+    seqs: usize,
+    len: usize,
+    verify: bool,
+    width: usize,
+    ids: Tensor,
+    flat: FlatInputs,
+    kept: Vec<Option<VerifyCheckpoints>>,
+    output: Tensor,
+    graph: SendGraph,
+}
+
+impl BatchStep {
+    /// Copies the inputs of `fresh` (same shapes) into the graph's buffers.
+    fn write_from(&self, ids: &Tensor, fresh: &FlatInputs) -> Result<()> {
+        self.ids.slice_set(ids, 0, 0)?;
+        let (a, b) = (&self.flat, fresh);
+        for (dst, src) in [(&a.cos, &b.cos), (&a.sin, &b.sin), (&a.kv_rows, &b.kv_rows)] {
+            dst.slice_set(src, 0, 0)?;
+        }
+        for (dst, src) in a.groups.iter().zip(&b.groups) {
+            dst.slots.slice_set(&src.slots, 0, 0)?;
+        }
+        for (dst, src) in a.attn.iter().zip(&b.attn) {
+            if let (
+                AttnPart::Decode { tables, lens, .. },
+                AttnPart::Decode {
+                    tables: t, lens: l, ..
+                },
+            ) = (dst, src)
+            {
+                tables.slice_set(t, 0, 0)?;
+                lens.slice_set(l, 0, 0)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BatchGraph {
+    /// An empty recorder on `device`, which must come from [`graph_device`], for block tables at
+    /// least `table_blocks` wide.
+    pub fn new(device: &Device, table_blocks: usize) -> Result<Self> {
+        Ok(Self {
+            stream: recording_stream(device)?,
+            device: device.clone(),
+            table_blocks,
+            steps: Vec::new(),
+            bound_to: Vec::new(),
+            kept: Vec::new(),
+            recordings: 0,
+            replays: 0,
+        })
+    }
+
+    /// Graphs recorded so far, re-recordings (another pool, grown checkpoint buffers) included.
+    pub fn recordings(&self) -> usize {
+        self.recordings
+    }
+
+    /// Steps replayed from a recorded graph so far.
+    pub fn replays(&self) -> usize {
+        self.replays
+    }
+
+    /// [`Qwen36Model::forward_batch`], replayed from a graph when every chunk decodes one token or
+    /// verifies as many as the others (after its prompt, with the paged decode kernel, at most
+    /// the largest bucket of sequences); recorded on first use of its shape. Anything else runs
+    /// eagerly. The results are the eager forward's for the same padded batch.
+    pub(crate) fn forward(
+        &mut self,
+        model: &Qwen36Model,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+    ) -> Result<BatchOutput> {
+        let Some((seqs, len, verify)) = graphed_shape(model, batch) else {
+            return model.forward_batch(batch, cache);
+        };
+        model.check_batch(batch, cache)?;
+        self.bind(cache);
+        let width = batch
+            .chunks
+            .iter()
+            .map(|c| c.blocks.len())
+            .max()
+            .unwrap_or(1)
+            .max(self.table_blocks)
+            .next_power_of_two();
+        let (flat, ids) = padded_inputs(model, batch, cache, seqs, width)?;
+        let rows = batch.total_rows();
+        let key = |s: &&BatchStep| s.seqs == seqs && s.len == len && s.verify == verify && s.width == width;
+        if let Some(step) = self.steps.iter().find(key) {
+            step.write_from(&ids, &flat)?;
+            step.graph.0.launch().map_err(candle_core::Error::wrap)?;
+            self.replays += 1;
+            let layers = step
+                .kept
+                .iter()
+                .map(|k| k.as_ref().map(|cp| vec![Some(cp.clone())]))
+                .collect();
+            // A copy: the next replay overwrites the graph's output.
+            return Ok(BatchOutput {
+                hidden: step.output.narrow(0, 0, rows)?.copy()?,
+                pending: batch.pending(layers),
+            });
+        }
+        let kept = if verify {
+            self.checkpoint_buffers(cache, seqs, len)?
+        } else {
+            vec![None; cache.layers.len()]
+        };
+        let output = Tensor::zeros(
+            (seqs * len, model.config().hidden_size),
+            model.dtype(),
+            &self.device,
+        )?;
+        let cuda = self.device.as_cuda_device()?;
+        let htod_cache = cuda.enable_cuda_graph_htod_cache();
+        // The step runs eagerly once (which also fills candle's cache of uploaded launch
+        // parameters, which a capture may only read from); the capture records the same work
+        // from the same buffers for the next steps of this shape, running nothing.
+        let eager = model.run_flat(&ids, &flat, cache, &kept);
+        let recorded = eager.is_ok().then(|| {
+            capture(&self.stream, || {
+                let (y, _) = model.run_flat(&ids, &flat, cache, &kept)?;
+                output.slice_set(&y, 0, 0)?;
+                Ok(())
+            })
+        });
+        drop(htod_cache);
+        let (hidden, layers) = eager?;
+        if let Some(recorded) = recorded {
+            let (graph, ()) = recorded?;
+            self.recordings += 1;
+            self.steps.push(BatchStep {
+                seqs,
+                len,
+                verify,
+                width,
+                ids,
+                flat,
+                kept,
+                output,
+                graph: SendGraph(graph),
+            });
+        }
+        Ok(BatchOutput {
+            hidden: hidden.narrow(0, 0, rows)?,
+            pending: batch.pending(layers),
+        })
+    }
+
+    /// Drops the graphs when they were recorded with other pools.
+    fn bind(&mut self, cache: &PagedCache) {
+        let ids: Vec<TensorId> = cache
+            .layers
+            .iter()
+            .flat_map(|l| match l {
+                PagedLayer::Gdn { conv, recurrent } => [conv.id(), recurrent.id()],
+                PagedLayer::Attention { k, v } => [k.id(), v.id()],
+            })
+            .collect();
+        if ids != self.bound_to {
+            self.steps.clear();
+            self.kept.clear();
+            self.bound_to = ids;
+        }
+    }
+
+    /// Per layer, the checkpoint buffers of a verify of `seqs` sequences of `len` tokens: leading
+    /// views of the shared storage, grown (dropping the graphs that read the old one) when short.
+    fn checkpoint_buffers(
+        &mut self,
+        cache: &PagedCache,
+        seqs: usize,
+        len: usize,
+    ) -> Result<Vec<Option<VerifyCheckpoints>>> {
+        // Per GDN layer: the state `(Hv, dk, dv)` and the conv window `(conv_dim, K-1)`.
+        type Shape = ((usize, usize, usize), (usize, usize));
+        let shapes: Vec<Option<Shape>> = cache
+            .layers
+            .iter()
+            .map(|l| match l {
+                PagedLayer::Gdn { conv, recurrent } => {
+                    let (_, hv, dk, dv) = recurrent.dims4()?;
+                    let (_, cd, hist) = conv.dims3()?;
+                    Ok(Some(((hv, dk, dv), (cd, hist))))
+                }
+                PagedLayer::Attention { .. } => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        let need =
+            |&((hv, dk, dv), (cd, hist)): &Shape| (seqs * len * hv * dk * dv, seqs * cd * (hist + len));
+        let short = self.kept.len() != shapes.len()
+            || shapes
+                .iter()
+                .zip(&self.kept)
+                .any(|(shape, kept)| match (shape, kept) {
+                    (Some(shape), Some((s, w))) => {
+                        let (ns, nw) = need(shape);
+                        s.elem_count() < ns || w.elem_count() < nw
+                    }
+                    (None, None) => false,
+                    _ => true,
+                });
+        if short {
+            // Graphs recorded with the old buffers would write where nothing reads.
+            self.steps.retain(|s| !s.verify);
+            // Room for the largest verify seen so far, this one included; the old storage is
+            // freed before the new is made.
+            let sizes: Vec<Option<(usize, usize, DType)>> = shapes
+                .iter()
+                .zip(&cache.layers)
+                .enumerate()
+                .map(|(l, (shape, layer))| {
+                    let (Some(shape), PagedLayer::Gdn { conv, .. }) = (shape, layer) else {
+                        return None;
+                    };
+                    let (mut ns, mut nw) = need(shape);
+                    if let Some(Some((s, w))) = self.kept.get(l) {
+                        (ns, nw) = (ns.max(s.elem_count()), nw.max(w.elem_count()));
+                    }
+                    Some((ns, nw, conv.dtype()))
+                })
+                .collect();
+            self.kept.clear();
+            self.kept = sizes
+                .into_iter()
+                .map(|size| {
+                    let Some((ns, nw, dtype)) = size else {
+                        return Ok(None);
+                    };
+                    Ok(Some((
+                        Tensor::zeros(ns, DType::F32, &self.device)?,
+                        Tensor::zeros(nw, dtype, &self.device)?,
+                    )))
+                })
+                .collect::<Result<_>>()?;
+        }
+        shapes
+            .iter()
+            .zip(&self.kept)
+            .map(|(shape, kept)| match (shape, kept) {
+                (Some(shape), Some((s, w))) => {
+                    let ((hv, dk, dv), (cd, hist)) = *shape;
+                    let (ns, nw) = need(shape);
+                    let states = s.narrow(0, 0, ns)?.reshape((seqs, len, hv, dk, dv))?;
+                    let window = w.narrow(0, 0, nw)?.reshape((seqs, cd, hist + len))?;
+                    Ok(Some(VerifyCheckpoints::from_buffers(states, window)?))
+                }
+                _ => Ok(None),
+            })
+            .collect()
+    }
+}
+
+/// `(bucket, tokens per sequence, verify)` when `batch` can replay a [`BatchGraph`]: one group
+/// (every chunk a one-token decode, or every chunk a verify of the same length), past its
+/// prompt's first token, with the paged decode kernel, at most the largest bucket.
+fn graphed_shape(model: &Qwen36Model, batch: &ForwardBatch) -> Option<(usize, usize, bool)> {
+    let first = batch.chunks.first()?;
+    let (len, verify) = (first.tokens.len(), first.verify);
+    let fits = batch.groups.len() == 1
+        && (verify || len == 1)
+        && batch.chunks.iter().all(|c| c.start > 0)
+        && model.paged_decode(len);
+    let bucket = crate::BATCH_BUCKETS.iter().find(|&&b| b >= batch.chunks.len())?;
+    fits.then_some((*bucket, len, verify))
+}
+
+/// The flat inputs of a one-group `batch` padded to `seqs` sequences and block tables `width`
+/// wide, and its token ids `[1, seqs · len]`: padding rows take token 0 at position 0, a slot
+/// outside the pool, no KV row (`u32::MAX`, past every pool) and length 0.
+fn padded_inputs(
+    model: &Qwen36Model,
+    batch: &ForwardBatch,
+    cache: &PagedCache,
+    seqs: usize,
+    width: usize,
+) -> Result<(FlatInputs, Tensor)> {
+    let chunks = &batch.chunks;
+    let (len, verify) = (chunks[0].tokens.len(), chunks[0].verify);
+    let mut ids = vec![0u32; seqs * len];
+    let mut positions = vec![0usize; seqs * len];
+    let mut kv_rows = vec![u32::MAX; seqs * len];
+    let mut tables = vec![0u32; seqs * width];
+    let mut lens = vec![0u32; seqs];
+    let mut slots = vec![cache.slots as u32; seqs];
+    for (i, c) in chunks.iter().enumerate() {
+        let rows = i * len..(i + 1) * len;
+        ids[rows.clone()].copy_from_slice(&c.tokens);
+        for (p, pos) in positions[rows.clone()].iter_mut().enumerate() {
+            *pos = c.start + p;
+        }
+        kv_rows[rows].copy_from_slice(&cache.position_rows(&c.blocks, c.start..c.start + len));
+        tables[i * width..i * width + c.blocks.len()].copy_from_slice(&c.blocks);
+        lens[i] = (c.start + len) as u32;
+        slots[i] = c.slot;
+    }
+    let dev = model.device();
+    let (cos, sin) = model.rope().cos_sin_at(positions, model.dtype(), dev)?;
+    let flat = FlatInputs {
+        cos,
+        sin,
+        groups: vec![FlatGroup {
+            batch: seqs,
+            len,
+            verify,
+            slots: Tensor::new(slots.as_slice(), dev)?,
+            host_slots: slots,
+        }],
+        kv_rows: Tensor::new(kv_rows.as_slice(), dev)?,
+        attn: vec![AttnPart::Decode {
+            batch: seqs,
+            t: len,
+            tables: Tensor::from_vec(tables, (seqs, width), dev)?,
+            lens: Tensor::new(lens.as_slice(), dev)?,
+            block_size: cache.block_size,
+        }],
+    };
+    Ok((flat, Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?))
 }

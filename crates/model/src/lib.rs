@@ -22,10 +22,10 @@ pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use graph::{graph_device, DecodeGraph, DraftGraph};
+pub use graph::{graph_device, BatchGraph, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
-pub use stepper::{cuda_device, DraftSession, DraftStepper, Session, Stepper};
+pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
 pub use weights::{LoadOptions, Weights};

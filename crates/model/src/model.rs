@@ -9,10 +9,10 @@ use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, Veri
 use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::attention::{AttnPart, AttnStep};
-use crate::paged::{PagedLayer, PoolShape};
+use crate::paged::{LayerCheckpoints, PagedLayer, PoolShape};
 use crate::{
-    BatchOutput, BatchPending, Cache, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
-    LoadOptions, PagedCache, Result, Weights,
+    BatchOutput, Cache, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType, LoadOptions,
+    PagedCache, Result, Weights,
 };
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
@@ -152,64 +152,56 @@ impl DecoderLayer {
 
 impl DecoderLayer {
     /// [`Self::forward`] over a flat batch (`x: [1, rows, hidden]`) with pooled caches: a GDN
-    /// layer runs decode and verify groups on their slots in place, and each prefill group from
-    /// its slots' states gathered (written back after); an attention layer reads and writes paged
-    /// K/V. Returns, for a GDN layer with verifying groups, every group's checkpoints.
+    /// layer runs decode and verify groups on their slots in place (a verify's checkpoints into
+    /// `kept` when given), and each prefill group from its slots' states gathered (written back
+    /// after); an attention layer reads and writes paged K/V. Returns, for a GDN layer with
+    /// verifying groups, every group's checkpoints.
     pub(crate) fn forward_paged(
         &self,
         x: &Tensor,
         pool: &PagedLayer,
-        batch: &ForwardBatch,
         flat: &FlatInputs,
+        kept: Option<&VerifyCheckpoints>,
     ) -> Result<(Tensor, Option<Vec<Option<VerifyCheckpoints>>>)> {
         let norm = &self.input_norm;
         let (r, checkpoints) = match (&self.mixer, pool) {
             (Mixer::Gdn(g), PagedLayer::Gdn { conv, recurrent }) => {
-                // A decode or verify group runs on the pools; a prefill group from its rows.
-                let pooled = |members: &[usize]| {
-                    let first = &batch.chunks[members[0]];
-                    first.verify || first.tokens.len() == 1
-                };
-                let mut own = batch
+                let mut own = flat
                     .groups
                     .iter()
-                    .zip(&flat.slots)
-                    .map(|(members, slots)| {
-                        if pooled(members) {
+                    .map(|g| {
+                        if g.pooled() {
                             return Ok(None);
                         }
-                        let c = conv.index_select(slots, 0)?;
-                        let r = recurrent.index_select(slots, 0)?;
+                        let c = conv.index_select(&g.slots, 0)?;
+                        let r = recurrent.index_select(&g.slots, 0)?;
                         Ok(Some(GdnState::from_parts(c, r, 0)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let mut groups: Vec<GdnGroup> = batch
+                let mut groups: Vec<GdnGroup> = flat
                     .groups
                     .iter()
                     .zip(own.iter_mut())
-                    .zip(&flat.slots)
-                    .map(|((members, state), slots)| {
-                        let first = &batch.chunks[members[0]];
-                        GdnGroup {
-                            batch: members.len(),
-                            len: first.tokens.len(),
-                            state: match state {
-                                Some(state) => GroupState::Own(state),
-                                None => GroupState::Pooled {
-                                    conv,
-                                    recurrent,
-                                    slots,
-                                },
+                    .map(|(g, state)| GdnGroup {
+                        batch: g.batch,
+                        len: g.len,
+                        state: match state {
+                            Some(state) => GroupState::Own(state),
+                            None => GroupState::Pooled {
+                                conv,
+                                recurrent,
+                                slots: &g.slots,
+                                kept: kept.filter(|_| g.verify),
                             },
-                            verify: first.verify,
-                        }
+                        },
+                        verify: g.verify,
                     })
                     .collect();
                 let (r, cps) = g.forward_groups_block(x, norm, &mut groups)?;
-                for (members, state) in batch.groups.iter().zip(&own) {
+                for (g, state) in flat.groups.iter().zip(&own) {
                     let Some(state) = state else { continue };
-                    for (i, &chunk) in members.iter().enumerate() {
-                        let slot = batch.chunks[chunk].slot as usize;
+                    for (i, &slot) in g.host_slots.iter().enumerate() {
+                        let slot = slot as usize;
                         conv.slice_set(&state.conv().narrow(0, i, 1)?.contiguous()?, 0, slot)?;
                         let rec = state.recurrent().narrow(0, i, 1)?.contiguous()?;
                         recurrent.slice_set(&rec, 0, slot)?;
@@ -233,16 +225,36 @@ impl DecoderLayer {
     }
 }
 
-/// What every layer of one flat forward shares: each row's RoPE angles, each group's slots,
-/// each row's KV pool row and the attention parts.
+/// What every layer of one flat forward shares: each row's RoPE angles, the groups, each row's
+/// KV pool row and the attention parts. Built from a [`ForwardBatch`] each step, or kept in
+/// device buffers that a recorded CUDA graph reads.
+#[derive(Debug, Clone)]
 pub(crate) struct FlatInputs {
-    cos: Tensor,
-    sin: Tensor,
-    /// u32 `[members]` per group.
-    slots: Vec<Tensor>,
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+    pub(crate) groups: Vec<FlatGroup>,
     /// u32 `[rows]`: the pool row each row's key and value go to.
-    kv_rows: Tensor,
-    attn: Vec<AttnPart>,
+    pub(crate) kv_rows: Tensor,
+    pub(crate) attn: Vec<AttnPart>,
+}
+
+/// One group of a flat forward: `batch` sequences of `len` tokens each, their rows consecutive.
+#[derive(Debug, Clone)]
+pub(crate) struct FlatGroup {
+    pub(crate) batch: usize,
+    pub(crate) len: usize,
+    pub(crate) verify: bool,
+    /// u32 `[batch]`: their GDN slots (a slot outside the pool: a padding row on CUDA).
+    pub(crate) slots: Tensor,
+    /// The same slots on the host (a prefill group writes its states back to them).
+    pub(crate) host_slots: Vec<u32>,
+}
+
+impl FlatGroup {
+    /// Runs on the pools in place (a decode or verify group); a prefill group gathers its states.
+    fn pooled(&self) -> bool {
+        self.verify || self.len == 1
+    }
 }
 
 /// A loaded Qwen3.6 text model (no MTP head).
@@ -378,6 +390,40 @@ impl Qwen36Model {
     /// kernels for its token count, from the same state). Returns the final-norm hidden states
     /// of every row and, when a chunk verifies, the checkpoints for [`PagedCache::commit`].
     pub fn forward_batch(&self, batch: &ForwardBatch, cache: &mut PagedCache) -> Result<BatchOutput> {
+        self.check_batch(batch, cache)?;
+        for c in batch.chunks.iter().filter(|c| c.start == 0) {
+            cache.clear_slot(c.slot)?;
+        }
+        let (flat, ids) = self.flat_inputs(batch, cache)?;
+        let (hidden, layers) = self.run_flat(&ids, &flat, cache, &[])?;
+        Ok(BatchOutput {
+            hidden,
+            pending: batch.pending(layers),
+        })
+    }
+
+    /// The layers over flat inputs: `ids: [1, rows]` → the final-norm hidden states `[rows,
+    /// hidden]` and each GDN layer's verify checkpoints (into `kept[layer]` where given).
+    pub(crate) fn run_flat(
+        &self,
+        ids: &Tensor,
+        flat: &FlatInputs,
+        cache: &PagedCache,
+        kept: &[Option<VerifyCheckpoints>],
+    ) -> Result<(Tensor, LayerCheckpoints)> {
+        let mut x = self.embed.forward(ids)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (l, (layer, pool)) in self.layers.iter().zip(&cache.layers).enumerate() {
+            let kept = kept.get(l).and_then(Option::as_ref);
+            let (y, cps) = layer.forward_paged(&x, pool, flat, kept)?;
+            layers.push(cps);
+            x = y;
+        }
+        Ok((self.norm.forward(&x)?.squeeze(0)?, layers))
+    }
+
+    /// Checks `batch` against `cache`, the vocabulary and the context.
+    pub(crate) fn check_batch(&self, batch: &ForwardBatch, cache: &PagedCache) -> Result<()> {
         batch.check(cache, self.cfg.vocab_size, self.cfg.max_position_embeddings)?;
         if cache.layers.len() != self.layers.len() {
             return Err(Error::Cache(format!(
@@ -386,41 +432,12 @@ impl Qwen36Model {
                 self.layers.len()
             )));
         }
-        for c in batch.chunks.iter().filter(|c| c.start == 0) {
-            cache.clear_slot(c.slot)?;
-        }
-        let (flat, ids) = self.flat_inputs(batch, cache)?;
-        let mut x = self.embed.forward(&ids)?;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (layer, pool) in self.layers.iter().zip(&cache.layers) {
-            let (y, cps) = layer.forward_paged(&x, pool, batch, &flat)?;
-            layers.push(cps);
-            x = y;
-        }
-        let pending = layers.iter().any(Option::is_some).then(|| {
-            let mut member_of = vec![None; batch.chunks.len()];
-            for (g, members) in batch.groups.iter().enumerate() {
-                for (i, &chunk) in members.iter().enumerate() {
-                    if batch.chunks[chunk].verify {
-                        member_of[chunk] = Some((g, i));
-                    }
-                }
-            }
-            BatchPending {
-                layers,
-                member_of,
-                slots: batch.chunks.iter().map(|c| c.slot).collect(),
-            }
-        });
-        Ok(BatchOutput {
-            hidden: self.norm.forward(&x)?.squeeze(0)?,
-            pending,
-        })
+        Ok(())
     }
 
     /// True when the attention layers run a flat batch's sequences of `tokens` new tokens each
     /// as one paged decode launch (where the decode kernel takes them: CUDA, few tokens).
-    fn paged_decode(&self, tokens: usize) -> bool {
+    pub(crate) fn paged_decode(&self, tokens: usize) -> bool {
         self.layers.iter().any(|l| match &l.mixer {
             Mixer::Attention(a) => a.uses_decode_kernel(tokens, self.dtype, &self.device),
             Mixer::Gdn(_) => false,
@@ -444,12 +461,19 @@ impl Qwen36Model {
             c.start..c.start + c.tokens.len()
         });
         let (cos, sin) = self.rope.cos_sin_at(positions, self.dtype, &self.device)?;
-        let slots = batch
+        let groups = batch
             .groups
             .iter()
             .map(|members| {
-                let s: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
-                Ok(Tensor::new(s.as_slice(), &self.device)?)
+                let first = &batch.chunks[members[0]];
+                let host_slots: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
+                Ok(FlatGroup {
+                    batch: members.len(),
+                    len: first.tokens.len(),
+                    verify: first.verify,
+                    slots: Tensor::new(host_slots.as_slice(), &self.device)?,
+                    host_slots,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let decode = |t: usize| self.paged_decode(t);
@@ -457,7 +481,7 @@ impl Qwen36Model {
         let flat = FlatInputs {
             cos,
             sin,
-            slots,
+            groups,
             kv_rows,
             attn,
         };

@@ -308,7 +308,7 @@ impl MtpHead {
             .forward(&hidden.to_dtype(e.dtype())?.unsqueeze(0)?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = self.layer_index(step);
-        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], batch, &flat)?;
+        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], &flat, None)?;
         Ok(self.norm.forward(&y)?.squeeze(0)?)
     }
 

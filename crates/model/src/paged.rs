@@ -355,11 +355,41 @@ impl ForwardBatch {
     }
 }
 
+impl ForwardBatch {
+    /// What a forward of this batch keeps for [`PagedCache::commit`], from each layer's
+    /// checkpoints per group (`None` when no chunk verifies).
+    pub(crate) fn pending(
+        &self,
+        layers: Vec<Option<Vec<Option<VerifyCheckpoints>>>>,
+    ) -> Option<BatchPending> {
+        if layers.iter().all(Option::is_none) {
+            return None;
+        }
+        let mut member_of = vec![None; self.chunks.len()];
+        for (g, members) in self.groups.iter().enumerate() {
+            for (i, &chunk) in members.iter().enumerate() {
+                if self.chunks[chunk].verify {
+                    member_of[chunk] = Some((g, i));
+                }
+            }
+        }
+        Some(BatchPending {
+            layers,
+            member_of,
+            slots: self.chunks.iter().map(|c| c.slot).collect(),
+        })
+    }
+}
+
+/// Per layer of a flat forward, each group's verify checkpoints (`None` for a layer without any:
+/// attention layers, or no verifying group).
+pub(crate) type LayerCheckpoints = Vec<Option<Vec<Option<VerifyCheckpoints>>>>;
+
 /// What a forward with verifying chunks keeps for [`PagedCache::commit`]: per layer, each
 /// group's checkpoints (GDN layers; `None` for attention layers).
 #[derive(Debug, Clone)]
 pub struct BatchPending {
-    pub(crate) layers: Vec<Option<Vec<Option<VerifyCheckpoints>>>>,
+    pub(crate) layers: LayerCheckpoints,
     /// Per chunk: (group, index in the group) when it verified.
     pub(crate) member_of: Vec<Option<(usize, usize)>>,
     pub(crate) slots: Vec<u32>,

@@ -4,7 +4,9 @@
 
 use candle_core::Tensor;
 
-use crate::{Cache, DraftVocab, MtpCache, MtpHead, Qwen36Model, Result};
+use crate::{
+    BatchOutput, Cache, DraftVocab, ForwardBatch, MtpCache, MtpHead, PagedCache, Qwen36Model, Result,
+};
 
 /// A cache and the [`Stepper`] bound to it: what generating one sequence at a time needs, kept
 /// across sequences so that CUDA graphs are recorded once ([`Self::reset`] clears the cache but
@@ -202,6 +204,82 @@ impl DraftStepper {
             return g.draft(head, model, hidden, next_ids, cache, step, self.vocab.as_ref());
         }
         head.draft(model, hidden, next_ids, cache, step, self.vocab.as_ref())
+    }
+}
+
+/// Sequence counts that flat decode and verify steps are recorded for; a step of fewer sequences
+/// replays the next larger one with padding rows (a slot outside the pool, no KV row, length 0:
+/// the kernels read and write nothing for them).
+pub const BATCH_BUCKETS: [usize; 10] = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64];
+
+/// Runs flat batches over pooled caches for an engine ([`Qwen36Model::forward_batch`]): steps
+/// whose sequences all decode one token or all verify as many replay recorded CUDA graphs where
+/// the model's device can record them (feature `cuda`, a device from `graph_device`), everything
+/// else runs eagerly, with the same results. Graphs are bound to one [`PagedCache`]: keep the
+/// stepper and the pools together.
+pub struct BatchStepper {
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::graph::BatchGraph>,
+}
+
+impl BatchStepper {
+    /// A stepper for `model`'s flat batches; `graphs: false` always runs eagerly. Graphs read
+    /// block tables at least `table_blocks` wide (wider when a sequence holds more blocks), so
+    /// sequences within `table_blocks` never make them re-record as they grow.
+    pub fn new(model: &Qwen36Model, graphs: bool, table_blocks: usize) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let graph = (graphs && model.device().is_cuda())
+                .then(|| crate::graph::BatchGraph::new(model.device(), table_blocks).ok())
+                .flatten();
+            Self { graph }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (model, graphs, table_blocks);
+            Self {}
+        }
+    }
+
+    /// Whether decode and verify steps replay CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graph.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Graphs recorded so far (re-recordings included) and steps replayed from them.
+    pub fn graph_counts(&self) -> (usize, usize) {
+        #[cfg(feature = "cuda")]
+        return self
+            .graph
+            .as_ref()
+            .map_or((0, 0), |g| (g.recordings(), g.replays()));
+        #[cfg(not(feature = "cuda"))]
+        (0, 0)
+    }
+
+    /// [`Qwen36Model::forward_batch`] of `batch` over `cache`, replayed from a graph when it can.
+    pub fn forward(
+        &mut self,
+        model: &Qwen36Model,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+    ) -> Result<BatchOutput> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.forward(model, batch, cache);
+        }
+        model.forward_batch(batch, cache)
+    }
+}
+
+impl std::fmt::Debug for BatchStepper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchStepper")
+            .field("graphs", &self.uses_graphs())
+            .finish()
     }
 }
 
