@@ -100,7 +100,7 @@ pub struct Engine {
     /// Runs the forwards over `cache` (its graphs are bound to the pools).
     runner: BatchStepper,
     /// The MTP head and its KV pool (same block tables as the target's), when loaded.
-    mtp: Option<(MtpHead, PagedCache)>,
+    mtp: Option<(MtpHead, PagedCache, BatchStepper)>,
     sched: Scheduler,
     cfg: EngineConfig,
     next_id: u64,
@@ -166,7 +166,7 @@ impl Engine {
         let mtp = match head {
             Some(h) => {
                 let pool = h.new_paged_cache(&model, cfg.max_seqs, blocks, cfg.block_size)?;
-                Some((h, pool))
+                Some((h, pool, BatchStepper::new(&model, cfg.cuda_graphs, table_blocks)))
             }
             None => None,
         };
@@ -567,7 +567,7 @@ impl Engine {
     /// hidden states), all sequences in one batched pass, then chains greedy draft steps for those
     /// now decoding: their drafts for the next step's verify.
     fn mtp_draft(&mut self, feeds: &[(usize, usize, Range<usize>)], hidden: &Tensor) -> Result<()> {
-        let Some((head, pool)) = self.mtp.as_mut() else {
+        let Some((head, pool, stepper)) = self.mtp.as_mut() else {
             return Ok(());
         };
         let context = self.model.config().max_position_embeddings;
@@ -652,24 +652,26 @@ impl Engine {
         let input = Tensor::cat(&in_rows.iter().map(|&c| &parts[c]).collect::<Vec<_>>(), 0)?;
         let drafting = who.iter().filter(|w| w.1 > 0).count();
         let started = Instant::now();
-        let out = head.forward_batch(&self.model, &input, &batch, pool, 0)?;
-        // Chain: each drafting sequence's last state and token so far.
-        let mut chain: Vec<(usize, usize)> = Vec::new(); // (running index, drafts wanted)
-        let mut lasts = Vec::new();
+        let (last, first) = stepper.draft(head, &self.model, &input, &batch, pool, 0)?;
+        // Chain: each drafting sequence's (running index, drafts wanted), last state and token.
+        let mut chain: Vec<(usize, usize)> = Vec::new();
+        let mut members = Vec::new();
         for (c, &(index, k)) in who.iter().enumerate() {
             if k > 0 {
-                let last = batch.rows(c).end - 1;
                 chain.push((index, k));
-                lasts.push(last as u32);
+                members.push(c as u32);
                 running[index].drafts.clear();
             }
         }
         if chain.is_empty() {
             return Ok(());
         }
-        let lasts = Tensor::new(lasts.as_slice(), out.device())?;
-        let mut states = out.index_select(&lasts, 0)?;
-        let mut tokens = self.model.greedy_ids(&states)?.to_vec1::<u32>()?;
+        let first = first.to_vec1::<u32>()?;
+        let mut tokens: Vec<u32> = members.iter().map(|&c| first[c as usize]).collect();
+        let mut states = match members.len() == who.len() {
+            true => last,
+            false => last.index_select(&Tensor::new(members.as_slice(), last.device())?, 0)?,
+        };
         // The first step's cost as a decode round has it: a few new pairs per sequence.
         if batch.total_rows() <= who.len() * (k_max + 1) {
             self.costs
@@ -684,6 +686,7 @@ impl Engine {
             if live.is_empty() {
                 break;
             }
+            // One token each: one group, its rows in chunk order.
             let chunks: Vec<SeqChunk> = live
                 .iter()
                 .map(|&i| {
@@ -698,29 +701,31 @@ impl Engine {
                 })
                 .collect();
             let batch = ForwardBatch::new(chunks);
-            let mut order = vec![0u32; live.len()];
+            let rows = match live.len() == chain.len() {
+                true => states.clone(),
+                false => {
+                    let order: Vec<u32> = live.iter().map(|&i| i as u32).collect();
+                    states.index_select(&Tensor::new(order.as_slice(), states.device())?, 0)?
+                }
+            };
+            let (picked, next) = stepper.draft(head, &self.model, &rows, &batch, pool, step)?;
+            let next = next.to_vec1::<u32>()?;
             for (c, &i) in live.iter().enumerate() {
-                order[batch.rows(c).start] = i as u32;
-            }
-            let rows = states.index_select(&Tensor::new(order.as_slice(), states.device())?, 0)?;
-            let out = head.forward_batch(&self.model, &rows, &batch, pool, step)?;
-            let picks: Vec<u32> = live
-                .iter()
-                .enumerate()
-                .map(|(c, _)| batch.rows(c).start as u32)
-                .collect();
-            let picked = out.index_select(&Tensor::new(picks.as_slice(), out.device())?, 0)?;
-            let next = self.model.greedy_ids(&picked)?.to_vec1::<u32>()?;
-            // States and tokens of every chain member, the live ones advanced.
-            let mut all: Vec<Tensor> = (0..chain.len())
-                .map(|i| states.narrow(0, i, 1))
-                .collect::<candle_core::Result<_>>()?;
-            for (c, &i) in live.iter().enumerate() {
-                all[i] = picked.narrow(0, c, 1)?;
                 tokens[i] = next[c];
                 running[chain[i].0].drafts.push(next[c]);
             }
-            states = Tensor::cat(&all, 0)?;
+            // Every chain member's state, the live ones advanced.
+            states = if live.len() == chain.len() {
+                picked
+            } else {
+                let mut all: Vec<Tensor> = (0..chain.len())
+                    .map(|i| states.narrow(0, i, 1))
+                    .collect::<candle_core::Result<_>>()?;
+                for (c, &i) in live.iter().enumerate() {
+                    all[i] = picked.narrow(0, c, 1)?;
+                }
+                Tensor::cat(&all, 0)?
+            };
             self.costs
                 .record_draft(live.len(), step, started.elapsed().as_secs_f64());
         }

@@ -21,7 +21,7 @@ use qwen36_gdn::{GdnState, VerifyCheckpoints};
 
 use crate::attention::{AttnPart, AttnStep};
 use crate::model::{FlatGroup, FlatInputs};
-use crate::paged::PagedLayer;
+use crate::paged::{LayerCheckpoints, PagedLayer};
 use crate::{
     BatchOutput, Cache, DraftVocab, Error, ForwardBatch, LayerCache, MtpCache, MtpHead, PagedCache,
     Qwen36Model, Result,
@@ -490,24 +490,46 @@ struct SendGraph(CudaGraph);
 // `Sync`, so only the thread that owns it (through its `BatchGraph`) can launch or drop it.
 unsafe impl Send for SendGraph {}
 
-/// One recorded flat step: `seqs` sequences (padding included) of `len` tokens, block tables
-/// `width` wide; `output = layers(inputs)`, `[seqs · len, hidden]`.
-struct BatchStep {
+/// What a recorded flat step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepKind {
+    /// The model's layers: `[hidden]` out, the final-norm states of every row.
+    Target,
+    /// An MTP draft step of head layer `layer`: `[last, tokens]` out, each sequence's last row's
+    /// post-norm state and its greedy token.
+    Draft { layer: usize },
+}
+
+/// The shape a flat step is recorded for: `seqs` sequences (padding included) of `len` tokens,
+/// block tables `width` wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StepKey {
+    kind: StepKind,
     seqs: usize,
     len: usize,
     verify: bool,
     width: usize,
+}
+
+/// One recorded flat step: `outputs = run(ids, flat, hidden)` into the graph's own buffers.
+struct BatchStep {
+    key: StepKey,
     ids: Tensor,
     flat: FlatInputs,
+    /// A draft step's input states `[seqs · len, hidden]`.
+    hidden: Option<Tensor>,
     kept: Vec<Option<VerifyCheckpoints>>,
-    output: Tensor,
+    outputs: Vec<Tensor>,
     graph: SendGraph,
 }
 
 impl BatchStep {
-    /// Copies the inputs of `fresh` (same shapes) into the graph's buffers.
-    fn write_from(&self, ids: &Tensor, fresh: &FlatInputs) -> Result<()> {
+    /// Copies the inputs `ids`, `fresh` and `hidden` (same shapes) into the graph's buffers.
+    fn write_from(&self, ids: &Tensor, fresh: &FlatInputs, hidden: Option<&Tensor>) -> Result<()> {
         self.ids.slice_set(ids, 0, 0)?;
+        if let (Some(dst), Some(src)) = (&self.hidden, hidden) {
+            dst.slice_set(src, 0, 0)?;
+        }
         let (a, b) = (&self.flat, fresh);
         for (dst, src) in [(&a.cos, &b.cos), (&a.sin, &b.sin), (&a.kv_rows, &b.kv_rows)] {
             dst.slice_set(src, 0, 0)?;
@@ -529,6 +551,14 @@ impl BatchStep {
         }
         Ok(())
     }
+}
+
+/// A flat step's inputs as the graphs take them: token ids `[1, rows]`, the shared layer
+/// inputs, a draft step's input states.
+struct StepInputs {
+    ids: Tensor,
+    flat: FlatInputs,
+    hidden: Option<Tensor>,
 }
 
 impl BatchGraph {
@@ -567,11 +597,84 @@ impl BatchGraph {
         batch: &ForwardBatch,
         cache: &mut PagedCache,
     ) -> Result<BatchOutput> {
-        let Some((seqs, len, verify)) = graphed_shape(model, batch) else {
+        let Some((seqs, len, verify)) = graphed_shape(model, batch, false) else {
             return model.forward_batch(batch, cache);
         };
         model.check_batch(batch, cache)?;
+        let key = self.key(StepKind::Target, batch, cache, (seqs, len, verify));
+        let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
+        let inputs = StepInputs {
+            ids,
+            flat,
+            hidden: None,
+        };
+        let (outputs, layers) = self.run(key, inputs, cache, |x, kept| {
+            let (h, layers) = model.run_flat(&x.ids, &x.flat, cache, kept)?;
+            Ok((vec![h], layers))
+        })?;
+        Ok(BatchOutput {
+            hidden: outputs[0].narrow(0, 0, batch.total_rows())?,
+            pending: batch.pending(layers),
+        })
+    }
+
+    /// An MTP draft step over a flat batch (see [`crate::BatchStepper::draft`]), replayed from a
+    /// graph when its chunks all run as many tokens (after their first position, at most the
+    /// largest bucket); otherwise eager.
+    pub(crate) fn draft(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some((seqs, len, _)) = graphed_shape(model, batch, true) else {
+            return crate::stepper::draft_eager(head, model, hidden, batch, cache, step);
+        };
+        let cfg = model.config();
+        batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
+        let kind = StepKind::Draft {
+            layer: head.layer_index(step),
+        };
+        let key = self.key(kind, batch, cache, (seqs, len, false));
+        let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
+        let rows = batch.total_rows();
+        let padded = Tensor::zeros((seqs * len, cfg.hidden_size), model.dtype(), &self.device)?;
+        padded.slice_set(&hidden.to_dtype(model.dtype())?, 0, 0)?;
+        let inputs = StepInputs {
+            ids,
+            flat,
+            hidden: Some(padded),
+        };
+        let (outputs, _) = self.run(key, inputs, cache, |x, _| {
+            let h = x.hidden.as_ref().expect("a draft step's input states");
+            let states = head.forward_flat(model, h, &x.ids, &x.flat, cache, step)?;
+            // Each sequence's last row (its rows are consecutive).
+            let last = states
+                .reshape((seqs, len, cfg.hidden_size))?
+                .narrow(1, len - 1, 1)?
+                .squeeze(1)?
+                .contiguous()?;
+            let tokens = model.greedy_ids(&last)?;
+            Ok((vec![last, tokens], vec![None; cache.layers.len()]))
+        })?;
+        let n = rows / len;
+        Ok((outputs[0].narrow(0, 0, n)?, outputs[1].narrow(0, 0, n)?))
+    }
+
+    /// The recording key of a step of `shape` over `cache`, binding to it first (and the
+    /// block-table width: the widest table, at least `table_blocks`, to a power of two).
+    fn key(
+        &mut self,
+        kind: StepKind,
+        batch: &ForwardBatch,
+        cache: &PagedCache,
+        shape: (usize, usize, bool),
+    ) -> StepKey {
         self.bind(cache);
+        let (seqs, len, verify) = shape;
         let width = batch
             .chunks
             .iter()
@@ -580,11 +683,27 @@ impl BatchGraph {
             .unwrap_or(1)
             .max(self.table_blocks)
             .next_power_of_two();
-        let (flat, ids) = padded_inputs(model, batch, cache, seqs, width)?;
-        let rows = batch.total_rows();
-        let key = |s: &&BatchStep| s.seqs == seqs && s.len == len && s.verify == verify && s.width == width;
-        if let Some(step) = self.steps.iter().find(key) {
-            step.write_from(&ids, &flat)?;
+        StepKey {
+            kind,
+            seqs,
+            len,
+            verify,
+            width,
+        }
+    }
+
+    /// Runs the step `key` on `inputs`: replays its graph (the inputs copied into its buffers),
+    /// or runs `run` eagerly and records it for the next step of this shape. Returns `run`'s
+    /// outputs (copies on a replay: the next replay overwrites the graph's) and its checkpoints.
+    fn run(
+        &mut self,
+        key: StepKey,
+        inputs: StepInputs,
+        cache: &PagedCache,
+        run: impl Fn(&StepInputs, &[Option<VerifyCheckpoints>]) -> Result<(Vec<Tensor>, LayerCheckpoints)>,
+    ) -> Result<(Vec<Tensor>, LayerCheckpoints)> {
+        if let Some(step) = self.steps.iter().find(|s| s.key == key) {
+            step.write_from(&inputs.ids, &inputs.flat, inputs.hidden.as_ref())?;
             step.graph.0.launch().map_err(candle_core::Error::wrap)?;
             self.replays += 1;
             let layers = step
@@ -592,56 +711,60 @@ impl BatchGraph {
                 .iter()
                 .map(|k| k.as_ref().map(|cp| vec![Some(cp.clone())]))
                 .collect();
-            // A copy: the next replay overwrites the graph's output.
-            return Ok(BatchOutput {
-                hidden: step.output.narrow(0, 0, rows)?.copy()?,
-                pending: batch.pending(layers),
-            });
+            let outputs = step
+                .outputs
+                .iter()
+                .map(Tensor::copy)
+                .collect::<candle_core::Result<_>>()?;
+            return Ok((outputs, layers));
         }
-        let kept = if verify {
-            self.checkpoint_buffers(cache, seqs, len)?
+        let kept = if key.verify {
+            self.checkpoint_buffers(cache, key.seqs, key.len)?
         } else {
             vec![None; cache.layers.len()]
         };
-        let output = Tensor::zeros(
-            (seqs * len, model.config().hidden_size),
-            model.dtype(),
-            &self.device,
-        )?;
         let cuda = self.device.as_cuda_device()?;
         let htod_cache = cuda.enable_cuda_graph_htod_cache();
         // The step runs eagerly once (which also fills candle's cache of uploaded launch
         // parameters, which a capture may only read from); the capture records the same work
         // from the same buffers for the next steps of this shape, running nothing.
-        let eager = model.run_flat(&ids, &flat, cache, &kept);
-        let recorded = eager.is_ok().then(|| {
-            capture(&self.stream, || {
-                let (y, _) = model.run_flat(&ids, &flat, cache, &kept)?;
-                output.slice_set(&y, 0, 0)?;
-                Ok(())
-            })
-        });
+        let eager = run(&inputs, &kept);
+        let recorded = match &eager {
+            Ok((outs, _)) => {
+                // Outputs live outside the graph, so their addresses stay valid between replays.
+                let buffers = outs
+                    .iter()
+                    .map(Tensor::zeros_like)
+                    .collect::<candle_core::Result<Vec<_>>>();
+                Some(buffers.map_err(Error::from).and_then(|buffers| {
+                    let graph = capture(&self.stream, || {
+                        let (outs, _) = run(&inputs, &kept)?;
+                        for (dst, src) in buffers.iter().zip(&outs) {
+                            dst.slice_set(src, 0, 0)?;
+                        }
+                        Ok(())
+                    });
+                    Ok((graph?.0, buffers))
+                }))
+            }
+            Err(_) => None,
+        };
         drop(htod_cache);
-        let (hidden, layers) = eager?;
+        let out = eager?;
         if let Some(recorded) = recorded {
-            let (graph, ()) = recorded?;
+            let (graph, outputs) = recorded?;
             self.recordings += 1;
             self.steps.push(BatchStep {
-                seqs,
-                len,
-                verify,
-                width,
-                ids,
-                flat,
+                key,
+                ids: inputs.ids,
+                flat: inputs.flat,
+                hidden: inputs.hidden,
                 kept,
-                output,
+                outputs,
                 graph: SendGraph(graph),
             });
         }
-        Ok(BatchOutput {
-            hidden: hidden.narrow(0, 0, rows)?,
-            pending: batch.pending(layers),
-        })
+        Ok(out)
     }
 
     /// Drops the graphs when they were recorded with other pools.
@@ -699,7 +822,7 @@ impl BatchGraph {
                 });
         if short {
             // Graphs recorded with the old buffers would write where nothing reads.
-            self.steps.retain(|s| !s.verify);
+            self.steps.retain(|s| !s.key.verify);
             // Room for the largest verify seen so far, this one included; the old storage is
             // freed before the new is made.
             let sizes: Vec<Option<(usize, usize, DType)>> = shapes
@@ -749,13 +872,14 @@ impl BatchGraph {
 }
 
 /// `(bucket, tokens per sequence, verify)` when `batch` can replay a [`BatchGraph`]: one group
-/// (every chunk a one-token decode, or every chunk a verify of the same length), past its
-/// prompt's first token, with the paged decode kernel, at most the largest bucket.
-fn graphed_shape(model: &Qwen36Model, batch: &ForwardBatch) -> Option<(usize, usize, bool)> {
+/// (every chunk a one-token decode, or every chunk a verify of the same length; with `any_len`,
+/// for layers without GDN state, any equal length), past its first position, with the paged
+/// decode kernel, at most the largest bucket.
+fn graphed_shape(model: &Qwen36Model, batch: &ForwardBatch, any_len: bool) -> Option<(usize, usize, bool)> {
     let first = batch.chunks.first()?;
     let (len, verify) = (first.tokens.len(), first.verify);
     let fits = batch.groups.len() == 1
-        && (verify || len == 1)
+        && (verify || len == 1 || any_len)
         && batch.chunks.iter().all(|c| c.start > 0)
         && model.paged_decode(len);
     let bucket = crate::BATCH_BUCKETS.iter().find(|&&b| b >= batch.chunks.len())?;

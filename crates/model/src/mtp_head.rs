@@ -10,7 +10,7 @@ use qwen36_kernels::linear::Linear;
 use qwen36_kernels::norm::RmsNorm;
 
 use crate::attention::AttnStep;
-use crate::model::DecoderLayer;
+use crate::model::{DecoderLayer, FlatInputs};
 use crate::paged::PoolShape;
 use crate::{
     Config, Error, ForwardBatch, KvCache, LayerCache, LayerType, PagedCache, Qwen36Model, Result, Weights,
@@ -302,13 +302,27 @@ impl MtpHead {
             )));
         }
         let (flat, ids) = model.flat_inputs(batch, cache)?;
-        let e = self.norm_embedding.forward(&model.embedding().forward(&ids)?)?;
+        self.forward_flat(model, hidden, &ids, &flat, cache, step)
+    }
+
+    /// The head over flat inputs (`ids: [1, rows]`, `hidden: [rows, hidden]`): the post-`mtp.norm`
+    /// states `[rows, hidden]`.
+    pub(crate) fn forward_flat(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        ids: &Tensor,
+        flat: &FlatInputs,
+        cache: &PagedCache,
+        step: usize,
+    ) -> Result<Tensor> {
+        let e = self.norm_embedding.forward(&model.embedding().forward(ids)?)?;
         let hn = self
             .norm_hidden
             .forward(&hidden.to_dtype(e.dtype())?.unsqueeze(0)?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = self.layer_index(step);
-        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], &flat, None)?;
+        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], flat, None)?;
         Ok(self.norm.forward(&y)?.squeeze(0)?)
     }
 

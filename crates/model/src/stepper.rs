@@ -275,6 +275,47 @@ impl BatchStepper {
     }
 }
 
+impl BatchStepper {
+    /// One MTP draft step of `head` over a flat batch of its pool `cache` (chunk `i` feeds the
+    /// pairs of `batch.rows(i)`: next ids and the rows of `hidden: [rows, hidden]`, as
+    /// [`MtpHead::forward_batch`]): per chunk, in chunk order, its last row's post-norm state
+    /// `[chunks, hidden]` and that row's greedy token, u32 `[chunks]`. Replayed from a graph when
+    /// every chunk runs as many tokens.
+    pub fn draft(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.draft(head, model, hidden, batch, cache, step);
+        }
+        draft_eager(head, model, hidden, batch, cache, step)
+    }
+}
+
+/// [`BatchStepper::draft`] without graphs.
+pub(crate) fn draft_eager(
+    head: &MtpHead,
+    model: &Qwen36Model,
+    hidden: &Tensor,
+    batch: &ForwardBatch,
+    cache: &mut PagedCache,
+    step: usize,
+) -> Result<(Tensor, Tensor)> {
+    let out = head.forward_batch(model, hidden, batch, cache, step)?;
+    let lasts: Vec<u32> = (0..batch.chunks().len())
+        .map(|c| batch.rows(c).end as u32 - 1)
+        .collect();
+    let last = out.index_select(&Tensor::new(lasts.as_slice(), out.device())?, 0)?;
+    let tokens = model.greedy_ids(&last)?;
+    Ok((last, tokens))
+}
+
 impl std::fmt::Debug for BatchStepper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BatchStepper")

@@ -481,3 +481,83 @@ fn stepper_steps_equal_eager_and_solo() {
         assert_eq!((recorded, replayed), (0, 0));
     }
 }
+
+/// MTP draft steps through a [`BatchStepper`] (graphs on CUDA, padded to their bucket) give each
+/// chunk's last row of the head's eager forward over a second pool and its greedy token, for
+/// feeds of 1 to 4 pairs per sequence and as the number of sequences changes.
+#[test]
+fn stepper_drafts_equal_eager() {
+    let (model, head) = model_helpers::load_bundled();
+    let (slots, per_slot, block_size) = (5usize, 12usize, 4usize);
+    let new_pool = || {
+        head.new_paged_cache(&model, slots, slots * per_slot, block_size)
+            .unwrap()
+    };
+    let (mut graphed, mut eager) = (new_pool(), new_pool());
+    let mut stepper = BatchStepper::new(&model, true, 4);
+    let (dev, h, vocab) = (
+        model.device().clone(),
+        model.config().hidden_size,
+        model.config().vocab_size,
+    );
+    let mut rng = Rng::new(9);
+    let mut pos = vec![0usize; slots];
+    let blocks = |slot: usize| -> Vec<u32> { (0..per_slot).map(|j| (j * slots + slot) as u32).collect() };
+    let filled = if qwen36_testutil::test_device().is_cuda() {
+        1e-5
+    } else {
+        0.0
+    };
+    for round in 0..12u64 {
+        // The first round feeds every slot's first pairs; then a random subset, all with as many.
+        let n = if round == 0 { slots } else { rng.range(1, slots) };
+        let len = if round == 0 { 3 } else { rng.range(1, 4) };
+        let chunks: Vec<SeqChunk> = (0..n)
+            .map(|slot| SeqChunk {
+                slot: slot as u32,
+                start: pos[slot],
+                tokens: (0..len).map(|_| rng.below(vocab) as u32).collect(),
+                blocks: blocks(slot),
+                verify: false,
+            })
+            .collect();
+        let batch = ForwardBatch::new(chunks);
+        let hidden = qwen36_testutil::randn(round, 1.0, (n * len, h), &dev)
+            .unwrap()
+            .to_dtype(model.dtype())
+            .unwrap();
+        let step = round as usize % 3;
+        let (last, tokens) = stepper
+            .draft(&head, &model, &hidden, &batch, &mut graphed, step)
+            .unwrap();
+        // The reference: the head's forward, each chunk's last row and its argmax.
+        let out = head
+            .forward_batch(&model, &hidden, &batch, &mut eager, step)
+            .unwrap();
+        let lasts: Vec<u32> = (0..n).map(|c| batch.rows(c).end as u32 - 1).collect();
+        let last_e = out
+            .index_select(&Tensor::new(lasts.as_slice(), &dev).unwrap(), 0)
+            .unwrap();
+        let tokens_e = argmax_rows(&model.logits(&last_e).unwrap());
+        assert_eq!(last.dims(), [n, h]);
+        let diff = max_row_rel_err(&last, &last_e);
+        // Padded steps (3 or 5 sequences) take the batched bound; see the test above.
+        let bound = if qwen36_model::BATCH_BUCKETS.contains(&n) {
+            filled
+        } else {
+            tol()
+        };
+        assert!(diff <= bound, "round {round}: {n} sequences of {len}, {diff:e}");
+        assert_eq!(tokens.to_vec1::<u32>().unwrap(), tokens_e, "round {round}");
+        for p in pos.iter_mut().take(n) {
+            *p += len;
+        }
+    }
+    let (recorded, replayed) = stepper.graph_counts();
+    if qwen36_testutil::test_device().is_cuda() {
+        assert!(
+            recorded >= 3 && replayed >= 3,
+            "{recorded} graphs, {replayed} replays"
+        );
+    }
+}
