@@ -10,6 +10,9 @@
 //! device buffers of the graph's [`AttnStep`], rewritten before each replay. Layers that cannot
 //! (a pass too long for the kernel) run eagerly between the replays.
 //!
+//! The engine's flat steps over pooled caches replay [`BatchGraph`]s: one per bucket of
+//! sequences, padded, with every per-step input in device buffers.
+//!
 //! [`GdnState::set_in_place`]: qwen36_gdn::GdnState::set_in_place
 
 use std::ops::Range;
@@ -461,8 +464,10 @@ impl DraftGraph {
 }
 
 /// Recorded graphs of flat forwards ([`Qwen36Model::forward_batch`]) whose sequences all decode
-/// one token or all verify the same number: one graph per bucket of [`crate::BATCH_BUCKETS`], tokens per
-/// sequence and block-table width (a power of two), bound to one [`PagedCache`] (its pools). Their inputs (token
+/// one token or all verify the same number, and of MTP draft steps: one graph per kind of step
+/// (the target's layers, or a draft step of one head layer), bucket of [`crate::BATCH_BUCKETS`]
+/// (at most the pool's slots), tokens per sequence, verify or not and block-table width (a power
+/// of two), bound to one [`PagedCache`] (its pools). Their inputs (token
 /// ids, RoPE rows, slots, KV rows, block tables, lengths) are device buffers rewritten before each
 /// replay; a verify's checkpoints go to buffers shared by every verify graph.
 pub struct BatchGraph {
@@ -476,6 +481,10 @@ pub struct BatchGraph {
     /// Per layer (GDN layers only): the flat storage of the verify checkpoints (f32 states, conv
     /// windows) that every verify graph's checkpoints are leading views of.
     kept: Vec<Option<(Tensor, Tensor)>>,
+    /// Shapes whose recording failed: they run eagerly.
+    refused: Vec<StepKey>,
+    /// The thread that recorded the graphs (whose cache of uploaded launch parameters they read).
+    thread: std::thread::ThreadId,
     recordings: usize,
     replays: usize,
 }
@@ -485,9 +494,13 @@ pub struct BatchGraph {
 struct SendGraph(CudaGraph);
 
 // SAFETY: a CUDA graph and its executable are driver handles that any thread may use: cudarc
-// binds the graph's context to the calling thread on every launch and on drop. CUDA only forbids
-// using one graph from several threads at once, which cannot happen here: `SendGraph` is not
-// `Sync`, so only the thread that owns it (through its `BatchGraph`) can launch or drop it.
+// binds the graph's context to the calling thread on every launch (destroying them needs no
+// current context). CUDA only forbids using one graph from several threads at once, which cannot
+// happen here: `SendGraph` is not `Sync`, so only the thread that owns it (through its
+// `BatchGraph`) can launch or drop it. What a graph reads must outlive it too: the launch
+// parameters candle uploaded while recording sit in that thread's cache (a thread-local), so a
+// `BatchGraph` called from another thread than the one that recorded drops its graphs first
+// (`BatchGraph::run`) and never replays one that reads another thread's cache.
 unsafe impl Send for SendGraph {}
 
 /// What a recorded flat step runs.
@@ -572,6 +585,8 @@ impl BatchGraph {
             steps: Vec::new(),
             bound_to: Vec::new(),
             kept: Vec::new(),
+            refused: Vec::new(),
+            thread: std::thread::current().id(),
             recordings: 0,
             replays: 0,
         })
@@ -588,9 +603,11 @@ impl BatchGraph {
     }
 
     /// [`Qwen36Model::forward_batch`], replayed from a graph when every chunk decodes one token or
-    /// verifies as many as the others (after its prompt, with the paged decode kernel, at most
+    /// verifies as many as the others (none at position 0, with the paged decode kernel, at most
     /// the largest bucket of sequences); recorded on first use of its shape. Anything else runs
-    /// eagerly. The results are the eager forward's for the same padded batch.
+    /// eagerly. The results are the eager forward's for the same padded batch; a replayed verify's
+    /// checkpoints are the graphs' shared buffers, which the next verify overwrites: commit
+    /// before the next forward.
     pub(crate) fn forward(
         &mut self,
         model: &Qwen36Model,
@@ -602,6 +619,7 @@ impl BatchGraph {
         };
         model.check_batch(batch, cache)?;
         let key = self.key(StepKind::Target, batch, cache, (seqs, len, verify));
+        let seqs = key.seqs;
         let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
         let inputs = StepInputs {
             ids,
@@ -630,15 +648,27 @@ impl BatchGraph {
         cache: &mut PagedCache,
         step: usize,
     ) -> Result<(Tensor, Tensor)> {
-        let Some((seqs, len, _)) = graphed_shape(model, batch, true) else {
+        // Feeds of several tokens fit only where the head layer keeps no GDN state.
+        let any_len = head.attention_only(step);
+        let shape = graphed_shape(model, batch, any_len).filter(|_| head.fits_pool(cache));
+        let Some((seqs, len, _)) = shape else {
             return crate::stepper::draft_eager(head, model, hidden, batch, cache, step);
         };
         let cfg = model.config();
         batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
+        if hidden.dims() != [batch.total_rows(), cfg.hidden_size] {
+            return Err(Error::Input(format!(
+                "draft states {:?} for a batch of {} rows of {}",
+                hidden.dims(),
+                batch.total_rows(),
+                cfg.hidden_size
+            )));
+        }
         let kind = StepKind::Draft {
             layer: head.layer_index(step),
         };
         let key = self.key(kind, batch, cache, (seqs, len, false));
+        let seqs = key.seqs;
         let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
         let rows = batch.total_rows();
         let padded = Tensor::zeros((seqs * len, cfg.hidden_size), model.dtype(), &self.device)?;
@@ -675,6 +705,8 @@ impl BatchGraph {
     ) -> StepKey {
         self.bind(cache);
         let (seqs, len, verify) = shape;
+        // A bucket past the pool's slots would pad rows that can never hold a sequence.
+        let seqs = seqs.min(cache.slots).max(batch.chunks.len());
         let width = batch
             .chunks
             .iter()
@@ -702,6 +734,11 @@ impl BatchGraph {
         cache: &PagedCache,
         run: impl Fn(&StepInputs, &[Option<VerifyCheckpoints>]) -> Result<(Vec<Tensor>, LayerCheckpoints)>,
     ) -> Result<(Vec<Tensor>, LayerCheckpoints)> {
+        if self.thread != std::thread::current().id() {
+            // Graphs read the launch parameters in the recording thread's cache: record anew.
+            self.steps.clear();
+            self.thread = std::thread::current().id();
+        }
         if let Some(step) = self.steps.iter().find(|s| s.key == key) {
             step.write_from(&inputs.ids, &inputs.flat, inputs.hidden.as_ref())?;
             step.graph.0.launch().map_err(candle_core::Error::wrap)?;
@@ -717,6 +754,9 @@ impl BatchGraph {
                 .map(Tensor::copy)
                 .collect::<candle_core::Result<_>>()?;
             return Ok((outputs, layers));
+        }
+        if self.refused.contains(&key) {
+            return run(&inputs, &vec![None; cache.layers.len()]);
         }
         let kept = if key.verify {
             self.checkpoint_buffers(cache, key.seqs, key.len)?
@@ -751,8 +791,12 @@ impl BatchGraph {
         };
         drop(htod_cache);
         let out = eager?;
+        // The step ran: a recording that failed leaves this shape to the eager forward.
         if let Some(recorded) = recorded {
-            let (graph, outputs) = recorded?;
+            let Ok((graph, outputs)) = recorded else {
+                self.refused.push(key);
+                return Ok(out);
+            };
             self.recordings += 1;
             self.steps.push(BatchStep {
                 key,
@@ -824,7 +868,7 @@ impl BatchGraph {
             // Graphs recorded with the old buffers would write where nothing reads.
             self.steps.retain(|s| !s.key.verify);
             // Room for the largest verify seen so far, this one included; the old storage is
-            // freed before the new is made.
+            // let go before the new is made (freed then unless a pending commit still holds it).
             let sizes: Vec<Option<(usize, usize, DType)>> = shapes
                 .iter()
                 .zip(&cache.layers)

@@ -151,6 +151,12 @@ impl DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// True for a gated-attention layer (no GDN state).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_attention(&self) -> bool {
+        matches!(self.mixer, Mixer::Attention(_))
+    }
+
     /// [`Self::forward`] over a flat batch (`x: [1, rows, hidden]`) with pooled caches: a GDN
     /// layer runs decode and verify groups on their slots in place (a verify's checkpoints into
     /// `kept` when given), and each prefill group from its slots' states gathered (written back

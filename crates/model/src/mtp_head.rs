@@ -380,6 +380,18 @@ impl MtpHead {
         step % self.layers.len()
     }
 
+    /// True when the head layer of draft step `step` keeps no GDN state (an attention layer).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn attention_only(&self, step: usize) -> bool {
+        self.layers[self.layer_index(step)].is_attention()
+    }
+
+    /// True when `cache` has one pool layer per head layer.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fits_pool(&self, cache: &PagedCache) -> bool {
+        cache.layers.len() == self.layers.len()
+    }
+
     /// True when MTP layer `layer` can run a `len`-token step inside a CUDA graph.
     #[cfg(feature = "cuda")]
     pub(crate) fn graph_safe(&self, layer: usize, len: usize, model: &Qwen36Model) -> bool {
