@@ -11,7 +11,9 @@
 
 use std::io::Write;
 
-use candle_core::{DType, Device};
+#[path = "common/load.rs"]
+mod load;
+
 use clap::Parser;
 use qwen36::{ChatMessage, DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
 
@@ -83,21 +85,9 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => return Err(format!("--dtype {other:?}: expected f32, bf16 or f16").into()),
-    };
-    let device = if args.cuda {
-        qwen36::model::cuda_device(0)?
-    } else {
-        Device::Cpu
-    };
-    let model_dir = args
-        .model
-        .clone()
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny"));
+    let dtype = load::dtype(&args.dtype)?;
+    let device = load::device(args.cuda)?;
+    let model_dir = load::model_dir(args.model.clone());
     let generator = Generator::load(
         &model_dir,
         LoadOptions {

@@ -144,6 +144,12 @@ impl RequestHandle {
         self.cancel.store(true, Ordering::Relaxed);
     }
 
+    /// A cloneable, `Sync` way to cancel the request from elsewhere (a task that notices its
+    /// client has gone while another thread waits on the events).
+    pub fn canceller(&self) -> Canceller {
+        Canceller(self.cancel.clone())
+    }
+
     /// The next event, waiting for it; `None` once the engine has dropped the request's sender
     /// (after its last event).
     pub fn recv(&self) -> Option<Event> {
@@ -160,8 +166,40 @@ impl RequestHandle {
         self.events.recv_timeout(timeout).ok()
     }
 
+    /// The next event, waiting at most `timeout`: [`Wait::TimedOut`] when none came in time,
+    /// [`Wait::Closed`] once the engine has dropped the request's sender.
+    pub fn wait(&self, timeout: Duration) -> Wait {
+        match self.events.recv_timeout(timeout) {
+            Ok(e) => Wait::Event(e),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Wait::TimedOut,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Wait::Closed,
+        }
+    }
+
     /// Every event already sent, without waiting.
     pub fn drain(&self) -> Vec<Event> {
         std::iter::from_fn(|| self.try_recv()).collect()
     }
+}
+
+/// Cancels one request ([`RequestHandle::canceller`]), as [`RequestHandle::cancel`] does.
+#[derive(Debug, Clone)]
+pub struct Canceller(Arc<AtomicBool>);
+
+impl Canceller {
+    /// Asks the engine to stop the request (see [`RequestHandle::cancel`]).
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What [`RequestHandle::wait`] got.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Wait {
+    /// The next event.
+    Event(Event),
+    /// None came in time.
+    TimedOut,
+    /// The engine has dropped the request's sender (after its last event).
+    Closed,
 }

@@ -31,3 +31,4 @@ pub use qwen36_model::{Cache, Config, LoadOptions, Qwen36Model};
 pub use qwen36_mtp as mtp;
 pub use qwen36_sampling as sampling;
 pub use qwen36_sampling::SamplingParams;
+pub use tokenizers::Tokenizer;
