@@ -230,11 +230,11 @@ impl Engine {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }
         // The last generated token is never run, so a sequence holds prompt + max_tokens − 1.
-        let positions = req.prompt.len() + req.max_tokens.unwrap_or(1) - 1;
+        let positions = req.prompt.len().saturating_add(req.max_tokens.unwrap_or(1)) - 1;
         let pool = self.sched.blocks.capacity() * self.sched.blocks.block_size();
         if positions > context.min(pool) {
             return Err(Error::TooLong {
-                needed: req.prompt.len() + req.max_tokens.unwrap_or(1),
+                needed: req.prompt.len().saturating_add(req.max_tokens.unwrap_or(1)),
                 context,
                 pool,
             });

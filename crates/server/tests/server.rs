@@ -373,6 +373,14 @@ async fn bad_requests_get_error_objects() {
         ),
         (
             "/v1/completions",
+            // Prompt + max_tokens past usize: refused, not wrapped around.
+            r#"{"prompt": [1, 2, 3], "max_tokens": 18446744073709551614}"#.into(),
+            ok,
+            400,
+            "context",
+        ),
+        (
+            "/v1/completions",
             r#"{"prompt": [1], "n": 2}"#.into(),
             ok,
             400,
