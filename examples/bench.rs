@@ -22,6 +22,9 @@ use qwen36::{Cache, Qwen36Model};
 
 #[path = "common/hw.rs"]
 mod hw;
+#[path = "common/load.rs"]
+#[allow(dead_code)]
+mod load;
 use hw::{anyhow_like, copy_bandwidth, gemm_rate, peak_gb, reset_peak, setup, Cost, ModelArgs};
 
 #[derive(Parser, Debug)]

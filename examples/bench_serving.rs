@@ -11,6 +11,8 @@
 //! # the bundled model on CPU:
 //! cargo run --release --example bench_serving -- --model models/qwen36-tiny --dtype f32 \
 //!     --input-len 128 --output-len 64 --concurrency 1,4
+//! # a running server (examples/serve) over HTTP, streamed:
+//! cargo run --release --example bench_serving -- --url http://127.0.0.1:8000 --concurrency 1,16
 //! ```
 //! Per concurrency: output tok/s, TPOT mean/p50/p99, TTFT mean/p99, the pool's peak memory, and
 //! the mean decode step against the bytes it must move (weights once + each sequence's GDN
@@ -25,6 +27,9 @@ use qwen36::Qwen36Model;
 
 #[path = "common/hw.rs"]
 mod hw;
+#[path = "common/load.rs"]
+#[allow(dead_code)]
+mod load;
 use hw::{anyhow_like, copy_bandwidth, peak_gb, reset_peak, setup, Cost, ModelArgs};
 
 #[derive(Parser, Debug)]
@@ -61,6 +66,14 @@ struct Args {
     /// Run every step eagerly (no CUDA graphs).
     #[arg(long)]
     eager: bool,
+    /// Drive a running server (`examples/serve`) at this base URL over HTTP instead: streamed
+    /// `/v1/completions` requests of random token ids (`ignore_eos`, greedy), timed as they
+    /// arrive, as SGLang's bench_serving drives SGLang. The server's own flags set MTP.
+    #[arg(long)]
+    url: Option<String>,
+    /// The API key for `--url`.
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 /// What one request saw.
@@ -73,6 +86,9 @@ struct Timing {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
+    if let Some(url) = &args.url {
+        return over_http(&args, url);
+    }
     let random = args.run.model.is_none();
     let (device, dtype, mut cfg, weights) = setup(&args.run, qwen36::kernels::KernelPolicy::from_env())?;
     let per_seq = args.input_len + args.output_len + args.mtp + 1;
@@ -149,13 +165,7 @@ fn main() -> anyhow_like::Result<()> {
             None => Engine::new(model.clone(), engine_cfg)?,
         };
         reset_peak(&device);
-        let mut rng = 0x2545_f491_4f6c_dd1du64 ^ conc as u64;
-        let mut next_id = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % vocab as u64) as u32
-        };
+        let mut next_id = random_ids(conc as u64, vocab);
         let mut live: Vec<(usize, RequestHandle)> = Vec::new();
         let mut timings: Vec<Timing> = Vec::new();
         let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
@@ -216,15 +226,7 @@ fn main() -> anyhow_like::Result<()> {
         }
         let secs = start.elapsed().as_secs_f64();
         let out_tokens: usize = timings.iter().map(|t| t.tokens).sum();
-        let mut ttft: Vec<f64> = timings
-            .iter()
-            .filter_map(|t| t.first.map(|f| (f - t.submitted).as_secs_f64() * 1e3))
-            .collect();
-        let mut tpot: Vec<f64> = timings
-            .iter()
-            .filter(|t| t.tokens > 1)
-            .map(|t| (t.last.unwrap() - t.first.unwrap()).as_secs_f64() * 1e3 / (t.tokens - 1) as f64)
-            .collect();
+        let (mut tpot, mut ttft) = latencies(&timings);
         let (batch, step) = match decode_steps {
             0 => (0.0, f64::NAN),
             s => (decode_batch as f64 / s as f64, decode_ms / s as f64),
@@ -247,6 +249,160 @@ fn main() -> anyhow_like::Result<()> {
             parts[3] / decode_steps.max(1) as f64,
             limit_bytes / copy_bw * 1e3,
             peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
+        );
+    }
+    Ok(())
+}
+
+/// Random prompt ids below `vocab` (xorshift), reproducible per run.
+fn random_ids(seed: u64, vocab: usize) -> impl FnMut() -> u32 {
+    let mut rng = 0x2545_f491_4f6c_dd1du64 ^ seed;
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % vocab as u64) as u32
+    }
+}
+
+/// TPOT (ms) of each request with more than one token, and TTFT (ms) of each with one.
+fn latencies(timings: &[Timing]) -> (Vec<f64>, Vec<f64>) {
+    let ttft = timings
+        .iter()
+        .filter_map(|t| t.first.map(|f| (f - t.submitted).as_secs_f64() * 1e3))
+        .collect();
+    let tpot = timings
+        .iter()
+        .filter(|t| t.tokens > 1)
+        .map(|t| (t.last.unwrap() - t.first.unwrap()).as_secs_f64() * 1e3 / (t.tokens - 1) as f64)
+        .collect();
+    (tpot, ttft)
+}
+
+/// One streamed completion of `prompt` through the server at `url`, timed as its tokens arrive.
+async fn one_over_http(
+    client: reqwest::Client,
+    url: String,
+    key: Option<String>,
+    prompt: Vec<u32>,
+    output_len: usize,
+) -> Result<Timing, String> {
+    let mut r = client
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({
+            "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": true,
+            "stream": true, "return_token_ids": true,
+        }));
+    if let Some(k) = &key {
+        r = r.bearer_auth(k);
+    }
+    let mut t = Timing {
+        submitted: Instant::now(),
+        first: None,
+        last: None,
+        tokens: 0,
+    };
+    let mut resp = r.send().await.map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!(
+            "{}: {}",
+            resp.status(),
+            resp.text().await.unwrap_or_default()
+        ));
+    }
+    let mut pending = String::new();
+    while let Some(bytes) = resp.chunk().await.map_err(|e| e.to_string())? {
+        let now = Instant::now();
+        pending.push_str(&String::from_utf8_lossy(&bytes));
+        // Server-sent events end with a blank line; each carries one `data:` chunk.
+        while let Some(end) = pending.find("\n\n") {
+            let event: String = pending.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+            if v.get("error").is_some() {
+                return Err(data.to_string());
+            }
+            let n = v["choices"][0]["token_ids"].as_array().map_or(0, Vec::len);
+            if n > 0 {
+                t.first.get_or_insert(now);
+                t.last = Some(now);
+                t.tokens += n;
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// The `--url` mode: the same offered load through a running server, over HTTP with streaming.
+fn over_http(args: &Args, url: &str) -> anyhow_like::Result<()> {
+    // Only the vocabulary is needed, for the random prompts: the config's (default Qwen3.6-27B).
+    let cfg = match &args.run.config {
+        Some(path) => qwen36::Config::from_file(path)?,
+        None => qwen36::Config::from_json(&serde_json::from_str(hw::QWEN36_27B)?)?,
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    println!(
+        "input {} / output {} tokens, over HTTP at {url} (streamed /v1/completions)",
+        args.input_len, args.output_len
+    );
+    println!("| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) |");
+    println!("|---|---|---|---|---|");
+    let client = reqwest::Client::new();
+    let (url, key, output_len) = (url.to_string(), args.api_key.clone(), args.output_len);
+    // Warm-up: one short request.
+    let warm = (0..args.input_len.min(256) as u32).collect();
+    runtime.block_on(one_over_http(client.clone(), url.clone(), key.clone(), warm, 4))?;
+    for &conc in &args.concurrency {
+        let n = args.num_prompts.unwrap_or((4 * conc).max(4));
+        let mut next_id = random_ids(conc as u64, cfg.vocab_size);
+        let prompts: Vec<Vec<u32>> = (0..n)
+            .map(|_| (0..args.input_len).map(|_| next_id()).collect())
+            .collect();
+        let prompts = std::sync::Arc::new(std::sync::Mutex::new(prompts.into_iter()));
+        let start = Instant::now();
+        let timings: Vec<Timing> = runtime.block_on(async {
+            // `conc` workers, each sending its next prompt when its last request ends.
+            let workers: Vec<_> = (0..conc)
+                .map(|_| {
+                    let (client, url, key, prompts) =
+                        (client.clone(), url.clone(), key.clone(), prompts.clone());
+                    tokio::spawn(async move {
+                        let mut done = Vec::new();
+                        loop {
+                            let next = prompts.lock().unwrap().next();
+                            let Some(p) = next else {
+                                return Ok::<_, String>(done);
+                            };
+                            done.push(
+                                one_over_http(client.clone(), url.clone(), key.clone(), p, output_len)
+                                    .await?,
+                            );
+                        }
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for w in workers {
+                all.extend(w.await.map_err(|e| e.to_string())??);
+            }
+            Ok::<_, String>(all)
+        })?;
+        let secs = start.elapsed().as_secs_f64();
+        let out_tokens: usize = timings.iter().map(|t| t.tokens).sum();
+        let (mut tpot, mut ttft) = latencies(&timings);
+        println!(
+            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} |",
+            out_tokens as f64 / secs,
+            mean(&tpot),
+            quantile(&mut tpot, 0.5),
+            quantile(&mut tpot, 0.99),
+            mean(&ttft),
+            quantile(&mut ttft, 0.99),
         );
     }
     Ok(())

@@ -23,7 +23,7 @@ struct Args {
     /// Model directory (config.json, *.safetensors, optional tokenizer.json, tokenizer_config.json
     /// and generation_config.json). Default: the small model that ships with the repository.
     #[arg(long)]
-    model: Option<std::path::PathBuf>,
+    model: Option<String>,
     /// Wrap the prompt as a user turn with the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -87,12 +87,13 @@ fn main() {
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let dtype = load::dtype(&args.dtype)?;
     let device = load::device(args.cuda)?;
-    let model_dir = load::model_dir(args.model.clone());
+    let model_dir = load::model_dir(args.model.as_deref())?;
     let generator = Generator::load(
         &model_dir,
         LoadOptions {
             dtype,
             device,
+            progress: load::progress(),
             ..LoadOptions::default()
         },
     )?;

@@ -2,9 +2,12 @@
 //! bundled model on 127.0.0.1:8000.
 //!
 //! ```text
-//! cargo run --release --example serve -- [--model DIR] [--host 127.0.0.1 --port 8000]
+//! cargo run --release --example serve -- [--model DIR|ORG/NAME] [--host 127.0.0.1 --port 8000]
 //! curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
 //!     -d '{"prompt": "def fibonacci(n):", "max_tokens": 32}'
+//! # a benchmark server: a config's shapes with random weights, token-id prompts only
+//! cargo run --release --features qwen36-server/cuda --example serve -- --cuda --dtype bf16 \
+//!     --config examples/configs/qwen3.6-27b.json
 //! ```
 
 use std::sync::Arc;
@@ -13,16 +16,22 @@ use std::sync::Arc;
 mod load;
 
 use clap::Parser;
-use qwen36::engine::{Engine, EngineConfig, Speculation};
-use qwen36::{Generator, LoadOptions};
+use qwen36::engine::{Engine, EngineConfig, PoolSizes, Speculation, StateBytes};
+use qwen36::model::{MtpHead, Weights};
+use qwen36::{Config, Generator, LoadOptions, Qwen36Model, SamplingParams};
 use qwen36_server::{ServerConfig, Service};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a Qwen3.6-architecture model over an OpenAI-compatible HTTP API")]
 struct Args {
-    /// Model directory (config.json, safetensors, tokenizer.json); default: the bundled model.
+    /// Model: a directory (config.json, safetensors, tokenizer.json) or a Hugging Face model id
+    /// already in the local cache (e.g. Qwen/Qwen3.6-27B); default: the bundled model.
+    #[arg(long, conflicts_with = "config")]
+    model: Option<String>,
+    /// Serve a config.json's shapes with random weights instead (benchmarks: no tokenizer, so
+    /// prompts must be token ids; the output means nothing).
     #[arg(long)]
-    model: Option<std::path::PathBuf>,
+    config: Option<std::path::PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -39,15 +48,39 @@ struct Args {
     /// Run on the first CUDA GPU.
     #[arg(long)]
     cuda: bool,
-    /// Sequences running at once.
+    /// Sequences running at once (GDN state slots).
     #[arg(long, default_value_t = 8)]
     max_seqs: usize,
     /// Requests that may wait for a slot (503 past them).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// MTP drafts per verify (0: off; needs the checkpoint's MTP head).
+    /// Bytes for the state slots and KV blocks, in GiB (default: enough KV for every slot to hold
+    /// min(context, 16384) positions).
+    #[arg(long)]
+    memory_gib: Option<f64>,
+    /// The most tokens one forward runs (prefill chunks and decode tokens together).
+    #[arg(long, default_value_t = 512)]
+    step_tokens: usize,
+    /// Speculative drafts per verify (0: off): the checkpoint's MTP head, or prompt lookup with
+    /// `--drafter ngram`. The tokens are the same either way.
     #[arg(long, default_value_t = 0)]
     mtp: usize,
+    /// mtp or ngram.
+    #[arg(long, default_value = "mtp")]
+    drafter: String,
+    /// Leave `<think>…</think>` in the content instead of `reasoning_content`.
+    #[arg(long)]
+    no_reasoning_parser: bool,
+    /// Run every step eagerly (no CUDA graphs).
+    #[arg(long)]
+    eager: bool,
+    /// Benchmarks only: accept draft j with probability rates[j] instead of checking it (with
+    /// random weights, to time MTP at a real head's acceptance; the tokens then mean nothing).
+    #[arg(long, value_delimiter = ',')]
+    accept_rates: Option<Vec<f64>>,
+    /// Always draft `--mtp` tokens (default: 0..=k per round, chosen from measured costs).
+    #[arg(long)]
+    fixed_k: bool,
 }
 
 fn main() {
@@ -63,50 +96,122 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(terminal)
         .init();
-    let dtype = load::dtype(&args.dtype)?;
-    let device = load::device(args.cuda)?;
-    let dir = load::model_dir(args.model.clone());
-    let generator = Generator::load(
-        &dir,
-        LoadOptions {
-            dtype,
-            device,
-            ..LoadOptions::default()
-        },
-    )?;
-    let cfg = EngineConfig {
+    let opts = LoadOptions {
+        dtype: load::dtype(&args.dtype)?,
+        device: load::device(args.cuda)?,
+        progress: load::progress(),
+        ..LoadOptions::default()
+    };
+    let started = std::time::Instant::now();
+    // The model, its MTP head, and what the service reads from a checkpoint directory.
+    let (model, head, generator, name) = match &args.config {
+        Some(path) => {
+            tracing::info!("building {} with random weights", path.display());
+            let cfg = Config::from_file(path)?;
+            let weights = Weights::random(LoadOptions {
+                check_finite: false,
+                ..opts.clone()
+            });
+            let head = (args.mtp > 0 && args.drafter == "mtp")
+                .then(|| MtpHead::load(&cfg, &weights))
+                .transpose()?;
+            (
+                Qwen36Model::from_weights(cfg, &weights)?,
+                head,
+                None,
+                "random".to_string(),
+            )
+        }
+        None => {
+            let dir = load::model_dir(args.model.as_deref())?;
+            tracing::info!("loading {}", dir.display());
+            let generator = Generator::load(&dir, opts.clone())?;
+            let name = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "qwen36".into());
+            let name = args
+                .model
+                .clone()
+                .filter(|m| !std::path::Path::new(m).is_dir())
+                .unwrap_or(name);
+            (
+                generator.model().clone(),
+                generator.mtp_head().cloned(),
+                Some(generator),
+                name,
+            )
+        }
+    };
+    tracing::info!("model ready in {:.1} s", started.elapsed().as_secs_f64());
+    let speculation = match (args.mtp, args.drafter.as_str()) {
+        (0, _) => None,
+        (k, "mtp") if head.is_some() => Some(Speculation::Mtp { k }),
+        (_, "mtp") => return Err("--mtp needs a checkpoint with an MTP head (or --drafter ngram)".into()),
+        (k, "ngram") => Some(Speculation::ngram(k)),
+        (_, other) => return Err(format!("--drafter {other:?}: expected mtp or ngram").into()),
+    };
+    let mut cfg = EngineConfig {
         max_seqs: args.max_seqs,
         max_queue: args.max_queue,
+        step_tokens: args.step_tokens,
+        cuda_graphs: !args.eager,
+        timing_accept_rates: args.accept_rates.clone(),
+        adaptive_k: !args.fixed_k,
         ..EngineConfig::default()
     };
-    let model = generator.model().clone();
-    let engine = match (args.mtp, generator.mtp_head()) {
-        (0, _) => Engine::new(model, cfg)?,
-        (_, Some(head)) => Engine::with_mtp_head(model, head.clone(), cfg)?,
-        (_, None) => return Err("--mtp needs a checkpoint with an MTP head".into()),
+    if args.accept_rates.is_some() {
+        tracing::warn!(
+            "timing mode: drafts are accepted at the given rates, so the tokens are not meaningful"
+        );
+    }
+    if let Some(gib) = args.memory_gib {
+        let mtp = matches!(speculation, Some(Speculation::Mtp { .. }));
+        let bytes = StateBytes::of(model.config(), opts.dtype, cfg.block_size, mtp);
+        let sizes = PoolSizes::from_budget(bytes, (gib * (1u64 << 30) as f64) as u64, args.max_seqs)?;
+        cfg.kv_blocks = Some(sizes.blocks);
+        tracing::info!(
+            "{gib} GiB: {} state slots, {} KV blocks of {} positions",
+            sizes.slots,
+            sizes.blocks,
+            cfg.block_size
+        );
+    }
+    let context = model.config().max_position_embeddings;
+    let engine = match (&speculation, head) {
+        (Some(Speculation::Mtp { .. }), Some(head)) => Engine::with_mtp_head(model, head, cfg)?,
+        _ => Engine::new(model, cfg)?,
     };
-    let engine = match generator.detokenizer() {
+    let engine = match generator.as_ref().and_then(Generator::detokenizer) {
         Some(d) => engine.with_detokenizer(d),
         None => engine,
     };
-    let model_id = args.served_model_name.clone().unwrap_or_else(|| {
-        dir.canonicalize()
-            .ok()
-            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| "qwen36".into())
-    });
     let server_cfg = ServerConfig {
-        model_id,
+        model_id: args.served_model_name.clone().unwrap_or(name),
         api_key: args.api_key.clone(),
-        speculation: (args.mtp > 0).then_some(Speculation::Mtp { k: args.mtp }),
+        speculation,
+        reasoning: !args.no_reasoning_parser,
         ..ServerConfig::default()
     };
-    let service = Arc::new(Service::new(&generator, engine.spawn(), server_cfg)?);
+    let service = match &generator {
+        Some(g) => Service::new(g, engine.spawn(), server_cfg),
+        None => Service::from_parts(
+            engine.spawn(),
+            None,
+            None,
+            Vec::new(),
+            SamplingParams::greedy(),
+            context,
+            server_cfg,
+        ),
+    };
+    let service = Arc::new(service);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await?;
-        tracing::info!("serving {} on http://{addr}", dir.display());
+        tracing::info!("serving on http://{addr} (OpenAI API under /v1; /health, /metrics)");
         qwen36_server::serve(listener, service, shutdown_signal()).await
     })?;
     Ok(())

@@ -23,9 +23,10 @@ pub struct ModelArgs {
     /// examples/configs/qwen3.6-27b.json, built in).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// A checkpoint directory to load instead of random weights.
+    /// A checkpoint to load instead of random weights: a directory, or a Hugging Face model id
+    /// in the local cache.
     #[arg(long, conflicts_with = "config")]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
     /// Keep only the first N decoder layers (quick runs; the results then describe that model).
     #[arg(long)]
     pub layers: Option<usize>,
@@ -67,12 +68,16 @@ pub fn setup(
         device: device.clone(),
         check_finite: false,
         kernels,
+        progress: crate::load::progress(),
     };
     let (mut cfg, weights) = match model {
-        Some(dir) => (
-            Config::from_file(dir.join("config.json"))?,
-            Weights::open(dir, opts)?,
-        ),
+        Some(model) => {
+            let dir = qwen36::resolve_model(model)?;
+            (
+                Config::from_file(dir.join("config.json"))?,
+                Weights::open(&dir, opts)?,
+            )
+        }
         None => {
             let cfg = match config {
                 Some(path) => Config::from_file(path)?,

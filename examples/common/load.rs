@@ -1,5 +1,6 @@
-//! What the `generate` and `serve` examples share: the `--dtype`, `--cuda` and `--model` flags
-//! turned into load options and a model directory (the bundled model by default).
+//! What the examples share: the `--dtype`, `--cuda` and `--model` flags turned into load
+//! options and a model directory (the bundled model by default, or a Hugging Face model id from
+//! the local cache), and a progress bar while a checkpoint loads.
 
 use candle_core::{DType, Device};
 
@@ -22,7 +23,36 @@ pub fn device(cuda: bool) -> qwen36::model::Result<Device> {
     }
 }
 
-/// `--model`, or the bundled model.
-pub fn model_dir(model: Option<std::path::PathBuf>) -> std::path::PathBuf {
-    model.unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny"))
+/// `--model` (a directory, or a Hugging Face model id already in the local cache, e.g.
+/// `Qwen/Qwen3.6-27B`), or the bundled model.
+pub fn model_dir(model: Option<&str>) -> qwen36::Result<std::path::PathBuf> {
+    match model {
+        Some(m) => qwen36::resolve_model(m),
+        None => Ok(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/qwen36-tiny")),
+    }
+}
+
+/// A progress bar of the bytes a checkpoint load has read, when stderr is a terminal (`None`
+/// otherwise: a log line says when loading starts and ends).
+pub fn progress() -> Option<qwen36::model::LoadProgress> {
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "loading {bar:40} {binary_bytes}/{binary_total_bytes} {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Some(qwen36::model::LoadProgress(std::sync::Arc::new(
+        move |done, total| {
+            if bar.length() != Some(total) {
+                bar.set_length(total);
+            }
+            bar.set_position(done);
+            if done >= total {
+                bar.finish_and_clear();
+            }
+        },
+    )))
 }

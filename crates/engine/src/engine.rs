@@ -2,7 +2,6 @@
 
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -90,6 +89,21 @@ pub struct StepStats {
     pub committing: std::time::Duration,
 }
 
+/// How busy an engine is ([`Engine::load`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    /// Requests waiting for a slot.
+    pub waiting: usize,
+    /// Sequences running (holding a slot).
+    pub running: usize,
+    /// GDN state slots in use, of `slots`.
+    pub slots_used: usize,
+    pub slots: usize,
+    /// KV blocks in use, of `blocks`.
+    pub blocks_used: usize,
+    pub blocks: usize,
+}
+
 /// Many sequences at once over pooled GDN state and paged KV: [`Self::submit`] requests, call
 /// [`Self::step`] (each runs one forward of every scheduled sequence), read each request's events
 /// from its [`RequestHandle`].
@@ -111,6 +125,9 @@ pub struct Engine {
     accept_ngram: AcceptanceCounts,
     /// Turns output tokens into the events' text, when set.
     detokenizer: Option<Detokenizer>,
+    /// Tests only: the next step panics (the engine thread's panic handling).
+    #[cfg(test)]
+    pub(crate) panic_next_step: bool,
 }
 
 /// The engine's detokenizer ([`Engine::with_detokenizer`]).
@@ -182,6 +199,8 @@ impl Engine {
             accept_mtp: AcceptanceCounts::default(),
             accept_ngram: AcceptanceCounts::default(),
             detokenizer: None,
+            #[cfg(test)]
+            panic_next_step: false,
         })
     }
 
@@ -253,7 +272,7 @@ impl Engine {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
         let sampler = Sampler::new(req.sampling).map_err(|e| Error::Request(e.to_string()))?;
-        let (tx, rx) = channel();
+        let (tx, rx) = flume::unbounded();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = self.next_id;
         self.next_id += 1;
@@ -303,10 +322,27 @@ impl Engine {
         (s.capacity() - s.free(), b.capacity() - b.free())
     }
 
+    /// Queue, running sequences and pool use now (what a server's metrics show).
+    pub fn load(&self) -> EngineLoad {
+        let (slots_used, blocks_used) = self.pool_use();
+        EngineLoad {
+            waiting: self.sched.waiting.len(),
+            running: self.sched.running.len(),
+            slots_used,
+            slots: self.sched.slots.capacity(),
+            blocks_used,
+            blocks: self.sched.blocks.capacity(),
+        }
+    }
+
     /// Runs one forward of every scheduled sequence, samples their next tokens (or verifies
     /// their drafts) and sends the events. A failing forward fails the requests in it (each gets
     /// [`Event::Failed`]) and returns the error.
     pub fn step(&mut self) -> Result<StepStats> {
+        #[cfg(test)]
+        if std::mem::take(&mut self.panic_next_step) {
+            panic!("a panic injected by a test");
+        }
         self.draft();
         let (plan, ended) = self.sched.schedule()?;
         let mut stats = StepStats {

@@ -36,6 +36,9 @@ pub enum Error {
     /// The engine has shut down and takes no more requests.
     #[error("the engine has shut down")]
     Stopped,
+    /// The engine thread panicked (a bug): it failed every request it held and takes no more.
+    #[error("the engine thread panicked: {0}")]
+    Panicked(String),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] qwen36_model::Error),

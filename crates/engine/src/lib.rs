@@ -19,11 +19,11 @@ mod sizes;
 pub mod spec;
 mod thread;
 
-pub use engine::{Engine, EngineConfig, StepStats, DEFAULT_POSITIONS};
+pub use engine::{Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use qwen36_sampling::Detokenize;
 pub use request::{Canceller, Event, Request, RequestHandle, Speculation, StopReason, Usage, Wait};
 pub use sizes::{PoolSizes, StateBytes};
 pub use spec::{AcceptanceCounts, SpecCosts};
-pub use thread::EngineClient;
+pub use thread::{EngineClient, EngineStatus};

@@ -1,7 +1,6 @@
 //! What a client submits and what it gets back: a request, its handle and its events.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,16 +119,23 @@ pub enum Event {
     Failed { error: String },
 }
 
-/// The client's side of a submitted request: its events, and cancellation.
+/// The client's side of a submitted request: its events, and cancellation. Dropping the handle
+/// cancels the request (nobody is left to read its tokens).
 #[derive(Debug)]
 pub struct RequestHandle {
     id: u64,
-    events: Receiver<Event>,
+    events: flume::Receiver<Event>,
     cancel: Arc<AtomicBool>,
 }
 
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
 impl RequestHandle {
-    pub(crate) fn new(id: u64, events: Receiver<Event>, cancel: Arc<AtomicBool>) -> Self {
+    pub(crate) fn new(id: u64, events: flume::Receiver<Event>, cancel: Arc<AtomicBool>) -> Self {
         Self { id, events, cancel }
     }
 
@@ -151,9 +157,15 @@ impl RequestHandle {
     }
 
     /// The next event, waiting for it; `None` once the engine has dropped the request's sender
-    /// (after its last event).
+    /// (after its last event, or when the engine itself is gone).
     pub fn recv(&self) -> Option<Event> {
         self.events.recv().ok()
+    }
+
+    /// The next event, awaited (for async callers: no thread blocks); `None` as for
+    /// [`Self::recv`].
+    pub async fn recv_async(&self) -> Option<Event> {
+        self.events.recv_async().await.ok()
     }
 
     /// The next event if one is ready.
@@ -171,8 +183,8 @@ impl RequestHandle {
     pub fn wait(&self, timeout: Duration) -> Wait {
         match self.events.recv_timeout(timeout) {
             Ok(e) => Wait::Event(e),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Wait::TimedOut,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Wait::Closed,
+            Err(flume::RecvTimeoutError::Timeout) => Wait::TimedOut,
+            Err(flume::RecvTimeoutError::Disconnected) => Wait::Closed,
         }
     }
 

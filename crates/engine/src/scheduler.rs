@@ -8,7 +8,6 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 use qwen36_sampling::{Sampler, TextStream};
@@ -28,7 +27,7 @@ pub(crate) struct Sequence {
     /// The output's text as it streams, with the stop strings (when the engine detokenizes).
     pub text: Option<TextStream>,
     pub logprobs: bool,
-    pub events: Sender<Event>,
+    pub events: flume::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub slot: Option<SlotId>,
     pub table: BlockTable,

@@ -1,23 +1,15 @@
 //! The engine on a thread of its own, driven through a cloneable client (what a server holds).
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use crate::{Engine, Error, Request, RequestHandle, Result};
+use crate::{Engine, EngineLoad, Error, Request, RequestHandle, Result};
 
 enum Command {
-    Submit(Box<Request>, Sender<Result<RequestHandle>>),
+    Submit(Box<Request>, flume::Sender<Result<RequestHandle>>),
     Shutdown,
-}
-
-/// A handle to an engine running on its own thread ([`Engine::spawn`]): cloneable and `Send`,
-/// so any thread (or async task) can submit. The engine steps while it has work and sleeps on
-/// its queue otherwise.
-#[derive(Debug, Clone)]
-pub struct EngineClient {
-    commands: Sender<Command>,
-    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
 }
 
 impl std::fmt::Debug for Command {
@@ -29,25 +21,83 @@ impl std::fmt::Debug for Command {
     }
 }
 
+/// How the engine thread stands ([`EngineClient::status`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineStatus {
+    /// Taking requests.
+    Running,
+    /// Shut down (or every client dropped); it takes no more requests.
+    Stopped,
+    /// A step panicked: every request it held was failed and the thread ended.
+    Failed(String),
+}
+
+/// What the engine thread publishes between steps.
+#[derive(Debug)]
+struct Shared {
+    load: EngineLoad,
+    steps: u64,
+    status: EngineStatus,
+}
+
+/// A handle to an engine running on its own thread ([`Engine::spawn`]): cloneable and `Send`,
+/// so any thread (or async task) can submit. The engine steps while it has work and sleeps on
+/// its queue otherwise.
+#[derive(Debug, Clone)]
+pub struct EngineClient {
+    commands: Sender<Command>,
+    shared: Arc<Mutex<Shared>>,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
 impl Engine {
     /// Moves the engine onto a thread of its own; submit through the returned client.
     pub fn spawn(self) -> EngineClient {
         let (tx, rx) = channel();
+        let shared = Arc::new(Mutex::new(Shared {
+            load: self.load(),
+            steps: 0,
+            status: EngineStatus::Running,
+        }));
+        let published = shared.clone();
         let thread = std::thread::Builder::new()
             .name("qwen36-engine".into())
-            .spawn(move || run(self, rx))
+            .spawn(move || run(self, rx, &published))
             .expect("spawning the engine thread");
         EngineClient {
             commands: tx,
+            shared,
             thread: Arc::new(Mutex::new(Some(thread))),
         }
     }
 }
 
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Makes the engine's load and step count what clients read.
+fn publish(engine: &Engine, steps: u64, shared: &Mutex<Shared>) {
+    let mut s = lock(shared);
+    s.load = engine.load();
+    s.steps = steps;
+}
+
+/// The text of a panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// The engine thread: takes commands, steps while requests wait or run, and after a shutdown
-/// (or once every client is gone) finishes what was submitted and returns.
-fn run(mut engine: Engine, commands: Receiver<Command>) {
+/// (or once every client is gone) finishes what was submitted and returns. A panicking step
+/// fails every request (none waits for ever on a dead engine) and ends the thread.
+fn run(mut engine: Engine, commands: Receiver<Command>, shared: &Mutex<Shared>) {
     let mut open = true;
+    let mut steps = 0;
     loop {
         // Every queued command first; with nothing to do, wait for one.
         loop {
@@ -70,26 +120,79 @@ fn run(mut engine: Engine, commands: Receiver<Command>) {
                 None => break,
             }
         }
+        publish(&engine, steps, shared);
         if engine.pending() == 0 {
+            lock(shared).status = EngineStatus::Stopped;
             return;
         }
-        // A failing step (a device error, or a bookkeeping bug) fails every request with its
-        // message: none waits for ever on a broken engine.
-        if let Err(e) = engine.step() {
-            engine.fail_all(&e);
+        match catch_unwind(AssertUnwindSafe(|| engine.step())) {
+            Ok(Ok(_)) => {
+                steps += 1;
+                publish(&engine, steps, shared);
+            }
+            // A failing step (a device error, or a bookkeeping bug) fails every request with
+            // its message.
+            Ok(Err(e)) => engine.fail_all(&e),
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                let e = Error::Panicked(message.clone());
+                // The engine may be inconsistent after a panic: if failing the requests panics
+                // too, dropping the engine closes their channels, which clients read as an end
+                // without a last event.
+                let _ = catch_unwind(AssertUnwindSafe(|| engine.fail_all(&e)));
+                let mut s = lock(shared);
+                s.status = EngineStatus::Failed(message);
+                s.load = EngineLoad::default();
+                return;
+            }
         }
     }
 }
 
 impl EngineClient {
-    /// Submits a request (see [`Engine::submit`]); the error of a refused request, or
-    /// [`Error::Stopped`] once the engine has shut down.
-    pub fn submit(&self, req: Request) -> Result<RequestHandle> {
-        let (tx, rx) = channel();
+    fn send_submit(&self, req: Request) -> Result<flume::Receiver<Result<RequestHandle>>> {
+        let (tx, rx) = flume::bounded(1);
         self.commands
             .send(Command::Submit(Box::new(req), tx))
-            .map_err(|_| Error::Stopped)?;
-        rx.recv().map_err(|_| Error::Stopped)?
+            .map_err(|_| self.stopped())?;
+        Ok(rx)
+    }
+
+    /// The error a submit gets from a thread that has ended.
+    fn stopped(&self) -> Error {
+        match self.status() {
+            EngineStatus::Failed(m) => Error::Panicked(m),
+            _ => Error::Stopped,
+        }
+    }
+
+    /// Submits a request (see [`Engine::submit`]), waiting for the engine to take it between
+    /// two steps; the error of a refused request, or [`Error::Stopped`] once the engine has shut
+    /// down.
+    pub fn submit(&self, req: Request) -> Result<RequestHandle> {
+        let rx = self.send_submit(req)?;
+        rx.recv().map_err(|_| self.stopped())?
+    }
+
+    /// [`Self::submit`] for async callers: awaits the engine's answer without blocking a thread.
+    pub async fn submit_async(&self, req: Request) -> Result<RequestHandle> {
+        let rx = self.send_submit(req)?;
+        rx.recv_async().await.map_err(|_| self.stopped())?
+    }
+
+    /// The engine's queue, running sequences and pool use after its latest step.
+    pub fn load(&self) -> EngineLoad {
+        lock(&self.shared).load
+    }
+
+    /// Steps the engine has run.
+    pub fn steps(&self) -> u64 {
+        lock(&self.shared).steps
+    }
+
+    /// Whether the engine takes requests, has stopped, or died.
+    pub fn status(&self) -> EngineStatus {
+        lock(&self.shared).status.clone()
     }
 
     /// Stops taking requests, lets every submitted one finish, and waits for the engine thread.
@@ -99,5 +202,96 @@ impl EngineClient {
         if let Some(t) = thread {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EngineConfig, Event};
+    use qwen36_model::Qwen36Model;
+
+    /// A step that panics fails every request it held (their handles get `Failed` naming the
+    /// panic), the client reports the failure, and later submits are refused with it.
+    #[test]
+    fn a_panicking_step_fails_every_request_and_the_client_says_so() {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let cfg = EngineConfig {
+            max_seqs: 1,
+            ..Default::default()
+        };
+        let mut engine = Engine::new(model, cfg).unwrap();
+        let handles: Vec<RequestHandle> = (0..2)
+            .map(|i| {
+                engine
+                    .submit(crate::Request::greedy(vec![1, 2, 3 + i], 8))
+                    .unwrap()
+            })
+            .collect();
+        engine.panic_next_step = true;
+        let client = engine.spawn();
+        for h in &handles {
+            let last = std::iter::from_fn(|| h.recv()).last();
+            assert!(
+                matches!(&last, Some(Event::Failed { error }) if error.contains("injected")),
+                "{last:?}"
+            );
+        }
+        client.shutdown();
+        assert!(matches!(client.status(), EngineStatus::Failed(m) if m.contains("injected")));
+        assert_eq!(client.load(), EngineLoad::default());
+        let refused = client.submit(crate::Request::greedy(vec![1], 1));
+        assert!(
+            matches!(&refused, Err(Error::Panicked(m)) if m.contains("injected")),
+            "{refused:?}"
+        );
+    }
+
+    /// The client's load follows the engine: requests running and waiting while they run,
+    /// nothing once they end; the step count grows; a shut-down engine says so.
+    #[test]
+    fn the_client_reports_load_steps_and_status() {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let cfg = EngineConfig {
+            max_seqs: 1,
+            ..Default::default()
+        };
+        let client = Engine::new(model, cfg).unwrap().spawn();
+        assert_eq!(client.status(), EngineStatus::Running);
+        let idle = client.load();
+        assert_eq!(
+            (idle.waiting, idle.running, idle.slots_used, idle.slots),
+            (0, 0, 0, 1)
+        );
+        let long = client.submit(crate::Request::greedy(vec![1, 2, 3], 400)).unwrap();
+        let queued = client.submit(crate::Request::greedy(vec![4, 5], 2)).unwrap();
+        // While the long one runs the other waits (published after a step).
+        assert!(matches!(long.recv(), Some(Event::Token { .. })));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let busy = loop {
+            let l = client.load();
+            if (l.running, l.waiting) == (1, 1) || std::time::Instant::now() > deadline {
+                break l;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(
+            (busy.running, busy.waiting, busy.slots_used),
+            (1, 1, 1),
+            "{busy:?}"
+        );
+        assert!(busy.blocks_used > 0);
+        drop(long); // cancels
+        assert!(std::iter::from_fn(|| queued.recv()).any(|e| matches!(e, Event::Finished { .. })));
+        client.shutdown();
+        assert_eq!(client.status(), EngineStatus::Stopped);
+        assert!(client.steps() >= 2);
+        let end = client.load();
+        assert_eq!(
+            (end.waiting, end.running, end.slots_used, end.blocks_used),
+            (0, 0, 0, 0)
+        );
     }
 }

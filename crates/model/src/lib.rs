@@ -28,4 +28,4 @@ pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
 pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
-pub use weights::{LoadOptions, Weights};
+pub use weights::{LoadOptions, LoadProgress, Weights};

@@ -23,6 +23,8 @@ pub struct LoadOptions {
     /// The CUDA kernel variants every layer runs (the measured defaults, and `QWEN36_PDL=0` read
     /// here for A/B benchmarks); held by the model, never global.
     pub kernels: qwen36_kernels::KernelPolicy,
+    /// Told of the bytes loaded so far after each tensor (for a progress bar).
+    pub progress: Option<LoadProgress>,
 }
 
 impl Default for LoadOptions {
@@ -32,7 +34,20 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             check_finite: true,
             kernels: qwen36_kernels::KernelPolicy::from_env(),
+            progress: None,
         }
+    }
+}
+
+/// A callback `(bytes loaded, bytes in the checkpoint's files)` run after each tensor loads;
+/// the model may not read every tensor of the files (vision towers), so the count can end short
+/// of the total.
+#[derive(Clone)]
+pub struct LoadProgress(pub std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress")
     }
 }
 
@@ -41,6 +56,9 @@ pub struct Weights {
     source: Source,
     prefix: &'static str,
     opts: LoadOptions,
+    /// Bytes of the checkpoint's files, and of the tensors loaded so far (for `opts.progress`).
+    total_bytes: u64,
+    loaded_bytes: std::sync::atomic::AtomicU64,
 }
 
 enum Source {
@@ -70,10 +88,17 @@ impl Weights {
                     dir.display()
                 ))
             })?;
+        let total_bytes = files
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum();
         Ok(Self {
             source: Source::Files(st),
             prefix,
             opts,
+            total_bytes,
+            loaded_bytes: Default::default(),
         })
     }
 
@@ -86,6 +111,8 @@ impl Weights {
             source: Source::Random { std: 0.02 },
             prefix: PREFIXES[1],
             opts,
+            total_bytes: 0,
+            loaded_bytes: Default::default(),
         }
     }
 
@@ -132,6 +159,14 @@ impl Weights {
             });
         }
         let t = view.load(&self.opts.device)?.to_dtype(dtype)?;
+        if let Some(LoadProgress(progress)) = &self.opts.progress {
+            let bytes = view.data().len() as u64;
+            let done = self
+                .loaded_bytes
+                .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed)
+                + bytes;
+            progress(done, self.total_bytes);
+        }
         if self.opts.check_finite && !t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
             // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
             return Err(Error::NonFinite(name.to_string()));

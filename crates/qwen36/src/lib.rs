@@ -16,6 +16,7 @@
 mod chat;
 mod error;
 mod generate;
+pub mod hub;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::{Error, Result};
@@ -23,6 +24,7 @@ pub use generate::{
     DrafterKind, GenerateOptions, GenerationConfig, GenerationOutput, Generator, Speculative, StopReason,
     TokenEvent,
 };
+pub use hub::resolve_model;
 pub use qwen36_engine as engine;
 pub use qwen36_gdn as gdn;
 pub use qwen36_kernels as kernels;

@@ -1,9 +1,23 @@
-//! The OpenAI request bodies the server reads and the error object it answers with.
+//! The OpenAI request bodies the server reads, their checks, and the error object it answers
+//! with.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+
+/// The most stop strings a request may give, and the longest one (bytes): each is matched
+/// against the text at every token.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 512;
+/// The most extra stop token ids a request may give.
+pub const MAX_STOP_IDS: usize = 64;
+/// The most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 16;
+/// The most alternatives per token (`top_logprobs`, completions' `logprobs`), as vLLM allows.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// `max_tokens` of a completion that gives none (OpenAI's default).
+pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
 /// A prompt: text, or token ids (`/v1/completions`).
 #[derive(Debug, Clone, Deserialize)]
@@ -40,7 +54,8 @@ pub struct StreamOptions {
 /// The body of `POST /v1/completions` (which needs `prompt`) and `POST /v1/chat/completions`
 /// (which needs `messages`): one struct without flattening, so that a field of the wrong type is
 /// named in the error. Fields the server does not know are ignored, as OpenAI-compatible servers
-/// do.
+/// do; fields it knows but cannot honour (`echo`, `logit_bias`, a JSON `response_format`, ...)
+/// are refused by [`GenerateRequest::check_supported`].
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct GenerateRequest {
     /// `/v1/completions`: text or token ids.
@@ -48,8 +63,12 @@ pub struct GenerateRequest {
     /// `/v1/chat/completions`: OpenAI messages, passed to the chat template as they are (after
     /// the role check).
     pub messages: Option<Vec<Map<String, Value>>>,
-    /// Tool schemas for the chat template.
+    /// Tool schemas for the chat template; the output's tool calls are parsed against them.
     pub tools: Option<Vec<Value>>,
+    /// `"auto"` (the default) or `"none"` (tool calls are not parsed).
+    pub tool_choice: Option<Value>,
+    /// Accepted (several tool calls per turn are always allowed).
+    pub parallel_tool_calls: Option<bool>,
     /// Chat template kwargs (`enable_thinking` for Qwen3.6).
     #[serde(default)]
     pub chat_template_kwargs: Map<String, Value>,
@@ -68,6 +87,7 @@ pub struct GenerateRequest {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    /// Makes sampling reproducible; without it every request draws a seed of its own.
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     /// Extra stop token ids (vLLM's extension), besides the model's end-of-turn ids.
@@ -80,6 +100,177 @@ pub struct GenerateRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<usize>,
+    /// Chat: `true` for each token's log-probability; completions: the number of alternatives
+    /// per token (0 for the token's own only).
+    pub logprobs: Option<Value>,
+    /// Chat: alternatives per token (needs `logprobs: true`).
+    pub top_logprobs: Option<usize>,
+    /// Known but not served: refused when set to anything but their neutral value.
+    pub echo: Option<bool>,
+    pub best_of: Option<usize>,
+    pub logit_bias: Option<Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub suffix: Option<String>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+}
+
+/// How a request asked for log-probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logprobs {
+    /// Not asked for.
+    Off,
+    /// Each token's log-probability and this many alternatives.
+    Top(usize),
+}
+
+impl Logprobs {
+    pub fn on(self) -> bool {
+        self != Logprobs::Off
+    }
+
+    pub fn top(self) -> usize {
+        match self {
+            Logprobs::Off => 0,
+            Logprobs::Top(k) => k,
+        }
+    }
+}
+
+impl GenerateRequest {
+    /// Refuses the fields the server knows but does not serve, naming each.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        let refuse = |param: &str, what: &str| {
+            Err(
+                ApiError::bad_request(format!("{param}: {what} is not supported by this server"))
+                    .param(param),
+            )
+        };
+        if self.echo == Some(true) {
+            return refuse("echo", "echoing the prompt");
+        }
+        if let Some(b) = self.best_of.filter(|&b| b != self.n.unwrap_or(1)) {
+            return refuse("best_of", &format!("best_of = {b} (other than n)"));
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("logit_bias", "a logit bias");
+        }
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(f) => {
+                let kind = f.get("type").and_then(Value::as_str).unwrap_or("?");
+                return refuse(
+                    "response_format",
+                    &format!("response_format {kind:?} (structured output)"),
+                );
+            }
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return refuse("suffix", "a suffix (fill-in-the-middle)");
+        }
+        if self.functions.is_some() || self.function_call.is_some() {
+            return refuse("functions", "the legacy functions API (use tools)");
+        }
+        Ok(())
+    }
+
+    /// Whether tool calls are parsed from the output: tools given and `tool_choice` not
+    /// `"none"`. `"required"` and a named function would need constrained decoding: refused.
+    pub fn tool_parsing(&self) -> Result<bool, ApiError> {
+        let tools = self.tools.as_ref().is_some_and(|t| !t.is_empty());
+        for (i, t) in self.tools.iter().flatten().enumerate() {
+            if t.pointer("/function/name").and_then(Value::as_str).is_none() {
+                return Err(ApiError::bad_request(format!(
+                    "tools[{i}]: a tool needs {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                ))
+                .param("tools"));
+            }
+        }
+        match &self.tool_choice {
+            None | Some(Value::Null) => Ok(tools),
+            Some(Value::String(s)) if s == "auto" => Ok(tools),
+            Some(Value::String(s)) if s == "none" => Ok(false),
+            Some(other) => Err(ApiError::bad_request(format!(
+                "tool_choice {other}: only \"auto\" and \"none\" are supported (forcing a call needs constrained decoding)"
+            ))
+            .param("tool_choice")),
+        }
+    }
+
+    /// The log-probabilities asked for: chat's `logprobs: bool` + `top_logprobs`, or
+    /// completions' `logprobs: N`.
+    pub fn logprobs(&self, chat: bool) -> Result<Logprobs, ApiError> {
+        let bad = |msg: String| Err(ApiError::bad_request(msg).param("logprobs"));
+        let top = |k: usize, name: &str| {
+            if k > MAX_TOP_LOGPROBS {
+                Err(ApiError::bad_request(format!("{name} = {k}: at most {MAX_TOP_LOGPROBS}")).param(name))
+            } else {
+                Ok(Logprobs::Top(k))
+            }
+        };
+        if chat {
+            match &self.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => match self.top_logprobs {
+                    None | Some(0) => Ok(Logprobs::Off),
+                    Some(_) => {
+                        Err(ApiError::bad_request("top_logprobs needs logprobs: true").param("top_logprobs"))
+                    }
+                },
+                Some(Value::Bool(true)) => top(self.top_logprobs.unwrap_or(0), "top_logprobs"),
+                Some(v) => bad(format!("logprobs {v}: expected true or false")),
+            }
+        } else {
+            match &self.logprobs {
+                None | Some(Value::Null) => Ok(Logprobs::Off),
+                Some(Value::Number(n)) if n.as_u64().is_some() => {
+                    top(n.as_u64().unwrap_or(0) as usize, "logprobs")
+                }
+                Some(v) => bad(format!(
+                    "logprobs {v}: expected the number of alternatives per token"
+                )),
+            }
+        }
+    }
+
+    /// The stop strings, bounded in count and length.
+    pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
+        let stops = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::bad_request(format!(
+                "stop: {} strings given, at most {MAX_STOP_STRINGS}",
+                stops.len()
+            ))
+            .param("stop"));
+        }
+        if let Some(s) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES || s.is_empty()) {
+            return Err(ApiError::bad_request(format!(
+                "stop: a stop string of {} bytes; each must have 1..={MAX_STOP_BYTES}",
+                s.len()
+            ))
+            .param("stop"));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_IDS {
+            return Err(ApiError::bad_request(format!(
+                "stop_token_ids: {} given, at most {MAX_STOP_IDS}",
+                self.stop_token_ids.len()
+            ))
+            .param("stop_token_ids"));
+        }
+        Ok(stops)
+    }
+
+    /// The number of choices.
+    pub fn choices(&self) -> Result<usize, ApiError> {
+        match self.n.unwrap_or(1) {
+            0 => Err(ApiError::bad_request("n = 0: at least one choice").param("n")),
+            n if n > MAX_CHOICES => Err(ApiError::bad_request(format!(
+                "n = {n}: at most {MAX_CHOICES} choices per request"
+            ))
+            .param("n")),
+            n => Ok(n),
+        }
+    }
 }
 
 /// An error answered as OpenAI's error object `{"error": {"message", "type", "param", "code"}}`.
@@ -87,6 +278,10 @@ pub struct GenerateRequest {
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// The request field at fault, when one is.
+    pub param: Option<String>,
+    /// A machine-readable code (`invalid_api_key`, `model_not_found`, ...), when one applies.
+    pub code: Option<&'static str>,
     /// Seconds a client should wait before retrying (a full queue).
     pub retry_after: Option<u64>,
 }
@@ -101,8 +296,22 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            param: None,
+            code: None,
             retry_after: None,
         }
+    }
+
+    /// The same error naming the request field at fault.
+    pub fn param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_string());
+        self
+    }
+
+    /// The same error with a machine-readable code.
+    pub fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
     }
 
     fn kind(&self) -> &'static str {
@@ -120,8 +329,8 @@ impl ApiError {
         json!({ "error": {
             "message": self.message,
             "type": self.kind(),
-            "param": null,
-            "code": self.status.as_u16(),
+            "param": self.param,
+            "code": self.code,
         }})
     }
 }

@@ -1,33 +1,44 @@
 //! An OpenAI-compatible HTTP server on the qwen36 engine: `POST /v1/completions` and
-//! `POST /v1/chat/completions` (streamed as server-sent events with `stream: true`),
-//! `GET /v1/models` and `GET /health`.
+//! `POST /v1/chat/completions` (streamed as server-sent events with `stream: true`; chat output
+//! split into `reasoning_content`, `content` and `tool_calls`), `GET /v1/models`, `GET /health`
+//! and `GET /metrics` (Prometheus text).
 //!
 //! The engine runs on its own thread ([`qwen36::engine::Engine::spawn`]); each request's events
-//! are read on a blocking thread of tokio's pool and turned into the response, and a client that
-//! goes away cancels its request, which frees its slot and blocks at the engine's next step.
+//! are awaited (no thread blocks on them) and turned into the response. A client that goes away
+//! drops its response, which drops the request's handles, which cancels them: their slots and
+//! blocks are freed at the engine's next step.
 
 mod api;
+mod metrics;
+mod output;
 
+use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, MatchedPath, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use qwen36::engine::{
-    Canceller, EngineClient, Error as EngineError, Event, Request, RequestHandle, Speculation, StopReason,
-    Usage, Wait,
+    EngineClient, EngineStatus, Error as EngineError, Event, Request, RequestHandle, Speculation, StopReason,
+    Usage,
 };
+use qwen36::sampling::Sampled;
 use qwen36::{ChatTemplate, Generator, SamplingParams};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-pub use api::{ApiError, GenerateRequest, Prompt, Stop, StreamOptions};
+pub use api::{ApiError, GenerateRequest, Logprobs, Prompt, Stop, StreamOptions};
+pub use metrics::Metrics;
+pub use output::{parse_tool_call, Delta, OutputParser, ToolCall};
+
+use metrics::ChoiceTimes;
 
 /// How the server answers.
 #[derive(Debug, Clone)]
@@ -40,6 +51,9 @@ pub struct ServerConfig {
     pub speculation: Option<Speculation>,
     /// The largest request body taken (413 past it).
     pub max_body_bytes: usize,
+    /// Split chat output's `<think>…</think>` into `reasoning_content` (Qwen3's reasoning
+    /// parser); `false` leaves it in `content`.
+    pub reasoning: bool,
 }
 
 impl Default for ServerConfig {
@@ -49,19 +63,22 @@ impl Default for ServerConfig {
             api_key: None,
             speculation: None,
             max_body_bytes: 4 << 20,
+            reasoning: true,
         }
     }
 }
 
 /// What every handler shares: the engine's client, the tokenizer and chat template, the model's
-/// stop ids and sampling defaults.
+/// stop ids and sampling defaults, the metrics.
 pub struct Service {
     engine: EngineClient,
-    tokenizer: qwen36::Tokenizer,
+    tokenizer: Option<qwen36::Tokenizer>,
     template: Option<ChatTemplate>,
     stop_ids: Vec<u32>,
     defaults: SamplingParams,
+    context: usize,
     cfg: ServerConfig,
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for Service {
@@ -73,19 +90,39 @@ impl std::fmt::Debug for Service {
 impl Service {
     /// A service over `engine` (an engine made from `generator`'s model, with its detokenizer)
     /// reading the tokenizer, chat template, stop ids and sampling defaults of `generator`.
-    pub fn new(generator: &Generator, engine: EngineClient, cfg: ServerConfig) -> Result<Self, String> {
-        let tokenizer = generator
-            .tokenizer()
-            .cloned()
-            .ok_or("the model has no tokenizer.json: the server needs one")?;
-        Ok(Self {
+    pub fn new(generator: &Generator, engine: EngineClient, cfg: ServerConfig) -> Self {
+        Self::from_parts(
+            engine,
+            generator.tokenizer().cloned(),
+            generator.chat_template().cloned(),
+            generator.default_stop_ids(),
+            generator.generation_config().sampling.clone().unwrap_or_default(),
+            generator.model().config().max_position_embeddings,
+            cfg,
+        )
+    }
+
+    /// A service from its parts. Without a tokenizer only token-id prompts are served (text
+    /// prompts and chat answer 400), as for a model built with random weights in a benchmark.
+    pub fn from_parts(
+        engine: EngineClient,
+        tokenizer: Option<qwen36::Tokenizer>,
+        template: Option<ChatTemplate>,
+        stop_ids: Vec<u32>,
+        defaults: SamplingParams,
+        context: usize,
+        cfg: ServerConfig,
+    ) -> Self {
+        Self {
             engine,
             tokenizer,
-            template: generator.chat_template().cloned(),
-            stop_ids: generator.default_stop_ids(),
-            defaults: generator.generation_config().sampling.clone().unwrap_or_default(),
+            template,
+            stop_ids,
+            defaults,
+            context,
             cfg,
-        })
+            metrics: Metrics::default(),
+        }
     }
 
     /// The engine's client (to shut it down after the server).
@@ -93,40 +130,27 @@ impl Service {
         &self.engine
     }
 
-    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        let Some(key) = &self.cfg.api_key else {
-            return Ok(());
-        };
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        match given {
-            Some(g) if g == key => Ok(()),
-            _ => Err(ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "a valid API key is needed: Authorization: Bearer KEY",
-            )),
-        }
+    /// The text of token `id` on its own (`token_id:ID` without a tokenizer, as vLLM writes it).
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_else(|| format!("token_id:{id}"))
     }
 
-    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        let ids = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))?;
-        Ok(ids.get_ids().to_vec())
+    fn tokenizer(&self) -> Result<&qwen36::Tokenizer, ApiError> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad_request("this server has no tokenizer: give the prompt as token ids")
+                .param("prompt")
+        })
     }
 
-    /// The engine request of `prompt` under `c`'s parameters (the model's sampling defaults
-    /// where `c` gives none).
-    fn request(
-        &self,
-        prompt: Vec<u32>,
-        c: &GenerateRequest,
-        max_tokens: Option<usize>,
-    ) -> Result<Request, ApiError> {
-        if let Some(model) = &c.model {
+    /// Checks `req` and turns it into the engine requests of its choices (tokenizing and
+    /// rendering on a blocking thread).
+    async fn prepare(self: &Arc<Self>, endpoint: Endpoint, req: GenerateRequest) -> Result<Job, ApiError> {
+        let arrived = Instant::now();
+        req.check_supported()?;
+        if let Some(model) = &req.model {
             if model != &self.cfg.model_id {
                 return Err(ApiError::new(
                     StatusCode::NOT_FOUND,
@@ -134,76 +158,669 @@ impl Service {
                         "model {model:?} is not served here; this server serves {:?}",
                         self.cfg.model_id
                     ),
-                ));
+                )
+                .param("model")
+                .code("model_not_found"));
             }
         }
-        if let Some(n) = c.n.filter(|&n| n != 1) {
-            return Err(ApiError::bad_request(format!(
-                "n = {n}: only one choice per request is served"
-            )));
+        let chat = endpoint == Endpoint::Chat;
+        let n = req.choices()?;
+        let logprobs = req.logprobs(chat)?;
+        let stop_strings = req.stop_strings()?;
+        let tools = req.tool_parsing()?;
+        if req.return_token_ids && n > 1 {
+            return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
         }
+        let svc = self.clone();
+        let req = Arc::new(req);
+        let r = req.clone();
+        let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+        let max_tokens = match endpoint {
+            Endpoint::Completions => Some(req.max_tokens.unwrap_or(api::DEFAULT_COMPLETION_TOKENS)),
+            Endpoint::Chat => req.max_completion_tokens.or(req.max_tokens),
+        };
         let d = &self.defaults;
-        let top_k = match c.top_k {
+        let top_k = match req.top_k {
             None => d.top_k,
             Some(k) if k <= 0 => 0,
             Some(k) => k as usize,
         };
+        let seed = req.seed.unwrap_or_else(rand::random);
         let sampling = SamplingParams {
-            temperature: c.temperature.unwrap_or(d.temperature),
+            temperature: req.temperature.unwrap_or(d.temperature),
             top_k,
-            top_p: c.top_p.unwrap_or(d.top_p),
-            min_p: c.min_p.unwrap_or(d.min_p),
-            repetition_penalty: c.repetition_penalty.unwrap_or(d.repetition_penalty),
-            presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
-            frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
-            seed: c.seed.unwrap_or(0),
-            top_logprobs: 0,
+            top_p: req.top_p.unwrap_or(d.top_p),
+            min_p: req.min_p.unwrap_or(d.min_p),
+            repetition_penalty: req.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: req.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: req.frequency_penalty.unwrap_or(d.frequency_penalty),
+            seed,
+            top_logprobs: logprobs.top(),
         };
-        let mut stop_ids = if c.ignore_eos {
+        let mut stop_ids = if req.ignore_eos {
             Vec::new()
         } else {
             self.stop_ids.clone()
         };
-        stop_ids.extend(&c.stop_token_ids);
-        Ok(Request {
+        stop_ids.extend(&req.stop_token_ids);
+        let requests = (0..n as u64)
+            .map(|i| Request {
+                prompt: prompt.clone(),
+                sampling: SamplingParams {
+                    // Choice i samples as a request with seed + i would.
+                    seed: seed.wrapping_add(i),
+                    ..sampling.clone()
+                },
+                max_tokens,
+                stop_ids: stop_ids.clone(),
+                stop_strings: stop_strings.clone(),
+                logprobs: logprobs.on(),
+                speculation: self.cfg.speculation,
+            })
+            .collect();
+        let id = format!(
+            "{}-{:016x}",
+            match endpoint {
+                Endpoint::Completions => "cmpl",
+                Endpoint::Chat => "chatcmpl",
+            },
+            rand::random::<u64>()
+        );
+        Ok(Job {
+            endpoint,
+            parser: ParserSpec {
+                reasoning: chat && self.cfg.reasoning,
+                thinking,
+                tools: tools.then(|| req.tools.clone().unwrap_or_default()),
+            },
+            id,
+            created: now(),
             prompt,
-            sampling,
-            max_tokens,
-            stop_ids,
-            stop_strings: c.stop.clone().map(Stop::into_vec).unwrap_or_default(),
-            logprobs: false,
-            speculation: self.cfg.speculation,
+            requests,
+            stream: req.stream,
+            include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            logprobs,
+            return_token_ids: req.return_token_ids,
+            arrived,
         })
     }
 
-    /// Submits `req` (from a blocking thread: the engine answers between its steps).
-    async fn submit(self: &Arc<Self>, req: Request) -> Result<RequestHandle, ApiError> {
-        let svc = self.clone();
-        let submitted = tokio::task::spawn_blocking(move || svc.engine.submit(req))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-        submitted.map_err(|e| match e {
-            EngineError::QueueFull(_) => ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    /// The prompt's ids, and whether the model starts inside an open `<think>` block.
+    fn prompt(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<u32>, bool), ApiError> {
+        match endpoint {
+            Endpoint::Completions => match &req.prompt {
+                Some(Prompt::Text(text)) => Ok((self.encode(text)?, false)),
+                Some(Prompt::Ids(ids)) => Ok((ids.clone(), false)),
+                None => Err(
+                    ApiError::bad_request("prompt: a text or a list of token ids is needed").param("prompt"),
+                ),
             },
-            EngineError::Stopped => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-            EngineError::Request(_) | EngineError::TooLong { .. } => ApiError::bad_request(e.to_string()),
-            e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-        })
+            Endpoint::Chat => {
+                let text = self.render(req)?;
+                Ok((self.encode(&text)?, OutputParser::prompt_is_thinking(&text)))
+            }
+        }
     }
+
+    /// The chat template applied to the request's messages and tools.
+    fn render(&self, req: &GenerateRequest) -> Result<String, ApiError> {
+        let messages = match &req.messages {
+            Some(m) if !m.is_empty() => m,
+            _ => {
+                return Err(
+                    ApiError::bad_request("messages: at least one message is needed").param("messages")
+                )
+            }
+        };
+        for (i, m) in messages.iter().enumerate() {
+            match m.get("role").and_then(Value::as_str) {
+                Some(r) if ROLES.contains(&r) => {}
+                Some(r) => {
+                    return Err(ApiError::bad_request(format!(
+                        "messages[{i}].role {r:?}: expected one of {ROLES:?}"
+                    ))
+                    .param("messages"))
+                }
+                None => {
+                    return Err(
+                        ApiError::bad_request(format!("messages[{i}]: a string role is needed"))
+                            .param("messages"),
+                    )
+                }
+            }
+        }
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| ApiError::bad_request("the model has no chat template: use /v1/completions"))?;
+        let messages: Vec<Value> = messages.iter().cloned().map(Value::Object).collect();
+        template
+            .render_json(&messages, req.tools.as_deref(), true, &req.chat_template_kwargs)
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        let ids = self
+            .tokenizer()?
+            .encode(text, false)
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))?;
+        Ok(ids.get_ids().to_vec())
+    }
+
+    /// Submits every choice of `job` (all or none: a refused one cancels the others).
+    async fn submit(&self, job: &mut Job) -> Result<Vec<RequestHandle>, ApiError> {
+        let mut handles = Vec::with_capacity(job.requests.len());
+        for req in std::mem::take(&mut job.requests) {
+            let handle = self.engine.submit_async(req).await.map_err(|e| match e {
+                EngineError::QueueFull(_) => ApiError {
+                    retry_after: Some(1),
+                    ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                },
+                EngineError::Stopped | EngineError::Panicked(_) => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                }
+                EngineError::TooLong { .. } => ApiError::bad_request(e.to_string()).param("max_tokens"),
+                EngineError::Request(_) => ApiError::bad_request(e.to_string()),
+                e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            })?;
+            handles.push(handle);
+        }
+        Ok(handles)
+    }
+}
+
+/// The roles a chat message may have.
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// Which endpoint a request came to (its object names and the shape of its choices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn name(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::Chat => "chat",
+        }
+    }
+}
+
+/// How a response's output is split ([`OutputParser::new`]'s arguments).
+#[derive(Debug, Clone)]
+struct ParserSpec {
+    reasoning: bool,
+    thinking: bool,
+    tools: Option<Vec<Value>>,
+}
+
+/// A checked request: its engine requests (one per choice) and how to answer.
+#[derive(Debug)]
+struct Job {
+    endpoint: Endpoint,
+    parser: ParserSpec,
+    id: String,
+    created: u64,
+    prompt: Vec<u32>,
+    requests: Vec<Request>,
+    stream: bool,
+    include_usage: bool,
+    logprobs: Logprobs,
+    return_token_ids: bool,
+    arrived: Instant,
+}
+
+/// One choice's output so far.
+#[derive(Debug)]
+struct Choice {
+    parser: OutputParser,
+    /// Everything parsed so far (for a whole response).
+    message: Delta,
+    ids: Vec<u32>,
+    logprobs: Vec<Sampled>,
+    /// Log-probabilities not yet sent in a chunk.
+    unsent_logprobs: Vec<Sampled>,
+    tool_calls: usize,
+    first_token: Option<Duration>,
+    finish: Option<&'static str>,
+    usage: Option<Usage>,
+    error: Option<String>,
+}
+
+/// What one event adds to a choice.
+#[derive(Debug, Default)]
+struct Update {
+    delta: Delta,
+    /// The event's token ids.
+    ids: Vec<u32>,
+    /// Set when the choice has ended.
+    finish: Option<&'static str>,
+}
+
+impl Choice {
+    fn new(spec: &ParserSpec, id: &str, index: usize) -> Self {
+        Self {
+            parser: OutputParser::new(
+                spec.reasoning,
+                spec.thinking,
+                spec.tools.clone(),
+                format!("call-{id}-{index}"),
+            ),
+            message: Delta::default(),
+            ids: Vec::new(),
+            logprobs: Vec::new(),
+            unsent_logprobs: Vec::new(),
+            tool_calls: 0,
+            first_token: None,
+            finish: None,
+            usage: None,
+            error: None,
+        }
+    }
+
+    /// Takes the next event (`None`: the engine closed the request without ending it).
+    fn apply(&mut self, event: Option<Event>, since: Instant) -> Update {
+        let mut up = Update::default();
+        match event {
+            Some(Event::Token { ids, text, logprobs }) => {
+                if !ids.is_empty() && self.first_token.is_none() {
+                    self.first_token = Some(since.elapsed());
+                }
+                self.ids.extend(&ids);
+                up.ids = ids;
+                if let Some(lp) = logprobs {
+                    self.logprobs.extend(lp.iter().cloned());
+                    self.unsent_logprobs.extend(lp);
+                }
+                up.delta = self.parser.push(&text);
+            }
+            Some(Event::Finished { reason, usage }) => {
+                up.delta = self.parser.finish();
+                self.usage = Some(usage);
+                let calls = self.tool_calls + up.delta.tool_calls.len();
+                up.finish = Some(match reason {
+                    StopReason::MaxTokens | StopReason::ContextFull => "length",
+                    StopReason::StopToken(_) | StopReason::StopString(_) if calls > 0 => "tool_calls",
+                    StopReason::StopToken(_) | StopReason::StopString(_) => "stop",
+                    StopReason::Cancelled => "abort",
+                });
+            }
+            Some(Event::Failed { error }) => {
+                self.error = Some(error);
+                up.finish = Some("error");
+            }
+            None => {
+                self.error = Some("the engine stopped before the request ended".into());
+                up.finish = Some("error");
+            }
+        }
+        self.tool_calls += up.delta.tool_calls.len();
+        self.message.extend(up.delta.clone());
+        self.finish = up.finish.or(self.finish);
+        up
+    }
+}
+
+/// Records every choice's end in the metrics, and as `abort` those a dropped response left
+/// unfinished.
+struct Tracker {
+    svc: Arc<Service>,
+    arrived: Instant,
+    ended: Vec<bool>,
+}
+
+impl Tracker {
+    fn end(&mut self, index: usize, choice: &Choice) {
+        if !std::mem::replace(&mut self.ended[index], true) {
+            let times = ChoiceTimes {
+                first_token: choice.first_token,
+                total: self.arrived.elapsed(),
+            };
+            let reason = choice.finish.unwrap_or("abort");
+            self.svc.metrics.finished(reason, choice.usage.as_ref(), times);
+        }
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        for ended in &self.ended {
+            if !ended {
+                self.svc.metrics.finished("abort", None, ChoiceTimes::default());
+            }
+        }
+    }
+}
+
+/// Awaits the events of every handle and sends them, tagged with the handle's index, to one
+/// receiver (`None` when a handle closed without a last event). When the receiver is dropped
+/// the handles are dropped, which cancels their requests.
+fn forward(handles: Vec<RequestHandle>) -> mpsc::UnboundedReceiver<(usize, Option<Event>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (i, h) in handles.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    e = h.recv_async() => {
+                        let last = !matches!(e, Some(Event::Token { .. }));
+                        if tx.send((i, e)).is_err() || last {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    rx
+}
+
+/// The usage object of a response: the prompt once, every choice's tokens.
+fn usage_json(prompt_tokens: usize, choices: &[Choice]) -> Value {
+    let completion: usize = choices
+        .iter()
+        .map(|c| c.usage.map_or(c.ids.len(), |u| u.completion_tokens))
+        .sum();
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    })
+}
+
+fn tool_calls_json(calls: &[ToolCall], first_index: usize) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "index": first_index + i,
+                    "id": c.id,
+                    "type": "function",
+                    "function": { "name": c.name, "arguments": c.arguments },
+                })
+            })
+            .collect(),
+    )
+}
+
+impl Job {
+    /// The log-probabilities object of `lps` (chat's `{"content": [...]}` or completions'
+    /// token arrays), or null when none were asked for.
+    fn logprobs_json(&self, svc: &Service, lps: &[Sampled]) -> Value {
+        if !self.logprobs.on() {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let token = svc.token_text(id);
+                    json!({ "token": token, "logprob": lp, "bytes": token.as_bytes() })
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|s| {
+                        let mut e = entry(s.token, s.logprob);
+                        e["top_logprobs"] = s.top_logprobs.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Endpoint::Completions => {
+                let tokens: Vec<String> = lps.iter().map(|s| svc.token_text(s.token)).collect();
+                let mut offset = 0;
+                let offsets: Vec<usize> = tokens
+                    .iter()
+                    .map(|t| {
+                        let o = offset;
+                        offset += t.chars().count();
+                        o
+                    })
+                    .collect();
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|s| {
+                        let m: Map<String, Value> = s
+                            .top_logprobs
+                            .iter()
+                            .map(|&(t, lp)| (svc.token_text(t), json!(lp)))
+                            .collect();
+                        Value::Object(m)
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|s| s.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// One streamed chunk of choice `index`, or `None` when the update has nothing to send.
+    fn chunk(
+        &self,
+        svc: &Service,
+        index: usize,
+        choice: &mut Choice,
+        up: &Update,
+        first: bool,
+    ) -> Option<Value> {
+        let d = &up.delta;
+        let ids = self.return_token_ids && !up.ids.is_empty();
+        if d.is_empty() && up.finish.is_none() && !first && !ids {
+            return None;
+        }
+        let logprobs = self.logprobs_json(svc, &std::mem::take(&mut choice.unsent_logprobs));
+        let mut body = match self.endpoint {
+            Endpoint::Completions => {
+                json!({ "index": index, "text": d.content, "logprobs": logprobs, "finish_reason": up.finish })
+            }
+            Endpoint::Chat => {
+                let mut delta = Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if !d.reasoning.is_empty() {
+                    delta.insert("reasoning_content".into(), d.reasoning.clone().into());
+                }
+                if !d.content.is_empty() || (first && d.reasoning.is_empty() && d.tool_calls.is_empty()) {
+                    delta.insert("content".into(), d.content.clone().into());
+                }
+                if !d.tool_calls.is_empty() {
+                    let before = choice.tool_calls - d.tool_calls.len();
+                    delta.insert("tool_calls".into(), tool_calls_json(&d.tool_calls, before));
+                }
+                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": up.finish })
+            }
+        };
+        if self.return_token_ids {
+            // vLLM's extension, streamed: each chunk's new ids (a chunk per token even while
+            // the text waits, or without a tokenizer).
+            body["token_ids"] = json!(up.ids);
+        }
+        Some(json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": svc.cfg.model_id,
+            "choices": [body],
+        }))
+    }
+
+    /// The whole response once every choice has ended.
+    fn response(&self, svc: &Service, choices: &[Choice]) -> Value {
+        let list: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let logprobs = self.logprobs_json(svc, &c.logprobs);
+                let m = &c.message;
+                let mut choice = match self.endpoint {
+                    Endpoint::Completions => {
+                        json!({ "index": index, "text": m.content, "logprobs": logprobs, "finish_reason": c.finish })
+                    }
+                    Endpoint::Chat => {
+                        let mut message = json!({ "role": "assistant", "content": m.content });
+                        if m.content.is_empty() && !m.tool_calls.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        if !m.reasoning.is_empty() {
+                            message["reasoning_content"] = m.reasoning.clone().into();
+                        }
+                        if !m.tool_calls.is_empty() {
+                            message["tool_calls"] = tool_calls_json(&m.tool_calls, 0);
+                        }
+                        json!({ "index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish })
+                    }
+                };
+                if self.return_token_ids {
+                    choice["token_ids"] = json!(c.ids);
+                    if self.endpoint == Endpoint::Completions {
+                        choice["prompt_token_ids"] = json!(self.prompt);
+                    }
+                }
+                choice
+            })
+            .collect();
+        let mut out = json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": svc.cfg.model_id,
+            "choices": list,
+            "usage": usage_json(self.prompt.len(), choices),
+        });
+        if self.return_token_ids && self.endpoint == Endpoint::Chat {
+            out["prompt_token_ids"] = json!(self.prompt);
+        }
+        out
+    }
+}
+
+/// Submits `job` and answers: streamed, or once every choice has ended.
+async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
+    let handles = svc.submit(&mut job).await?;
+    svc.metrics.admitted(job.endpoint.name(), job.prompt.len());
+    tracing::info!(
+        request = %job.id,
+        prompt_tokens = job.prompt.len(),
+        choices = handles.len(),
+        stream = job.stream,
+        "submitted"
+    );
+    let n = handles.len();
+    let mut choices: Vec<Choice> = (0..n).map(|i| Choice::new(&job.parser, &job.id, i)).collect();
+    let mut tracker = Tracker {
+        svc: svc.clone(),
+        arrived: job.arrived,
+        ended: vec![false; n],
+    };
+    let mut events = forward(handles);
+    if job.stream {
+        let (tx, rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
+            let mut first = vec![true; n];
+            let mut open = n;
+            while open > 0 {
+                let next = tokio::select! {
+                    _ = tx.closed() => None,
+                    e = events.recv() => e,
+                };
+                // The client is gone: dropping `events` cancels the requests.
+                let Some((i, event)) = next else { return };
+                let up = choices[i].apply(event, job.arrived);
+                if let Some(error) = &choices[i].error {
+                    tracker.end(i, &choices[i]);
+                    let _ = send(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.clone()).body());
+                    let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+                    return;
+                }
+                if let Some(chunk) = job.chunk(&svc, i, &mut choices[i], &up, first[i]) {
+                    first[i] = false;
+                    if !send(chunk) {
+                        return;
+                    }
+                }
+                if up.finish.is_some() {
+                    tracker.end(i, &choices[i]);
+                    open -= 1;
+                }
+            }
+            tracing::info!(request = %job.id, "finished");
+            if job.include_usage {
+                let _ = send(json!({
+                    "id": job.id,
+                    "object": job.object(true),
+                    "created": job.created,
+                    "model": svc.cfg.model_id,
+                    "choices": [],
+                    "usage": usage_json(job.prompt.len(), &choices),
+                }));
+            }
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        });
+        return Ok(Sse::new(UnboundedReceiverStream::new(rx))
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+            .into_response());
+    }
+    let mut open = n;
+    while open > 0 {
+        let Some((i, event)) = events.recv().await else {
+            break;
+        };
+        let up = choices[i].apply(event, job.arrived);
+        if up.finish.is_some() {
+            tracker.end(i, &choices[i]);
+            open -= 1;
+        }
+        if let Some(error) = &choices[i].error {
+            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.clone()));
+        }
+    }
+    let completion: usize = choices.iter().map(|c| c.ids.len()).sum();
+    tracing::info!(request = %job.id, completion_tokens = completion, "finished");
+    Ok(Json(job.response(&svc, &choices)).into_response())
 }
 
 /// The server's routes over `service`.
 pub fn router(service: Arc<Service>) -> Router {
     let limit = service.cfg.max_body_bytes;
+    let v1 = Router::new()
+        .route("/models", get(models))
+        .route("/completions", post(completions))
+        .route("/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(service.clone(), authorize));
     Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/v1/models", get(models))
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .nest("/v1", v1)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "this endpoint does not take that method",
+            )
+        })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(service.clone(), count_responses))
         .with_state(service)
 }
 
@@ -229,301 +846,173 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn models(State(svc): State<Arc<Service>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    svc.authorize(&headers)?;
-    Ok(Json(json!({
+/// Whether two byte strings are equal, in a time that depends on their lengths alone.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// Lets a `/v1` request through only with the API key (when one is set), before its body is
+/// read.
+async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request, next: Next) -> Response {
+    if let Some(key) = &svc.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "a valid API key is needed: Authorization: Bearer KEY",
+            )
+            .code("invalid_api_key")
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Counts every response by route and status.
+async fn count_responses(
+    State(svc): State<Arc<Service>>,
+    req: axum::extract::Request,
+    next: Next,
+) -> Response {
+    let route = match req.extensions().get::<MatchedPath>().map(MatchedPath::as_str) {
+        Some("/v1/completions") => "completions",
+        Some("/v1/chat/completions") => "chat",
+        Some("/v1/models") => "models",
+        Some("/health") => "health",
+        Some("/metrics") => "metrics",
+        _ => "other",
+    };
+    let response = next.run(req).await;
+    svc.metrics.response(route, response.status().as_u16());
+    response
+}
+
+async fn health(State(svc): State<Arc<Service>>) -> Response {
+    match svc.engine.status() {
+        EngineStatus::Running => "ok".into_response(),
+        EngineStatus::Stopped => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").into_response()
+        }
+        EngineStatus::Failed(m) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("the engine failed: {m}")).into_response()
+        }
+    }
+}
+
+async fn metrics_text(State(svc): State<Arc<Service>>) -> Response {
+    let text = svc
+        .metrics
+        .render(svc.engine.load(), &svc.engine.status(), svc.engine.steps());
+    let mut r = text.into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
+
+async fn models(State(svc): State<Arc<Service>>) -> Json<Value> {
+    Json(json!({
         "object": "list",
-        "data": [{ "id": svc.cfg.model_id, "object": "model", "created": now(), "owned_by": "qwen36" }],
-    })))
-}
-
-/// Which endpoint a response is for (its object names and the shape of its choices).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Completion,
-    Chat,
-}
-
-/// What a finished request's response needs.
-#[derive(Debug, Default)]
-struct Outcome {
-    text: String,
-    ids: Vec<u32>,
-    reason: Option<StopReason>,
-    usage: Usage,
-}
-
-fn finish_reason(reason: &Option<StopReason>) -> &'static str {
-    match reason {
-        Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
-        Some(StopReason::StopToken(_) | StopReason::StopString(_)) | None => "stop",
-        Some(StopReason::Cancelled) => "abort",
-    }
-}
-
-fn usage_json(u: &Usage) -> Value {
-    json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    })
-}
-
-/// Cancels its request when dropped unless disarmed: a client that goes away mid-request (its
-/// handler's future dropped) frees the request's slot.
-struct CancelOnDrop(Option<Canceller>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.take() {
-            c.cancel();
-        }
-    }
-}
-
-/// Waits on a blocking thread for every event of `handle`.
-async fn collect(handle: RequestHandle) -> Result<Outcome, ApiError> {
-    let mut guard = CancelOnDrop(Some(handle.canceller()));
-    let outcome = tokio::task::spawn_blocking(move || {
-        let mut out = Outcome::default();
-        while let Some(event) = handle.recv() {
-            match event {
-                Event::Token { ids, text, .. } => {
-                    out.ids.extend(ids);
-                    out.text.push_str(&text);
-                }
-                Event::Finished { reason, usage } => {
-                    out.reason = Some(reason);
-                    out.usage = usage;
-                    return Ok(out);
-                }
-                Event::Failed { error } => return Err(error),
-            }
-        }
-        Err("the engine dropped the request".to_string())
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    guard.0 = None;
-    outcome.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
-}
-
-/// One streamed response: chunks in OpenAI's format as the request's events arrive, a last
-/// chunk with the finish reason (and one with the usage when asked), then `[DONE]`.
-struct Streamer {
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
-    include_usage: bool,
-    first: bool,
-}
-
-impl Streamer {
-    fn chunk(&self, text: &str, role: bool, finish: Option<&str>) -> Value {
-        let choice = match self.kind {
-            Kind::Completion => {
-                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish })
-            }
-            Kind::Chat => {
-                let mut delta = Map::new();
-                if role {
-                    delta.insert("role".into(), "assistant".into());
-                }
-                if !text.is_empty() || finish.is_none() {
-                    delta.insert("content".into(), text.into());
-                }
-                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
-            }
-        };
-        json!({
-            "id": self.id,
-            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion.chunk" },
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
-    }
-
-    /// The SSE events of one engine event.
-    fn events(&mut self, event: Event) -> Vec<Value> {
-        match event {
-            Event::Token { text, .. } if text.is_empty() && !self.first => Vec::new(),
-            Event::Token { text, .. } => {
-                let role = std::mem::replace(&mut self.first, false);
-                vec![self.chunk(&text, role, None)]
-            }
-            Event::Finished { reason, usage } => {
-                let role = std::mem::replace(&mut self.first, false);
-                let mut out = vec![self.chunk("", role, Some(finish_reason(&Some(reason))))];
-                if self.include_usage {
-                    let mut last = self.chunk("", false, None);
-                    last["choices"] = json!([]);
-                    last["usage"] = usage_json(&usage);
-                    out.push(last);
-                }
-                out
-            }
-            Event::Failed { error } => {
-                vec![ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error).body()]
-            }
-        }
-    }
-}
-
-/// How often a streaming request's thread looks whether its client is still there.
-const CLIENT_CHECK: Duration = Duration::from_millis(100);
-
-/// Streams `handle`'s events as server-sent events; a client that goes away cancels the request
-/// (noticed within [`CLIENT_CHECK`], or at its next event).
-fn stream(handle: RequestHandle, mut streamer: Streamer) -> Response {
-    let (tx, rx) = mpsc::unbounded_channel::<Result<SseEvent, std::convert::Infallible>>();
-    tokio::task::spawn_blocking(move || loop {
-        match handle.wait(CLIENT_CHECK) {
-            Wait::Event(event) => {
-                for chunk in streamer.events(event) {
-                    if tx.send(Ok(SseEvent::default().data(chunk.to_string()))).is_err() {
-                        handle.cancel();
-                        return;
-                    }
-                }
-            }
-            Wait::TimedOut if tx.is_closed() => {
-                handle.cancel();
-                return;
-            }
-            Wait::TimedOut => {}
-            Wait::Closed => {
-                let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
-                return;
-            }
-        }
-    });
-    Sse::new(UnboundedReceiverStream::new(rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
+        "data": [{
+            "id": svc.cfg.model_id,
+            "object": "model",
+            "created": now(),
+            "owned_by": "qwen36",
+            "max_model_len": svc.context,
+        }],
+    }))
 }
 
 async fn completions(
     State(svc): State<Arc<Service>>,
-    headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    svc.authorize(&headers)?;
     let Json(req) = body?;
-    let prompt = match &req.prompt {
-        Some(Prompt::Text(text)) => svc.encode(text)?,
-        Some(Prompt::Ids(ids)) => ids.clone(),
-        None => {
-            return Err(ApiError::bad_request(
-                "prompt: a text or a list of token ids is needed",
-            ))
-        }
-    };
-    let engine_req = svc.request(prompt, &req, req.max_tokens)?;
-    respond(&svc, Kind::Completion, engine_req, &req).await
+    let job = svc.prepare(Endpoint::Completions, req).await?;
+    run(svc, job).await
 }
-
-/// The roles a chat message may have.
-const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
 async fn chat_completions(
     State(svc): State<Arc<Service>>,
-    headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    svc.authorize(&headers)?;
     let Json(req) = body?;
-    let messages = match &req.messages {
-        Some(m) if !m.is_empty() => m,
-        _ => return Err(ApiError::bad_request("messages: at least one message is needed")),
-    };
-    for (i, m) in messages.iter().enumerate() {
-        match m.get("role").and_then(Value::as_str) {
-            Some(r) if ROLES.contains(&r) => {}
-            Some(r) => {
-                return Err(ApiError::bad_request(format!(
-                    "messages[{i}].role {r:?}: expected one of {ROLES:?}"
-                )))
-            }
-            None => {
-                return Err(ApiError::bad_request(format!(
-                    "messages[{i}]: a string role is needed"
-                )))
-            }
-        }
-    }
-    let template = svc
-        .template
-        .as_ref()
-        .ok_or_else(|| ApiError::bad_request("the model has no chat template: use /v1/completions"))?;
-    let messages: Vec<Value> = messages.iter().cloned().map(Value::Object).collect();
-    let text = template
-        .render_json(&messages, req.tools.as_deref(), true, &req.chat_template_kwargs)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let prompt = svc.encode(&text)?;
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let engine_req = svc.request(prompt, &req, max_tokens)?;
-    respond(&svc, Kind::Chat, engine_req, &req).await
+    let job = svc.prepare(Endpoint::Chat, req).await?;
+    run(svc, job).await
 }
 
-/// Submits `req` and answers: streamed, or once it has finished.
-async fn respond(
-    svc: &Arc<Service>,
-    kind: Kind,
-    req: Request,
-    c: &GenerateRequest,
-) -> Result<Response, ApiError> {
-    let prompt = req.prompt.clone();
-    let handle = svc.submit(req).await?;
-    let id = match kind {
-        Kind::Completion => format!("cmpl-{}", handle.id()),
-        Kind::Chat => format!("chatcmpl-{}", handle.id()),
-    };
-    tracing::info!(request = %id, prompt_tokens = prompt.len(), stream = c.stream, "submitted");
-    let created = now();
-    if c.stream {
-        let streamer = Streamer {
-            kind,
-            id,
-            model: svc.cfg.model_id.clone(),
-            created,
-            include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
-            first: true,
-        };
-        return Ok(stream(handle, streamer));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same_key(b"sesame", b"sesame"));
+        assert!(!same_key(b"sesamf", b"sesame"));
+        assert!(!same_key(b"sesam", b"sesame"));
+        assert!(!same_key(b"", b"sesame"));
     }
-    let out = collect(handle).await?;
-    tracing::info!(request = %id, completion_tokens = out.usage.completion_tokens, "finished");
-    let finish = finish_reason(&out.reason);
-    let choice = match kind {
-        Kind::Completion => {
-            let mut choice =
-                json!({ "index": 0, "text": out.text, "logprobs": null, "finish_reason": finish });
-            if c.return_token_ids {
-                choice["prompt_token_ids"] = json!(prompt);
-                choice["token_ids"] = json!(out.ids);
-            }
-            choice
+
+    /// A choice's finish reason follows the engine's stop reason, `tool_calls` when it called a
+    /// tool; a request the engine dropped without a last event is an error.
+    #[test]
+    fn finish_reasons() {
+        let spec = ParserSpec {
+            reasoning: true,
+            thinking: false,
+            tools: Some(vec![json!({"type": "function", "function": {"name": "f"}})]),
+        };
+        let t0 = Instant::now();
+        let finished = |reason| {
+            Some(Event::Finished {
+                reason,
+                usage: Usage::default(),
+            })
+        };
+        let token = |text: &str| {
+            Some(Event::Token {
+                ids: vec![1],
+                text: text.into(),
+                logprobs: None,
+            })
+        };
+        for (reason, text, want) in [
+            (StopReason::MaxTokens, "hi", "length"),
+            (StopReason::ContextFull, "hi", "length"),
+            (StopReason::StopToken(7), "hi", "stop"),
+            (StopReason::StopString(0), "hi", "stop"),
+            (StopReason::Cancelled, "hi", "abort"),
+            (
+                StopReason::StopToken(7),
+                "<tool_call>{\"name\": \"f\"}</tool_call>",
+                "tool_calls",
+            ),
+            (
+                StopReason::MaxTokens,
+                "<tool_call>{\"name\": \"f\"}</tool_call>",
+                "length",
+            ),
+        ] {
+            let mut c = Choice::new(&spec, "x", 0);
+            c.apply(token(text), t0);
+            let up = c.apply(finished(reason.clone()), t0);
+            assert_eq!(
+                (up.finish, c.finish),
+                (Some(want), Some(want)),
+                "{reason:?} {text}"
+            );
+            assert!(c.first_token.is_some());
         }
-        Kind::Chat => json!({
-            "index": 0,
-            "message": { "role": "assistant", "content": out.text },
-            "logprobs": null,
-            "finish_reason": finish,
-        }),
-    };
-    let object = match kind {
-        Kind::Completion => "text_completion",
-        Kind::Chat => "chat.completion",
-    };
-    Ok(Json(json!({
-        "id": id,
-        "object": object,
-        "created": created,
-        "model": svc.cfg.model_id,
-        "choices": [choice],
-        "usage": usage_json(&out.usage),
-    }))
-    .into_response())
+        let mut c = Choice::new(&spec, "x", 0);
+        assert_eq!(c.apply(None, t0).finish, Some("error"));
+        assert!(c.error.as_deref().unwrap().contains("engine stopped"));
+        let mut c = Choice::new(&spec, "x", 0);
+        c.apply(Some(Event::Failed { error: "boom".into() }), t0);
+        assert_eq!((c.finish, c.error.as_deref()), (Some("error"), Some("boom")));
+    }
 }

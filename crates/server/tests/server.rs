@@ -1,11 +1,14 @@
 //! The server on 127.0.0.1 (a port of its own per test) with the bundled model on the CPU,
-//! driven over HTTP: results against the `Generator`, streaming against non-streaming, many
-//! requests at once against each alone, cancellation by disconnecting, and the error answers.
+//! driven over HTTP: results against the `Generator` and the engine, streaming against
+//! non-streaming, many requests at once against each alone, choices and seeds, log-probabilities,
+//! reasoning and tool calls, cancellation by disconnecting, the error answers, a fuzz loop, a
+//! load test with its metrics, and the official `openai` Python client.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use qwen36::engine::{Engine, EngineConfig};
+use qwen36::engine::{Detokenize, Engine, EngineConfig, Event, Request};
 use qwen36::{GenerateOptions, Generator, LoadOptions, SamplingParams};
 use qwen36_server::{ServerConfig, Service};
 use serde_json::{json, Value};
@@ -17,13 +20,69 @@ struct Server {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// A detokenizer that gives the n-th piece of a script for the n-th token it decodes (cycling),
+/// whatever the token: it drives the server's output parsing with text the bundled model would
+/// never write. Only for one request at a time, each of the script's length.
+fn scripted(pieces: &[&str]) -> Arc<dyn Detokenize> {
+    let pieces: Vec<String> = pieces.iter().map(|s| s.to_string()).collect();
+    let next = AtomicUsize::new(0);
+    Arc::new(move |ids: &[u32]| -> Result<String, String> {
+        Ok(ids
+            .iter()
+            .map(|_| pieces[next.fetch_add(1, Ordering::SeqCst) % pieces.len()].as_str())
+            .collect())
+    })
+}
+
+/// A reply that reasons, says a line and calls a tool (JSON form, then XML form), then stops
+/// at the stop string `<END>`.
+const SCRIPT: [&str; 18] = [
+    "<think>",
+    "\n",
+    "The user",
+    " wants the weather",
+    ".\n",
+    "</think>",
+    "\n\n",
+    "Checking",
+    " now.",
+    "<tool_call>",
+    "\n{\"name\": \"get_weather\", ",
+    "\"arguments\": {\"city\": \"Zürich\", \"days\": 2}}",
+    "\n</tool_call>",
+    "\n<tool_call>\n<function=get_weather>\n",
+    "<parameter=city>\nSan José\n</parameter>\n",
+    "<parameter=days>\n3\n</parameter>\n",
+    "</function>\n</tool_call>",
+    "<END>",
+];
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}
+        }, "required": ["city"]},
+    }})
+}
+
 impl Server {
     async fn start(engine_cfg: EngineConfig, cfg: ServerConfig) -> (Self, Generator) {
+        Self::start_with(engine_cfg, cfg, None).await
+    }
+
+    /// A server whose engine turns tokens into text with `detokenizer` (default: the model's).
+    async fn start_with(
+        engine_cfg: EngineConfig,
+        cfg: ServerConfig,
+        detokenizer: Option<Arc<dyn Detokenize>>,
+    ) -> (Self, Generator) {
         let generator = Generator::load(qwen36_testutil::bundled_dir(), LoadOptions::default()).unwrap();
         let engine = Engine::new(generator.model().clone(), engine_cfg)
             .unwrap()
-            .with_detokenizer(generator.detokenizer().unwrap());
-        let service = Arc::new(Service::new(&generator, engine.spawn(), cfg).unwrap());
+            .with_detokenizer(detokenizer.unwrap_or_else(|| generator.detokenizer().unwrap()));
+        let service = Arc::new(Service::new(&generator, engine.spawn(), cfg));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -72,6 +131,42 @@ impl Server {
             .collect()
     }
 
+    /// `GET /metrics`: each sample line's value by its name and labels.
+    async fn metrics(&self) -> std::collections::HashMap<String, f64> {
+        let text = reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_string(), v.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// Waits (at most a second) until `/metrics` shows no request waiting or running and no KV
+    /// block in use.
+    async fn wait_for_idle(&self) {
+        let started = Instant::now();
+        loop {
+            let m = self.metrics().await;
+            let busy = [
+                "qwen36_requests_running",
+                "qwen36_requests_waiting",
+                "qwen36_kv_blocks_used",
+            ];
+            if busy.iter().all(|k| m[*k] == 0.0) {
+                return;
+            }
+            assert!(started.elapsed() < Duration::from_secs(1), "still busy: {m:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         self.task.take().unwrap().await.unwrap();
@@ -80,10 +175,8 @@ impl Server {
 
 /// The streamed text of a response's chunks (completion `text` or chat `delta.content`).
 fn streamed_text(events: &[String]) -> String {
-    events
+    chunks(events)
         .iter()
-        .filter(|e| *e != "[DONE]")
-        .map(|e| serde_json::from_str::<Value>(e).unwrap())
         .filter_map(|v| {
             let c = v["choices"].get(0)?.clone();
             Some(
@@ -94,6 +187,15 @@ fn streamed_text(events: &[String]) -> String {
                     .to_string(),
             )
         })
+        .collect()
+}
+
+/// The parsed chunks of a stream (without `[DONE]`).
+fn chunks(events: &[String]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
         .collect()
 }
 
@@ -108,6 +210,18 @@ fn greedy(generator: &Generator, prompt: &[u32], n: usize, penalty: f32) -> Vec<
         ..GenerateOptions::default()
     };
     generator.generate(prompt, &opts, |_| {}).unwrap().tokens
+}
+
+/// The finish reason a greedy run of at most `max` tokens that produced `ids` must report.
+fn finish_of(generator: &Generator, ids: &[u32], max: usize) -> &'static str {
+    let stopped = ids
+        .last()
+        .is_some_and(|t| generator.default_stop_ids().contains(t));
+    if ids.len() == max && !stopped {
+        "length"
+    } else {
+        "stop"
+    }
 }
 
 /// Completions given as token ids return the `Generator`'s greedy ids and their text; a text
@@ -134,7 +248,8 @@ async fn completions_equal_the_generator_alone_and_at_once() {
     assert_eq!(choice["prompt_token_ids"], json!(prompt));
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["usage"]["completion_tokens"], ids.len());
-    assert!(["length", "stop"].contains(&choice["finish_reason"].as_str().unwrap()));
+    assert_eq!(choice["finish_reason"], finish_of(&generator, &want, 12));
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
     // The same prompt as text.
     let (_, t) = server
         .post(
@@ -143,6 +258,15 @@ async fn completions_equal_the_generator_alone_and_at_once() {
         )
         .await;
     assert_eq!(t["choices"][0]["text"], choice["text"]);
+    // Without max_tokens a completion stops at OpenAI's default of 16 tokens.
+    let (_, d) = server
+        .post(
+            "/v1/completions",
+            &json!({ "prompt": [1, 2, 3], "temperature": 0, "ignore_eos": true }),
+        )
+        .await;
+    assert_eq!(d["usage"]["completion_tokens"], 16, "{d}");
+    assert_eq!(d["choices"][0]["finish_reason"], "length");
     // Without a repetition penalty given, the model's: a repeating greedy run changes.
     let looping = vec![10u32, 200, 31, 5];
     let (plain, penalised) = (
@@ -195,6 +319,8 @@ async fn completions_equal_the_generator_alone_and_at_once() {
         c["choices"][0]["message"]["content"],
         generator.decode(&want).unwrap()
     );
+    assert!(c["choices"][0]["message"].get("reasoning_content").is_none());
+    assert!(c["choices"][0]["message"].get("tool_calls").is_none());
     Arc::into_inner(server).unwrap().stop().await;
 }
 
@@ -227,6 +353,7 @@ async fn streamed_text_equals_the_whole() {
             ("max_tokens", json!(24)),
             ("temperature", json!(0.8)),
             ("seed", json!(7)),
+            ("return_token_ids", json!(true)),
         ] {
             body[k] = v;
         }
@@ -242,10 +369,14 @@ async fn streamed_text_equals_the_whole() {
         let events = server.stream(path, &body).await;
         assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{path}");
         assert_eq!(streamed_text(&events), whole_text, "{path}");
-        let parsed: Vec<Value> = events[..events.len() - 1]
+        let parsed = chunks(&events);
+        // Each chunk's token ids add up to the whole's.
+        let ids: Vec<Value> = parsed
             .iter()
-            .map(|e| serde_json::from_str(e).unwrap())
+            .filter_map(|c| c["choices"][0]["token_ids"].as_array().cloned())
+            .flatten()
             .collect();
+        assert_eq!(Value::Array(ids), whole["choices"][0]["token_ids"], "{path}");
         let usage = parsed.last().unwrap();
         assert_eq!(usage["choices"], json!([]));
         assert_eq!(usage["usage"], whole["usage"], "{path}");
@@ -254,6 +385,9 @@ async fn streamed_text_equals_the_whole() {
         assert!(parsed[..parsed.len() - 2]
             .iter()
             .all(|c| c["choices"][0]["finish_reason"].is_null()));
+        assert!(parsed
+            .iter()
+            .all(|c| c["id"] == whole["id"] || c["id"].is_string()));
         if path.contains("chat") {
             assert_eq!(parsed[0]["choices"][0]["delta"]["role"], "assistant");
             assert_eq!(parsed[0]["object"], "chat.completion.chunk");
@@ -262,9 +396,236 @@ async fn streamed_text_equals_the_whole() {
     server.stop().await;
 }
 
-/// A client that goes away mid-stream cancels its request: with one slot, a request queued
-/// behind a long one (`ignore_eos`, thousands of tokens) finishes as soon as the long one's
-/// client disconnects.
+/// `n` choices sample as requests with seeds `seed..seed+n` would; without a seed, two equal
+/// sampled requests differ; log-probabilities are the engine's own, in each endpoint's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn choices_seeds_and_logprobs() {
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        ..EngineConfig::default()
+    };
+    let (server, generator) = Server::start(cfg, ServerConfig::default()).await;
+    let base = json!({ "prompt": "import numpy as np\n", "max_tokens": 16, "temperature": 1.0,
+                       "return_token_ids": false });
+    let mut three = base.clone();
+    three["n"] = json!(3);
+    three["seed"] = json!(11);
+    let (status, v) = server.post("/v1/completions", &three).await;
+    assert_eq!(status, 200, "{v}");
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    for (i, text) in texts.iter().enumerate() {
+        assert_eq!(v["choices"][i]["index"], i);
+        let mut one = base.clone();
+        one["seed"] = json!(11 + i);
+        let (_, w) = server.post("/v1/completions", &one).await;
+        assert_eq!(w["choices"][0]["text"].as_str().unwrap(), *text, "choice {i}");
+    }
+    assert_ne!(texts[0], texts[1]);
+    let total: u64 = (0..3)
+        .map(|i| generator.encode(texts[i]).unwrap().len() as u64)
+        .sum();
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    assert!(total > 0);
+    // Streamed, the choices interleave and each streams what it gives whole.
+    let mut streamed = three.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/completions", &streamed).await;
+    let mut by_choice = vec![String::new(); 3];
+    for c in chunks(&events) {
+        let choice = &c["choices"][0];
+        by_choice[choice["index"].as_u64().unwrap() as usize].push_str(choice["text"].as_str().unwrap());
+    }
+    assert_eq!(by_choice, texts);
+    // No seed: each request draws its own.
+    let hot = json!({ "prompt": "import", "max_tokens": 32, "temperature": 1.5, "ignore_eos": true });
+    let (_, a) = server.post("/v1/completions", &hot).await;
+    let (_, b) = server.post("/v1/completions", &hot).await;
+    assert_ne!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
+    // Log-probabilities against the engine's for the same request.
+    let prompt = generator.encode("def main():").unwrap();
+    let mut engine = Engine::new(generator.model().clone(), EngineConfig::default()).unwrap();
+    let mut req = Request::greedy(prompt.clone(), 6);
+    req.sampling.repetition_penalty = 1.05; // the model's default
+    req.sampling.top_logprobs = 3;
+    req.logprobs = true;
+    req.stop_ids = generator.default_stop_ids();
+    let h = engine.submit(req).unwrap();
+    engine.run_to_completion().unwrap();
+    let want: Vec<qwen36::sampling::Sampled> = h
+        .drain()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Token { logprobs, .. } => logprobs,
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!want.is_empty());
+    let (status, c) = server
+        .post(
+            "/v1/completions",
+            &json!({ "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3 }),
+        )
+        .await;
+    assert_eq!(status, 200, "{c}");
+    let lp = &c["choices"][0]["logprobs"];
+    let text = c["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), want.len());
+    assert_eq!(
+        lp["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect::<String>(),
+        text
+    );
+    for (i, s) in want.iter().enumerate() {
+        assert_eq!(lp["token_logprobs"][i].as_f64().unwrap() as f32, s.logprob);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert_eq!(top.len(), 3);
+        for (t, l) in &s.top_logprobs {
+            let key = generator.tokenizer().unwrap().decode(&[*t], false).unwrap();
+            assert_eq!(top[&key].as_f64().unwrap() as f32, *l);
+        }
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+    // Chat: `logprobs: true` with `top_logprobs`, per token in `content`.
+    let (status, c) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({ "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                     "logprobs": true, "top_logprobs": 2 }),
+        )
+        .await;
+    assert_eq!(status, 200, "{c}");
+    let content = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        c["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        // Greedy without penalties on a fresh reply: the token is the most likely one.
+        assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
+        assert_eq!(e["bytes"], json!(e["token"].as_str().unwrap().as_bytes()));
+    }
+    server.stop().await;
+}
+
+/// Chat output is split into `reasoning_content`, `content` and `tool_calls` (JSON and XML
+/// forms, arguments typed by the tool's schema), with `finish_reason: "tool_calls"`; streamed,
+/// the deltas add up to the whole message; with `tool_choice: "none"` the calls stay text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_and_tool_calls() {
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start_with(cfg, ServerConfig::default(), Some(scripted(&SCRIPT))).await;
+    let body = json!({
+        "messages": [{"role": "user", "content": "Weather in Zürich and San José?"}],
+        "tools": [weather_tool()],
+        "max_tokens": 64, "ignore_eos": true, "stop": ["<END>"], "temperature": 0,
+    });
+    let (status, v) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    let m = &choice["message"];
+    assert_eq!(m["reasoning_content"], "The user wants the weather.\n");
+    assert_eq!(m["content"], "Checking now.");
+    let calls = m["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2);
+    let args: Vec<Value> = calls
+        .iter()
+        .map(|c| serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap())
+        .collect();
+    assert_eq!(args[0], json!({"city": "Zürich", "days": 2}));
+    assert_eq!(args[1], json!({"city": "San José", "days": 3}));
+    for (i, c) in calls.iter().enumerate() {
+        assert_eq!(c["type"], "function");
+        assert_eq!(c["function"]["name"], "get_weather");
+        assert_eq!(c["index"], i);
+        assert!(c["id"].as_str().unwrap().starts_with("call-"));
+    }
+    assert_eq!(v["usage"]["completion_tokens"], SCRIPT.len());
+
+    // Streamed: the same parts, reasoning first, the calls whole with their indices.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/chat/completions", &streamed).await;
+    let (mut reasoning, mut content, mut streamed_calls) = (String::new(), String::new(), Vec::new());
+    let mut finish = Value::Null;
+    for c in chunks(&events) {
+        let d = &c["choices"][0]["delta"];
+        reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+        if !reasoning.is_empty() && d["reasoning_content"].is_null() {
+            // Content comes after the reasoning.
+            assert!(reasoning.ends_with('\n'));
+        }
+        content.push_str(d["content"].as_str().unwrap_or(""));
+        streamed_calls.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+        if !c["choices"][0]["finish_reason"].is_null() {
+            finish = c["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("The user wants the weather.\n", "Checking now.")
+    );
+    assert_eq!(finish, "tool_calls");
+    assert_eq!(streamed_calls.len(), 2);
+    for (s, w) in streamed_calls.iter().zip(calls) {
+        assert_eq!(s["index"], w["index"]);
+        assert_eq!(s["function"], w["function"]);
+    }
+
+    // tool_choice "none": no parsing, the blocks are content; the reasoning is still split.
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let (_, v) = server.post("/v1/chat/completions", &none).await;
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("tool_calls").is_none());
+    assert!(m["content"].as_str().unwrap().contains("<tool_call>"));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    server.stop().await;
+
+    // With the reasoning parser off, everything is content.
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..EngineConfig::default()
+    };
+    let plain = ServerConfig {
+        reasoning: false,
+        ..ServerConfig::default()
+    };
+    let (server, _) = Server::start_with(cfg, plain, Some(scripted(&SCRIPT))).await;
+    let mut no_tools = body.clone();
+    no_tools.as_object_mut().unwrap().remove("tools");
+    let (_, v) = server.post("/v1/chat/completions", &no_tools).await;
+    let m = &v["choices"][0]["message"];
+    assert!(m["content"].as_str().unwrap().starts_with("<think>\nThe user"));
+    assert!(m.get("reasoning_content").is_none());
+    server.stop().await;
+}
+
+/// A client that goes away mid-stream cancels its request: its sequence is gone from
+/// `/metrics` within a second and counted as aborted, and a request queued behind it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_frees_its_slot() {
     let cfg = EngineConfig {
@@ -280,26 +641,36 @@ async fn a_client_that_disconnects_frees_its_slot() {
         .await
         .unwrap();
     assert!(r.chunk().await.unwrap().is_some(), "the long request streams");
+    let m = server.metrics().await;
+    assert_eq!(m["qwen36_requests_running"], 1.0);
+    assert_eq!(m["qwen36_choices_finished_total{reason=\"abort\"}"], 0.0);
     drop(r);
-    let started = Instant::now();
-    let short = reqwest::Client::new()
-        .post(format!("{}/v1/completions", server.url))
-        .timeout(Duration::from_secs(10))
-        .json(&json!({ "prompt": [4, 5], "max_tokens": 2 }))
-        .send()
-        .await
-        .expect("the queued request finishes once the long one is cancelled");
-    assert_eq!(short.status().as_u16(), 200);
-    // The long request alone takes over 10 s on this model (4000 tokens).
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
+    let gone = Instant::now();
+    loop {
+        let m = server.metrics().await;
+        if m["qwen36_requests_running"] == 0.0 && m["qwen36_choices_finished_total{reason=\"abort\"}"] == 1.0
+        {
+            break;
+        }
+        assert!(
+            gone.elapsed() < Duration::from_secs(1),
+            "still running {:?} after the client left",
+            gone.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, _) = server
+        .post("/v1/completions", &json!({ "prompt": [4, 5], "max_tokens": 2 }))
+        .await;
+    assert_eq!(status, 200);
     server.stop().await;
 }
 
-/// Bad input gets OpenAI's error object with its status, and the server goes on answering.
+/// A bad-input case: path, body, API key, status, what the message says, the field at fault.
+type Case<'a> = (&'a str, String, Option<&'a str>, u16, &'a str, Option<&'a str>);
+
+/// Bad input gets OpenAI's error object with its status, the field at fault and a code where
+/// one applies; the API key is checked before the body is read; the server goes on answering.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_error_objects() {
     let cfg = ServerConfig {
@@ -320,103 +691,86 @@ async fn bad_requests_get_error_objects() {
         r.send()
     };
     let ok = Some("sesame");
-    let cases: Vec<(&str, String, Option<&str>, u16, &str)> = vec![
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(1 << 17));
+    let many_stops = format!(r#"{{"prompt": [1], "stop": {}}}"#, json!(vec!["x"; 17]));
+    // (path, body, key, status, the message says, param)
+    let cases: Vec<Case> = vec![
+        (c, r#"{"prompt": [1, 2]}"#.into(), None, 401, "API key", None),
+        (c, r#"{"prompt": [1, 2]}"#.into(), Some("wrong"), 401, "API key", None),
+        // The key is checked first: a malformed or huge body without it is 401, not 400/413.
+        (c, r#"{"prompt": [1, 2"#.into(), None, 401, "API key", None),
+        (c, big.clone(), Some("sesamx"), 401, "API key", None),
+        (c, r#"{"prompt": [1, 2"#.into(), ok, 400, "EOF", None),
+        (c, r#"{"prompt": [1], "max_tokens": "x"}"#.into(), ok, 400, "max_tokens", None),
+        (c, r#"{"max_tokens": 3}"#.into(), ok, 400, "prompt", Some("prompt")),
+        (c, r#"{"prompt": [1], "temperature": -1}"#.into(), ok, 400, "temperature", None),
+        (c, r#"{"prompt": [1], "max_tokens": 5000}"#.into(), ok, 400, "context", Some("max_tokens")),
+        (c, r#"{"prompt": [], "max_tokens": 2}"#.into(), ok, 400, "no tokens", None),
+        (c, r#"{"prompt": [99999], "max_tokens": 2}"#.into(), ok, 400, "vocabulary", None),
+        // Prompt + max_tokens past usize: refused, not wrapped around.
         (
-            "/v1/completions",
-            r#"{"prompt": [1, 2]}"#.into(),
-            None,
-            401,
-            "API key",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": [1, 2]}"#.into(),
-            Some("wrong"),
-            401,
-            "API key",
-        ),
-        ("/v1/completions", r#"{"prompt": [1, 2"#.into(), ok, 400, "EOF"),
-        (
-            "/v1/completions",
-            r#"{"prompt": [1], "max_tokens": "x"}"#.into(),
-            ok,
-            400,
-            "max_tokens",
-        ),
-        (
-            "/v1/completions",
-            r#"{"max_tokens": 3}"#.into(),
-            ok,
-            400,
-            "prompt",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": [1], "temperature": -1}"#.into(),
-            ok,
-            400,
-            "temperature",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": [1], "max_tokens": 5000}"#.into(),
-            ok,
-            400,
-            "context",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": [], "max_tokens": 2}"#.into(),
-            ok,
-            400,
-            "no tokens",
-        ),
-        (
-            "/v1/completions",
-            // Prompt + max_tokens past usize: refused, not wrapped around.
+            c,
             r#"{"prompt": [1, 2, 3], "max_tokens": 18446744073709551614}"#.into(),
             ok,
             400,
             "context",
+            Some("max_tokens"),
         ),
+        (c, r#"{"prompt": [1], "n": 17}"#.into(), ok, 400, "n = 17", Some("n")),
+        (c, r#"{"prompt": [1], "n": 0}"#.into(), ok, 400, "n = 0", Some("n")),
+        (c, r#"{"prompt": [1], "n": 2, "return_token_ids": true}"#.into(), ok, 400, "one choice", Some("n")),
+        (c, r#"{"prompt": [1], "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
+        (c, big, ok, 413, "length limit", None),
+        (c, r#"{"prompt": [1], "echo": true}"#.into(), ok, 400, "echo", Some("echo")),
+        (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
+        (c, r#"{"prompt": [1], "logit_bias": {"5": 10}}"#.into(), ok, 400, "logit bias", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "suffix": "x"}"#.into(), ok, 400, "suffix", Some("suffix")),
+        (c, r#"{"prompt": [1], "logprobs": 21}"#.into(), ok, 400, "at most 20", Some("logprobs")),
+        (c, r#"{"prompt": [1], "logprobs": true}"#.into(), ok, 400, "number of alternatives", Some("logprobs")),
+        (c, many_stops, ok, 400, "at most 16", Some("stop")),
+        (c, r#"{"prompt": [1], "stop": [""]}"#.into(), ok, 400, "0 bytes", Some("stop")),
+        (c, r#"{"prompt": [1], "top_p": 0}"#.into(), ok, 400, "top_p", None),
+        (chat, r#"{"messages": []}"#.into(), ok, 400, "at least one", Some("messages")),
+        (chat, r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), ok, 400, "wizard", Some("messages")),
+        (chat, r#"{"messages": [{"content": "hi"}]}"#.into(), ok, 400, "role", Some("messages")),
+        (chat, r#"{"messages": "hi"}"#.into(), ok, 400, "messages", None),
         (
-            "/v1/completions",
-            r#"{"prompt": [1], "n": 2}"#.into(),
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#.into(),
             ok,
             400,
-            "n = 2",
+            "needs logprobs",
+            Some("top_logprobs"),
         ),
         (
-            "/v1/completions",
-            r#"{"prompt": [1], "model": "gpt-4"}"#.into(),
-            ok,
-            404,
-            "gpt-4",
-        ),
-        (
-            "/v1/completions",
-            format!(r#"{{"prompt": "{}"}}"#, "a".repeat(1 << 17)),
-            ok,
-            413,
-            "length limit",
-        ),
-        (
-            "/v1/chat/completions",
-            r#"{"messages": []}"#.into(),
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}"#.into(),
             ok,
             400,
-            "at least one",
+            "json_object",
+            Some("response_format"),
         ),
         (
-            "/v1/chat/completions",
-            r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(),
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}"#.into(),
             ok,
             400,
-            "wizard",
+            "tool_choice",
+            Some("tool_choice"),
         ),
-        ("/v1/nothing", "{}".into(), ok, 404, "no such endpoint"),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}"#.into(),
+            ok,
+            400,
+            "tools[0]",
+            Some("tools"),
+        ),
+        ("/v1/nothing", "{}".into(), ok, 404, "no such endpoint", None),
     ];
-    for (path, body, key, status, says) in cases {
+    for (path, body, key, status, says, param) in cases {
         let r = send(path, body.clone(), key).await.unwrap();
         assert_eq!(
             r.status().as_u16(),
@@ -427,16 +781,27 @@ async fn bad_requests_get_error_objects() {
         let v: Value = r.json().await.unwrap();
         let msg = v["error"]["message"].as_str().unwrap_or_default().to_string();
         assert!(msg.contains(says), "{path}: {msg:?} should say {says:?}");
-        assert_eq!(v["error"]["code"], status);
+        assert_eq!(v["error"]["param"].as_str(), param, "{path}: {msg}");
+        let code = &v["error"]["code"];
+        assert!(code.is_null() || code.is_string(), "{code}");
+        if status == 401 {
+            assert_eq!(code, "invalid_api_key");
+        }
     }
+    // A method the route does not take: 405 with an error object.
+    let r = client
+        .get(format!("{}/v1/completions", server.url))
+        .bearer_auth("sesame")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("method"));
     // Still answering, with the key.
-    let r = send(
-        "/v1/completions",
-        r#"{"prompt": [1, 2], "max_tokens": 2}"#.into(),
-        ok,
-    )
-    .await
-    .unwrap();
+    let r = send(c, r#"{"prompt": [1, 2], "max_tokens": 2}"#.into(), ok)
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     let models: Value = client
         .get(format!("{}/v1/models", server.url))
@@ -448,7 +813,310 @@ async fn bad_requests_get_error_objects() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "qwen36");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
     let health = client.get(format!("{}/health", server.url)).send().await.unwrap();
     assert_eq!(health.status().as_u16(), 200);
+    let m = server.metrics().await;
+    assert_eq!(
+        m["qwen36_http_responses_total{route=\"completions\",status=\"401\"}"],
+        4.0
+    );
+    assert_eq!(m["qwen36_engine_up"], 1.0);
     server.stop().await;
+}
+
+/// A small deterministic generator for the fuzz loop (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// A random JSON value of at most `depth` levels.
+    fn value(&mut self, depth: usize) -> Value {
+        match self.below(if depth == 0 { 6 } else { 8 }) {
+            0 => Value::Null,
+            1 => json!(self.below(2) == 0),
+            2 => json!(self.next() as i64),
+            3 => json!((self.next() as f64 / u64::MAX as f64 - 0.5) * 1e6),
+            4 => json!(["", "a", "user", "\u{0}", "é日本", "<think>", "-1", "1e309"][self.below(8)]),
+            5 => json!(self.below(40) as i64 - 5),
+            6 => Value::Array((0..self.below(4)).map(|_| self.value(depth - 1)).collect()),
+            _ => {
+                let keys = ["role", "content", "type", "function", "name", "text", "x"];
+                Value::Object(
+                    (0..self.below(4))
+                        .map(|_| (keys[self.below(keys.len())].to_string(), self.value(depth - 1)))
+                        .collect(),
+                )
+            }
+        }
+    }
+}
+
+/// Random bodies (valid requests with fields replaced by random values, dropped or added,
+/// random JSON, truncated or garbled bytes) answer 200 or a 4xx error object, never a 5xx, and
+/// the server still answers afterwards. Bounded: 400 bodies or 60 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_bodies_never_take_the_server_down() {
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start(cfg, ServerConfig::default()).await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let fields = [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "chat_template_kwargs",
+        "stream_options",
+        "model",
+        "max_completion_tokens",
+        "ignore_eos",
+        "response_format",
+        "return_token_ids",
+    ];
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let started = Instant::now();
+    let mut statuses = std::collections::BTreeMap::new();
+    for i in 0..400 {
+        if started.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        let chat = rng.below(2) == 0;
+        let mut body = if chat {
+            json!({ "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3 })
+        } else {
+            json!({ "prompt": "def f(", "max_tokens": 3 })
+        };
+        for _ in 0..1 + rng.below(3) {
+            let f = fields[rng.below(fields.len())];
+            match rng.below(3) {
+                0 => {
+                    body.as_object_mut().unwrap().remove(f);
+                }
+                _ => body[f] = rng.value(3),
+            }
+        }
+        // Keep generation short whatever the fields say: the loop tests the parsing.
+        if body
+            .get("max_tokens")
+            .is_some_and(|m| m.as_u64().is_some_and(|v| v > 8))
+        {
+            body["max_tokens"] = json!(8);
+        }
+        if body
+            .get("max_completion_tokens")
+            .is_some_and(|m| m.as_u64().is_some_and(|v| v > 8))
+        {
+            body["max_completion_tokens"] = json!(8);
+        }
+        // Absent or null: chat would run to the end of the context.
+        if body.get("max_tokens").is_none_or(Value::is_null) {
+            body["max_tokens"] = json!(4);
+        }
+        let mut bytes = body.to_string().into_bytes();
+        match rng.below(8) {
+            0 => bytes.truncate(rng.below(bytes.len() + 1)),
+            1 => {
+                let at = rng.below(bytes.len());
+                bytes[at] = rng.next() as u8;
+            }
+            2 => bytes = rng.value(3).to_string().into_bytes(),
+            _ => {}
+        }
+        let path = if chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let r = client
+            .post(format!("{}{path}", server.url))
+            .header("content-type", "application/json")
+            .body(bytes.clone())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("body {i} got no answer: {e}"));
+        let status = r.status().as_u16();
+        *statuses.entry(status).or_insert(0) += 1;
+        let text = r.text().await.unwrap();
+        assert!(
+            status == 200 || (400..500).contains(&status),
+            "body {i} {}: {status} {text}",
+            String::from_utf8_lossy(&bytes)
+        );
+        if status != 200 {
+            let v: Value =
+                serde_json::from_str(&text).unwrap_or_else(|_| panic!("{status}: not JSON: {text}"));
+            assert!(v["error"]["message"].is_string(), "{text}");
+        }
+    }
+    eprintln!("fuzz: {statuses:?} in {:?}", started.elapsed());
+    assert!(statuses.get(&200).is_some_and(|&n| n > 20), "{statuses:?}");
+    assert!(statuses.get(&400).is_some_and(|&n| n > 20), "{statuses:?}");
+    let (status, _) = server
+        .post("/v1/completions", &json!({ "prompt": [1, 2], "max_tokens": 2 }))
+        .await;
+    assert_eq!(status, 200);
+    // The pools are empty once the engine has published the step that ended the last request.
+    server.wait_for_idle().await;
+    server.stop().await;
+}
+
+/// 200 requests at concurrency 16 (completions and chat, streamed and whole) all complete, and
+/// `/metrics` accounts for every one: requests taken, choices finished, tokens generated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_of_200_requests_is_accounted_for() {
+    let cfg = EngineConfig {
+        max_seqs: 16,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start(cfg, ServerConfig::default()).await;
+    let server = Arc::new(server);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..16)
+        .map(|_| {
+            let (server, next) = (server.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut tokens = 0u64;
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= 200 {
+                        return tokens;
+                    }
+                    let chat = i % 2 == 0;
+                    let (path, mut body) = if chat {
+                        (
+                            "/v1/chat/completions",
+                            json!({ "messages": [{"role": "user", "content": format!("Question {i}?")}] }),
+                        )
+                    } else {
+                        ("/v1/completions", json!({ "prompt": format!("def f{i}(x):") }))
+                    };
+                    body["max_tokens"] = json!(8 + i % 9);
+                    body["seed"] = json!(i);
+                    if i % 3 == 0 {
+                        body["stream"] = json!(true);
+                        body["stream_options"] = json!({ "include_usage": true });
+                        let events = server.stream(path, &body).await;
+                        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+                        let usage = chunks(&events).last().unwrap()["usage"].clone();
+                        tokens += usage["completion_tokens"].as_u64().unwrap();
+                    } else {
+                        let (status, v) = server.post(path, &body).await;
+                        assert_eq!(status, 200, "{v}");
+                        tokens += v["usage"]["completion_tokens"].as_u64().unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut tokens = 0;
+    for w in workers {
+        tokens += w.await.unwrap();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "load: 200 requests at concurrency 16 in {secs:.2} s: {:.1} req/s, {:.0} output tok/s",
+        200.0 / secs,
+        tokens as f64 / secs
+    );
+    let m = server.metrics().await;
+    let requests =
+        m["qwen36_requests_total{endpoint=\"chat\"}"] + m["qwen36_requests_total{endpoint=\"completions\"}"];
+    assert_eq!(requests, 200.0);
+    let finished: f64 = ["stop", "length", "tool_calls", "abort", "error"]
+        .iter()
+        .map(|r| m[&format!("qwen36_choices_finished_total{{reason=\"{r}\"}}")])
+        .sum();
+    assert_eq!(finished, 200.0);
+    assert_eq!(m["qwen36_choices_finished_total{reason=\"error\"}"], 0.0);
+    assert_eq!(m["qwen36_generation_tokens_total"], tokens as f64);
+    assert_eq!(m["qwen36_time_to_first_token_seconds_count"], 200.0);
+    assert_eq!(
+        m["qwen36_http_responses_total{route=\"chat\",status=\"200\"}"]
+            + m["qwen36_http_responses_total{route=\"completions\",status=\"200\"}"],
+        200.0
+    );
+    server.wait_for_idle().await;
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+/// The official `openai` Python client against the server: completions and chat, streamed and
+/// not, thinking on and off, and a tool call (tests/openai_client.py). It needs Python with
+/// `openai` installed (`QWEN36_PYTHON`, default `python3`); CI installs it and sets
+/// `QWEN36_REQUIRE_OPENAI=1`, which makes a missing client a failure instead of a skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_works() {
+    let python = std::env::var("QWEN36_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_client = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_client {
+        assert!(
+            std::env::var_os("QWEN36_REQUIRE_OPENAI").is_none(),
+            "{python} cannot import openai (pip install openai, or set QWEN36_PYTHON)"
+        );
+        eprintln!("skipped: {python} cannot import openai (set QWEN36_PYTHON to a Python that can)");
+        return;
+    }
+    let key = ServerConfig {
+        api_key: Some("sesame".into()),
+        ..ServerConfig::default()
+    };
+    let (server, _) = Server::start(EngineConfig::default(), key.clone()).await;
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..EngineConfig::default()
+    };
+    let (tools, _) = Server::start_with(cfg, key, Some(scripted(&SCRIPT))).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let (url, tools_url) = (server.url.clone(), tools.url.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args(["-u", script, &url, &tools_url])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "openai client failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+    eprint!("{stdout}");
+    server.stop().await;
+    tools.stop().await;
 }

@@ -1,0 +1,321 @@
+//! The server's counters, gauges and latency histograms, served as Prometheus text at
+//! `GET /metrics` (names prefixed `qwen36_`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use qwen36::engine::{EngineLoad, EngineStatus, Usage};
+
+/// A cumulative histogram of seconds.
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    fn observe(&mut self, seconds: f64) {
+        for (c, &b) in self.counts.iter_mut().zip(self.bounds) {
+            if seconds <= b {
+                *c += 1;
+            }
+        }
+        self.sum += seconds;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (c, b) in self.counts.iter().zip(self.bounds) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+const TTFT_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const TPOT_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+];
+const E2E_BOUNDS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+#[derive(Debug)]
+struct Inner {
+    /// Requests taken by the engine, per endpoint.
+    requests: BTreeMap<&'static str, u64>,
+    /// Choices that ended, per finish reason (`stop`, `length`, `tool_calls`, `abort`, `error`).
+    finished: BTreeMap<&'static str, u64>,
+    /// HTTP responses per route and status.
+    responses: BTreeMap<(&'static str, u16), u64>,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    drafted: u64,
+    accepted: u64,
+    preemptions: u64,
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+}
+
+/// The server's metrics (shared by every handler).
+#[derive(Debug)]
+pub struct Metrics(Mutex<Inner>);
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self(Mutex::new(Inner {
+            requests: BTreeMap::new(),
+            finished: BTreeMap::new(),
+            responses: BTreeMap::new(),
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            drafted: 0,
+            accepted: 0,
+            preemptions: 0,
+            ttft: Histogram::new(TTFT_BOUNDS),
+            tpot: Histogram::new(TPOT_BOUNDS),
+            e2e: Histogram::new(E2E_BOUNDS),
+        }))
+    }
+}
+
+/// What one choice (one engine request) did, recorded when it ends.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChoiceTimes {
+    /// From the request's arrival to its first token.
+    pub first_token: Option<Duration>,
+    /// From the request's arrival to its end.
+    pub total: Duration,
+}
+
+impl Metrics {
+    fn with<T>(&self, f: impl FnOnce(&mut Inner) -> T) -> T {
+        f(&mut self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// A request taken by the engine (`endpoint`: `completions` or `chat`) with its prompt.
+    pub fn admitted(&self, endpoint: &'static str, prompt_tokens: usize) {
+        self.with(|m| {
+            *m.requests.entry(endpoint).or_default() += 1;
+            m.prompt_tokens += prompt_tokens as u64;
+        });
+    }
+
+    /// One choice ended with `reason`; `usage` when the engine finished it.
+    pub fn finished(&self, reason: &'static str, usage: Option<&Usage>, times: ChoiceTimes) {
+        self.with(|m| {
+            *m.finished.entry(reason).or_default() += 1;
+            if let Some(u) = usage {
+                m.generation_tokens += u.completion_tokens as u64;
+                m.drafted += u.drafted as u64;
+                m.accepted += u.accepted as u64;
+                m.preemptions += u.preemptions as u64;
+                if let Some(first) = times.first_token {
+                    m.ttft.observe(first.as_secs_f64());
+                    if u.completion_tokens > 1 {
+                        let rest = times.total.saturating_sub(first).as_secs_f64();
+                        m.tpot.observe(rest / (u.completion_tokens - 1) as f64);
+                    }
+                }
+                m.e2e.observe(times.total.as_secs_f64());
+            }
+        });
+    }
+
+    /// An HTTP response on `route` with `status`.
+    pub fn response(&self, route: &'static str, status: u16) {
+        self.with(|m| *m.responses.entry((route, status)).or_default() += 1);
+    }
+
+    /// The Prometheus text of every metric, with the engine's `load` and `status`.
+    pub fn render(&self, load: EngineLoad, status: &EngineStatus, steps: u64) -> String {
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        self.with(|m| {
+            let _ = writeln!(
+                out,
+                "# HELP qwen36_requests_total Requests taken by the engine.\n# TYPE qwen36_requests_total counter"
+            );
+            for endpoint in ["chat", "completions"] {
+                let v = m.requests.get(endpoint).copied().unwrap_or(0);
+                let _ = writeln!(out, "qwen36_requests_total{{endpoint=\"{endpoint}\"}} {v}");
+            }
+            let _ = writeln!(
+                out,
+                "# HELP qwen36_choices_finished_total Choices (one engine request each) that ended, by finish reason.\n# TYPE qwen36_choices_finished_total counter"
+            );
+            for reason in ["stop", "length", "tool_calls", "abort", "error"] {
+                let v = m.finished.get(reason).copied().unwrap_or(0);
+                let _ = writeln!(out, "qwen36_choices_finished_total{{reason=\"{reason}\"}} {v}");
+            }
+            let _ = writeln!(
+                out,
+                "# HELP qwen36_http_responses_total HTTP responses by route and status.\n# TYPE qwen36_http_responses_total counter"
+            );
+            for ((route, status), v) in &m.responses {
+                let _ = writeln!(out, "qwen36_http_responses_total{{route=\"{route}\",status=\"{status}\"}} {v}");
+            }
+            counter(&mut out, "qwen36_prompt_tokens_total", "Prompt tokens of the requests taken.", m.prompt_tokens);
+            counter(
+                &mut out,
+                "qwen36_generation_tokens_total",
+                "Tokens generated by finished choices.",
+                m.generation_tokens,
+            );
+            counter(
+                &mut out,
+                "qwen36_spec_draft_tokens_total",
+                "Draft tokens verified (speculative decoding).",
+                m.drafted,
+            );
+            counter(
+                &mut out,
+                "qwen36_spec_accepted_tokens_total",
+                "Draft tokens accepted (speculative decoding).",
+                m.accepted,
+            );
+            counter(
+                &mut out,
+                "qwen36_preemptions_total",
+                "Times a sequence was preempted (freed and recomputed later).",
+                m.preemptions,
+            );
+            m.ttft.render(&mut out, "qwen36_time_to_first_token_seconds", "From a request's arrival to its first token.");
+            m.tpot.render(&mut out, "qwen36_time_per_output_token_seconds", "Mean time between a choice's tokens after the first.");
+            m.e2e.render(&mut out, "qwen36_e2e_request_latency_seconds", "From a request's arrival to a choice's end.");
+        });
+        gauge(
+            &mut out,
+            "qwen36_requests_waiting",
+            "Requests waiting for a slot.",
+            load.waiting as f64,
+        );
+        gauge(
+            &mut out,
+            "qwen36_requests_running",
+            "Sequences running (holding a slot).",
+            load.running as f64,
+        );
+        gauge(
+            &mut out,
+            "qwen36_state_slots_used",
+            "GDN state slots in use.",
+            load.slots_used as f64,
+        );
+        gauge(
+            &mut out,
+            "qwen36_state_slots",
+            "GDN state slots in the pool.",
+            load.slots as f64,
+        );
+        gauge(
+            &mut out,
+            "qwen36_kv_blocks_used",
+            "KV blocks in use.",
+            load.blocks_used as f64,
+        );
+        gauge(
+            &mut out,
+            "qwen36_kv_blocks",
+            "KV blocks in the pool.",
+            load.blocks as f64,
+        );
+        counter(
+            &mut out,
+            "qwen36_engine_steps_total",
+            "Forward steps the engine ran.",
+            steps,
+        );
+        gauge(
+            &mut out,
+            "qwen36_engine_up",
+            "1 while the engine takes requests.",
+            f64::from(u8::from(*status == EngineStatus::Running)),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A histogram's buckets are cumulative and its sum and count follow the observations.
+    #[test]
+    fn histograms_are_cumulative() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for s in [0.05, 0.1, 0.5, 2.0] {
+            h.observe(s);
+        }
+        assert_eq!(h.counts, vec![2, 3]);
+        assert_eq!(h.count, 4);
+        assert!((h.sum - 2.65).abs() < 1e-12);
+        let mut out = String::new();
+        h.render(&mut out, "x", "help");
+        assert!(out.contains("x_bucket{le=\"0.1\"} 2\n"));
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"));
+        assert!(out.contains("x_count 4\n"));
+    }
+
+    /// A finished choice adds its tokens, its first-token time and its time per later token.
+    #[test]
+    fn a_finished_choice_counts_its_tokens_and_times() {
+        let m = Metrics::default();
+        m.admitted("chat", 7);
+        let usage = Usage {
+            prompt_tokens: 7,
+            completion_tokens: 5,
+            drafted: 4,
+            accepted: 3,
+            ..Usage::default()
+        };
+        let times = ChoiceTimes {
+            first_token: Some(Duration::from_millis(200)),
+            total: Duration::from_millis(600),
+        };
+        m.finished("stop", Some(&usage), times);
+        m.finished("abort", None, ChoiceTimes::default());
+        m.response("chat", 200);
+        let text = m.render(EngineLoad::default(), &EngineStatus::Running, 3);
+        for line in [
+            "qwen36_requests_total{endpoint=\"chat\"} 1",
+            "qwen36_choices_finished_total{reason=\"stop\"} 1",
+            "qwen36_choices_finished_total{reason=\"abort\"} 1",
+            "qwen36_prompt_tokens_total 7",
+            "qwen36_generation_tokens_total 5",
+            "qwen36_spec_draft_tokens_total 4",
+            "qwen36_spec_accepted_tokens_total 3",
+            // (0.6 − 0.2) / 4 = 0.1 s per later token.
+            "qwen36_time_per_output_token_seconds_sum 0.1",
+            "qwen36_time_to_first_token_seconds_sum 0.2",
+            "qwen36_http_responses_total{route=\"chat\",status=\"200\"} 1",
+            "qwen36_engine_steps_total 3",
+            "qwen36_engine_up 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+}

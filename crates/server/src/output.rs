@@ -1,0 +1,435 @@
+//! The assistant's output split the way Qwen3.6 writes it: reasoning inside `<think>…</think>`
+//! (the opening tag in the prompt or at the start of the output), tool calls inside
+//! `<tool_call>…</tool_call>` (a JSON object `{"name", "arguments"}`, or the XML form
+//! `<function=NAME><parameter=P>value</parameter></function>` of Qwen's own templates), and the
+//! rest content. It works on text as it streams: text that may begin a tag waits for the text
+//! that settles it, and a tool call comes out whole once its block closes.
+
+use serde_json::{Map, Value};
+
+const THINK: &str = "<think>";
+const THINK_END: &str = "</think>";
+const TOOL: &str = "<tool_call>";
+const TOOL_END: &str = "</tool_call>";
+
+/// One parsed tool call (OpenAI's `{"id", "type": "function", "function": {"name", "arguments"}}`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments as a JSON object's text.
+    pub arguments: String,
+}
+
+/// What a piece of output adds to each part of the message.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Delta {
+    pub reasoning: String,
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+    }
+
+    /// Appends `other` to `self`.
+    pub fn extend(&mut self, other: Delta) {
+        self.reasoning.push_str(&other.reasoning);
+        self.content.push_str(&other.content);
+        self.tool_calls.extend(other.tool_calls);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing emitted yet: an opening `<think>` may still come.
+    Start,
+    Reasoning,
+    Content,
+    /// Inside a `<tool_call>` block.
+    Tool,
+}
+
+/// Splits a chat response into reasoning, content and tool calls as its text streams in.
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    state: State,
+    /// Tool schemas (for the argument types of XML calls); `None`: tool calls are not parsed.
+    tools: Option<Vec<Value>>,
+    /// Text not yet settled.
+    buf: String,
+    /// Newlines right after a tag are dropped (`</think>\n\n`, `<think>\n`).
+    strip_newlines: bool,
+    calls: usize,
+    id_prefix: String,
+}
+
+impl OutputParser {
+    /// A parser for one response. `reasoning`: split off `<think>` blocks; `thinking`: the prompt
+    /// ends inside an open `<think>` (the output starts as reasoning); `tools`: parse tool calls
+    /// against these schemas. Tool call ids are `{id_prefix}-{n}`.
+    pub fn new(
+        reasoning: bool,
+        thinking: bool,
+        tools: Option<Vec<Value>>,
+        id_prefix: impl Into<String>,
+    ) -> Self {
+        let state = match (reasoning, thinking) {
+            (true, true) => State::Reasoning,
+            (true, false) => State::Start,
+            (false, _) => State::Content,
+        };
+        Self {
+            state,
+            tools,
+            buf: String::new(),
+            strip_newlines: state == State::Reasoning,
+            calls: 0,
+            id_prefix: id_prefix.into(),
+        }
+    }
+
+    /// Whether a rendered prompt leaves the model inside an open `<think>` block.
+    pub fn prompt_is_thinking(prompt: &str) -> bool {
+        match (prompt.rfind(THINK), prompt.rfind(THINK_END)) {
+            (Some(open), Some(close)) => open > close,
+            (Some(_), None) => true,
+            _ => false,
+        }
+    }
+
+    /// The parts that `text` (the next piece of output) settles.
+    pub fn push(&mut self, text: &str) -> Delta {
+        self.buf.push_str(text);
+        let mut delta = Delta::default();
+        while self.step(&mut delta, false) {}
+        delta
+    }
+
+    /// The parts of whatever is still held, at the end of the output: an unclosed tool call
+    /// block is content, as written.
+    pub fn finish(&mut self) -> Delta {
+        let mut delta = Delta::default();
+        while self.step(&mut delta, true) {}
+        let rest = std::mem::take(&mut self.buf);
+        match self.state {
+            State::Reasoning => delta.reasoning.push_str(&rest),
+            State::Tool => {
+                delta.content.push_str(TOOL);
+                delta.content.push_str(&rest);
+            }
+            State::Start | State::Content => delta.content.push_str(&rest),
+        }
+        self.state = State::Content;
+        delta
+    }
+
+    /// Moves what it can from `buf` into `delta`; true when the state changed (go again).
+    fn step(&mut self, delta: &mut Delta, end: bool) -> bool {
+        if self.strip_newlines {
+            let kept = self.buf.trim_start_matches('\n').len();
+            self.buf.drain(..self.buf.len() - kept);
+            if self.buf.is_empty() {
+                return false;
+            }
+            self.strip_newlines = false;
+        }
+        match self.state {
+            State::Start => {
+                let trimmed = self.buf.trim_start();
+                if let Some(rest) = trimmed.strip_prefix(THINK) {
+                    self.buf = rest.to_string();
+                    self.state = State::Reasoning;
+                    self.strip_newlines = true;
+                    true
+                } else if !end && THINK.starts_with(trimmed) {
+                    false // wait: it may still become `<think>`
+                } else {
+                    self.state = State::Content;
+                    true
+                }
+            }
+            State::Reasoning => {
+                if let Some(i) = self.buf.find(THINK_END) {
+                    delta.reasoning.push_str(&self.buf[..i]);
+                    self.buf.drain(..i + THINK_END.len());
+                    self.state = State::Content;
+                    self.strip_newlines = true;
+                    true
+                } else {
+                    let keep = if end { 0 } else { held_prefix(&self.buf, THINK_END) };
+                    delta.reasoning.push_str(&self.buf[..self.buf.len() - keep]);
+                    self.buf.drain(..self.buf.len() - keep);
+                    false
+                }
+            }
+            State::Content => {
+                if self.tools.is_none() {
+                    delta.content.push_str(&self.buf);
+                    self.buf.clear();
+                    return false;
+                }
+                if let Some(i) = self.buf.find(TOOL) {
+                    delta.content.push_str(&self.buf[..i]);
+                    self.buf.drain(..i + TOOL.len());
+                    self.state = State::Tool;
+                    true
+                } else {
+                    let keep = if end { 0 } else { held_prefix(&self.buf, TOOL) };
+                    delta.content.push_str(&self.buf[..self.buf.len() - keep]);
+                    self.buf.drain(..self.buf.len() - keep);
+                    false
+                }
+            }
+            State::Tool => {
+                let Some(i) = self.buf.find(TOOL_END) else {
+                    return false;
+                };
+                let block: String = self.buf.drain(..i + TOOL_END.len()).collect();
+                let body = &block[..i];
+                match parse_tool_call(body, self.tools.as_deref().unwrap_or(&[])) {
+                    Some((name, arguments)) => {
+                        delta.tool_calls.push(ToolCall {
+                            id: format!("{}-{}", self.id_prefix, self.calls),
+                            name,
+                            arguments,
+                        });
+                        self.calls += 1;
+                        self.strip_newlines = true;
+                    }
+                    // Not a call this parser can read: the text as the model wrote it.
+                    None => {
+                        delta.content.push_str(TOOL);
+                        delta.content.push_str(&block);
+                    }
+                }
+                self.state = State::Content;
+                true
+            }
+        }
+    }
+}
+
+/// The length of the longest end of `text` that begins `tag` (and is shorter than it): the
+/// text that must wait for more before it can be emitted.
+fn held_prefix(text: &str, tag: &str) -> usize {
+    (1..tag.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+/// A tool call block's name and arguments (a JSON object's text), or `None` when it is neither
+/// form.
+pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> {
+    let body = body.trim();
+    if body.starts_with('{') {
+        let v: Value = serde_json::from_str(body).ok()?;
+        let name = v.get("name")?.as_str()?.to_string();
+        let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+            None | Some(Value::Null) => "{}".to_string(),
+            Some(Value::String(s)) => {
+                // Arguments given as a JSON text must be one.
+                serde_json::from_str::<Map<String, Value>>(s).ok()?;
+                s.clone()
+            }
+            Some(Value::Object(m)) => Value::Object(m.clone()).to_string(),
+            Some(_) => return None,
+        };
+        return Some((name, arguments));
+    }
+    let rest = body.strip_prefix("<function=")?;
+    let (name, mut rest) = rest.split_once('>')?;
+    let name = name.trim().to_string();
+    if name.is_empty() {
+        return None;
+    }
+    if let Some(end) = rest.rfind("</function>") {
+        rest = &rest[..end];
+    }
+    let mut args = Map::new();
+    while let Some(start) = rest.find("<parameter=") {
+        let (pname, after) = rest[start + "<parameter=".len()..].split_once('>')?;
+        let (value, next) = match after.find("</parameter>") {
+            Some(e) => (&after[..e], &after[e + "</parameter>".len()..]),
+            None => match after.find("<parameter=") {
+                Some(e) => (&after[..e], &after[e..]),
+                None => (after, ""),
+            },
+        };
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        let pname = pname.trim();
+        args.insert(
+            pname.to_string(),
+            typed_value(value, param_type(tools, &name, pname)),
+        );
+        rest = next;
+    }
+    Some((name, Value::Object(args).to_string()))
+}
+
+/// The JSON schema type of parameter `param` of tool `name`, if the tools declare one.
+fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
+    tools
+        .iter()
+        .find(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))?
+        .pointer("/function/parameters/properties")?
+        .get(param)?
+        .get("type")?
+        .as_str()
+}
+
+/// An XML parameter's text as the type its schema declares (a string when it declares none,
+/// or when the text is not of that type).
+fn typed_value(text: &str, ty: Option<&str>) -> Value {
+    match ty {
+        Some("integer" | "number" | "boolean" | "array" | "object" | "null") => {
+            serde_json::from_str(text.trim()).unwrap_or_else(|_| Value::String(text.to_string()))
+        }
+        _ => Value::String(text.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn weather() -> Vec<Value> {
+        vec![
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}
+            }}}),
+        ]
+    }
+
+    /// Runs `text` through a parser in pieces of `piece` bytes (on char boundaries) and returns
+    /// the joined parts.
+    fn parse_in_pieces(mut p: OutputParser, text: &str, piece: usize) -> Delta {
+        let mut all = Delta::default();
+        let mut start = 0;
+        while start < text.len() {
+            let mut end = (start + piece).min(text.len());
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            all.extend(p.push(&text[start..end]));
+            start = end;
+        }
+        all.extend(p.finish());
+        all
+    }
+
+    /// The same output split at every piece size gives the same parts.
+    fn parse_all_ways(make: impl Fn() -> OutputParser, text: &str) -> Delta {
+        let whole = parse_in_pieces(make(), text, text.len().max(1));
+        for piece in 1..=text.len().min(24) {
+            assert_eq!(parse_in_pieces(make(), text, piece), whole, "pieces of {piece}");
+        }
+        whole
+    }
+
+    #[test]
+    fn reasoning_then_content_whether_think_opens_in_the_prompt_or_the_output() {
+        let d = parse_all_ways(
+            || OutputParser::new(true, true, None, "c"),
+            "\nI should say hi.\n</think>\n\nHello <b>!",
+        );
+        assert_eq!(d.reasoning, "I should say hi.\n");
+        assert_eq!(d.content, "Hello <b>!");
+        let d = parse_all_ways(
+            || OutputParser::new(true, false, None, "c"),
+            "<think>\nhmm</think>\n\nHi",
+        );
+        assert_eq!((d.reasoning.as_str(), d.content.as_str()), ("hmm", "Hi"));
+        // No <think> at the start: all content, tags inside left alone.
+        let d = parse_all_ways(
+            || OutputParser::new(true, false, None, "c"),
+            "<thin>Hi</think> there",
+        );
+        assert_eq!(
+            (d.reasoning.as_str(), d.content.as_str()),
+            ("", "<thin>Hi</think> there")
+        );
+        // Reasoning off: everything is content.
+        let d = parse_all_ways(|| OutputParser::new(false, true, None, "c"), "a</think>b");
+        assert_eq!(d.content, "a</think>b");
+        // Cut off while thinking: what came is reasoning.
+        let d = parse_all_ways(|| OutputParser::new(true, true, None, "c"), "still </thi");
+        assert_eq!((d.reasoning.as_str(), d.content.as_str()), ("still </thi", ""));
+    }
+
+    #[test]
+    fn the_prompt_says_whether_the_output_starts_thinking() {
+        assert!(OutputParser::prompt_is_thinking(
+            "<|im_start|>assistant\n<think>\n"
+        ));
+        assert!(!OutputParser::prompt_is_thinking(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+        assert!(!OutputParser::prompt_is_thinking("<|im_start|>assistant\n"));
+        assert!(OutputParser::prompt_is_thinking("<think>a</think> x <think>"));
+    }
+
+    #[test]
+    fn json_and_xml_tool_calls_with_typed_arguments() {
+        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"days\": 2}}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>";
+        let d = parse_all_ways(|| OutputParser::new(true, false, Some(weather()), "call"), text);
+        assert_eq!(d.content, "Let me check.\n");
+        assert_eq!(d.tool_calls.len(), 2);
+        assert_eq!(d.tool_calls[0].id, "call-0");
+        assert_eq!(d.tool_calls[1].id, "call-1");
+        assert_eq!(d.tool_calls[0].name, "get_weather");
+        let a0: Value = serde_json::from_str(&d.tool_calls[0].arguments).unwrap();
+        assert_eq!(a0, json!({"city": "Zürich", "days": 2}));
+        let a1: Value = serde_json::from_str(&d.tool_calls[1].arguments).unwrap();
+        // Typed by the schema; an undeclared parameter stays a string.
+        assert_eq!(
+            a1,
+            json!({"city": "San José", "days": 3, "metric": true, "note": "42"})
+        );
+    }
+
+    #[test]
+    fn blocks_that_are_not_calls_stay_content() {
+        let tools = Some(weather());
+        for text in [
+            "<tool_call>not json</tool_call> after",
+            "<tool_call>{\"arguments\": {}}</tool_call>",
+            "<tool_call>{\"name\": \"f\", \"arguments\": \"[1]\"}</tool_call>",
+            "a <tool_call>{\"name\": \"f\"", // never closed
+        ] {
+            let d = parse_all_ways(|| OutputParser::new(false, false, tools.clone(), "c"), text);
+            assert_eq!(d.content, text);
+            assert!(d.tool_calls.is_empty());
+        }
+        // Without tools the tags are plain text.
+        let text = "<tool_call>{\"name\": \"f\"}</tool_call>";
+        let d = parse_all_ways(|| OutputParser::new(false, false, None, "c"), text);
+        assert_eq!((d.content.as_str(), d.tool_calls.len()), (text, 0));
+        // A call with no arguments has an empty object.
+        let d = parse_all_ways(
+            || OutputParser::new(false, false, tools.clone(), "c"),
+            "<tool_call>{\"name\": \"f\"}</tool_call>",
+        );
+        assert_eq!(d.tool_calls[0].arguments, "{}");
+    }
+
+    #[test]
+    fn held_text_is_only_what_may_begin_the_tag() {
+        assert_eq!(held_prefix("abc</th", THINK_END), 4);
+        assert_eq!(held_prefix("abc<", TOOL), 1);
+        assert_eq!(held_prefix("abc", TOOL), 0);
+        assert_eq!(held_prefix("<tool_call", TOOL), 10);
+        assert_eq!(held_prefix("é<", TOOL), 1);
+        // While streaming, text that cannot begin a tag goes out at once.
+        let mut p = OutputParser::new(true, true, Some(weather()), "c");
+        assert_eq!(p.push("abc</th").reasoning, "abc");
+        assert_eq!(p.push("ink>x <tool").content, "x ");
+        assert_eq!(p.push("s").content, "<tools");
+    }
+}
