@@ -473,8 +473,10 @@ fn stepper_steps_equal_eager_and_solo() {
     let (recorded, replayed) = stepper.graph_counts();
     if qwen36_testutil::test_device().is_cuda() {
         assert!(stepper.uses_graphs());
+        // Every step's values are checked above; here, that graphs were both recorded and
+        // replayed (a shape's first step records; verify storage growth re-records).
         assert!(
-            recorded >= 4 && replayed > recorded,
+            recorded >= 4 && replayed >= 4,
             "{recorded} graphs, {replayed} replays"
         );
     } else {
