@@ -113,7 +113,7 @@ fn main() -> anyhow_like::Result<()> {
         cfg.num_hidden_layers,
         head.is_some()
     );
-    let cost = Cost::new(&cfg, dtype.size_in_bytes());
+    let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
     let mut rows = Vec::new();
     let mut phases: Vec<(String, [f64; 3])> = Vec::new();
     let mut rng = 0x2545_f491_4f6c_dd1du64;

@@ -108,7 +108,7 @@ fn main() -> anyhow_like::Result<()> {
             "timing mode: drafts are accepted at the given rates, so the generated tokens are not meaningful"
         );
     }
-    let cost = Cost::new(&cfg, dtype.size_in_bytes());
+    let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
     let vocab = cfg.vocab_size;
     // Warm-up (kernel modules, cuBLAS handles, the memory pool) outside the timed runs.
     {

@@ -36,6 +36,11 @@ pub struct ModelArgs {
     /// Run on the first CUDA GPU (needs --features cuda).
     #[arg(long)]
     pub cuda: bool,
+    /// Random weights in FP8 (e4m3, 128×128 block scales) where Qwen's FP8 checkpoints have
+    /// them (every projection but the GDN's in_proj_a/b, lm_head and mtp.fc); `--dtype` sets the
+    /// activations.
+    #[arg(long, conflicts_with = "model")]
+    pub fp8: bool,
 }
 
 /// What a benchmark runs on: the device (`--cuda`: the first GPU, made for CUDA graphs), the
@@ -87,7 +92,12 @@ pub fn setup(
                 // Repeatable weights on a GPU (candle's CPU generator cannot be seeded).
                 device.set_seed(0)?;
             }
-            (cfg, Weights::random(opts))
+            let weights = if args.fp8 {
+                Weights::random_fp8(opts, [128, 128])
+            } else {
+                Weights::random(opts)
+            };
+            (cfg, weights)
         }
     };
     if let Some(n) = layers {
@@ -112,6 +122,29 @@ pub struct Cost {
 }
 
 impl Cost {
+    /// The costs of `cfg` with weights of `elt` bytes, or with FP8 projections (one byte each,
+    /// scales negligible; lm_head, the GDN's in_proj_a/b and mtp.fc stay `elt`) when `fp8`.
+    pub fn with_fp8(cfg: &Config, elt: usize, fp8: bool) -> Self {
+        let mut c = Self::new(cfg, elt);
+        if fp8 {
+            let h = cfg.hidden_size as f64;
+            let g = cfg.gdn();
+            let n_gdn = cfg
+                .layer_types
+                .iter()
+                .filter(|t| matches!(t, LayerType::LinearAttention))
+                .count() as f64;
+            let lm_head = cfg.vocab_size as f64 * h;
+            let dense_in_layers = n_gdn * 2.0 * g.num_v_heads as f64 * h;
+            let layers = c.weight_bytes / c.elt - lm_head;
+            c.weight_bytes = (layers - dense_in_layers) + (dense_in_layers + lm_head) * c.elt;
+            let fc = 2.0 * h * h;
+            let mtp_layer = c.draft_bytes / c.elt - lm_head - fc;
+            c.draft_bytes = mtp_layer + (fc + lm_head) * c.elt;
+        }
+        c
+    }
+
     pub fn new(cfg: &Config, elt: usize) -> Self {
         let h = cfg.hidden_size as f64;
         let g = cfg.gdn();

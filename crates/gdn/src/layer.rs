@@ -6,7 +6,7 @@ use qwen36_kernels::{
     delta_rule::{
         fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads, GdnParams,
     },
-    linear::Linear,
+    linear::{Linear, LinearWeight},
     norm::{GatedRmsNorm, RmsNorm},
     KernelPolicy,
 };
@@ -143,17 +143,18 @@ impl VerifyCheckpoints {
     }
 }
 
-/// The weights of one GDN layer in the Qwen3.5/3.6 flat layout (`[out, in]` linears, no biases).
+/// The weights of one GDN layer in the Qwen3.5/3.6 flat layout (`[out, in]` linears, no biases;
+/// the projections dense or FP8 as the checkpoint holds them).
 #[derive(Debug, Clone)]
 pub struct GdnWeights {
     /// `[2·Hk·dk + Hv·dv, hidden]`: rows `[Q all | K all | V all]`.
-    pub in_proj_qkv: Tensor,
+    pub in_proj_qkv: LinearWeight,
     /// `[Hv·dv, hidden]`: the output gate z.
-    pub in_proj_z: Tensor,
+    pub in_proj_z: LinearWeight,
     /// `[Hv, hidden]`: β logits.
-    pub in_proj_b: Tensor,
+    pub in_proj_b: LinearWeight,
     /// `[Hv, hidden]`: decay-rate input a.
-    pub in_proj_a: Tensor,
+    pub in_proj_a: LinearWeight,
     /// `[conv_dim, 1, K]`: depthwise conv, no bias.
     pub conv1d: Tensor,
     /// `[Hv]`: `log A`.
@@ -163,7 +164,7 @@ pub struct GdnWeights {
     /// `[dv]`: gated RMSNorm weight (plain, not 1+w).
     pub norm: Tensor,
     /// `[hidden, Hv·dv]`.
-    pub out_proj: Tensor,
+    pub out_proj: LinearWeight,
 }
 
 impl GdnWeights {
@@ -183,43 +184,59 @@ impl GdnWeights {
         ]
     }
 
-    /// Fetches every weight through `get(name, expected_shape)` (names as in [`Self::shapes`]).
+    /// Fetches every weight through `get(name, expected_shape)` (names as in [`Self::shapes`]),
+    /// the projections as dense weights.
     pub fn load<E>(
         cfg: &GdnConfig,
         mut get: impl FnMut(&'static str, &[usize]) -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<Self, E> {
+        let dense = std::cell::RefCell::new(&mut get);
+        Self::load_with(
+            cfg,
+            |name, shape| (*dense.borrow_mut())(name, shape),
+            |name, shape| Ok(LinearWeight::Dense((*dense.borrow_mut())(name, shape)?)),
+        )
+    }
+
+    /// Fetches the projections through `linear(name, expected_shape)` (dense or FP8, as the
+    /// checkpoint holds them) and the other weights through `get` (names as in [`Self::shapes`]).
+    pub fn load_with<E>(
+        cfg: &GdnConfig,
+        mut get: impl FnMut(&'static str, &[usize]) -> std::result::Result<Tensor, E>,
+        mut linear: impl FnMut(&'static str, &[usize]) -> std::result::Result<LinearWeight, E>,
+    ) -> std::result::Result<Self, E> {
         let [qkv, z, b, a, conv, alog, dt, norm, out] = Self::shapes(cfg);
         Ok(Self {
-            in_proj_qkv: get(qkv.0, &qkv.1)?,
-            in_proj_z: get(z.0, &z.1)?,
-            in_proj_b: get(b.0, &b.1)?,
-            in_proj_a: get(a.0, &a.1)?,
+            in_proj_qkv: linear(qkv.0, &qkv.1)?,
+            in_proj_z: linear(z.0, &z.1)?,
+            in_proj_b: linear(b.0, &b.1)?,
+            in_proj_a: linear(a.0, &a.1)?,
             conv1d: get(conv.0, &conv.1)?,
             a_log: get(alog.0, &alog.1)?,
             dt_bias: get(dt.0, &dt.1)?,
             norm: get(norm.0, &norm.1)?,
-            out_proj: get(out.0, &out.1)?,
+            out_proj: linear(out.0, &out.1)?,
         })
     }
 
     fn check(&self, cfg: &GdnConfig) -> Result<()> {
         let got = [
-            &self.in_proj_qkv,
-            &self.in_proj_z,
-            &self.in_proj_b,
-            &self.in_proj_a,
-            &self.conv1d,
-            &self.a_log,
-            &self.dt_bias,
-            &self.norm,
-            &self.out_proj,
+            self.in_proj_qkv.dims(),
+            self.in_proj_z.dims(),
+            self.in_proj_b.dims(),
+            self.in_proj_a.dims(),
+            self.conv1d.dims().to_vec(),
+            self.a_log.dims().to_vec(),
+            self.dt_bias.dims().to_vec(),
+            self.norm.dims().to_vec(),
+            self.out_proj.dims(),
         ];
-        for ((name, expected), t) in Self::shapes(cfg).into_iter().zip(got) {
-            if t.dims() != expected.as_slice() {
+        for ((name, expected), found) in Self::shapes(cfg).into_iter().zip(got) {
+            if found != expected {
                 return Err(Error::WeightShape {
                     name,
                     expected,
-                    found: t.dims().to_vec(),
+                    found,
                 });
             }
         }
@@ -261,14 +278,14 @@ impl GatedDeltaNet {
             in_proj: Linear::fused(
                 [w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a]
                     .into_iter()
-                    .map(|w| Linear::new(w, None))
+                    .map(|w| Linear::from_weight(w, None))
                     .collect(),
             )?,
             conv_weight: w.conv1d.squeeze(1)?,
             a_log: w.a_log.to_dtype(DType::F32)?,
             dt_bias: w.dt_bias.to_dtype(DType::F32)?,
             norm: GatedRmsNorm::new(&w.norm, cfg.rms_norm_eps)?,
-            out_proj: Linear::new(w.out_proj, None),
+            out_proj: Linear::from_weight(w.out_proj, None),
             policy: KernelPolicy::DEFAULT,
         })
     }

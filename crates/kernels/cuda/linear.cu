@@ -271,3 +271,165 @@ SWIGLU_KERNEL(f16, __half)
 NORM_KERNELS(f32, float)
 NORM_KERNELS(bf16, __nv_bfloat16)
 NORM_KERNELS(f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// FP8 weights (Qwen's -FP8 checkpoints): w is float8 e4m3 [N, K] (one byte each), scale the f32
+// multiplier of each [bo, bi] block, [ceil(N/bo), kb = ceil(K/bi)]; the real weight is
+// e4m3(w) · scale. K and bi are multiples of 16, so each 16-byte vector of a weight row lies in one
+// block (the launchers check).
+
+// Four e4m3 bytes of a word as floats divided by 256: byte b becomes the f16 whose bits are
+// ((b & 0x80) << 8) | ((b & 0x7F) << 7), which is exactly e4m3(b) / 256 for every finite value,
+// subnormals included (the exponent fields' biases, 7 and 15, differ by 8). The 256 goes into
+// the block scale. (The NaN bytes 0x7F/0xFF decode as ±480/256; loading refuses NaN weights.)
+__device__ __forceinline__ void e4m3x4(uint32_t w, float* f) {
+    const uint32_t lo = __byte_perm(w, 0u, 0x1404), hi = __byte_perm(w, 0u, 0x3424);  // b << 8 per half
+    const uint32_t hl = (lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 1);
+    const uint32_t hh = (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 1);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&hl));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hh));
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = b.x;
+    f[3] = b.y;
+}
+
+// 16 consecutive elements of row x (T) as floats.
+template <typename T> __device__ __forceinline__ void load_x16(const T* __restrict__ x, float* f) {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int v = 0; v < 16 / V; ++v) {
+        Vec16<T> xv;
+        xv.raw = __ldg(reinterpret_cast<const uint4*>(x) + v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) f[v * V + e] = to_f(xv.e[e]);
+    }
+}
+
+// y = x · e4m3(w)ᵀ·scale (+ res): the weight-streaming GEMV of skinny_linear for FP8 weights, half
+// the bytes of bf16. One warp per NR columns; lane l reads 16-byte vectors l, l + 32, ... of each
+// weight row (16 weights), converts them once, and for each of the M rows forms the vector's dot
+// product in f32 and adds it, times the vector's block scale, to its sum.
+template <typename T, int M, int NR>
+__device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ scale,
+                           const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
+    const int lane = threadIdx.x & 31;
+    const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
+    const int n0 = warp_id * NR;
+    if (n0 >= N) return;
+    const int kv = K / 16, kb = (K + bi - 1) / bi;
+    const uint4* wr[NR];
+    const float* sr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int n = min(n0 + r, N - 1);
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
+        sr[r] = scale + (size_t)(n / bo) * kb;
+    }
+    float acc[M][NR];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) acc[m][r] = 0.f;
+    uint4 wv[UNROLL][NR];
+    auto load_weights = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) wv[u][r] = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    pdl_launch_dependents();
+    // The weights and scales do not depend on the previous kernel: load while it finishes.
+    load_weights(0);
+    pdl_wait();
+    for (int base = 0; base < kv; base += 32 * UNROLL) {
+        if (base > 0) load_weights(base);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i >= kv) break;
+            const int blk = i * 16 / bi;
+            float wf[NR][16], s[NR];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                s[r] = __ldg(sr[r] + blk) * 256.f;
+                e4m3x4(wv[u][r].x, wf[r]);
+                e4m3x4(wv[u][r].y, wf[r] + 4);
+                e4m3x4(wv[u][r].z, wf[r] + 8);
+                e4m3x4(wv[u][r].w, wf[r] + 12);
+            }
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float xf[16];
+                load_x16(x + (size_t)m * K + i * 16, xf);
+#pragma unroll
+                for (int r = 0; r < NR; ++r) {
+                    float p = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 16; ++e) p = fmaf(wf[r][e], xf[e], p);
+                    acc[m][r] = fmaf(p, s[r], acc[m][r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const float sum = warp_sum(acc[m][r]);
+            const size_t o = (size_t)m * N + n0 + r;
+            if (lane == 0 && n0 + r < N) y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+        }
+}
+
+#define FP8_LINEAR_KERNEL(SUFFIX, T, M, NR)                                                          \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
+        fp8_linear_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale,         \
+                                           const T* res, T* y, int N, int K, int bo, int bi) {       \
+        fp8_linear<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                     \
+    }
+#define FP8_LINEAR_KERNELS_M(SUFFIX, T, M)                                                           \
+    FP8_LINEAR_KERNEL(SUFFIX, T, M, 1)                                                               \
+    FP8_LINEAR_KERNEL(SUFFIX, T, M, 2)
+#define FP8_LINEAR_KERNELS(SUFFIX, T)                                                                \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 1)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 2)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 3)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 4)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 5)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 6)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 7)                                                               \
+    FP8_LINEAR_KERNELS_M(SUFFIX, T, 8)
+FP8_LINEAR_KERNELS(f32, float)
+FP8_LINEAR_KERNELS(bf16, __nv_bfloat16)
+FP8_LINEAR_KERNELS(f16, __half)
+
+// The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
+// scale in f32, rounded once, as the CPU reference rounds it. One thread per four bytes.
+template <typename T>
+__device__ void fp8_dequant(const uint8_t* __restrict__ w, const float* __restrict__ scale, T* __restrict__ out,
+                            int N, int K, int bo, int bi) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int kb = (K + bi - 1) / bi;
+    const size_t words = (size_t)N * K / 4;
+    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < words; t += (size_t)gridDim.x * blockDim.x) {
+        const size_t e0 = t * 4;
+        const int n = (int)(e0 / K), k = (int)(e0 % K);
+        const float s = scale[(size_t)(n / bo) * kb + k / bi] * 256.f;
+        float f[4];
+        e4m3x4(reinterpret_cast<const uint32_t*>(w)[t], f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e0 + e] = from_f<T>(f[e] * s);
+    }
+}
+#define FP8_DEQUANT_KERNEL(SUFFIX, T)                                                                \
+    extern "C" __global__ void fp8_dequant_##SUFFIX(const uint8_t* w, const float* scale, T* out, int N, \
+                                                    int K, int bo, int bi) {                          \
+        fp8_dequant<T>(w, scale, out, N, K, bo, bi);                                                 \
+    }
+FP8_DEQUANT_KERNEL(f32, float)
+FP8_DEQUANT_KERNEL(bf16, __nv_bfloat16)
+FP8_DEQUANT_KERNEL(f16, __half)

@@ -682,6 +682,105 @@ fn linear_matches_cpu() {
     }
 }
 
+/// An FP8 weight `[n, k]` in `block`s: random e4m3 bytes (no NaN) with block scales of about
+/// 1/(4√k) (unit-scale outputs for unit-scale inputs), on the CPU.
+fn fp8_weight(n: usize, k: usize, block: [usize; 2]) -> qwen36_kernels::linear::Fp8Weight {
+    let seed = NEXT_SEED.with(|s| s.replace(s.get() + 1));
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let bytes: Vec<u8> = (0..n * k)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let b = (state >> 24) as u8;
+            (b & 0x80) | ((b & 0x7F) % 0x50) // |value| < 8: never NaN
+        })
+        .collect();
+    let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[n, k], &Device::Cpu).unwrap();
+    let (ob, ib) = (n.div_ceil(block[0]), k.div_ceil(block[1]));
+    let scale = (randn(1.0, (ob, ib), DType::F32).abs().unwrap() * (0.25 / (k as f64).sqrt()))
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    qwen36_kernels::linear::Fp8Weight::new(q, scale, block).unwrap()
+}
+
+/// FP8 weights on CUDA: the dequantizing kernel equals the CPU reference bit for bit (f32, bf16,
+/// f16); the FP8 streaming kernel (1..=8 rows, with and without a residual) and the
+/// dequantize-then-matmul path (more rows, `k` not a multiple of 16) against the CPU's f32
+/// product of the same activations and dequantized weights, for 128×128 blocks (Qwen's) and
+/// smaller ones, shapes not multiples of a block included. Tolerance: one output rounding plus
+/// f32 sums in another order (`ONE_ROUNDING`); the matmul path in bf16/f16 also rounds the
+/// dequantized weights to the activation dtype (one more rounding of each term: twice that).
+#[test]
+fn fp8_linear_matches_cpu() {
+    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    for (rows, k, n, block) in [
+        (1, 5120, 300, [128, 128]),
+        (1, 1040, 8200, [128, 128]),
+        (2, 336, 130, [128, 128]),
+        (3, 512, 97, [32, 32]),
+        (4, 5120, 96, [128, 128]),
+        (5, 272, 64, [16, 48]),
+        (6, 256, 40, [128, 128]),
+        (7, 128, 9, [128, 128]),
+        (8, 1024, 70, [64, 128]),
+        (9, 512, 50, [128, 128]),
+        (2, 100, 20, [32, 20]),
+    ] {
+        let w = fp8_weight(n, k, block);
+        let wg = Fp8Weight::new(
+            w.q().to_device(&d).unwrap(),
+            w.scale().to_device(&d).unwrap(),
+            block,
+        )
+        .unwrap();
+        let deq = w.dequantize(DType::F32).unwrap();
+        for (dt, tol) in ONE_ROUNDING {
+            let got = wg.dequantize(dt).unwrap();
+            assert_eq!(got.dtype(), dt);
+            let want = w.dequantize(dt).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(
+                max_diff(&got.to_dtype(DType::F32).unwrap(), &want),
+                0.0,
+                "dequantize {dt:?} [{n}, {k}] {block:?}"
+            );
+            let x = randn(1.0, (1, rows, k), dt);
+            let res = randn(1.0, (1, rows, n), dt);
+            let xf = x.to_dtype(DType::F32).unwrap();
+            let want = xf.broadcast_matmul(&deq.t().unwrap()).unwrap();
+            let want_res = (&want + res.to_dtype(DType::F32).unwrap()).unwrap();
+            let streams = rows <= 8 && k % 16 == 0 && block[1] % 16 == 0;
+            let tol = if streams || dt == DType::F32 {
+                tol
+            } else {
+                2.0 * tol
+            };
+            for path in [SkinnyPath::Auto, SkinnyPath::Matmul] {
+                let layer =
+                    Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(skinny_policy(path));
+                let (xg, rg) = (x.to_device(&d).unwrap(), res.to_device(&d).unwrap());
+                let got = layer.forward(&xg).unwrap();
+                assert_eq!((got.dims(), got.dtype()), (&[1, rows, n][..], dt));
+                let tol = if path == SkinnyPath::Matmul && dt != DType::F32 {
+                    2.0 * tol
+                } else {
+                    tol
+                };
+                let e = max_row_rel_err(&got, &want);
+                assert!(e <= tol, "{dt:?} rows {rows} k {k} n {n} {block:?} {path:?}: {e}");
+                let e = max_row_rel_err(&layer.forward_add(&xg, &rg).unwrap(), &want_res);
+                assert!(
+                    e <= 2.0 * tol,
+                    "{dt:?} rows {rows} k {k} n {n} {block:?} {path:?}: residual {e}"
+                );
+            }
+        }
+    }
+}
+
 /// The projections that normalise their input (`Linear::forward_normed`,
 /// `forward_swiglu_normed`: one row in one kernel, the RMSNorm in its prologue) against the two
 /// steps on the GPU, the RMSNorm kernel then the projection: the same arithmetic in the same

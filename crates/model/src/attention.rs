@@ -154,13 +154,13 @@ impl GatedAttention {
             cfg.head_dim,
         );
         let linear = |name: &str, out: usize, inp: usize| -> Result<Linear> {
-            let weight = get(&format!("{prefix}{name}.weight"), &[out, inp])?;
+            let weight = w.linear(&format!("{prefix}{name}"), &[out, inp], cfg.quantization.as_ref())?;
             let bias = if cfg.attention_bias {
                 Some(get(&format!("{prefix}{name}.bias"), &[out])?)
             } else {
                 None
             };
-            Ok(Linear::new(weight, bias).with_policy(policy))
+            Ok(Linear::from_weight(weight, bias).with_policy(policy))
         };
         let eps = cfg.rms_norm_eps;
         let norm = |name: &str| -> Result<RmsNorm> {

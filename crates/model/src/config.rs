@@ -16,6 +16,18 @@ pub enum LayerType {
     FullAttention,
 }
 
+/// How a checkpoint's weights are quantized (`quantization_config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Quantization {
+    /// HF FineGrainedFP8 (`quant_method: "fp8"`, e4m3, dynamic activations): linear weights in
+    /// float8 e4m3 with a `weight_scale_inv` multiplier per `block` = `[out, in]` elements;
+    /// the modules listed as not converted (and any tensor stored in another dtype) stay dense.
+    Fp8 {
+        block: [usize; 2],
+        modules_to_not_convert: Vec<String>,
+    },
+}
+
 /// The text model's configuration (HF `Qwen3_5TextConfig`), with HF's defaults for absent fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -47,6 +59,9 @@ pub struct Config {
     pub eos_token_ids: Vec<u32>,
     /// True when the fields were read from `text_config` (a `Qwen3_5ForConditionalGeneration` checkpoint).
     pub nested: bool,
+    /// The weights' quantization (`quantization_config`, at top level or in `text_config`);
+    /// `None` for unquantized checkpoints.
+    pub quantization: Option<Quantization>,
 }
 
 /// Reads typed fields from a JSON object, with the field named in every error.
@@ -289,6 +304,7 @@ impl Config {
             mtp_num_hidden_layers: f.usize_or("mtp_num_hidden_layers", Some(0))?,
             eos_token_ids,
             nested,
+            quantization: parse_quantization(top, obj, prefix)?,
         };
         cfg.validate(&f)?;
         Ok(cfg)
@@ -366,6 +382,105 @@ impl Config {
     }
 }
 
+/// `quantization_config`, from `text_config` or the top level: only block-scaled FP8 e4m3 with
+/// dynamic activation scales is supported; any other method (AWQ, GPTQ, bitsandbytes, …) or
+/// variant is refused naming it, so that quantized weights are never read as plain numbers.
+fn parse_quantization(
+    top: &Map<String, Value>,
+    text: &Map<String, Value>,
+    prefix: &'static str,
+) -> Result<Option<Quantization>> {
+    let (q, field) = match (text.get("quantization_config"), top.get("quantization_config")) {
+        (Some(q), _) if !q.is_null() && prefix == "text_config." => (q, "text_config.quantization_config"),
+        (_, Some(q)) if !q.is_null() => (q, "quantization_config"),
+        _ => return Ok(None),
+    };
+    let err = |key: &str, msg: String| Error::Config {
+        field: if key.is_empty() {
+            field.to_string()
+        } else {
+            format!("{field}.{key}")
+        },
+        msg,
+    };
+    let obj = q
+        .as_object()
+        .ok_or_else(|| err("", format!("expected an object, found {q}")))?;
+    let text_of = |key: &str| obj.get(key).and_then(Value::as_str);
+    let method =
+        text_of("quant_method").ok_or_else(|| err("quant_method", "missing or not a string".into()))?;
+    if method != "fp8" {
+        return Err(err(
+            "quant_method",
+            format!("{method:?} is not supported (only \"fp8\", block-scaled e4m3): refusing to read its weights as plain numbers"),
+        ));
+    }
+    // `fmt` is absent from some official checkpoints (e4m3 is the default).
+    if let Some(fmt) = obj.get("fmt").filter(|v| !v.is_null()) {
+        if fmt.as_str() != Some("e4m3") {
+            return Err(err("fmt", format!("{fmt} is not supported (only \"e4m3\")")));
+        }
+    }
+    if let Some(a) = obj.get("activation_scheme").filter(|v| !v.is_null()) {
+        if a.as_str() != Some("dynamic") {
+            return Err(err(
+                "activation_scheme",
+                format!("{a} is not supported (only \"dynamic\")"),
+            ));
+        }
+    }
+    let block = match obj.get("weight_block_size") {
+        Some(Value::Array(b)) if b.len() == 2 => {
+            let dims: Option<Vec<usize>> = b
+                .iter()
+                .map(|v| v.as_u64().filter(|&x| x > 0).map(|x| x as usize))
+                .collect();
+            match dims {
+                Some(d) => [d[0], d[1]],
+                None => {
+                    return Err(err(
+                        "weight_block_size",
+                        format!("{b:?}: expected two positive integers"),
+                    ))
+                }
+            }
+        }
+        None | Some(Value::Null) => {
+            return Err(err(
+                "weight_block_size",
+                "missing: per-tensor FP8 is not supported, only block-scaled weights".into(),
+            ))
+        }
+        Some(v) => {
+            return Err(err(
+                "weight_block_size",
+                format!("{v}: expected two positive integers"),
+            ))
+        }
+    };
+    let modules_to_not_convert = match obj
+        .get("modules_to_not_convert")
+        .or_else(|| obj.get("ignored_layers"))
+    {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| err("modules_to_not_convert", "expected a list of strings".into()))?,
+        Some(v) => {
+            return Err(err(
+                "modules_to_not_convert",
+                format!("{v}: expected a list of strings"),
+            ))
+        }
+    };
+    Ok(Some(Quantization::Fp8 {
+        block,
+        modules_to_not_convert,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,5 +536,34 @@ mod tests {
         let e = Config::from_json(&json!({"linear_num_key_heads": 16, "linear_num_value_heads": 40}))
             .unwrap_err();
         assert!(e.to_string().contains("linear_num_value_heads"), "{e}");
+    }
+
+    /// `quantization_config` is read from `text_config` or the top level; `fmt` may be absent
+    /// and `ignored_layers` names the unconverted modules; a flat config without it has none.
+    #[test]
+    fn fp8_quantization_config_is_found_where_checkpoints_put_it() {
+        let fp8 = serde_json::json!({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "ignored_layers": ["lm_head"]});
+        let want = Some(Quantization::Fp8 {
+            block: [128, 128],
+            modules_to_not_convert: vec!["lm_head".into()],
+        });
+        let flat = serde_json::json!({"quantization_config": fp8});
+        assert_eq!(Config::from_json(&flat).unwrap().quantization, want);
+        let nested_top = serde_json::json!({"text_config": {}, "quantization_config": fp8});
+        assert_eq!(Config::from_json(&nested_top).unwrap().quantization, want);
+        let nested_in = serde_json::json!({"text_config": {"quantization_config": fp8}});
+        assert_eq!(Config::from_json(&nested_in).unwrap().quantization, want);
+        assert_eq!(
+            Config::from_json(&serde_json::json!({})).unwrap().quantization,
+            None
+        );
+        let bad =
+            serde_json::json!({"text_config": {"quantization_config": {"quant_method": "bitsandbytes"}}});
+        let e = Config::from_json(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("text_config.quantization_config.quant_method") && e.contains("bitsandbytes"),
+            "{e}"
+        );
     }
 }

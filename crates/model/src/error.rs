@@ -21,6 +21,10 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    /// A quantized tensor cannot be used as it is stored (no scales, no quantization config, a
+    /// plain tensor stored quantized).
+    #[error("tensor {name} {msg}")]
+    Quantized { name: String, msg: String },
     /// A config field is missing, has the wrong type, or an impossible value.
     #[error("config field `{field}`: {msg}")]
     Config { field: String, msg: String },

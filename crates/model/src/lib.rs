@@ -19,7 +19,7 @@ mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerCache};
-pub use config::{Config, LayerType};
+pub use config::{Config, LayerType, Quantization};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use graph::{graph_device, BatchGraph, DecodeGraph, DraftGraph};

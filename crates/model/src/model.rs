@@ -6,7 +6,8 @@ use std::path::Path;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, VerifyCheckpoints};
-use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding};
+use qwen36_kernels::linear::{Linear, LinearWeight};
+use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::attention::{AttnPart, AttnStep};
 use crate::paged::{LayerCheckpoints, PagedLayer, PoolShape};
@@ -26,10 +27,10 @@ pub struct Mlp {
 impl Mlp {
     /// Loads `{prefix}{gate,up,down}_proj.weight` (`prefix` a full name ending in `mlp.`).
     pub fn load(cfg: &Config, w: &Weights, prefix: &str) -> Result<Self> {
-        let (h, i, dt) = (cfg.hidden_size, cfg.intermediate_size, w.options().dtype);
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let lin = |name: &str, shape: [usize; 2]| -> Result<Linear> {
-            let weight = w.get(&format!("{prefix}{name}.weight"), &shape, dt)?;
-            Ok(Linear::new(weight, None).with_policy(w.options().kernels))
+            let weight = w.linear(&format!("{prefix}{name}"), &shape, cfg.quantization.as_ref())?;
+            Ok(Linear::from_weight(weight, None).with_policy(w.options().kernels))
         };
         Ok(Self {
             gate_up: Linear::fused(vec![lin("gate_proj", [i, h])?, lin("up_proj", [i, h])?])?,
@@ -79,15 +80,26 @@ impl DecoderLayer {
         let mixer = match kind {
             LayerType::LinearAttention => {
                 let gdn_cfg = cfg.gdn();
-                let gdn_w = GdnWeights::load(&gdn_cfg, |name, shape| {
-                    // A_log and dt_bias feed the f32 gate math; keep them f32 like vLLM.
-                    let dt = if matches!(name, "A_log" | "dt_bias") {
-                        DType::F32
-                    } else {
-                        dtype
-                    };
-                    w.get(&format!("{prefix}linear_attn.{name}"), shape, dt)
-                })?;
+                let gdn_w = GdnWeights::load_with(
+                    &gdn_cfg,
+                    |name, shape| {
+                        // A_log and dt_bias feed the f32 gate math; keep them f32 like vLLM.
+                        let dt = if matches!(name, "A_log" | "dt_bias") {
+                            DType::F32
+                        } else {
+                            dtype
+                        };
+                        w.get(&format!("{prefix}linear_attn.{name}"), shape, dt)
+                    },
+                    |name, shape| {
+                        let module = name.strip_suffix(".weight").unwrap_or(name);
+                        w.linear(
+                            &format!("{prefix}linear_attn.{module}"),
+                            shape,
+                            cfg.quantization.as_ref(),
+                        )
+                    },
+                )?;
                 Mixer::Gdn(GatedDeltaNet::new(gdn_cfg, gdn_w)?.with_policy(w.options().kernels))
             }
             LayerType::FullAttention => {
@@ -298,9 +310,9 @@ impl Qwen36Model {
         };
         let embed_w = w.lm("embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head_w = if cfg.tie_word_embeddings {
-            embed_w.clone()
+            LinearWeight::Dense(embed_w.clone())
         } else {
-            w.get("lm_head.weight", &[cfg.vocab_size, h], dtype)?
+            w.linear("lm_head", &[cfg.vocab_size, h], cfg.quantization.as_ref())?
         };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(&cfg, w, &w.lm_name(&format!("layers.{i}.")), cfg.layer_types[i]))
@@ -308,7 +320,7 @@ impl Qwen36Model {
         Ok(Self {
             embed: Embedding::new(embed_w, h),
             norm: norm("norm.weight")?,
-            lm_head: Linear::new(lm_head_w, None).with_policy(policy),
+            lm_head: Linear::from_weight(lm_head_w, None).with_policy(policy),
             rope: RotaryEmbedding::new(cfg.rotary_dim(), cfg.rope_theta)?,
             layers,
             dtype,

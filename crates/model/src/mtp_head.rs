@@ -72,7 +72,7 @@ impl DraftVocab {
         }
         let ids = Tensor::new(ids.as_slice(), model.device())?;
         let head = model.lm_head();
-        let lm_head = Linear::new(head.weight().index_select(&ids, 0)?, None).with_policy(*head.policy());
+        let lm_head = head.select_rows(&ids, model.dtype())?;
         Ok(Self { ids, lm_head })
     }
 
@@ -209,7 +209,8 @@ impl MtpHead {
             .map(|i| DecoderLayer::load(cfg, w, &format!("mtp.layers.{i}."), LayerType::FullAttention))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            fc: Linear::new(w.get("mtp.fc.weight", &[h, 2 * h], dt)?, None).with_policy(policy),
+            fc: Linear::from_weight(w.linear("mtp.fc", &[h, 2 * h], cfg.quantization.as_ref())?, None)
+                .with_policy(policy),
             norm_embedding: norm("mtp.pre_fc_norm_embedding.weight")?,
             norm_hidden: norm("mtp.pre_fc_norm_hidden.weight")?,
             layers,

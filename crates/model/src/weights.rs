@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Error, Result};
+use qwen36_kernels::linear::{Fp8Weight, LinearWeight};
+
+use crate::{Error, Quantization, Result};
 
 /// How tensors are materialised.
 #[derive(Debug, Clone)]
@@ -63,9 +65,11 @@ pub struct Weights {
 
 enum Source {
     Files(MmapedSafetensors),
-    /// Every tensor exists and is made on request; `std` is the spread of the random matrices.
+    /// Every tensor exists and is made on request; `std` is the spread of the random matrices,
+    /// `fp8` the block of FP8 linear weights (the ones Qwen's FP8 checkpoints quantize).
     Random {
         std: f64,
+        fp8: Option<[usize; 2]>,
     },
 }
 
@@ -108,11 +112,23 @@ impl Weights {
     /// stay finite through any depth. For benchmarks: the outputs are meaningless.
     pub fn random(opts: LoadOptions) -> Self {
         Self {
-            source: Source::Random { std: 0.02 },
+            source: Source::Random { std: 0.02, fp8: None },
             prefix: PREFIXES[1],
             opts,
             total_bytes: 0,
             loaded_bytes: Default::default(),
+        }
+    }
+
+    /// [`Self::random`] with the linear weights an FP8 checkpoint quantizes (all but the GDN's
+    /// `in_proj_a`/`in_proj_b`, `lm_head` and `mtp.fc`) in FP8 e4m3 with `block` scales.
+    pub fn random_fp8(opts: LoadOptions, block: [usize; 2]) -> Self {
+        Self {
+            source: Source::Random {
+                std: 0.02,
+                fp8: Some(block),
+            },
+            ..Self::random(opts)
         }
     }
 
@@ -144,13 +160,20 @@ impl Weights {
         self.get(&self.lm_name(name), shape, self.opts.dtype)
     }
 
-    /// A tensor by its full name, checked against `shape`, converted to `dtype`.
+    /// A tensor by its full name, checked against `shape`, converted to `dtype`. FP8 tensors
+    /// are refused: their values mean nothing without their block scales ([`Self::linear`]).
     pub fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let st = match &self.source {
             Source::Files(st) => st,
-            Source::Random { std } => return random_tensor(name, shape, dtype, *std, &self.opts.device),
+            Source::Random { std, .. } => return random_tensor(name, shape, dtype, *std, &self.opts.device),
         };
         let view = st.get(name).map_err(|_| Error::MissingTensor(name.to_string()))?;
+        if view.dtype() == safetensors::Dtype::F8_E4M3 {
+            return Err(Error::Quantized {
+                name: name.to_string(),
+                msg: "is float8 e4m3 where this model reads a plain tensor (FP8 is supported for linear weights only)".into(),
+            });
+        }
         if view.shape() != shape {
             return Err(Error::TensorShape {
                 name: name.to_string(),
@@ -159,20 +182,116 @@ impl Weights {
             });
         }
         let t = view.load(&self.opts.device)?.to_dtype(dtype)?;
-        if let Some(LoadProgress(progress)) = &self.opts.progress {
-            let bytes = view.data().len() as u64;
-            let done = self
-                .loaded_bytes
-                .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed)
-                + bytes;
-            progress(done, self.total_bytes);
-        }
+        self.count_loaded(view.data().len());
         if self.opts.check_finite && !t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
             // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
             return Err(Error::NonFinite(name.to_string()));
         }
         Ok(t)
     }
+}
+
+impl Weights {
+    /// The weight of linear layer `name` (a full module name; the tensor is `{name}.weight`,
+    /// `[out, in]` = `shape`): dense in the model dtype, or, when the file holds it in float8
+    /// e4m3, FP8 with its block scales `{name}.weight_scale_inv`, which `quant` must declare.
+    pub fn linear(&self, name: &str, shape: &[usize], quant: Option<&Quantization>) -> Result<LinearWeight> {
+        let wname = format!("{name}.weight");
+        let dtype = self.opts.dtype;
+        let st = match &self.source {
+            Source::Files(st) => st,
+            Source::Random {
+                std,
+                fp8: Some(block),
+            } if random_is_fp8(name) => return random_fp8(shape, *block, *std, &self.opts.device),
+            Source::Random { .. } => return Ok(LinearWeight::Dense(self.get(&wname, shape, dtype)?)),
+        };
+        let view = st.get(&wname).map_err(|_| Error::MissingTensor(wname.clone()))?;
+        if view.dtype() != safetensors::Dtype::F8_E4M3 {
+            return Ok(LinearWeight::Dense(self.get(&wname, shape, dtype)?));
+        }
+        let block = match quant {
+            Some(Quantization::Fp8 { block, .. }) => *block,
+            None => {
+                return Err(Error::Quantized {
+                    name: wname,
+                    msg: "is float8 e4m3 but config.json declares no quantization_config".into(),
+                })
+            }
+        };
+        if view.shape() != shape {
+            return Err(Error::TensorShape {
+                name: wname,
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let q = view.load(&self.opts.device)?;
+        if self.opts.check_finite && !q.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
+            return Err(Error::NonFinite(wname));
+        }
+        self.count_loaded(view.data().len());
+        let sname = format!("{name}.weight_scale_inv");
+        let sview = st.get(&sname).map_err(|_| Error::Quantized {
+            name: wname.clone(),
+            msg: format!("is float8 e4m3 but {sname} (its block scales) is missing"),
+        })?;
+        let want = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+        if sview.shape() != want {
+            return Err(Error::TensorShape {
+                name: sname,
+                expected: want.to_vec(),
+                found: sview.shape().to_vec(),
+            });
+        }
+        let scale = sview.load(&self.opts.device)?;
+        self.count_loaded(sview.data().len());
+        if !scale
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?
+            .is_finite()
+        {
+            return Err(Error::NonFinite(sname));
+        }
+        Ok(LinearWeight::Fp8(Fp8Weight::new(q, scale, block).map_err(
+            |e| Error::Quantized {
+                name: wname,
+                msg: e.to_string(),
+            },
+        )?))
+    }
+
+    /// Reports `bytes` more loaded to the progress callback.
+    fn count_loaded(&self, bytes: usize) {
+        if let Some(LoadProgress(progress)) = &self.opts.progress {
+            let done = self
+                .loaded_bytes
+                .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed)
+                + bytes as u64;
+            progress(done, self.total_bytes);
+        }
+    }
+}
+
+/// Whether a random FP8 checkpoint quantizes linear layer `name` (as Qwen's FP8 checkpoints do:
+/// not the GDN's narrow `in_proj_a`/`in_proj_b`, nor `lm_head` or `mtp.fc`).
+fn random_is_fp8(name: &str) -> bool {
+    !["in_proj_a", "in_proj_b", "lm_head", "mtp.fc"]
+        .iter()
+        .any(|n| name.ends_with(n))
+}
+
+/// A random FP8 weight `[out, in]` whose values are N(0, std²): e4m3 N(0, 1) draws, every block
+/// scale `std`.
+fn random_fp8(shape: &[usize], block: [usize; 2], std: f64, dev: &Device) -> Result<LinearWeight> {
+    let q = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(DType::F8E4M3)?;
+    let scale = Tensor::full(
+        std as f32,
+        (shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])),
+        dev,
+    )?;
+    Ok(LinearWeight::Fp8(Fp8Weight::new(q, scale, block)?))
 }
 
 /// A random stand-in for tensor `name`: (1+w) norms get w = 0, the GDN gated norm (plain w) and

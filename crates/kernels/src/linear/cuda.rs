@@ -176,3 +176,161 @@ pub(crate) fn skinny_linear(
         _ => Ok(None),
     }
 }
+
+/// The kernel's requirements on an FP8 weight: `in` and the column block multiples of 16 (each
+/// 16-byte vector of a row in one block), contiguous operands.
+fn fp8_fits(w: &super::Fp8Weight) -> bool {
+    let (_, k) = w.dims();
+    let [_, bi] = w.block();
+    k % 16 == 0 && bi % 16 == 0 && w.q().is_contiguous() && w.scale().is_contiguous()
+}
+
+/// CUDA `x·(e4m3(w)·scale)ᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8, f32/bf16/f16) and an
+/// FP8 weight `[n, k]`, streaming the weight bytes once (half of bf16's), with `res: [m, n]` (x's
+/// dtype) added as the output is written. `None` when the kernel cannot take the operands
+/// (`k` or the column block not multiples of 16, a strided or misaligned operand): the caller
+/// dequantizes and multiplies.
+pub(crate) fn fp8_linear(
+    x: &Tensor,
+    w: &super::Fp8Weight,
+    res: Option<&Tensor>,
+    policy: &KernelPolicy,
+) -> Result<Option<Tensor>> {
+    let op = "fp8_linear";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims();
+    if kw != k || !(1..=LINEAR_MAX_ROWS).contains(&m) {
+        return Err(err(op, format!("x {:?} for an FP8 weight [{n}, {kw}]", x.dims())));
+    }
+    if let Some(r) = res {
+        if r.dims() != [m, n] || r.dtype() != dt {
+            return Err(err(
+                op,
+                format!(
+                    "residual {:?} {:?}, expected [{m}, {n}] {dt:?}",
+                    r.dims(),
+                    r.dtype()
+                ),
+            ));
+        }
+    }
+    let size = dt.size_in_bytes();
+    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    if !fp8_fits(w)
+        || !aligned(x.layout(), size)
+        || !aligned(w.q().layout(), 1)
+        || res.is_some_and(|r| !r.is_contiguous())
+        || !matches!(dt, DType::F32 | DType::BF16 | DType::F16)
+    {
+        return Ok(None);
+    }
+    let dev = device(op, x)?;
+    let null: u64 = 0;
+    // Two columns per warp while few rows leave registers to spare.
+    let columns = if m <= 2 { 2 } else { 1 };
+    let [bo, bi] = w.block();
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (qs, ql) = w.q().storage_and_layout();
+            let (ss, sl) = w.scale().storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
+            let sv = view::<f32>(op, &ss, sl)?;
+            let res_guard = res.map(|r| r.storage_and_layout());
+            let rv = match &res_guard {
+                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
+                None => None,
+            };
+            // SAFETY: uninitialised; the kernel writes every element (each warp its columns of
+            // every row).
+            let y = unsafe { dev.alloc::<$t>(m * n)? };
+            let name = format!("fp8_linear_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
+            let func = LINEAR.func(&dev, &name)?;
+            let mut lb = KernelCall::new(&dev, &func, policy);
+            let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
+            lb.arg(&xv).arg(&qv).arg(&sv);
+            match &rv {
+                Some(rv) => lb.arg(rv),
+                None => lb.arg(&null),
+            };
+            lb.arg(&y).arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
+            let cfg = LaunchConfig {
+                grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
+                block_dim: (LINEAR_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if n > 0 {
+                // SAFETY: arguments match `fp8_linear_{sfx}_m{m}_r{columns}` in cuda/linear.cu:
+                // x [m·k] (16-byte aligned), w [n·k] bytes (16-byte aligned, k a multiple of 16)
+                // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all contiguous (checked above), res [m·n]
+                // contiguous or a null pointer (0u64), y [m·n], i32 n, k, bo, bi with bi a
+                // multiple of 16; one warp per `columns` columns.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some(wrap(y, &dev, (m, n))))
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        _ => go!(half::f16),
+    }
+}
+
+/// The dequantized FP8 weight `[n, k]` in `dtype` (one kernel: each element times its block's
+/// scale in f32, rounded once, as the CPU reference does); `None` when the kernel cannot take it.
+pub(crate) fn fp8_dequantize(w: &super::Fp8Weight, dtype: DType) -> Result<Option<Tensor>> {
+    let op = "fp8_dequantize";
+    if !fp8_fits(w)
+        || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        || w.q().layout().start_offset() % 4 != 0
+    {
+        return Ok(None);
+    }
+    let (n, k) = w.dims();
+    let [bo, bi] = w.block();
+    let dev = device(op, w.q())?;
+    let policy = KernelPolicy::DEFAULT;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (qs, ql) = w.q().storage_and_layout();
+            let (ss, sl) = w.scale().storage_and_layout();
+            let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
+            let sv = view::<f32>(op, &ss, sl)?;
+            // SAFETY: uninitialised; the kernel writes every element (k is a multiple of 16, so
+            // the n·k/4 words cover them all).
+            let out = unsafe { dev.alloc::<$t>(n * k)? };
+            let func = LINEAR.func(&dev, &format!("fp8_dequant_{}", dtype_suffix(op, dtype)?))?;
+            let mut lb = KernelCall::new(&dev, &func, &policy);
+            let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
+            lb.arg(&qv)
+                .arg(&sv)
+                .arg(&out)
+                .arg(&n32)
+                .arg(&k32)
+                .arg(&bo32)
+                .arg(&bi32);
+            let words = n * k / 4;
+            let cfg = LaunchConfig {
+                grid_dim: (words.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if words > 0 {
+                // SAFETY: arguments match `fp8_dequant_{sfx}` in cuda/linear.cu: w [n·k] bytes
+                // (4-byte aligned start, k a multiple of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32,
+                // contiguous (checked above), out [n·k], i32 n, k, bo, bi; a grid-stride loop
+                // over the n·k/4 words.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some(wrap(out, &dev, (n, k))))
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        _ => go!(half::f16),
+    }
+}

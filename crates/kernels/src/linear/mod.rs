@@ -5,7 +5,10 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fp8;
 pub mod reference;
+
+pub use fp8::{e4m3_to_f32, Fp8Weight};
 
 use candle_core::{Module, Tensor};
 
@@ -42,10 +45,42 @@ fn out_dims(x: &Tensor, n: usize) -> Vec<usize> {
     dims
 }
 
-/// A linear layer; the weight is `[out, in]` as in checkpoints.
+/// A linear layer's weight as a checkpoint holds it: dense, or FP8 with block scales.
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    /// `[out, in]` in the activation dtype.
+    Dense(Tensor),
+    /// `[out, in]` e4m3 with its block scales.
+    Fp8(Fp8Weight),
+}
+
+impl LinearWeight {
+    /// `[out, in]`.
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            LinearWeight::Dense(t) => t.dims().to_vec(),
+            LinearWeight::Fp8(w) => vec![w.dims().0, w.dims().1],
+        }
+    }
+}
+
+/// How a layer holds its weight.
+#[derive(Debug, Clone)]
+enum Kind {
+    Dense(candle_nn::Linear),
+    Fp8 {
+        w: Fp8Weight,
+        bias: Option<Tensor>,
+    },
+    /// Layers of different kinds fused: each runs on the input and their outputs are
+    /// concatenated (a dense part beside FP8 ones, or FP8 parts whose row blocks do not line up).
+    Parts(Vec<Linear>),
+}
+
+/// A linear layer; the weight is `[out, in]` as in checkpoints, dense or FP8.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    inner: candle_nn::Linear,
+    kind: Kind,
     policy: KernelPolicy,
 }
 
@@ -53,14 +88,29 @@ impl Linear {
     /// `weight: [out, in]`, `bias: [out]`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self {
-            inner: candle_nn::Linear::new(weight, bias),
+            kind: Kind::Dense(candle_nn::Linear::new(weight, bias)),
             policy: KernelPolicy::DEFAULT,
+        }
+    }
+
+    /// A layer of a dense or FP8 weight, `bias: [out]` in the activation dtype.
+    pub fn from_weight(weight: LinearWeight, bias: Option<Tensor>) -> Self {
+        match weight {
+            LinearWeight::Dense(w) => Self::new(w, bias),
+            LinearWeight::Fp8(w) => Self {
+                kind: Kind::Fp8 { w, bias },
+                policy: KernelPolicy::DEFAULT,
+            },
         }
     }
 
     /// The layer with its CUDA kernels chosen and launched under `policy`.
     pub fn with_policy(self, policy: KernelPolicy) -> Self {
-        Self { policy, ..self }
+        let kind = match self.kind {
+            Kind::Parts(parts) => Kind::Parts(parts.into_iter().map(|p| p.with_policy(policy)).collect()),
+            k => k,
+        };
+        Self { kind, policy }
     }
 
     /// The policy its CUDA calls run under.
@@ -71,6 +121,8 @@ impl Linear {
     /// Several layers with the same input as one: weights (and biases) stacked along `out` in the
     /// given order, so one pass reads every weight once (under the first layer's policy). Split the
     /// output with [`Tensor::narrow`] on the last dim at the running sums of [`Self::out_features`].
+    /// FP8 weights stack when their row blocks line up; layers that cannot stack (dense beside
+    /// FP8) run one after another and their outputs are concatenated.
     pub fn fused(parts: Vec<Linear>) -> Result<Self> {
         let Some(first) = parts.first() else {
             return Err(Error::Shape {
@@ -89,39 +141,133 @@ impl Linear {
             return Ok(parts.into_iter().next().expect("one layer"));
         }
         let policy = first.policy;
-        let weights: Vec<&Tensor> = parts.iter().map(|p| p.weight()).collect();
-        let weight = Tensor::cat(&weights, 0)?;
-        let bias = if has_bias {
-            let biases: Vec<&Tensor> = parts.iter().filter_map(|p| p.bias()).collect();
-            Some(Tensor::cat(&biases, 0)?)
-        } else {
-            None
+        let dense: Option<Vec<&Tensor>> = parts.iter().map(Linear::dense_weight).collect();
+        if let Some(weights) = dense {
+            let bias = match has_bias {
+                true => Some(Tensor::cat(
+                    &parts.iter().filter_map(Linear::bias).collect::<Vec<_>>(),
+                    0,
+                )?),
+                false => None,
+            };
+            return Ok(Self::new(Tensor::cat(&weights, 0)?, bias).with_policy(policy));
+        }
+        // Each layer joins the one before it where their weights stack (dense with dense, FP8
+        // with FP8 whose row blocks line up); the rest stay apart.
+        let mut out: Vec<Linear> = Vec::new();
+        for p in parts {
+            if let Some(last) = out.last_mut() {
+                if let Some(merged) = last.stacked_with(&p)? {
+                    *last = merged;
+                    continue;
+                }
+            }
+            out.push(p);
+        }
+        if out.len() == 1 {
+            return Ok(out.pop().expect("one layer").with_policy(policy));
+        }
+        Ok(Self {
+            kind: Kind::Parts(out),
+            policy,
+        })
+    }
+
+    /// `self` and `next` as one layer with stacked weights, when their kinds allow.
+    fn stacked_with(&self, next: &Linear) -> Result<Option<Linear>> {
+        let bias = match (self.bias(), next.bias()) {
+            (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)?),
+            _ => None,
         };
-        Ok(Self::new(weight, bias).with_policy(policy))
+        Ok(match (&self.kind, &next.kind) {
+            (Kind::Dense(a), Kind::Dense(b)) => {
+                Some(Self::new(Tensor::cat(&[a.weight(), b.weight()], 0)?, bias).with_policy(self.policy))
+            }
+            (Kind::Fp8 { w: a, .. }, Kind::Fp8 { w: b, .. }) => Fp8Weight::stack(&[a, b])?
+                .map(|w| Self::from_weight(LinearWeight::Fp8(w), bias).with_policy(self.policy)),
+            _ => None,
+        })
     }
 
-    /// `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+    /// The dense weight `[out, in]`; `None` for FP8 or fused mixed layers.
+    pub fn dense_weight(&self) -> Option<&Tensor> {
+        match &self.kind {
+            Kind::Dense(l) => Some(l.weight()),
+            _ => None,
+        }
     }
 
-    /// `[out]`, when the layer has one.
+    /// `[out]`, when the layer has one (for fused mixed layers: none).
     pub fn bias(&self) -> Option<&Tensor> {
-        self.inner.bias()
+        match &self.kind {
+            Kind::Dense(l) => l.bias(),
+            Kind::Fp8 { bias, .. } => bias.as_ref(),
+            Kind::Parts(_) => None,
+        }
+    }
+
+    /// Whether any of its weight is FP8.
+    pub fn is_fp8(&self) -> bool {
+        match &self.kind {
+            Kind::Dense(_) => false,
+            Kind::Fp8 { .. } => true,
+            Kind::Parts(p) => p.iter().any(Linear::is_fp8),
+        }
     }
 
     /// Output features (`out`).
     pub fn out_features(&self) -> usize {
-        self.weight().dim(0).unwrap_or(0)
+        match &self.kind {
+            Kind::Dense(l) => l.weight().dim(0).unwrap_or(0),
+            Kind::Fp8 { w, .. } => w.dims().0,
+            Kind::Parts(p) => p.iter().map(Linear::out_features).sum(),
+        }
     }
 
-    /// `x: [..., in]` → `[..., out]`, in `x`'s dtype (which must be the weight's).
+    /// The layer of the output rows `ids` (`[n]` u32) of this one (a draft vocabulary's lm_head):
+    /// a dense layer, FP8 rows dequantized to `dtype`.
+    pub fn select_rows(&self, ids: &Tensor, dtype: candle_core::DType) -> Result<Self> {
+        let weight = match &self.kind {
+            Kind::Dense(l) => l.weight().index_select(ids, 0)?,
+            Kind::Fp8 { w, .. } => w.dequantize(dtype)?.index_select(ids, 0)?,
+            Kind::Parts(_) => {
+                return Err(Error::Shape {
+                    op: "Linear::select_rows",
+                    msg: "a fused layer of mixed weights has no rows to select".into(),
+                })
+            }
+        };
+        let bias = self.bias().map(|b| b.index_select(ids, 0)).transpose()?;
+        Ok(Self::new(weight, bias).with_policy(self.policy))
+    }
+
+    /// `x: [..., in]` → `[..., out]`, in `x`'s dtype (which must be the weight's; an FP8 weight
+    /// takes any float activation dtype).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some((y, _)) = self.forward_skinny(x, None, None)? {
-            return Ok(y);
+        match &self.kind {
+            Kind::Dense(l) => {
+                #[cfg(feature = "cuda")]
+                if let Some((y, _)) = self.forward_skinny(x, None, None)? {
+                    return Ok(y);
+                }
+                reference::linear(l, x)
+            }
+            Kind::Fp8 { w, bias } => {
+                #[cfg(feature = "cuda")]
+                if let Some(y) = self.forward_fp8_skinny(w, x, None)? {
+                    return Ok(match bias {
+                        Some(b) => y.broadcast_add(b)?,
+                        None => y,
+                    });
+                }
+                let dense = candle_nn::Linear::new(w.dequantize(x.dtype())?, bias.clone());
+                reference::linear(&dense, x)
+            }
+            Kind::Parts(parts) => {
+                let outs = parts.iter().map(|p| p.forward(x)).collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&outs, candle_core::D::Minus1)?)
+            }
         }
-        reference::linear(&self.inner, x)
     }
 
     /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
@@ -167,10 +313,12 @@ impl Linear {
         if rows != 1 || n % 2 != 0 || self.bias().is_some() {
             return Ok(None);
         }
+        let Some(w) = self.dense_weight() else {
+            return Ok(None);
+        };
         let x2 = x.contiguous()?.reshape((1, k))?;
         let what = cuda::Skinny::SwiGlu;
-        let Some(y) = cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts), &self.policy)?
-        else {
+        let Some(y) = cuda::skinny_linear(&x2, w, what, norm.map(RmsNorm::parts), &self.policy)? else {
             return Ok(None);
         };
         Ok(Some(y.reshape(out_dims(x, n / 2))?))
@@ -181,7 +329,9 @@ impl Linear {
     /// policy); `None` for the matmul.
     #[cfg(feature = "cuda")]
     fn skinny_operands(&self, x: &Tensor) -> Result<Option<(usize, usize, usize, usize)>> {
-        let w = self.weight();
+        let Some(w) = self.dense_weight() else {
+            return Ok(None);
+        };
         if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 {
             return Ok(None);
         }
@@ -201,7 +351,13 @@ impl Linear {
         if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
             return Ok(if added { y } else { (residual + y)? });
         }
-        Ok((residual + reference::linear(&self.inner, x)?)?)
+        #[cfg(feature = "cuda")]
+        if let Kind::Fp8 { w, bias: None } = &self.kind {
+            if let Some(y) = self.forward_fp8_skinny(w, x, Some(residual))? {
+                return Ok(y);
+            }
+        }
+        Ok((residual + self.forward(x)?)?)
     }
 
     /// The CUDA streaming kernel, when it applies ([`streaming_columns`], matching dtypes,
@@ -234,8 +390,10 @@ impl Linear {
             res: r2.as_ref(),
             columns,
         };
-        let Some(y) = cuda::skinny_linear(&x2, self.weight(), what, norm.map(RmsNorm::parts), &self.policy)?
-        else {
+        let Some(w) = self.dense_weight() else {
+            return Ok(None);
+        };
+        let Some(y) = cuda::skinny_linear(&x2, w, what, norm.map(RmsNorm::parts), &self.policy)? else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;
@@ -243,6 +401,47 @@ impl Linear {
             Some(b) => (y.broadcast_add(b)?, false),
             None => (y, r2.is_some()),
         }))
+    }
+}
+
+impl Linear {
+    /// The CUDA FP8 streaming kernel for 1..=[`SKINNY_MAX_ROWS`] rows (weights read as e4m3,
+    /// scaled per block in registers), adding `residual` as it writes when given; `None` for the
+    /// dequantize-then-matmul path.
+    #[cfg(feature = "cuda")]
+    fn forward_fp8_skinny(
+        &self,
+        w: &Fp8Weight,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        if !x.device().is_cuda() || x.rank() == 0 || matches!(self.policy.skinny, SkinnyPath::Matmul) {
+            return Ok(None);
+        }
+        let (n, k) = w.dims();
+        if x.dim(candle_core::D::Minus1)? != k {
+            return Ok(None);
+        }
+        let rows = x.elem_count() / k.max(1);
+        if rows == 0 || rows > SKINNY_MAX_ROWS {
+            return Ok(None);
+        }
+        let dims = out_dims(x, n);
+        let r2 = match residual {
+            Some(r) if r.dims() != dims.as_slice() => {
+                return Err(Error::Shape {
+                    op: "Linear::forward_add",
+                    msg: format!("residual {:?} for an output {dims:?}", r.dims()),
+                })
+            }
+            Some(r) => Some(r.contiguous()?.reshape((rows, n))?),
+            None => None,
+        };
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let Some(y) = cuda::fp8_linear(&x2, w, r2.as_ref(), &self.policy)? else {
+            return Ok(None);
+        };
+        Ok(Some(y.reshape(dims)?))
     }
 }
 
@@ -285,6 +484,7 @@ mod tests {
             ..KernelPolicy::DEFAULT
         };
         assert_eq!(Linear::new(w.clone(), None).policy(), &KernelPolicy::DEFAULT);
+        assert!(Linear::new(w.clone(), None).dense_weight().is_some());
         let parts = vec![
             Linear::new(w.clone(), None).with_policy(policy),
             Linear::new(w, None),
@@ -374,6 +574,83 @@ mod tests {
             assert!(diff < 1e-6, "{diff}");
             assert!(lin.forward_add(&x, &r.narrow(2, 0, 4)?).is_err());
         }
+        Ok(())
+    }
+
+    /// An FP8 layer computes with its dequantized weight; fused with dense and with FP8 layers
+    /// whose row blocks do not line up, each part gives its own rows of the output (the GDN's
+    /// qkv|z in FP8 beside dense b|a), and stacking keeps what lines up in one weight.
+    #[test]
+    fn fp8_layers_and_mixed_fusions_equal_their_parts() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = qwen36_testutil::randn(408, 1.0, (2, 3, 40), &dev)?;
+        let fp8 = |seed, rows: usize| -> Result<Linear> {
+            let q = fp8::tests::random_q(seed, rows, 40, &dev)?;
+            let s = qwen36_testutil::randn(seed + 1, 0.01, (rows.div_ceil(16), 3), &dev)?.abs()?;
+            Ok(Linear::from_weight(
+                LinearWeight::Fp8(Fp8Weight::new(q, s, [16, 16])?),
+                None,
+            ))
+        };
+        let dense =
+            |seed, rows| Linear::new(qwen36_testutil::randn(seed, 0.2, (rows, 40), &dev).unwrap(), None);
+        let a = fp8(410, 32)?;
+        let Kind::Fp8 { w, .. } = &a.kind else {
+            panic!("an FP8 layer")
+        };
+        let want = x.broadcast_matmul(&w.dequantize(DType::F32)?.t()?)?;
+        let diff = (a.forward(&x)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        assert!(a.is_fp8() && a.dense_weight().is_none());
+        let parts = vec![
+            a,
+            fp8(412, 48)?,
+            fp8(414, 20)?,
+            dense(416, 6),
+            dense(417, 5),
+            fp8(418, 16)?,
+        ];
+        let fused = Linear::fused(parts.clone())?;
+        // 32 and 48 rows stack with the 20 after them; the dense pair stacks; the last stands.
+        let Kind::Parts(p) = &fused.kind else {
+            panic!("mixed kinds stay apart")
+        };
+        assert_eq!(
+            p.iter().map(Linear::out_features).collect::<Vec<_>>(),
+            vec![100, 11, 16]
+        );
+        assert_eq!(fused.out_features(), 127);
+        let y = fused.forward(&x)?;
+        let mut at = 0;
+        for part in &parts {
+            let want = part.forward(&x)?;
+            let diff = (y.narrow(2, at, part.out_features())? - want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "part at {at}: {diff}");
+            at += part.out_features();
+        }
+        // A partial block before others: no stacking.
+        let Kind::Parts(p) = Linear::fused(vec![fp8(420, 20)?, fp8(422, 32)?])?.kind else {
+            panic!("20 rows are a partial block")
+        };
+        assert_eq!(p.len(), 2);
+        // forward_add through the same path.
+        let r = qwen36_testutil::randn(424, 1.0, (2, 3, 127), &dev)?;
+        let diff = (fused.forward_add(&x, &r)? - (&y + &r)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "{diff}");
+        // Selected rows of an FP8 layer are its dequantized rows.
+        let ids = Tensor::new(&[3u32, 0, 31], &dev)?;
+        let sel = parts[0].select_rows(&ids, DType::F32)?;
+        let diff = (sel.forward(&x)? - parts[0].forward(&x)?.index_select(&ids, 2)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
         Ok(())
     }
 

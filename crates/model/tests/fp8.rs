@@ -1,0 +1,284 @@
+//! FP8 checkpoints (the format of Qwen's `-FP8` models, HF FineGrainedFP8) against transformers:
+//! the `tiny-fp8` fixture (tools/reference/make_fp8_fixture.py) is tiny-flat with its attention,
+//! MLP and GDN projections (main and MTP layers) in float8 e4m3 with 32×32 block scales, bf16 in
+//! the main layers and f32 in the MTP layer. The reference is transformers' `qwen3_5` over the
+//! dequantized weights in f32, whose weights equal transformers' own FP8 dequantization bit for
+//! bit (recorded by the script). An e4m3 value (4 significant bits) times a bf16 or f32 scale is
+//! exact in f32, so the weights are the reference's exactly and only summation order differs:
+//! the same 1e-4 of each row's scale as `hf_reference.rs`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use common::*;
+use qwen36_model::{MtpHead, Qwen36Model};
+
+const FP8: &str = "tiny-fp8";
+
+/// The dense checkpoint of the same (dequantized) weights, written by the same script.
+fn dense_dir() -> std::path::PathBuf {
+    fixture_dir(FP8).join("dense")
+}
+
+#[test]
+fn fp8_logits_hidden_states_greedy_and_mtp_match_transformers() {
+    let (model, r) = load_with_reference(FP8, DType::F32);
+    assert_eq!(
+        r["hf_fp8_weight_max_abs_diff"].to_vec1::<f32>().unwrap(),
+        vec![0.0],
+        "the fixture's dequantization is transformers' own"
+    );
+    for p in 0..2 {
+        let ids = ids_of(&r[&format!("prompt{p}.ids")]);
+        let mut cache = model.new_cache(1).unwrap();
+        let hidden = model
+            .forward_hidden(&ids_tensor(&ids), &mut cache)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let logits = model.logits(&hidden).unwrap();
+        let err = max_row_rel_err(&logits, &r[&format!("prompt{p}.logits")]);
+        let hf_hidden = r[&format!("prompt{p}.hidden")]
+            .i(model.config().num_hidden_layers)
+            .unwrap();
+        let herr = max_row_rel_err(&hidden, &hf_hidden);
+        eprintln!("tiny-fp8 prompt{p}: logits rel err {err:.2e}, hidden {herr:.2e}");
+        assert!(
+            err <= 1e-4 && herr <= 1e-4,
+            "prompt{p}: logits {err}, hidden {herr}"
+        );
+        let want = ids_of(&r[&format!("prompt{p}.greedy")]);
+        assert_eq!(
+            plain_greedy(&model, &ids, want.len()),
+            want,
+            "prompt{p}: greedy continuation"
+        );
+    }
+    // The MTP head (its layer in FP8 with f32 scales, mtp.fc dense).
+    let head = MtpHead::load_dir(fixture_dir(FP8), model.config(), load_options(DType::F32)).unwrap();
+    let ids = ids_of(&r["prompt0.ids"]);
+    let mut next: Vec<u32> = ids[1..].to_vec();
+    next.push(ids_of(&r["prompt0.greedy"])[0]);
+    let mut cache = model.new_cache(1).unwrap();
+    let hidden = model.forward_hidden(&ids_tensor(&ids), &mut cache).unwrap();
+    let d = head
+        .forward(&model, &hidden, &ids_tensor(&next), &mut head.new_cache(), 0)
+        .unwrap();
+    let err = max_row_rel_err(
+        &model.logits(&d).unwrap().squeeze(0).unwrap(),
+        &r["prompt0.mtp_logits"],
+    );
+    eprintln!("tiny-fp8: MTP logits rel err {err:.2e}");
+    assert!(err <= 1e-4, "MTP logits {err}");
+}
+
+/// The FP8 model computes what a dense model of its dequantized weights computes: the same bits
+/// on the CPU in f32 and bf16 (each weight rounded once to the activation dtype either way). On
+/// CUDA the FP8 kernels keep the f32 products of the dequantized weights where the dense bf16
+/// model rounds its weights to bf16, so there bf16 is held to twice transformers' own bf16 error
+/// on this model (`prompt0.hf_bf16_rel_err`), f32 to 1e-4.
+#[test]
+fn fp8_model_equals_the_dense_model_of_its_weights() {
+    let r = fixture_reference(FP8);
+    let ids = ids_tensor(&ids_of(&r["prompt0.ids"]));
+    let cuda = test_device().is_cuda();
+    let hf_bf16 = r["prompt0.hf_bf16_rel_err"].to_vec1::<f32>().unwrap()[0];
+    for dtype in [DType::F32, DType::BF16] {
+        let fp8 = load(FP8, dtype);
+        let dense = load_at(dense_dir(), dtype);
+        let run = |m: &Qwen36Model| {
+            let mut cache = m.new_cache(1).unwrap();
+            m.forward(&ids, &mut cache)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+        };
+        let (a, b) = (run(&fp8), run(&dense));
+        let (abs, rel) = (max_abs_diff(&a, &b), max_row_rel_err(&a, &b));
+        eprintln!("{dtype:?}: FP8 against dense: max |d| {abs:.3e}, row rel {rel:.3e}");
+        match (cuda, dtype) {
+            (false, _) => assert_eq!(abs, 0.0, "{dtype:?}: FP8 and dense differ on the CPU"),
+            (true, DType::F32) => assert!(rel <= 1e-4, "{rel}"),
+            (true, _) => assert!(
+                rel <= 2.0 * hf_bf16,
+                "{rel} against HF's own bf16 error {hf_bf16}"
+            ),
+        }
+    }
+}
+
+/// Copies the FP8 fixture into a temp dir so a test can break it.
+fn copy_fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture_dir(FP8)).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    dir
+}
+
+fn edit_tensors(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let path = dir.join("model.safetensors");
+    let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    edit(&mut map);
+    candle_core::safetensors::save(&map, &path).unwrap();
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+}
+
+fn load_error(dir: &Path) -> String {
+    match Qwen36Model::load(dir, load_options(DType::F32)) {
+        Ok(_) => panic!("a broken FP8 checkpoint loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+const Q: &str = "model.layers.0.mlp.down_proj";
+
+/// Every malformed FP8 checkpoint is refused with an error naming the field or tensor: another
+/// quantization method (never read as plain numbers), another format or activation scheme, no
+/// block size, FP8 tensors without a quantization config, a missing, misshapen or non-finite
+/// scale, a NaN weight, an FP8 tensor where a plain one is read.
+#[test]
+fn malformed_fp8_checkpoints_are_typed_errors() {
+    type Case = (&'static str, Box<dyn Fn(&Path)>, &'static [&'static str]);
+    let cases: Vec<Case> = vec![
+        (
+            "awq",
+            Box::new(|d| edit_config(d, |c| c["quantization_config"]["quant_method"] = "awq".into())),
+            &["quantization_config.quant_method", "\"awq\" is not supported"],
+        ),
+        (
+            "gptq without fp8 fields",
+            Box::new(|d| {
+                edit_config(d, |c| {
+                    c["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4})
+                })
+            }),
+            &["\"gptq\""],
+        ),
+        (
+            "e5m2",
+            Box::new(|d| edit_config(d, |c| c["quantization_config"]["fmt"] = "e5m2".into())),
+            &["quantization_config.fmt", "e5m2"],
+        ),
+        (
+            "static activations",
+            Box::new(|d| {
+                edit_config(d, |c| {
+                    c["quantization_config"]["activation_scheme"] = "static".into()
+                })
+            }),
+            &["activation_scheme", "static"],
+        ),
+        (
+            "per-tensor",
+            Box::new(|d| {
+                edit_config(d, |c| {
+                    c["quantization_config"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("weight_block_size");
+                })
+            }),
+            &["weight_block_size", "per-tensor"],
+        ),
+        (
+            "zero block",
+            Box::new(|d| {
+                edit_config(d, |c| {
+                    c["quantization_config"]["weight_block_size"] = serde_json::json!([0, 32])
+                })
+            }),
+            &["weight_block_size", "positive"],
+        ),
+        (
+            "no quantization_config",
+            Box::new(|d| {
+                edit_config(d, |c| {
+                    c.as_object_mut().unwrap().remove("quantization_config");
+                })
+            }),
+            &["float8 e4m3", "declares no quantization_config"],
+        ),
+        (
+            "missing scale",
+            Box::new(|d| {
+                edit_tensors(d, |m| {
+                    m.remove(&format!("{Q}.weight_scale_inv"));
+                })
+            }),
+            &[Q, "weight_scale_inv", "missing"],
+        ),
+        (
+            "scale shape",
+            Box::new(|d| {
+                edit_tensors(d, |m| {
+                    m.insert(
+                        format!("{Q}.weight_scale_inv"),
+                        Tensor::ones((1, 1), DType::BF16, &Device::Cpu).unwrap(),
+                    );
+                })
+            }),
+            &["down_proj.weight_scale_inv", "[2, 4]"],
+        ),
+        (
+            "NaN scale",
+            Box::new(|d| {
+                edit_tensors(d, |m| {
+                    let s = m[&format!("{Q}.weight_scale_inv")].to_dtype(DType::F32).unwrap();
+                    let nan = (s.ones_like().unwrap() * f64::NAN).unwrap();
+                    m.insert(
+                        format!("{Q}.weight_scale_inv"),
+                        nan.to_dtype(DType::BF16).unwrap(),
+                    );
+                })
+            }),
+            &["down_proj.weight_scale_inv"],
+        ),
+        (
+            "NaN weight",
+            Box::new(|d| {
+                edit_tensors(d, |m| {
+                    let (o, i) = m[&format!("{Q}.weight")].dims2().unwrap();
+                    let mut bytes = vec![0x38u8; o * i]; // 1.0
+                    bytes[7] = 0x7F; // e4m3 NaN
+                    let t = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, i], &Device::Cpu).unwrap();
+                    m.insert(format!("{Q}.weight"), t);
+                })
+            }),
+            &["down_proj.weight"],
+        ),
+        (
+            "FP8 norm",
+            Box::new(|d| {
+                edit_tensors(d, |m| {
+                    let name = "model.norm.weight";
+                    let t = m[name].to_dtype(DType::F8E4M3).unwrap();
+                    m.insert(name.into(), t);
+                })
+            }),
+            &["model.norm.weight", "float8 e4m3"],
+        ),
+    ];
+    for (what, edit, says) in cases {
+        let dir = copy_fixture();
+        edit(dir.path());
+        let e = load_error(dir.path());
+        for s in says {
+            assert!(e.contains(s), "{what}: {e:?} should say {s:?}");
+        }
+    }
+}
