@@ -39,6 +39,22 @@ fn greedy_speculative_equals_plain_greedy() {
     }
 }
 
+/// The FP8 fixture (projections of the target and of the MTP layer in FP8 e4m3 with block
+/// scales; tools/reference/make_fp8_fixture.py): MTP speculation gives plain greedy's tokens for
+/// k = 1..3, on CUDA through the FP8 kernels of the verify (several rows) and draft (one row)
+/// steps.
+#[test]
+fn fp8_model_greedy_speculative_equals_plain_greedy() {
+    let (model, head, p) = load_with_prompt("tiny-fp8", "prompt1.ids", 16);
+    let want = plain_greedy(&model, &p, 300);
+    for k in 1..=3 {
+        let mut mtp = MtpDrafter::new(&model, &head);
+        let out = speculate(&model, SamplingParams::greedy(), &mut mtp, &p, k, 300);
+        assert_eq!(out.tokens, want, "tiny-fp8 mtp k={k}");
+        eprintln!("tiny-fp8 k={k}: accept len {:.2}", out.stats.accepted_len_mean());
+    }
+}
+
 /// One decoder and one drafter over several sequences: each starts from a reset cache (the same
 /// tokens as plain greedy decoding), and where verify passes replay CUDA graphs, a later sequence
 /// that fits the same KV buffers replays the first one's graphs instead of recording new ones.
