@@ -75,6 +75,10 @@ struct Args {
     /// Print one JSON object instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Stop when the output degenerates (a loop of up to 32 tokens repeated over 64 or more);
+    /// either way a degeneration is reported at the end.
+    #[arg(long)]
+    stop_on_loop: bool,
 }
 
 fn main() {
@@ -133,6 +137,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             drafter,
             draft_vocab: args.draft_vocab,
         }),
+        stop_on_degeneration: args.stop_on_loop,
+        ..GenerateOptions::default()
     };
     let has_text = generator.tokenizer().is_some();
     let stream = !args.json;
@@ -159,6 +165,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "stop_reason": format!("{:?}", out.stop_reason),
             "prefill_secs": out.prefill_secs,
             "decode_tokens_per_sec": out.decode_tokens_per_sec(),
+            "degeneration": out.degeneration.map(|d| d.to_string()),
         });
         if let Some(s) = &out.spec_stats {
             json["accepted_len_mean"] = s.accepted_len_mean().into();
@@ -180,6 +187,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 s.accepted_len_mean(),
                 by_pos.join(", ")
             );
+        }
+        if let Some(d) = out.degeneration {
+            eprintln!("warning: the output degenerated: {d} (run `doctor` on the model to see why)");
         }
         eprintln!(
             "{} prompt tokens, {} generated; prefill {:.1} tok/s, decode {:.1} tok/s ({:?})",

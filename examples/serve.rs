@@ -32,6 +32,10 @@ struct Args {
     /// prompts must be token ids; the output means nothing).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
+    /// With `--config`: random FP8 weights (e4m3, 128×128 block scales) where Qwen's FP8
+    /// checkpoints have them.
+    #[arg(long, requires = "config")]
+    fp8: bool,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -108,10 +112,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(path) => {
             tracing::info!("building {} with random weights", path.display());
             let cfg = Config::from_file(path)?;
-            let weights = Weights::random(LoadOptions {
+            let random = LoadOptions {
                 check_finite: false,
                 ..opts.clone()
-            });
+            };
+            let weights = match args.fp8 {
+                true => Weights::random_fp8(random, [128, 128]),
+                false => Weights::random(random),
+            };
             let head = (args.mtp > 0 && args.drafter == "mtp")
                 .then(|| MtpHead::load(&cfg, &weights))
                 .transpose()?;

@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use qwen36_model::{BatchPending, BatchStepper, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
 use qwen36_mtp::NgramDrafter;
-use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, Sampler, TextStream};
+use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, RepetitionDetector, Sampler, TextStream};
 use rayon::prelude::*;
 
 use crate::scheduler::{Scheduler, Sequence};
@@ -302,6 +302,8 @@ impl Engine {
             accept: AcceptanceCounts::default(),
             drafted: 0,
             accepted: 0,
+            degeneration: req.degeneration.map(RepetitionDetector::new),
+            stop_on_degeneration: req.stop_on_degeneration,
         });
         Ok(RequestHandle::new(id, rx, cancel))
     }
@@ -544,6 +546,7 @@ impl Engine {
             preemptions: s.preemptions,
             drafted: s.drafted,
             accepted: s.accepted,
+            degeneration: s.degeneration.as_ref().and_then(RepetitionDetector::first),
         };
         let _ = s.events.send(Event::Finished { reason, usage });
     }
@@ -965,7 +968,7 @@ fn emit(
     let mut reason = None;
     let mut sent = Vec::new();
     let mut text = String::new();
-    for &t in fresh {
+    for (j, &t) in fresh.iter().enumerate() {
         s.output.push(t);
         sent.push(t);
         if s.stop_ids.contains(&t) {
@@ -978,6 +981,14 @@ fn emit(
             if !go_on {
                 reason = Some(StopReason::StopString(stream.stopped_by().unwrap_or(0)));
             }
+        }
+        // The step's entropy where its row was read (sampled requests), else none.
+        let seen = s
+            .degeneration
+            .as_mut()
+            .and_then(|d| d.observe(t, rows.get(j).map(|r| qwen36_sampling::entropy(r))));
+        if let (None, Some(d), true) = (&reason, seen, s.stop_on_degeneration) {
+            reason = Some(StopReason::Degenerate(d));
         }
         if reason.is_none() && s.max_tokens.is_some_and(|m| s.output.len() >= m) {
             reason = Some(StopReason::MaxTokens);

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use qwen36_sampling::{Sampled, SamplingParams};
+use qwen36_sampling::{Degeneration, DegenerationConfig, Sampled, SamplingParams};
 
 /// One generation request, in token ids.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +24,12 @@ pub struct Request {
     pub logprobs: bool,
     /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
     pub speculation: Option<Speculation>,
+    /// Watch the output for degeneration (loops, entropy collapse; reported in [`Usage`]) with
+    /// this config; `None` does not watch.
+    pub degeneration: Option<DegenerationConfig>,
+    /// End the request when its output degenerates ([`StopReason::Degenerate`]; needs
+    /// `degeneration`).
+    pub stop_on_degeneration: bool,
 }
 
 /// How a request drafts tokens for a speculative verify.
@@ -66,6 +72,8 @@ impl Request {
             stop_strings: Vec::new(),
             logprobs: false,
             speculation: None,
+            degeneration: None,
+            stop_on_degeneration: false,
         }
     }
 }
@@ -83,6 +91,8 @@ pub enum StopReason {
     ContextFull,
     /// A stop string appeared in the text (its index in the request's list).
     StopString(usize),
+    /// The output degenerated ([`Request::stop_on_degeneration`]).
+    Degenerate(Degeneration),
 }
 
 /// Token counts of a finished request.
@@ -97,6 +107,8 @@ pub struct Usage {
     /// Drafts verified, and those accepted (speculative decoding).
     pub drafted: usize,
     pub accepted: usize,
+    /// The first degeneration seen in the output, when the request watched for it.
+    pub degeneration: Option<Degeneration>,
 }
 
 /// What a request's handle receives, in order: tokens, then exactly one `Finished` or `Failed`.

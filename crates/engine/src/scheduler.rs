@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use qwen36_sampling::{Sampler, TextStream};
+use qwen36_sampling::{RepetitionDetector, Sampler, TextStream};
 
 use crate::spec::AcceptanceCounts;
 use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, Speculation, StopReason};
@@ -49,6 +49,9 @@ pub(crate) struct Sequence {
     pub accept: AcceptanceCounts,
     pub drafted: usize,
     pub accepted: usize,
+    /// Watches the output for loops and entropy collapse, when the request asked.
+    pub degeneration: Option<RepetitionDetector>,
+    pub stop_on_degeneration: bool,
 }
 
 impl Sequence {

@@ -20,8 +20,9 @@ pub enum LayerType {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Quantization {
     /// HF FineGrainedFP8 (`quant_method: "fp8"`, e4m3, dynamic activations): linear weights in
-    /// float8 e4m3 with a `weight_scale_inv` multiplier per `block` = `[out, in]` elements;
-    /// the modules listed as not converted (and any tensor stored in another dtype) stay dense.
+    /// float8 e4m3 with a `weight_scale_inv` multiplier per `block` = `[out, in]` elements.
+    /// Which weights are FP8 is read from each tensor's dtype in the files (the listed
+    /// `modules_to_not_convert` are kept for reference).
     Fp8 {
         block: [usize; 2],
         modules_to_not_convert: Vec<String>,
@@ -433,7 +434,11 @@ fn parse_quantization(
         Some(Value::Array(b)) if b.len() == 2 => {
             let dims: Option<Vec<usize>> = b
                 .iter()
-                .map(|v| v.as_u64().filter(|&x| x > 0).map(|x| x as usize))
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|&x| x > 0 && x <= i32::MAX as u64)
+                        .map(|x| x as usize)
+                })
                 .collect();
             match dims {
                 Some(d) => [d[0], d[1]],

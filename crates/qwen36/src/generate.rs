@@ -7,7 +7,9 @@ use std::time::Instant;
 use candle_core::Tensor;
 use qwen36_model::{DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
 use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
-use qwen36_sampling::{Sampler, SamplingParams, TextStream};
+use qwen36_sampling::{
+    Degeneration, DegenerationConfig, RepetitionDetector, Sampler, SamplingParams, TextStream,
+};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -73,6 +75,11 @@ pub struct GenerateOptions {
     pub stop_strings: Vec<String>,
     /// Speculative decoding (`None`: one token per forward).
     pub speculative: Option<Speculative>,
+    /// What counts as degenerate output (a loop, an entropy collapse); it is always watched for
+    /// and reported in [`GenerationOutput::degeneration`].
+    pub degeneration: DegenerationConfig,
+    /// End generation when the output degenerates ([`StopReason::Degenerate`]); off by default.
+    pub stop_on_degeneration: bool,
 }
 
 /// Which drafter proposes tokens in speculative decoding.
@@ -106,6 +113,8 @@ impl Default for GenerateOptions {
             stop_token_ids: None,
             stop_strings: Vec::new(),
             speculative: None,
+            degeneration: DegenerationConfig::default(),
+            stop_on_degeneration: false,
         }
     }
 }
@@ -121,6 +130,8 @@ pub enum StopReason {
     StopString(usize),
     /// The model's context (`max_position_embeddings`) is full.
     ContextFull,
+    /// The output degenerated (with [`GenerateOptions::stop_on_degeneration`]).
+    Degenerate(Degeneration),
 }
 
 /// One generated token, streamed as it comes.
@@ -150,6 +161,8 @@ pub struct GenerationOutput {
     pub decode_secs: f64,
     /// Acceptance statistics when decoding speculatively.
     pub spec_stats: Option<SpecStats>,
+    /// The first degeneration seen in the output (a loop or an entropy collapse), if any.
+    pub degeneration: Option<Degeneration>,
 }
 
 impl GenerationOutput {
@@ -370,26 +383,38 @@ impl Generator {
         let mut failure = None;
         let t0 = Instant::now();
         let mut first_token_secs = None;
-        // Called for every token; false ends generation (a stop string matched or decoding failed).
+        let mut detector = RepetitionDetector::new(opts.degeneration);
+        let mut degenerate = None;
+        // Called for every token; false ends generation (a stop string matched, decoding failed,
+        // or the output degenerated and that stops it).
         let mut push = |token: u32| -> bool {
             first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
             if stop_ids.contains(&token) {
                 on_token(TokenEvent { token, text: "" });
                 return false;
             }
-            let Some(stream) = stream.as_mut() else {
-                on_token(TokenEvent { token, text: "" });
-                return true;
-            };
-            match stream.push(token, &decode) {
-                Ok((piece, go_on)) => {
-                    on_token(TokenEvent { token, text: &piece });
-                    go_on
+            let go_on = match stream.as_mut() {
+                None => {
+                    on_token(TokenEvent { token, text: "" });
+                    true
                 }
-                Err(e) => {
-                    failure = Some(self.tok_err(e));
+                Some(stream) => match stream.push(token, &decode) {
+                    Ok((piece, go_on)) => {
+                        on_token(TokenEvent { token, text: &piece });
+                        go_on
+                    }
+                    Err(e) => {
+                        failure = Some(self.tok_err(e));
+                        false
+                    }
+                },
+            };
+            match detector.observe(token, None) {
+                Some(d) if go_on && opts.stop_on_degeneration => {
+                    degenerate = Some(d);
                     false
                 }
+                _ => go_on,
             }
         };
         let ((tokens, reason), spec_stats) = match &opts.speculative {
@@ -405,11 +430,12 @@ impl Generator {
         if let Some(e) = failure {
             return Err(e);
         }
-        let stop_reason = match reason {
-            StopReason::StopString(_) => {
+        let stop_reason = match (reason, degenerate) {
+            (StopReason::StopString(_), Some(d)) => StopReason::Degenerate(d),
+            (StopReason::StopString(_), None) => {
                 StopReason::StopString(stream.as_ref().and_then(TextStream::stopped_by).unwrap_or(0))
             }
-            r => r,
+            (r, _) => r,
         };
         let tail = stream.as_mut().map(TextStream::finish).unwrap_or_default();
         if !tail.is_empty() {
@@ -426,6 +452,7 @@ impl Generator {
             prefill_secs,
             decode_secs: total - prefill_secs,
             spec_stats,
+            degeneration: detector.first(),
         })
     }
 

@@ -32,5 +32,5 @@ pub use qwen36_model as model;
 pub use qwen36_model::{Cache, Config, LoadOptions, Qwen36Model};
 pub use qwen36_mtp as mtp;
 pub use qwen36_sampling as sampling;
-pub use qwen36_sampling::SamplingParams;
+pub use qwen36_sampling::{Degeneration, DegenerationConfig, SamplingParams};
 pub use tokenizers::Tokenizer;

@@ -6,6 +6,7 @@
 //! the same tokens on every run, thread count and backend.
 
 mod accept;
+mod degeneration;
 mod error;
 mod params;
 pub mod rng;
@@ -14,6 +15,7 @@ mod stop;
 mod text;
 
 pub use accept::{accept_greedy, accept_stochastic, Acceptance};
+pub use degeneration::{entropy, Degeneration, DegenerationConfig, RepetitionDetector};
 pub use error::{Error, Result};
 pub use params::SamplingParams;
 pub use sampler::{Sampled, Sampler};

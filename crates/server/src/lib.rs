@@ -130,12 +130,21 @@ impl Service {
         &self.engine
     }
 
-    /// The text of token `id` on its own (`token_id:ID` without a tokenizer, as vLLM writes it).
-    fn token_text(&self, id: u32) -> String {
-        self.tokenizer
-            .as_ref()
-            .and_then(|t| t.decode(&[id], false).ok())
-            .unwrap_or_else(|| format!("token_id:{id}"))
+    /// The text of token `id` on its own (`token_id:ID` without a tokenizer, as vLLM writes it)
+    /// and its bytes: a byte-level BPE token's own bytes (part of a character, possibly), else
+    /// the text's.
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let Some(t) = self.tokenizer.as_ref() else {
+            let text = format!("token_id:{id}");
+            let bytes = text.clone().into_bytes();
+            return (text, bytes);
+        };
+        let text = t.decode(&[id], false).unwrap_or_default();
+        let bytes = t
+            .id_to_token(id)
+            .and_then(|piece| output::byte_level_bytes(&piece))
+            .unwrap_or_else(|| text.clone().into_bytes());
+        (text, bytes)
     }
 
     fn tokenizer(&self) -> Result<&qwen36::Tokenizer, ApiError> {
@@ -168,6 +177,12 @@ impl Service {
         let logprobs = req.logprobs(chat)?;
         let stop_strings = req.stop_strings()?;
         let tools = req.tool_parsing()?;
+        if tools && !chat {
+            return Err(
+                ApiError::bad_request("tools: tool calls are parsed on /v1/chat/completions only")
+                    .param("tools"),
+            );
+        }
         if req.return_token_ids && n > 1 {
             return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
         }
@@ -218,6 +233,8 @@ impl Service {
                 stop_strings: stop_strings.clone(),
                 logprobs: logprobs.on(),
                 speculation: self.cfg.speculation,
+                degeneration: None,
+                stop_on_degeneration: false,
             })
             .collect();
         let id = format!(
@@ -259,7 +276,10 @@ impl Service {
             },
             Endpoint::Chat => {
                 let text = self.render(req)?;
-                Ok((self.encode(&text)?, OutputParser::prompt_is_thinking(&text)))
+                Ok((
+                    self.encode(&text)?,
+                    OutputParser::prompt_is_thinking(generation_prompt(&text)),
+                ))
             }
         }
     }
@@ -295,7 +315,11 @@ impl Service {
             .template
             .as_ref()
             .ok_or_else(|| ApiError::bad_request("the model has no chat template: use /v1/completions"))?;
-        let messages: Vec<Value> = messages.iter().cloned().map(Value::Object).collect();
+        let messages: Vec<Value> = messages
+            .iter()
+            .cloned()
+            .map(|m| Value::Object(with_object_arguments(m)))
+            .collect();
         template
             .render_json(&messages, req.tools.as_deref(), true, &req.chat_template_kwargs)
             .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))
@@ -321,7 +345,9 @@ impl Service {
                 EngineError::Stopped | EngineError::Panicked(_) => {
                     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
                 }
-                EngineError::TooLong { .. } => ApiError::bad_request(e.to_string()).param("max_tokens"),
+                EngineError::TooLong { .. } => {
+                    ApiError::bad_request(e.to_string()).code("context_length_exceeded")
+                }
                 EngineError::Request(_) => ApiError::bad_request(e.to_string()),
                 e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             })?;
@@ -329,6 +355,39 @@ impl Service {
         }
         Ok(handles)
     }
+}
+
+/// The text after the last assistant turn's start (`<|im_start|>assistant`), where a chat
+/// template opens or closes the model's `<think>` block; the whole prompt when it has none.
+fn generation_prompt(prompt: &str) -> &str {
+    prompt
+        .rfind("<|im_start|>assistant")
+        .map_or(prompt, |i| &prompt[i..])
+}
+
+/// An assistant message whose tool calls give `function.arguments` as a JSON text (as OpenAI
+/// clients send them) with the arguments as an object, which chat templates iterate (vLLM does
+/// the same); arguments that are not a JSON object stay as they are.
+fn with_object_arguments(mut message: Map<String, Value>) -> Map<String, Value> {
+    if let Some(Value::Array(calls)) = message.get_mut("tool_calls") {
+        for call in calls {
+            let path = if call.pointer("/function/arguments").is_some() {
+                "/function/arguments"
+            } else {
+                "/arguments"
+            };
+            let args = call.pointer_mut(path);
+            if let Some(a) = args {
+                if let Some(obj) = a
+                    .as_str()
+                    .and_then(|t| serde_json::from_str::<Map<String, Value>>(t).ok())
+                {
+                    *a = Value::Object(obj);
+                }
+            }
+        }
+    }
+    message
 }
 
 /// The roles a chat message may have.
@@ -384,6 +443,8 @@ struct Choice {
     logprobs: Vec<Sampled>,
     /// Log-probabilities not yet sent in a chunk.
     unsent_logprobs: Vec<Sampled>,
+    /// Characters of the completion's tokens before the next streamed one (`text_offset`).
+    text_offset: usize,
     tool_calls: usize,
     first_token: Option<Duration>,
     finish: Option<&'static str>,
@@ -414,6 +475,7 @@ impl Choice {
             ids: Vec::new(),
             logprobs: Vec::new(),
             unsent_logprobs: Vec::new(),
+            text_offset: 0,
             tool_calls: 0,
             first_token: None,
             finish: None,
@@ -445,7 +507,9 @@ impl Choice {
                 up.finish = Some(match reason {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
                     StopReason::StopToken(_) | StopReason::StopString(_) if calls > 0 => "tool_calls",
-                    StopReason::StopToken(_) | StopReason::StopString(_) => "stop",
+                    StopReason::StopToken(_) | StopReason::StopString(_) | StopReason::Degenerate(_) => {
+                        "stop"
+                    }
                     StopReason::Cancelled => "abort",
                 });
             }
@@ -553,15 +617,15 @@ fn tool_calls_json(calls: &[ToolCall], first_index: usize) -> Value {
 impl Job {
     /// The log-probabilities object of `lps` (chat's `{"content": [...]}` or completions'
     /// token arrays), or null when none were asked for.
-    fn logprobs_json(&self, svc: &Service, lps: &[Sampled]) -> Value {
-        if !self.logprobs.on() {
+    fn logprobs_json(&self, svc: &Service, lps: &[Sampled], text_offset: &mut usize) -> Value {
+        if !self.logprobs.on() || lps.is_empty() {
             return Value::Null;
         }
         match self.endpoint {
             Endpoint::Chat => {
                 let entry = |id: u32, lp: f32| {
-                    let token = svc.token_text(id);
-                    json!({ "token": token, "logprob": lp, "bytes": token.as_bytes() })
+                    let (token, bytes) = svc.token_text(id);
+                    json!({ "token": token, "logprob": lp, "bytes": bytes })
                 };
                 let content: Vec<Value> = lps
                     .iter()
@@ -574,13 +638,13 @@ impl Job {
                 json!({ "content": content })
             }
             Endpoint::Completions => {
-                let tokens: Vec<String> = lps.iter().map(|s| svc.token_text(s.token)).collect();
-                let mut offset = 0;
+                let tokens: Vec<String> = lps.iter().map(|s| svc.token_text(s.token).0).collect();
+                // Offsets count from the completion's start, across chunks.
                 let offsets: Vec<usize> = tokens
                     .iter()
                     .map(|t| {
-                        let o = offset;
-                        offset += t.chars().count();
+                        let o = *text_offset;
+                        *text_offset += t.chars().count();
                         o
                     })
                     .collect();
@@ -590,7 +654,7 @@ impl Job {
                         let m: Map<String, Value> = s
                             .top_logprobs
                             .iter()
-                            .map(|&(t, lp)| (svc.token_text(t), json!(lp)))
+                            .map(|&(t, lp)| (svc.token_text(t).0, json!(lp)))
                             .collect();
                         Value::Object(m)
                     })
@@ -627,7 +691,8 @@ impl Job {
         if d.is_empty() && up.finish.is_none() && !first && !ids {
             return None;
         }
-        let logprobs = self.logprobs_json(svc, &std::mem::take(&mut choice.unsent_logprobs));
+        let unsent = std::mem::take(&mut choice.unsent_logprobs);
+        let logprobs = self.logprobs_json(svc, &unsent, &mut choice.text_offset);
         let mut body = match self.endpoint {
             Endpoint::Completions => {
                 json!({ "index": index, "text": d.content, "logprobs": logprobs, "finish_reason": up.finish })
@@ -670,7 +735,7 @@ impl Job {
             .iter()
             .enumerate()
             .map(|(index, c)| {
-                let logprobs = self.logprobs_json(svc, &c.logprobs);
+                let logprobs = self.logprobs_json(svc, &c.logprobs, &mut 0);
                 let m = &c.message;
                 let mut choice = match self.endpoint {
                     Endpoint::Completions => {
@@ -753,15 +818,17 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
                     let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
                     return;
                 }
+                // A choice that ended is counted before its last chunk goes (a client that
+                // leaves right then does not turn it into an abort).
+                if up.finish.is_some() {
+                    tracker.end(i, &choices[i]);
+                    open -= 1;
+                }
                 if let Some(chunk) = job.chunk(&svc, i, &mut choices[i], &up, first[i]) {
                     first[i] = false;
                     if !send(chunk) {
                         return;
                     }
-                }
-                if up.finish.is_some() {
-                    tracker.end(i, &choices[i]);
-                    open -= 1;
                 }
             }
             tracing::info!(request = %job.id, "finished");
@@ -949,6 +1016,36 @@ async fn chat_completions(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only the last assistant turn says whether the model starts thinking: a `<think>` in a
+    /// user's text does not.
+    #[test]
+    fn thinking_is_read_from_the_generation_prompt() {
+        let prompt = "<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n";
+        assert!(
+            OutputParser::prompt_is_thinking(prompt),
+            "the whole prompt would say so"
+        );
+        assert!(!OutputParser::prompt_is_thinking(generation_prompt(prompt)));
+        let thinking = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n";
+        assert!(OutputParser::prompt_is_thinking(generation_prompt(thinking)));
+        assert_eq!(generation_prompt("no turns"), "no turns");
+    }
+
+    /// Tool-call arguments sent as JSON text reach the template as objects; other text stays.
+    #[test]
+    fn string_tool_arguments_become_objects() {
+        let m = json!({"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}},
+            {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+        ]});
+        let out = with_object_arguments(m.as_object().unwrap().clone());
+        assert_eq!(
+            out["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(out["tool_calls"][1]["function"]["arguments"], "not json");
+    }
 
     #[test]
     fn keys_compare_whole() {

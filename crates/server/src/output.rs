@@ -221,6 +221,29 @@ fn held_prefix(text: &str, tag: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// The bytes of a byte-level BPE token (GPT-2's byte-to-character map, as Qwen's tokenizer
+/// uses), or `None` when `piece` holds a character outside that map (an added token).
+pub fn byte_level_bytes(piece: &str) -> Option<Vec<u8>> {
+    piece
+        .chars()
+        .map(|c| {
+            let c = c as u32;
+            // Printable bytes map to themselves; the others to U+0100 and up, in byte order.
+            let printable = |b: u32| {
+                (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+            };
+            if c < 0x100 && printable(c) {
+                return Some(c as u8);
+            }
+            let k = c.checked_sub(0x100)?;
+            (0u32..256)
+                .filter(|&b| !printable(b))
+                .nth(k as usize)
+                .map(|b| b as u8)
+        })
+        .collect()
+}
+
 /// A tool call block's name and arguments (a JSON object's text), or `None` when it is neither
 /// form.
 pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> {
@@ -417,6 +440,21 @@ mod tests {
             "<tool_call>{\"name\": \"f\"}</tool_call>",
         );
         assert_eq!(d.tool_calls[0].arguments, "{}");
+    }
+
+    /// GPT-2's byte-level map: printable bytes are themselves, `Ġ` (U+0120) is a space, `Ċ`
+    /// (U+010A) a newline, and a character split across tokens keeps its raw bytes.
+    #[test]
+    fn byte_level_pieces_give_their_bytes() {
+        assert_eq!(byte_level_bytes("Hello").unwrap(), b"Hello");
+        assert_eq!(byte_level_bytes("\u{120}world").unwrap(), b" world");
+        assert_eq!(byte_level_bytes("\u{10A}").unwrap(), b"\n");
+        assert_eq!(byte_level_bytes("\u{100}").unwrap(), [0u8]);
+        // "é" is bytes C3 A9, written as the characters Ã (U+00C3) and © (U+00A9).
+        assert_eq!(byte_level_bytes("\u{C3}").unwrap(), [0xC3]);
+        assert_eq!(byte_level_bytes("\u{C3}\u{A9}").unwrap(), "é".as_bytes());
+        assert_eq!(byte_level_bytes("<|im_end|>"), Some(b"<|im_end|>".to_vec()));
+        assert_eq!(byte_level_bytes("日"), None);
     }
 
     #[test]

@@ -51,17 +51,21 @@ for thinking in (True, False):
                 max_tokens=16, temperature=0.7, seed=5,
                 extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
     whole = client.chat.completions.create(**args)
-    text, usage, roles = "", None, []
+    text, reasoning, usage, roles = "", "", None, []
     for chunk in client.chat.completions.create(stream=True,
                                                 stream_options={"include_usage": True}, **args):
         if chunk.usage:
             usage = chunk.usage
         for choice in chunk.choices:
             text += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
             if choice.delta.role:
                 roles.append(choice.delta.role)
     msg = whole.choices[0].message
     check(text == (msg.content or ""), f"chat (thinking {thinking}): streamed text equals the whole")
+    check(reasoning == (getattr(msg, "reasoning_content", None) or ""),
+          f"chat (thinking {thinking}): streamed reasoning equals the whole")
+    check(len(text) + len(reasoning) > 0, f"chat (thinking {thinking}): some output")
     check(usage is not None and usage.completion_tokens == whole.usage.completion_tokens,
           f"chat (thinking {thinking}): usage chunk")
     check(roles == ["assistant"], f"chat (thinking {thinking}): one role delta")

@@ -426,11 +426,15 @@ async fn choices_seeds_and_logprobs() {
         assert_eq!(w["choices"][0]["text"].as_str().unwrap(), *text, "choice {i}");
     }
     assert_ne!(texts[0], texts[1]);
-    let total: u64 = (0..3)
-        .map(|i| generator.encode(texts[i]).unwrap().len() as u64)
+    // The usage adds up every choice's tokens (counted through their log-probabilities).
+    let mut counted = three.clone();
+    counted["logprobs"] = json!(0);
+    let (_, c) = server.post("/v1/completions", &counted).await;
+    let per_choice: u64 = (0..3)
+        .map(|i| c["choices"][i]["logprobs"]["tokens"].as_array().unwrap().len() as u64)
         .sum();
-    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
-    assert!(total > 0);
+    assert_eq!(c["usage"]["completion_tokens"].as_u64().unwrap(), per_choice);
+    assert!(per_choice > 3);
     // Streamed, the choices interleave and each streams what it gives whole.
     let mut streamed = three.clone();
     streamed["stream"] = json!(true);
@@ -503,6 +507,19 @@ async fn choices_seeds_and_logprobs() {
         .collect();
     assert_eq!(offsets[0], 0);
     assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+    // Streamed, the offsets go on from chunk to chunk.
+    let events = server
+        .stream(
+            "/v1/completions",
+            &json!({ "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "stream": true }),
+        )
+        .await;
+    let streamed: Vec<Value> = chunks(&events)
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(Value::Array(streamed), lp["text_offset"]);
     // Chat: `logprobs: true` with `top_logprobs`, per token in `content`.
     let (status, c) = server
         .post(
@@ -706,7 +723,7 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "max_tokens": "x"}"#.into(), ok, 400, "max_tokens", None),
         (c, r#"{"max_tokens": 3}"#.into(), ok, 400, "prompt", Some("prompt")),
         (c, r#"{"prompt": [1], "temperature": -1}"#.into(), ok, 400, "temperature", None),
-        (c, r#"{"prompt": [1], "max_tokens": 5000}"#.into(), ok, 400, "context", Some("max_tokens")),
+        (c, r#"{"prompt": [1], "max_tokens": 5000}"#.into(), ok, 400, "context", None),
         (c, r#"{"prompt": [], "max_tokens": 2}"#.into(), ok, 400, "no tokens", None),
         (c, r#"{"prompt": [99999], "max_tokens": 2}"#.into(), ok, 400, "vocabulary", None),
         // Prompt + max_tokens past usize: refused, not wrapped around.
@@ -716,7 +733,7 @@ async fn bad_requests_get_error_objects() {
             ok,
             400,
             "context",
-            Some("max_tokens"),
+            None,
         ),
         (c, r#"{"prompt": [1], "n": 17}"#.into(), ok, 400, "n = 17", Some("n")),
         (c, r#"{"prompt": [1], "n": 0}"#.into(), ok, 400, "n = 0", Some("n")),
@@ -732,6 +749,14 @@ async fn bad_requests_get_error_objects() {
         (c, many_stops, ok, 400, "at most 16", Some("stop")),
         (c, r#"{"prompt": [1], "stop": [""]}"#.into(), ok, 400, "0 bytes", Some("stop")),
         (c, r#"{"prompt": [1], "top_p": 0}"#.into(), ok, 400, "top_p", None),
+        (
+            c,
+            r#"{"prompt": [1], "tools": [{"type": "function", "function": {"name": "f"}}]}"#.into(),
+            ok,
+            400,
+            "chat/completions only",
+            Some("tools"),
+        ),
         (chat, r#"{"messages": []}"#.into(), ok, 400, "at least one", Some("messages")),
         (chat, r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), ok, 400, "wizard", Some("messages")),
         (chat, r#"{"messages": [{"content": "hi"}]}"#.into(), ok, 400, "role", Some("messages")),
@@ -786,6 +811,9 @@ async fn bad_requests_get_error_objects() {
         assert!(code.is_null() || code.is_string(), "{code}");
         if status == 401 {
             assert_eq!(code, "invalid_api_key");
+        }
+        if msg.contains("context is") {
+            assert_eq!(code, "context_length_exceeded");
         }
     }
     // A method the route does not take: 405 with an error object.

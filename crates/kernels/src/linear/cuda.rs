@@ -200,7 +200,7 @@ pub(crate) fn fp8_linear(
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims();
-    if kw != k || !(1..=LINEAR_MAX_ROWS).contains(&m) {
+    if kw != k || !(1..=LINEAR_MAX_ROWS).contains(&m) || n * k > i32::MAX as usize * 4 {
         return Err(err(op, format!("x {:?} for an FP8 weight [{n}, {kw}]", x.dims())));
     }
     if let Some(r) = res {
@@ -281,7 +281,11 @@ pub(crate) fn fp8_linear(
 
 /// The dequantized FP8 weight `[n, k]` in `dtype` (one kernel: each element times its block's
 /// scale in f32, rounded once, as the CPU reference does); `None` when the kernel cannot take it.
-pub(crate) fn fp8_dequantize(w: &super::Fp8Weight, dtype: DType) -> Result<Option<Tensor>> {
+pub(crate) fn fp8_dequantize(
+    w: &super::Fp8Weight,
+    dtype: DType,
+    policy: &KernelPolicy,
+) -> Result<Option<Tensor>> {
     let op = "fp8_dequantize";
     if !fp8_fits(w)
         || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
@@ -292,7 +296,6 @@ pub(crate) fn fp8_dequantize(w: &super::Fp8Weight, dtype: DType) -> Result<Optio
     let (n, k) = w.dims();
     let [bo, bi] = w.block();
     let dev = device(op, w.q())?;
-    let policy = KernelPolicy::DEFAULT;
     macro_rules! go {
         ($t:ty) => {{
             let (qs, ql) = w.q().storage_and_layout();

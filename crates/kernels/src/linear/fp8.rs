@@ -45,10 +45,16 @@ impl Fp8Weight {
                 q.dtype()
             ));
         }
-        if block.contains(&0) {
-            return bad(format!("block {block:?} must be positive"));
+        let small = |v: usize| (1..=i32::MAX as usize).contains(&v);
+        if !block.iter().all(|&b| small(b)) {
+            return bad(format!("block {block:?} must be positive and below 2^31"));
         }
         let (out, inp) = q.dims2()?;
+        if !small(out) || !small(inp) {
+            return bad(format!(
+                "a weight [{out}, {inp}] must have 1..2^31 rows and columns"
+            ));
+        }
         let want = [out.div_ceil(block[0]), inp.div_ceil(block[1])];
         if scale.dims() != want {
             return bad(format!(
@@ -92,12 +98,18 @@ impl Fp8Weight {
     /// The real weight `[out, in]` in `dtype`: each value times its block's scale in f32, rounded
     /// once to `dtype` (one kernel on CUDA).
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        self.dequantize_with(dtype, &crate::KernelPolicy::DEFAULT)
+    }
+
+    /// [`Self::dequantize`] with the CUDA kernel launched under `policy`.
+    pub fn dequantize_with(&self, dtype: DType, policy: &crate::KernelPolicy) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.q.device().is_cuda() {
-            if let Some(w) = super::cuda::fp8_dequantize(self, dtype)? {
+            if let Some(w) = super::cuda::fp8_dequantize(self, dtype, policy)? {
                 return Ok(w);
             }
         }
+        let _ = policy;
         super::reference::fp8_dequantize(&self.q, &self.scale, self.block, dtype)
     }
 
@@ -218,6 +230,7 @@ pub(crate) mod tests {
         assert!(Fp8Weight::new(q.clone(), ok.clone(), [128, 128]).is_ok());
         assert!(err(&q, &Tensor::ones((2, 1), DType::F32, &dev)?, [128, 128]).contains("expected [1, 1]"));
         assert!(err(&q, &ok, [0, 128]).contains("positive"));
+        assert!(err(&q, &ok, [1 << 32, 128]).contains("2^31"));
         assert!(err(&q.to_dtype(DType::F32)?, &ok, [128, 128]).contains("f8e4m3"));
         let nan = Tensor::new(&[[f32::NAN]], &dev)?;
         assert!(err(&q, &nan, [128, 128]).contains("NaN"));

@@ -19,6 +19,11 @@ use crate::{Error, KernelPolicy, Result};
 /// The most rows (`batch · len`) a call may have to use the CUDA weight-streaming kernel.
 pub const SKINNY_MAX_ROWS: usize = crate::consts::LINEAR_MAX_ROWS;
 
+/// The most rows an FP8 layer streams its weight for on CUDA (in groups of
+/// [`SKINNY_MAX_ROWS`], reading the weight once per group: four reads of e4m3 bytes still move
+/// less than dequantizing to bf16 and multiplying); more rows dequantize and multiply.
+pub const FP8_STREAM_MAX_ROWS: usize = 4 * SKINNY_MAX_ROWS;
+
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
 /// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
 /// bench_linear): at one row the kernel beats cuBLAS by 0-10% with one column per warp, or two for
@@ -170,7 +175,8 @@ impl Linear {
         Ok(Self {
             kind: Kind::Parts(out),
             policy,
-        })
+        }
+        .with_policy(policy))
     }
 
     /// `self` and `next` as one layer with stacked weights, when their kinds allow.
@@ -260,7 +266,7 @@ impl Linear {
                         None => y,
                     });
                 }
-                let dense = candle_nn::Linear::new(w.dequantize(x.dtype())?, bias.clone());
+                let dense = candle_nn::Linear::new(w.dequantize_with(x.dtype(), &self.policy)?, bias.clone());
                 reference::linear(&dense, x)
             }
             Kind::Parts(parts) => {
@@ -423,7 +429,7 @@ impl Linear {
             return Ok(None);
         }
         let rows = x.elem_count() / k.max(1);
-        if rows == 0 || rows > SKINNY_MAX_ROWS {
+        if rows == 0 || rows > FP8_STREAM_MAX_ROWS {
             return Ok(None);
         }
         let dims = out_dims(x, n);
@@ -438,8 +444,29 @@ impl Linear {
             None => None,
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        let Some(y) = cuda::fp8_linear(&x2, w, r2.as_ref(), &self.policy)? else {
-            return Ok(None);
+        // More rows than the kernel takes: it runs once per group of rows (reading the weight
+        // each time, which for a few groups still moves fewer bytes than dequantizing it).
+        let mut outs = Vec::new();
+        for start in (0..rows).step_by(SKINNY_MAX_ROWS) {
+            let m = SKINNY_MAX_ROWS.min(rows - start);
+            let (xs, rs) = match rows > SKINNY_MAX_ROWS {
+                true => (
+                    x2.narrow(0, start, m)?.contiguous()?,
+                    r2.as_ref()
+                        .map(|r| r.narrow(0, start, m)?.contiguous())
+                        .transpose()?,
+                ),
+                false => (x2.clone(), r2.clone()),
+            };
+            let Some(y) = cuda::fp8_linear(&xs, w, rs.as_ref(), &self.policy)? else {
+                return Ok(None);
+            };
+            outs.push(y);
+        }
+        let y = if outs.len() == 1 {
+            outs.pop().expect("one group")
+        } else {
+            Tensor::cat(&outs, 0)?
         };
         Ok(Some(y.reshape(dims)?))
     }
