@@ -302,6 +302,11 @@ impl GatedDeltaNet {
         }
     }
 
+    /// Whether its input and output projections hold FP8 weights.
+    pub fn projections_fp8(&self) -> bool {
+        self.in_proj.is_fp8() && self.out_proj.is_fp8()
+    }
+
     /// The policy its CUDA kernels run under.
     pub fn policy(&self) -> &KernelPolicy {
         &self.policy

@@ -33,6 +33,9 @@ pub struct Cache {
     pub(crate) batch: usize,
     pub(crate) seq_len: usize,
     pub(crate) pending: Option<Pending>,
+    /// Tests only: the fault of the model that made it.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault: Option<crate::Fault>,
 }
 
 impl Cache {
@@ -53,9 +56,14 @@ impl Cache {
 
     /// Clears everything so the next call starts a new sequence: KV lengths to 0, GDN states to zero.
     pub fn reset(&mut self) -> Result<()> {
+        #[cfg(feature = "fault-injection")]
+        let keep_states = self.fault == Some(crate::Fault::NoReset);
+        #[cfg(not(feature = "fault-injection"))]
+        let keep_states = false;
         for l in &mut self.layers {
             match l {
                 LayerCache::Attention(kv) => kv.reset(),
+                LayerCache::Gdn(_) if keep_states => {}
                 LayerCache::Gdn(s) => s.reset()?,
             }
         }
@@ -78,6 +86,11 @@ impl Cache {
             .pending
             .take()
             .ok_or_else(|| Error::Cache("commit without a verify pass before it".into()))?;
+        #[cfg(feature = "fault-injection")]
+        let keep = match self.fault {
+            Some(crate::Fault::WrongRollback) => (keep + 1).min(p.len),
+            _ => keep,
+        };
         if keep == 0 || keep > p.len {
             let len = p.len;
             self.pending = Some(p);

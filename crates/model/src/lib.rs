@@ -29,3 +29,16 @@ pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
 pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
 pub use weights::{LoadOptions, LoadProgress, Weights};
+
+/// Faults a test can give a model, to check that the doctor diagnoses them (feature
+/// `fault-injection`, for tests only).
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The GDN recurrent state is rounded to bf16 after every eager step (a bf16 state).
+    Bf16State,
+    /// `Cache::reset` leaves the GDN states as they are (a state not reset between sequences).
+    NoReset,
+    /// `Cache::commit(keep)` keeps one token more than asked (a wrong rollback after a verify).
+    WrongRollback,
+}

@@ -286,9 +286,19 @@ pub struct Qwen36Model {
     rope: RotaryEmbedding,
     dtype: DType,
     device: Device,
+    /// Tests only: the fault its caches carry.
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::Fault>,
 }
 
 impl Qwen36Model {
+    /// The model with `fault` injected into every cache it makes (tests of the doctor only).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_fault(mut self, fault: crate::Fault) -> Self {
+        self.fault = Some(fault);
+        self
+    }
+
     /// Loads `dir/config.json` and the checkpoint in `dir`.
     pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
@@ -326,6 +336,8 @@ impl Qwen36Model {
             dtype,
             device: w.options().device.clone(),
             cfg,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
         })
     }
 
@@ -373,6 +385,8 @@ impl Qwen36Model {
             batch,
             seq_len: 0,
             pending: None,
+            #[cfg(feature = "fault-injection")]
+            fault: self.fault,
         })
     }
 
@@ -600,6 +614,11 @@ impl Qwen36Model {
             if let Some(c) = checkpoints.as_deref_mut() {
                 c.push(cp);
             }
+            #[cfg(feature = "fault-injection")]
+            if let (Some(crate::Fault::Bf16State), LayerCache::Gdn(s)) = (cache.fault, &mut *lc) {
+                let rounded = s.recurrent().to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+                *s = qwen36_gdn::GdnState::from_parts(s.conv().clone(), rounded, s.seen())?;
+            }
             x = y;
         }
         cache.seq_len += t;
@@ -811,6 +830,34 @@ mod tests {
         // At least the two norms, the MLP's two projections and the mixer per layer.
         assert!(all.len() > 5 * cfg.num_hidden_layers, "{} parts", all.len());
         assert!(all.iter().all(|p| p == &policy), "{all:?}");
+        Ok(())
+    }
+
+    /// Random FP8 weights (the benchmarks' `--fp8`) make a model whose projections are FP8 where
+    /// Qwen's checkpoints have them (not the GDN's in_proj_a/b or lm_head) and whose logits are
+    /// finite.
+    #[test]
+    fn random_fp8_weights_make_a_working_model() -> Result<()> {
+        let cfg = Config::from_file(qwen36_testutil::bundled_dir().join("config.json"))?;
+        let w = Weights::random_fp8(LoadOptions::default(), [128, 128]);
+        let model = Qwen36Model::from_weights(cfg, &w)?;
+        assert!(!model.lm_head.is_fp8());
+        let gdn = model
+            .layers
+            .iter()
+            .find_map(|l| match &l.mixer {
+                Mixer::Gdn(g) => Some(g.clone()),
+                Mixer::Attention(_) => None,
+            })
+            .expect("a GDN layer");
+        assert!(gdn.projections_fp8(), "qkv|z and out_proj in FP8");
+        let ids = Tensor::new(&[[1u32, 2, 3]], model.device())?;
+        let logits = model.forward(&ids, &mut model.new_cache(1)?)?;
+        assert!(logits
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?
+            .is_finite());
         Ok(())
     }
 }

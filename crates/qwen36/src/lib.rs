@@ -14,6 +14,7 @@
 //! (many requests at once: continuous batching over pooled state).
 
 mod chat;
+pub mod doctor;
 mod error;
 mod generate;
 pub mod hub;

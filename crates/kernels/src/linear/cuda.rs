@@ -287,9 +287,9 @@ pub(crate) fn fp8_dequantize(
     policy: &KernelPolicy,
 ) -> Result<Option<Tensor>> {
     let op = "fp8_dequantize";
-    if !fp8_fits(w)
+    if !w.q().is_contiguous()
+        || !w.scale().is_contiguous()
         || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-        || w.q().layout().start_offset() % 4 != 0
     {
         return Ok(None);
     }
@@ -302,11 +302,11 @@ pub(crate) fn fp8_dequantize(
             let (ss, sl) = w.scale().storage_and_layout();
             let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
             let sv = view::<f32>(op, &ss, sl)?;
-            // SAFETY: uninitialised; the kernel writes every element (k is a multiple of 16, so
-            // the n·k/4 words cover them all).
+            // SAFETY: uninitialised; the kernel writes every element (one thread per element,
+            // grid-stride).
             let out = unsafe { dev.alloc::<$t>(n * k)? };
             let func = LINEAR.func(&dev, &format!("fp8_dequant_{}", dtype_suffix(op, dtype)?))?;
-            let mut lb = KernelCall::new(&dev, &func, &policy);
+            let mut lb = KernelCall::new(&dev, &func, policy);
             let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
             lb.arg(&qv)
                 .arg(&sv)
@@ -315,17 +315,16 @@ pub(crate) fn fp8_dequantize(
                 .arg(&k32)
                 .arg(&bo32)
                 .arg(&bi32);
-            let words = n * k / 4;
+            let total = n * k;
             let cfg = LaunchConfig {
-                grid_dim: (words.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+                grid_dim: (total.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            if words > 0 {
+            if total > 0 {
                 // SAFETY: arguments match `fp8_dequant_{sfx}` in cuda/linear.cu: w [n·k] bytes
-                // (4-byte aligned start, k a multiple of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32,
-                // contiguous (checked above), out [n·k], i32 n, k, bo, bi; a grid-stride loop
-                // over the n·k/4 words.
+                // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, contiguous (checked above), out [n·k], i32 n,
+                // k, bo, bi (below 2^31: Fp8Weight::new); a grid-stride loop over the elements.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(out, &dev, (n, k))))

@@ -103,11 +103,18 @@ impl Fp8Weight {
 
     /// [`Self::dequantize`] with the CUDA kernel launched under `policy`.
     pub fn dequantize_with(&self, dtype: DType, policy: &crate::KernelPolicy) -> Result<Tensor> {
+        // candle has no CUDA cast from e4m3: on CUDA only the kernel dequantizes.
         #[cfg(feature = "cuda")]
         if self.q.device().is_cuda() {
-            if let Some(w) = super::cuda::fp8_dequantize(self, dtype, policy)? {
-                return Ok(w);
-            }
+            let contiguous = Fp8Weight {
+                q: self.q.contiguous()?,
+                scale: self.scale.contiguous()?,
+                block: self.block,
+            };
+            return super::cuda::fp8_dequantize(&contiguous, dtype, policy)?.ok_or_else(|| Error::Shape {
+                op: "Fp8Weight::dequantize",
+                msg: format!("no CUDA dequantization to {dtype:?}"),
+            });
         }
         let _ = policy;
         super::reference::fp8_dequantize(&self.q, &self.scale, self.block, dtype)

@@ -1,0 +1,830 @@
+//! The doctor: checks that say whether a model runs correctly on this device and dtype, and what
+//! to do when it does not. Built for the failure this project started from, a deployment that
+//! answered "prime prime prime…" with 100% MTP acceptance because its GDN state was mishandled.
+//!
+//! [`examine`] runs every check on a model directory; the groups are public too, so a test can
+//! give them a model with a fault injected: [`checkpoint_checks`], [`convention_checks`],
+//! [`numerics_checks`], [`speculation_checks`], [`generation_checks`].
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use qwen36_model::{Config, LayerCache, LayerType, LoadOptions, MtpHead, Qwen36Model, Weights};
+use qwen36_mtp::{MtpDrafter, SpecConfig, SpeculativeDecoder};
+use qwen36_sampling::{DegenerationConfig, RepetitionDetector, SamplingParams};
+use serde_json::{json, Value};
+
+use crate::{GenerateOptions, Generator, Result};
+
+/// A check's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Pass,
+    /// Works, but something deserves a look.
+    Warn,
+    /// Wrong: the model will not run correctly as it is.
+    Fail,
+    /// Could not be run here (what it needs is missing).
+    Skip,
+}
+
+impl Status {
+    fn word(self) -> &'static str {
+        match self {
+            Status::Pass => "pass",
+            Status::Warn => "warn",
+            Status::Fail => "FAIL",
+            Status::Skip => "skip",
+        }
+    }
+}
+
+/// One check's result: what was found and, unless it passed, what to do.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub group: &'static str,
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+    pub advice: String,
+}
+
+fn check(group: &'static str, name: &'static str, status: Status, detail: impl Into<String>) -> Check {
+    Check {
+        group,
+        name,
+        status,
+        detail: detail.into(),
+        advice: String::new(),
+    }
+}
+
+impl Check {
+    fn advise(mut self, advice: impl Into<String>) -> Self {
+        self.advice = advice.into();
+        self
+    }
+}
+
+/// Every check's result.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub model: String,
+    pub device: String,
+    pub dtype: String,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    /// Whether any check failed.
+    pub fn failed(&self) -> bool {
+        self.checks.iter().any(|c| c.status == Status::Fail)
+    }
+
+    /// The report as one line per check, then a summary.
+    pub fn render(&self) -> String {
+        let mut out = format!(
+            "qwen36 doctor: {} on {} in {}\n",
+            self.model, self.device, self.dtype
+        );
+        let mut group = "";
+        for c in &self.checks {
+            if c.group != group {
+                group = c.group;
+                out.push_str(&format!("\n{group}\n"));
+            }
+            out.push_str(&format!("  [{}] {}: {}\n", c.status.word(), c.name, c.detail));
+            if !c.advice.is_empty() {
+                out.push_str(&format!("         -> {}\n", c.advice));
+            }
+        }
+        let count = |s| self.checks.iter().filter(|c| c.status == s).count();
+        out.push_str(&format!(
+            "\n{} passed, {} warnings, {} failed, {} skipped\n",
+            count(Status::Pass),
+            count(Status::Warn),
+            count(Status::Fail),
+            count(Status::Skip)
+        ));
+        out
+    }
+
+    /// The report as JSON (`checks`: `group`, `name`, `status`, `detail`, `advice`).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "failed": self.failed(),
+            "checks": self.checks.iter().map(|c| json!({
+                "group": c.group, "name": c.name, "status": c.status.word().to_lowercase(),
+                "detail": c.detail, "advice": c.advice,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// How the doctor runs.
+#[derive(Debug, Clone)]
+pub struct DoctorOptions {
+    /// Where and in what dtype the model under test runs (the reference is always the CPU in
+    /// f32).
+    pub device: Device,
+    pub dtype: DType,
+    /// Compare only the first N decoder layers with the reference (a large model's f32 copy
+    /// may not fit the CPU's memory); `None`: all when the f32 model takes under 8 GB, else 8.
+    pub reference_layers: Option<usize>,
+    /// Tokens per generation in the speculation and generation checks.
+    pub generate_tokens: usize,
+}
+
+impl Default for DoctorOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            reference_layers: None,
+            generate_tokens: 96,
+        }
+    }
+}
+
+/// Every check on the model in `dir`. Fails only when the directory cannot be read at all; a
+/// model that does not load is a failed check in the report.
+pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
+    let mut report = Report {
+        model: dir.display().to_string(),
+        device: format!("{:?}", opts.device),
+        dtype: format!("{:?}", opts.dtype),
+        checks: Vec::new(),
+    };
+    let (checks, loaded) = checkpoint_checks(dir, opts);
+    report.checks.extend(checks);
+    let Some(generator) = loaded else {
+        return Ok(report);
+    };
+    report.checks.extend(convention_checks(dir));
+    let model = generator.model();
+    let reference = reference_model(dir, model.config(), opts);
+    let prompt = probe_prompt(model.config().vocab_size, 80);
+    match &reference {
+        Ok(r) => report.checks.extend(numerics_checks(model, r, &prompt)),
+        Err(e) => report.checks.push(
+            check(
+                "numerics",
+                "reference",
+                Status::Skip,
+                format!("no CPU f32 reference: {e}"),
+            )
+            .advise("run on a machine with the memory for the f32 model, or pass --reference-layers N"),
+        ),
+    }
+    report.checks.extend(speculation_checks(
+        model,
+        generator.mtp_head(),
+        &prompt[..16],
+        opts.generate_tokens,
+    ));
+    report
+        .checks
+        .extend(generation_checks(&generator, opts.generate_tokens));
+    Ok(report)
+}
+
+/// Deterministic probe ids below `vocab` (a fixed xorshift stream).
+fn probe_prompt(vocab: usize, len: usize) -> Vec<u32> {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// The CPU f32 model of `dir`, cut to the layers the options allow.
+fn reference_model(dir: &Path, cfg: &Config, opts: &DoctorOptions) -> Result<Qwen36Model> {
+    let mut cfg = cfg.clone();
+    let params = 4.0 * (cfg.hidden_size * cfg.hidden_size) as f64 * 12.0 * cfg.num_hidden_layers as f64
+        + (cfg.vocab_size * cfg.hidden_size) as f64;
+    let layers = opts.reference_layers.unwrap_or(if params * 4.0 < 8e9 {
+        cfg.num_hidden_layers
+    } else {
+        8
+    });
+    cfg.num_hidden_layers = layers.min(cfg.num_hidden_layers);
+    cfg.layer_types.truncate(cfg.num_hidden_layers);
+    let w = Weights::open(dir, LoadOptions::default())?;
+    Ok(Qwen36Model::from_weights(cfg, &w)?)
+}
+
+/// The checkpoint: config, weights (shapes, NaN/inf, layer kinds against the tensors present),
+/// the MTP head, the tokenizer against the vocabulary, the stop ids, the chat template. Returns
+/// the loaded generator when the model loads.
+pub fn checkpoint_checks(dir: &Path, opts: &DoctorOptions) -> (Vec<Check>, Option<Generator>) {
+    const G: &str = "checkpoint";
+    let mut out = Vec::new();
+    let cfg = match Config::from_file(dir.join("config.json")) {
+        Ok(c) => {
+            out.push(check(
+                G,
+                "config.json",
+                Status::Pass,
+                format!(
+                    "{} layers ({} GDN, {} attention), hidden {}, vocab {}, GDN state {:?}",
+                    c.num_hidden_layers,
+                    c.layer_types
+                        .iter()
+                        .filter(|t| **t == LayerType::LinearAttention)
+                        .count(),
+                    c.layer_types
+                        .iter()
+                        .filter(|t| **t == LayerType::FullAttention)
+                        .count(),
+                    c.hidden_size,
+                    c.vocab_size,
+                    c.mamba_ssm_dtype
+                ),
+            ));
+            c
+        }
+        Err(e) => {
+            out.push(check(G, "config.json", Status::Fail, e.to_string()).advise(
+                "fix config.json: the GDN state must be float32 (mamba_ssm_dtype), layer_types must name every layer",
+            ));
+            return (out, None);
+        }
+    };
+    let load = LoadOptions {
+        dtype: opts.dtype,
+        device: opts.device.clone(),
+        ..LoadOptions::default()
+    };
+    let generator = match Generator::load(dir, load) {
+        Ok(g) => {
+            out.push(check(
+                G,
+                "weights",
+                Status::Pass,
+                "every tensor the config implies is present, shaped as it says, and finite",
+            ));
+            g
+        }
+        Err(e) => {
+            out.push(check(G, "weights", Status::Fail, e.to_string()).advise(
+                "the named tensor is missing, misshapen or not finite: re-download or re-convert the checkpoint (a missing layer's tensors usually mean layer_types does not match it)",
+            ));
+            return (out, None);
+        }
+    };
+    out.push(match (generator.mtp_head(), cfg.mtp_num_hidden_layers) {
+        (Some(_), n) => check(G, "MTP head", Status::Pass, format!("present ({} layer(s))", n.max(1))),
+        (None, 0) => check(G, "MTP head", Status::Warn, "none in this checkpoint")
+            .advise("speculative decoding needs the MTP head (mtp.*); prompt lookup (--drafter ngram) works without it"),
+        (None, n) => check(
+            G,
+            "MTP head",
+            Status::Warn,
+            format!("config.json declares {n} MTP layer(s) but the checkpoint has no mtp.* tensors"),
+        )
+        .advise("quantization and conversion pipelines often drop mtp.* (transformers ignores them on load): take the MTP tensors from the original checkpoint"),
+    });
+    let stop_ids = generator.default_stop_ids();
+    match generator.tokenizer() {
+        None => out.push(
+            check(G, "tokenizer", Status::Warn, "no tokenizer.json")
+                .advise("text prompts and stop strings need tokenizer.json"),
+        ),
+        Some(t) => {
+            let size = t.get_vocab_size(true);
+            out.push(if size <= cfg.vocab_size {
+                check(
+                    G,
+                    "tokenizer",
+                    Status::Pass,
+                    format!("{size} ids, within the model's {}", cfg.vocab_size),
+                )
+            } else {
+                check(
+                    G,
+                    "tokenizer",
+                    Status::Fail,
+                    format!("{size} ids but the embedding has {} rows", cfg.vocab_size),
+                )
+                .advise("the tokenizer belongs to another model: use the checkpoint's own tokenizer.json")
+            });
+            let named: Vec<String> = stop_ids
+                .iter()
+                .map(|&i| {
+                    t.id_to_token(i)
+                        .unwrap_or_else(|| format!("<{i}: not in the tokenizer>"))
+                })
+                .collect();
+            out.push(if stop_ids.is_empty() {
+                check(G, "stop ids", Status::Warn, "none in generation_config.json or config.json")
+                    .advise("generation never stops at the end of a turn: add eos_token_id (Qwen3.6: 248046 <|im_end|> and 248044)")
+            } else if stop_ids.iter().any(|&i| i as usize >= cfg.vocab_size || t.id_to_token(i).is_none()) {
+                check(G, "stop ids", Status::Fail, format!("{stop_ids:?} ({})", named.join(", ")))
+                    .advise("a stop id is outside the vocabulary: fix eos_token_id")
+            } else {
+                check(G, "stop ids", Status::Pass, format!("{stop_ids:?} = {}", named.join(", ")))
+            });
+        }
+    }
+    out.push(match generator.chat_template() {
+        Some(_) => check(
+            G,
+            "chat template",
+            Status::Pass,
+            "present (tokenizer_config.json)",
+        ),
+        None => check(G, "chat template", Status::Warn, "none")
+            .advise("chat requests need tokenizer_config.json's chat_template"),
+    });
+    (out, Some(generator))
+}
+
+/// Statistics of a tensor's values: mean and mean absolute deviation from it.
+fn mean_and_spread(t: &Tensor) -> Result<(f32, f32)> {
+    let t = t.to_dtype(DType::F32)?.flatten_all()?;
+    let mean = t.mean_all()?.to_scalar::<f32>()?;
+    let spread = (t - mean as f64)?.abs()?.mean_all()?.to_scalar::<f32>()?;
+    Ok((mean, spread))
+}
+
+/// Weight conventions, read on the CPU: Qwen3.5/3.6's (1+w) RMSNorm weights are centred on 0 (a
+/// checkpoint converted with the plain-w convention has them near 1, which doubles every layer's
+/// scale), the GDN's gated norm is plain w (near 1), `A_log` and `dt_bias` in a plausible range.
+pub fn convention_checks(dir: &Path) -> Vec<Check> {
+    const G: &str = "conventions";
+    let run = || -> Result<Vec<Check>> {
+        let cfg = Config::from_file(dir.join("config.json"))?;
+        let w = Weights::open(dir, LoadOptions::default())?;
+        let (h, hd, dv, hv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.linear_value_head_dim,
+            cfg.linear_num_value_heads,
+        );
+        // (name, its length)
+        let mut one_plus = vec![(w.lm_name("norm.weight"), h)];
+        let mut gated = Vec::new();
+        let (mut a_logs, mut dt_biases) = (Vec::new(), Vec::new());
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let l = w.lm_name(&format!("layers.{i}."));
+            one_plus.push((format!("{l}input_layernorm.weight"), h));
+            one_plus.push((format!("{l}post_attention_layernorm.weight"), h));
+            match kind {
+                LayerType::FullAttention => {
+                    one_plus.push((format!("{l}self_attn.q_norm.weight"), hd));
+                    one_plus.push((format!("{l}self_attn.k_norm.weight"), hd));
+                }
+                LayerType::LinearAttention => {
+                    gated.push((format!("{l}linear_attn.norm.weight"), dv));
+                    a_logs.push((format!("{l}linear_attn.A_log"), hv));
+                    dt_biases.push((format!("{l}linear_attn.dt_bias"), hv));
+                }
+            }
+        }
+        let load =
+            |(name, len): &(String, usize)| -> Result<Tensor> { Ok(w.get(name, &[*len], DType::F32)?) };
+        let mut out = Vec::new();
+        // (1+w) norms: the mean of each tensor's values; converted wrongly, they sit near 1.
+        let means: Vec<(String, f32)> = one_plus
+            .iter()
+            .map(|n| Ok((n.0.clone(), mean_and_spread(&load(n)?)?.0)))
+            .collect::<Result<_>>()?;
+        let near_one: Vec<&(String, f32)> = means.iter().filter(|(_, m)| (*m - 1.0).abs() < 0.5).collect();
+        let avg = means.iter().map(|(_, m)| m).sum::<f32>() / means.len() as f32;
+        out.push(if near_one.len() * 2 > means.len() {
+            check(
+                G,
+                "(1+w) RMSNorm weights",
+                Status::Fail,
+                format!(
+                    "{} of {} norm weights are centred near 1 (mean {avg:.3}, e.g. {} = {:.3})",
+                    near_one.len(),
+                    means.len(),
+                    near_one[0].0,
+                    near_one[0].1
+                ),
+            )
+            .advise("Qwen3.5/3.6 stores w and computes x·(1+w): this checkpoint holds 1+w (a plain-RMSNorm conversion), so every norm scales by about 2. Subtract 1 from these weights or re-convert")
+        } else {
+            check(
+                G,
+                "(1+w) RMSNorm weights",
+                Status::Pass,
+                format!("{} norm weights centred on 0 (mean {avg:.3})", means.len()),
+            )
+        });
+        if !gated.is_empty() {
+            let gm: Vec<f32> = gated
+                .iter()
+                .map(|n| Ok(mean_and_spread(&load(n)?)?.0))
+                .collect::<Result<_>>()?;
+            let avg = gm.iter().sum::<f32>() / gm.len() as f32;
+            out.push(if avg.abs() < 0.5 {
+                check(G, "GDN gated norm", Status::Fail, format!("centred on {avg:.3}, expected near 1"))
+                    .advise("the GDN output norm is a plain weight (not 1+w): this looks like a (1+w) conversion applied to it")
+            } else {
+                check(G, "GDN gated norm", Status::Pass, format!("plain weights centred on {avg:.3}"))
+            });
+            let values = |names: &[(String, usize)]| -> Result<Vec<f32>> {
+                let mut v = Vec::new();
+                for n in names {
+                    v.extend(load(n)?.flatten_all()?.to_vec1::<f32>()?);
+                }
+                Ok(v)
+            };
+            let a = values(&a_logs)?;
+            let dt = values(&dt_biases)?;
+            let (amin, amax) = a
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            // softplus(dt_bias) is the base step size: Mamba-style inits put it in [1e-3, 1e-1].
+            let softplus = |x: f32| if x > 20.0 { x } else { x.exp().ln_1p() };
+            let (dmin, dmax) = dt.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| {
+                (lo.min(softplus(x)), hi.max(softplus(x)))
+            });
+            let plausible = (-10.0..=10.0).contains(&amin)
+                && (-10.0..=10.0).contains(&amax)
+                && dmin > 1e-6
+                && dmax < 100.0;
+            out.push(if plausible {
+                check(
+                    G,
+                    "GDN gates",
+                    Status::Pass,
+                    format!("A_log in [{amin:.2}, {amax:.2}], softplus(dt_bias) in [{dmin:.2e}, {dmax:.2e}]"),
+                )
+            } else {
+                check(
+                    G,
+                    "GDN gates",
+                    Status::Warn,
+                    format!("A_log in [{amin:.2}, {amax:.2}], softplus(dt_bias) in [{dmin:.2e}, {dmax:.2e}]"),
+                )
+                .advise("implausible decay gates: check that A_log holds log(A) (not A or -A) and dt_bias is the raw bias")
+            });
+        }
+        Ok(out)
+    };
+    run().unwrap_or_else(|e| {
+        vec![check(
+            G,
+            "weights",
+            Status::Skip,
+            format!("could not read the weights: {e}"),
+        )]
+    })
+}
+
+/// Last-position logits of `ids` through `model` from a fresh cache (or `cache`).
+fn last_logits(model: &Qwen36Model, cache: &mut qwen36_model::Cache, ids: &[u32]) -> Result<Tensor> {
+    let t = Tensor::new(ids, model.device())?.unsqueeze(0)?;
+    Ok(model
+        .forward_last(&t, cache)?
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?)
+}
+
+/// The largest difference between two rows relative to the second's largest magnitude.
+fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+    let b = b.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+    let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
+    Ok(diff / scale)
+}
+
+/// The bound a numerics comparison holds for the model's dtype: f32 sums in another order (the
+/// bound the tests against transformers hold, 1e-4 of a row's scale), or bf16/f16 rounding
+/// through the layers.
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1e-4,
+        DType::F16 => 5e-2,
+        _ => 1.5e-1,
+    }
+}
+
+/// Numerics on the model's device and dtype: every layer's output against the CPU f32
+/// `reference` (the first layer where the error jumps past the dtype's bound is named, with its
+/// kind), chunked against token-by-token GDN, the recurrent state's dtype as allocated, a
+/// prefill against a prefill one shorter plus a decode step, and a cache reset between
+/// sequences.
+pub fn numerics_checks(model: &Qwen36Model, reference: &Qwen36Model, prompt: &[u32]) -> Vec<Check> {
+    const G: &str = "numerics";
+    let tol = tolerance(model.dtype());
+    let mut out = Vec::new();
+    let run = |out: &mut Vec<Check>| -> Result<()> {
+        // A prefill, then decode steps: a state carried wrongly from one call to the next shows
+        // in the steps.
+        let steps = 8.min(prompt.len() - 1);
+        let split = prompt.len() - steps;
+        let (mut cache, mut ref_cache) = (model.new_cache(1)?, reference.new_cache(1)?);
+        let mut errs: Vec<f32> = Vec::new();
+        for (i, part) in std::iter::once(&prompt[..split])
+            .chain(prompt[split..].chunks(1))
+            .enumerate()
+        {
+            let ids = Tensor::new(part, model.device())?.unsqueeze(0)?;
+            let (_, states) = model.forward_hidden_states(&ids, &mut cache)?;
+            let (_, ref_states) =
+                reference.forward_hidden_states(&ids.to_device(&Device::Cpu)?, &mut ref_cache)?;
+            let n = ref_states.len() - 1;
+            if i == 0 {
+                errs = vec![0.0; n];
+            }
+            for l in 0..n {
+                errs[l] = errs[l].max(rel_err(&states[l + 1], &ref_states[l + 1])?);
+            }
+        }
+        let n = errs.len();
+        let kinds = &model.config().layer_types;
+        let worst = errs.iter().copied().fold(0f32, f32::max);
+        out.push(match errs.iter().position(|&e| e > tol) {
+            None => check(
+                G,
+                "layers against the CPU f32 reference",
+                Status::Pass,
+                format!("{n} layers over a prefill and {steps} decode steps, largest relative error {worst:.2e} (bound {tol:.0e})"),
+            ),
+            Some(l) => {
+                let kind = match kinds[l] {
+                    LayerType::LinearAttention => "GDN",
+                    LayerType::FullAttention => "attention",
+                };
+                let advice = match kinds[l] {
+                    LayerType::LinearAttention => "a GDN layer goes wrong first: the recurrent state must be f32 end to end (a bf16 state, or a kernel that rounds it, drifts and ends in loops); check the delta-rule kernels and the state's dtype",
+                    LayerType::FullAttention => "an attention layer goes wrong first: check the attention backend (gating, partial RoPE, q/k norms) and the KV cache",
+                };
+                check(
+                    G,
+                    "layers against the CPU f32 reference",
+                    Status::Fail,
+                    format!(
+                        "layer {l} ({kind}) is the first past the bound: error {:.2e} (bound {tol:.0e}); before it at most {:.2e}",
+                        errs[l],
+                        errs[..l].iter().copied().fold(0f32, f32::max)
+                    ),
+                )
+                .advise(advice)
+            }
+        });
+        // Chunked prefill against token-by-token recurrence.
+        let whole = last_logits(model, &mut model.new_cache(1)?, prompt)?;
+        let mut cache = model.new_cache(1)?;
+        let mut stepped = None;
+        for &t in prompt {
+            stepped = Some(last_logits(model, &mut cache, &[t])?);
+        }
+        let e = rel_err(&whole, &stepped.expect("a prompt"))?;
+        out.push(if e <= tol {
+            check(G, "chunked against recurrent GDN", Status::Pass, format!("{} tokens: error {e:.2e}", prompt.len()))
+        } else {
+            check(G, "chunked against recurrent GDN", Status::Fail, format!("{} tokens: error {e:.2e} (bound {tol:.0e})", prompt.len()))
+                .advise("the prefill (chunked) and decode (recurrent) paths of the GDN disagree: one of them carries the state wrongly")
+        });
+        let dtypes: Vec<DType> = cache
+            .layers()
+            .iter()
+            .filter_map(|l| match l {
+                LayerCache::Gdn(s) => Some(s.recurrent().dtype()),
+                LayerCache::Attention(_) => None,
+            })
+            .collect();
+        out.push(if dtypes.iter().all(|d| *d == DType::F32) {
+            check(G, "GDN state dtype", Status::Pass, format!("f32 in all {} GDN layers", dtypes.len()))
+        } else {
+            check(G, "GDN state dtype", Status::Fail, format!("{dtypes:?}"))
+                .advise("the recurrent state must be f32 (mamba_ssm_dtype float32): a half-precision state degenerates into loops")
+        });
+        let mut cache = model.new_cache(1)?;
+        last_logits(model, &mut cache, &prompt[..prompt.len() - 1])?;
+        let split = last_logits(model, &mut cache, &prompt[prompt.len() - 1..])?;
+        let e = rel_err(&split, &whole)?;
+        out.push(if e <= tol {
+            check(G, "prefill(T) = prefill(T-1) + decode(1)", Status::Pass, format!("error {e:.2e}"))
+        } else {
+            check(G, "prefill(T) = prefill(T-1) + decode(1)", Status::Fail, format!("error {e:.2e} (bound {tol:.0e})"))
+                .advise("a decode step after a prefill does not continue it: the state or KV handed from prefill to decode is wrong")
+        });
+        // A second sequence after a reset equals the same sequence in a fresh cache.
+        let other: Vec<u32> = prompt.iter().rev().copied().collect();
+        let mut cache = model.new_cache(1)?;
+        last_logits(model, &mut cache, &other)?;
+        cache.reset()?;
+        let after = last_logits(model, &mut cache, prompt)?;
+        let e = rel_err(&after, &whole)?;
+        out.push(if e <= tol / 10.0 {
+            check(G, "state reset between sequences", Status::Pass, format!("error {e:.2e}"))
+        } else {
+            check(G, "state reset between sequences", Status::Fail, format!("a sequence after another differs from itself alone by {e:.2e}"))
+                .advise("the GDN state is not reset (or freed) when a sequence ends: the next one starts from the last one's state")
+        });
+        Ok(())
+    };
+    if let Err(e) = run(&mut out) {
+        out.push(check(G, "run", Status::Fail, format!("the model failed: {e}")));
+    }
+    out
+}
+
+/// Plain greedy decoding of `n` tokens after `prompt`, no stop ids.
+fn plain_greedy(model: &Qwen36Model, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+    let mut cache = model.new_cache(1)?;
+    let mut logits = last_logits(model, &mut cache, prompt)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+        out.push(t);
+        if out.len() == n {
+            break;
+        }
+        logits = last_logits(model, &mut cache, &[t])?;
+    }
+    Ok(out)
+}
+
+/// Whether `tokens` loop (the repetition detector's default).
+fn loops(tokens: &[u32]) -> Option<qwen36_sampling::Degeneration> {
+    let mut d = RepetitionDetector::new(DegenerationConfig::default());
+    tokens.iter().find_map(|&t| d.observe(t, None))
+}
+
+/// Speculation: greedy decoding with the MTP head (k = 3) must give plain greedy's tokens; each
+/// commit of a verify must restore the state of a fresh run over the kept tokens; acceptance per
+/// position is reported, and near-perfect acceptance on a looping output is diagnosed as what it
+/// is (a corrupted state feeding the drafter's guess back), not a good drafter.
+pub fn speculation_checks(
+    model: &Qwen36Model,
+    head: Option<&MtpHead>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<Check> {
+    const G: &str = "speculation";
+    let mut out = Vec::new();
+    let run = |out: &mut Vec<Check>| -> Result<()> {
+        // Rollback: verify 4 tokens, keep a of them, then the next logits against a fresh run.
+        let drafts: Vec<u32> = prompt.iter().rev().take(4).copied().collect();
+        let mut worst = 0f32;
+        for keep in 1..=drafts.len() {
+            let mut cache = model.new_cache(1)?;
+            last_logits(model, &mut cache, prompt)?;
+            let ids = Tensor::new(drafts.as_slice(), model.device())?.unsqueeze(0)?;
+            model.forward_verify(&ids, &mut cache)?;
+            cache.commit(keep)?;
+            let next = last_logits(model, &mut cache, &[drafts[0]])?;
+            let mut kept = prompt.to_vec();
+            kept.extend(&drafts[..keep]);
+            kept.push(drafts[0]);
+            let fresh = last_logits(model, &mut model.new_cache(1)?, &kept)?;
+            worst = worst.max(rel_err(&next, &fresh)?);
+        }
+        let tol = tolerance(model.dtype());
+        out.push(if worst <= tol {
+            check(G, "rollback after a verify", Status::Pass, format!("keeping 1..4 of 4 verified tokens: error {worst:.2e}"))
+        } else {
+            check(G, "rollback after a verify", Status::Fail, format!("a commit differs from a fresh run over the kept tokens by {worst:.2e}"))
+                .advise("the state restored after a partial acceptance is not the one after the last accepted token: speculative decoding then corrupts the sequence")
+        });
+        let Some(head) = head else {
+            out.push(check(G, "MTP greedy = plain greedy", Status::Skip, "no MTP head"));
+            return Ok(());
+        };
+        let plain = plain_greedy(model, prompt, n)?;
+        let mut dec = SpeculativeDecoder::new(model, SamplingParams::greedy())?;
+        let cfg = SpecConfig {
+            k: 3,
+            max_new_tokens: n,
+            stop_token_ids: Vec::new(),
+        };
+        let spec = dec.generate(&mut MtpDrafter::new(model, head), prompt, &cfg, |_| true)?;
+        let by_pos: Vec<String> = spec
+            .stats
+            .acceptance_by_position()
+            .iter()
+            .map(|x| format!("{x:.2}"))
+            .collect();
+        let rate = spec
+            .stats
+            .acceptance_by_position()
+            .first()
+            .copied()
+            .unwrap_or(0.0);
+        let looped = loops(&plain);
+        out.push(match spec.tokens.iter().zip(&plain).position(|(a, b)| a != b) {
+            None => check(
+                G,
+                "MTP greedy = plain greedy",
+                Status::Pass,
+                format!("{n} tokens identical; acceptance by position [{}]", by_pos.join(", ")),
+            ),
+            Some(i) => check(
+                G,
+                "MTP greedy = plain greedy",
+                Status::Fail,
+                format!("the outputs part at token {i}; acceptance by position [{}]", by_pos.join(", ")),
+            )
+            .advise("speculative decoding must not change greedy output: the verify's rollback or the MTP head's cache is wrong"),
+        });
+        if let (Some(d), true) = (looped, rate > 0.9) {
+            out.push(
+                check(G, "acceptance on a loop", Status::Fail, format!("acceptance {rate:.2} while the output has {d}"))
+                    .advise("near-perfect acceptance of a looping output is the signature of a corrupted GDN state (the target repeats what the drafter guesses), not a good drafter: see the numerics checks"),
+            );
+        }
+        Ok(())
+    };
+    if let Err(e) = run(&mut out) {
+        out.push(check(G, "run", Status::Fail, format!("the model failed: {e}")));
+    }
+    out
+}
+
+/// Generation health: a few generations at the model's default sampling, watched by the
+/// repetition detector; a loop there is a failure (the model or its settings degenerate), a loop
+/// of plain greedy decoding a warning (a known weakness of greedy decoding without penalties).
+pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
+    const G: &str = "generation";
+    let mut out = Vec::new();
+    let vocab = generator.model().config().vocab_size;
+    let prompts: Vec<Vec<u32>> = match generator.tokenizer() {
+        Some(_) => [
+            "def fibonacci(n):",
+            "The history of the city",
+            "import numpy as np\n",
+        ]
+        .iter()
+        .filter_map(|p| generator.encode(p).ok())
+        .filter(|p| !p.is_empty())
+        .collect(),
+        None => (0..3).map(|i| probe_prompt(vocab, 8 + i)).collect(),
+    };
+    let defaults = generator.generation_config().sampling.clone();
+    for (label, sampling, status) in [
+        (
+            "sampled at the model's defaults",
+            defaults.clone().unwrap_or_default(),
+            Status::Fail,
+        ),
+        ("greedy", SamplingParams::greedy(), Status::Warn),
+    ] {
+        if label.starts_with("sampled") && defaults.is_none() {
+            out.push(check(G, "sampled at the model's defaults", Status::Warn, "generation_config.json gives no sampling: requests run greedy unless they say otherwise")
+                .advise("greedy decoding without penalties loops on long outputs: ship the recommended sampling (Qwen3.6: temperature 1.0, top_p 0.95, top_k 20, presence_penalty 1.5) in generation_config.json"));
+            continue;
+        }
+        let mut found = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let opts = GenerateOptions {
+                max_new_tokens: n,
+                sampling: Some(SamplingParams {
+                    seed: i as u64,
+                    ..sampling.clone()
+                }),
+                stop_token_ids: Some(Vec::new()),
+                ..GenerateOptions::default()
+            };
+            match generator.generate(p, &opts, |_| {}) {
+                Ok(o) => {
+                    if let Some(d) = o.degeneration {
+                        found.push(format!("prompt {i}: {d}"));
+                    }
+                }
+                Err(e) => found.push(format!("prompt {i} failed: {e}")),
+            }
+        }
+        let name = if label == "greedy" {
+            "greedy"
+        } else {
+            "sampled at the model's defaults"
+        };
+        out.push(if found.is_empty() {
+            check(G, name, Status::Pass, format!("{} generations of {n} tokens, no loop", prompts.len()))
+        } else {
+            let advice = if status == Status::Fail {
+                "the output loops at the model's own settings: if the numerics checks pass, raise the penalties (presence_penalty 1.5) or the temperature in generation_config.json"
+            } else {
+                "greedy decoding without penalties loops (a known weakness, Qwen's model card): sample, or add a presence penalty"
+            };
+            check(G, name, status, found.join("; ")).advise(advice)
+        });
+    }
+    // The detector itself on a synthetic loop: it must fire (a detector that never fires
+    // would pass every model).
+    let synthetic: Vec<u32> = std::iter::repeat_n([1u32, 2, 3], 40).flatten().collect();
+    if loops(&synthetic).is_none() {
+        out.push(check(
+            G,
+            "repetition detector",
+            Status::Fail,
+            "did not detect a synthetic loop",
+        ));
+    }
+    out
+}
