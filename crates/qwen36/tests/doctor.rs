@@ -5,7 +5,6 @@
 
 use std::path::Path;
 
-use candle_core::DType;
 use qwen36::doctor::{
     convention_checks, examine, numerics_checks, speculation_checks, Check, DoctorOptions, Status,
 };
