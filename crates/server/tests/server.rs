@@ -212,6 +212,11 @@ fn greedy(generator: &Generator, prompt: &[u32], n: usize, penalty: f32) -> Vec<
     generator.generate(prompt, &opts, |_| {}).unwrap().tokens
 }
 
+/// The bundled model's repetition penalty (generation_config.json).
+fn model_penalty(generator: &Generator) -> f32 {
+    generator.generation_config().sampling.as_ref().expect("sampling defaults").repetition_penalty
+}
+
 /// The finish reason a greedy run of at most `max` tokens that produced `ids` must report.
 fn finish_of(generator: &Generator, ids: &[u32], max: usize) -> &'static str {
     let stopped = ids
@@ -226,7 +231,7 @@ fn finish_of(generator: &Generator, ids: &[u32], max: usize) -> &'static str {
 
 /// Completions given as token ids return the `Generator`'s greedy ids and their text; a text
 /// prompt is its encoding; parameters a request leaves out come from generation_config.json (the
-/// bundled model's repetition penalty 1.05); chat completions render the template; many requests
+/// bundled model's repetition penalty); chat completions render the template; many requests
 /// at once each return what they return alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_equal_the_generator_alone_and_at_once() {
@@ -271,7 +276,7 @@ async fn completions_equal_the_generator_alone_and_at_once() {
     let looping = vec![10u32, 200, 31, 5];
     let (plain, penalised) = (
         greedy(&generator, &looping, 10, 1.0),
-        greedy(&generator, &looping, 10, 1.05),
+        greedy(&generator, &looping, 10, model_penalty(&generator)),
     );
     assert_ne!(plain, penalised, "the test prompt must repeat under plain greedy");
     let (_, d) = server
@@ -455,7 +460,7 @@ async fn choices_seeds_and_logprobs() {
     let prompt = generator.encode("def main():").unwrap();
     let mut engine = Engine::new(generator.model().clone(), EngineConfig::default()).unwrap();
     let mut req = Request::greedy(prompt.clone(), 6);
-    req.sampling.repetition_penalty = 1.05; // the model's default
+    req.sampling.repetition_penalty = model_penalty(&generator); // the model's default
     req.sampling.top_logprobs = 3;
     req.logprobs = true;
     req.stop_ids = generator.default_stop_ids();
