@@ -2,40 +2,14 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use qwen36_model::{Error, LoadOptions, Qwen36Model};
 
-/// Copies a fixture model into a temp dir so a test can break it.
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
-    }
-    dir
-}
-
 fn load_dir(dir: &Path) -> Result<Qwen36Model, Error> {
     Qwen36Model::load(dir, load_options(DType::F32))
-}
-
-/// Rewrites `file` in `dir` after `edit` changes its tensors.
-fn edit_tensors(dir: &Path, file: &str, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
-    let path = dir.join(file);
-    let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
-    edit(&mut map);
-    candle_core::safetensors::save(&map, &path).unwrap();
-}
-
-fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut v);
-    std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
 }
 
 const A_LOG: &str = "model.layers.0.linear_attn.A_log";

@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -112,32 +111,6 @@ fn fp8_model_equals_the_dense_model_of_its_weights() {
     }
 }
 
-/// Copies the FP8 fixture into a temp dir so a test can break it.
-fn copy_fixture() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture_dir(FP8)).unwrap() {
-        let p = entry.unwrap().path();
-        if p.is_file() {
-            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
-        }
-    }
-    dir
-}
-
-fn edit_tensors(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
-    let path = dir.join("model.safetensors");
-    let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
-    edit(&mut map);
-    candle_core::safetensors::save(&map, &path).unwrap();
-}
-
-fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut v);
-    std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
-}
-
 fn load_error(dir: &Path) -> String {
     match Qwen36Model::load(dir, load_options(DType::F32)) {
         Ok(_) => panic!("a broken FP8 checkpoint loaded"),
@@ -216,7 +189,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         (
             "missing scale",
             Box::new(|d| {
-                edit_tensors(d, |m| {
+                edit_tensors(d, "model.safetensors", |m| {
                     m.remove(&format!("{Q}.weight_scale_inv"));
                 })
             }),
@@ -225,7 +198,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         (
             "scale shape",
             Box::new(|d| {
-                edit_tensors(d, |m| {
+                edit_tensors(d, "model.safetensors", |m| {
                     m.insert(
                         format!("{Q}.weight_scale_inv"),
                         Tensor::ones((1, 1), DType::BF16, &Device::Cpu).unwrap(),
@@ -237,7 +210,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         (
             "NaN scale",
             Box::new(|d| {
-                edit_tensors(d, |m| {
+                edit_tensors(d, "model.safetensors", |m| {
                     let s = m[&format!("{Q}.weight_scale_inv")].to_dtype(DType::F32).unwrap();
                     let nan = (s.ones_like().unwrap() * f64::NAN).unwrap();
                     m.insert(
@@ -251,7 +224,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         (
             "NaN weight",
             Box::new(|d| {
-                edit_tensors(d, |m| {
+                edit_tensors(d, "model.safetensors", |m| {
                     let (o, i) = m[&format!("{Q}.weight")].dims2().unwrap();
                     let mut bytes = vec![0x38u8; o * i]; // 1.0
                     bytes[7] = 0x7F; // e4m3 NaN
@@ -264,7 +237,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         (
             "FP8 norm",
             Box::new(|d| {
-                edit_tensors(d, |m| {
+                edit_tensors(d, "model.safetensors", |m| {
                     let name = "model.norm.weight";
                     let t = m[name].to_dtype(DType::F8E4M3).unwrap();
                     m.insert(name.into(), t);
@@ -274,7 +247,7 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         ),
     ];
     for (what, edit, says) in cases {
-        let dir = copy_fixture();
+        let dir = copy_fixture(FP8);
         edit(dir.path());
         let e = load_error(dir.path());
         for s in says {

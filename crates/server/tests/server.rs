@@ -214,7 +214,12 @@ fn greedy(generator: &Generator, prompt: &[u32], n: usize, penalty: f32) -> Vec<
 
 /// The bundled model's repetition penalty (generation_config.json).
 fn model_penalty(generator: &Generator) -> f32 {
-    generator.generation_config().sampling.as_ref().expect("sampling defaults").repetition_penalty
+    generator
+        .generation_config()
+        .sampling
+        .as_ref()
+        .expect("sampling defaults")
+        .repetition_penalty
 }
 
 /// The finish reason a greedy run of at most `max` tokens that produced `ids` must report.

@@ -40,6 +40,20 @@ fn streaming_columns(path: SkinnyPath, rows: usize, columns: usize) -> Option<us
     }
 }
 
+/// A residual for an output of `dims` as `[rows, out]` (contiguous); an error when its shape
+/// differs from the output's.
+#[cfg(feature = "cuda")]
+fn residual_rows(residual: Option<&Tensor>, dims: &[usize], rows: usize) -> Result<Option<Tensor>> {
+    match residual {
+        Some(r) if r.dims() != dims => Err(Error::Shape {
+            op: "Linear::forward_add",
+            msg: format!("residual {:?} for an output {dims:?}", r.dims()),
+        }),
+        Some(r) => Ok(Some(r.contiguous()?.reshape((rows, dims[dims.len() - 1]))?)),
+        None => Ok(None),
+    }
+}
+
 /// `x`'s dims with the last replaced by `n` (an output of `n` features per row).
 #[cfg(feature = "cuda")]
 fn out_dims(x: &Tensor, n: usize) -> Vec<usize> {
@@ -381,16 +395,7 @@ impl Linear {
         };
         let dims = out_dims(x, n);
         // The residual rides along when nothing else (a bias) comes between.
-        let r2 = match residual {
-            Some(r) if r.dims() != dims.as_slice() => {
-                return Err(Error::Shape {
-                    op: "Linear::forward_add",
-                    msg: format!("residual {:?} for an output {dims:?}", r.dims()),
-                })
-            }
-            Some(r) if self.bias().is_none() => Some(r.contiguous()?.reshape((rows, n))?),
-            _ => None,
-        };
+        let r2 = residual_rows(residual, &dims, rows)?.filter(|_| self.bias().is_none());
         let x2 = x.contiguous()?.reshape((rows, k))?;
         let what = cuda::Skinny::Linear {
             res: r2.as_ref(),
@@ -433,16 +438,7 @@ impl Linear {
             return Ok(None);
         }
         let dims = out_dims(x, n);
-        let r2 = match residual {
-            Some(r) if r.dims() != dims.as_slice() => {
-                return Err(Error::Shape {
-                    op: "Linear::forward_add",
-                    msg: format!("residual {:?} for an output {dims:?}", r.dims()),
-                })
-            }
-            Some(r) => Some(r.contiguous()?.reshape((rows, n))?),
-            None => None,
-        };
+        let r2 = residual_rows(residual, &dims, rows)?;
         let x2 = x.contiguous()?.reshape((rows, k))?;
         // More rows than the kernel takes: it runs once per group of rows (reading the weight
         // each time, which for a few groups still moves fewer bytes than dequantizing it).

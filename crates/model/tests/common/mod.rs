@@ -28,3 +28,31 @@ pub fn fixture_models(
         (name, model, r)
     })
 }
+
+/// Copies a fixture model's files into a temp dir so a test can break it.
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    dir
+}
+
+/// Rewrites `file` in `dir` after `edit` changes its tensors.
+pub fn edit_tensors(dir: &std::path::Path, file: &str, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let path = dir.join(file);
+    let mut map = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    edit(&mut map);
+    candle_core::safetensors::save(&map, &path).unwrap();
+}
+
+/// Rewrites `dir/config.json` after `edit` changes it.
+pub fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+}
