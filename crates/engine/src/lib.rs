@@ -13,6 +13,7 @@
 mod engine;
 mod error;
 mod pool;
+pub mod prefix;
 mod request;
 mod scheduler;
 mod sizes;
@@ -22,6 +23,7 @@ mod thread;
 pub use engine::{Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
+pub use prefix::{PrefixCache, PrefixHit, PrefixStats};
 pub use qwen36_sampling::Detokenize;
 pub use request::{Canceller, Event, Request, RequestHandle, Speculation, StopReason, Usage, Wait};
 pub use sizes::{PoolSizes, StateBytes};

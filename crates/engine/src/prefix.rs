@@ -1,0 +1,489 @@
+//! The prefix cache's bookkeeping (issue 25, first step; not yet used by the scheduler): full KV
+//! blocks of token prefixes shared by refcount through a chain of block hashes, and GDN state
+//! snapshots kept at chosen block boundaries. A hybrid model cannot rebuild its recurrent state
+//! from the KV, so a prefix is only a hit where a snapshot of the state at its end is kept: the
+//! longest such prefix gives its blocks (shared) and its snapshot (copied into the sequence's own
+//! slot), and only the rest of the prompt runs.
+//!
+//! Entries are exact: a node keeps its block's tokens and its parent, and a lookup compares both,
+//! so a hash collision cannot alias two prefixes. A snapshot is immutable once kept (sequences
+//! copy from it, never into it); eviction frees least-recently-used entries that only the cache
+//! holds, leaves first.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use crate::{BlockId, BlockPool, BlockTable, Result, SlotId, SlotPool};
+
+/// One cached block: `tokens` (a whole block) after its parent's prefix.
+#[derive(Debug, Clone)]
+struct Node {
+    /// Its chain hash (its key in the index).
+    hash: u64,
+    parent: Option<usize>,
+    tokens: Vec<u32>,
+    block: BlockId,
+    /// The GDN state after this block's last token, when kept.
+    snapshot: Option<SlotId>,
+    children: usize,
+    last_used: u64,
+}
+
+/// What a lookup found: the first `positions` tokens are cached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Tokens covered (a multiple of the block size, shorter than the tokens looked up).
+    pub positions: usize,
+    /// Their KV blocks in order, each retained once for the caller's block table.
+    pub blocks: Vec<BlockId>,
+    /// The state after them, retained once for the caller: copy it into the sequence's slot,
+    /// then release it.
+    pub snapshot: SlotId,
+}
+
+/// Counters of the cache's use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    pub lookups: u64,
+    pub hits: u64,
+    /// Tokens looked up, and of them those served from the cache.
+    pub lookup_tokens: u64,
+    pub hit_tokens: u64,
+    /// Blocks and snapshots held now.
+    pub blocks: usize,
+    pub snapshots: usize,
+    /// Entries (blocks or snapshots) freed to make room.
+    pub evictions: u64,
+}
+
+/// Cached prefixes over a block pool and a state slot pool (see the module's documentation).
+#[derive(Debug, Clone)]
+pub struct PrefixCache {
+    block_size: usize,
+    nodes: Vec<Option<Node>>,
+    free_nodes: Vec<usize>,
+    /// Chain hash → node.
+    index: HashMap<u64, usize>,
+    clock: u64,
+    stats: PrefixStats,
+}
+
+/// The chain hash of a block after a parent's.
+fn chain(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl PrefixCache {
+    /// An empty cache for blocks of `block_size` positions.
+    pub fn new(block_size: usize) -> Self {
+        Self {
+            block_size,
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            index: HashMap::new(),
+            clock: 0,
+            stats: PrefixStats::default(),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    fn node(&self, i: usize) -> &Node {
+        self.nodes[i].as_ref().expect("a live node")
+    }
+
+    fn node_mut(&mut self, i: usize) -> &mut Node {
+        self.nodes[i].as_mut().expect("a live node")
+    }
+
+    /// The nodes of `tokens`' cached whole blocks, from the first, with their chain hashes.
+    fn walk(&self, tokens: &[u32]) -> Vec<(usize, u64)> {
+        let mut out = Vec::new();
+        let (mut parent, mut parent_hash) = (None, None);
+        for block in tokens.chunks_exact(self.block_size) {
+            let h = chain(parent_hash, block);
+            let found = self.index.get(&h).copied().filter(|&i| {
+                let n = self.node(i);
+                n.parent == parent && n.tokens == block
+            });
+            let Some(i) = found else { break };
+            out.push((i, h));
+            parent = Some(i);
+            parent_hash = Some(h);
+        }
+        out
+    }
+
+    /// The longest cached prefix of `tokens` that ends at a kept snapshot and leaves at least one
+    /// token to run; its blocks and snapshot are retained once for the caller.
+    pub fn lookup(
+        &mut self,
+        tokens: &[u32],
+        blocks: &mut BlockPool,
+        slots: &mut SlotPool,
+    ) -> Result<Option<PrefixHit>> {
+        self.stats.lookups += 1;
+        self.stats.lookup_tokens += tokens.len() as u64;
+        let usable = tokens.len().saturating_sub(1);
+        let path = self.walk(&tokens[..usable]);
+        let Some(depth) = path.iter().rposition(|&(i, _)| self.node(i).snapshot.is_some()) else {
+            return Ok(None);
+        };
+        self.clock += 1;
+        let mut hit_blocks = Vec::with_capacity(depth + 1);
+        for &(i, _) in &path[..=depth] {
+            let now = self.clock;
+            let n = self.node_mut(i);
+            n.last_used = now;
+            let b = n.block;
+            blocks.retain(b)?;
+            hit_blocks.push(b);
+        }
+        let snapshot = self.node(path[depth].0).snapshot.expect("a snapshot at the hit");
+        slots.retain(snapshot)?;
+        let positions = (depth + 1) * self.block_size;
+        self.stats.hits += 1;
+        self.stats.hit_tokens += positions as u64;
+        Ok(Some(PrefixHit {
+            positions,
+            blocks: hit_blocks,
+            snapshot,
+        }))
+    }
+
+    /// Keeps the whole blocks of `tokens[..len]` that `table` holds (the cache retains each block
+    /// it newly keeps; blocks already cached under the same prefix are left as they are).
+    /// Returns how many it newly keeps.
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        len: usize,
+        table: &BlockTable,
+        blocks: &mut BlockPool,
+    ) -> Result<usize> {
+        let whole = (len.min(tokens.len()) / self.block_size).min(table.blocks().len());
+        let (mut parent, mut parent_hash) = (None, None);
+        let mut added = 0;
+        self.clock += 1;
+        for (k, block) in tokens[..whole * self.block_size]
+            .chunks_exact(self.block_size)
+            .enumerate()
+        {
+            let h = chain(parent_hash, block);
+            let existing = self.index.get(&h).copied().filter(|&i| {
+                let n = self.node(i);
+                n.parent == parent && n.tokens == block
+            });
+            let i = match existing {
+                Some(i) => i,
+                None if self.index.contains_key(&h) => break, // a collision: stop, stay exact
+                None => {
+                    let b = table.blocks()[k];
+                    blocks.retain(b)?;
+                    let node = Node {
+                        hash: h,
+                        parent,
+                        tokens: block.to_vec(),
+                        block: b,
+                        snapshot: None,
+                        children: 0,
+                        last_used: self.clock,
+                    };
+                    let i = match self.free_nodes.pop() {
+                        Some(i) => {
+                            self.nodes[i] = Some(node);
+                            i
+                        }
+                        None => {
+                            self.nodes.push(Some(node));
+                            self.nodes.len() - 1
+                        }
+                    };
+                    if let Some(p) = parent {
+                        self.node_mut(p).children += 1;
+                    }
+                    self.index.insert(h, i);
+                    self.stats.blocks += 1;
+                    added += 1;
+                    i
+                }
+            };
+            let now = self.clock;
+            self.node_mut(i).last_used = now;
+            parent = Some(i);
+            parent_hash = Some(h);
+        }
+        Ok(added)
+    }
+
+    /// Keeps `slot`, which holds the state after `tokens[..pos]` (`pos` a positive multiple of
+    /// the block size whose blocks are cached), as that prefix's snapshot: the cache takes over
+    /// the caller's reference. When the prefix is not cached, or already has a snapshot, the
+    /// slot is released instead and the result is false.
+    pub fn insert_snapshot(
+        &mut self,
+        tokens: &[u32],
+        pos: usize,
+        slot: SlotId,
+        slots: &mut SlotPool,
+    ) -> Result<bool> {
+        let target = (pos > 0 && pos % self.block_size == 0 && pos <= tokens.len())
+            .then(|| self.walk(&tokens[..pos]))
+            .filter(|path| path.len() * self.block_size == pos)
+            .and_then(|path| path.last().map(|&(i, _)| i))
+            .filter(|&i| self.node(i).snapshot.is_none());
+        match target {
+            Some(i) => {
+                self.node_mut(i).snapshot = Some(slot);
+                self.stats.snapshots += 1;
+                Ok(true)
+            }
+            None => {
+                slots.release(slot)?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Frees least-recently-used entries only the cache holds until `blocks` has `want_blocks`
+    /// free blocks and `slots` `want_slots` free slots, or nothing more can go: for a slot, a
+    /// snapshot no sequence is copying (with its block when that is an unshared leaf); for a
+    /// block, a leaf block no sequence shares (with its snapshot). Returns the blocks and
+    /// snapshots it freed.
+    pub fn evict(
+        &mut self,
+        want_blocks: usize,
+        want_slots: usize,
+        blocks: &mut BlockPool,
+        slots: &mut SlotPool,
+    ) -> Result<u64> {
+        let mut freed = 0;
+        loop {
+            let want_slot = slots.free() < want_slots;
+            let want_block = blocks.free() < want_blocks;
+            if !want_slot && !want_block {
+                break;
+            }
+            let lru = |keep: &dyn Fn(&Node) -> bool| {
+                self.nodes
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, n)| n.as_ref().filter(|n| keep(n)).map(|n| (i, n.last_used)))
+                    .min_by_key(|&(_, t)| t)
+                    .map(|(i, _)| i)
+            };
+            let leaf = |n: &Node| n.children == 0 && blocks.refs(n.block) == 1;
+            let lone_snapshot = |n: &Node| n.snapshot.is_some_and(|s| slots.refs(s) == 1);
+            // A snapshot when a slot is wanted, else a leaf block when a block is.
+            let (i, whole) = match (
+                want_slot.then(|| lru(&lone_snapshot)).flatten(),
+                want_block.then(|| lru(&leaf)).flatten(),
+            ) {
+                (Some(i), _) => (i, leaf(self.node(i))),
+                (None, Some(i)) => (i, true),
+                (None, None) => break,
+            };
+            if let Some(s) = self.node_mut(i).snapshot.take() {
+                slots.release(s)?;
+                self.stats.snapshots -= 1;
+                freed += 1;
+            }
+            if whole {
+                self.remove(i, blocks)?;
+                freed += 1;
+            }
+        }
+        self.stats.evictions += freed;
+        Ok(freed)
+    }
+
+    /// Drops node `i` (a leaf) and releases its block.
+    fn remove(&mut self, i: usize, blocks: &mut BlockPool) -> Result<()> {
+        let n = self.nodes[i].take().expect("a live node");
+        debug_assert_eq!(n.children, 0);
+        blocks.release(n.block)?;
+        self.index.remove(&n.hash);
+        if let Some(p) = n.parent {
+            self.node_mut(p).children -= 1;
+        }
+        self.free_nodes.push(i);
+        self.stats.blocks -= 1;
+        Ok(())
+    }
+
+    /// Frees everything only the cache holds (blocks and snapshots shared with running
+    /// sequences stay until those end).
+    pub fn clear(&mut self, blocks: &mut BlockPool, slots: &mut SlotPool) -> Result<()> {
+        self.evict(usize::MAX, usize::MAX, blocks, slots)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BS: usize = 4;
+
+    struct Pools {
+        blocks: BlockPool,
+        slots: SlotPool,
+    }
+
+    fn pools() -> Pools {
+        Pools {
+            blocks: BlockPool::new(32, BS).unwrap(),
+            slots: SlotPool::new(8).unwrap(),
+        }
+    }
+
+    /// A sequence that ran `tokens`: its table of blocks and, at `snap` (a boundary), a snapshot.
+    fn run(cache: &mut PrefixCache, p: &mut Pools, tokens: &[u32], snap: usize) -> BlockTable {
+        let mut table = BlockTable::default();
+        table.reserve(tokens.len(), &mut p.blocks).unwrap();
+        cache.insert(tokens, tokens.len(), &table, &mut p.blocks).unwrap();
+        let slot = p.slots.alloc().unwrap();
+        cache.insert_snapshot(tokens, snap, slot, &mut p.slots).unwrap();
+        table
+    }
+
+    #[test]
+    fn a_shared_prefix_hits_at_its_deepest_snapshot() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let first: Vec<u32> = (0..14).collect(); // three whole blocks and two tokens
+        let mut t1 = run(&mut c, &mut p, &first, 8);
+        assert_eq!(c.stats().blocks, 3);
+        // A second prompt sharing 12 tokens then diverging: the snapshot at 8 is the hit.
+        let second: Vec<u32> = (0..12).chain([99, 98, 97]).collect();
+        let hit = c
+            .lookup(&second, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .expect("a hit");
+        assert_eq!(hit.positions, 8);
+        assert_eq!(hit.blocks, t1.blocks()[..2].to_vec());
+        assert!(
+            hit.blocks.iter().all(|&b| p.blocks.refs(b) == 3),
+            "sequence, cache, caller"
+        );
+        assert_eq!(p.slots.refs(hit.snapshot), 2);
+        let s = c.stats();
+        assert_eq!((s.hits, s.hit_tokens, s.lookup_tokens), (1, 8, 15));
+        // Diverging inside the first block: no hit; no snapshot anywhere: no hit.
+        assert!(c
+            .lookup(&[0, 1, 7, 3, 4, 5, 6, 7, 8, 9], &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .is_none());
+        let mut other = PrefixCache::new(BS);
+        let mut table = BlockTable::default();
+        table.reserve(8, &mut p.blocks).unwrap();
+        other.insert(&first[..8], 8, &table, &mut p.blocks).unwrap();
+        assert!(
+            other
+                .lookup(&first, &mut p.blocks, &mut p.slots)
+                .unwrap()
+                .is_none(),
+            "KV alone is no hit"
+        );
+        // Give everything back: the caller's hit, both tables, both caches.
+        for b in hit.blocks {
+            p.blocks.release(b).unwrap();
+        }
+        p.slots.release(hit.snapshot).unwrap();
+        t1.release(&mut p.blocks).unwrap();
+        table.release(&mut p.blocks).unwrap();
+        c.clear(&mut p.blocks, &mut p.slots).unwrap();
+        other.clear(&mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!((p.blocks.free(), p.slots.free()), (32, 8));
+        assert_eq!((c.stats().blocks, c.stats().snapshots), (0, 0));
+    }
+
+    /// At least one token is left to run: a prompt that ends on a snapshot hits the one before.
+    #[test]
+    fn a_hit_leaves_a_token_to_run() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let tokens: Vec<u32> = (0..8).collect();
+        run(&mut c, &mut p, &tokens, 4);
+        let slot = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&tokens, 8, slot, &mut p.slots).unwrap());
+        let hit = c.lookup(&tokens, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        assert_eq!(hit.positions, 4);
+        let longer: Vec<u32> = (0..9).collect();
+        assert_eq!(
+            c.lookup(&longer, &mut p.blocks, &mut p.slots)
+                .unwrap()
+                .unwrap()
+                .positions,
+            8
+        );
+    }
+
+    /// Snapshots only go where the prefix is cached and has none: otherwise the slot is
+    /// released, never leaked or aliased.
+    #[test]
+    fn snapshots_need_their_cached_prefix() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let tokens: Vec<u32> = (0..8).collect();
+        let t = run(&mut c, &mut p, &tokens, 4);
+        for (pos, toks) in [
+            (12, &tokens),
+            (4, &vec![5u32; 8]),
+            (4, &tokens),
+            (6, &tokens),
+            (0, &tokens),
+        ] {
+            let slot = p.slots.alloc().unwrap();
+            assert!(
+                !c.insert_snapshot(toks, pos, slot, &mut p.slots).unwrap(),
+                "at {pos}"
+            );
+            assert_eq!(p.slots.refs(slot), 0, "released");
+        }
+        assert_eq!(c.stats().snapshots, 1);
+        drop(t);
+    }
+
+    /// Eviction takes least-recently-used leaves only the cache holds, keeps blocks a sequence
+    /// still uses and the parents of kept blocks, and frees snapshots alone when slots are
+    /// wanted.
+    #[test]
+    fn eviction_frees_lru_leaves_the_cache_alone_holds() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let a: Vec<u32> = (0..8).collect();
+        let b: Vec<u32> = (0..4).chain(50..54).collect();
+        let mut ta = run(&mut c, &mut p, &a, 8);
+        let mut tb = run(&mut c, &mut p, &b, 8);
+        ta.release(&mut p.blocks).unwrap(); // a ended; b still runs
+        assert_eq!(c.stats().blocks, 3, "a shared first block and two leaves");
+        let free = p.blocks.free();
+        // Blocks wanted: only a's leaf can go (b's are in use; the root has children).
+        assert_eq!(
+            c.evict(free + 5, 0, &mut p.blocks, &mut p.slots).unwrap(),
+            2,
+            "a's snapshot and block"
+        );
+        assert_eq!(p.blocks.free(), free + 1);
+        assert_eq!(c.stats().blocks, 2);
+        // Slots wanted: b's snapshot goes, its blocks stay (b runs).
+        let slots_free = p.slots.free();
+        assert_eq!(
+            c.evict(0, slots_free + 1, &mut p.blocks, &mut p.slots).unwrap(),
+            1
+        );
+        assert_eq!((c.stats().blocks, c.stats().snapshots), (2, 0));
+        tb.release(&mut p.blocks).unwrap();
+        c.clear(&mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!((p.blocks.free(), p.slots.free()), (32, 8));
+        assert_eq!(c.stats().evictions, 3 + 2);
+    }
+}
