@@ -65,6 +65,8 @@ pub struct PrefixCache {
     free_nodes: Vec<usize>,
     /// Chain hash → node.
     index: HashMap<u64, usize>,
+    /// The chain hash ([`chain`]; tests give one that collides).
+    hash: fn(Option<u64>, &[u32]) -> u64,
     clock: u64,
     stats: PrefixStats,
 }
@@ -85,6 +87,7 @@ impl PrefixCache {
             nodes: Vec::new(),
             free_nodes: Vec::new(),
             index: HashMap::new(),
+            hash: chain,
             clock: 0,
             stats: PrefixStats::default(),
         }
@@ -108,7 +111,7 @@ impl PrefixCache {
         let mut out = Vec::new();
         let (mut parent, mut parent_hash) = (None, None);
         for block in tokens.chunks_exact(self.block_size) {
-            let h = chain(parent_hash, block);
+            let h = (self.hash)(parent_hash, block);
             let found = self.index.get(&h).copied().filter(|&i| {
                 let n = self.node(i);
                 n.parent == parent && n.tokens == block
@@ -176,7 +179,7 @@ impl PrefixCache {
             .chunks_exact(self.block_size)
             .enumerate()
         {
-            let h = chain(parent_hash, block);
+            let h = (self.hash)(parent_hash, block);
             let existing = self.index.get(&h).copied().filter(|&i| {
                 let n = self.node(i);
                 n.parent == parent && n.tokens == block
@@ -234,7 +237,8 @@ impl PrefixCache {
         slot: SlotId,
         slots: &mut SlotPool,
     ) -> Result<bool> {
-        let target = (pos > 0 && pos % self.block_size == 0 && pos <= tokens.len())
+        // (A position of 0 walks no block and finds no node.)
+        let target = (pos % self.block_size == 0 && pos <= tokens.len())
             .then(|| self.walk(&tokens[..pos]))
             .filter(|path| path.len() * self.block_size == pos)
             .and_then(|path| path.last().map(|&(i, _)| i))
@@ -352,6 +356,117 @@ mod tests {
         let slot = p.slots.alloc().unwrap();
         cache.insert_snapshot(tokens, snap, slot, &mut p.slots).unwrap();
         table
+    }
+
+    /// With a hash under which every block collides, the cache stays exact: a prefix hits only
+    /// where its tokens are the cached ones, and a colliding block is not kept over another.
+    #[test]
+    fn hash_collisions_cannot_alias_prefixes() {
+        let mut c = PrefixCache::new(BS);
+        c.hash = |_, _| 7;
+        let mut p = pools();
+        let a: Vec<u32> = (0..9).collect();
+        run(&mut c, &mut p, &a, 4);
+        assert_eq!(
+            c.stats().blocks,
+            1,
+            "the second block collides with the first: not kept"
+        );
+        let b: Vec<u32> = (100..109).collect();
+        assert!(
+            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            "same hash, other tokens"
+        );
+        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        assert_eq!(hit.positions, 4);
+        // A block whose tokens match but whose parent differs is no hit either: with a hash
+        // that ignores the parent, x|y and z|y collide at y.
+        let mut d = PrefixCache::new(BS);
+        d.hash = |_, tokens| tokens[0] as u64;
+        let xy: Vec<u32> = (0..9).collect();
+        let zy: Vec<u32> = (100..104).chain(4..12).chain([0]).collect();
+        run(&mut d, &mut p, &xy, 8);
+        run(&mut d, &mut p, &zy, 4);
+        assert_eq!(
+            d.stats().blocks,
+            3,
+            "z|y's second block collides: it and the rest not kept"
+        );
+        let hit = d.lookup(&zy, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        assert_eq!(hit.positions, 4, "not x|y's snapshot at 8");
+    }
+
+    /// Every lookup and hit is counted, and insert says how many blocks it newly keeps.
+    #[test]
+    fn counters_and_insert_counts() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let a: Vec<u32> = (0..12).collect();
+        let mut table = BlockTable::default();
+        table.reserve(12, &mut p.blocks).unwrap();
+        assert_eq!(c.insert(&a, 8, &table, &mut p.blocks).unwrap(), 2);
+        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 1);
+        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 0);
+        for _ in 0..3 {
+            c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap();
+        }
+        assert_eq!((c.stats().lookups, c.stats().hits, c.stats().blocks), (3, 0, 3));
+    }
+
+    /// Eviction goes least recently used first (a lookup or an insert counts as a use) and
+    /// stops as soon as enough is free.
+    #[test]
+    fn eviction_is_lru_and_stops_when_enough_is_free() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..5).collect(), (10..15).collect());
+        let mut ta = run(&mut c, &mut p, &a, 4);
+        let mut tb = run(&mut c, &mut p, &b, 4);
+        ta.release(&mut p.blocks).unwrap();
+        tb.release(&mut p.blocks).unwrap();
+        // a was used last: b's entry goes first, and only it.
+        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        for blk in &hit.blocks {
+            p.blocks.release(*blk).unwrap();
+        }
+        p.slots.release(hit.snapshot).unwrap();
+        let slots_free = p.slots.free();
+        assert_eq!(
+            c.evict(0, slots_free + 1, &mut p.blocks, &mut p.slots).unwrap(),
+            2
+        );
+        let hit = c
+            .lookup(&a, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .expect("a stays");
+        for blk in &hit.blocks {
+            p.blocks.release(*blk).unwrap();
+        }
+        p.slots.release(hit.snapshot).unwrap();
+        assert!(
+            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            "b went"
+        );
+        // Exactly enough free already: nothing goes (a's entry could).
+        let (blocks_free, slots_free) = (p.blocks.free(), p.slots.free());
+        assert_eq!(
+            c.evict(blocks_free, slots_free, &mut p.blocks, &mut p.slots)
+                .unwrap(),
+            0
+        );
+        // An insert counts as a use too: b again, then a re-inserted; a slot wanted: b goes.
+        let mut tb = run(&mut c, &mut p, &b, 4);
+        tb.release(&mut p.blocks).unwrap();
+        let mut ta = BlockTable::default();
+        ta.reserve(5, &mut p.blocks).unwrap();
+        c.insert(&a, 5, &ta, &mut p.blocks).unwrap();
+        ta.release(&mut p.blocks).unwrap();
+        let slots_free = p.slots.free();
+        c.evict(0, slots_free + 1, &mut p.blocks, &mut p.slots).unwrap();
+        assert!(
+            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            "b went first"
+        );
     }
 
     #[test]

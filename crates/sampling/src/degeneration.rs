@@ -16,7 +16,7 @@ pub struct DegenerationConfig {
     pub min_span: usize,
     /// Entropy collapse: `entropy_window` consecutive steps whose distribution's entropy (nats)
     /// is below `entropy_floor` (steps without an entropy, such as on-device greedy picks, are
-    /// not counted either way).
+    /// not counted either way); a window of 0 turns this off.
     pub entropy_window: usize,
     pub entropy_floor: f32,
 }
@@ -224,5 +224,55 @@ mod tests {
         assert!((entropy(&[0.0; 4]) - 4f32.ln()).abs() < 1e-6);
         assert!(entropy(&[0.0, -100.0, -100.0]) < 1e-30);
         assert!((entropy(&[1.0, 1.0]) - 2f32.ln()).abs() < 1e-6);
+        // An uneven distribution against -Σ p·ln p computed directly.
+        let logits = [1.0f32, 2.0, 4.0, -1.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want: f64 = logits
+            .iter()
+            .map(|&l| {
+                let p = (l as f64).exp() / z;
+                -p * p.ln()
+            })
+            .sum();
+        assert!(
+            (entropy(&logits) as f64 - want).abs() < 1e-6,
+            "{} against {want}",
+            entropy(&logits)
+        );
+        // Large logits (shifted by their maximum, so no exp overflows).
+        let e = entropy(&[400.0, 399.0]);
+        assert!((e - entropy(&[1.0, 0.0])).abs() < 1e-6, "{e}");
+    }
+
+    /// Exactly at the floor is not below it; a window of 0 turns the entropy watch off.
+    #[test]
+    fn entropy_floor_and_window_edges() {
+        let cfg = DegenerationConfig {
+            entropy_window: 2,
+            ..DegenerationConfig::default()
+        };
+        let mut d = RepetitionDetector::new(cfg);
+        assert_eq!(d.observe(1, Some(cfg.entropy_floor)), None);
+        assert_eq!(
+            d.observe(2, Some(cfg.entropy_floor)),
+            None,
+            "the floor itself is not low"
+        );
+        let off = DegenerationConfig {
+            entropy_window: 0,
+            ..DegenerationConfig::default()
+        };
+        let mut d = RepetitionDetector::new(off);
+        for t in 0..10 {
+            assert_eq!(d.observe(t, Some(0.0)), None);
+        }
+    }
+
+    #[test]
+    fn degenerations_say_what_they_are() {
+        let l = Degeneration::Loop { period: 3, span: 64 }.to_string();
+        assert_eq!(l, "a loop of 3 token(s) repeated over the last 64 tokens");
+        let e = Degeneration::EntropyCollapse { steps: 128 }.to_string();
+        assert_eq!(e, "128 steps in a row with a near one-hot distribution");
     }
 }
