@@ -13,6 +13,9 @@
 //!     --input-len 128 --output-len 64 --concurrency 1,4
 //! # a running server (examples/serve) over HTTP, streamed:
 //! cargo run --release --example bench_serving -- --url http://127.0.0.1:8000 --concurrency 1,16
+//! # multi-turn chats through the prefix cache (each turn resends the history and 100 new tokens):
+//! cargo run --release --features cuda --example bench_serving -- --cuda --concurrency 1 \
+//!     --input-len 8000 --turns 2 --turn-len 100
 //! ```
 //! Per concurrency: output tok/s, TPOT mean/p50/p99, TTFT mean/p99, the pool's peak memory, and
 //! the mean decode step against the bytes it must move (weights once + each sequence's GDN
@@ -74,6 +77,20 @@ struct Args {
     /// The API key for `--url`.
     #[arg(long)]
     api_key: Option<String>,
+    /// Conversations of this many turns: each later turn resends the last prompt and its answer
+    /// with `--turn-len` new tokens (the first prompt has `--input-len`); TTFT is reported per
+    /// turn, with the prefix cache's hit rate.
+    #[arg(long, default_value_t = 1)]
+    turns: usize,
+    /// New tokens per later turn.
+    #[arg(long, default_value_t = 100)]
+    turn_len: usize,
+    /// Every first prompt opens with the same this many tokens (a shared system prompt).
+    #[arg(long, default_value_t = 0)]
+    shared_prefix: usize,
+    /// State slots for the prefix cache's GDN snapshots (0: no prefix cache).
+    #[arg(long, default_value_t = 8)]
+    prefix_snapshots: usize,
 }
 
 /// What one request saw.
@@ -82,6 +99,8 @@ struct Timing {
     first: Option<Instant>,
     last: Option<Instant>,
     tokens: usize,
+    /// Its turn in its conversation (0: the first).
+    turn: usize,
 }
 
 fn main() -> anyhow_like::Result<()> {
@@ -91,7 +110,10 @@ fn main() -> anyhow_like::Result<()> {
     }
     let random = args.run.model.is_none();
     let (device, dtype, mut cfg, weights) = setup(&args.run, qwen36::kernels::KernelPolicy::from_env())?;
-    let per_seq = args.input_len + args.output_len + args.mtp + 1;
+    if args.turns == 0 || args.shared_prefix > args.input_len {
+        return Err("--turns must be at least 1 and --shared-prefix at most --input-len".into());
+    }
+    let per_seq = args.input_len + args.turns * (args.output_len + args.turn_len) + args.mtp + 1;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(per_seq);
     let copy_bw = copy_bandwidth(&device, dtype)?;
     eprintln!("measured: copy {:.1} GB/s (read + write)", copy_bw / 1e9);
@@ -152,13 +174,15 @@ fn main() -> anyhow_like::Result<()> {
         let block_size = 16;
         let engine_cfg = EngineConfig {
             max_seqs: conc,
-            kv_blocks: Some(conc * per_seq.div_ceil(block_size) + conc),
+            // Multi-turn: room for every conversation's history in the prefix cache too.
+            kv_blocks: Some((conc + if args.turns > 1 { n } else { 0 }) * (per_seq.div_ceil(block_size) + 1)),
             block_size,
             max_queue: n,
             step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
             timing_accept_rates: args.accept_rates.clone(),
             adaptive_k: !args.fixed_k,
             cuda_graphs: !args.eager,
+            prefix_snapshots: args.prefix_snapshots,
         };
         let mut engine = match &head {
             Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,
@@ -166,25 +190,36 @@ fn main() -> anyhow_like::Result<()> {
         };
         reset_peak(&device);
         let mut next_id = random_ids(conc as u64, vocab);
-        let mut live: Vec<(usize, RequestHandle)> = Vec::new();
+        let shared: Vec<u32> = (0..args.shared_prefix).map(|_| next_id()).collect();
+        // Prompts ready to go: (turn, prompt); a finished turn queues its conversation's next.
+        let mut ready: std::collections::VecDeque<(usize, Vec<u32>)> = (0..n)
+            .map(|_| {
+                let own = (args.shared_prefix..args.input_len).map(|_| next_id());
+                (0, shared.iter().copied().chain(own).collect())
+            })
+            .collect();
+        let mut live: Vec<(usize, RequestHandle, Vec<u32>)> = Vec::new();
         let mut timings: Vec<Timing> = Vec::new();
         let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
         // Of the decode steps: forward, sampling, drafting and committing time.
         let mut parts = [0.0f64; 4];
         let start = Instant::now();
-        while timings.len() < n || !live.is_empty() {
-            while live.len() < conc && timings.len() < n {
-                let mut req =
-                    Request::greedy((0..args.input_len).map(|_| next_id()).collect(), args.output_len);
+        while !ready.is_empty() || !live.is_empty() {
+            while live.len() < conc {
+                let Some((turn, prompt)) = ready.pop_front() else {
+                    break;
+                };
+                let mut req = Request::greedy(prompt.clone(), args.output_len);
                 if args.mtp > 0 {
                     req.speculation = Some(Speculation::Mtp { k: args.mtp });
                 }
-                live.push((timings.len(), engine.submit(req)?));
+                live.push((timings.len(), engine.submit(req)?, prompt));
                 timings.push(Timing {
                     submitted: Instant::now(),
                     first: None,
                     last: None,
                     tokens: 0,
+                    turn,
                 });
             }
             let t0 = Instant::now();
@@ -205,7 +240,7 @@ fn main() -> anyhow_like::Result<()> {
                 }
             }
             let now = Instant::now();
-            live.retain(|(i, h)| {
+            live.retain_mut(|(i, h, history)| {
                 let t = &mut timings[*i];
                 for e in h.drain() {
                     match e {
@@ -213,8 +248,15 @@ fn main() -> anyhow_like::Result<()> {
                             t.first.get_or_insert(now);
                             t.last = Some(now);
                             t.tokens += ids.len();
+                            history.extend(ids);
                         }
-                        Event::Finished { .. } => return false,
+                        Event::Finished { .. } => {
+                            if t.turn + 1 < args.turns {
+                                history.extend((0..args.turn_len).map(|_| next_id()));
+                                ready.push_back((t.turn + 1, std::mem::take(history)));
+                            }
+                            return false;
+                        }
                         Event::Failed { error } => {
                             eprintln!("request {i} failed: {error}");
                             return false;
@@ -250,8 +292,41 @@ fn main() -> anyhow_like::Result<()> {
             limit_bytes / copy_bw * 1e3,
             peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
         );
+        report_turns(&timings, engine.prefix_stats());
     }
     Ok(())
+}
+
+/// TTFT by turn (first turns against later ones) and the prefix cache's hit rate.
+fn report_turns(timings: &[Timing], prefix: Option<qwen36::engine::PrefixStats>) {
+    let ttft = |first: bool| -> Vec<f64> {
+        timings
+            .iter()
+            .filter(|t| (t.turn == 0) == first)
+            .filter_map(|t| t.first.map(|f| (f - t.submitted).as_secs_f64() * 1e3))
+            .collect()
+    };
+    let (cold, warm) = (ttft(true), ttft(false));
+    if !warm.is_empty() {
+        println!(
+            "  TTFT: first turns {:.1} ms, later turns {:.1} ms ({:.1}% of the first)",
+            mean(&cold),
+            mean(&warm),
+            100.0 * mean(&warm) / mean(&cold)
+        );
+    }
+    if let Some(p) = prefix {
+        println!(
+            "  prefix cache: {} of {} prompt tokens served from it ({:.1}%), {} hits of {} requests, {} snapshots, {} evictions",
+            p.hit_tokens,
+            p.lookup_tokens,
+            100.0 * p.hit_tokens as f64 / p.lookup_tokens.max(1) as f64,
+            p.hits,
+            p.lookups,
+            p.snapshots,
+            p.evictions
+        );
+    }
 }
 
 /// Random prompt ids below `vocab` (xorshift), reproducible per run.
@@ -301,6 +376,7 @@ async fn one_over_http(
         first: None,
         last: None,
         tokens: 0,
+        turn: 0,
     };
     let mut resp = r.send().await.map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
@@ -340,6 +416,9 @@ async fn one_over_http(
 
 /// The `--url` mode: the same offered load through a running server, over HTTP with streaming.
 fn over_http(args: &Args, url: &str) -> anyhow_like::Result<()> {
+    if args.turns > 1 || args.shared_prefix > 0 {
+        return Err("--turns and --shared-prefix run in process only (not with --url)".into());
+    }
     // Only the vocabulary is needed, for the random prompts: the config's (default Qwen3.6-27B).
     let cfg = match &args.run.config {
         Some(path) => qwen36::Config::from_file(path)?,

@@ -55,6 +55,10 @@ struct Args {
     /// Sequences running at once (GDN state slots).
     #[arg(long, default_value_t = 8)]
     max_seqs: usize,
+    /// State slots for the prefix cache's GDN snapshots (each one sequence's state; 0 turns the
+    /// prefix cache off).
+    #[arg(long, default_value_t = 8)]
+    prefix_snapshots: usize,
     /// Requests that may wait for a slot (503 past them).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -167,6 +171,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         cuda_graphs: !args.eager,
         timing_accept_rates: args.accept_rates.clone(),
         adaptive_k: !args.fixed_k,
+        prefix_snapshots: args.prefix_snapshots,
         ..EngineConfig::default()
     };
     if args.accept_rates.is_some() {
@@ -177,7 +182,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(gib) = args.memory_gib {
         let mtp = matches!(speculation, Some(Speculation::Mtp { .. }));
         let bytes = StateBytes::of(model.config(), opts.dtype, cfg.block_size, mtp);
-        let sizes = PoolSizes::from_budget(bytes, (gib * (1u64 << 30) as f64) as u64, args.max_seqs)?;
+        let slots = args.max_seqs + args.prefix_snapshots;
+        let sizes = PoolSizes::from_budget(bytes, (gib * (1u64 << 30) as f64) as u64, slots)?;
         cfg.kv_blocks = Some(sizes.blocks);
         tracing::info!(
             "{gib} GiB: {} state slots, {} KV blocks of {} positions",

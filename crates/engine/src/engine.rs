@@ -14,7 +14,8 @@ use rayon::prelude::*;
 use crate::scheduler::{Scheduler, Sequence};
 use crate::spec::{choose_k, AcceptanceCounts, SpecCosts};
 use crate::{
-    BlockPool, Error, Event, Request, RequestHandle, Result, SlotPool, Speculation, StopReason, Usage,
+    BlockPool, Error, Event, PrefixCache, PrefixStats, Request, RequestHandle, Result, SlotId, SlotPool,
+    Speculation, StopReason, Usage,
 };
 
 /// Positions per slot of a pool sized by default (16384: 1 GiB of K/V per sequence at the
@@ -50,6 +51,9 @@ pub struct EngineConfig {
     /// Replay decode and verify steps from recorded CUDA graphs where the model's device can
     /// record them (a device from `qwen36_model::cuda_device`); `false` runs every step eagerly.
     pub cuda_graphs: bool,
+    /// State slots beyond `max_seqs` for the prefix cache's GDN snapshots (each the size of a
+    /// sequence's state); 0 turns the prefix cache off.
+    pub prefix_snapshots: usize,
 }
 
 impl Default for EngineConfig {
@@ -63,6 +67,7 @@ impl Default for EngineConfig {
             timing_accept_rates: None,
             adaptive_k: true,
             cuda_graphs: true,
+            prefix_snapshots: 8,
         }
     }
 }
@@ -96,12 +101,20 @@ pub struct EngineLoad {
     pub waiting: usize,
     /// Sequences running (holding a slot).
     pub running: usize,
-    /// GDN state slots in use, of `slots`.
+    /// GDN state slots that requests hold (their own, and a finishing turn's snapshot), of
+    /// `slots` (`max_seqs` and the prefix cache's `prefix_snapshots`).
     pub slots_used: usize,
     pub slots: usize,
     /// KV blocks in use, of `blocks`.
     pub blocks_used: usize,
     pub blocks: usize,
+    /// Slots (snapshots) and blocks that only the prefix cache holds: free for the taking.
+    pub cached_slots: usize,
+    pub cached_blocks: usize,
+    /// The prefix cache's counters, when it is on.
+    pub prefix: Option<PrefixStats>,
+    /// Bytes of one GDN state slot (a snapshot's size).
+    pub slot_bytes: u64,
 }
 
 /// Many sequences at once over pooled GDN state and paged KV: [`Self::submit`] requests, call
@@ -166,14 +179,19 @@ impl Engine {
         let blocks = cfg
             .kv_blocks
             .unwrap_or_else(|| cfg.max_seqs * context.min(DEFAULT_POSITIONS).div_ceil(cfg.block_size.max(1)));
+        // Running sequences' slots, then the prefix cache's snapshots.
+        let slots = cfg.max_seqs + cfg.prefix_snapshots;
         let sched = Scheduler {
             waiting: Default::default(),
             running: Vec::new(),
-            slots: SlotPool::new(cfg.max_seqs)?,
+            slots: SlotPool::new(slots)?,
             blocks: BlockPool::new(blocks, cfg.block_size)?,
             step_tokens: cfg.step_tokens,
+            max_running: cfg.max_seqs,
+            prefix: (cfg.prefix_snapshots > 0).then(|| PrefixCache::new(cfg.block_size)),
+            restores: Vec::new(),
         };
-        let cache = model.new_paged_cache(cfg.max_seqs, blocks, cfg.block_size)?;
+        let cache = model.new_paged_cache(slots, blocks, cfg.block_size)?;
         // Graphs' block tables cover a sequence of up to DEFAULT_POSITIONS (256 KiB of tables
         // per step at 64 sequences in blocks of 16), so those never make them re-record.
         let table_blocks = context
@@ -182,7 +200,7 @@ impl Engine {
             .div_ceil(cfg.block_size);
         let mtp = match head {
             Some(h) => {
-                let pool = h.new_paged_cache(&model, cfg.max_seqs, blocks, cfg.block_size)?;
+                let pool = h.new_paged_cache(&model, slots, blocks, cfg.block_size)?;
                 Some((h, pool, BatchStepper::new(&model, cfg.cuda_graphs, table_blocks)))
             }
             None => None,
@@ -304,6 +322,9 @@ impl Engine {
             accepted: 0,
             degeneration: req.degeneration.map(RepetitionDetector::new),
             stop_on_degeneration: req.stop_on_degeneration,
+            cached: 0,
+            snap_points: Vec::new(),
+            rolling: None,
         });
         Ok(RequestHandle::new(id, rx, cancel))
     }
@@ -318,16 +339,45 @@ impl Engine {
         self.sched.waiting.len()
     }
 
-    /// Slots and KV blocks in use.
+    /// Slots and KV blocks in use by requests (not counting what only the prefix cache holds).
     pub fn pool_use(&self) -> (usize, usize) {
         let (s, b) = (&self.sched.slots, &self.sched.blocks);
-        (s.capacity() - s.free(), b.capacity() - b.free())
+        let (cached_blocks, cached_slots) = self.cached();
+        (
+            s.capacity() - s.free() - cached_slots,
+            b.capacity() - b.free() - cached_blocks,
+        )
+    }
+
+    /// Blocks and slots only the prefix cache holds.
+    fn cached(&self) -> (usize, usize) {
+        let (s, b) = (&self.sched.slots, &self.sched.blocks);
+        self.sched.prefix.as_ref().map_or((0, 0), |p| p.exclusive(b, s))
+    }
+
+    /// The prefix cache's counters, when it is on.
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.sched.prefix.as_ref().map(PrefixCache::stats)
+    }
+
+    /// Frees every cached prefix no request uses.
+    pub fn clear_prefix_cache(&mut self) -> Result<()> {
+        let sched = &mut self.sched;
+        match sched.prefix.as_mut() {
+            Some(p) => p.clear(&mut sched.blocks, &mut sched.slots),
+            None => Ok(()),
+        }
     }
 
     /// Queue, running sequences and pool use now (what a server's metrics show).
     pub fn load(&self) -> EngineLoad {
         let (slots_used, blocks_used) = self.pool_use();
+        let (cached_blocks, cached_slots) = self.cached();
         EngineLoad {
+            cached_slots,
+            cached_blocks,
+            prefix: self.prefix_stats(),
+            slot_bytes: self.cache.slot_bytes(),
             waiting: self.sched.waiting.len(),
             running: self.sched.running.len(),
             slots_used,
@@ -353,6 +403,10 @@ impl Engine {
         };
         for (mut s, reason) in ended {
             self.finish(&mut s, reason);
+        }
+        for (snapshot, slot) in std::mem::take(&mut self.sched.restores) {
+            self.cache.copy_slot(snapshot.0, slot.0)?;
+            self.sched.slots.release(snapshot)?;
         }
         if plan.is_empty() {
             return Ok(stats);
@@ -430,6 +484,8 @@ impl Engine {
         let mut done = Vec::new();
         let mut feeds = Vec::new();
         let mut commits = Vec::new();
+        // Per chunk: the position it started at, when it generated tokens (its sequence decodes).
+        let mut decoded = vec![None; plan.len()];
         let context = self.model.config().max_position_embeddings;
         for (c, (p, decision)) in plan.iter().zip(decisions).enumerate() {
             let s = &mut self.sched.running[p.index];
@@ -449,10 +505,12 @@ impl Engine {
                 }
                 Decision::Sampled(token, rows) => {
                     s.computed += p.tokens;
+                    decoded[c] = Some(start);
                     (vec![token], rows)
                 }
                 Decision::Verified(acc, drafts, rows) => {
                     commits.push((c, acc.accepted + 1));
+                    decoded[c] = Some(start);
                     s.computed += acc.accepted + 1;
                     s.drafted += drafts.len();
                     s.accepted += acc.accepted;
@@ -494,6 +552,10 @@ impl Engine {
             }
             stats.committing = committing.elapsed();
         }
+        if self.sched.prefix.is_some() {
+            let failed: Vec<usize> = done.iter().filter(|(_, o)| o.is_err()).map(|(i, _)| *i).collect();
+            self.keep_states(&plan, &batch, &decoded, &failed, pending.as_ref())?;
+        }
         // A step of decode tokens and verifies only: what a cycle of its length costs.
         let decode_only = plan
             .iter()
@@ -518,6 +580,9 @@ impl Engine {
         stats.finished += done.len();
         for (index, outcome) in done {
             let mut s = self.sched.running.remove(index);
+            if outcome.is_ok() {
+                self.cache_rolling(&mut s)?;
+            }
             s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
             match outcome {
                 Ok(reason) => self.finish(&mut s, reason),
@@ -527,6 +592,101 @@ impl Engine {
             }
         }
         Ok(stats)
+    }
+
+    /// The prefix cache's share of a step: each planned sequence whose chunk ended at a snapshot
+    /// point keeps its state there in the cache (with its blocks); each decoding sequence that
+    /// passed a block boundary copies the state there to its rolling slot (from the verify's
+    /// checkpoints when the boundary was inside a verified run), for [`Self::cache_rolling`].
+    fn keep_states(
+        &mut self,
+        plan: &[crate::scheduler::Scheduled],
+        batch: &ForwardBatch,
+        decoded: &[Option<usize>],
+        failed: &[usize],
+        pending: Option<&BatchPending>,
+    ) -> Result<()> {
+        let bs = self.sched.blocks.block_size();
+        let mut from_checkpoints = Vec::new();
+        for (c, p) in plan.iter().enumerate() {
+            if failed.contains(&p.index) {
+                continue;
+            }
+            let s = &self.sched.running[p.index];
+            let (computed, slot) = (s.computed, s.slot.expect("a running sequence has a slot"));
+            if s.snap_points.first() == Some(&computed) {
+                self.sched.running[p.index].snap_points.remove(0);
+                let Some(snapshot) = self.spare_slot(false)? else {
+                    continue;
+                };
+                self.cache.copy_slot(slot.0, snapshot.0)?;
+                let sched = &mut self.sched;
+                let s = &sched.running[p.index];
+                let tokens = s.tokens(0, computed);
+                let prefix = sched.prefix.as_mut().expect("the prefix cache is on");
+                prefix.insert(&tokens, computed, &s.table, &mut sched.blocks)?;
+                prefix.insert_snapshot(&tokens, computed, snapshot, &mut sched.slots)?;
+                continue;
+            }
+            let Some(start) = decoded[c] else { continue };
+            let boundary = computed / bs * bs;
+            let verified = batch.chunks()[c].verify;
+            if boundary <= start || (!verified && boundary != computed) {
+                continue;
+            }
+            let rolling = match self.sched.running[p.index].rolling {
+                Some((r, _)) => r,
+                None => match self.spare_slot(true)? {
+                    Some(r) => r,
+                    None => continue,
+                },
+            };
+            self.sched.running[p.index].rolling = Some((rolling, boundary));
+            match verified {
+                true => from_checkpoints.push((c, boundary - start, rolling.0)),
+                false => self.cache.copy_slot(slot.0, rolling.0)?,
+            }
+        }
+        if let (Some(pending), false) = (pending, from_checkpoints.is_empty()) {
+            self.cache.commit_into(pending, &from_checkpoints)?;
+        }
+        Ok(())
+    }
+
+    /// A free slot for a snapshot (evicting the least recently used cached one when none is
+    /// free); none when the prefix cache is off, or for a rolling snapshot when
+    /// `prefix_snapshots` sequences already hold one (the rest of the pool is for running
+    /// sequences).
+    fn spare_slot(&mut self, rolling: bool) -> Result<Option<SlotId>> {
+        let sched = &mut self.sched;
+        if sched.prefix.is_none() {
+            return Ok(None);
+        }
+        let rollings = sched.running.iter().filter(|s| s.rolling.is_some()).count();
+        if rolling && rollings >= self.cfg.prefix_snapshots {
+            return Ok(None);
+        }
+        // Slots running sequences may still take: one per sequence that can be admitted.
+        let reserve = sched.max_running - sched.running.len();
+        if sched.slots.free() <= reserve {
+            sched.evict(0, reserve + 1)?;
+        }
+        if sched.slots.free() <= reserve {
+            return Ok(None);
+        }
+        Ok(Some(sched.slots.alloc()?))
+    }
+
+    /// Hands a finishing sequence's rolling snapshot to the prefix cache with the blocks before
+    /// it (the next turn of its conversation starts there).
+    fn cache_rolling(&mut self, s: &mut Sequence) -> Result<()> {
+        let (Some((slot, at)), Some(prefix)) = (s.rolling.take(), self.sched.prefix.as_mut()) else {
+            return Ok(());
+        };
+        let tokens = s.tokens(0, at);
+        prefix.insert(&tokens, at, &s.table, &mut self.sched.blocks)?;
+        prefix.insert_snapshot(&tokens, at, slot, &mut self.sched.slots)?;
+        Ok(())
     }
 
     /// Sends a sequence's last events: the text its stream still holds, then `Finished`.
@@ -543,6 +703,7 @@ impl Engine {
         let usage = Usage {
             prompt_tokens: s.prompt.len(),
             completion_tokens: s.output.len(),
+            cached_tokens: s.cached,
             preemptions: s.preemptions,
             drafted: s.drafted,
             accepted: s.accepted,

@@ -6,7 +6,10 @@
 //! runs each step as one flat forward of every scheduled sequence
 //! ([`qwen36_model::Qwen36Model::forward_batch`]); each request's [`RequestHandle`] receives
 //! its tokens as [`Event`]s. [`Engine::spawn`] runs it on a thread of its own behind a cloneable
-//! [`EngineClient`] (what a server holds); [`Engine::step`] drives it from the caller instead. The pools' bookkeeping: a fixed set of GDN state slots and of paged
+//! [`EngineClient`] (what a server holds); [`Engine::step`] drives it from the caller instead. A prefix cache
+//! ([`EngineConfig::prefix_snapshots`]) shares the KV blocks of prompts' cached prefixes and
+//! restores the GDN state from snapshots kept at block boundaries, so that a chat's next turn
+//! runs only its new tokens. The pools' bookkeeping: a fixed set of GDN state slots and of paged
 //! KV blocks, both refcounted so that the prefix cache can share them, sized from a memory
 //! budget ([`PoolSizes`]). See docs/ARCHITECTURE.md.
 

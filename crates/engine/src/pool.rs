@@ -200,6 +200,11 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
+    /// A table starting with `blocks`, each already retained for it (a prefix-cache hit).
+    pub fn shared(blocks: Vec<BlockId>) -> Self {
+        Self { blocks }
+    }
+
     /// The blocks, in position order.
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks

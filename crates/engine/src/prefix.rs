@@ -1,5 +1,5 @@
-//! The prefix cache's bookkeeping (issue 25, first step; not yet used by the scheduler): full KV
-//! blocks of token prefixes shared by refcount through a chain of block hashes, and GDN state
+//! The prefix cache's bookkeeping (the scheduler and the engine decide where snapshots are kept
+//! and restore hits; see `scheduler.rs`): full KV blocks of token prefixes shared by refcount through a chain of block hashes, and GDN state
 //! snapshots kept at chosen block boundaries. A hybrid model cannot rebuild its recurrent state
 //! from the KV, so a prefix is only a hit where a snapshot of the state at its end is kept: the
 //! longest such prefix gives its blocks (shared) and its snapshot (copied into the sequence's own
@@ -124,36 +124,60 @@ impl PrefixCache {
         out
     }
 
+    /// Counts a lookup of `tokens` tokens whose first `hit` were served from the cache (the
+    /// caller counts the lookups it acts on, once per request admitted).
+    pub fn record(&mut self, tokens: usize, hit: usize) {
+        self.stats.lookups += 1;
+        self.stats.lookup_tokens += tokens as u64;
+        self.stats.hits += u64::from(hit > 0);
+        self.stats.hit_tokens += hit as u64;
+    }
+
+    /// Positions of `tokens`' longest prefix of cached whole blocks, snapshot or not, that leaves
+    /// a token to run (where a new request branches off a cached one: a snapshot point).
+    pub fn cached_positions(&self, tokens: &[u32]) -> usize {
+        self.walk(&tokens[..tokens.len().saturating_sub(1)]).len() * self.block_size
+    }
+
+    /// Blocks and snapshot slots that only the cache holds (what eviction could free now).
+    pub fn exclusive(&self, blocks: &BlockPool, slots: &SlotPool) -> (usize, usize) {
+        self.nodes.iter().flatten().fold((0, 0), |(b, s), n| {
+            let only = |refs: u32| usize::from(refs == 1);
+            (
+                b + only(blocks.refs(n.block)),
+                s + n.snapshot.map_or(0, |x| only(slots.refs(x))),
+            )
+        })
+    }
+
     /// The longest cached prefix of `tokens` that ends at a kept snapshot and leaves at least one
-    /// token to run; its blocks and snapshot are retained once for the caller.
+    /// token to run; its blocks and snapshot are retained once for the caller (the counters are
+    /// the caller's: [`Self::record`]).
     pub fn lookup(
         &mut self,
         tokens: &[u32],
         blocks: &mut BlockPool,
         slots: &mut SlotPool,
     ) -> Result<Option<PrefixHit>> {
-        self.stats.lookups += 1;
-        self.stats.lookup_tokens += tokens.len() as u64;
         let usable = tokens.len().saturating_sub(1);
         let path = self.walk(&tokens[..usable]);
         let Some(depth) = path.iter().rposition(|&(i, _)| self.node(i).snapshot.is_some()) else {
             return Ok(None);
         };
+        // Only the hit counts as a use: a shallower snapshot on its path is superseded for this
+        // prefix (and its blocks, having children, outlive the leaves anyway).
         self.clock += 1;
+        let now = self.clock;
+        self.node_mut(path[depth].0).last_used = now;
         let mut hit_blocks = Vec::with_capacity(depth + 1);
         for &(i, _) in &path[..=depth] {
-            let now = self.clock;
-            let n = self.node_mut(i);
-            n.last_used = now;
-            let b = n.block;
+            let b = self.node(i).block;
             blocks.retain(b)?;
             hit_blocks.push(b);
         }
         let snapshot = self.node(path[depth].0).snapshot.expect("a snapshot at the hit");
         slots.retain(snapshot)?;
         let positions = (depth + 1) * self.block_size;
-        self.stats.hits += 1;
-        self.stats.hit_tokens += positions as u64;
         Ok(Some(PrefixHit {
             positions,
             blocks: hit_blocks,
@@ -396,7 +420,8 @@ mod tests {
         assert_eq!(hit.positions, 4, "not x|y's snapshot at 8");
     }
 
-    /// Every lookup and hit is counted, and insert says how many blocks it newly keeps.
+    /// Recorded lookups and hits are counted, insert says how many blocks it newly keeps, and
+    /// the cached run and the cache-only holdings are what was inserted.
     #[test]
     fn counters_and_insert_counts() {
         let mut c = PrefixCache::new(BS);
@@ -407,10 +432,26 @@ mod tests {
         assert_eq!(c.insert(&a, 8, &table, &mut p.blocks).unwrap(), 2);
         assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 1);
         assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 0);
-        for _ in 0..3 {
-            c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap();
-        }
-        assert_eq!((c.stats().lookups, c.stats().hits, c.stats().blocks), (3, 0, 3));
+        assert!(c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().is_none());
+        assert_eq!(c.stats().lookups, 0, "a lookup alone is not counted");
+        c.record(12, 0);
+        c.record(20, 8);
+        c.record(9, 4);
+        let st = c.stats();
+        assert_eq!(
+            (st.lookups, st.hits, st.lookup_tokens, st.hit_tokens, st.blocks),
+            (3, 2, 41, 12, 3)
+        );
+        // The cached run of blocks, with or without a snapshot, leaving a token to run.
+        assert_eq!(c.cached_positions(&a), 8);
+        assert_eq!(c.cached_positions(&[a.clone(), vec![5]].concat()), 12);
+        assert_eq!(c.cached_positions(&[0, 1, 2, 9, 4]), 0);
+        // Only the cache holds no block yet: the table holds them too.
+        assert_eq!(c.exclusive(&p.blocks, &p.slots), (0, 0));
+        table.truncate(4, &mut p.blocks).unwrap();
+        let slot = p.slots.alloc().unwrap();
+        c.insert_snapshot(&a, 8, slot, &mut p.slots).unwrap();
+        assert_eq!(c.exclusive(&p.blocks, &p.slots), (2, 1));
     }
 
     /// Eviction goes least recently used first (a lookup or an insert counts as a use) and
@@ -469,6 +510,40 @@ mod tests {
         );
     }
 
+    /// A hit refreshes its own snapshot only: the shallower one on its path is evicted first.
+    #[test]
+    fn a_deeper_hit_leaves_the_shallower_snapshot_to_go_first() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        // Two entries inserted and cleared (oldest first) leave the deeper block of `a` the
+        // lower node index, so that a tie in age would pick it.
+        for x in [50u32, 60] {
+            let mut t = BlockTable::default();
+            t.reserve(BS, &mut p.blocks).unwrap();
+            c.insert(&(x..x + 4).collect::<Vec<_>>(), BS, &t, &mut p.blocks)
+                .unwrap();
+            t.release(&mut p.blocks).unwrap();
+        }
+        c.clear(&mut p.blocks, &mut p.slots).unwrap();
+        let a: Vec<u32> = (0..10).collect();
+        let mut t = run(&mut c, &mut p, &a, 4);
+        let deep = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&a, 8, deep, &mut p.slots).unwrap());
+        t.release(&mut p.blocks).unwrap();
+        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        assert_eq!(hit.positions, 8);
+        for b in &hit.blocks {
+            p.blocks.release(*b).unwrap();
+        }
+        p.slots.release(hit.snapshot).unwrap();
+        let free = p.slots.free();
+        c.evict(0, free + 1, &mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!(p.slots.refs(deep), 1, "the deeper snapshot stays");
+        let hit = c.lookup(&a[..9], &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        assert_eq!(hit.positions, 8);
+        assert_eq!(c.stats().snapshots, 1);
+    }
+
     #[test]
     fn a_shared_prefix_hits_at_its_deepest_snapshot() {
         let mut c = PrefixCache::new(BS);
@@ -489,8 +564,6 @@ mod tests {
             "sequence, cache, caller"
         );
         assert_eq!(p.slots.refs(hit.snapshot), 2);
-        let s = c.stats();
-        assert_eq!((s.hits, s.hit_tokens, s.lookup_tokens), (1, 8, 15));
         // Diverging inside the first block: no hit; no snapshot anywhere: no hit.
         assert!(c
             .lookup(&[0, 1, 7, 3, 4, 5, 6, 7, 8, 9], &mut p.blocks, &mut p.slots)

@@ -102,6 +102,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache (their state and K/V restored, not run).
+    pub cached_tokens: usize,
     /// Times the request was preempted (its state freed and recomputed later).
     pub preemptions: usize,
     /// Drafts verified, and those accepted (speculative decoding).

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use qwen36_sampling::{RepetitionDetector, Sampler, TextStream};
 
 use crate::spec::AcceptanceCounts;
-use crate::{BlockPool, BlockTable, Error, Event, Result, SlotId, SlotPool, Speculation, StopReason};
+use crate::{
+    BlockPool, BlockTable, Error, Event, PrefixCache, Result, SlotId, SlotPool, Speculation, StopReason,
+};
 
 /// One request inside the engine.
 #[derive(Debug)]
@@ -52,6 +54,14 @@ pub(crate) struct Sequence {
     /// Watches the output for loops and entropy collapse, when the request asked.
     pub degeneration: Option<RepetitionDetector>,
     pub stop_on_degeneration: bool,
+    /// Prompt tokens its last admission restored from the prefix cache.
+    pub cached: usize,
+    /// Block boundaries (ascending, past `computed`) where a prefill chunk ends and the state is
+    /// kept in the prefix cache: where it branches off a cached prefix, and its prompt's last.
+    pub snap_points: Vec<usize>,
+    /// The state at the last block boundary its decoding passed (slot, position): kept in the
+    /// prefix cache when it finishes (the next turn's prefix).
+    pub rolling: Option<(SlotId, usize)>,
 }
 
 impl Sequence {
@@ -91,11 +101,22 @@ impl Sequence {
         self.cancel.load(Ordering::Relaxed)
     }
 
-    /// Frees its slot and blocks.
+    /// The most tokens its next chunk may run: up to its next snapshot point.
+    fn chunk_cap(&self) -> usize {
+        self.snap_points
+            .first()
+            .map_or(usize::MAX, |&p| p - self.computed)
+    }
+
+    /// Frees its slots and blocks.
     pub fn release(&mut self, slots: &mut SlotPool, blocks: &mut BlockPool) -> Result<()> {
         if let Some(slot) = self.slot.take() {
             slots.release(slot)?;
         }
+        if let Some((slot, _)) = self.rolling.take() {
+            slots.release(slot)?;
+        }
+        self.snap_points.clear();
         self.table.release(blocks)?;
         self.computed = 0;
         self.verify = false;
@@ -128,6 +149,13 @@ pub(crate) struct Scheduler {
     pub blocks: BlockPool,
     /// The most tokens one forward runs.
     pub step_tokens: usize,
+    /// The most sequences running at once (the slot pool also holds the prefix cache's).
+    pub max_running: usize,
+    /// Cached prefixes, when on.
+    pub prefix: Option<PrefixCache>,
+    /// Snapshots to copy into newly admitted sequences' slots before the next forward
+    /// `(snapshot, slot)`; the engine copies them, then releases each snapshot.
+    pub restores: Vec<(SlotId, SlotId)>,
 }
 
 impl Scheduler {
@@ -156,18 +184,20 @@ impl Scheduler {
             .running
             .iter()
             .map(|s| {
-                let t = s.pending().min(budget);
+                let t = s.pending().min(budget).min(s.chunk_cap());
                 budget -= t;
                 t
             })
             .collect();
         for (s, count) in self.running.iter_mut().zip(&mut counts) {
+            // (Nor past a snapshot point: the state there is kept from a plain chunk's end.)
             let drafts = if *count == s.pending() {
-                s.drafts.len().min(budget)
+                s.drafts.len().min(budget).min(s.chunk_cap() - *count)
             } else {
                 0
             };
             s.drafts.truncate(drafts);
+            s.verify &= drafts > 0;
             *count += drafts;
             budget -= drafts;
         }
@@ -186,6 +216,7 @@ impl Scheduler {
                     plan.push(Scheduled { index: i, tokens });
                     i += 1;
                 }
+                Err(Error::Exhausted { wanted, .. }) if self.evict(wanted, 0)? => {}
                 Err(Error::Exhausted { .. }) => {
                     // Preempt the newest (possibly this one) and try again.
                     let newest = self.running.len() - 1;
@@ -204,10 +235,26 @@ impl Scheduler {
             }
         }
         // Admit waiting sequences in order while a slot, blocks and the budget allow.
-        while budget > 0 && self.slots.free() > 0 {
-            let Some(s) = self.waiting.front_mut() else { break };
-            let tokens = s.pending().min(budget);
-            if s.table.reserve(tokens, &mut self.blocks).is_err() {
+        while budget > 0 && self.running.len() < self.max_running {
+            if self.waiting.is_empty() || (self.slots.free() == 0 && !self.evict(0, 1)?) {
+                break;
+            }
+            let hit = self.restore_front()?;
+            let s = self.waiting.front_mut().expect("a front");
+            let tokens = s.pending().min(budget).min(s.chunk_cap());
+            let mut reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
+            if let Err(Error::Exhausted { wanted, .. }) = reserved {
+                if self.evict(wanted, 0)? {
+                    let s = self.waiting.front_mut().expect("a front");
+                    reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
+                }
+            }
+            if reserved.is_err() {
+                let s = self.waiting.front_mut().expect("a front");
+                s.release(&mut self.slots, &mut self.blocks)?;
+                if let Some(snapshot) = hit {
+                    self.slots.release(snapshot)?;
+                }
                 if self.running.is_empty() {
                     let s = self.waiting.pop_front().expect("a front");
                     ended.push((s, StopReason::ContextFull));
@@ -216,7 +263,14 @@ impl Scheduler {
                 break;
             }
             let mut s = self.waiting.pop_front().expect("a front");
-            s.slot = Some(self.slots.alloc()?);
+            let slot = self.slots.alloc()?;
+            s.slot = Some(slot);
+            if let Some(prefix) = self.prefix.as_mut() {
+                prefix.record(s.len(), s.cached);
+            }
+            if let Some(snapshot) = hit {
+                self.restores.push((snapshot, slot));
+            }
             self.running.push(s);
             plan.push(Scheduled {
                 index: self.running.len() - 1,
@@ -225,6 +279,43 @@ impl Scheduler {
             budget -= tokens;
         }
         Ok((plan, ended))
+    }
+
+    /// With the prefix cache on, starts the front waiting sequence from its longest cached
+    /// prefix (its blocks shared, `computed` past it; the snapshot to restore is returned,
+    /// retained) and sets its snapshot points. MTP-speculating sequences run their whole prompt
+    /// (the MTP head's K/V is not cached), but keep snapshots for others.
+    fn restore_front(&mut self) -> Result<Option<SlotId>> {
+        let (Some(prefix), Some(s)) = (self.prefix.as_mut(), self.waiting.front_mut()) else {
+            return Ok(None);
+        };
+        let tokens = s.tokens(0, s.len());
+        let mut snapshot = None;
+        s.cached = 0;
+        if !matches!(s.speculation, Some(Speculation::Mtp { .. })) {
+            if let Some(hit) = prefix.lookup(&tokens, &mut self.blocks, &mut self.slots)? {
+                s.table = BlockTable::shared(hit.blocks);
+                s.computed = hit.positions;
+                s.cached = hit.positions;
+                snapshot = Some(hit.snapshot);
+            }
+        }
+        let bs = self.blocks.block_size();
+        let branch = prefix.cached_positions(&tokens);
+        let end = tokens.len() / bs * bs;
+        s.snap_points = [branch, end].into_iter().filter(|&p| p > s.computed).collect();
+        s.snap_points.sort_unstable();
+        s.snap_points.dedup();
+        Ok(snapshot)
+    }
+
+    /// Frees cached entries only the cache holds until `blocks` blocks and `slots` slots are
+    /// free; false when the cache freed nothing.
+    pub fn evict(&mut self, blocks: usize, slots: usize) -> Result<bool> {
+        let Some(prefix) = self.prefix.as_mut() else {
+            return Ok(false);
+        };
+        Ok(prefix.evict(blocks, slots, &mut self.blocks, &mut self.slots)? > 0)
     }
 
     /// Queues `s` by age (preempted sequences go before younger ones).

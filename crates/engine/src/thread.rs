@@ -263,7 +263,7 @@ mod tests {
         let idle = client.load();
         assert_eq!(
             (idle.waiting, idle.running, idle.slots_used, idle.slots),
-            (0, 0, 0, 1)
+            (0, 0, 0, 1 + EngineConfig::default().prefix_snapshots)
         );
         let long = client.submit(crate::Request::greedy(vec![1, 2, 3], 400)).unwrap();
         let queued = client.submit(crate::Request::greedy(vec![4, 5], 2)).unwrap();
@@ -277,11 +277,9 @@ mod tests {
             }
             std::thread::yield_now();
         };
-        assert_eq!(
-            (busy.running, busy.waiting, busy.slots_used),
-            (1, 1, 1),
-            "{busy:?}"
-        );
+        // Its own slot, and the rolling snapshot of its last block boundary once it passed one.
+        assert_eq!((busy.running, busy.waiting), (1, 1), "{busy:?}");
+        assert!((1..=2).contains(&busy.slots_used), "{busy:?}");
         assert!(busy.blocks_used > 0);
         drop(long); // cancels
         assert!(std::iter::from_fn(|| queued.recv()).any(|e| matches!(e, Event::Finished { .. })));

@@ -3,70 +3,17 @@
 //! log-probabilities) of its solo greedy run; seeded sampling is reproducible whatever the batch;
 //! bad requests are typed errors; the pools end empty.
 
-#[path = "../../testutil/include/model.rs"]
-mod model_helpers;
+mod common;
+
+use common::{bundled, collect, model_helpers, solo, Outcome};
 
 use candle_core::DType;
 use qwen36_engine::{
-    Engine, EngineConfig, Error, Event, Request, RequestHandle, SpecCosts, Speculation, StopReason, Usage,
+    Engine, EngineConfig, Error, Event, Request, RequestHandle, SpecCosts, Speculation, StopReason,
 };
 use qwen36_model::Qwen36Model;
 use qwen36_sampling::SamplingParams;
 use qwen36_testutil::{ids_tensor, Rng};
-
-fn bundled() -> Qwen36Model {
-    model_helpers::load_bundled().0
-}
-
-/// Greedy decoding of `n` tokens alone through a `Cache` (one token per forward after the whole
-/// prompt), with each step's f32 logits.
-fn solo(model: &Qwen36Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut cache = model.new_cache(1).unwrap();
-    let mut logits = model.forward_last(&ids_tensor(prompt), &mut cache).unwrap();
-    let (mut ids, mut rows) = (Vec::new(), Vec::new());
-    loop {
-        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
-        let next = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
-        ids.push(next);
-        rows.push(row);
-        if ids.len() == n {
-            return (ids, rows);
-        }
-        logits = model.forward_last(&ids_tensor(&[next]), &mut cache).unwrap();
-    }
-}
-
-/// Everything a handle received: the ids, their text, the per-token log-probabilities, and how
-/// it ended.
-struct Outcome {
-    ids: Vec<u32>,
-    text: String,
-    logprobs: Vec<f32>,
-    end: Option<(StopReason, Usage)>,
-}
-
-fn collect(h: &RequestHandle) -> Outcome {
-    let mut o = Outcome {
-        ids: Vec::new(),
-        text: String::new(),
-        logprobs: Vec::new(),
-        end: None,
-    };
-    for e in h.drain() {
-        assert!(o.end.is_none(), "an event after the request ended: {e:?}");
-        match e {
-            Event::Token { ids, text, logprobs } => {
-                o.ids.extend(&ids);
-                o.text.push_str(&text);
-                o.logprobs
-                    .extend(logprobs.into_iter().flatten().map(|s| s.logprob));
-            }
-            Event::Finished { reason, usage } => o.end = Some((reason, usage)),
-            Event::Failed { error } => panic!("request failed: {error}"),
-        }
-    }
-    o
-}
 
 fn log_softmax_at(row: &[f32], i: usize) -> f32 {
     let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);

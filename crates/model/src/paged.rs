@@ -55,6 +55,18 @@ impl PagedCache {
         self.block_size
     }
 
+    /// Bytes of one slot's GDN state (every layer's conv window and recurrent state).
+    pub fn slot_bytes(&self) -> u64 {
+        let row = |t: &Tensor| (t.elem_count() / self.slots.max(1) * t.dtype().size_in_bytes()) as u64;
+        self.layers
+            .iter()
+            .map(|l| match l {
+                PagedLayer::Gdn { conv, recurrent } => row(conv) + row(recurrent),
+                PagedLayer::Attention { .. } => 0,
+            })
+            .sum()
+    }
+
     /// Zeroes slot `slot`'s GDN state in every layer (a sequence starting there sees nothing of
     /// the one before).
     pub fn clear_slot(&mut self, slot: u32) -> Result<()> {
@@ -64,6 +76,25 @@ impl PagedCache {
                 for pool in [conv, recurrent] {
                     let row = pool.narrow(0, 0, 1)?.zeros_like()?;
                     pool.slice_set(&row, 0, slot as usize)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies slot `src`'s GDN state (every layer's conv window and recurrent state) into slot
+    /// `dst`: a prefix-cache snapshot taken from a sequence, or restored into one.
+    pub fn copy_slot(&mut self, src: u32, dst: u32) -> Result<()> {
+        self.check_slot(src)?;
+        self.check_slot(dst)?;
+        if src == dst {
+            return Ok(());
+        }
+        for layer in &self.layers {
+            if let PagedLayer::Gdn { conv, recurrent } = layer {
+                for pool in [conv, recurrent] {
+                    let row = pool.narrow(0, src as usize, 1)?.copy()?;
+                    pool.slice_set(&row, 0, dst as usize)?;
                 }
             }
         }
@@ -96,17 +127,33 @@ impl PagedCache {
     /// [`Self::commit`] for several verified chunks at once, `(chunk, keep)` each (distinct
     /// chunks): one copy per GDN layer, pool and verify group for all of them.
     pub fn commit_many(&mut self, pending: &BatchPending, keeps: &[(usize, usize)]) -> Result<()> {
+        let into: Vec<(usize, usize, u32)> = keeps
+            .iter()
+            .map(|&(chunk, keep)| {
+                Ok((
+                    chunk,
+                    keep,
+                    *pending.slots.get(chunk).ok_or_else(|| no_chunk(chunk))?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        self.commit_into(pending, &into)
+    }
+
+    /// Writes the GDN state after the first `keep` tokens of each verified `chunk` into `slot`
+    /// (`(chunk, keep, slot)` each, distinct slots): [`Self::commit_many`] when each slot is its
+    /// chunk's own, a snapshot of a state the verify passed through when it is another.
+    pub fn commit_into(&mut self, pending: &BatchPending, keeps: &[(usize, usize, u32)]) -> Result<()> {
         // Per verify group: each kept chunk's slot, its member index, its row of the group's
         // per-token states (member · len + keep - 1) and its window's first column (keep).
         let mut groups: Vec<(usize, [Vec<u32>; 4])> = Vec::new();
-        for &(chunk, keep) in keeps {
+        for &(chunk, keep, slot) in keeps {
             let (group, member) = pending
                 .member_of
                 .get(chunk)
                 .copied()
                 .flatten()
-                .ok_or_else(|| Error::Cache(format!("chunk {chunk} was not verified in this batch")))?;
-            let slot = pending.slots[chunk];
+                .ok_or_else(|| no_chunk(chunk))?;
             self.check_slot(slot)?;
             let len = pending.group_len(group)?;
             if keep == 0 || keep > len {
@@ -171,6 +218,10 @@ impl PagedCache {
             .map(|p| blocks[p / bs] * bs as u32 + (p % bs) as u32)
             .collect()
     }
+}
+
+fn no_chunk(chunk: usize) -> Error {
+    Error::Cache(format!("chunk {chunk} was not verified in this batch"))
 }
 
 /// One sequence's new tokens in a [`ForwardBatch`].

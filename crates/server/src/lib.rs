@@ -590,10 +590,17 @@ fn usage_json(prompt_tokens: usize, choices: &[Choice]) -> Value {
         .iter()
         .map(|c| c.usage.map_or(c.ids.len(), |u| u.completion_tokens))
         .sum();
+    // Each choice is a request of its own: the most any of them was served from the cache.
+    let cached = choices
+        .iter()
+        .filter_map(|c| c.usage.map(|u| u.cached_tokens))
+        .max()
+        .unwrap_or(0);
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
     })
 }
 

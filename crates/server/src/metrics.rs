@@ -243,6 +243,50 @@ impl Metrics {
             "KV blocks in the pool.",
             load.blocks as f64,
         );
+        if let Some(p) = load.prefix {
+            counter(
+                &mut out,
+                "qwen36_prefix_cache_lookup_tokens_total",
+                "Prompt tokens of the requests admitted.",
+                p.lookup_tokens,
+            );
+            counter(
+                &mut out,
+                "qwen36_prefix_cache_hit_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                p.hit_tokens,
+            );
+            counter(
+                &mut out,
+                "qwen36_prefix_cache_hits_total",
+                "Admissions that started from a cached prefix.",
+                p.hits,
+            );
+            counter(
+                &mut out,
+                "qwen36_prefix_cache_evictions_total",
+                "Cached blocks and snapshots freed to make room.",
+                p.evictions,
+            );
+            gauge(
+                &mut out,
+                "qwen36_prefix_cache_blocks",
+                "KV blocks the prefix cache keeps.",
+                p.blocks as f64,
+            );
+            gauge(
+                &mut out,
+                "qwen36_prefix_cache_snapshots",
+                "GDN state snapshots the prefix cache keeps.",
+                p.snapshots as f64,
+            );
+            gauge(
+                &mut out,
+                "qwen36_prefix_cache_snapshot_bytes",
+                "Memory of the prefix cache's GDN state snapshots.",
+                (p.snapshots as u64 * load.slot_bytes) as f64,
+            );
+        }
         counter(
             &mut out,
             "qwen36_engine_steps_total",
@@ -278,6 +322,39 @@ mod tests {
         assert!(out.contains("x_bucket{le=\"0.1\"} 2\n"));
         assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"));
         assert!(out.contains("x_count 4\n"));
+    }
+
+    /// The prefix cache's counters and memory are shown when it is on, and only then.
+    #[test]
+    fn prefix_cache_metrics_follow_the_engine() {
+        let m = Metrics::default();
+        let off = m.render(EngineLoad::default(), &EngineStatus::Running, 0);
+        assert!(!off.contains("qwen36_prefix_cache"), "{off}");
+        let load = EngineLoad {
+            prefix: Some(qwen36::engine::PrefixStats {
+                lookups: 3,
+                hits: 2,
+                lookup_tokens: 300,
+                hit_tokens: 240,
+                blocks: 15,
+                snapshots: 4,
+                evictions: 1,
+            }),
+            slot_bytes: 1000,
+            ..EngineLoad::default()
+        };
+        let text = m.render(load, &EngineStatus::Running, 0);
+        for line in [
+            "qwen36_prefix_cache_lookup_tokens_total 300",
+            "qwen36_prefix_cache_hit_tokens_total 240",
+            "qwen36_prefix_cache_hits_total 2",
+            "qwen36_prefix_cache_evictions_total 1",
+            "qwen36_prefix_cache_blocks 15",
+            "qwen36_prefix_cache_snapshots 4",
+            "qwen36_prefix_cache_snapshot_bytes 4000",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
     }
 
     /// A finished choice adds its tokens, its first-token time and its time per later token.
