@@ -58,6 +58,9 @@ struct Args {
     /// MTP drafts per verify (0: plain decoding).
     #[arg(long, default_value_t = 0)]
     mtp: usize,
+    /// MTP drafts choose among the first this many token ids only.
+    #[arg(long)]
+    draft_vocab: Option<usize>,
     /// Timing mode: accept draft j with probability rates[j] instead of checking it (for random
     /// weights; the published Qwen3.6-27B MTP rates at k = 3 are 0.963,0.804,0.640).
     #[arg(long, value_delimiter = ',')]
@@ -183,6 +186,7 @@ fn main() -> anyhow_like::Result<()> {
             adaptive_k: !args.fixed_k,
             cuda_graphs: !args.eager,
             prefix_snapshots: args.prefix_snapshots,
+            draft_vocab: args.draft_vocab,
         };
         let mut engine = match &head {
             Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,

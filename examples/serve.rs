@@ -73,6 +73,10 @@ struct Args {
     /// `--drafter ngram`. The tokens are the same either way.
     #[arg(long, default_value_t = 0)]
     mtp: usize,
+    /// MTP drafts choose among the first this many token ids only (cheaper drafts; the output is
+    /// the same).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
     /// mtp or ngram.
     #[arg(long, default_value = "mtp")]
     drafter: String,
@@ -172,6 +176,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         timing_accept_rates: args.accept_rates.clone(),
         adaptive_k: !args.fixed_k,
         prefix_snapshots: args.prefix_snapshots,
+        draft_vocab: args.draft_vocab,
         ..EngineConfig::default()
     };
     if args.accept_rates.is_some() {

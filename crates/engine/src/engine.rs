@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use qwen36_model::{BatchPending, BatchStepper, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk};
+use qwen36_model::{
+    BatchPending, BatchStepper, DraftVocab, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk,
+};
 use qwen36_mtp::NgramDrafter;
 use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, RepetitionDetector, Sampler, TextStream};
 use rayon::prelude::*;
@@ -51,6 +53,9 @@ pub struct EngineConfig {
     /// Replay decode and verify steps from recorded CUDA graphs where the model's device can
     /// record them (a device from `qwen36_model::cuda_device`); `false` runs every step eagerly.
     pub cuda_graphs: bool,
+    /// MTP draft steps choose among the first this many ids only (a draft vocabulary: the
+    /// drafts' lm_head reads shrink; the tokens stay the verified ones). `None`: all ids.
+    pub draft_vocab: Option<usize>,
     /// State slots beyond `max_seqs` for the prefix cache's GDN snapshots (each the size of a
     /// sequence's state); 0 turns the prefix cache off.
     pub prefix_snapshots: usize,
@@ -68,6 +73,7 @@ impl Default for EngineConfig {
             adaptive_k: true,
             cuda_graphs: true,
             prefix_snapshots: 8,
+            draft_vocab: None,
         }
     }
 }
@@ -201,7 +207,11 @@ impl Engine {
         let mtp = match head {
             Some(h) => {
                 let pool = h.new_paged_cache(&model, slots, blocks, cfg.block_size)?;
-                Some((h, pool, BatchStepper::new(&model, cfg.cuda_graphs, table_blocks)))
+                let mut stepper = BatchStepper::new(&model, cfg.cuda_graphs, table_blocks);
+                if let Some(n) = cfg.draft_vocab {
+                    stepper = stepper.with_draft_vocab(DraftVocab::first(&model, n, &[])?);
+                }
+                Some((h, pool, stepper))
             }
             None => None,
         };

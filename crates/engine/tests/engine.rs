@@ -392,6 +392,24 @@ fn mtp_speculation_equals_plain_greedy() {
     );
 }
 
+/// MTP drafts from a draft vocabulary (the first half of the ids): still the plain greedy
+/// tokens, with drafts accepted.
+#[test]
+fn mtp_with_a_draft_vocabulary_equals_plain_greedy() {
+    let (model, head) = model_helpers::load_bundled();
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        block_size: 8,
+        step_tokens: 40,
+        adaptive_k: false,
+        draft_vocab: Some(model.config().vocab_size / 2),
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let t = check_random(&mut engine, 31, 8, 60, &[Speculation::Mtp { k: 2 }]);
+    assert!(t.accepted > 0, "drafts must be accepted: {t:?}");
+}
+
 /// The engine on its own thread: requests submitted from several threads at once each get their
 /// solo tokens; a shutdown lets submitted requests finish and refuses new ones.
 #[test]

@@ -647,12 +647,13 @@ impl BatchGraph {
         batch: &ForwardBatch,
         cache: &mut PagedCache,
         step: usize,
+        vocab: Option<&DraftVocab>,
     ) -> Result<(Tensor, Tensor)> {
         // Feeds of several tokens fit only where the head layer keeps no GDN state.
         let any_len = head.attention_only(step);
         let shape = graphed_shape(model, batch, any_len).filter(|_| head.fits_pool(cache));
         let Some((seqs, len, _)) = shape else {
-            return crate::stepper::draft_eager(head, model, hidden, batch, cache, step);
+            return crate::stepper::draft_eager(head, model, hidden, batch, cache, step, vocab);
         };
         let cfg = model.config();
         batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
@@ -687,7 +688,7 @@ impl BatchGraph {
                 .narrow(1, len - 1, 1)?
                 .squeeze(1)?
                 .contiguous()?;
-            let tokens = model.greedy_ids(&last)?;
+            let tokens = crate::stepper::draft_ids(model, &last, vocab)?;
             Ok((vec![last, tokens], vec![None; cache.layers.len()]))
         })?;
         let n = rows / len;

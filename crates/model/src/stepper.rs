@@ -220,6 +220,8 @@ pub const BATCH_BUCKETS: [usize; 10] = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64];
 pub struct BatchStepper {
     #[cfg(feature = "cuda")]
     graph: Option<crate::graph::BatchGraph>,
+    /// The ids MTP draft steps choose among (all when `None`).
+    vocab: Option<DraftVocab>,
 }
 
 impl BatchStepper {
@@ -232,13 +234,20 @@ impl BatchStepper {
             let graph = (graphs && model.device().is_cuda())
                 .then(|| crate::graph::BatchGraph::new(model.device(), table_blocks).ok())
                 .flatten();
-            Self { graph }
+            Self { graph, vocab: None }
         }
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (model, graphs, table_blocks);
-            Self {}
+            Self { vocab: None }
         }
+    }
+
+    /// The stepper with its MTP draft steps choosing among `vocab`'s ids only (a draft
+    /// vocabulary: cheaper drafts, verified as any).
+    pub fn with_draft_vocab(mut self, vocab: DraftVocab) -> Self {
+        self.vocab = Some(vocab);
+        self
     }
 
     /// Whether decode and verify steps replay CUDA graphs.
@@ -281,8 +290,8 @@ impl BatchStepper {
     /// One MTP draft step of `head` over a flat batch of its pool `cache` (chunk `i` feeds the
     /// pairs of `batch.rows(i)`: next ids and the rows of `hidden: [rows, hidden]`, as
     /// [`MtpHead::forward_batch`]): per chunk, in chunk order, its last row's post-norm state
-    /// `[chunks, hidden]` and that row's greedy token, u32 `[chunks]`. Replayed from a graph when
-    /// every chunk runs as many tokens.
+    /// `[chunks, hidden]` and that row's greedy token (among the draft vocabulary's ids, when
+    /// set), u32 `[chunks]`. Replayed from a graph when every chunk runs as many tokens.
     pub fn draft(
         &mut self,
         head: &MtpHead,
@@ -294,9 +303,9 @@ impl BatchStepper {
     ) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.graph.as_mut() {
-            return g.draft(head, model, hidden, batch, cache, step);
+            return g.draft(head, model, hidden, batch, cache, step, self.vocab.as_ref());
         }
-        draft_eager(head, model, hidden, batch, cache, step)
+        draft_eager(head, model, hidden, batch, cache, step, self.vocab.as_ref())
     }
 }
 
@@ -308,14 +317,23 @@ pub(crate) fn draft_eager(
     batch: &ForwardBatch,
     cache: &mut PagedCache,
     step: usize,
+    vocab: Option<&DraftVocab>,
 ) -> Result<(Tensor, Tensor)> {
     let out = head.forward_batch(model, hidden, batch, cache, step)?;
     let lasts: Vec<u32> = (0..batch.chunks().len())
         .map(|c| batch.rows(c).end as u32 - 1)
         .collect();
     let last = out.index_select(&Tensor::new(lasts.as_slice(), out.device())?, 0)?;
-    let tokens = model.greedy_ids(&last)?;
+    let tokens = draft_ids(model, &last, vocab)?;
     Ok((last, tokens))
+}
+
+/// Greedy ids of draft states `[n, hidden]`, among `vocab`'s ids when given.
+pub(crate) fn draft_ids(model: &Qwen36Model, last: &Tensor, vocab: Option<&DraftVocab>) -> Result<Tensor> {
+    match vocab {
+        Some(v) => v.greedy_ids(last),
+        None => model.greedy_ids(last),
+    }
 }
 
 impl std::fmt::Debug for BatchStepper {

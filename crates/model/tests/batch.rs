@@ -489,6 +489,17 @@ fn stepper_steps_equal_eager_and_solo() {
 /// feeds of 1 to 4 pairs per sequence and as the number of sequences changes.
 #[test]
 fn stepper_drafts_equal_eager() {
+    drafts_equal_eager(None);
+}
+
+/// With a draft vocabulary of the first third of the ids, each draft is the argmax over those
+/// ids' logits (graphed and eager alike).
+#[test]
+fn stepper_drafts_keep_to_the_draft_vocabulary() {
+    drafts_equal_eager(Some(3));
+}
+
+fn drafts_equal_eager(third: Option<usize>) {
     let (model, head) = model_helpers::load_bundled();
     let (slots, per_slot, block_size) = (5usize, 12usize, 4usize);
     let new_pool = || {
@@ -502,6 +513,10 @@ fn stepper_drafts_equal_eager() {
         model.config().hidden_size,
         model.config().vocab_size,
     );
+    let draft_ids = third.map_or(vocab, |d| vocab / d);
+    if third.is_some() {
+        stepper = stepper.with_draft_vocab(qwen36_model::DraftVocab::first(&model, draft_ids, &[]).unwrap());
+    }
     let mut rng = Rng::new(9);
     let mut pos = vec![0usize; slots];
     let blocks = |slot: usize| -> Vec<u32> { (0..per_slot).map(|j| (j * slots + slot) as u32).collect() };
@@ -540,7 +555,8 @@ fn stepper_drafts_equal_eager() {
         let last_e = out
             .index_select(&Tensor::new(lasts.as_slice(), &dev).unwrap(), 0)
             .unwrap();
-        let tokens_e = argmax_rows(&model.logits(&last_e).unwrap());
+        let logits = model.logits(&last_e).unwrap();
+        let tokens_e = argmax_rows(&logits.narrow(1, 0, draft_ids).unwrap());
         assert_eq!(last.dims(), [n, h]);
         let diff = max_row_rel_err(&last, &last_e);
         // Padded steps (3 or 5 sequences) take the batched bound; see the test above.

@@ -33,6 +33,7 @@ use qwen36::{ChatTemplate, Generator, SamplingParams};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
 
 pub use api::{ApiError, GenerateRequest, Logprobs, Prompt, Stop, StreamOptions};
 pub use metrics::Metrics;
@@ -881,6 +882,7 @@ pub fn router(service: Arc<Service>) -> Router {
         .route("/models", get(models))
         .route("/completions", post(completions))
         .route("/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(service.clone(), take_body))
         .route_layer(middleware::from_fn_with_state(service.clone(), authorize));
     Router::new()
         .route("/health", get(health))
@@ -935,6 +937,7 @@ async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request,
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+            drain(req.into_body(), svc.cfg.max_body_bytes.saturating_mul(16)).await;
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "a valid API key is needed: Authorization: Bearer KEY",
@@ -944,6 +947,49 @@ async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request,
         }
     }
     next.run(req).await
+}
+
+/// Reads and drops up to about `cap` bytes of a body that gets an early answer: closing a
+/// connection with unread bytes resets it, and a client still sending would lose the answer.
+async fn drain(body: axum::body::Body, cap: usize) {
+    let mut stream = body.into_data_stream();
+    let mut seen = 0;
+    while seen <= cap {
+        match stream.next().await {
+            Some(Ok(bytes)) => seen += bytes.len(),
+            _ => break,
+        }
+    }
+}
+
+/// Takes a request's body whole, up to `max_body_bytes`: a larger one is answered 413 once up to
+/// 16 times the limit of it is read and dropped (past that the connection closes).
+async fn take_body(State(svc): State<Arc<Service>>, req: axum::extract::Request, next: Next) -> Response {
+    let limit = svc.cfg.max_body_bytes;
+    let (parts, body) = req.into_parts();
+    let mut stream = body.into_data_stream();
+    let mut whole = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let bytes = match chunk {
+            Ok(b) => b,
+            Err(e) => {
+                return ApiError::new(StatusCode::BAD_REQUEST, format!("reading the request body: {e}"))
+                    .into_response()
+            }
+        };
+        if whole.len() + bytes.len() > limit {
+            let cap = limit.saturating_mul(16);
+            drain(axum::body::Body::from_stream(stream), cap).await;
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over the length limit of {limit} bytes"),
+            )
+            .into_response();
+        }
+        whole.extend_from_slice(&bytes);
+    }
+    next.run(axum::extract::Request::from_parts(parts, whole.into()))
+        .await
 }
 
 /// Counts every response by route and status.

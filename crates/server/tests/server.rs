@@ -721,6 +721,9 @@ async fn bad_requests_get_error_objects() {
     let c = "/v1/completions";
     let chat = "/v1/chat/completions";
     let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(1 << 17));
+    // 16 times the limit: still read (and dropped) before the answer, which the client gets
+    // whole instead of a reset connection.
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat((1 << 20) - 20));
     let many_stops = format!(r#"{{"prompt": [1], "stop": {}}}"#, json!(vec!["x"; 17]));
     // (path, body, key, status, the message says, param)
     let cases: Vec<Case> = vec![
@@ -729,6 +732,8 @@ async fn bad_requests_get_error_objects() {
         // The key is checked first: a malformed or huge body without it is 401, not 400/413.
         (c, r#"{"prompt": [1, 2"#.into(), None, 401, "API key", None),
         (c, big.clone(), Some("sesamx"), 401, "API key", None),
+        (c, huge.clone(), Some("sesamx"), 401, "API key", None),
+        (c, huge, ok, 413, "length limit", None),
         (c, r#"{"prompt": [1, 2"#.into(), ok, 400, "EOF", None),
         (c, r#"{"prompt": [1], "max_tokens": "x"}"#.into(), ok, 400, "max_tokens", None),
         (c, r#"{"max_tokens": 3}"#.into(), ok, 400, "prompt", Some("prompt")),
@@ -857,7 +862,7 @@ async fn bad_requests_get_error_objects() {
     let m = server.metrics().await;
     assert_eq!(
         m["qwen36_http_responses_total{route=\"completions\",status=\"401\"}"],
-        4.0
+        5.0
     );
     assert_eq!(m["qwen36_engine_up"], 1.0);
     server.stop().await;
