@@ -638,7 +638,9 @@ impl BatchGraph {
 
     /// An MTP draft step over a flat batch (see [`crate::BatchStepper::draft`]), replayed from a
     /// graph when its chunks all run as many tokens (after their first position, at most the
-    /// largest bucket); otherwise eager.
+    /// largest bucket); otherwise eager. Drafts over `vocab` when given (the stepper's, fixed for
+    /// its life, so a recorded graph never meets another).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn draft(
         &mut self,
         head: &MtpHead,
