@@ -606,8 +606,9 @@ impl Engine {
 
     /// The prefix cache's share of a step: each planned sequence whose chunk ended at a snapshot
     /// point keeps its state there in the cache (with its blocks); each decoding sequence that
-    /// passed a block boundary copies the state there to its rolling slot (from the verify's
-    /// checkpoints when the boundary was inside a verified run), for [`Self::cache_rolling`].
+    /// passed a block boundary it keeps ([`ROLLING_BLOCKS`]) copies the state there to its rolling
+    /// slot (from the verify's checkpoints when the boundary was inside a verified run), for
+    /// [`Self::cache_rolling`].
     fn keep_states(
         &mut self,
         plan: &[crate::scheduler::Scheduled],
@@ -642,6 +643,13 @@ impl Engine {
             let boundary = computed / bs * bs;
             let verified = batch.chunks()[c].verify;
             if boundary <= start || (!verified && boundary != computed) {
+                continue;
+            }
+            // Not every boundary: every ROLLING_BLOCKS-th, and the last one before `max_tokens`
+            // ends the request (one state copy per sequence every 128 tokens at blocks of 16).
+            let s = &self.sched.running[p.index];
+            let last = s.max_tokens.map(|m| (s.prompt.len() + m - 1) / bs * bs);
+            if boundary % (ROLLING_BLOCKS * bs) != 0 && Some(boundary) != last {
                 continue;
             }
             let rolling = match self.sched.running[p.index].rolling {
@@ -1112,6 +1120,11 @@ fn argmax_of(row: &[f32]) -> u32 {
 /// Pairs a sequence may hold back from its MTP head (while it drafts nothing) before they are
 /// fed anyway: their hidden states wait in memory (`[pairs, hidden]`).
 const FEED_AT_MOST: usize = 512;
+
+/// A decoding sequence keeps the state at every this many blocks (and at the last boundary
+/// before its `max_tokens`) for the prefix cache: a turn that ends early (a stop) leaves the next
+/// turn at most this many blocks more to prefill.
+const ROLLING_BLOCKS: usize = 8;
 
 /// A sequence's acceptance rates for draft positions `0..k`, shrunk toward the engine-wide ones
 /// (themselves toward 1/2).

@@ -17,8 +17,9 @@ fn random_ids(rng: &mut Rng, vocab: usize, len: usize) -> Vec<u32> {
 
 /// The snapshot points of the engine's policy, stated independently: each finished request keeps
 /// the state at its prompt's last block boundary, at the boundary where it branched off cached
-/// blocks, and at the last boundary its decoding passed; a request hits the longest kept prefix
-/// of its prompt that leaves a token to run.
+/// blocks, and at the last boundary its decoding passed (these requests all end at `max_tokens`,
+/// whose last boundary the engine keeps); a request hits the longest kept prefix of its prompt
+/// that leaves a token to run.
 #[derive(Default)]
 struct Policy {
     /// Token prefixes whose state is kept.
