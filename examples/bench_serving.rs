@@ -187,6 +187,7 @@ fn main() -> anyhow_like::Result<()> {
             cuda_graphs: !args.eager,
             prefix_snapshots: args.prefix_snapshots,
             draft_vocab: args.draft_vocab,
+            max_model_len: None,
         };
         let mut engine = match &head {
             Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,

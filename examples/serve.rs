@@ -77,6 +77,9 @@ struct Args {
     /// the same).
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// The longest prompt + output taken (default: the model's context).
+    #[arg(long)]
+    max_model_len: Option<usize>,
     /// mtp or ngram.
     #[arg(long, default_value = "mtp")]
     drafter: String,
@@ -177,6 +180,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         adaptive_k: !args.fixed_k,
         prefix_snapshots: args.prefix_snapshots,
         draft_vocab: args.draft_vocab,
+        max_model_len: args.max_model_len,
         ..EngineConfig::default()
     };
     if args.accept_rates.is_some() {
@@ -197,11 +201,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             cfg.block_size
         );
     }
-    let context = model.config().max_position_embeddings;
     let engine = match (&speculation, head) {
         (Some(Speculation::Mtp { .. }), Some(head)) => Engine::with_mtp_head(model, head, cfg)?,
         _ => Engine::new(model, cfg)?,
     };
+    let context = engine.context();
     let engine = match generator.as_ref().and_then(Generator::detokenizer) {
         Some(d) => engine.with_detokenizer(d),
         None => engine,

@@ -53,6 +53,9 @@ pub struct EngineConfig {
     /// Replay decode and verify steps from recorded CUDA graphs where the model's device can
     /// record them (a device from `qwen36_model::cuda_device`); `false` runs every step eagerly.
     pub cuda_graphs: bool,
+    /// The longest sequence (prompt and output) taken, below the model's context; `None`: the
+    /// model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
     /// MTP draft steps choose among the first this many ids only (a draft vocabulary: the
     /// drafts' lm_head reads shrink; the tokens stay the verified ones). `None`: all ids.
     pub draft_vocab: Option<usize>,
@@ -74,6 +77,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             prefix_snapshots: 8,
             draft_vocab: None,
+            max_model_len: None,
         }
     }
 }
@@ -172,7 +176,7 @@ impl Engine {
     }
 
     fn build(model: Qwen36Model, head: Option<MtpHead>, cfg: EngineConfig) -> Result<Self> {
-        let context = model.config().max_position_embeddings;
+        let context = context_of(&model, &cfg);
         if cfg.step_tokens == 0 || cfg.max_seqs == 0 {
             return Err(Error::Size {
                 pool: "engine",
@@ -259,11 +263,17 @@ impl Engine {
         &self.cfg
     }
 
+    /// The longest sequence (prompt and output) it takes: the model's context, or
+    /// [`EngineConfig::max_model_len`] when shorter.
+    pub fn context(&self) -> usize {
+        context_of(&self.model, &self.cfg)
+    }
+
     /// Queues a request. Refused with a typed error when it is malformed or can never fit
     /// (prompt and `max_tokens` over the model's context or the whole KV pool), or when the
     /// queue is full.
     pub fn submit(&mut self, req: Request) -> Result<RequestHandle> {
-        let context = self.model.config().max_position_embeddings;
+        let context = self.context();
         let vocab = self.model.config().vocab_size;
         if req.prompt.is_empty() {
             return Err(Error::Request("the prompt has no tokens".into()));
@@ -496,7 +506,7 @@ impl Engine {
         let mut commits = Vec::new();
         // Per chunk: the position it started at, when it generated tokens (its sequence decodes).
         let mut decoded = vec![None; plan.len()];
-        let context = self.model.config().max_position_embeddings;
+        let context = self.context();
         for (c, (p, decision)) in plan.iter().zip(decisions).enumerate() {
             let s = &mut self.sched.running[p.index];
             let mtp = matches!(s.speculation, Some(Speculation::Mtp { .. }));
@@ -741,7 +751,7 @@ impl Engine {
     /// Proposes the drafts of every decoding sequence that speculates, within its `max_tokens`
     /// and the context.
     fn draft(&mut self) {
-        let context = self.model.config().max_position_embeddings;
+        let context = self.context();
         let batch = self.sched.running.len();
         let ngram =
             |s: &Sequence| matches!(s.speculation, Some(Speculation::Ngram { .. })) && s.pending() == 1;
@@ -785,10 +795,10 @@ impl Engine {
     /// hidden states), all sequences in one batched pass, then chains greedy draft steps for those
     /// now decoding: their drafts for the next step's verify.
     fn mtp_draft(&mut self, feeds: &[(usize, usize, Range<usize>)], hidden: &Tensor) -> Result<()> {
+        let context = self.context();
         let Some((head, pool, stepper)) = self.mtp.as_mut() else {
             return Ok(());
         };
-        let context = self.model.config().max_position_embeddings;
         let batch_size = self.sched.running.len();
         let running = &mut self.sched.running;
         // This round's drafts: the best k for the sequences now decoding.
@@ -1033,6 +1043,11 @@ impl Engine {
 
 /// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
 /// `rates[j]` while all before it passed; the next token is the target's argmax there.
+fn context_of(model: &Qwen36Model, cfg: &EngineConfig) -> usize {
+    let model_len = model.config().max_position_embeddings;
+    cfg.max_model_len.map_or(model_len, |m| m.min(model_len))
+}
+
 fn timed_acceptance(rates: &[f64], drafts: &[u32], argmax: &[u32], sampler: &mut Sampler) -> Acceptance {
     let step = sampler.next_step();
     let rate = |j: usize| rates.get(j).or(rates.last()).copied().unwrap_or(0.0);

@@ -45,6 +45,8 @@ struct Shared {
 /// its queue otherwise.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
+    /// The engine's longest sequence ([`Engine::context`]).
+    context: usize,
     commands: Sender<Command>,
     shared: Arc<Mutex<Shared>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
@@ -54,6 +56,7 @@ impl Engine {
     /// Moves the engine onto a thread of its own; submit through the returned client.
     pub fn spawn(self) -> EngineClient {
         let (tx, rx) = channel();
+        let context = self.context();
         let shared = Arc::new(Mutex::new(Shared {
             load: self.load(),
             steps: 0,
@@ -65,6 +68,7 @@ impl Engine {
             .spawn(move || run(self, rx, &published))
             .expect("spawning the engine thread");
         EngineClient {
+            context,
             commands: tx,
             shared,
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -150,6 +154,11 @@ fn run(mut engine: Engine, commands: Receiver<Command>, shared: &Mutex<Shared>) 
 }
 
 impl EngineClient {
+    /// The longest sequence (prompt and output) its engine takes.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
     fn send_submit(&self, req: Request) -> Result<flume::Receiver<Result<RequestHandle>>> {
         let (tx, rx) = flume::bounded(1);
         self.commands

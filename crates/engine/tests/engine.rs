@@ -363,6 +363,25 @@ fn over_the_context_is_refused() {
         Error::TooLong { needed, context: c, .. } if needed == context + 2 && c == context
     ));
     assert!(engine.submit(Request::greedy(vec![1; context], 1)).is_ok());
+    // A shorter limit of the engine's own: the same refusal at it, and it is what it reports.
+    let model = model_helpers::load("tiny-flat", DType::F32);
+    let cfg = EngineConfig {
+        max_model_len: Some(24),
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model, cfg).unwrap();
+    assert_eq!(engine.context(), 24);
+    assert!(matches!(
+        engine.submit(Request::greedy(vec![1; 20], 6)).unwrap_err(),
+        Error::TooLong {
+            needed: 26,
+            context: 24,
+            ..
+        }
+    ));
+    assert!(engine.submit(Request::greedy(vec![1; 20], 5)).is_ok());
+    engine.run_to_completion().unwrap();
+    assert_eq!(engine.spawn().context(), 24);
 }
 
 /// Greedy MTP speculation (k = 1..3, batched draft steps) beside n-gram and plain requests:

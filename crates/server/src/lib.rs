@@ -92,13 +92,14 @@ impl Service {
     /// A service over `engine` (an engine made from `generator`'s model, with its detokenizer)
     /// reading the tokenizer, chat template, stop ids and sampling defaults of `generator`.
     pub fn new(generator: &Generator, engine: EngineClient, cfg: ServerConfig) -> Self {
+        let context = engine.context();
         Self::from_parts(
             engine,
             generator.tokenizer().cloned(),
             generator.chat_template().cloned(),
             generator.default_stop_ids(),
             generator.generation_config().sampling.clone().unwrap_or_default(),
-            generator.model().config().max_position_embeddings,
+            context,
             cfg,
         )
     }
