@@ -275,3 +275,39 @@ fn a_tiny_budget_evicts_and_stays_exact() {
     assert!(stats.evictions > 0, "{stats:?}");
     assert!(preemptions > 0, "the pool was meant to be too small");
 }
+
+/// A turn that ends at a stop id, long before its `max_tokens`: the next turn hits the state
+/// kept at the last 8-block boundary (64 positions at blocks of 8) its decoding passed.
+#[test]
+fn a_turn_ending_early_keeps_its_last_eighth_block_boundary() {
+    let model = bundled();
+    let vocab = model.config().vocab_size;
+    let mut engine = Engine::new(model.clone(), turns_config()).unwrap();
+    let mut rng = Rng::new(21);
+    let prompt = random_ids(&mut rng, vocab, 60);
+    let (long, _) = solo(&model, &prompt, 120);
+    // A stop id first generated at an output index past 5 (so that the run passes position 64).
+    let at = (5..110)
+        .rev()
+        .find(|&i| !long[..i].contains(&long[i]))
+        .expect("a token new to the output");
+    let mut req = Request::greedy(prompt.clone(), 120);
+    req.stop_ids = vec![long[at]];
+    let h = engine.submit(req).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    assert_eq!(o.end.expect("ended").0, StopReason::StopToken(long[at]));
+    assert_eq!(o.ids, long[..=at]);
+    // Positions run: the prompt and all but the last output token.
+    let ran = prompt.len() + o.ids.len() - 1;
+    let kept = ran / 64 * 64;
+    assert!(kept > prompt.len(), "the turn passes an 8-block boundary");
+    assert!(ran < prompt.len() + 119, "it stops early");
+    let next: Vec<u32> = [&prompt[..], &o.ids, &random_ids(&mut rng, vocab, 5)].concat();
+    let h = engine.submit(Request::greedy(next.clone(), 4)).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    let (_, usage) = o.end.expect("ended");
+    assert_eq!(usage.cached_tokens, kept);
+    assert_eq!(o.ids, solo(&model, &next, 4).0);
+}
