@@ -361,8 +361,11 @@ impl Engine {
 
     /// Slots and KV blocks in use by requests (not counting what only the prefix cache holds).
     pub fn pool_use(&self) -> (usize, usize) {
+        self.pool_use_given(self.cached())
+    }
+
+    fn pool_use_given(&self, (cached_blocks, cached_slots): (usize, usize)) -> (usize, usize) {
         let (s, b) = (&self.sched.slots, &self.sched.blocks);
-        let (cached_blocks, cached_slots) = self.cached();
         (
             s.capacity() - s.free() - cached_slots,
             b.capacity() - b.free() - cached_blocks,
@@ -391,8 +394,8 @@ impl Engine {
 
     /// Queue, running sequences and pool use now (what a server's metrics show).
     pub fn load(&self) -> EngineLoad {
-        let (slots_used, blocks_used) = self.pool_use();
         let (cached_blocks, cached_slots) = self.cached();
+        let (slots_used, blocks_used) = self.pool_use_given((cached_blocks, cached_slots));
         EngineLoad {
             cached_slots,
             cached_blocks,
@@ -636,7 +639,15 @@ impl Engine {
             let s = &self.sched.running[p.index];
             let (computed, slot) = (s.computed, s.slot.expect("a running sequence has a slot"));
             if s.snap_points.first() == Some(&computed) {
+                let wanted = {
+                    let prefix = self.sched.prefix.as_ref().expect("the prefix cache is on");
+                    !prefix.has_snapshot(&s.tokens(0, computed))
+                };
                 self.sched.running[p.index].snap_points.remove(0);
+                // (An identical prompt's snapshot is kept already: no slot, no copy.)
+                if !wanted {
+                    continue;
+                }
                 let Some(snapshot) = self.spare_slot(false)? else {
                     continue;
                 };
@@ -650,7 +661,8 @@ impl Engine {
                 continue;
             }
             let Some(start) = decoded[c] else { continue };
-            let boundary = computed / bs * bs;
+            // (A stop inside a verified run leaves accepted positions past the output's end.)
+            let boundary = computed.min(s.len()) / bs * bs;
             let verified = batch.chunks()[c].verify;
             if boundary <= start || (!verified && boundary != computed) {
                 continue;
@@ -690,8 +702,9 @@ impl Engine {
         if sched.prefix.is_none() {
             return Ok(None);
         }
+        // Rolling snapshots take at most half the snapshot slots (they may evict cached ones).
         let rollings = sched.running.iter().filter(|s| s.rolling.is_some()).count();
-        if rolling && rollings >= self.cfg.prefix_snapshots {
+        if rolling && rollings >= self.cfg.prefix_snapshots.div_ceil(2) {
             return Ok(None);
         }
         // Slots running sequences may still take: one per sequence that can be admitted.
@@ -731,7 +744,8 @@ impl Engine {
         let usage = Usage {
             prompt_tokens: s.prompt.len(),
             completion_tokens: s.output.len(),
-            cached_tokens: s.cached,
+            // (A preempted request's hit may reach into its own output.)
+            cached_tokens: s.cached.min(s.prompt.len()),
             preemptions: s.preemptions,
             drafted: s.drafted,
             accepted: s.accepted,

@@ -139,6 +139,13 @@ impl PrefixCache {
         self.walk(&tokens[..tokens.len().saturating_sub(1)]).len() * self.block_size
     }
 
+    /// Whether the state after all of `tokens` (whole blocks) is kept already.
+    pub fn has_snapshot(&self, tokens: &[u32]) -> bool {
+        let path = self.walk(tokens);
+        path.len() * self.block_size == tokens.len()
+            && path.last().is_some_and(|&(i, _)| self.node(i).snapshot.is_some())
+    }
+
     /// Blocks and snapshot slots that only the cache holds (what eviction could free now).
     pub fn exclusive(&self, blocks: &BlockPool, slots: &SlotPool) -> (usize, usize) {
         self.nodes.iter().flatten().fold((0, 0), |(b, s), n| {
@@ -450,8 +457,11 @@ mod tests {
         assert_eq!(c.exclusive(&p.blocks, &p.slots), (0, 0));
         table.truncate(4, &mut p.blocks).unwrap();
         let slot = p.slots.alloc().unwrap();
+        assert!(!c.has_snapshot(&a[..8]));
         c.insert_snapshot(&a, 8, slot, &mut p.slots).unwrap();
         assert_eq!(c.exclusive(&p.blocks, &p.slots), (2, 1));
+        assert!(c.has_snapshot(&a[..8]));
+        assert!(!c.has_snapshot(&a[..4]) && !c.has_snapshot(&a[..12]) && !c.has_snapshot(&a[..7]));
     }
 
     /// Eviction goes least recently used first (a lookup or an insert counts as a use) and

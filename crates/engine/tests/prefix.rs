@@ -73,14 +73,19 @@ impl Policy {
 /// last answer with a new message, all opening with one system prompt: every turn's tokens are
 /// its cold run's, and the tokens it is served from the cache are what the policy allows (MTP
 /// requests look nothing up). `spec` picks each turn's speculation.
-fn turns(engine: &mut Engine, seed: u64, spec: impl Fn(usize) -> Option<Speculation>) -> (usize, usize) {
+/// Returns the tokens served from the cache, the prompt tokens, and the drafts accepted.
+fn turns(
+    engine: &mut Engine,
+    seed: u64,
+    spec: impl Fn(usize) -> Option<Speculation>,
+) -> (usize, usize, usize) {
     let model = engine.model().clone();
     let vocab = model.config().vocab_size;
     let mut rng = Rng::new(seed);
     let system = random_ids(&mut rng, vocab, 21);
     let mut histories: Vec<Vec<u32>> = vec![system.clone(); 3];
     let mut policy = Policy::default();
-    let (mut hits, mut prompt_tokens) = (0, 0);
+    let (mut hits, mut prompt_tokens, mut accepted) = (0, 0, 0);
     for turn in 0..3 {
         for (c, history) in histories.iter_mut().enumerate() {
             let len = rng.range(3, 20);
@@ -104,6 +109,7 @@ fn turns(engine: &mut Engine, seed: u64, spec: impl Fn(usize) -> Option<Speculat
                 "turn {turn} of {c}: tokens from the cache"
             );
             policy.finished(&prompt, &o.ids, want);
+            accepted += usage.accepted;
             hits += want;
             prompt_tokens += prompt.len();
             *history = [prompt, o.ids].concat();
@@ -117,7 +123,7 @@ fn turns(engine: &mut Engine, seed: u64, spec: impl Fn(usize) -> Option<Speculat
     let load = engine.load();
     assert_eq!((load.cached_slots, load.cached_blocks), (0, 0));
     assert_eq!(engine.pool_use(), (0, 0));
-    (hits, prompt_tokens)
+    (hits, prompt_tokens, accepted)
 }
 
 fn turns_config() -> EngineConfig {
@@ -134,7 +140,7 @@ fn turns_config() -> EngineConfig {
 #[test]
 fn turns_hit_exactly_where_the_snapshots_allow() {
     let mut engine = Engine::new(bundled(), turns_config()).unwrap();
-    let (hits, prompt_tokens) = turns(&mut engine, 11, |_| None);
+    let (hits, prompt_tokens, _) = turns(&mut engine, 11, |_| None);
     assert!(
         hits * 2 > prompt_tokens,
         "most of the history comes from the cache: {hits} of {prompt_tokens}"
@@ -147,12 +153,15 @@ fn turns_hit_exactly_where_the_snapshots_allow() {
 fn turns_after_speculative_decoding_hit_exactly() {
     let (model, head) = model_helpers::load_bundled();
     let mut engine = Engine::with_mtp_head(model, head, turns_config()).unwrap();
-    let (hits, _) = turns(&mut engine, 12, |turn| match turn {
+    let (hits, _, accepted) = turns(&mut engine, 12, |turn| match turn {
         0 => Some(Speculation::Mtp { k: 3 }),
         1 => Some(Speculation::ngram(3)),
         _ => None,
     });
-    assert!(hits > 0);
+    assert!(
+        hits > 0 && accepted > 0,
+        "{hits} hits, {accepted} drafts accepted"
+    );
 }
 
 /// Requests sharing prefixes (continuations of earlier prompts and of their answers) arriving
