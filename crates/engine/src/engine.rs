@@ -604,7 +604,7 @@ impl Engine {
         for (index, outcome) in done {
             let mut s = self.sched.running.remove(index);
             if outcome.is_ok() {
-                self.cache_rolling(&mut s)?;
+                self.sched.keep_rolling(&mut s)?;
             }
             s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
             match outcome {
@@ -621,7 +621,7 @@ impl Engine {
     /// point keeps its state there in the cache (with its blocks); each decoding sequence that
     /// passed a block boundary it keeps ([`ROLLING_BLOCKS`]) copies the state there to its rolling
     /// slot (from the verify's checkpoints when the boundary was inside a verified run), for
-    /// [`Self::cache_rolling`].
+    /// `Scheduler::keep_rolling`.
     fn keep_states(
         &mut self,
         plan: &[crate::scheduler::Scheduled],
@@ -716,18 +716,6 @@ impl Engine {
             return Ok(None);
         }
         Ok(Some(sched.slots.alloc()?))
-    }
-
-    /// Hands a finishing sequence's rolling snapshot to the prefix cache with the blocks before
-    /// it (the next turn of its conversation starts there).
-    fn cache_rolling(&mut self, s: &mut Sequence) -> Result<()> {
-        let (Some((slot, at)), Some(prefix)) = (s.rolling.take(), self.sched.prefix.as_mut()) else {
-            return Ok(());
-        };
-        let tokens = s.tokens(0, at);
-        prefix.insert(&tokens, at, &s.table, &mut self.sched.blocks)?;
-        prefix.insert_snapshot(&tokens, at, slot, &mut self.sched.slots)?;
-        Ok(())
     }
 
     /// Sends a sequence's last events: the text its stream still holds, then `Finished`.

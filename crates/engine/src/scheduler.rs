@@ -222,6 +222,8 @@ impl Scheduler {
                     let newest = self.running.len() - 1;
                     let mut victim = self.running.remove(newest);
                     budget += counts.remove(newest);
+                    // Its rolling snapshot lets it (or another) restart past its prompt.
+                    self.keep_rolling(&mut victim)?;
                     victim.release(&mut self.slots, &mut self.blocks)?;
                     if newest == 0 {
                         // Alone and still too long: the whole pool is its context.
@@ -307,6 +309,19 @@ impl Scheduler {
         s.snap_points.sort_unstable();
         s.snap_points.dedup();
         Ok(snapshot)
+    }
+
+    /// Hands a sequence's rolling snapshot to the prefix cache with the blocks before it (when
+    /// it finishes: the next turn of its conversation starts there; when preempted: it restarts
+    /// there).
+    pub fn keep_rolling(&mut self, s: &mut Sequence) -> Result<()> {
+        let (Some((slot, at)), Some(prefix)) = (s.rolling.take(), self.prefix.as_mut()) else {
+            return Ok(());
+        };
+        let tokens = s.tokens(0, at);
+        prefix.insert(&tokens, at, &s.table, &mut self.blocks)?;
+        prefix.insert_snapshot(&tokens, at, slot, &mut self.slots)?;
+        Ok(())
     }
 
     /// Frees cached entries only the cache holds until `blocks` blocks and `slots` slots are
