@@ -384,20 +384,24 @@ fn over_the_context_is_refused() {
     assert_eq!(engine.spawn().context(), 24);
 }
 
+/// The MTP suites' engine: 4 sequences, blocks of 8, 40 tokens a step, the requested k.
+fn mtp_config() -> EngineConfig {
+    EngineConfig {
+        max_seqs: 4,
+        block_size: 8,
+        step_tokens: 40,
+        adaptive_k: false,
+        ..Default::default()
+    }
+}
+
 /// Greedy MTP speculation (k = 1..3, batched draft steps) beside n-gram and plain requests:
 /// every request's tokens are its plain solo greedy run's (on random-token prompts the bundled
 /// model's head is accepted less than on text, but both outcomes occur).
 #[test]
 fn mtp_speculation_equals_plain_greedy() {
     let (model, head) = model_helpers::load_bundled();
-    let cfg = EngineConfig {
-        max_seqs: 4,
-        block_size: 8,
-        step_tokens: 40,
-        adaptive_k: false,
-        ..Default::default()
-    };
-    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let mut engine = Engine::with_mtp_head(model, head, mtp_config()).unwrap();
     let kinds = [
         Speculation::Mtp { k: 1 },
         Speculation::Mtp { k: 2 },
@@ -417,12 +421,8 @@ fn mtp_speculation_equals_plain_greedy() {
 fn mtp_with_a_draft_vocabulary_equals_plain_greedy() {
     let (model, head) = model_helpers::load_bundled();
     let cfg = EngineConfig {
-        max_seqs: 4,
-        block_size: 8,
-        step_tokens: 40,
-        adaptive_k: false,
         draft_vocab: Some(model.config().vocab_size / 2),
-        ..Default::default()
+        ..mtp_config()
     };
     let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
     let t = check_random(&mut engine, 31, 8, 60, &[Speculation::Mtp { k: 2 }]);
