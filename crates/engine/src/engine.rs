@@ -639,10 +639,9 @@ impl Engine {
             let s = &self.sched.running[p.index];
             let (computed, slot) = (s.computed, s.slot.expect("a running sequence has a slot"));
             if s.snap_points.first() == Some(&computed) {
-                let wanted = {
-                    let prefix = self.sched.prefix.as_ref().expect("the prefix cache is on");
-                    !prefix.has_snapshot(&s.tokens(0, computed))
-                };
+                let tokens = s.tokens(0, computed);
+                let prefix = self.sched.prefix.as_ref().expect("the prefix cache is on");
+                let wanted = !prefix.has_snapshot(&tokens);
                 self.sched.running[p.index].snap_points.remove(0);
                 // (An identical prompt's snapshot is kept already: no slot, no copy.)
                 if !wanted {
@@ -654,7 +653,6 @@ impl Engine {
                 self.cache.copy_slot(slot.0, snapshot.0)?;
                 let sched = &mut self.sched;
                 let s = &sched.running[p.index];
-                let tokens = s.tokens(0, computed);
                 let prefix = sched.prefix.as_mut().expect("the prefix cache is on");
                 prefix.insert(&tokens, computed, &s.table, &mut sched.blocks)?;
                 prefix.insert_snapshot(&tokens, computed, snapshot, &mut sched.slots)?;
@@ -669,7 +667,6 @@ impl Engine {
             }
             // Not every boundary: every ROLLING_BLOCKS-th, and the last one before `max_tokens`
             // ends the request (one state copy per sequence every 128 tokens at blocks of 16).
-            let s = &self.sched.running[p.index];
             let last = s.max_tokens.map(|m| (s.prompt.len() + m - 1) / bs * bs);
             if boundary % (ROLLING_BLOCKS * bs) != 0 && Some(boundary) != last {
                 continue;
@@ -694,9 +691,8 @@ impl Engine {
     }
 
     /// A free slot for a snapshot (evicting the least recently used cached one when none is
-    /// free); none when the prefix cache is off, or for a rolling snapshot when
-    /// `prefix_snapshots` sequences already hold one (the rest of the pool is for running
-    /// sequences).
+    /// free); none when the prefix cache is off, when the slots left are the running sequences'
+    /// share, or for a rolling snapshot when rolling ones hold half of `prefix_snapshots`.
     fn spare_slot(&mut self, rolling: bool) -> Result<Option<SlotId>> {
         let sched = &mut self.sched;
         if sched.prefix.is_none() {
