@@ -668,7 +668,13 @@ async fn a_client_that_disconnects_frees_its_slot() {
         .await
         .unwrap();
     assert!(r.chunk().await.unwrap().is_some(), "the long request streams");
-    let m = server.metrics().await;
+    // The engine publishes its load after the step that sent the chunk: wait for it.
+    let shown = Instant::now();
+    let mut m = server.metrics().await;
+    while m["qwen36_requests_running"] != 1.0 && shown.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        m = server.metrics().await;
+    }
     assert_eq!(m["qwen36_requests_running"], 1.0);
     assert_eq!(m["qwen36_choices_finished_total{reason=\"abort\"}"], 0.0);
     drop(r);
