@@ -13,7 +13,7 @@ use qwen36_mtp::NgramDrafter;
 use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, RepetitionDetector, Sampler, TextStream};
 use rayon::prelude::*;
 
-use crate::scheduler::{Scheduler, Sequence};
+use crate::scheduler::{note_mtp, Scheduler, Sequence};
 use crate::spec::{choose_k, AcceptanceCounts, SpecCosts};
 use crate::{
     BlockPool, Error, Event, PrefixCache, PrefixStats, Request, RequestHandle, Result, SlotId, SlotPool,
@@ -345,6 +345,7 @@ impl Engine {
             cached: 0,
             snap_points: Vec::new(),
             rolling: None,
+            kept: 0,
         });
         Ok(RequestHandle::new(id, rx, cancel))
     }
@@ -518,7 +519,7 @@ impl Engine {
                 Decision::Prefilled => {
                     s.computed += p.tokens;
                     if mtp {
-                        feeds.push((p.index, start, batch.rows(c)));
+                        feeds.push((p.index, start, batch.rows(c), false));
                     }
                     continue;
                 }
@@ -556,12 +557,24 @@ impl Engine {
                 }
             };
             stats.generated += n;
-            if let Some(r) = reason {
-                done.push((p.index, Ok(r)));
-            } else if mtp {
+            let first_row = batch.rows(c).start;
+            match reason {
                 // The pairs of the positions this forward committed.
-                let rows = batch.rows(c);
-                feeds.push((p.index, start, rows.start..rows.start + (s.computed - start)));
+                None if mtp => {
+                    feeds.push((p.index, start, first_row..first_row + (s.computed - start), false))
+                }
+                None => {}
+                Some(r) => {
+                    // A finished sequence's pairs are fed only to complete blocks the prefix
+                    // cache may keep (the next turn's MTP hits need their MTP K/V), up to the
+                    // last token it ran.
+                    let ran = s.computed.min(s.len() - 1);
+                    let bs = self.sched.blocks.block_size();
+                    if mtp && self.sched.prefix.is_some() && ran / bs > s.mtp_len / bs {
+                        feeds.push((p.index, start, first_row..first_row + (ran - start), true));
+                    }
+                    done.push((p.index, Ok(r)));
+                }
             }
         }
         if !commits.is_empty() {
@@ -604,7 +617,7 @@ impl Engine {
         for (index, outcome) in done {
             let mut s = self.sched.running.remove(index);
             if outcome.is_ok() {
-                self.sched.keep_rolling(&mut s)?;
+                self.sched.keep_leaving(&mut s)?;
             }
             s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
             match outcome {
@@ -621,7 +634,7 @@ impl Engine {
     /// point keeps its state there in the cache (with its blocks); each decoding sequence that
     /// passed a block boundary it keeps ([`ROLLING_BLOCKS`]) copies the state there to its rolling
     /// slot (from the verify's checkpoints when the boundary was inside a verified run), for
-    /// `Scheduler::keep_rolling`.
+    /// `Scheduler::keep_leaving`.
     fn keep_states(
         &mut self,
         plan: &[crate::scheduler::Scheduled],
@@ -642,9 +655,11 @@ impl Engine {
                 let tokens = s.tokens(0, computed);
                 let prefix = self.sched.prefix.as_ref().expect("the prefix cache is on");
                 let wanted = !prefix.has_snapshot(&tokens);
-                self.sched.running[p.index].snap_points.remove(0);
+                let s = &mut self.sched.running[p.index];
+                s.snap_points.remove(0);
                 // (An identical prompt's snapshot is kept already: no slot, no copy.)
                 if !wanted {
+                    s.kept = computed;
                     continue;
                 }
                 let Some(snapshot) = self.spare_slot(false)? else {
@@ -652,10 +667,13 @@ impl Engine {
                 };
                 self.cache.copy_slot(slot.0, snapshot.0)?;
                 let sched = &mut self.sched;
-                let s = &sched.running[p.index];
+                let s = &mut sched.running[p.index];
                 let prefix = sched.prefix.as_mut().expect("the prefix cache is on");
-                prefix.insert(&tokens, computed, &s.table, &mut sched.blocks)?;
-                prefix.insert_snapshot(&tokens, computed, snapshot, &mut sched.slots)?;
+                let mtp_fed = if s.drafts_with_mtp() { s.mtp_len } else { 0 };
+                prefix.insert(&tokens, computed, &s.table, &mut sched.blocks, mtp_fed)?;
+                if prefix.insert_snapshot(&tokens, computed, snapshot, &mut sched.slots)? {
+                    s.kept = computed;
+                }
                 continue;
             }
             let Some(start) = decoded[c] else { continue };
@@ -789,10 +807,11 @@ impl Engine {
     }
 
     /// Feeds each MTP-speculating sequence's newly committed pairs to the MTP head (`feeds`:
-    /// running index, first position, and the rows of `hidden` holding those positions' final
-    /// hidden states), all sequences in one batched pass, then chains greedy draft steps for those
+    /// running index, first position, the rows of `hidden` holding those positions' final
+    /// hidden states, and whether the sequence has finished: its pairs are written now, no
+    /// drafts made), all sequences in one batched pass, then chains greedy draft steps for those
     /// now decoding: their drafts for the next step's verify.
-    fn mtp_draft(&mut self, feeds: &[(usize, usize, Range<usize>)], hidden: &Tensor) -> Result<()> {
+    fn mtp_draft(&mut self, feeds: &[Feed], hidden: &Tensor) -> Result<()> {
         let context = self.context();
         let Some((head, pool, stepper)) = self.mtp.as_mut() else {
             return Ok(());
@@ -804,6 +823,7 @@ impl Engine {
             |s: &Sequence| matches!(s.speculation, Some(Speculation::Mtp { .. })) && s.pending() == 1;
         let deciders: Vec<&Sequence> = feeds
             .iter()
+            .filter(|f| !f.3)
             .map(|f| &running[f.0])
             .filter(|s| decoding(s))
             .collect();
@@ -822,7 +842,7 @@ impl Engine {
         };
         // The chunks of draft step 0, their states, and per chunk (running index, drafts wanted).
         let (mut chunks, mut parts, mut who) = (Vec::new(), Vec::new(), Vec::new());
-        for (index, start, rows) in feeds {
+        for (index, start, rows, finished) in feeds {
             let s = &mut running[*index];
             let Some(Speculation::Mtp { k }) = s.speculation else {
                 continue;
@@ -839,13 +859,14 @@ impl Engine {
                 None => new,
             };
             let m = states.dim(0)?;
-            let k = if decoding(s) {
+            // (A finished sequence may have run accepted positions past its output's end.)
+            let k = if !finished && decoding(s) {
                 draft_room(s, k.min(k_round), context)
             } else {
                 0
             };
             // Without drafts now, the pairs wait (the head is not run) unless many are held.
-            if k == 0 && m < FEED_AT_MOST {
+            if k == 0 && m < FEED_AT_MOST && !finished {
                 s.unfed = Some(states);
                 continue;
             }
@@ -868,6 +889,9 @@ impl Engine {
             parts.push(states);
             who.push((*index, k));
             s.mtp_len = first + m;
+            if let Some(prefix) = self.sched.prefix.as_mut() {
+                note_mtp(prefix, s, first..first + m);
+            }
         }
         if chunks.is_empty() {
             return Ok(());
@@ -1129,6 +1153,10 @@ fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> 
 fn argmax_of(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
 }
+
+/// Pairs for the MTP head: a running sequence's index, the first position, the rows of the
+/// forward's hidden states holding them, and whether the sequence has finished.
+type Feed = (usize, usize, Range<usize>, bool);
 
 /// Pairs a sequence may hold back from its MTP head (while it drafts nothing) before they are
 /// fed anyway: their hidden states wait in memory (`[pairs, hidden]`).

@@ -26,6 +26,10 @@ struct Node {
     block: BlockId,
     /// The GDN state after this block's last token, when kept.
     snapshot: Option<SlotId>,
+    /// Set once the MTP head's K/V of all this block's positions is written: the token after
+    /// the block that its last pair was fed with (the pair at position `p` is the final hidden
+    /// state at `p` and token `p + 1`). Only then can an MTP-drafting request share the block.
+    mtp_next: Option<u32>,
     children: usize,
     last_used: u64,
 }
@@ -65,6 +69,8 @@ pub struct PrefixCache {
     free_nodes: Vec<usize>,
     /// Chain hash → node.
     index: HashMap<u64, usize>,
+    /// Cached block → its node.
+    by_block: HashMap<BlockId, usize>,
     /// The chain hash ([`chain`]; tests give one that collides).
     hash: fn(Option<u64>, &[u32]) -> u64,
     clock: u64,
@@ -87,10 +93,16 @@ impl PrefixCache {
             nodes: Vec::new(),
             free_nodes: Vec::new(),
             index: HashMap::new(),
+            by_block: HashMap::new(),
             hash: chain,
             clock: 0,
             stats: PrefixStats::default(),
         }
+    }
+
+    /// Positions per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
     }
 
     /// The counters.
@@ -159,15 +171,24 @@ impl PrefixCache {
 
     /// The longest cached prefix of `tokens` that ends at a kept snapshot and leaves at least one
     /// token to run; its blocks and snapshot are retained once for the caller (the counters are
-    /// the caller's: [`Self::record`]).
+    /// the caller's: [`Self::record`]). With `mtp` (the request drafts with the MTP head), only
+    /// blocks whose MTP K/V is written with `tokens`' own next token count ([`Self::mark_mtp`]).
     pub fn lookup(
         &mut self,
         tokens: &[u32],
+        mtp: bool,
         blocks: &mut BlockPool,
         slots: &mut SlotPool,
     ) -> Result<Option<PrefixHit>> {
         let usable = tokens.len().saturating_sub(1);
-        let path = self.walk(&tokens[..usable]);
+        let mut path = self.walk(&tokens[..usable]);
+        if mtp {
+            let bs = self.block_size;
+            let written =
+                |&(j, &(i, _)): &(usize, &(usize, u64))| self.node(i).mtp_next == Some(tokens[(j + 1) * bs]);
+            let n = path.iter().enumerate().take_while(written).count();
+            path.truncate(n);
+        }
         let Some(depth) = path.iter().rposition(|&(i, _)| self.node(i).snapshot.is_some()) else {
             return Ok(None);
         };
@@ -193,14 +214,17 @@ impl PrefixCache {
     }
 
     /// Keeps the whole blocks of `tokens[..len]` that `table` holds (the cache retains each block
-    /// it newly keeps; blocks already cached under the same prefix are left as they are).
-    /// Returns how many it newly keeps.
+    /// it newly keeps; blocks already cached under the same prefix are left as they are). The
+    /// MTP head's K/V of `table`'s positions `0..mtp_fed` is written (each pair `p` with token
+    /// `tokens[p + 1]`): those blocks are noted ([`Self::mark_mtp`]), and replace cached ones
+    /// without MTP K/V. Returns how many blocks it newly keeps.
     pub fn insert(
         &mut self,
         tokens: &[u32],
         len: usize,
         table: &BlockTable,
         blocks: &mut BlockPool,
+        mtp_fed: usize,
     ) -> Result<usize> {
         let whole = (len.min(tokens.len()) / self.block_size).min(table.blocks().len());
         let (mut parent, mut parent_hash) = (None, None);
@@ -227,6 +251,7 @@ impl PrefixCache {
                         tokens: block.to_vec(),
                         block: b,
                         snapshot: None,
+                        mtp_next: None,
                         children: 0,
                         last_used: self.clock,
                     };
@@ -244,6 +269,7 @@ impl PrefixCache {
                         self.node_mut(p).children += 1;
                     }
                     self.index.insert(h, i);
+                    self.by_block.insert(b, i);
                     self.stats.blocks += 1;
                     added += 1;
                     i
@@ -251,6 +277,21 @@ impl PrefixCache {
             };
             let now = self.clock;
             self.node_mut(i).last_used = now;
+            let end = (k + 1) * self.block_size;
+            if let (true, Some(&next)) = (end <= mtp_fed, tokens.get(end)) {
+                let mine = table.blocks()[k];
+                let n = self.node(i);
+                if n.mtp_next.is_none() && n.block != mine {
+                    // The same K/V with the MTP head's written: the cache keeps this block.
+                    let old = n.block;
+                    blocks.retain(mine)?;
+                    blocks.release(old)?;
+                    self.by_block.remove(&old);
+                    self.by_block.insert(mine, i);
+                    self.node_mut(i).block = mine;
+                }
+                self.mark_mtp(mine, next);
+            }
             parent = Some(i);
             parent_hash = Some(h);
         }
@@ -284,6 +325,16 @@ impl PrefixCache {
                 slots.release(slot)?;
                 Ok(false)
             }
+        }
+    }
+
+    /// Notes that the MTP head's K/V of all of `block`'s positions is written, its last pair fed
+    /// with token `next`, when `block` is cached and not noted yet (what is written is never
+    /// rewritten: a sequence writes MTP pairs only past those it has fed).
+    pub fn mark_mtp(&mut self, block: BlockId, next: u32) {
+        if let Some(&i) = self.by_block.get(&block) {
+            let n = self.node_mut(i);
+            n.mtp_next.get_or_insert(next);
         }
     }
 
@@ -345,6 +396,7 @@ impl PrefixCache {
         debug_assert_eq!(n.children, 0);
         blocks.release(n.block)?;
         self.index.remove(&n.hash);
+        self.by_block.remove(&n.block);
         if let Some(p) = n.parent {
             self.node_mut(p).children -= 1;
         }
@@ -383,7 +435,9 @@ mod tests {
     fn run(cache: &mut PrefixCache, p: &mut Pools, tokens: &[u32], snap: usize) -> BlockTable {
         let mut table = BlockTable::default();
         table.reserve(tokens.len(), &mut p.blocks).unwrap();
-        cache.insert(tokens, tokens.len(), &table, &mut p.blocks).unwrap();
+        cache
+            .insert(tokens, tokens.len(), &table, &mut p.blocks, 0)
+            .unwrap();
         let slot = p.slots.alloc().unwrap();
         cache.insert_snapshot(tokens, snap, slot, &mut p.slots).unwrap();
         table
@@ -405,10 +459,12 @@ mod tests {
         );
         let b: Vec<u32> = (100..109).collect();
         assert!(
-            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            c.lookup(&b, false, &mut p.blocks, &mut p.slots)
+                .unwrap()
+                .is_none(),
             "same hash, other tokens"
         );
-        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = c.lookup(&a, false, &mut p.blocks, &mut p.slots).unwrap().unwrap();
         assert_eq!(hit.positions, 4);
         // A block whose tokens match but whose parent differs is no hit either: with a hash
         // that ignores the parent, x|y and z|y collide at y.
@@ -423,7 +479,10 @@ mod tests {
             3,
             "z|y's second block collides: it and the rest not kept"
         );
-        let hit = d.lookup(&zy, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = d
+            .lookup(&zy, false, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .unwrap();
         assert_eq!(hit.positions, 4, "not x|y's snapshot at 8");
     }
 
@@ -436,10 +495,13 @@ mod tests {
         let a: Vec<u32> = (0..12).collect();
         let mut table = BlockTable::default();
         table.reserve(12, &mut p.blocks).unwrap();
-        assert_eq!(c.insert(&a, 8, &table, &mut p.blocks).unwrap(), 2);
-        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 1);
-        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks).unwrap(), 0);
-        assert!(c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().is_none());
+        assert_eq!(c.insert(&a, 8, &table, &mut p.blocks, 0).unwrap(), 2);
+        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks, 0).unwrap(), 1);
+        assert_eq!(c.insert(&a, 12, &table, &mut p.blocks, 0).unwrap(), 0);
+        assert!(c
+            .lookup(&a, false, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .is_none());
         assert_eq!(c.stats().lookups, 0, "a lookup alone is not counted");
         c.record(12, 0);
         c.record(20, 8);
@@ -476,7 +538,7 @@ mod tests {
         ta.release(&mut p.blocks).unwrap();
         tb.release(&mut p.blocks).unwrap();
         // a was used last: b's entry goes first, and only it.
-        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = c.lookup(&a, false, &mut p.blocks, &mut p.slots).unwrap().unwrap();
         for blk in &hit.blocks {
             p.blocks.release(*blk).unwrap();
         }
@@ -487,7 +549,7 @@ mod tests {
             2
         );
         let hit = c
-            .lookup(&a, &mut p.blocks, &mut p.slots)
+            .lookup(&a, false, &mut p.blocks, &mut p.slots)
             .unwrap()
             .expect("a stays");
         for blk in &hit.blocks {
@@ -495,7 +557,9 @@ mod tests {
         }
         p.slots.release(hit.snapshot).unwrap();
         assert!(
-            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            c.lookup(&b, false, &mut p.blocks, &mut p.slots)
+                .unwrap()
+                .is_none(),
             "b went"
         );
         // Exactly enough free already: nothing goes (a's entry could).
@@ -510,12 +574,14 @@ mod tests {
         tb.release(&mut p.blocks).unwrap();
         let mut ta = BlockTable::default();
         ta.reserve(5, &mut p.blocks).unwrap();
-        c.insert(&a, 5, &ta, &mut p.blocks).unwrap();
+        c.insert(&a, 5, &ta, &mut p.blocks, 0).unwrap();
         ta.release(&mut p.blocks).unwrap();
         let slots_free = p.slots.free();
         c.evict(0, slots_free + 1, &mut p.blocks, &mut p.slots).unwrap();
         assert!(
-            c.lookup(&b, &mut p.blocks, &mut p.slots).unwrap().is_none(),
+            c.lookup(&b, false, &mut p.blocks, &mut p.slots)
+                .unwrap()
+                .is_none(),
             "b went first"
         );
     }
@@ -530,7 +596,7 @@ mod tests {
         for x in [50u32, 60] {
             let mut t = BlockTable::default();
             t.reserve(BS, &mut p.blocks).unwrap();
-            c.insert(&(x..x + 4).collect::<Vec<_>>(), BS, &t, &mut p.blocks)
+            c.insert(&(x..x + 4).collect::<Vec<_>>(), BS, &t, &mut p.blocks, 0)
                 .unwrap();
             t.release(&mut p.blocks).unwrap();
         }
@@ -540,7 +606,7 @@ mod tests {
         let deep = p.slots.alloc().unwrap();
         assert!(c.insert_snapshot(&a, 8, deep, &mut p.slots).unwrap());
         t.release(&mut p.blocks).unwrap();
-        let hit = c.lookup(&a, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = c.lookup(&a, false, &mut p.blocks, &mut p.slots).unwrap().unwrap();
         assert_eq!(hit.positions, 8);
         for b in &hit.blocks {
             p.blocks.release(*b).unwrap();
@@ -549,7 +615,10 @@ mod tests {
         let free = p.slots.free();
         c.evict(0, free + 1, &mut p.blocks, &mut p.slots).unwrap();
         assert_eq!(p.slots.refs(deep), 1, "the deeper snapshot stays");
-        let hit = c.lookup(&a[..9], &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = c
+            .lookup(&a[..9], false, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .unwrap();
         assert_eq!(hit.positions, 8);
         assert_eq!(c.stats().snapshots, 1);
     }
@@ -564,7 +633,7 @@ mod tests {
         // A second prompt sharing 12 tokens then diverging: the snapshot at 8 is the hit.
         let second: Vec<u32> = (0..12).chain([99, 98, 97]).collect();
         let hit = c
-            .lookup(&second, &mut p.blocks, &mut p.slots)
+            .lookup(&second, false, &mut p.blocks, &mut p.slots)
             .unwrap()
             .expect("a hit");
         assert_eq!(hit.positions, 8);
@@ -576,16 +645,21 @@ mod tests {
         assert_eq!(p.slots.refs(hit.snapshot), 2);
         // Diverging inside the first block: no hit; no snapshot anywhere: no hit.
         assert!(c
-            .lookup(&[0, 1, 7, 3, 4, 5, 6, 7, 8, 9], &mut p.blocks, &mut p.slots)
+            .lookup(
+                &[0, 1, 7, 3, 4, 5, 6, 7, 8, 9],
+                false,
+                &mut p.blocks,
+                &mut p.slots
+            )
             .unwrap()
             .is_none());
         let mut other = PrefixCache::new(BS);
         let mut table = BlockTable::default();
         table.reserve(8, &mut p.blocks).unwrap();
-        other.insert(&first[..8], 8, &table, &mut p.blocks).unwrap();
+        other.insert(&first[..8], 8, &table, &mut p.blocks, 0).unwrap();
         assert!(
             other
-                .lookup(&first, &mut p.blocks, &mut p.slots)
+                .lookup(&first, false, &mut p.blocks, &mut p.slots)
                 .unwrap()
                 .is_none(),
             "KV alone is no hit"
@@ -603,6 +677,123 @@ mod tests {
         assert_eq!((c.stats().blocks, c.stats().snapshots), (0, 0));
     }
 
+    /// The positions a lookup hits (its references given back at once).
+    fn hit_len(c: &mut PrefixCache, p: &mut Pools, tokens: &[u32], mtp: bool) -> usize {
+        let hit = c.lookup(tokens, mtp, &mut p.blocks, &mut p.slots).unwrap();
+        hit.map_or(0, |h| {
+            for b in h.blocks {
+                p.blocks.release(b).unwrap();
+            }
+            p.slots.release(h.snapshot).unwrap();
+            h.positions
+        })
+    }
+
+    /// An MTP-drafting request hits only blocks whose MTP K/V is noted as written, each with its
+    /// own next token after the block; a note is kept once, and goes with its block.
+    #[test]
+    fn mtp_hits_need_blocks_noted_with_their_next_token() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let a: Vec<u32> = (0..14).collect();
+        let mut t = run(&mut c, &mut p, &a, 8);
+        let deep = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&a, 12, deep, &mut p.slots).unwrap());
+        assert_eq!(
+            (
+                hit_len(&mut c, &mut p, &a, false),
+                hit_len(&mut c, &mut p, &a, true)
+            ),
+            (12, 0)
+        );
+        let blocks = t.blocks().to_vec();
+        c.mark_mtp(blocks[0], 4);
+        c.mark_mtp(blocks[1], 8);
+        assert_eq!(
+            hit_len(&mut c, &mut p, &a, true),
+            8,
+            "the third block is not noted"
+        );
+        // Noted with another next token: a's own pair at 11 is not the one written.
+        c.mark_mtp(blocks[2], 99);
+        c.mark_mtp(blocks[2], 12);
+        assert_eq!(hit_len(&mut c, &mut p, &a, true), 8, "the first note stays");
+        let b: Vec<u32> = (0..12).chain([99, 5]).collect();
+        assert_eq!(hit_len(&mut c, &mut p, &b, true), 12);
+        // A block noted before its first: no MTP hit past the gap.
+        let mut d = PrefixCache::new(BS);
+        run(&mut d, &mut p, &a, 8);
+        let u = p.slots.alloc().unwrap();
+        assert!(d.insert_snapshot(&a, 12, u, &mut p.slots).unwrap());
+        d.mark_mtp(blocks[1], 8);
+        d.mark_mtp(blocks[2], 12);
+        assert_eq!(
+            hit_len(&mut d, &mut p, &a, true),
+            0,
+            "the first block is not noted"
+        );
+        // A note goes with its node: once a's blocks leave the cache, noting them marks nothing
+        // (not the nodes that took their places, over other blocks).
+        let e: Vec<u32> = (50..63).collect();
+        let mut te = BlockTable::default();
+        te.reserve(12, &mut p.blocks).unwrap();
+        t.release(&mut p.blocks).unwrap();
+        c.clear(&mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!(c.stats().blocks, 0);
+        c.insert(&e, 12, &te, &mut p.blocks, 0).unwrap();
+        let slot = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&e, 8, slot, &mut p.slots).unwrap());
+        c.mark_mtp(blocks[0], e[4]);
+        c.mark_mtp(blocks[1], e[8]);
+        assert_eq!(
+            (
+                hit_len(&mut c, &mut p, &e, false),
+                hit_len(&mut c, &mut p, &e, true)
+            ),
+            (8, 0)
+        );
+        c.mark_mtp(te.blocks()[0], e[4]);
+        c.mark_mtp(te.blocks()[1], e[8]);
+        assert_eq!(hit_len(&mut c, &mut p, &e, true), 8);
+        te.release(&mut p.blocks).unwrap();
+    }
+
+    /// Blocks cached without MTP K/V give way to the same prefix's blocks with it (those its
+    /// pairs completed), noted with their next tokens; the replaced blocks lose the cache's
+    /// reference only.
+    #[test]
+    fn blocks_with_mtp_kv_replace_cached_ones_without() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        let a: Vec<u32> = (0..14).collect();
+        let plain = run(&mut c, &mut p, &a, 8);
+        let slot = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&a, 12, slot, &mut p.slots).unwrap());
+        let mut mine = BlockTable::default();
+        mine.reserve(14, &mut p.blocks).unwrap();
+        // Pairs 0..11 written: the first two blocks are complete, the third lacks its last.
+        assert_eq!(c.insert(&a, 12, &mine, &mut p.blocks, 11).unwrap(), 0);
+        let refs = |t: &BlockTable, p: &Pools| -> Vec<u32> {
+            t.blocks().iter().map(|&b| p.blocks.refs(b)).collect()
+        };
+        assert_eq!(refs(&plain, &p)[..3], [1, 1, 2]);
+        assert_eq!(refs(&mine, &p)[..3], [2, 2, 1]);
+        assert_eq!(hit_len(&mut c, &mut p, &a, true), 8);
+        assert_eq!(hit_len(&mut c, &mut p, &a, false), 12);
+        // Once noted, a block stays: another table's does not replace it.
+        let mut third = BlockTable::default();
+        third.reserve(14, &mut p.blocks).unwrap();
+        c.insert(&a, 12, &third, &mut p.blocks, 13).unwrap();
+        assert_eq!(refs(&third, &p)[..3], [1, 1, 2]);
+        assert_eq!(hit_len(&mut c, &mut p, &a, true), 12);
+        // Eviction frees the blocks the cache holds now.
+        for mut t in [plain, mine, third] {
+            t.release(&mut p.blocks).unwrap();
+        }
+        c.clear(&mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!((p.blocks.free(), p.slots.free()), (32, 8));
+    }
+
     /// At least one token is left to run: a prompt that ends on a snapshot hits the one before.
     #[test]
     fn a_hit_leaves_a_token_to_run() {
@@ -612,11 +803,14 @@ mod tests {
         run(&mut c, &mut p, &tokens, 4);
         let slot = p.slots.alloc().unwrap();
         assert!(c.insert_snapshot(&tokens, 8, slot, &mut p.slots).unwrap());
-        let hit = c.lookup(&tokens, &mut p.blocks, &mut p.slots).unwrap().unwrap();
+        let hit = c
+            .lookup(&tokens, false, &mut p.blocks, &mut p.slots)
+            .unwrap()
+            .unwrap();
         assert_eq!(hit.positions, 4);
         let longer: Vec<u32> = (0..9).collect();
         assert_eq!(
-            c.lookup(&longer, &mut p.blocks, &mut p.slots)
+            c.lookup(&longer, false, &mut p.blocks, &mut p.slots)
                 .unwrap()
                 .unwrap()
                 .positions,

@@ -7,6 +7,7 @@
 //! waits again, to be recomputed from its prompt and the tokens it already has.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -62,12 +63,23 @@ pub(crate) struct Sequence {
     /// The state at the last block boundary its decoding passed (slot, position): kept in the
     /// prefix cache when it finishes (the next turn's prefix).
     pub rolling: Option<(SlotId, usize)>,
+    /// The furthest snapshot point it passed where the cache keeps the state (its own snapshot
+    /// or an identical prefix's).
+    pub kept: usize,
 }
 
 impl Sequence {
     /// Prompt and generated tokens.
     pub fn len(&self) -> usize {
         self.prompt.len() + self.output.len()
+    }
+
+    /// Token `i` of prompt ++ output.
+    pub fn token(&self, i: usize) -> Option<u32> {
+        match i.checked_sub(self.prompt.len()) {
+            None => Some(self.prompt[i]),
+            Some(j) => self.output.get(j).copied(),
+        }
     }
 
     /// Tokens `range` of prompt ++ output.
@@ -97,6 +109,11 @@ impl Sequence {
         self.logprobs || !plain
     }
 
+    /// Whether it drafts with the MTP head (and so feeds it pairs).
+    pub fn drafts_with_mtp(&self) -> bool {
+        matches!(self.speculation, Some(Speculation::Mtp { .. }))
+    }
+
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
     }
@@ -117,6 +134,7 @@ impl Sequence {
             slots.release(slot)?;
         }
         self.snap_points.clear();
+        self.kept = 0;
         self.table.release(blocks)?;
         self.computed = 0;
         self.verify = false;
@@ -124,6 +142,18 @@ impl Sequence {
         self.mtp_len = 0;
         self.unfed = None;
         Ok(())
+    }
+}
+
+/// Notes in the prefix cache the blocks of `s` that its MTP pairs `fed` (positions whose pairs
+/// are now written) completed: each block whose last position is in `fed`, with the token after
+/// it (the one its last pair was fed with).
+pub(crate) fn note_mtp(prefix: &mut PrefixCache, s: &Sequence, fed: Range<usize>) {
+    let bs = prefix.block_size();
+    for k in fed.start / bs..fed.end / bs {
+        if let (Some(&block), Some(next)) = (s.table.blocks().get(k), s.token((k + 1) * bs)) {
+            prefix.mark_mtp(block, next);
+        }
     }
 }
 
@@ -223,7 +253,7 @@ impl Scheduler {
                     let mut victim = self.running.remove(newest);
                     budget += counts.remove(newest);
                     // Its rolling snapshot lets it (or another) restart past its prompt.
-                    self.keep_rolling(&mut victim)?;
+                    self.keep_leaving(&mut victim)?;
                     victim.release(&mut self.slots, &mut self.blocks)?;
                     if newest == 0 {
                         // Alone and still too long: the whole pool is its context.
@@ -285,8 +315,8 @@ impl Scheduler {
 
     /// With the prefix cache on, starts the front waiting sequence from its longest cached
     /// prefix (its blocks shared, `computed` past it; the snapshot to restore is returned,
-    /// retained) and sets its snapshot points. MTP-speculating sequences run their whole prompt
-    /// (the MTP head's K/V is not cached), but keep snapshots for others.
+    /// retained) and sets its snapshot points. An MTP-drafting sequence hits only blocks whose
+    /// MTP K/V is written with its own next tokens; its MTP pairs then start past the hit.
     fn restore_front(&mut self) -> Result<Option<SlotId>> {
         let (Some(prefix), Some(s)) = (self.prefix.as_mut(), self.waiting.front_mut()) else {
             return Ok(None);
@@ -294,13 +324,15 @@ impl Scheduler {
         let tokens = s.tokens(0, s.len());
         let mut snapshot = None;
         s.cached = 0;
-        if !matches!(s.speculation, Some(Speculation::Mtp { .. })) {
-            if let Some(hit) = prefix.lookup(&tokens, &mut self.blocks, &mut self.slots)? {
-                s.table = BlockTable::shared(hit.blocks);
-                s.computed = hit.positions;
-                s.cached = hit.positions;
-                snapshot = Some(hit.snapshot);
+        let mtp = s.drafts_with_mtp();
+        if let Some(hit) = prefix.lookup(&tokens, mtp, &mut self.blocks, &mut self.slots)? {
+            s.table = BlockTable::shared(hit.blocks);
+            s.computed = hit.positions;
+            s.cached = hit.positions;
+            if mtp {
+                s.mtp_len = hit.positions;
             }
+            snapshot = Some(hit.snapshot);
         }
         let bs = self.blocks.block_size();
         let branch = prefix.cached_positions(&tokens);
@@ -311,16 +343,25 @@ impl Scheduler {
         Ok(snapshot)
     }
 
-    /// Hands a sequence's rolling snapshot to the prefix cache with the blocks before it (when
-    /// it finishes: the next turn of its conversation starts there; when preempted: it restarts
-    /// there).
-    pub fn keep_rolling(&mut self, s: &mut Sequence) -> Result<()> {
-        let (Some((slot, at)), Some(prefix)) = (s.rolling.take(), self.prefix.as_mut()) else {
+    /// Hands what a leaving sequence keeps to the prefix cache: its rolling snapshot with the
+    /// blocks before it (when it finishes: the next turn of its conversation starts there; when
+    /// preempted: it restarts there), and an MTP-drafting sequence's blocks up to all it kept
+    /// (they carry the MTP K/V its pairs wrote, which cached blocks may lack).
+    pub fn keep_leaving(&mut self, s: &mut Sequence) -> Result<()> {
+        let Some(prefix) = self.prefix.as_mut() else {
             return Ok(());
         };
-        let tokens = s.tokens(0, at);
-        prefix.insert(&tokens, at, &s.table, &mut self.blocks)?;
-        prefix.insert_snapshot(&tokens, at, slot, &mut self.slots)?;
+        let rolling = s.rolling.take();
+        let mtp_fed = if s.drafts_with_mtp() { s.mtp_len } else { 0 };
+        let upto = rolling.map_or(0, |r| r.1).max(s.kept.min(mtp_fed));
+        if upto == 0 {
+            return Ok(());
+        }
+        let tokens = s.tokens(0, s.len());
+        prefix.insert(&tokens, upto, &s.table, &mut self.blocks, mtp_fed)?;
+        if let Some((slot, at)) = rolling {
+            prefix.insert_snapshot(&tokens, at, slot, &mut self.slots)?;
+        }
         Ok(())
     }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{bundled, collect, model_helpers, solo};
-use qwen36_engine::{Engine, EngineConfig, Event, Request, RequestHandle, Speculation, StopReason};
+use qwen36_engine::{Engine, EngineConfig, Event, Request, RequestHandle, Speculation, StopReason, Usage};
 use qwen36_testutil::Rng;
 
 const BS: usize = 8;
@@ -20,17 +20,36 @@ fn random_ids(rng: &mut Rng, vocab: usize, len: usize) -> Vec<u32> {
 /// blocks, and at the last boundary its decoding passed (these requests all end at `max_tokens`,
 /// whose last boundary the engine keeps); a request hits the longest kept prefix of its prompt
 /// that leaves a token to run.
+///
+/// An MTP-drafting request hits only where every block's MTP K/V is written: a finished
+/// MTP-drafting request writes that of its blocks up to the furthest point it keeps, each block's
+/// last pair with the token after the block, and the first such writer of a prefix's block is
+/// the one kept; a hit needs the prompt's own token after each of its blocks.
 #[derive(Default)]
 struct Policy {
     /// Token prefixes whose state is kept.
     snapshots: Vec<Vec<u32>>,
+    /// Block-aligned prefixes whose last block's MTP K/V is written, with the token after it.
+    mtp: std::collections::HashMap<Vec<u32>, u32>,
 }
 
 impl Policy {
     fn hit(&self, prompt: &[u32]) -> usize {
+        self.longest(prompt, |_| true)
+    }
+
+    fn mtp_hit(&self, prompt: &[u32]) -> usize {
+        self.longest(prompt, |s| {
+            (BS..=s.len())
+                .step_by(BS)
+                .all(|end| self.mtp.get(&prompt[..end]) == Some(&prompt[end]))
+        })
+    }
+
+    fn longest(&self, prompt: &[u32], usable: impl Fn(&[u32]) -> bool) -> usize {
         self.snapshots
             .iter()
-            .filter(|s| s.len() < prompt.len() && prompt.starts_with(s))
+            .filter(|s| s.len() < prompt.len() && prompt.starts_with(s) && usable(s))
             .map(Vec::len)
             .max()
             .unwrap_or(0)
@@ -49,8 +68,9 @@ impl Policy {
             .unwrap_or(0)
     }
 
-    /// What a request that hit `hit` tokens and generated `out` keeps.
-    fn finished(&mut self, prompt: &[u32], out: &[u32], hit: usize) {
+    /// What a request that hit `hit` tokens and generated `out` keeps (`mtp`: it drafted with
+    /// the MTP head).
+    fn finished(&mut self, prompt: &[u32], out: &[u32], hit: usize, mtp: bool) {
         let len = prompt.len();
         let mut points = vec![self.cached_blocks(prompt), len / BS * BS];
         // Decoding runs positions len.. one at a time; the last token is never run.
@@ -60,6 +80,10 @@ impl Policy {
             points.push(last);
         }
         let all: Vec<u32> = prompt.iter().chain(out).copied().collect();
+        let furthest = points.iter().copied().max().unwrap_or(0);
+        for end in (BS..=furthest).step_by(BS).filter(|_| mtp) {
+            self.mtp.entry(all[..end].to_vec()).or_insert(all[end]);
+        }
         for p in points.into_iter().filter(|&p| p > hit) {
             let s = all[..p].to_vec();
             if !self.snapshots.contains(&s) {
@@ -69,50 +93,73 @@ impl Policy {
     }
 }
 
-/// Conversations taking turns one request at a time, each turn resending its history and the
-/// last answer with a new message, all opening with one system prompt: every turn's tokens are
-/// its cold run's, and the tokens it is served from the cache are what the policy allows (MTP
-/// requests look nothing up). `spec` picks each turn's speculation.
-/// Returns the tokens served from the cache, the prompt tokens, and the drafts accepted.
+/// One turn, alone in `engine`: its tokens are its cold solo run's, the tokens it is served
+/// from the cache are what `policy` allows (which then records what it keeps), and with `cold`
+/// (an engine without a prefix cache) it drafts and accepts exactly what it does there (an MTP
+/// hit's cached MTP K/V is the cold run's). Returns its output and usage.
+fn turn(
+    engine: &mut Engine,
+    cold: Option<&mut Engine>,
+    policy: &mut Policy,
+    req: Request,
+    what: &str,
+) -> (Vec<u32>, Usage) {
+    let max = req.max_tokens.expect("a max_tokens");
+    let h = engine.submit(req.clone()).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    let (reason, usage) = o.end.expect("it ended");
+    assert_eq!(reason, StopReason::MaxTokens);
+    assert_eq!(o.ids, solo(engine.model(), &req.prompt, max).0, "{what}");
+    let mtp = matches!(req.speculation, Some(Speculation::Mtp { .. }));
+    if let Some(cold) = cold {
+        let h = cold.submit(req.clone()).unwrap();
+        cold.run_to_completion().unwrap();
+        let (_, alone) = collect(&h).end.expect("it ended");
+        assert_eq!(
+            (usage.drafted, usage.accepted),
+            (alone.drafted, alone.accepted),
+            "{what}: drafts and acceptance of its cold run"
+        );
+    }
+    let want = match mtp {
+        true => policy.mtp_hit(&req.prompt),
+        false => policy.hit(&req.prompt),
+    };
+    assert_eq!(usage.cached_tokens, want, "{what}: tokens from the cache");
+    policy.finished(&req.prompt, &o.ids, want, mtp);
+    (o.ids, usage)
+}
+
+/// Conversations taking turns one request at a time ([`turn`]), each turn resending its
+/// history and the last answer with a new message, all opening with one system prompt. `spec`
+/// picks each turn's speculation. Returns the tokens served from the cache, the prompt tokens,
+/// and the drafts accepted.
 fn turns(
     engine: &mut Engine,
     seed: u64,
     spec: impl Fn(usize) -> Option<Speculation>,
+    mut cold: Option<&mut Engine>,
 ) -> (usize, usize, usize) {
-    let model = engine.model().clone();
-    let vocab = model.config().vocab_size;
+    let vocab = engine.model().config().vocab_size;
     let mut rng = Rng::new(seed);
     let system = random_ids(&mut rng, vocab, 21);
     let mut histories: Vec<Vec<u32>> = vec![system.clone(); 3];
     let mut policy = Policy::default();
     let (mut hits, mut prompt_tokens, mut accepted) = (0, 0, 0);
-    for turn in 0..3 {
+    for t in 0..3 {
         for (c, history) in histories.iter_mut().enumerate() {
             let len = rng.range(3, 20);
             let message = random_ids(&mut rng, vocab, len);
             let prompt: Vec<u32> = history.iter().chain(&message).copied().collect();
-            let max = rng.range(4, 30);
-            let mut req = Request::greedy(prompt.clone(), max);
-            req.speculation = spec(turn);
-            let h = engine.submit(req).unwrap();
-            engine.run_to_completion().unwrap();
-            let o = collect(&h);
-            let (reason, usage) = o.end.expect("it ended");
-            assert_eq!(reason, StopReason::MaxTokens);
-            assert_eq!(o.ids, solo(&model, &prompt, max).0, "turn {turn} of {c}");
-            let want = match spec(turn) {
-                Some(Speculation::Mtp { .. }) => 0,
-                _ => policy.hit(&prompt),
-            };
-            assert_eq!(
-                usage.cached_tokens, want,
-                "turn {turn} of {c}: tokens from the cache"
-            );
-            policy.finished(&prompt, &o.ids, want);
+            let mut req = Request::greedy(prompt.clone(), rng.range(4, 30));
+            req.speculation = spec(t);
+            let what = format!("turn {t} of {c}");
+            let (out, usage) = turn(engine, cold.as_deref_mut(), &mut policy, req, &what);
             accepted += usage.accepted;
-            hits += want;
+            hits += usage.cached_tokens;
             prompt_tokens += prompt.len();
-            *history = [prompt, o.ids].concat();
+            *history = [prompt, out].concat();
         }
     }
     let stats = engine.prefix_stats().expect("the cache is on");
@@ -140,7 +187,7 @@ fn turns_config() -> EngineConfig {
 #[test]
 fn turns_hit_exactly_where_the_snapshots_allow() {
     let mut engine = Engine::new(bundled(), turns_config()).unwrap();
-    let (hits, prompt_tokens, _) = turns(&mut engine, 11, |_| None);
+    let (hits, prompt_tokens, _) = turns(&mut engine, 11, |_| None, None);
     assert!(
         hits * 2 > prompt_tokens,
         "most of the history comes from the cache: {hits} of {prompt_tokens}"
@@ -151,17 +198,141 @@ fn turns_hit_exactly_where_the_snapshots_allow() {
 /// inside a verified run (from the verify's checkpoints): the next turn's hit there is exact.
 #[test]
 fn turns_after_speculative_decoding_hit_exactly() {
-    let (model, head) = model_helpers::load_bundled();
-    let mut engine = Engine::with_mtp_head(model, head, turns_config()).unwrap();
-    let (hits, _, accepted) = turns(&mut engine, 12, |turn| match turn {
-        0 => Some(Speculation::Mtp { k: 3 }),
-        1 => Some(Speculation::ngram(3)),
-        _ => None,
-    });
+    let (mut engine, mut cold) = mtp_engines();
+    let (hits, _, accepted) = turns(
+        &mut engine,
+        12,
+        |turn| match turn {
+            0 => Some(Speculation::Mtp { k: 3 }),
+            1 => Some(Speculation::ngram(3)),
+            _ => None,
+        },
+        Some(&mut cold),
+    );
     assert!(
         hits > 0 && accepted > 0,
         "{hits} hits, {accepted} drafts accepted"
     );
+}
+
+/// An engine with the MTP head and the prefix cache, and one without the cache. Both prefill
+/// a block per step, so that their chunks end at the same positions and the MTP head is fed
+/// bit-identical hidden states (a chunk boundary elsewhere changes their rounding, and the
+/// bundled head's drafts flip on that).
+fn mtp_engines() -> (Engine, Engine) {
+    let (model, head) = model_helpers::load_bundled();
+    let on = EngineConfig {
+        step_tokens: BS,
+        ..turns_config()
+    };
+    let off = EngineConfig {
+        prefix_snapshots: 0,
+        ..on.clone()
+    };
+    let engine = Engine::with_mtp_head(model.clone(), head.clone(), on).unwrap();
+    (engine, Engine::with_mtp_head(model, head, off).unwrap())
+}
+
+/// Every turn drafting with the MTP head: the turns hit the cache as plain ones do (the MTP
+/// head's K/V of each cached block is written, a finished turn's last kept block included), and
+/// draft exactly as their cold runs.
+#[test]
+fn mtp_turns_hit_the_cache_and_draft_as_cold() {
+    let (mut engine, mut cold) = mtp_engines();
+    let mtp = |_| Some(Speculation::Mtp { k: 2 });
+    let (hits, prompt_tokens, accepted) = turns(&mut engine, 14, mtp, Some(&mut cold));
+    assert!(
+        hits * 2 > prompt_tokens && accepted > 0,
+        "{hits} of {prompt_tokens} from the cache, {accepted} drafts accepted"
+    );
+}
+
+/// A plain turn caches blocks without the MTP head's K/V: the MTP turn after it misses them,
+/// but leaves its own blocks (with the K/V) in their place, and the next MTP turn hits as a
+/// plain one would, drafting exactly as cold.
+#[test]
+fn mtp_turns_after_a_plain_one_hit_from_the_second() {
+    let (mut engine, mut cold) = mtp_engines();
+    let spec = |turn| (turn > 0).then_some(Speculation::Mtp { k: 3 });
+    let (hits, _, accepted) = turns(&mut engine, 15, spec, Some(&mut cold));
+    assert!(hits > 0 && accepted > 0, "{hits} hits, {accepted} accepted");
+}
+
+/// An MTP turn of one token after a plain one (no decoding, so nothing kept past its prompt):
+/// it misses the plain turn's blocks, then leaves its own in their place up to the furthest
+/// snapshot point it passed, whether it found that snapshot kept (the plain turn's) or kept it
+/// itself (a new prompt end, or where it branches inside the plain turn's blocks); the next MTP
+/// turn hits there.
+#[test]
+fn a_one_token_mtp_turn_leaves_its_blocks_up_to_its_kept_points() {
+    let vocab = bundled().config().vocab_size;
+    let mut rng = Rng::new(16);
+    // The plain prompt's length, and the MTP turn's prompt: the plain turn's history (prompt
+    // and answer) cut to `keep` tokens, and `more` new ones.
+    for (plain_len, keep, more) in [(26, 28, 3), (26, 28, 6), (34, 29, 5)] {
+        let (mut engine, mut cold) = mtp_engines();
+        let mut policy = Policy::default();
+        let plain = Request::greedy(random_ids(&mut rng, vocab, plain_len), 2);
+        let (out, _) = turn(&mut engine, None, &mut policy, plain.clone(), "plain");
+        let mut history = [plain.prompt, out].concat();
+        history.truncate(keep);
+        for (i, more, max) in [(0, more, 1), (1, 8, 5)] {
+            let prompt = [history.clone(), random_ids(&mut rng, vocab, more)].concat();
+            let mut req = Request::greedy(prompt.clone(), max);
+            req.speculation = Some(Speculation::Mtp { k: 2 });
+            let what = format!("MTP turn {i} of case {plain_len}/{keep}/{more}");
+            let (out, usage) = turn(&mut engine, Some(&mut cold), &mut policy, req, &what);
+            assert_eq!(usage.cached_tokens > 0, i == 1, "{what}");
+            history = [prompt, out].concat();
+        }
+    }
+}
+
+/// An MTP-drafting request hits a running one's prompt as soon as the running one has fed the
+/// MTP head its prompt's pairs, not only once it finishes.
+#[test]
+fn mtp_requests_hit_a_running_requests_prompt() {
+    let (mut engine, mut cold) = mtp_engines();
+    let vocab = engine.model().config().vocab_size;
+    let mut rng = Rng::new(17);
+    let prompt = random_ids(&mut rng, vocab, 30);
+    let mut long = Request::greedy(prompt.clone(), 40);
+    long.speculation = Some(Speculation::Mtp { k: 2 });
+    let first = engine.submit(long).unwrap();
+    while collect_some(&first) < 3 {
+        engine.step().unwrap();
+    }
+    let mut req = Request::greedy([prompt, random_ids(&mut rng, vocab, 4)].concat(), 5);
+    req.speculation = Some(Speculation::Mtp { k: 2 });
+    let h = engine.submit(req.clone()).unwrap();
+    while h.try_recv().is_none() {
+        engine.step().unwrap();
+    }
+    engine.run_to_completion().unwrap();
+    assert!(first.drain().iter().any(|e| matches!(e, Event::Finished { .. })));
+    let (_, usage) = collect(&h).end.expect("it ended");
+    assert_eq!(
+        usage.cached_tokens, 24,
+        "the running prompt's last block boundary"
+    );
+    let alone = cold.submit(req).unwrap();
+    cold.run_to_completion().unwrap();
+    let (_, cold_usage) = collect(&alone).end.expect("it ended");
+    assert_eq!(
+        (usage.drafted, usage.accepted),
+        (cold_usage.drafted, cold_usage.accepted)
+    );
+}
+
+/// Tokens a handle has sent so far (its events consumed).
+fn collect_some(h: &RequestHandle) -> usize {
+    let mut n = 0;
+    while let Some(e) = h.try_recv() {
+        if let Event::Token { ids, .. } = e {
+            n += ids.len();
+        }
+    }
+    n
 }
 
 /// Requests sharing prefixes (continuations of earlier prompts and of their answers) arriving
