@@ -83,7 +83,7 @@ struct Args {
     /// Conversations of this many turns: each later turn resends the last prompt and its answer
     /// with `--turn-len` new tokens (the first prompt has `--input-len`); TTFT is reported per
     /// turn, with the prefix cache's hit rate.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, visible_alias = "multi-turn", default_value_t = 1)]
     turns: usize,
     /// New tokens per later turn.
     #[arg(long, default_value_t = 100)]

@@ -8,7 +8,8 @@
 //! Entries are exact: a node keeps its block's tokens and its parent, and a lookup compares both,
 //! so a hash collision cannot alias two prefixes. A snapshot is immutable once kept (sequences
 //! copy from it, never into it); eviction frees least-recently-used entries that only the cache
-//! holds, leaves first.
+//! holds, leaves first, and among snapshots those a deeper one supersedes (a conversation keeps
+//! its latest turn's state, a shared system prompt its own) first.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -340,7 +341,8 @@ impl PrefixCache {
 
     /// Frees least-recently-used entries only the cache holds until `blocks` has `want_blocks`
     /// free blocks and `slots` `want_slots` free slots, or nothing more can go: for a slot, a
-    /// snapshot no sequence is copying (with its block when that is an unshared leaf); for a
+    /// snapshot no sequence is copying, superseded ones first (with its block when that is an
+    /// unshared leaf); for a
     /// block, a leaf block no sequence shares (with its snapshot). Returns the blocks and
     /// snapshots it freed.
     pub fn evict(
@@ -367,9 +369,15 @@ impl PrefixCache {
             };
             let leaf = |n: &Node| n.children == 0 && blocks.refs(n.block) == 1;
             let lone_snapshot = |n: &Node| n.snapshot.is_some_and(|s| slots.refs(s) == 1);
-            // A snapshot when a slot is wanted, else a leaf block when a block is.
+            // A snapshot when a slot is wanted (a superseded one first), else a leaf block when a
+            // block is.
+            let snapshot = || {
+                let superseded = self.superseded();
+                let lone_superseded = |n: &Node| lone_snapshot(n) && superseded.contains(&n.hash);
+                lru(&lone_superseded).or_else(|| lru(&lone_snapshot))
+            };
             let (i, whole) = match (
-                want_slot.then(|| lru(&lone_snapshot)).flatten(),
+                want_slot.then(snapshot).flatten(),
                 want_block.then(|| lru(&leaf)).flatten(),
             ) {
                 (Some(i), _) => (i, leaf(self.node(i))),
@@ -388,6 +396,28 @@ impl PrefixCache {
         }
         self.stats.evictions += freed;
         Ok(freed)
+    }
+
+    /// The chain hashes of superseded snapshots: those with a deeper snapshot below them along
+    /// blocks no other cached prefix branches from (a conversation's earlier turns). A prompt
+    /// hits such a snapshot rather than the deeper one only by branching off between them, which
+    /// no cached prompt has done, or by repeating that earlier prompt.
+    fn superseded(&self) -> std::collections::HashSet<u64> {
+        let mut out = std::collections::HashSet::new();
+        for n in self.nodes.iter().flatten().filter(|n| n.snapshot.is_some()) {
+            let mut up = n.parent;
+            while let Some(a) = up.map(|i| self.node(i)) {
+                if a.children != 1 {
+                    break;
+                }
+                if a.snapshot.is_some() {
+                    out.insert(a.hash);
+                    break;
+                }
+                up = a.parent;
+            }
+        }
+        out
     }
 
     /// Drops node `i` (a leaf) and releases its block.
@@ -816,6 +846,46 @@ mod tests {
                 .positions,
             8
         );
+    }
+
+    /// A snapshot with a deeper one below it, along blocks no other prefix branches from, goes
+    /// first when a slot is wanted, however recently used; one where prefixes branch (a shared
+    /// system prompt) goes by age with the rest.
+    #[test]
+    fn superseded_snapshots_go_first() {
+        let mut c = PrefixCache::new(BS);
+        let mut p = pools();
+        // A conversation's two turns (snapshots at 4 and 12 on one chain), then another prefix.
+        let turns: Vec<u32> = (0..13).collect();
+        let t = run(&mut c, &mut p, &turns, 4);
+        let deeper = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&turns, 12, deeper, &mut p.slots).unwrap());
+        let other: Vec<u32> = (50..55).collect();
+        let o = run(&mut c, &mut p, &other, 4);
+        // The earlier turn's snapshot is the most recently used, and still goes first.
+        assert_eq!(hit_len(&mut c, &mut p, &turns[..6], false), 4);
+        let free = p.slots.free();
+        c.evict(0, free + 1, &mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!(hit_len(&mut c, &mut p, &turns[..6], false), 0);
+        assert_eq!(hit_len(&mut c, &mut p, &other, false), 4);
+        assert_eq!(hit_len(&mut c, &mut p, &turns, false), 12);
+        // A branch at 4 (a prefix continuing differently): the snapshot there is no longer
+        // superseded, and the least recently used goes (the other prefix's).
+        let slot = p.slots.alloc().unwrap();
+        assert!(c.insert_snapshot(&turns, 4, slot, &mut p.slots).unwrap());
+        let branch: Vec<u32> = (0..4).chain(90..95).collect();
+        let mut b = BlockTable::default();
+        b.reserve(9, &mut p.blocks).unwrap();
+        c.insert(&branch, 8, &b, &mut p.blocks, 0).unwrap();
+        assert_eq!(hit_len(&mut c, &mut p, &turns[..6], false), 4);
+        assert_eq!(hit_len(&mut c, &mut p, &turns, false), 12);
+        let free = p.slots.free();
+        c.evict(0, free + 1, &mut p.blocks, &mut p.slots).unwrap();
+        assert_eq!(hit_len(&mut c, &mut p, &other, false), 0);
+        assert_eq!(hit_len(&mut c, &mut p, &turns[..6], false), 4);
+        for mut x in [t, o, b] {
+            x.release(&mut p.blocks).unwrap();
+        }
     }
 
     /// Snapshots only go where the prefix is cached and has none: otherwise the slot is
