@@ -842,6 +842,8 @@ impl Engine {
         };
         // The chunks of draft step 0, their states, and per chunk (running index, drafts wanted).
         let (mut chunks, mut parts, mut who) = (Vec::new(), Vec::new(), Vec::new());
+        // Per chunk, the MTP positions its pairs write.
+        let mut fed: Vec<Range<usize>> = Vec::new();
         for (index, start, rows, finished) in feeds {
             let s = &mut running[*index];
             let Some(Speculation::Mtp { k }) = s.speculation else {
@@ -888,10 +890,7 @@ impl Engine {
             });
             parts.push(states);
             who.push((*index, k));
-            s.mtp_len = first + m;
-            if let Some(prefix) = self.sched.prefix.as_mut() {
-                note_mtp(prefix, s, first..first + m);
-            }
+            fed.push(first..first + m);
         }
         if chunks.is_empty() {
             return Ok(());
@@ -903,6 +902,15 @@ impl Engine {
         let drafting = who.iter().filter(|w| w.1 > 0).count();
         let started = Instant::now();
         let (last, first) = stepper.draft(head, &self.model, &input, &batch, pool, 0)?;
+        // The pairs are written: the sequences' MTP K/V reaches past them (not before: after a
+        // failure no block may be noted as holding pairs it lacks).
+        for (&(index, _), fed) in who.iter().zip(fed) {
+            let s = &mut running[index];
+            s.mtp_len = fed.end;
+            if let Some(prefix) = self.sched.prefix.as_mut() {
+                note_mtp(prefix, s, fed);
+            }
+        }
         // Chain: each drafting sequence's (running index, drafts wanted), last state and token.
         let mut chain: Vec<(usize, usize)> = Vec::new();
         let mut members = Vec::new();
