@@ -290,6 +290,15 @@ impl GatedDeltaNet {
         })
     }
 
+    /// The layer as a tensor-parallel rank's part other than the first: its output projection
+    /// gives a partial sum without the residual ([`Linear::partial_sum`]).
+    pub fn partial_sum(self) -> Self {
+        Self {
+            out_proj: self.out_proj.partial_sum(),
+            ..self
+        }
+    }
+
     /// The layer with every CUDA kernel of it (projections, conv, delta rule, norm) chosen and
     /// launched under `policy`.
     pub fn with_policy(self, policy: KernelPolicy) -> Self {

@@ -183,6 +183,15 @@ impl GatedAttention {
         })
     }
 
+    /// The layer as a tensor-parallel rank's part other than the first: its output projection
+    /// gives a partial sum without the residual.
+    pub fn partial_sum(self) -> Self {
+        Self {
+            o_proj: self.o_proj.partial_sum(),
+            ..self
+        }
+    }
+
     /// The policies of every kernel-launching part (tests check that loading set them all).
     #[cfg(test)]
     pub(crate) fn policies(&self) -> Vec<KernelPolicy> {

@@ -65,6 +65,9 @@ pub enum Error {
     /// MTP was asked for but the checkpoint has no `mtp.*` tensors.
     #[error("the checkpoint has no MTP head (no mtp.fc.weight): run without MTP or use another drafter")]
     NoMtpHead,
+    /// A tensor-parallel reduction failed (a rank left the group or panicked).
+    #[error("tensor parallelism: {0}")]
+    Comm(String),
     /// An error from a GDN layer.
     #[error(transparent)]
     Gdn(#[from] qwen36_gdn::Error),

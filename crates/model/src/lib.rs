@@ -6,6 +6,7 @@
 
 mod attention;
 mod cache;
+mod comm;
 mod config;
 mod error;
 #[cfg(feature = "cuda")]
@@ -14,11 +15,13 @@ mod kv_cache;
 mod model;
 mod mtp_head;
 mod paged;
+mod shard;
 mod stepper;
 mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerCache};
+pub use comm::{Communicator, LocalComm};
 pub use config::{Config, LayerType, Quantization};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
@@ -27,6 +30,7 @@ pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
+pub use shard::Shard;
 pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
 pub use weights::{LoadOptions, LoadProgress, Weights};
 

@@ -2,6 +2,7 @@
 //! final (1+w) norm → lm_head.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
@@ -12,8 +13,8 @@ use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
 use crate::attention::{AttnPart, AttnStep};
 use crate::paged::{LayerCheckpoints, PagedLayer, PoolShape};
 use crate::{
-    BatchOutput, Cache, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType, LoadOptions,
-    PagedCache, Result, Weights,
+    BatchOutput, Cache, Communicator, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
+    LoadOptions, PagedCache, Result, Shard, Weights,
 };
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
@@ -36,6 +37,15 @@ impl Mlp {
             gate_up: Linear::fused(vec![lin("gate_proj", [i, h])?, lin("up_proj", [i, h])?])?,
             down: lin("down_proj", [h, i])?,
         })
+    }
+
+    /// The MLP as a tensor-parallel rank's part other than the first: its down projection gives
+    /// a partial sum without the residual.
+    pub fn partial_sum(self) -> Self {
+        Self {
+            down: self.down.partial_sum(),
+            ..self
+        }
     }
 
     /// `x: [..., hidden]`.
@@ -66,6 +76,9 @@ pub(crate) struct DecoderLayer {
     post_norm: RmsNorm,
     mixer: Mixer,
     mlp: Mlp,
+    /// A tensor-parallel rank's group: the mixer's and the MLP's residual blocks are partial
+    /// sums, added up over the ranks.
+    comm: Option<Arc<dyn Communicator>>,
 }
 
 impl DecoderLayer {
@@ -106,18 +119,42 @@ impl DecoderLayer {
                 Mixer::Attention(GatedAttention::load(cfg, w, &format!("{prefix}self_attn."))?)
             }
         };
+        let mut mlp = Mlp::load(cfg, w, &format!("{prefix}mlp."))?;
+        let comm = w.communicator().cloned();
+        // The first rank's parts add the residual stream; the others' are partial sums.
+        let mut mixer = mixer;
+        if comm.as_ref().is_some_and(|c| c.rank() > 0) {
+            mlp = mlp.partial_sum();
+            mixer = match mixer {
+                Mixer::Gdn(g) => Mixer::Gdn(g.partial_sum()),
+                Mixer::Attention(a) => Mixer::Attention(a.partial_sum()),
+            };
+        }
         Ok(Self {
             input_norm: norm("input_layernorm")?,
             post_norm: norm("post_attention_layernorm")?,
             mixer,
-            mlp: Mlp::load(cfg, w, &format!("{prefix}mlp."))?,
+            mlp,
+            comm,
         })
+    }
+
+    /// A residual block's output: on a tensor-parallel rank, the sum over the ranks.
+    fn reduce(&self, r: Tensor) -> Result<Tensor> {
+        match &self.comm {
+            Some(c) => c.all_reduce_sum(&r),
+            None => Ok(r),
+        }
     }
 
     /// True when a pass of `tokens` tokens through this layer can be recorded in a CUDA graph: GDN
     /// layers always, attention layers when they run the decode kernel.
     #[cfg(feature = "cuda")]
     pub(crate) fn graph_safe(&self, tokens: usize, dtype: DType, device: &Device) -> bool {
+        // (A tensor-parallel rank's reductions synchronise with the other ranks' threads.)
+        if self.comm.is_some() {
+            return false;
+        }
         match &self.mixer {
             Mixer::Gdn(_) => true,
             Mixer::Attention(a) => a.uses_decode_kernel(tokens, dtype, device),
@@ -158,7 +195,11 @@ impl DecoderLayer {
             }
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
-        Ok((self.mlp.forward_block(&r, &self.post_norm)?, checkpoints))
+        let r = self.reduce(r)?;
+        Ok((
+            self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)?,
+            checkpoints,
+        ))
     }
 }
 
@@ -239,7 +280,11 @@ impl DecoderLayer {
                 ))
             }
         };
-        Ok((self.mlp.forward_block(&r, &self.post_norm)?, checkpoints))
+        let r = self.reduce(r)?;
+        Ok((
+            self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)?,
+            checkpoints,
+        ))
     }
 }
 
@@ -304,6 +349,21 @@ impl Qwen36Model {
         let dir = dir.as_ref();
         let cfg = Config::from_file(dir.join("config.json"))?;
         let w = Weights::open(dir, opts)?;
+        Self::from_weights(cfg, &w)
+    }
+
+    /// Loads rank `comm.rank()`'s part of the model in `dir` for tensor parallelism over
+    /// `comm.size()` ranks ([`crate::Shard`] says what each holds; only that part is read).
+    /// Every rank runs the same calls in step (one thread or process each); their outputs are
+    /// equal. Refused, naming the config field, when the model does not split that way.
+    pub fn load_shard(dir: impl AsRef<Path>, opts: LoadOptions, comm: Arc<dyn Communicator>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let full = Config::from_file(dir.join("config.json"))?;
+        let cfg = full.shard(Shard {
+            rank: comm.rank(),
+            size: comm.size(),
+        })?;
+        let w = Weights::open(dir, opts)?.sharded(comm, &full);
         Self::from_weights(cfg, &w)
     }
 

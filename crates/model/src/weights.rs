@@ -4,14 +4,17 @@
 //! (text-only); `lm_head.weight` and `mtp.*` are top level. Vision tensors are never read.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Tensor};
 
 use qwen36_kernels::linear::{Fp8Weight, LinearWeight};
 
-use crate::{Error, Quantization, Result};
+use crate::shard::split_of;
+use crate::{Communicator, Config, Error, Quantization, Result, Shard};
 
 /// How tensors are materialised.
 #[derive(Debug, Clone)]
@@ -61,6 +64,8 @@ pub struct Weights {
     /// Bytes of the checkpoint's files, and of the tensors loaded so far (for `opts.progress`).
     total_bytes: u64,
     loaded_bytes: std::sync::atomic::AtomicU64,
+    /// A tensor-parallel rank's view ([`Self::sharded`]): its group and the full config.
+    shard: Option<(Arc<dyn Communicator>, Config)>,
 }
 
 enum Source {
@@ -103,6 +108,7 @@ impl Weights {
             opts,
             total_bytes,
             loaded_bytes: Default::default(),
+            shard: None,
         })
     }
 
@@ -117,6 +123,7 @@ impl Weights {
             opts,
             total_bytes: 0,
             loaded_bytes: Default::default(),
+            shard: None,
         }
     }
 
@@ -130,6 +137,19 @@ impl Weights {
             },
             ..Self::random(opts)
         }
+    }
+
+    /// This checkpoint as rank `comm.rank()` of a tensor-parallel group sees it: every tensor
+    /// that is sharded ([`crate::Shard`]) is read as that rank's part only (from the mapped file,
+    /// never whole); the layers ask for their parts' shapes (from `full.shard(..)`).
+    pub fn sharded(mut self, comm: Arc<dyn Communicator>, full: &Config) -> Self {
+        self.shard = Some((comm, full.clone()));
+        self
+    }
+
+    /// The group a sharded checkpoint's rank reduces over ([`Self::sharded`]).
+    pub fn communicator(&self) -> Option<&Arc<dyn Communicator>> {
+        self.shard.as_ref().map(|(c, _)| c)
     }
 
     /// The prefix of language-model tensors in this checkpoint.
@@ -174,15 +194,52 @@ impl Weights {
                 msg: "is float8 e4m3 where this model reads a plain tensor (FP8 is supported for linear weights only)".into(),
             });
         }
-        if view.shape() != shape {
-            return Err(Error::TensorShape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: view.shape().to_vec(),
-            });
-        }
-        let t = view.load(&self.opts.device)?.to_dtype(dtype)?;
-        self.count_loaded(view.data().len());
+        let part = self.shard.as_ref().and_then(|(comm, full)| {
+            Some((
+                split_of(name, full)?,
+                Shard {
+                    rank: comm.rank(),
+                    size: comm.size(),
+                },
+            ))
+        });
+        let t = match part {
+            Some((split, shard)) => {
+                let (n, keep) = split.ranges(shard);
+                let mut full = shape.to_vec();
+                full[split.dim] = n;
+                let kept: usize = keep.iter().map(|r| r.len()).sum();
+                if view.shape() != full || kept != shape[split.dim] {
+                    return Err(Error::TensorShape {
+                        name: name.to_string(),
+                        expected: full,
+                        found: view.shape().to_vec(),
+                    });
+                }
+                let bytes = slice_bytes(
+                    view.data(),
+                    view.shape(),
+                    view.dtype().bitsize() / 8,
+                    split.dim,
+                    &keep,
+                );
+                let part = safetensors::tensor::TensorView::new(view.dtype(), shape.to_vec(), &bytes)
+                    .map_err(|e| Error::Candle(candle_core::Error::Msg(format!("{name}: {e}"))))?;
+                self.count_loaded(bytes.len());
+                part.load(&self.opts.device)?.to_dtype(dtype)?
+            }
+            None => {
+                if view.shape() != shape {
+                    return Err(Error::TensorShape {
+                        name: name.to_string(),
+                        expected: shape.to_vec(),
+                        found: view.shape().to_vec(),
+                    });
+                }
+                self.count_loaded(view.data().len());
+                view.load(&self.opts.device)?.to_dtype(dtype)?
+            }
+        };
         if self.opts.check_finite && !t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
             // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
             return Err(Error::NonFinite(name.to_string()));
@@ -274,6 +331,22 @@ impl Weights {
             progress(done, self.total_bytes);
         }
     }
+}
+
+/// The bytes of the ranges `keep` along `dim` of a row-major tensor of `shape` (`elem` bytes an
+/// entry) held in `data`, in order: a rank's part of a sharded tensor.
+fn slice_bytes(data: &[u8], shape: &[usize], elem: usize, dim: usize, keep: &[Range<usize>]) -> Vec<u8> {
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product::<usize>() * elem;
+    let kept: usize = keep.iter().map(|r| r.len()).sum();
+    let mut out = Vec::with_capacity(outer * kept * inner);
+    for o in 0..outer {
+        let base = o * shape[dim];
+        for r in keep {
+            out.extend_from_slice(&data[(base + r.start) * inner..(base + r.end) * inner]);
+        }
+    }
+    out
 }
 
 /// Whether a random FP8 checkpoint quantizes linear layer `name` (as Qwen's FP8 checkpoints do:

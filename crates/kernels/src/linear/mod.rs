@@ -101,6 +101,9 @@ enum Kind {
 pub struct Linear {
     kind: Kind,
     policy: KernelPolicy,
+    /// False for a tensor-parallel rank's row-parallel part other than the first: its output
+    /// is a partial sum, and [`Self::forward_add`] leaves the residual to the first rank.
+    adds_residual: bool,
 }
 
 impl Linear {
@@ -109,6 +112,7 @@ impl Linear {
         Self {
             kind: Kind::Dense(candle_nn::Linear::new(weight, bias)),
             policy: KernelPolicy::DEFAULT,
+            adds_residual: true,
         }
     }
 
@@ -119,6 +123,7 @@ impl Linear {
             LinearWeight::Fp8(w) => Self {
                 kind: Kind::Fp8 { w, bias },
                 policy: KernelPolicy::DEFAULT,
+                adds_residual: true,
             },
         }
     }
@@ -129,7 +134,21 @@ impl Linear {
             Kind::Parts(parts) => Kind::Parts(parts.into_iter().map(|p| p.with_policy(policy)).collect()),
             k => k,
         };
-        Self { kind, policy }
+        Self {
+            kind,
+            policy,
+            adds_residual: self.adds_residual,
+        }
+    }
+
+    /// The layer as a tensor-parallel rank's row-parallel part other than the first: its
+    /// output is one rank's partial sum, to which [`Self::forward_add`] adds no residual (the
+    /// first rank's part carries it; the sum over ranks then holds it once).
+    pub fn partial_sum(self) -> Self {
+        Self {
+            adds_residual: false,
+            ..self
+        }
     }
 
     /// The policy its CUDA calls run under.
@@ -189,6 +208,7 @@ impl Linear {
         Ok(Self {
             kind: Kind::Parts(out),
             policy,
+            adds_residual: true,
         }
         .with_policy(policy))
     }
@@ -367,6 +387,9 @@ impl Linear {
     /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
     /// closing with this layer. On CUDA the few-row kernels add it as they write, saving a pass.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if !self.adds_residual {
+            return self.forward(x);
+        }
         #[cfg(feature = "cuda")]
         if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
             return Ok(if added { y } else { (residual + y)? });

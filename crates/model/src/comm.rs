@@ -1,0 +1,219 @@
+//! Tensor parallelism's communication: every rank's partial sums added up on every rank.
+//!
+//! [`Communicator`] is what a sharded model calls after each row-parallel projection (the
+//! attention, GDN and MLP output projections). [`LocalComm::group`] makes ranks as threads of one
+//! process on any device and sums in rank order, so every rank gets the same bits; CI runs
+//! tensor parallelism through it.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use candle_core::Tensor;
+
+use crate::{Error, Result};
+
+/// One rank's view of a tensor-parallel group.
+pub trait Communicator: Send + Sync + std::fmt::Debug {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+    /// The sum of every rank's `x` (one shape on all ranks), returned on every rank. Every rank
+    /// calls it the same number of times in the same order.
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    /// Each rank's tensor of the current round.
+    parts: Vec<Option<Tensor>>,
+    /// Ranks that have read the current round's parts.
+    read: usize,
+    /// Counts rounds (a rank waits for its round's end, not a later one's).
+    round: u64,
+    /// A rank left (its handle dropped): every wait fails from then on.
+    gone: Option<usize>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    size: usize,
+    state: Mutex<Round>,
+    changed: Condvar,
+}
+
+/// One rank of a group of threads of one process ([`LocalComm::group`]). Dropping it (a rank's thread ending, or failing) makes every
+/// other rank's pending and later reductions fail instead of waiting forever.
+#[derive(Debug)]
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl LocalComm {
+    /// A group of `size` ranks, one handle each (`[rank 0, rank 1, …]`), to be moved to one thread
+    /// each.
+    pub fn group(size: usize) -> Result<Vec<Arc<LocalComm>>> {
+        if size == 0 {
+            return Err(Error::Config {
+                field: "tensor_parallel_size".into(),
+                msg: "must be at least 1".into(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            size,
+            state: Mutex::new(Round {
+                parts: vec![None; size],
+                ..Default::default()
+            }),
+            changed: Condvar::new(),
+        });
+        Ok((0..size)
+            .map(|rank| {
+                Arc::new(LocalComm {
+                    rank,
+                    shared: shared.clone(),
+                })
+            })
+            .collect())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Round>> {
+        self.shared
+            .state
+            .lock()
+            .map_err(|_| Error::Comm("a rank panicked during a reduction".into()))
+    }
+
+    fn wait<'a>(&self, guard: std::sync::MutexGuard<'a, Round>) -> Result<std::sync::MutexGuard<'a, Round>> {
+        self.shared
+            .changed
+            .wait(guard)
+            .map_err(|_| Error::Comm("a rank panicked during a reduction".into()))
+    }
+}
+
+fn gone(rank: usize) -> Error {
+    Error::Comm(format!("rank {rank} left the group"))
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        let size = self.shared.size;
+        if size == 1 {
+            return Ok(x.clone());
+        }
+        let mut s = self.lock()?;
+        // A rank still reading the last round's parts: wait until all have read them.
+        while s.parts[self.rank].is_some() {
+            if let Some(r) = s.gone {
+                return Err(gone(r));
+            }
+            s = self.wait(s)?;
+        }
+        s.parts[self.rank] = Some(x.clone());
+        let round = s.round;
+        self.shared.changed.notify_all();
+        while s.parts.iter().any(Option::is_none) && s.round == round {
+            if let Some(r) = s.gone {
+                return Err(gone(r));
+            }
+            s = self.wait(s)?;
+        }
+        // Every rank adds the parts in rank order: the same bits on every rank.
+        let parts: Vec<Tensor> = s.parts.iter().flatten().cloned().collect();
+        s.read += 1;
+        if s.read == size {
+            s.parts.iter_mut().for_each(|p| *p = None);
+            s.read = 0;
+            s.round += 1;
+            self.shared.changed.notify_all();
+        }
+        drop(s);
+        let mut sum = parts[0].clone();
+        for p in &parts[1..] {
+            sum = (sum + p)?;
+        }
+        Ok(sum)
+    }
+}
+
+impl Drop for LocalComm {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.shared.state.lock() {
+            s.gone.get_or_insert(self.rank);
+            self.shared.changed.notify_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    /// Every rank gets the rank-ordered sum of all ranks' tensors, round after round, whatever
+    /// order the threads arrive in.
+    #[test]
+    fn ranks_get_the_sum_every_round() {
+        for size in [1, 2, 3, 4] {
+            let comms = LocalComm::group(size).unwrap();
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    std::thread::spawn(move || {
+                        (0..20)
+                            .map(|round| {
+                                if (round + c.rank()) % 3 == 0 {
+                                    std::thread::sleep(std::time::Duration::from_millis(1));
+                                }
+                                let x = Tensor::new(&[c.rank() as f32 + 1.0, round as f32], &Device::Cpu)?;
+                                c.all_reduce_sum(&x)?.to_vec1::<f32>().map_err(Error::from)
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })
+                })
+                .collect();
+            let want: Vec<Vec<f32>> = (0..20)
+                .map(|round| {
+                    let ranks: f32 = (1..=size).map(|r| r as f32).sum();
+                    vec![ranks, (round * size) as f32]
+                })
+                .collect();
+            for h in handles {
+                assert_eq!(h.join().unwrap().unwrap(), want, "size {size}");
+            }
+        }
+    }
+
+    /// A rank that leaves (its handle dropped) fails the others' reductions instead of leaving
+    /// them waiting.
+    #[test]
+    fn a_rank_that_leaves_fails_the_others() {
+        let mut comms = LocalComm::group(3).unwrap();
+        let last = comms.pop().unwrap();
+        let waiting: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+                    c.all_reduce_sum(&x)
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(last);
+        for h in waiting {
+            let e = h.join().unwrap().unwrap_err();
+            assert!(e.to_string().contains("rank 2 left"), "{e}");
+        }
+        assert!(LocalComm::group(0).is_err());
+    }
+}

@@ -1,0 +1,119 @@
+//! Tensor parallelism over the in-process communicator (ranks as threads, each loading only its
+//! shard): tp = 2 and 4 give the one-device model's logits within 1e-5 (the sums over ranks
+//! add the same terms in another order) and its greedy tokens, on the HF fixtures in f32, with
+//! every rank computing the same bits; the MTP head's logits too. A rank count that does not
+//! split the heads is a typed error naming the field.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use common::*;
+use qwen36_model::{Communicator, LocalComm, MtpHead, Qwen36Model, Weights};
+
+/// What one model computed for a prompt: its logits `[len, vocab]`, `n` greedy tokens after it,
+/// and the MTP head's logits over the prompt's pairs.
+struct Run {
+    logits: Tensor,
+    tokens: Vec<u32>,
+    mtp_logits: Tensor,
+}
+
+fn run(model: &Qwen36Model, head: &MtpHead, ids: &[u32], n: usize) -> Run {
+    let mut cache = model.new_cache(1).unwrap();
+    let hidden = model.forward_hidden(&ids_tensor(ids), &mut cache).unwrap();
+    let logits = model.logits(&hidden).unwrap().squeeze(0).unwrap();
+    let t = ids.len();
+    let first = logits
+        .get(t - 1)
+        .unwrap()
+        .argmax(0)
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap();
+    let mut next: Vec<u32> = ids[1..].to_vec();
+    next.push(first);
+    let mut mcache = head.new_cache();
+    let d = head
+        .forward(model, &hidden, &ids_tensor(&next), &mut mcache, 0)
+        .unwrap();
+    let mtp_logits = model.logits(&d).unwrap().squeeze(0).unwrap();
+    let mut tokens = vec![first];
+    while tokens.len() < n {
+        let row = model
+            .forward_last(&ids_tensor(&tokens[tokens.len() - 1..]), &mut cache)
+            .unwrap();
+        tokens.push(row.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0]);
+    }
+    Run {
+        logits,
+        tokens,
+        mtp_logits,
+    }
+}
+
+/// Every rank of a group of `tp` (one thread each) loading its shard of fixture `name` and its
+/// MTP head, running the same prompt.
+fn ranks(name: &'static str, tp: usize, ids: &[u32], n: usize) -> Vec<Run> {
+    let threads: Vec<_> = LocalComm::group(tp)
+        .unwrap()
+        .into_iter()
+        .map(|comm| {
+            let ids = ids.to_vec();
+            std::thread::spawn(move || {
+                let dir = fixture_dir(name);
+                let comm: Arc<dyn Communicator> = comm;
+                let opts = load_options(DType::F32);
+                let model = Qwen36Model::load_shard(&dir, opts.clone(), comm.clone()).unwrap();
+                let full = qwen36_model::Config::from_file(dir.join("config.json")).unwrap();
+                let w = Weights::open(&dir, opts).unwrap().sharded(comm, &full);
+                let head = MtpHead::load(model.config(), &w).unwrap();
+                run(&model, &head, &ids, n)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn sharded_ranks_equal_the_one_device_model() {
+    for (name, tps) in [("tiny-flat", [2, 4]), ("tiny-nested", [2, 2])] {
+        let (model, head) = load_with_head(name);
+        let ids = ids_of(&fixture_reference(name)["prompt0.ids"]);
+        let one = run(&model, &head, &ids, 24);
+        for tp in tps {
+            let runs = ranks(name, tp, &ids, 24);
+            for (rank, r) in runs.iter().enumerate() {
+                assert_eq!(
+                    max_abs_diff(&r.logits, &runs[0].logits),
+                    0.0,
+                    "{name} tp {tp}: rank {rank}'s logits are rank 0's"
+                );
+                assert_eq!(r.tokens, one.tokens, "{name} tp {tp} rank {rank}: greedy tokens");
+            }
+            let err = max_row_rel_err(&runs[0].logits, &one.logits);
+            assert!(err <= 1e-5, "{name} tp {tp}: logits {err:.2e} from one device");
+            let err = max_row_rel_err(&runs[0].mtp_logits, &one.mtp_logits);
+            assert!(
+                err <= 1e-5,
+                "{name} tp {tp}: MTP logits {err:.2e} from one device"
+            );
+        }
+    }
+}
+
+/// Heads or an intermediate size that a rank count does not split: refused naming the field.
+#[test]
+fn a_rank_count_that_does_not_split_is_refused() {
+    for (name, tp, field) in [
+        ("tiny-flat", 3, "num_attention_heads"),
+        ("tiny-nested", 4, "linear_num_value_heads"),
+    ] {
+        let comm = LocalComm::group(tp).unwrap().remove(0);
+        let e = Qwen36Model::load_shard(fixture_dir(name), load_options(DType::F32), comm)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(field), "{name} tp {tp}: {e}");
+    }
+}
