@@ -77,6 +77,22 @@ impl LocalComm {
             .collect())
     }
 
+    /// Runs `f` on `size` ranks, one scoped thread each with its rank's handle, and returns
+    /// their results in rank order. A rank that panics is an error (the others' reductions
+    /// fail rather than wait for it).
+    pub fn run_ranks<T: Send>(size: usize, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Result<Vec<T>> {
+        let comms = Self::group(size)?;
+        let f = &f;
+        std::thread::scope(|scope| {
+            let threads: Vec<_> = comms.into_iter().map(|c| scope.spawn(move || f(c))).collect();
+            threads
+                .into_iter()
+                .enumerate()
+                .map(|(rank, t)| t.join().map_err(|_| Error::Comm(format!("rank {rank} panicked"))))
+                .collect()
+        })
+    }
+
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Round>> {
         self.shared
             .state

@@ -227,6 +227,22 @@ impl MtpHead {
         Self::load(cfg, &Weights::open(dir, opts)?)
     }
 
+    /// [`Self::load_dir`] for rank `comm.rank()` of a tensor-parallel group: its part of the
+    /// head's decoder layer (as [`Qwen36Model::load_shard`] shards the model's), the rest whole.
+    pub fn load_dir_shard(
+        dir: impl AsRef<std::path::Path>,
+        opts: crate::LoadOptions,
+        comm: std::sync::Arc<dyn crate::Communicator>,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let full = Config::from_file(dir.join("config.json"))?;
+        let cfg = full.shard(crate::Shard {
+            rank: comm.rank(),
+            size: comm.size(),
+        })?;
+        Self::load(&cfg, &Weights::open(dir, opts)?.sharded(comm, &full))
+    }
+
     /// An empty cache.
     pub fn new_cache(&self) -> MtpCache {
         MtpCache {

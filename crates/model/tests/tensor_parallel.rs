@@ -6,11 +6,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use candle_core::{DType, Tensor};
 use common::*;
-use qwen36_model::{Communicator, LocalComm, MtpHead, Qwen36Model, Weights};
+use qwen36_model::{LocalComm, MtpHead, Qwen36Model};
 
 /// What one model computed for a prompt: its logits `[len, vocab]`, `n` greedy tokens after it,
 /// and the MTP head's logits over the prompt's pairs.
@@ -56,24 +54,14 @@ fn run(model: &Qwen36Model, head: &MtpHead, ids: &[u32], n: usize) -> Run {
 /// Every rank of a group of `tp` (one thread each) loading its shard of fixture `name` and its
 /// MTP head, running the same prompt.
 fn ranks(name: &'static str, tp: usize, ids: &[u32], n: usize) -> Vec<Run> {
-    let threads: Vec<_> = LocalComm::group(tp)
-        .unwrap()
-        .into_iter()
-        .map(|comm| {
-            let ids = ids.to_vec();
-            std::thread::spawn(move || {
-                let dir = fixture_dir(name);
-                let comm: Arc<dyn Communicator> = comm;
-                let opts = load_options(DType::F32);
-                let model = Qwen36Model::load_shard(&dir, opts.clone(), comm.clone()).unwrap();
-                let full = qwen36_model::Config::from_file(dir.join("config.json")).unwrap();
-                let w = Weights::open(&dir, opts).unwrap().sharded(comm, &full);
-                let head = MtpHead::load(model.config(), &w).unwrap();
-                run(&model, &head, &ids, n)
-            })
-        })
-        .collect();
-    threads.into_iter().map(|t| t.join().unwrap()).collect()
+    let dir = fixture_dir(name);
+    LocalComm::run_ranks(tp, |comm| {
+        let opts = load_options(DType::F32);
+        let model = Qwen36Model::load_shard(&dir, opts.clone(), comm.clone()).unwrap();
+        let head = MtpHead::load_dir_shard(&dir, opts, comm).unwrap();
+        run(&model, &head, ids, n)
+    })
+    .unwrap()
 }
 
 #[test]

@@ -6,12 +6,12 @@ use qwen36_model::{MtpHead, Qwen36Model};
 use qwen36_mtp::{Drafter, SpecConfig, SpecOutput, SpeculativeDecoder};
 use qwen36_sampling::SamplingParams;
 pub use qwen36_testutil::{
-    bundled_reference, fixture_ids, ids_of, ids_tensor, max_abs_diff, test_device, FIXTURES,
+    bundled_reference, fixture_dir, fixture_ids, ids_of, ids_tensor, max_abs_diff, test_device, FIXTURES,
 };
 
 #[path = "../../../testutil/include/model.rs"]
 mod model_helpers;
-pub use model_helpers::{load_bundled, load_with_head, plain_greedy};
+pub use model_helpers::{load_bundled, load_options, load_with_head, plain_greedy};
 
 /// The first `len` ids stored under `key` in a fixture model's reference.
 pub fn prompt(name: &str, key: &str, len: usize) -> Vec<u32> {
