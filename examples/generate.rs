@@ -5,6 +5,7 @@
 //! cargo run --release --example generate -- --chat --prompt "Write a Python function to reverse a list."
 //! cargo run --release --example generate -- --model DIR --prompt "def fibonacci(n):"
 //! cargo run --release --example generate -- --model DIR --prompt-ids 1,2,3 --max-new-tokens 40 --json
+//! cargo run --release --example generate -- --tp 2 --prompt "def fibonacci(n):"   # two ranks
 //! ```
 //! Without `--json` the text (or the ids, when the model has no tokenizer) streams to stdout and a
 //! tokens/s line goes to stderr. With `--json` one JSON object is printed.
@@ -15,6 +16,7 @@ use std::io::Write;
 mod load;
 
 use clap::Parser;
+use qwen36::model::LocalComm;
 use qwen36::{ChatMessage, DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
 
 #[derive(Parser, Debug)]
@@ -79,6 +81,10 @@ struct Args {
     /// either way a degeneration is reported at the end.
     #[arg(long)]
     stop_on_loop: bool,
+    /// Tensor parallelism: shard the model over this many ranks (threads of this process, each
+    /// holding its part of every layer; on the CPU for now).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 fn main() {
@@ -88,19 +94,37 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+fn run(args: Args) -> Result<(), BoxError> {
     let dtype = load::dtype(&args.dtype)?;
     let device = load::device(args.cuda)?;
     let model_dir = load::model_dir(args.model.as_deref())?;
-    let generator = Generator::load(
-        &model_dir,
-        LoadOptions {
-            dtype,
-            device,
-            progress: load::progress(),
-            ..LoadOptions::default()
-        },
-    )?;
+    let opts = |progress| LoadOptions {
+        dtype,
+        device: device.clone(),
+        progress,
+        ..LoadOptions::default()
+    };
+    if args.tp > 1 && args.cuda {
+        return Err("--tp runs on the CPU for now (NCCL across GPUs is not in yet)".into());
+    }
+    if args.tp <= 1 {
+        return generate(&args, &Generator::load(&model_dir, opts(load::progress()))?, true);
+    }
+    // Every rank runs the same generation on its shard (the same seed: the same tokens); the
+    // first prints.
+    let ranks = LocalComm::run_ranks(args.tp, |comm| {
+        let first = comm.rank() == 0;
+        let progress = if first { load::progress() } else { None };
+        let generator = Generator::load_shard(&model_dir, opts(progress), comm)?;
+        generate(&args, &generator, first)
+    })?;
+    ranks.into_iter().collect()
+}
+
+/// Generates as `args` say with `generator`; only with `print` does it write anything.
+fn generate(args: &Args, generator: &Generator, print: bool) -> Result<(), BoxError> {
     let chat_text = match (&args.prompt, args.chat) {
         (Some(text), true) => {
             Some(generator.apply_chat_template(&[ChatMessage::new("user", text)], !args.no_think)?)
@@ -141,7 +165,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         ..GenerateOptions::default()
     };
     let has_text = generator.tokenizer().is_some();
-    let stream = !args.json;
+    let stream = !args.json && print;
     if stream {
         if let Some(text) = chat_text.as_ref().or(args.prompt.as_ref()) {
             print!("{text}");
@@ -157,6 +181,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             let _ = std::io::stdout().flush();
         }
     })?;
+    if !print {
+        return Ok(());
+    }
     if args.json {
         let mut json = serde_json::json!({
             "prompt_tokens": out.prompt_tokens,

@@ -1,11 +1,11 @@
 //! A streaming text generator over one sequence: prefill, sample, stop on tokens or strings.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use qwen36_model::{DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
+use qwen36_model::{Communicator, DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
 use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
 use qwen36_sampling::{
     Degeneration, DegenerationConfig, RepetitionDetector, Sampler, SamplingParams, TextStream,
@@ -207,9 +207,30 @@ struct Sessions {
 impl Generator {
     /// Loads the model in `dir`, plus `tokenizer.json` and `generation_config.json` when present.
     pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
-        let cfg = qwen36_model::Config::from_file(dir.join("config.json"))?;
-        let weights = qwen36_model::Weights::open(&dir, opts)?;
+        Self::load_with(dir.as_ref(), opts, None)
+    }
+
+    /// [`Self::load`] as rank `comm.rank()` of a tensor-parallel group: its shard of the model
+    /// and of the MTP head ([`Qwen36Model::load_shard`]). Every rank generates the same calls in
+    /// step (give every rank the same sampling seed); their outputs are equal.
+    pub fn load_shard(dir: impl AsRef<Path>, opts: LoadOptions, comm: Arc<dyn Communicator>) -> Result<Self> {
+        Self::load_with(dir.as_ref(), opts, Some(comm))
+    }
+
+    fn load_with(dir: &Path, opts: LoadOptions, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
+        let dir = dir.to_path_buf();
+        let full = qwen36_model::Config::from_file(dir.join("config.json"))?;
+        let (cfg, weights) = match comm {
+            Some(comm) => {
+                let shard = qwen36_model::Shard {
+                    rank: comm.rank(),
+                    size: comm.size(),
+                };
+                let w = qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full);
+                (full.shard(shard)?, w)
+            }
+            None => (full, qwen36_model::Weights::open(&dir, opts)?),
+        };
         let mtp_head = if MtpHead::present(&weights) {
             Some(MtpHead::load(&cfg, &weights)?)
         } else {
