@@ -1,5 +1,6 @@
 //! The engine: requests in, one batched forward per step, events out.
 
+use std::hash::{Hash, Hasher};
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -142,7 +143,13 @@ pub struct Engine {
     cfg: EngineConfig,
     next_id: u64,
     /// Measured (or given) costs of decode and verify steps and of MTP draft steps.
-    costs: SpecCosts,
+    pub(crate) costs: SpecCosts,
+    /// A tensor-parallel rank stepping in lockstep with the others ([`Engine::spawn_ranks`]):
+    /// what could differ between ranks comes from the first rank before each step (cancels,
+    /// the costs its decisions use: `costs`, while this step's timings go to `measured`), and a
+    /// closed event channel cancels nothing by itself.
+    pub(crate) lockstep: bool,
+    pub(crate) measured: SpecCosts,
     /// Acceptance over every request, per drafter: the prior of each request's own rates.
     accept_mtp: AcceptanceCounts,
     accept_ngram: AcceptanceCounts,
@@ -228,6 +235,8 @@ impl Engine {
             cfg,
             next_id: 0,
             costs: SpecCosts::default(),
+            lockstep: false,
+            measured: SpecCosts::default(),
             accept_mtp: AcceptanceCounts::default(),
             accept_ngram: AcceptanceCounts::default(),
             detokenizer: None,
@@ -245,7 +254,49 @@ impl Engine {
 
     /// Replaces the measured speculation costs (e.g. with [`SpecCosts::fixed`] ones).
     pub fn set_spec_costs(&mut self, costs: SpecCosts) {
+        self.measured = costs.clone();
         self.costs = costs;
+    }
+
+    /// Where this step's timings go: the costs in use, or (a lockstep rank) the measured ones.
+    fn costs_to_record(&mut self) -> &mut SpecCosts {
+        match self.lockstep {
+            true => &mut self.measured,
+            false => &mut self.costs,
+        }
+    }
+
+    /// Whether request `id` is waiting or running.
+    pub(crate) fn has_request(&self, id: u64) -> bool {
+        self.sched
+            .waiting
+            .iter()
+            .chain(&self.sched.running)
+            .any(|s| s.id == id)
+    }
+
+    /// A lockstep rank's check that every rank planned the same step (which sequences run how
+    /// many tokens from where, with which drafts; see [`agree`]).
+    fn agree_on(&self, plan: &[crate::scheduler::Scheduled]) -> Result<()> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.sched.waiting.len(), self.sched.running.len()).hash(&mut h);
+        for p in plan {
+            let s = &self.sched.running[p.index];
+            (s.id, p.tokens, s.computed, s.verify, &s.drafts).hash(&mut h);
+        }
+        agree(&self.model, "step plan", h.finish())
+    }
+
+    /// Cancels request `id` as its handle would; false when it is not waiting or running.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        let sched = &self.sched;
+        match sched.waiting.iter().chain(&sched.running).find(|s| s.id == id) {
+            Some(s) => {
+                s.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The model.
@@ -273,6 +324,15 @@ impl Engine {
     /// (prompt and `max_tokens` over the model's context or the whole KV pool), or when the
     /// queue is full.
     pub fn submit(&mut self, req: Request) -> Result<RequestHandle> {
+        let (id, rx, cancel) = self.submit_parts(req)?;
+        Ok(RequestHandle::new(id, rx, cancel))
+    }
+
+    /// [`Self::submit`]'s checks and queueing: the request's id, events and cancel flag.
+    pub(crate) fn submit_parts(
+        &mut self,
+        req: Request,
+    ) -> Result<(u64, flume::Receiver<Event>, Arc<AtomicBool>)> {
         let context = self.context();
         let vocab = self.model.config().vocab_size;
         if req.prompt.is_empty() {
@@ -347,7 +407,7 @@ impl Engine {
             rolling: None,
             kept: 0,
         });
-        Ok(RequestHandle::new(id, rx, cancel))
+        Ok((id, rx, cancel))
     }
 
     /// Requests waiting or running.
@@ -421,6 +481,9 @@ impl Engine {
         }
         self.draft();
         let (plan, ended) = self.sched.schedule()?;
+        if self.lockstep {
+            self.agree_on(&plan)?;
+        }
         let mut stats = StepStats {
             finished: ended.len(),
             ..Default::default()
@@ -549,7 +612,14 @@ impl Engine {
                     (fresh, rows)
                 }
             };
-            let (n, reason) = match emit(s, &fresh, &rows, context, self.detokenizer.as_ref()) {
+            let (n, reason) = match emit(
+                s,
+                &fresh,
+                &rows,
+                context,
+                self.detokenizer.as_ref(),
+                self.lockstep,
+            ) {
                 Ok(emitted) => emitted,
                 Err(error) => {
                     done.push((p.index, Err(error)));
@@ -599,7 +669,7 @@ impl Engine {
             .all(|(p, c)| c.verify || p.tokens == 1);
         if decode_only {
             let t = batch.chunks().iter().map(|c| c.tokens.len()).max().unwrap_or(1);
-            self.costs
+            self.costs_to_record()
                 .record_step(plan.len(), t, started.elapsed().as_secs_f64());
         }
         let drafting = Instant::now();
@@ -892,6 +962,12 @@ impl Engine {
             who.push((*index, k));
             fed.push(first..first + m);
         }
+        if self.lockstep {
+            // Every rank feeds and drafts alike, or the head's reductions would not pair up.
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (&who, &fed).hash(&mut h);
+            agree(&self.model, "MTP drafts", h.finish())?;
+        }
         if chunks.is_empty() {
             return Ok(());
         }
@@ -932,8 +1008,12 @@ impl Engine {
         };
         // The first step's cost as a decode round has it: a few new pairs per sequence.
         if batch.total_rows() <= who.len() * (k_max + 1) {
-            self.costs
-                .record_draft(drafting, 0, started.elapsed().as_secs_f64());
+            let costs = if self.lockstep {
+                &mut self.measured
+            } else {
+                &mut self.costs
+            };
+            costs.record_draft(drafting, 0, started.elapsed().as_secs_f64());
         }
         for (&(index, _), &t) in chain.iter().zip(&tokens) {
             running[index].drafts.push(t);
@@ -984,8 +1064,12 @@ impl Engine {
                 }
                 Tensor::cat(&all, 0)?
             };
-            self.costs
-                .record_draft(live.len(), step, started.elapsed().as_secs_f64());
+            let costs = if self.lockstep {
+                &mut self.measured
+            } else {
+                &mut self.costs
+            };
+            costs.record_draft(live.len(), step, started.elapsed().as_secs_f64());
         }
         Ok(())
     }
@@ -1069,6 +1153,28 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// A lockstep rank's check that every rank of `model`'s group holds the same `print` (a hash of
+/// a decision, `what`): one small reduction, whose sum is `size` times each rank's own only when
+/// all are equal. A divergence (a bug) is an error on every rank at once, never a wait for a
+/// reduction that does not come. Nothing to check on one device.
+fn agree(model: &Qwen36Model, what: &str, print: u64) -> Result<()> {
+    let Some(comm) = model.communicator() else {
+        return Ok(());
+    };
+    // Four 16-bit parts: sums over up to 2^8 ranks stay exact in f32.
+    let parts: Vec<f32> = (0..4).map(|i| ((print >> (16 * i)) & 0xFFFF) as f32).collect();
+    let t = Tensor::new(parts.as_slice(), model.device())?;
+    let sum = comm.all_reduce_sum(&t)?.to_vec1::<f32>()?;
+    let n = comm.size() as f32;
+    if sum.iter().zip(&parts).any(|(s, p)| *s != p * n) {
+        return Err(Error::Ranks(format!(
+            "rank {}'s {what} differs from the others'",
+            comm.rank()
+        )));
+    }
+    Ok(())
 }
 
 /// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
@@ -1197,6 +1303,7 @@ fn emit(
     rows: &[Vec<f32>],
     context: usize,
     detokenizer: Option<&Detokenizer>,
+    lockstep: bool,
 ) -> std::result::Result<(usize, Option<StopReason>), String> {
     let mut reason = None;
     let mut sent = Vec::new();
@@ -1245,7 +1352,8 @@ fn emit(
         text,
         logprobs,
     };
-    if s.events.send(event).is_err() {
+    // (A lockstep rank learns of a client gone from the first rank's cancel, at a step start.)
+    if s.events.send(event).is_err() && !lockstep {
         reason = Some(StopReason::Cancelled);
     }
     Ok((n, reason))

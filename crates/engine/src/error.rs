@@ -39,6 +39,10 @@ pub enum Error {
     /// The engine thread panicked (a bug): it failed every request it held and takes no more.
     #[error("the engine thread panicked: {0}")]
     Panicked(String),
+    /// The ranks of a tensor-parallel engine went different ways (a bug): the engine stops
+    /// rather than mix their partial sums.
+    #[error("tensor-parallel ranks diverged: {0}")]
+    Ranks(String),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] qwen36_model::Error),

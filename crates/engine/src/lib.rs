@@ -15,6 +15,7 @@
 
 mod engine;
 mod error;
+mod lockstep;
 mod pool;
 pub mod prefix;
 mod request;

@@ -5,9 +5,10 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
+use crate::lockstep::Leader;
 use crate::{Engine, EngineLoad, Error, Request, RequestHandle, Result};
 
-enum Command {
+pub(crate) enum Command {
     Submit(Box<Request>, flume::Sender<Result<RequestHandle>>),
     Shutdown,
 }
@@ -34,10 +35,10 @@ pub enum EngineStatus {
 
 /// What the engine thread publishes between steps.
 #[derive(Debug)]
-struct Shared {
-    load: EngineLoad,
-    steps: u64,
-    status: EngineStatus,
+pub(crate) struct Shared {
+    pub(crate) load: EngineLoad,
+    pub(crate) steps: u64,
+    pub(crate) status: EngineStatus,
 }
 
 /// A handle to an engine running on its own thread ([`Engine::spawn`]): cloneable and `Send`,
@@ -65,18 +66,29 @@ impl Engine {
         let published = shared.clone();
         let thread = std::thread::Builder::new()
             .name("qwen36-engine".into())
-            .spawn(move || run(self, rx, &published))
+            .spawn(move || run(self, rx, &published, None))
             .expect("spawning the engine thread");
-        EngineClient {
+        EngineClient::new(context, tx, shared, Some(thread))
+    }
+}
+
+impl EngineClient {
+    pub(crate) fn new(
+        context: usize,
+        commands: Sender<Command>,
+        shared: Arc<Mutex<Shared>>,
+        thread: Option<JoinHandle<()>>,
+    ) -> Self {
+        Self {
             context,
-            commands: tx,
+            commands,
             shared,
-            thread: Arc::new(Mutex::new(Some(thread))),
+            thread: Arc::new(Mutex::new(thread)),
         }
     }
 }
 
-fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+pub(crate) fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -88,7 +100,7 @@ fn publish(engine: &Engine, steps: u64, shared: &Mutex<Shared>) {
 }
 
 /// The text of a panic's payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
@@ -98,8 +110,16 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// The engine thread: takes commands, steps while requests wait or run, and after a shutdown
 /// (or once every client is gone) finishes what was submitted and returns. A panicking step
-/// fails every request (none waits for ever on a dead engine) and ends the thread.
-fn run(mut engine: Engine, commands: Receiver<Command>, shared: &Mutex<Shared>) {
+/// fails every request (none waits for ever on a dead engine) and ends the thread. With a
+/// `leader`, the engine is the first rank of a tensor-parallel group ([`Engine::spawn_ranks`]):
+/// the other ranks take its submits and step with it, and any rank's failure ends the group.
+pub(crate) fn run(
+    mut engine: Engine,
+    commands: Receiver<Command>,
+    shared: &Mutex<Shared>,
+    mut leader: Option<Leader>,
+) {
+    engine.lockstep = leader.is_some();
     let mut open = true;
     let mut steps = 0;
     loop {
@@ -112,10 +132,10 @@ fn run(mut engine: Engine, commands: Receiver<Command>, shared: &Mutex<Shared>) 
             };
             match command {
                 Some(Command::Submit(req, reply)) => {
-                    let answer = if open {
-                        engine.submit(*req)
-                    } else {
-                        Err(Error::Stopped)
+                    let answer = match (open, leader.as_mut()) {
+                        (true, Some(l)) => l.submit(&mut engine, *req),
+                        (true, None) => engine.submit(*req),
+                        (false, _) => Err(Error::Stopped),
                     };
                     let _ = reply.send(answer);
                 }
@@ -129,10 +149,34 @@ fn run(mut engine: Engine, commands: Receiver<Command>, shared: &Mutex<Shared>) 
             lock(shared).status = EngineStatus::Stopped;
             return;
         }
-        match catch_unwind(AssertUnwindSafe(|| engine.step())) {
+        let stepped = catch_unwind(AssertUnwindSafe(|| match leader.as_mut() {
+            Some(l) => {
+                l.before_step(&mut engine)?;
+                let stepped = engine.step();
+                if stepped.is_err() {
+                    l.abort();
+                }
+                // (Every other rank reports, failed or not, before this one goes on.)
+                let others = l.after_step();
+                stepped.and(others)
+            }
+            None => engine.step().map(|_| ()),
+        }));
+        if let (Some(l), Err(_) | Ok(Err(_))) = (leader.as_ref(), &stepped) {
+            l.abort();
+        }
+        match stepped {
             Ok(Ok(_)) => {
                 steps += 1;
                 publish(&engine, steps, shared);
+            }
+            // A failing rank of a group ends it: its reductions cannot be trusted any more.
+            Ok(Err(e)) if leader.is_some() => {
+                engine.fail_all(&e);
+                let mut s = lock(shared);
+                s.status = EngineStatus::Failed(e.to_string());
+                s.load = EngineLoad::default();
+                return;
             }
             // A failing step (a device error, or a bookkeeping bug) fails every request with
             // its message.

@@ -20,6 +20,9 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// The sum of every rank's `x` (one shape on all ranks), returned on every rank. Every rank
     /// calls it the same number of times in the same order.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
+    /// Ends the group: every rank's pending and later reductions fail (a rank that cannot go
+    /// on, so that the others do not wait for it).
+    fn abort(&self);
 }
 
 #[derive(Debug, Default)]
@@ -159,14 +162,19 @@ impl Communicator for LocalComm {
         }
         Ok(sum)
     }
-}
 
-impl Drop for LocalComm {
-    fn drop(&mut self) {
+    fn abort(&self) {
+        // (A poisoned lock: a rank panicked holding it; the others fail on it anyway.)
         if let Ok(mut s) = self.shared.state.lock() {
             s.gone.get_or_insert(self.rank);
             self.shared.changed.notify_all();
         }
+    }
+}
+
+impl Drop for LocalComm {
+    fn drop(&mut self) {
+        self.abort();
     }
 }
 

@@ -331,6 +331,8 @@ pub struct Qwen36Model {
     rope: RotaryEmbedding,
     dtype: DType,
     device: Device,
+    /// A tensor-parallel rank's group ([`Self::load_shard`]).
+    comm: Option<Arc<dyn Communicator>>,
     /// Tests only: the fault its caches carry.
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::Fault>,
@@ -395,13 +397,19 @@ impl Qwen36Model {
             layers,
             dtype,
             device: w.options().device.clone(),
+            comm: w.communicator().cloned(),
             cfg,
             #[cfg(feature = "fault-injection")]
             fault: None,
         })
     }
 
-    /// The model's configuration.
+    /// The tensor-parallel group this rank's part of the model belongs to, when sharded.
+    pub fn communicator(&self) -> Option<&Arc<dyn Communicator>> {
+        self.comm.as_ref()
+    }
+
+    /// The model's configuration (a rank's part's, when sharded).
     pub fn config(&self) -> &Config {
         &self.cfg
     }
