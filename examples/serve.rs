@@ -10,14 +10,14 @@
 //!     --config examples/configs/qwen3.6-27b.json
 //! ```
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[path = "common/load.rs"]
 mod load;
 
 use clap::Parser;
 use qwen36::engine::{Engine, EngineConfig, PoolSizes, Speculation, StateBytes};
-use qwen36::model::{MtpHead, Weights};
+use qwen36::model::{Communicator, LocalComm, MtpHead, Shard, Weights};
 use qwen36::{Config, Generator, LoadOptions, Qwen36Model, SamplingParams};
 use qwen36_server::{ServerConfig, Service};
 
@@ -96,6 +96,10 @@ struct Args {
     /// Always draft `--mtp` tokens (default: 0..=k per round, chosen from measured costs).
     #[arg(long)]
     fixed_k: bool,
+    /// Tensor parallelism: one engine per rank over its shard of the model, stepping together
+    /// (ranks as threads on the CPU for now). `--memory-gib` is then per rank.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 fn main() {
@@ -105,24 +109,36 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(terminal)
-        .init();
-    let opts = LoadOptions {
-        dtype: load::dtype(&args.dtype)?,
-        device: load::device(args.cuda)?,
-        progress: load::progress(),
-        ..LoadOptions::default()
-    };
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the service reads from a checkpoint directory beside the engine (none for random
+/// weights), and the served name.
+struct Parts {
+    tokenizer: Option<qwen36::Tokenizer>,
+    template: Option<qwen36::ChatTemplate>,
+    stop_ids: Vec<u32>,
+    defaults: SamplingParams,
+    name: String,
+    speculation: Option<Speculation>,
+}
+
+/// The engine over the model `args` name (with `comm`, this rank's shard of it) and what the
+/// service needs beside it.
+fn build(
+    args: &Args,
+    opts: &LoadOptions,
+    comm: Option<Arc<dyn Communicator>>,
+) -> Result<(Engine, Parts), BoxError> {
     let started = std::time::Instant::now();
+    let shard = comm.as_ref().map(|c| Shard {
+        rank: c.rank(),
+        size: c.size(),
+    });
     // The model, its MTP head, and what the service reads from a checkpoint directory.
     let (model, head, generator, name) = match &args.config {
         Some(path) => {
             tracing::info!("building {} with random weights", path.display());
-            let cfg = Config::from_file(path)?;
+            let full = Config::from_file(path)?;
             let random = LoadOptions {
                 check_finite: false,
                 ..opts.clone()
@@ -130,6 +146,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             let weights = match args.fp8 {
                 true => Weights::random_fp8(random, [128, 128]),
                 false => Weights::random(random),
+            };
+            let (cfg, weights) = match (&comm, shard) {
+                (Some(c), Some(s)) => (full.shard(s)?, weights.sharded(c.clone(), &full)),
+                _ => (full, weights),
             };
             let head = (args.mtp > 0 && args.drafter == "mtp")
                 .then(|| MtpHead::load(&cfg, &weights))
@@ -144,7 +164,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         None => {
             let dir = load::model_dir(args.model.as_deref())?;
             tracing::info!("loading {}", dir.display());
-            let generator = Generator::load(&dir, opts.clone())?;
+            let generator = match comm {
+                Some(c) => Generator::load_shard(&dir, opts.clone(), c)?,
+                None => Generator::load(&dir, opts.clone())?,
+            };
             let name = dir
                 .canonicalize()
                 .ok()
@@ -183,11 +206,6 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_model_len: args.max_model_len,
         ..EngineConfig::default()
     };
-    if args.accept_rates.is_some() {
-        tracing::warn!(
-            "timing mode: drafts are accepted at the given rates, so the tokens are not meaningful"
-        );
-    }
     if let Some(gib) = args.memory_gib {
         let mtp = matches!(speculation, Some(Speculation::Mtp { .. }));
         let bytes = StateBytes::of(model.config(), opts.dtype, cfg.block_size, mtp);
@@ -205,30 +223,98 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (Some(Speculation::Mtp { .. }), Some(head)) => Engine::with_mtp_head(model, head, cfg)?,
         _ => Engine::new(model, cfg)?,
     };
-    let context = engine.context();
     let engine = match generator.as_ref().and_then(Generator::detokenizer) {
         Some(d) => engine.with_detokenizer(d),
         None => engine,
     };
-    let server_cfg = ServerConfig {
-        model_id: args.served_model_name.clone().unwrap_or(name),
-        api_key: args.api_key.clone(),
+    let parts = Parts {
+        tokenizer: generator.as_ref().and_then(|g| g.tokenizer().cloned()),
+        template: generator.as_ref().and_then(|g| g.chat_template().cloned()),
+        stop_ids: generator
+            .as_ref()
+            .map(Generator::default_stop_ids)
+            .unwrap_or_default(),
+        defaults: match &generator {
+            Some(g) => g.generation_config().sampling.clone().unwrap_or_default(),
+            None => SamplingParams::greedy(),
+        },
+        name,
         speculation,
+    };
+    Ok((engine, parts))
+}
+
+fn run(args: Args) -> Result<(), BoxError> {
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(terminal)
+        .init();
+    let opts = LoadOptions {
+        dtype: load::dtype(&args.dtype)?,
+        device: load::device(args.cuda)?,
+        progress: load::progress(),
+        ..LoadOptions::default()
+    };
+    if args.accept_rates.is_some() {
+        tracing::warn!(
+            "timing mode: drafts are accepted at the given rates, so the tokens are not meaningful"
+        );
+    }
+    let args = Arc::new(args);
+    let (client, parts) = if args.tp <= 1 {
+        let (engine, parts) = build(&args, &opts, None)?;
+        (engine.spawn(), parts)
+    } else {
+        if args.cuda {
+            return Err("--tp runs on the CPU for now (NCCL across GPUs is not in yet)".into());
+        }
+        // Each rank builds its engine over its shard on its own thread; the first rank's parts
+        // serve the clients.
+        let first: Arc<Mutex<Option<Parts>>> = Arc::default();
+        let (a, kept) = (args.clone(), first.clone());
+        let comms = LocalComm::group(args.tp)?
+            .into_iter()
+            .map(|c| c as Arc<dyn Communicator>)
+            .collect();
+        let client = Engine::spawn_ranks(comms, move |comm| {
+            let rank = comm.rank();
+            let opts = LoadOptions {
+                progress: None,
+                ..opts.clone()
+            };
+            let (engine, parts) =
+                build(&a, &opts, Some(comm)).map_err(|e| qwen36::engine::Error::Request(e.to_string()))?;
+            if rank == 0 {
+                *kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(parts);
+            }
+            Ok(engine)
+        })?;
+        tracing::info!("{} tensor-parallel ranks ready", args.tp);
+        let parts = first
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .ok_or("the first rank built no engine")?;
+        (client, parts)
+    };
+    let server_cfg = ServerConfig {
+        model_id: args.served_model_name.clone().unwrap_or(parts.name),
+        api_key: args.api_key.clone(),
+        speculation: parts.speculation,
         reasoning: !args.no_reasoning_parser,
         ..ServerConfig::default()
     };
-    let service = match &generator {
-        Some(g) => Service::new(g, engine.spawn(), server_cfg),
-        None => Service::from_parts(
-            engine.spawn(),
-            None,
-            None,
-            Vec::new(),
-            SamplingParams::greedy(),
-            context,
-            server_cfg,
-        ),
-    };
+    let context = client.context();
+    let service = Service::from_parts(
+        client,
+        parts.tokenizer,
+        parts.template,
+        parts.stop_ids,
+        parts.defaults,
+        context,
+        server_cfg,
+    );
     let service = Arc::new(service);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
