@@ -77,9 +77,8 @@ impl Stepper {
     pub fn new(model: &Qwen36Model, batch: usize) -> Self {
         #[cfg(feature = "cuda")]
         {
-            let graph = model
-                .device()
-                .is_cuda()
+            // (A sharded model's reductions wait on the other ranks' threads: never recorded.)
+            let graph = (model.device().is_cuda() && model.communicator().is_none())
                 .then(|| crate::DecodeGraph::new(model.device(), batch).ok())
                 .flatten();
             Self { graph }
@@ -162,9 +161,7 @@ impl DraftStepper {
     pub fn with_vocab(model: &Qwen36Model, vocab: Option<DraftVocab>) -> Self {
         #[cfg(feature = "cuda")]
         {
-            let graph = model
-                .device()
-                .is_cuda()
+            let graph = (model.device().is_cuda() && model.communicator().is_none())
                 .then(|| crate::graph::DraftGraph::new(model.device()).ok())
                 .flatten();
             Self { graph, vocab }
@@ -231,7 +228,7 @@ impl BatchStepper {
     pub fn new(model: &Qwen36Model, graphs: bool, table_blocks: usize) -> Self {
         #[cfg(feature = "cuda")]
         {
-            let graph = (graphs && model.device().is_cuda())
+            let graph = (graphs && model.device().is_cuda() && model.communicator().is_none())
                 .then(|| crate::graph::BatchGraph::new(model.device(), table_blocks).ok())
                 .flatten();
             Self { graph, vocab: None }
