@@ -148,7 +148,7 @@ fn build(
                 false => Weights::random(random),
             };
             let (cfg, weights) = match (&comm, shard) {
-                (Some(c), Some(s)) => (full.shard(s)?, weights.sharded(c.clone(), &full)),
+                (Some(c), Some(s)) => (full.shard(s)?, weights.sharded(c.clone(), &full)?),
                 _ => (full, weights),
             };
             let head = (args.mtp > 0 && args.drafter == "mtp")
@@ -268,6 +268,10 @@ fn run(args: Args) -> Result<(), BoxError> {
     } else {
         if args.cuda {
             return Err("--tp runs on the CPU for now (NCCL across GPUs is not in yet)".into());
+        }
+        if args.config.is_some() {
+            // (Each rank would draw its own replicated weights: embedding, norms, lm_head.)
+            return Err("--tp needs a checkpoint: random weights (--config) differ between ranks".into());
         }
         // Each rank builds its engine over its shard on its own thread; the first rank's parts
         // serve the clients.

@@ -676,6 +676,10 @@ impl Engine {
         let drafted = self.mtp_draft(&feeds, &hidden);
         stats.drafting = drafting.elapsed();
         if let Err(e) = drafted {
+            // A lockstep rank cannot go on alone: the others may wait in a reduction it skipped.
+            if self.lockstep {
+                return Err(e);
+            }
             let mut failed: Vec<usize> = feeds.iter().map(|f| f.0).collect();
             failed.retain(|i| !done.iter().any(|(d, _)| d == i));
             for i in failed {
@@ -1163,16 +1167,21 @@ fn agree(model: &Qwen36Model, what: &str, print: u64) -> Result<()> {
     let Some(comm) = model.communicator() else {
         return Ok(());
     };
-    // Four 16-bit parts: sums over up to 2^8 ranks stay exact in f32.
-    let parts: Vec<f32> = (0..4).map(|i| ((print >> (16 * i)) & 0xFFFF) as f32).collect();
-    let t = Tensor::new(parts.as_slice(), model.device())?;
+    // Eight 8-bit parts and their squares: the sums over up to 2^8 ranks stay exact in f32, and
+    // n·Σp² = (Σp)² holds exactly when every rank's p is the same, a verdict every rank reads
+    // from the same sums.
+    let parts: Vec<f32> = (0..8).map(|i| ((print >> (8 * i)) & 0xFF) as f32).collect();
+    let squares: Vec<f32> = parts.iter().map(|p| p * p).collect();
+    let t = Tensor::new([parts, squares].concat().as_slice(), model.device())?;
     let sum = comm.all_reduce_sum(&t)?.to_vec1::<f32>()?;
-    let n = comm.size() as f32;
-    if sum.iter().zip(&parts).any(|(s, p)| *s != p * n) {
-        return Err(Error::Ranks(format!(
-            "rank {}'s {what} differs from the others'",
-            comm.rank()
-        )));
+    let n = comm.size() as f64;
+    let (sums, sums_sq) = sum.split_at(8);
+    if sums
+        .iter()
+        .zip(sums_sq)
+        .any(|(&s, &q)| n * f64::from(q) != f64::from(s) * f64::from(s))
+    {
+        return Err(Error::Ranks(format!("the {what} differs between ranks")));
     }
     Ok(())
 }

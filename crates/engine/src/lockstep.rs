@@ -27,6 +27,8 @@ struct Control {
 #[derive(Debug)]
 pub(crate) struct Leader {
     followers: Vec<flume::Sender<Control>>,
+    /// The other ranks' threads, joined once the leader is done.
+    threads: Vec<std::thread::JoinHandle<()>>,
     results: flume::Receiver<std::result::Result<(), String>>,
     comm: Arc<dyn Communicator>,
     /// Requests taken since the last step, in order.
@@ -88,6 +90,29 @@ impl Leader {
     }
 }
 
+impl Drop for Leader {
+    fn drop(&mut self) {
+        // Closing their queues ends the other ranks' loops; then they are waited for, so that
+        // their models are freed when the engine's client says it stopped.
+        self.followers.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Builds a rank's engine, a panic turned into the error it names.
+fn build<F>(make: &F, comm: Arc<dyn Communicator>) -> std::result::Result<Engine, String>
+where
+    F: Fn(Arc<dyn Communicator>) -> Result<Engine>,
+{
+    match catch_unwind(AssertUnwindSafe(|| make(comm))) {
+        Ok(Ok(engine)) => Ok(engine),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref()))),
+    }
+}
+
 /// A rank other than the first: applies each step's control, steps, reports.
 fn follow(
     mut engine: Engine,
@@ -134,13 +159,20 @@ impl Engine {
     where
         F: Fn(Arc<dyn Communicator>) -> Result<Engine> + Send + Sync + 'static,
     {
-        if comms.is_empty() {
-            return Err(Error::Request("no ranks to run on".into()));
+        let whole = comms
+            .iter()
+            .enumerate()
+            .all(|(r, c)| c.rank() == r && c.size() == comms.len());
+        if comms.is_empty() || !whole {
+            return Err(Error::Request(
+                "spawn_ranks needs every rank of one group, in rank order".into(),
+            ));
         }
         let make = Arc::new(make);
         let (built_tx, built_rx) = flume::unbounded();
         let (results_tx, results_rx) = flume::unbounded();
         let mut followers = Vec::new();
+        let mut threads = Vec::new();
         let mut go = Vec::new();
         let (commands_tx, commands_rx) = std::sync::mpsc::channel();
         let shared = Arc::new(Mutex::new(Shared {
@@ -158,9 +190,9 @@ impl Engine {
             if rank == 0 {
                 let (commands, published) = (commands_rx.take().expect("one leader"), shared.clone());
                 let t = std::thread::Builder::new().name(name).spawn(move || {
-                    let engine = match make(comm) {
+                    let engine = match build(make.as_ref(), comm) {
                         Ok(e) => e,
-                        Err(e) => return drop(built.send((rank, Err(e.to_string())))),
+                        Err(e) => return drop(built.send((rank, Err(e)))),
                     };
                     let _ = built.send((rank, Ok(engine.context())));
                     lock(&published).load = engine.load();
@@ -173,12 +205,12 @@ impl Engine {
                 let (controls_tx, controls_rx) = flume::unbounded();
                 followers.push(controls_tx);
                 let results = results_tx.clone();
-                std::thread::Builder::new()
+                let t = std::thread::Builder::new()
                     .name(name)
                     .spawn(move || {
-                        let engine = match make(comm.clone()) {
+                        let engine = match build(make.as_ref(), comm.clone()) {
                             Ok(e) => e,
-                            Err(e) => return drop(built.send((rank, Err(e.to_string())))),
+                            Err(e) => return drop(built.send((rank, Err(e)))),
                         };
                         let _ = built.send((rank, Ok(engine.context())));
                         if let Ok(None) = go_rx.recv() {
@@ -186,6 +218,7 @@ impl Engine {
                         }
                     })
                     .map_err(|e| Error::Request(format!("spawning rank {rank}: {e}")))?;
+                threads.push(t);
             }
         }
         drop(built_tx);
@@ -209,6 +242,7 @@ impl Engine {
         }
         let leader = Leader {
             followers,
+            threads,
             results: results_rx,
             comm: comms[0].clone(),
             submits: Vec::new(),

@@ -123,8 +123,8 @@ fn sharded_engines_give_every_request_its_one_device_tokens() {
     }
 }
 
-/// A rank that cannot be built (the heads do not split over 3 ranks) fails the spawn with the
-/// reason.
+/// A rank that cannot be built (the heads do not split over 3 ranks, or its build panics) fails
+/// the spawn with the reason; so does a group given in part.
 #[test]
 fn a_rank_that_cannot_load_fails_the_spawn() {
     let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(3)
@@ -134,4 +134,23 @@ fn a_rank_that_cannot_load_fails_the_spawn() {
         .collect();
     let e = Engine::spawn_ranks(comms, rank_engine).unwrap_err().to_string();
     assert!(e.contains("num_attention_heads"), "{e}");
+    // A rank whose build panics fails the spawn too (the others do not wait for it).
+    let group = || -> Vec<Arc<dyn Communicator>> {
+        LocalComm::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|c| c as Arc<dyn Communicator>)
+            .collect()
+    };
+    let e = Engine::spawn_ranks(group(), |comm| {
+        assert_ne!(comm.rank(), 1, "rank 1 cannot build");
+        rank_engine(comm)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("rank 1") && e.contains("cannot build"), "{e}");
+    // Part of a group is refused.
+    let mut part = group();
+    part.truncate(1);
+    assert!(Engine::spawn_ranks(part, rank_engine).is_err());
 }

@@ -164,11 +164,14 @@ impl Communicator for LocalComm {
     }
 
     fn abort(&self) {
-        // (A poisoned lock: a rank panicked holding it; the others fail on it anyway.)
-        if let Ok(mut s) = self.shared.state.lock() {
-            s.gone.get_or_insert(self.rank);
-            self.shared.changed.notify_all();
-        }
+        // (A lock poisoned by a rank's panic: the state is still whole, set it anyway.)
+        let mut s = self
+            .shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.gone.get_or_insert(self.rank);
+        self.shared.changed.notify_all();
     }
 }
 

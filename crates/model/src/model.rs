@@ -365,7 +365,7 @@ impl Qwen36Model {
             rank: comm.rank(),
             size: comm.size(),
         })?;
-        let w = Weights::open(dir, opts)?.sharded(comm, &full);
+        let w = Weights::open(dir, opts)?.sharded(comm, &full)?;
         Self::from_weights(cfg, &w)
     }
 

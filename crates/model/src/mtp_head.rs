@@ -240,7 +240,7 @@ impl MtpHead {
             rank: comm.rank(),
             size: comm.size(),
         })?;
-        Self::load(&cfg, &Weights::open(dir, opts)?.sharded(comm, &full))
+        Self::load(&cfg, &Weights::open(dir, opts)?.sharded(comm, &full)?)
     }
 
     /// An empty cache.

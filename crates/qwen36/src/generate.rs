@@ -226,7 +226,7 @@ impl Generator {
                     rank: comm.rank(),
                     size: comm.size(),
                 };
-                let w = qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full);
+                let w = qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full)?;
                 (full.shard(shard)?, w)
             }
             None => (full, qwen36_model::Weights::open(&dir, opts)?),
