@@ -277,11 +277,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         // serve the clients.
         let first: Arc<Mutex<Option<Parts>>> = Arc::default();
         let (a, kept) = (args.clone(), first.clone());
-        let comms = LocalComm::group(args.tp)?
-            .into_iter()
-            .map(|c| c as Arc<dyn Communicator>)
-            .collect();
-        let client = Engine::spawn_ranks(comms, move |comm| {
+        let client = Engine::spawn_ranks(LocalComm::group(args.tp)?, move |comm| {
             let rank = comm.rank();
             let opts = LoadOptions {
                 progress: None,

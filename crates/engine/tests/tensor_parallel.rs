@@ -98,12 +98,7 @@ fn sharded_engines_give_every_request_its_one_device_tokens() {
         }
     }
     for tp in [2, 4] {
-        let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(tp)
-            .unwrap()
-            .into_iter()
-            .map(|c| c as Arc<dyn Communicator>)
-            .collect();
-        let client = Engine::spawn_ranks(comms, rank_engine).unwrap();
+        let client = Engine::spawn_ranks(LocalComm::group(tp).unwrap(), rank_engine).unwrap();
         let handles: Vec<_> = reqs.iter().map(|r| client.submit(r.clone()).unwrap()).collect();
         // Two requests cancelled once they have sent something.
         for h in [&handles[0], &handles[5]] {
@@ -127,21 +122,12 @@ fn sharded_engines_give_every_request_its_one_device_tokens() {
 /// the spawn with the reason; so does a group given in part.
 #[test]
 fn a_rank_that_cannot_load_fails_the_spawn() {
-    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(3)
-        .unwrap()
-        .into_iter()
-        .map(|c| c as Arc<dyn Communicator>)
-        .collect();
-    let e = Engine::spawn_ranks(comms, rank_engine).unwrap_err().to_string();
+    let e = Engine::spawn_ranks(LocalComm::group(3).unwrap(), rank_engine)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("num_attention_heads"), "{e}");
     // A rank whose build panics fails the spawn too (the others do not wait for it).
-    let group = || -> Vec<Arc<dyn Communicator>> {
-        LocalComm::group(2)
-            .unwrap()
-            .into_iter()
-            .map(|c| c as Arc<dyn Communicator>)
-            .collect()
-    };
+    let group = || LocalComm::group(2).unwrap();
     let e = Engine::spawn_ranks(group(), |comm| {
         assert_ne!(comm.rank(), 1, "rank 1 cannot build");
         rank_engine(comm)

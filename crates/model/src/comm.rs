@@ -55,7 +55,7 @@ pub struct LocalComm {
 impl LocalComm {
     /// A group of `size` ranks, one handle each (`[rank 0, rank 1, …]`), to be moved to one thread
     /// each.
-    pub fn group(size: usize) -> Result<Vec<Arc<LocalComm>>> {
+    pub fn group(size: usize) -> Result<Vec<Arc<dyn Communicator>>> {
         if size == 0 {
             return Err(Error::Config {
                 field: "tensor_parallel_size".into(),
@@ -75,7 +75,7 @@ impl LocalComm {
                 Arc::new(LocalComm {
                     rank,
                     shared: shared.clone(),
-                })
+                }) as Arc<dyn Communicator>
             })
             .collect())
     }
