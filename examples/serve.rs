@@ -17,7 +17,7 @@ mod load;
 
 use clap::Parser;
 use qwen36::engine::{Engine, EngineConfig, PoolSizes, Speculation, StateBytes};
-use qwen36::model::{Communicator, LocalComm, MtpHead, Shard, Weights};
+use qwen36::model::{Communicator, LocalComm, MtpHead, Weights};
 use qwen36::{Config, Generator, LoadOptions, Qwen36Model, SamplingParams};
 use qwen36_server::{ServerConfig, Service};
 
@@ -130,10 +130,6 @@ fn build(
     comm: Option<Arc<dyn Communicator>>,
 ) -> Result<(Engine, Parts), BoxError> {
     let started = std::time::Instant::now();
-    let shard = comm.as_ref().map(|c| Shard {
-        rank: c.rank(),
-        size: c.size(),
-    });
     // The model, its MTP head, and what the service reads from a checkpoint directory.
     let (model, head, generator, name) = match &args.config {
         Some(path) => {
@@ -147,9 +143,9 @@ fn build(
                 true => Weights::random_fp8(random, [128, 128]),
                 false => Weights::random(random),
             };
-            let (cfg, weights) = match (&comm, shard) {
-                (Some(c), Some(s)) => (full.shard(s)?, weights.sharded(c.clone(), &full)?),
-                _ => (full, weights),
+            let (cfg, weights) = match &comm {
+                Some(c) => weights.sharded(c.clone(), &full)?,
+                None => (full, weights),
             };
             let head = (args.mtp > 0 && args.drafter == "mtp")
                 .then(|| MtpHead::load(&cfg, &weights))

@@ -14,7 +14,7 @@ use crate::attention::{AttnPart, AttnStep};
 use crate::paged::{LayerCheckpoints, PagedLayer, PoolShape};
 use crate::{
     BatchOutput, Cache, Communicator, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
-    LoadOptions, PagedCache, Result, Shard, Weights,
+    LoadOptions, PagedCache, Result, Weights,
 };
 
 /// SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
@@ -361,11 +361,7 @@ impl Qwen36Model {
     pub fn load_shard(dir: impl AsRef<Path>, opts: LoadOptions, comm: Arc<dyn Communicator>) -> Result<Self> {
         let dir = dir.as_ref();
         let full = Config::from_file(dir.join("config.json"))?;
-        let cfg = full.shard(Shard {
-            rank: comm.rank(),
-            size: comm.size(),
-        })?;
-        let w = Weights::open(dir, opts)?.sharded(comm, &full)?;
+        let (cfg, w) = Weights::open(dir, opts)?.sharded(comm, &full)?;
         Self::from_weights(cfg, &w)
     }
 

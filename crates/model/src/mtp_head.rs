@@ -236,11 +236,8 @@ impl MtpHead {
     ) -> Result<Self> {
         let dir = dir.as_ref();
         let full = Config::from_file(dir.join("config.json"))?;
-        let cfg = full.shard(crate::Shard {
-            rank: comm.rank(),
-            size: comm.size(),
-        })?;
-        Self::load(&cfg, &Weights::open(dir, opts)?.sharded(comm, &full)?)
+        let (cfg, w) = Weights::open(dir, opts)?.sharded(comm, &full)?;
+        Self::load(&cfg, &w)
     }
 
     /// An empty cache.

@@ -142,14 +142,15 @@ impl Weights {
     /// This checkpoint as rank `comm.rank()` of a tensor-parallel group sees it: every tensor
     /// that is sharded ([`crate::Shard`]) is read as that rank's part only (from the mapped file,
     /// never whole); the layers ask for their parts' shapes (from `full.shard(..)`).
-    /// Refused, naming the field, when `full` does not split over the group ([`Config::shard`]).
-    pub fn sharded(mut self, comm: Arc<dyn Communicator>, full: &Config) -> Result<Self> {
-        full.shard(Shard {
+    /// Returns the rank's config with it; refused, naming the field, when `full` does not split
+    /// over the group ([`Config::shard`]).
+    pub fn sharded(mut self, comm: Arc<dyn Communicator>, full: &Config) -> Result<(Config, Self)> {
+        let cfg = full.shard(Shard {
             rank: comm.rank(),
             size: comm.size(),
         })?;
         self.shard = Some((comm, full.clone()));
-        Ok(self)
+        Ok((cfg, self))
     }
 
     /// The group a sharded checkpoint's rank reduces over ([`Self::sharded`]).

@@ -221,14 +221,7 @@ impl Generator {
         let dir = dir.to_path_buf();
         let full = qwen36_model::Config::from_file(dir.join("config.json"))?;
         let (cfg, weights) = match comm {
-            Some(comm) => {
-                let shard = qwen36_model::Shard {
-                    rank: comm.rank(),
-                    size: comm.size(),
-                };
-                let w = qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full)?;
-                (full.shard(shard)?, w)
-            }
+            Some(comm) => qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full)?,
             None => (full, qwen36_model::Weights::open(&dir, opts)?),
         };
         let mtp_head = if MtpHead::present(&weights) {
