@@ -109,6 +109,40 @@ impl LocalComm {
             .wait(guard)
             .map_err(|_| Error::Comm("a rank panicked during a reduction".into()))
     }
+
+    /// Puts this rank's part in the current round and returns every rank's, in rank order, once
+    /// all are in.
+    fn publish(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut s = self.lock()?;
+        // A rank still reading the last round's parts: wait until all have read them.
+        while s.parts[self.rank].is_some() {
+            if let Some(r) = s.gone {
+                return Err(gone(r));
+            }
+            s = self.wait(s)?;
+        }
+        s.parts[self.rank] = Some(x.clone());
+        let round = s.round;
+        self.shared.changed.notify_all();
+        while s.parts.iter().any(Option::is_none) && s.round == round {
+            if let Some(r) = s.gone {
+                return Err(gone(r));
+            }
+            s = self.wait(s)?;
+        }
+        Ok(s.parts.iter().flatten().cloned().collect())
+    }
+
+    /// The parts' sum on `device`, added in rank order (the same bits on every rank), finished
+    /// before it returns: the other ranks' parts are copied before they may be freed.
+    fn sum_parts(parts: &[Tensor], device: &candle_core::Device) -> Result<Tensor> {
+        let mut sum = parts[0].to_device(device)?;
+        for p in &parts[1..] {
+            sum = (sum + p.to_device(device)?)?;
+        }
+        device.synchronize()?;
+        Ok(sum)
+    }
 }
 
 fn gone(rank: usize) -> Error {
@@ -129,25 +163,15 @@ impl Communicator for LocalComm {
         if size == 1 {
             return Ok(x.clone());
         }
+        // Ranks on one GPU each run on a stream of their own, and no stream waits for another's
+        // work: a part is published once its kernels have finished.
+        x.device().synchronize()?;
+        let parts = self.publish(x)?;
+        let sum = Self::sum_parts(&parts, x.device());
+        drop(parts);
+        // The round ends only once every rank has read it (a part is not freed or replaced while
+        // another rank's stream copies it); a rank that failed to read ends the group.
         let mut s = self.lock()?;
-        // A rank still reading the last round's parts: wait until all have read them.
-        while s.parts[self.rank].is_some() {
-            if let Some(r) = s.gone {
-                return Err(gone(r));
-            }
-            s = self.wait(s)?;
-        }
-        s.parts[self.rank] = Some(x.clone());
-        let round = s.round;
-        self.shared.changed.notify_all();
-        while s.parts.iter().any(Option::is_none) && s.round == round {
-            if let Some(r) = s.gone {
-                return Err(gone(r));
-            }
-            s = self.wait(s)?;
-        }
-        // Every rank adds the parts in rank order: the same bits on every rank.
-        let parts: Vec<Tensor> = s.parts.iter().flatten().cloned().collect();
         s.read += 1;
         if s.read == size {
             s.parts.iter_mut().for_each(|p| *p = None);
@@ -156,11 +180,10 @@ impl Communicator for LocalComm {
             self.shared.changed.notify_all();
         }
         drop(s);
-        let mut sum = parts[0].clone();
-        for p in &parts[1..] {
-            sum = (sum + p)?;
+        if sum.is_err() {
+            self.abort();
         }
-        Ok(sum)
+        sum
     }
 
     fn abort(&self) {

@@ -105,3 +105,49 @@ fn a_rank_count_that_does_not_split_is_refused() {
         assert!(e.contains(field), "{name} tp {tp}: {e}");
     }
 }
+
+/// Ranks as threads on one device, each with a stream of its own: every rank's reduction sums
+/// what every rank computed, even while a rank's kernels are still running when it reaches the
+/// reduction (a long product right before it), round after round.
+#[test]
+fn ranks_sum_parts_their_devices_are_still_computing() {
+    const N: usize = 1024;
+    for tp in [2, 4] {
+        let sums = LocalComm::run_ranks(tp, |comm| {
+            let device = load_options(DType::F32).device;
+            (0..4)
+                .map(|round| {
+                    // Each rank's part: an all-ones product scaled to (rank + 1) · (round + 1),
+                    // known exactly in f32.
+                    let ones = Tensor::ones((N, N), DType::F32, &device).unwrap();
+                    let scale = ((comm.rank() + 1) * (round + 1)) as f64 / N as f64;
+                    let part = ones.matmul(&ones).unwrap().affine(scale, 0.0).unwrap();
+                    let sum = comm.all_reduce_sum(&part).unwrap();
+                    let (lo, hi) = (sum.min_keepdim(1).unwrap(), sum.max_keepdim(1).unwrap());
+                    let lo = lo
+                        .min_keepdim(0)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()[0];
+                    let hi = hi
+                        .max_keepdim(0)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()[0];
+                    (lo, hi)
+                })
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
+        for (rank, rounds) in sums.iter().enumerate() {
+            for (round, &(lo, hi)) in rounds.iter().enumerate() {
+                let want = ((1..=tp).sum::<usize>() * (round + 1)) as f32;
+                assert_eq!((lo, hi), (want, want), "tp {tp} rank {rank} round {round}");
+            }
+        }
+    }
+}
