@@ -16,7 +16,6 @@ use std::io::Write;
 mod load;
 
 use clap::Parser;
-use qwen36::model::LocalComm;
 use qwen36::{ChatMessage, DrafterKind, GenerateOptions, Generator, LoadOptions, Speculative};
 
 #[derive(Parser, Debug)]
@@ -106,21 +105,41 @@ fn run(args: Args) -> Result<(), BoxError> {
         progress,
         ..LoadOptions::default()
     };
-    if args.tp > 1 && args.cuda {
-        return Err("--tp runs on the CPU for now (NCCL across GPUs is not in yet)".into());
-    }
     if args.tp <= 1 {
         return generate(&args, &Generator::load(&model_dir, opts(load::progress()))?, true);
     }
-    // Every rank runs the same generation on its shard (the same seed: the same tokens); the
-    // first prints.
-    let ranks = LocalComm::run_ranks(args.tp, |comm| {
-        let first = comm.rank() == 0;
-        let progress = if first { load::progress() } else { None };
-        let generator = Generator::load_shard(&model_dir, opts(progress), comm)?;
-        generate(&args, &generator, first)
-    })?;
-    ranks.into_iter().collect()
+    // Every rank runs the same generation on its shard (the same seed: the same tokens), one
+    // thread each; the first prints.
+    let comms = load::tp_group(args.tp, args.cuda)?;
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (args, model_dir, opts) = (&args, &model_dir, &opts);
+                s.spawn(move || {
+                    let first = comm.rank() == 0;
+                    let progress = if first { load::progress() } else { None };
+                    let opts = LoadOptions {
+                        device: load::rank_device(comm.as_ref(), &opts(None).device),
+                        ..opts(progress)
+                    };
+                    let generator = Generator::load_shard(model_dir, opts, comm)?;
+                    generate(args, &generator, first)
+                })
+            })
+            .collect();
+        // Every rank joined (a failed one's handle dropped ends the others' reductions), then
+        // the first error.
+        let done: Vec<Result<(), BoxError>> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                t.join()
+                    .unwrap_or_else(|_| Err(format!("rank {rank} panicked").into()))
+            })
+            .collect();
+        done.into_iter().collect()
+    })
 }
 
 /// Generates as `args` say with `generator`; only with `print` does it write anything.

@@ -17,7 +17,7 @@ mod load;
 
 use clap::Parser;
 use qwen36::engine::{Engine, EngineConfig, PoolSizes, Speculation, StateBytes};
-use qwen36::model::{Communicator, LocalComm, MtpHead, Weights};
+use qwen36::model::{Communicator, MtpHead, Weights};
 use qwen36::{Config, Generator, LoadOptions, Qwen36Model, SamplingParams};
 use qwen36_server::{ServerConfig, Service};
 
@@ -262,9 +262,6 @@ fn run(args: Args) -> Result<(), BoxError> {
         let (engine, parts) = build(&args, &opts, None)?;
         (engine.spawn(), parts)
     } else {
-        if args.cuda {
-            return Err("--tp runs on the CPU for now (NCCL across GPUs is not in yet)".into());
-        }
         if args.config.is_some() {
             // (Each rank would draw its own replicated weights: embedding, norms, lm_head.)
             return Err("--tp needs a checkpoint: random weights (--config) differ between ranks".into());
@@ -273,10 +270,11 @@ fn run(args: Args) -> Result<(), BoxError> {
         // serve the clients.
         let first: Arc<Mutex<Option<Parts>>> = Arc::default();
         let (a, kept) = (args.clone(), first.clone());
-        let client = Engine::spawn_ranks(LocalComm::group(args.tp)?, move |comm| {
+        let client = Engine::spawn_ranks(load::tp_group(args.tp, args.cuda)?, move |comm| {
             let rank = comm.rank();
             let opts = LoadOptions {
                 progress: None,
+                device: load::rank_device(comm.as_ref(), &opts.device),
                 ..opts.clone()
             };
             let (engine, parts) =

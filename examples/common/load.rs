@@ -1,6 +1,6 @@
-//! What the examples share: the `--dtype`, `--cuda` and `--model` flags turned into load
-//! options and a model directory (the bundled model by default, or a Hugging Face model id from
-//! the local cache), and a progress bar while a checkpoint loads.
+//! What the examples share: the `--dtype`, `--cuda`, `--model` and `--tp` flags turned into load
+//! options, a model directory (the bundled model by default, or a Hugging Face model id from the
+//! local cache) and tensor-parallel ranks, and a progress bar while a checkpoint loads.
 
 use candle_core::{DType, Device};
 
@@ -55,4 +55,32 @@ pub fn progress() -> Option<qwen36::model::LoadProgress> {
             }
         },
     )))
+}
+
+/// The ranks of `--tp N`, one handle each: threads of this process on the CPU, or with `cuda` one
+/// GPU each (GPUs 0..N) over NCCL, in a build with `--features nccl`. A rank loads onto
+/// `rank_device`.
+#[allow(dead_code)] // (only the examples that take --tp)
+pub fn tp_group(
+    tp: usize,
+    cuda: bool,
+) -> Result<Vec<std::sync::Arc<dyn qwen36::model::Communicator>>, String> {
+    if !cuda {
+        return qwen36::model::LocalComm::group(tp).map_err(|e| e.to_string());
+    }
+    #[cfg(feature = "nccl")]
+    {
+        qwen36::model::NcclComm::group(&(0..tp).collect::<Vec<_>>())
+            .map_err(|e| format!("--tp {tp} over NCCL: {e}"))
+    }
+    #[cfg(not(feature = "nccl"))]
+    Err(format!(
+        "--tp {tp} with --cuda runs over NCCL: build with --features nccl"
+    ))
+}
+
+/// The device a rank of [`tp_group`] computes on: its GPU, or `device` for CPU ranks.
+#[allow(dead_code)] // (only the examples that take --tp)
+pub fn rank_device(comm: &dyn qwen36::model::Communicator, device: &Device) -> Device {
+    comm.device().unwrap_or_else(|| device.clone())
 }

@@ -12,6 +12,7 @@
 pub mod activation;
 pub mod argmax;
 pub mod attention;
+pub mod collective;
 pub mod conv1d;
 pub mod copy;
 #[cfg(feature = "cuda")]

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::{Error, Result};
 
@@ -23,6 +23,14 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// Ends the group: every rank's pending and later reductions fail (a rank that cannot go
     /// on, so that the others do not wait for it).
     fn abort(&self);
+    /// The device this rank must compute on, where the communicator is bound to one (NCCL).
+    fn device(&self) -> Option<Device> {
+        None
+    }
+    /// True when a reduction is device work alone (no host wait), so a CUDA graph can record it.
+    fn graph_safe(&self) -> bool {
+        false
+    }
 }
 
 #[derive(Debug, Default)]
@@ -135,7 +143,7 @@ impl LocalComm {
 
     /// The parts' sum on `device`, added in rank order (the same bits on every rank), finished
     /// before it returns: the other ranks' parts are copied before they may be freed.
-    fn sum_parts(parts: &[Tensor], device: &candle_core::Device) -> Result<Tensor> {
+    fn sum_parts(parts: &[Tensor], device: &Device) -> Result<Tensor> {
         let mut sum = parts[0].to_device(device)?;
         for p in &parts[1..] {
             sum = (sum + p.to_device(device)?)?;
@@ -201,6 +209,77 @@ impl Communicator for LocalComm {
 impl Drop for LocalComm {
     fn drop(&mut self) {
         self.abort();
+    }
+}
+
+/// One rank of a group over several GPUs of one process, through NCCL ([`NcclComm::group`]):
+/// each rank runs on its own GPU (one thread each), and its reductions are device work on its
+/// stream, which CUDA graphs record.
+#[cfg(feature = "nccl")]
+#[derive(Debug)]
+pub struct NcclComm {
+    rank: qwen36_kernels::collective::NcclRank,
+    aborted: std::sync::atomic::AtomicBool,
+}
+
+#[cfg(feature = "nccl")]
+impl NcclComm {
+    /// A group of one rank per CUDA device `ordinals[r]`, each on a device made by
+    /// [`crate::graph_device`] (a stream of its own, graphs allowed): `[rank 0, rank 1, …]`, each
+    /// to be moved to a thread of its own.
+    pub fn group(ordinals: &[usize]) -> Result<Vec<Arc<dyn Communicator>>> {
+        if ordinals.is_empty() {
+            return Err(Error::Config {
+                field: "tensor_parallel_size".into(),
+                msg: "must be at least 1".into(),
+            });
+        }
+        let devices = ordinals
+            .iter()
+            .map(|&o| crate::graph_device(o))
+            .collect::<Result<Vec<_>>>()?;
+        let ranks = qwen36_kernels::collective::NcclRank::group(devices)?;
+        Ok(ranks
+            .into_iter()
+            .map(|rank| {
+                Arc::new(NcclComm {
+                    rank,
+                    aborted: false.into(),
+                }) as Arc<dyn Communicator>
+            })
+            .collect())
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.rank.size()
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        if self.aborted.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::Comm(format!("rank {} left the group", self.rank())));
+        }
+        Ok(self.rank.all_reduce_sum(x)?)
+    }
+
+    /// This rank's later reductions fail. (The other ranks' NCCL calls are not woken: the engine
+    /// ends a failed step on every rank.)
+    fn abort(&self) {
+        self.aborted.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn device(&self) -> Option<Device> {
+        Some(self.rank.device().clone())
+    }
+
+    fn graph_safe(&self) -> bool {
+        true
     }
 }
 

@@ -21,6 +21,8 @@ mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerCache};
+#[cfg(feature = "nccl")]
+pub use comm::NcclComm;
 pub use comm::{Communicator, LocalComm};
 pub use config::{Config, LayerType, Quantization};
 pub use error::{Error, Result};

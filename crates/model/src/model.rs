@@ -151,8 +151,9 @@ impl DecoderLayer {
     /// layers always, attention layers when they run the decode kernel.
     #[cfg(feature = "cuda")]
     pub(crate) fn graph_safe(&self, tokens: usize, dtype: DType, device: &Device) -> bool {
-        // (A tensor-parallel rank's reductions synchronise with the other ranks' threads.)
-        if self.comm.is_some() {
+        // (A tensor-parallel rank's reductions, unless they are device work alone, synchronise
+        // with the other ranks' threads.)
+        if self.comm.as_ref().is_some_and(|c| !c.graph_safe()) {
             return false;
         }
         match &self.mixer {

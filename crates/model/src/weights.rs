@@ -145,6 +145,16 @@ impl Weights {
     /// Returns the rank's config with it; refused, naming the field, when `full` does not split
     /// over the group ([`Config::shard`]).
     pub fn sharded(mut self, comm: Arc<dyn Communicator>, full: &Config) -> Result<(Config, Self)> {
+        if let Some(d) = comm.device() {
+            if !d.same_device(&self.opts.device) {
+                return Err(Error::Input(format!(
+                    "rank {}'s communicator runs on {:?}, the load options name {:?}: load each rank on its communicator's device",
+                    comm.rank(),
+                    d.location(),
+                    self.opts.device.location()
+                )));
+            }
+        }
         let cfg = full.shard(Shard {
             rank: comm.rank(),
             size: comm.size(),

@@ -151,3 +151,84 @@ fn ranks_sum_parts_their_devices_are_still_computing() {
         }
     }
 }
+
+/// Over NCCL (built with `--features nccl`, run with `QWEN36_TEST_DEVICE=cuda`): one rank per GPU
+/// (every GPU there is, up to 4; one GPU makes a group of one, whose reductions are copies) gives
+/// the one-device model's logits within 1e-5 and its greedy tokens, eagerly and through the
+/// stepper's CUDA graphs, which record the NCCL calls.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_ranks_equal_the_one_device_model() {
+    use candle_core::cuda::cudarc::driver::CudaContext;
+    use qwen36_model::{LoadOptions, NcclComm, Stepper};
+    if std::env::var("QWEN36_TEST_DEVICE").as_deref() != Ok("cuda") {
+        eprintln!("NCCL runs on CUDA devices: set QWEN36_TEST_DEVICE=cuda");
+        return;
+    }
+    let gpus = CudaContext::device_count().unwrap() as usize;
+    let tp = match gpus {
+        1 => 1,
+        2 | 3 => 2,
+        _ => 4,
+    };
+    let name = "tiny-flat";
+    let dir = fixture_dir(name);
+    let (model, head) = load_with_head(name);
+    let ids = ids_of(&fixture_reference(name)["prompt0.ids"]);
+    let one = run(&model, &head, &ids, 24);
+    let comms = NcclComm::group(&(0..tp).collect::<Vec<_>>()).unwrap();
+    let runs: Vec<(Run, Vec<u32>, bool)> = std::thread::scope(|s| {
+        let threads: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (dir, ids) = (&dir, &ids);
+                s.spawn(move || {
+                    let opts = LoadOptions {
+                        device: comm.device().unwrap(),
+                        ..load_options(DType::F32)
+                    };
+                    let model = Qwen36Model::load_shard(dir, opts.clone(), comm.clone()).unwrap();
+                    let head = MtpHead::load_dir_shard(dir, opts, comm).unwrap();
+                    let eager = run(&model, &head, ids, 24);
+                    // The same greedy tokens through the stepper (one-token steps replay graphs).
+                    let mut stepper = Stepper::new(&model, 1);
+                    let mut cache = model.new_cache(1).unwrap();
+                    let mut step = |ids: &[u32]| -> u32 {
+                        let h = stepper
+                            .forward_hidden(&model, &ids_tensor(ids), &mut cache)
+                            .unwrap();
+                        let logits = model.logits(&h).unwrap().squeeze(0).unwrap();
+                        let last = logits.get(ids.len() - 1).unwrap();
+                        last.argmax(0).unwrap().to_scalar::<u32>().unwrap()
+                    };
+                    let mut tokens = vec![step(ids)];
+                    while tokens.len() < 24 {
+                        let t = step(&tokens[tokens.len() - 1..]);
+                        tokens.push(t);
+                    }
+                    let graphs = stepper.uses_graphs() && stepper.recordings() > 0;
+                    (eager, tokens, graphs)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for (rank, (eager, graphed, graphs)) in runs.iter().enumerate() {
+        assert_eq!(eager.tokens, one.tokens, "tp {tp} rank {rank}: greedy tokens");
+        assert_eq!(
+            graphed, &one.tokens,
+            "tp {tp} rank {rank}: greedy tokens through graphs"
+        );
+        assert!(graphs, "tp {tp} rank {rank}: the stepper recorded no graph");
+        let err = max_row_rel_err(&eager.logits, &one.logits);
+        assert!(
+            err <= 1e-5,
+            "tp {tp} rank {rank}: logits {err:.2e} from one device"
+        );
+        let err = max_row_rel_err(&eager.mtp_logits, &one.mtp_logits);
+        assert!(
+            err <= 1e-5,
+            "tp {tp} rank {rank}: MTP logits {err:.2e} from one device"
+        );
+    }
+}
