@@ -13,7 +13,8 @@ cd "$ROOT"
 venv/bin/pip install -q --no-cache-dir \
   "nvidia-cuda-nvcc==13.0.88" "nvidia-cuda-crt==13.0.88" "nvidia-nvvm==13.0.88" \
   "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85" \
-  "nvidia-cublas==13.0.2.14" "nvidia-curand==10.4.0.35" "nvidia-cuda-nvrtc==13.0.88"
+  "nvidia-cublas==13.0.2.14" "nvidia-curand==10.4.0.35" "nvidia-cuda-nvrtc==13.0.88" \
+  "nvidia-nccl-cu13>=2.28"
 P=$(venv/bin/python -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
 
 # 2. CUDA_ROOT-like folder by symlinks (nvcc resolves its own TOP from the real bin/ path)
@@ -23,7 +24,9 @@ ln -s "$P/bin" "$R/bin"; ln -s "$P/include" "$R/include"; ln -s "$P/nvvm" "$R/nv
 for f in "$P"/lib/*.so* "$P"/lib/*.a; do ln -s "$f" "$R/lib64/"; done
 ( cd "$R/lib64"
   for n in cudart cublas cublasLt nvrtc; do ln -s lib$n.so.13 lib$n.so; done
-  ln -s libcurand.so.10 libcurand.so )
+  ln -s libcurand.so.10 libcurand.so
+  # NCCL (the `nccl` feature links it; the GPU machine has its own libnccl.so.2)
+  ln -s "$P/../nccl/lib/libnccl.so.2" libnccl.so.2; ln -s libnccl.so.2 libnccl.so )
 ln -s lib64 "$R/lib"
 
 # 3. libcuda.so link stub (no PyPI/Debian-main package ships one): every cu* entry point that

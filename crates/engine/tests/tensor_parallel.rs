@@ -27,7 +27,9 @@ fn config() -> EngineConfig {
 }
 
 fn rank_engine(comm: Arc<dyn Communicator>) -> qwen36_engine::Result<Engine> {
-    let opts = model_helpers::load_options(DType::F32);
+    let mut opts = model_helpers::load_options(DType::F32);
+    // (An NCCL rank computes on its own GPU.)
+    opts.device = comm.device().unwrap_or(opts.device);
     let model = Qwen36Model::load_shard(bundled_dir(), opts.clone(), comm.clone())?;
     let head = MtpHead::load_dir_shard(bundled_dir(), opts, comm)?;
     Engine::with_mtp_head(model, head, config())
@@ -78,11 +80,10 @@ fn wait_for(h: &RequestHandle) -> (Vec<u32>, StopReason) {
     }
 }
 
-#[test]
-fn sharded_engines_give_every_request_its_one_device_tokens() {
+/// Each request's tokens on one device, one request at a time (greedy ones checked against a
+/// solo run of the model).
+fn one_device_tokens(reqs: &[Request]) -> Vec<Vec<u32>> {
     let (model, head) = model_helpers::load_bundled();
-    let reqs = requests(model.config().vocab_size);
-    // One device, one request at a time: what each request gives.
     let mut one = Engine::with_mtp_head(model.clone(), head, config()).unwrap();
     let want: Vec<Vec<u32>> = reqs
         .iter()
@@ -97,25 +98,60 @@ fn sharded_engines_give_every_request_its_one_device_tokens() {
             assert_eq!(w, &solo(&model, &r.prompt, r.max_tokens.unwrap()).0);
         }
     }
-    for tp in [2, 4] {
-        let client = Engine::spawn_ranks(LocalComm::group(tp).unwrap(), rank_engine).unwrap();
-        let handles: Vec<_> = reqs.iter().map(|r| client.submit(r.clone()).unwrap()).collect();
-        // Two requests cancelled once they have sent something.
-        for h in [&handles[0], &handles[5]] {
-            h.cancel();
-        }
-        for (i, h) in handles.iter().enumerate() {
-            let (ids, reason) = wait_for(h);
-            match reason {
-                StopReason::Cancelled => assert_eq!(ids[..], want[i][..ids.len()], "tp {tp} request {i}"),
-                _ => assert_eq!(ids, want[i], "tp {tp} request {i} ({reason:?})"),
-            }
-        }
-        client.shutdown();
-        assert_eq!(client.status(), EngineStatus::Stopped);
-        let load = client.load();
-        assert_eq!((load.running, load.waiting), (0, 0));
+    want
+}
+
+/// The requests through engines over `comms` (two cancelled once they have sent something):
+/// every one gets `want`'s tokens (a cancelled one a prefix of them), and the engines end empty.
+fn check_ranks(comms: Vec<Arc<dyn Communicator>>, reqs: &[Request], want: &[Vec<u32>]) {
+    let tp = comms.len();
+    let client = Engine::spawn_ranks(comms, rank_engine).unwrap();
+    let handles: Vec<_> = reqs.iter().map(|r| client.submit(r.clone()).unwrap()).collect();
+    for h in [&handles[0], &handles[5]] {
+        h.cancel();
     }
+    for (i, h) in handles.iter().enumerate() {
+        let (ids, reason) = wait_for(h);
+        match reason {
+            StopReason::Cancelled => assert_eq!(ids[..], want[i][..ids.len()], "tp {tp} request {i}"),
+            _ => assert_eq!(ids, want[i], "tp {tp} request {i} ({reason:?})"),
+        }
+    }
+    client.shutdown();
+    assert_eq!(client.status(), EngineStatus::Stopped);
+    let load = client.load();
+    assert_eq!((load.running, load.waiting), (0, 0));
+}
+
+#[test]
+fn sharded_engines_give_every_request_its_one_device_tokens() {
+    let reqs = requests(model_helpers::load_bundled().0.config().vocab_size);
+    let want = one_device_tokens(&reqs);
+    for tp in [2, 4] {
+        check_ranks(LocalComm::group(tp).unwrap(), &reqs, &want);
+    }
+}
+
+/// Over NCCL (built with `--features nccl`, run with `QWEN36_TEST_DEVICE=cuda`): one rank per
+/// GPU (two where there are two or more; one GPU makes a group of one), the engines' batch steps
+/// recorded in CUDA graphs around the NCCL reductions, give the same tokens.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_engines_give_every_request_its_one_device_tokens() {
+    use candle_core::cuda::cudarc::driver::CudaContext;
+    if std::env::var("QWEN36_TEST_DEVICE").as_deref() != Ok("cuda") {
+        eprintln!("NCCL runs on CUDA devices: set QWEN36_TEST_DEVICE=cuda");
+        return;
+    }
+    let tp = if CudaContext::device_count().unwrap() >= 2 {
+        2
+    } else {
+        1
+    };
+    let reqs = requests(model_helpers::load_bundled().0.config().vocab_size);
+    let want = one_device_tokens(&reqs);
+    let comms = qwen36_model::NcclComm::group(&(0..tp).collect::<Vec<_>>()).unwrap();
+    check_ranks(comms, &reqs, &want);
 }
 
 /// A rank that cannot be built (the heads do not split over 3 ranks, or its build panics) fails

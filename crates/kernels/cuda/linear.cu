@@ -278,14 +278,19 @@ NORM_KERNELS(f16, __half)
 // e4m3(w) · scale. K and bi are multiples of 16, so each 16-byte vector of a weight row lies in one
 // block (the launchers check).
 
-// Four e4m3 bytes of a word as floats divided by 256: byte b becomes the f16 whose bits are
+// Four e4m3 bytes of a word as f16 pairs (elements 0, 1 in hl; 2, 3 in hh), or as floats,
+// divided by 256: byte b becomes the f16 whose bits are
 // ((b & 0x80) << 8) | ((b & 0x7F) << 7), which is exactly e4m3(b) / 256 for every finite value,
 // subnormals included (the exponent fields' biases, 7 and 15, differ by 8). The 256 goes into
 // the block scale. (The NaN bytes 0x7F/0xFF decode as ±480/256; loading refuses NaN weights.)
-__device__ __forceinline__ void e4m3x4(uint32_t w, float* f) {
+__device__ __forceinline__ void e4m3x4_h2(uint32_t w, uint32_t& hl, uint32_t& hh) {
     const uint32_t lo = __byte_perm(w, 0u, 0x1404), hi = __byte_perm(w, 0u, 0x3424);  // b << 8 per half
-    const uint32_t hl = (lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 1);
-    const uint32_t hh = (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 1);
+    hl = (lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 1);
+    hh = (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 1);
+}
+__device__ __forceinline__ void e4m3x4(uint32_t w, float* f) {
+    uint32_t hl, hh;
+    e4m3x4_h2(w, hl, hh);
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&hl));
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hh));
     f[0] = a.x;
@@ -293,6 +298,34 @@ __device__ __forceinline__ void e4m3x4(uint32_t w, float* f) {
     f[2] = b.x;
     f[3] = b.y;
 }
+
+// Sixteen e4m3 bytes as eight f16 pairs (element 2j in the low half of h[j]) of e4m3 · F8_UNIT⁻¹:
+// sm_89+ converts in hardware (exact: every e4m3 value is an f16), older devices with the bit
+// trick above (e4m3 / 256).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr float F8_UNIT = 1.f;
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((unsigned short)two));
+    return d;
+}
+__device__ __forceinline__ void e4m3x16_h2(const uint4& v, uint32_t (&h)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        h[2 * i] = e4m3x2_f16x2(w[i] & 0xFFFFu);
+        h[2 * i + 1] = e4m3x2_f16x2(w[i] >> 16);
+    }
+}
+#else
+constexpr float F8_UNIT = 256.f;
+__device__ __forceinline__ void e4m3x16_h2(const uint4& v, uint32_t (&h)[8]) {
+    e4m3x4_h2(v.x, h[0], h[1]);
+    e4m3x4_h2(v.y, h[2], h[3]);
+    e4m3x4_h2(v.z, h[4], h[5]);
+    e4m3x4_h2(v.w, h[6], h[7]);
+}
+#endif
 
 // 16 consecutive elements of row x (T) as floats.
 template <typename T> __device__ __forceinline__ void load_x16(const T* __restrict__ x, float* f) {
@@ -406,6 +439,142 @@ FP8_LINEAR_KERNELS(f32, float)
 FP8_LINEAR_KERNELS(bf16, __nv_bfloat16)
 FP8_LINEAR_KERNELS(f16, __half)
 
+// Eight f16 pairs of exact e4m3 values (times F8_UNIT⁻¹) in T's 16-bit format: f16 as they are,
+// bf16 through f32 (exact: e4m3 has 4 significant bits, both formats hold its range).
+template <typename T> __device__ __forceinline__ void h2_to(uint32_t (&h)[8]);
+template <> __device__ __forceinline__ void h2_to<__half>(uint32_t (&)[8]) {}
+template <> __device__ __forceinline__ void h2_to<__nv_bfloat16>(uint32_t (&h)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+        const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+        h[j] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+}
+
+// FP8 weights on tensor cores, for 16-bit activations (1..4 rows): the products the kernel above
+// makes on CUDA cores, where decoding the bytes and the f32 multiplies, not the memory, set its
+// pace. The weights are read as there; a lane's 16 weights decode to eight pairs in x's format
+// (e4m3x16_h2, h2_to: exact) and enter four m16n8k16 products in skinny_linear_tc's layout
+// (segment s = lanes 4s..4s+3 as column s, two rows of x per product set, x read as it is), each
+// 16-element step of a lane a k step. A chunk's segment (64 consecutive elements, from 16·(the
+// chunk's first vector) + 64s) lies in one column block as bi is a multiple of 64: each chunk's
+// products start from zero and their diagonal joins the f32 sum times that block's scale.
+template <typename T, int M, int NR>
+__device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ scale,
+                              const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
+    static_assert(sizeof(T) == 2, "16-bit activations");
+    constexpr int SETS = (M + 1) / 2;  // products per k step: two rows each
+    const int lane = threadIdx.x & 31;
+    const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
+    const int n0 = warp_id * NR;
+    if (n0 >= N) return;  // n0 is uniform in a warp: whole warps leave
+    const int kv = K / 16, kb = (K + bi - 1) / bi;
+    const uint4* wr[NR];
+    const float* sr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int n = min(n0 + r, N - 1);
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
+        sr[r] = scale + (size_t)(n / bo) * kb;
+    }
+    uint4 wv[UNROLL][NR];
+    auto load_weights = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) wv[u][r] = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    pdl_launch_dependents();
+    // The weights and scales do not depend on the previous kernel: load while it finishes.
+    load_weights(0);
+    pdl_wait();
+    const int g = lane >> 2;
+    const bool diag = (lane & 3) == (g >> 1);  // lane (g, g / 2) holds column g's diagonal
+    float acc[NR][SETS][2];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int q = 0; q < SETS; ++q) acc[r][q][0] = acc[r][q][1] = 0.f;
+    for (int base = 0; base < kv; base += 32 * UNROLL) {
+        if (base > 0) load_weights(base);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = base + u * 32;  // the chunk's first vector
+            if (c >= kv) break;           // uniform in the warp
+            const int i = c + lane;
+            const int blk = min((16 * c + 64 * g) / bi, kb - 1);
+            // x's 16 elements of this lane's vector, per row (two 16-byte loads), zeros past the
+            // rows and the row's end.
+            uint32_t xa[2 * SETS][8];
+#pragma unroll
+            for (int m = 0; m < 2 * SETS; ++m) {
+                uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
+                if (m < M && i < kv) {
+                    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)m * K) + 2 * i;
+                    v0 = __ldg(p);
+                    v1 = __ldg(p + 1);
+                }
+                xa[m][0] = v0.x, xa[m][1] = v0.y, xa[m][2] = v0.z, xa[m][3] = v0.w;
+                xa[m][4] = v1.x, xa[m][5] = v1.y, xa[m][6] = v1.z, xa[m][7] = v1.w;
+            }
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                uint32_t wh[8];
+                e4m3x16_h2(wv[u][r], wh);
+                h2_to<T>(wh);
+                const float s = __ldg(sr[r] + blk);
+#pragma unroll
+                for (int q = 0; q < SETS; ++q) {
+                    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const uint32_t a[4] = {xa[2 * q][2 * j], xa[2 * q + 1][2 * j], xa[2 * q][2 * j + 1],
+                                               xa[2 * q + 1][2 * j + 1]};
+                        mma16816<T>(d, a, wh[2 * j], wh[2 * j + 1]);
+                    }
+                    acc[r][q][0] = fmaf((g & 1) ? d[1] : d[0], s, acc[r][q][0]);
+                    acc[r][q][1] = fmaf((g & 1) ? d[3] : d[2], s, acc[r][q][1]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int n = n0 + r;
+#pragma unroll
+        for (int q = 0; q < SETS; ++q)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const int m = 2 * q + p;
+                const float sum = warp_sum(diag ? acc[r][q][p] : 0.f) * F8_UNIT;
+                if (m < M && lane == 0 && n < N) {
+                    const size_t o = (size_t)m * N + n;
+                    y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+                }
+            }
+    }
+}
+
+#define FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, NR)                                                       \
+    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
+        fp8_linear_tc_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale,      \
+                                              const T* res, T* y, int N, int K, int bo, int bi) {    \
+        fp8_linear_tc<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                  \
+    }
+#define FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, M)                                                        \
+    FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, 1)                                                            \
+    FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, 2)
+#define FP8_LINEAR_TC_KERNELS(SUFFIX, T)                                                             \
+    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 1)                                                            \
+    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 2)                                                            \
+    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 3)                                                            \
+    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 4)
+FP8_LINEAR_TC_KERNELS(bf16, __nv_bfloat16)
+FP8_LINEAR_TC_KERNELS(f16, __half)
+
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and
 // block (candle has no CUDA cast from e4m3 that this could use instead).
@@ -424,10 +593,41 @@ __device__ void fp8_dequant(const uint8_t* __restrict__ w, const float* __restri
         out[e] = from_f<T>(f[0] * s);
     }
 }
+// The same 16 elements per thread (one 16-byte vector of w, in one column block: K and bi
+// multiples of 16), the bytes decoded as the GEMV kernels do; the same f32 products, rounded once.
+template <typename T>
+__device__ void fp8_dequant16(const uint8_t* __restrict__ w, const float* __restrict__ scale, T* __restrict__ out,
+                              int N, int K, int bo, int bi) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int kb = (K + bi - 1) / bi, kv = K / 16;
+    const int total = N * kv;  // below 2^31 (N·K < 2^35: the launcher checks)
+    for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < total; v += gridDim.x * blockDim.x) {
+        const int n = v / kv, c = v - n * kv;
+        const float s = scale[(size_t)(n / bo) * kb + c * 16 / bi] * F8_UNIT;
+        uint32_t h[8];
+        e4m3x16_h2(__ldcs(reinterpret_cast<const uint4*>(w) + v), h);
+        Vec16<T> o[16 / Vec16<T>::N];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+            const int e = 2 * j;
+            o[e / Vec16<T>::N].e[e % Vec16<T>::N] = from_f<T>(f.x * s);
+            o[(e + 1) / Vec16<T>::N].e[(e + 1) % Vec16<T>::N] = from_f<T>(f.y * s);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(out + (size_t)v * 16);
+#pragma unroll
+        for (int i = 0; i < 16 / Vec16<T>::N; ++i) dst[i] = o[i].raw;
+    }
+}
 #define FP8_DEQUANT_KERNEL(SUFFIX, T)                                                                \
     extern "C" __global__ void fp8_dequant_##SUFFIX(const uint8_t* w, const float* scale, T* out, int N, \
                                                     int K, int bo, int bi) {                          \
         fp8_dequant<T>(w, scale, out, N, K, bo, bi);                                                 \
+    }                                                                                                \
+    extern "C" __global__ void fp8_dequant16_##SUFFIX(const uint8_t* w, const float* scale, T* out,  \
+                                                      int N, int K, int bo, int bi) {                \
+        fp8_dequant16<T>(w, scale, out, N, K, bo, bi);                                               \
     }
 FP8_DEQUANT_KERNEL(f32, float)
 FP8_DEQUANT_KERNEL(bf16, __nv_bfloat16)

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (for profiling one
-//! kernel under ncu).
+//! kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
+//! blocks, bf16 activations): the tensor-core kernel, the CUDA-core one and dequantize + cuBLAS.
 
 mod common;
 
@@ -38,6 +39,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         SkinnyPath::Streaming(2),
         SkinnyPath::Streaming(4),
     ];
+    if only == "fp8" {
+        return fp8(&dev, &shapes[..5], max_rows);
+    }
     println!("| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | (TB/s of weights read) |");
     println!("|---|---|---|---|---|---|---|");
     for (name, k, o) in shapes.into_iter().filter(|s| s.0.contains(&only)) {
@@ -55,6 +59,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let lin = lin.clone().with_policy(policy);
                 let s = time(&dev, 50, || lin.forward(&x).map(|_| ()))?;
                 cells.push(format!("{:.2}", bytes / s / 1e12));
+            }
+            println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
+        }
+    }
+    Ok(())
+}
+
+/// The FP8 table: weight bytes (one per weight) read per second of each path.
+fn fp8(
+    dev: &Device,
+    shapes: &[(&str, usize, usize)],
+    max_rows: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use qwen36_kernels::linear::{Fp8Weight, LinearWeight};
+    println!(
+        "| shape | rows | tensor cores | CUDA cores | dequantize + cuBLAS | (TB/s of FP8 weights read) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for &(name, k, o) in shapes {
+        // Random e4m3 bytes of magnitude below 8 (never NaN).
+        let bytes: Vec<u8> = (0..k * o)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let b = (state >> 24) as u8;
+                (b & 0x80) | ((b & 0x7F) % 0x50)
+            })
+            .collect();
+        let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, k], &Device::Cpu)?.to_device(dev)?;
+        let scale = (Tensor::rand(0.5f32, 1.5, (o.div_ceil(128), k.div_ceil(128)), dev)? * 0.01)?;
+        let lin = Linear::from_weight(LinearWeight::Fp8(Fp8Weight::new(q, scale, [128, 128])?), None);
+        for rows in 1..=max_rows {
+            let x = Tensor::randn(0f32, 1.0, (1, rows, k), dev)?.to_dtype(DType::BF16)?;
+            let mut cells = Vec::new();
+            for path in [SkinnyPath::Auto, SkinnyPath::Streaming(1), SkinnyPath::Matmul] {
+                let policy = KernelPolicy {
+                    skinny: path,
+                    ..KernelPolicy::from_env()
+                };
+                let lin = lin.clone().with_policy(policy);
+                let s = time(dev, 50, || lin.forward(&x).map(|_| ()))?;
+                cells.push(format!("{:.2}", (k * o) as f64 / s / 1e12));
             }
             println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
         }

@@ -705,6 +705,55 @@ fn fp8_weight(n: usize, k: usize, block: [usize; 2]) -> qwen36_kernels::linear::
     qwen36_kernels::linear::Fp8Weight::new(q, scale, block).unwrap()
 }
 
+/// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
+/// down, an output projection) for every row count the model runs (decode, drafts, verify, the
+/// grouped and the dequantizing paths): the kernels' output within one bf16 rounding of the f32
+/// product, each block's scale applied (checked against the dequantize-then-matmul path in f32).
+#[test]
+fn fp8_linear_at_the_27b_shapes() {
+    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let mut failed = Vec::new();
+    for (n, k) in [(16384, 5120), (34816, 5120), (5120, 17408), (5120, 6144)] {
+        let w = fp8_weight(n, k, [128, 128]);
+        let wg = Fp8Weight::new(
+            w.q().to_device(&d).unwrap(),
+            w.scale().to_device(&d).unwrap(),
+            [128, 128],
+        )
+        .unwrap();
+        let deq = wg.dequantize(DType::F32).unwrap();
+        for rows in [1, 2, 3, 4, 5, 8, 12, 64] {
+            let x = randn(1.0, (1, rows, k), DType::BF16).to_device(&d).unwrap();
+            let want = x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .broadcast_matmul(&deq.t().unwrap())
+                .unwrap();
+            // (More than 32 rows: the weight dequantized to bf16, one more rounding per term.)
+            let tol = if rows > 32 { 2.0 / 128.0 } else { 1.0 / 128.0 };
+            for pdl in [false, true] {
+                let policy = KernelPolicy {
+                    pdl,
+                    ..KernelPolicy::DEFAULT
+                };
+                let layer = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(policy);
+                match layer.forward(&x) {
+                    Ok(got) => {
+                        let e = max_row_rel_err(&got, &want);
+                        if e > tol {
+                            failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl}: {e}"));
+                        }
+                    }
+                    Err(e) => failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl}: {e}")),
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
 /// FP8 weights on CUDA: the dequantizing kernel equals the CPU reference bit for bit (f32, bf16,
 /// f16); the FP8 streaming kernel (1..=8 rows, with and without a residual) and the
 /// dequantize-then-matmul path (more rows, `k` not a multiple of 16) against the CPU's f32
@@ -717,18 +766,23 @@ fn fp8_linear_matches_cpu() {
     use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
-    for (rows, k, n, block) in [
-        (1, 5120, 300, [128, 128]),
-        (1, 1040, 8200, [128, 128]),
-        (2, 336, 130, [128, 128]),
-        (3, 512, 97, [32, 32]),
-        (4, 5120, 96, [128, 128]),
-        (5, 272, 64, [16, 48]),
-        (6, 256, 40, [128, 128]),
-        (7, 128, 9, [128, 128]),
-        (8, 1024, 70, [64, 128]),
-        (9, 512, 50, [128, 128]),
-        (2, 100, 20, [32, 20]),
+    // (rows, k, n, block, the activations' scale: 1, past f16's range, far below 1).
+    for (rows, k, n, block, mag) in [
+        (1, 5120, 300, [128, 128], 1.0),
+        (1, 1040, 8200, [128, 128], 1.0),
+        (1, 17408, 64, [128, 128], 3e5),
+        (2, 336, 130, [128, 128], 1.0),
+        (2, 17408, 64, [128, 128], 1e-6),
+        (3, 512, 97, [32, 32], 1.0),
+        (3, 6144, 200, [128, 128], 1.0),
+        (4, 5120, 96, [128, 128], 1.0),
+        (5, 272, 64, [16, 48], 1.0),
+        (6, 256, 40, [128, 128], 1.0),
+        (7, 128, 9, [128, 128], 1.0),
+        (8, 1024, 70, [64, 128], 1e5),
+        (8, 6144, 33, [128, 128], 1.0),
+        (9, 512, 50, [128, 128], 1.0),
+        (2, 100, 20, [32, 20], 1.0),
     ] {
         let w = fp8_weight(n, k, block);
         let wg = Fp8Weight::new(
@@ -747,8 +801,10 @@ fn fp8_linear_matches_cpu() {
                 0.0,
                 "dequantize {dt:?} [{n}, {k}] {block:?}"
             );
-            let x = randn(1.0, (1, rows, k), dt);
-            let res = randn(1.0, (1, rows, n), dt);
+            // (f16 activations hold at most 65504.)
+            let mag = if dt == DType::F16 { 1.0 } else { mag };
+            let x = randn(mag, (1, rows, k), dt);
+            let res = randn(mag, (1, rows, n), dt);
             let xf = x.to_dtype(DType::F32).unwrap();
             let want = xf.broadcast_matmul(&deq.t().unwrap()).unwrap();
             let want_res = (&want + res.to_dtype(DType::F32).unwrap()).unwrap();
@@ -758,7 +814,8 @@ fn fp8_linear_matches_cpu() {
             } else {
                 2.0 * tol
             };
-            for path in [SkinnyPath::Auto, SkinnyPath::Matmul] {
+            // Auto: the tensor-core kernel where it takes the operands; Streaming: the CUDA-core one.
+            for path in [SkinnyPath::Auto, SkinnyPath::Streaming(1), SkinnyPath::Matmul] {
                 let layer =
                     Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(skinny_policy(path));
                 let (xg, rg) = (x.to_device(&d).unwrap(), res.to_device(&d).unwrap());

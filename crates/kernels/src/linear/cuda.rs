@@ -6,7 +6,7 @@ use candle_core::{DType, Layout, Tensor};
 
 use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS};
 use crate::cuda::{device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
-use crate::{KernelPolicy, Result};
+use crate::{KernelPolicy, Result, SkinnyPath};
 
 /// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
 /// or, for `w = [gate; up]`, the MLP activation `silu(x·gateᵀ) · (x·upᵀ)` (one row).
@@ -177,6 +177,9 @@ pub(crate) fn skinny_linear(
     }
 }
 
+/// Most rows the FP8 tensor-core kernel takes by default.
+const FP8_TC_MAX_ROWS: usize = 4;
+
 /// The kernel's requirements on an FP8 weight: `in` and the column block multiples of 16 (each
 /// 16-byte vector of a row in one block), contiguous operands.
 fn fp8_fits(w: &super::Fp8Weight) -> bool {
@@ -227,9 +230,17 @@ pub(crate) fn fp8_linear(
     }
     let dev = device(op, x)?;
     let null: u64 = 0;
-    // Two columns per warp while few rows leave registers to spare.
-    let columns = if m <= 2 { 2 } else { 1 };
     let [bo, bi] = w.block();
+    // The tensor-core kernel for up to 4 rows (16-bit activations, column blocks of whole
+    // 64-element segments), unless the policy asks for the CUDA-core one; from 5 rows the
+    // CUDA-core kernel is as fast or faster (H200, docs/BENCHMARKS.md §1b).
+    let tc = matches!(dt, DType::BF16 | DType::F16)
+        && bi % 64 == 0
+        && m <= FP8_TC_MAX_ROWS
+        && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_));
+    // Two columns per warp while few rows leave registers to spare (the tensor-core kernel
+    // keeps only its products' diagonals).
+    let columns = if m <= 2 || tc { 2 } else { 1 };
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
@@ -246,7 +257,8 @@ pub(crate) fn fp8_linear(
             // SAFETY: uninitialised; the kernel writes every element (each warp its columns of
             // every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
-            let name = format!("fp8_linear_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
+            let kind = if tc { "fp8_linear_tc" } else { "fp8_linear" };
+            let name = format!("{kind}_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
             let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
@@ -262,11 +274,12 @@ pub(crate) fn fp8_linear(
                 shared_mem_bytes: 0,
             };
             if n > 0 {
-                // SAFETY: arguments match `fp8_linear_{sfx}_m{m}_r{columns}` in cuda/linear.cu:
+                // SAFETY: arguments match `{kind}_{sfx}_m{m}_r{columns}` in cuda/linear.cu:
                 // x [m·k] (16-byte aligned), w [n·k] bytes (16-byte aligned, k a multiple of 16)
                 // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all contiguous (checked above), res [m·n]
                 // contiguous or a null pointer (0u64), y [m·n], i32 n, k, bo, bi with bi a
-                // multiple of 16; one warp per `columns` columns.
+                // multiple of 16 (of 64 for the tensor-core kernel, with x 16-bit); one warp per
+                // `columns` columns.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, n))))
@@ -305,7 +318,11 @@ pub(crate) fn fp8_dequantize(
             // SAFETY: uninitialised; the kernel writes every element (one thread per element,
             // grid-stride).
             let out = unsafe { dev.alloc::<$t>(n * k)? };
-            let func = LINEAR.func(&dev, &format!("fp8_dequant_{}", dtype_suffix(op, dtype)?))?;
+            // Whole 16-byte vectors in one column block: a thread per vector.
+            let vec16 =
+                k % 16 == 0 && bi % 16 == 0 && ql.start_offset() % 16 == 0 && n * k / 16 <= i32::MAX as usize;
+            let kind = if vec16 { "fp8_dequant16" } else { "fp8_dequant" };
+            let func = LINEAR.func(&dev, &format!("{kind}_{}", dtype_suffix(op, dtype)?))?;
             let mut lb = KernelCall::new(&dev, &func, policy);
             let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
             lb.arg(&qv)
@@ -316,15 +333,18 @@ pub(crate) fn fp8_dequantize(
                 .arg(&bo32)
                 .arg(&bi32);
             let total = n * k;
+            let threads = if vec16 { total / 16 } else { total };
             let cfg = LaunchConfig {
-                grid_dim: (total.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+                grid_dim: (threads.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             if total > 0 {
-                // SAFETY: arguments match `fp8_dequant_{sfx}` in cuda/linear.cu: w [n·k] bytes
+                // SAFETY: arguments match `{kind}_{sfx}` in cuda/linear.cu: w [n·k] bytes
                 // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, contiguous (checked above), out [n·k], i32 n,
-                // k, bo, bi (below 2^31: Fp8Weight::new); a grid-stride loop over the elements.
+                // k, bo, bi (below 2^31: Fp8Weight::new); a grid-stride loop over the elements,
+                // or over w's 16-byte vectors (16-byte aligned, fewer than 2^31, checked) when k
+                // and bi are multiples of 16.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(out, &dev, (n, k))))
