@@ -53,6 +53,11 @@ struct Args {
     /// MTP rows draft over the first N token ids (a draft vocabulary) instead of all of them.
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// Tensor parallelism over N ranks: threads on the CPU, with --cuda one GPU each over NCCL
+    /// (a build with --features nccl). Rows then time one rank's step, and their limits count
+    /// that rank's bytes (its shard plus the replicated embedding, norms and lm_head).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 impl Row {
@@ -87,17 +92,51 @@ fn main() -> anyhow_like::Result<()> {
     if let Some(c) = args.multi_row_gemv {
         kernels.skinny = qwen36::kernels::SkinnyPath::Multi(c);
     }
-    let (device, dtype, mut cfg, weights) = setup(&args.run, kernels)?;
+    if args.tp <= 1 {
+        return bench(&args, kernels, None);
+    }
+    // Every rank runs the same benchmark on its shard (one thread each, in step through the
+    // reductions); the first prints. Random weights draw the same values on every GPU rank.
+    let comms = load::tp_group(args.tp, args.run.cuda)?;
+    let done: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let args = &args;
+                s.spawn(move || bench(args, kernels, Some(comm)).map_err(|e| e.to_string()))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| t.join().unwrap_or_else(|_| Err(format!("rank {rank} panicked"))))
+            .collect()
+    });
+    done.into_iter()
+        .collect::<Result<(), String>>()
+        .map_err(Into::into)
+}
+
+/// The benchmark on one device, or on one tensor-parallel rank (`comm`; only rank 0 prints).
+fn bench(
+    args: &Args,
+    kernels: qwen36::kernels::KernelPolicy,
+    comm: Option<std::sync::Arc<dyn qwen36::model::Communicator>>,
+) -> anyhow_like::Result<()> {
+    let print = comm.as_ref().is_none_or(|c| c.rank() == 0);
+    let (device, dtype, mut cfg, weights) = setup(&args.run, kernels, comm)?;
     let max_ctx =
         args.prefill.iter().max().copied().unwrap_or(0) + args.decode_steps + 5 * args.mtp_cycles * 2;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(max_ctx);
 
     let (copy_bw, gemm_rate) = (copy_bandwidth(&device, dtype)?, gemm_rate(&device, dtype)?);
-    eprintln!(
-        "measured: copy {:.2} TB/s (read + write), {dtype:?} GEMM {:.0} TFLOP/s",
-        copy_bw / 1e12,
-        gemm_rate / 1e12
-    );
+    if print {
+        eprintln!(
+            "measured: copy {:.2} TB/s (read + write), {dtype:?} GEMM {:.0} TFLOP/s",
+            copy_bw / 1e12,
+            gemm_rate / 1e12
+        );
+    }
 
     let t0 = Instant::now();
     let model = Qwen36Model::from_weights(cfg.clone(), &weights)?;
@@ -107,12 +146,14 @@ fn main() -> anyhow_like::Result<()> {
         None
     };
     device.synchronize()?;
-    eprintln!(
-        "model ready in {:.1} s ({} layers, MTP head: {})",
-        t0.elapsed().as_secs_f64(),
-        cfg.num_hidden_layers,
-        head.is_some()
-    );
+    if print {
+        eprintln!(
+            "model ready in {:.1} s ({} layers, MTP head: {})",
+            t0.elapsed().as_secs_f64(),
+            cfg.num_hidden_layers,
+            head.is_some()
+        );
+    }
     let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
     let mut rows = Vec::new();
     let mut phases: Vec<(String, [f64; 3])> = Vec::new();
@@ -273,6 +314,9 @@ fn main() -> anyhow_like::Result<()> {
         }
     }
 
+    if !print {
+        return Ok(());
+    }
     print_table(&rows);
     if !phases.is_empty() {
         // The commit's device work runs behind the next chain; its host time is what it costs.

@@ -112,7 +112,8 @@ fn main() -> anyhow_like::Result<()> {
         return over_http(&args, url);
     }
     let random = args.run.model.is_none();
-    let (device, dtype, mut cfg, weights) = setup(&args.run, qwen36::kernels::KernelPolicy::from_env())?;
+    let (device, dtype, mut cfg, weights) =
+        setup(&args.run, qwen36::kernels::KernelPolicy::from_env(), None)?;
     if args.turns == 0 || args.shared_prefix > args.input_len {
         return Err("--turns must be at least 1 and --shared-prefix at most --input-len".into());
     }

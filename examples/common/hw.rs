@@ -43,12 +43,14 @@ pub struct ModelArgs {
     pub fp8: bool,
 }
 
-/// What a benchmark runs on: the device (`--cuda`: the first GPU, made for CUDA graphs), the
-/// dtype, and the checkpoint of `--model`, or random weights for the config of `--config`
-/// (default Qwen3.6-27B's), cut to its first `--layers` decoder layers.
+/// What a benchmark runs on: the device (`--cuda`: the first GPU, made for CUDA graphs; a
+/// tensor-parallel rank's own device), the dtype, and the checkpoint of `--model`, or random
+/// weights for the config of `--config` (default Qwen3.6-27B's), cut to its first `--layers`
+/// decoder layers; with `comm`, the rank's shard of them and its config.
 pub fn setup(
     args: &ModelArgs,
     kernels: KernelPolicy,
+    comm: Option<std::sync::Arc<dyn qwen36::model::Communicator>>,
 ) -> anyhow_like::Result<(Device, DType, Config, Weights)> {
     let (model, config, layers, dtype, cuda) = (
         args.model.as_deref(),
@@ -57,10 +59,10 @@ pub fn setup(
         args.dtype.as_str(),
         args.cuda,
     );
-    let device = if cuda {
-        qwen36::model::cuda_device(0)?
-    } else {
-        Device::Cpu
+    let device = match comm.as_ref().and_then(|c| c.device()) {
+        Some(d) => d,
+        None if cuda => qwen36::model::cuda_device(0)?,
+        None => Device::Cpu,
     };
     let dtype = match dtype {
         "bf16" => DType::BF16,
@@ -89,7 +91,8 @@ pub fn setup(
                 None => Config::from_json(&serde_json::from_str(QWEN36_27B)?)?,
             };
             if !device.is_cpu() {
-                // Repeatable weights on a GPU (candle's CPU generator cannot be seeded).
+                // Repeatable weights on a GPU (candle's CPU generator cannot be seeded); every
+                // rank draws the same tensors in the same order, so the replicated ones agree.
                 device.set_seed(0)?;
             }
             let weights = if args.fp8 {
@@ -104,7 +107,13 @@ pub fn setup(
         cfg.num_hidden_layers = n.min(cfg.num_hidden_layers);
         cfg.layer_types.truncate(cfg.num_hidden_layers);
     }
-    Ok((device, dtype, cfg, weights))
+    match comm {
+        Some(comm) => {
+            let (rank_cfg, weights) = weights.sharded(comm, &cfg)?;
+            Ok((device, dtype, rank_cfg, weights))
+        }
+        None => Ok((device, dtype, cfg, weights)),
+    }
 }
 
 /// Bytes and FLOPs one forward must move or do, from the config alone.
