@@ -103,7 +103,14 @@ fn main() -> anyhow_like::Result<()> {
             .into_iter()
             .map(|comm| {
                 let args = &args;
-                s.spawn(move || bench(args, kernels, Some(comm)).map_err(|e| e.to_string()))
+                s.spawn(move || {
+                    let done = bench(args, kernels, Some(comm.clone())).map_err(|e| e.to_string());
+                    if done.is_err() {
+                        // (Ends the others' reductions: none waits for this rank.)
+                        comm.abort();
+                    }
+                    done
+                })
             })
             .collect();
         ranks
@@ -124,7 +131,15 @@ fn bench(
     comm: Option<std::sync::Arc<dyn qwen36::model::Communicator>>,
 ) -> anyhow_like::Result<()> {
     let print = comm.as_ref().is_none_or(|c| c.rank() == 0);
-    let (device, dtype, mut cfg, weights) = setup(&args.run, kernels, comm)?;
+    let ready = setup(&args.run, kernels, comm.clone());
+    if let Some(c) = &comm {
+        // Every rank learns whether all are ready (a rank that failed must not leave the others
+        // waiting in their first reduction).
+        let all = c.barrier(ready.is_ok());
+        ready.as_ref().map_err(|e| e.to_string())?;
+        all?;
+    }
+    let (device, dtype, mut cfg, weights) = ready?;
     let max_ctx =
         args.prefill.iter().max().copied().unwrap_or(0) + args.decode_steps + 5 * args.mtp_cycles * 2;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(max_ctx);

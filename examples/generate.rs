@@ -81,7 +81,8 @@ struct Args {
     #[arg(long)]
     stop_on_loop: bool,
     /// Tensor parallelism: shard the model over this many ranks (threads of this process, each
-    /// holding its part of every layer; on the CPU for now).
+    /// holding its part of every layer): on the CPU, or with --cuda one GPU each over NCCL (a
+    /// build with --features nccl).
     #[arg(long, default_value_t = 1)]
     tp: usize,
 }
@@ -97,7 +98,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn run(args: Args) -> Result<(), BoxError> {
     let dtype = load::dtype(&args.dtype)?;
-    let device = load::device(args.cuda)?;
+    // (Ranks over NCCL each compute on their own GPU.)
+    let device = load::device(args.cuda && args.tp <= 1)?;
     let model_dir = load::model_dir(args.model.as_deref())?;
     let opts = |progress| LoadOptions {
         dtype,
@@ -123,13 +125,22 @@ fn run(args: Args) -> Result<(), BoxError> {
                         device: load::rank_device(comm.as_ref(), &opts(None).device),
                         ..opts(progress)
                     };
-                    let generator = Generator::load_shard(model_dir, opts, comm)?;
-                    generate(args, &generator, first)
+                    let loaded = Generator::load_shard(model_dir, opts, comm.clone());
+                    // Every rank learns whether all loaded (a rank that failed must not leave
+                    // the others waiting in their first reduction).
+                    let all = comm.barrier(loaded.is_ok());
+                    let generator = loaded?;
+                    all?;
+                    let done = generate(args, &generator, first);
+                    if done.is_err() {
+                        comm.abort();
+                    }
+                    done
                 })
             })
             .collect();
-        // Every rank joined (a failed one's handle dropped ends the others' reductions), then
-        // the first error.
+        // Every rank joined (a failed one aborts the group, ending the others' reductions),
+        // then the first error.
         let done: Vec<Result<(), BoxError>> = ranks
             .into_iter()
             .enumerate()

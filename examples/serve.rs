@@ -97,7 +97,8 @@ struct Args {
     #[arg(long)]
     fixed_k: bool,
     /// Tensor parallelism: one engine per rank over its shard of the model, stepping together
-    /// (ranks as threads on the CPU for now). `--memory-gib` is then per rank.
+    /// (threads on the CPU, or with --cuda one GPU each over NCCL in a build with --features
+    /// nccl). `--memory-gib` is then per rank.
     #[arg(long, default_value_t = 1)]
     tp: usize,
 }
@@ -248,7 +249,8 @@ fn run(args: Args) -> Result<(), BoxError> {
         .init();
     let opts = LoadOptions {
         dtype: load::dtype(&args.dtype)?,
-        device: load::device(args.cuda)?,
+        // (Ranks over NCCL each compute on their own GPU.)
+        device: load::device(args.cuda && args.tp <= 1)?,
         progress: load::progress(),
         ..LoadOptions::default()
     };

@@ -31,8 +31,12 @@ fn rank_engine(comm: Arc<dyn Communicator>) -> qwen36_engine::Result<Engine> {
     // (An NCCL rank computes on its own GPU.)
     opts.device = comm.device().unwrap_or(opts.device);
     let model = Qwen36Model::load_shard(bundled_dir(), opts.clone(), comm.clone())?;
+    let graphs = comm.graph_safe() && opts.device.is_cuda();
     let head = MtpHead::load_dir_shard(bundled_dir(), opts, comm)?;
-    Engine::with_mtp_head(model, head, config())
+    let engine = Engine::with_mtp_head(model, head, config())?;
+    // (NCCL ranks record their batch steps in CUDA graphs.)
+    assert_eq!(engine.uses_graphs(), graphs, "graphs on a rank");
+    Ok(engine)
 }
 
 /// The requests: random prompts sharing beginnings, mixed sampling and speculation.

@@ -339,6 +339,35 @@ template <typename T> __device__ __forceinline__ void load_x16(const T* __restri
     }
 }
 
+// The FP8 weight rows a warp streams: NR rows from n0 (past N: row N - 1 again, never written)
+// with their block-scale rows; lane l loads 16-byte vectors l, l + 32, ... of each, UNROLL at a
+// time, past L1 (each weight is read once per call).
+template <int NR> struct Fp8Rows {
+    const uint4* w[NR];
+    const float* s[NR];
+    uint4 v[UNROLL][NR];
+
+    __device__ __forceinline__ Fp8Rows(const uint8_t* __restrict__ q, const float* __restrict__ scale, int n0, int N,
+                                       int K, int bo, int kb) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const int n = min(n0 + r, N - 1);
+            w[r] = reinterpret_cast<const uint4*>(q + (size_t)n * K);
+            s[r] = scale + (size_t)(n / bo) * kb;
+        }
+    }
+
+    // Vectors base + 32u + lane (u < UNROLL) of every row, zeros past the row's kv vectors.
+    __device__ __forceinline__ void load(int base, int lane, int kv) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) v[u][r] = i < kv ? __ldcs(w[r] + i) : make_uint4(0, 0, 0, 0);
+        }
+    }
+};
+
 // y = x · e4m3(w)ᵀ·scale (+ res): the weight-streaming GEMV of skinny_linear for FP8 weights, half
 // the bytes of bf16. One warp per NR columns; lane l reads 16-byte vectors l, l + 32, ... of each
 // weight row (16 weights), converts them once, and for each of the M rows forms the vector's dot
@@ -351,34 +380,18 @@ __device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ 
     const int n0 = warp_id * NR;
     if (n0 >= N) return;
     const int kv = K / 16, kb = (K + bi - 1) / bi;
-    const uint4* wr[NR];
-    const float* sr[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const int n = min(n0 + r, N - 1);
-        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
-        sr[r] = scale + (size_t)(n / bo) * kb;
-    }
+    Fp8Rows<NR> rows(w, scale, n0, N, K, bo, kb);
     float acc[M][NR];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < NR; ++r) acc[m][r] = 0.f;
-    uint4 wv[UNROLL][NR];
-    auto load_weights = [&](int base) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * 32 + lane;
-#pragma unroll
-            for (int r = 0; r < NR; ++r) wv[u][r] = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
-        }
-    };
     pdl_launch_dependents();
     // The weights and scales do not depend on the previous kernel: load while it finishes.
-    load_weights(0);
+    rows.load(0, lane, kv);
     pdl_wait();
     for (int base = 0; base < kv; base += 32 * UNROLL) {
-        if (base > 0) load_weights(base);
+        if (base > 0) rows.load(base, lane, kv);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * 32 + lane;
@@ -387,11 +400,11 @@ __device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ 
             float wf[NR][16], s[NR];
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
-                s[r] = __ldg(sr[r] + blk) * 256.f;
-                e4m3x4(wv[u][r].x, wf[r]);
-                e4m3x4(wv[u][r].y, wf[r] + 4);
-                e4m3x4(wv[u][r].z, wf[r] + 8);
-                e4m3x4(wv[u][r].w, wf[r] + 12);
+                s[r] = __ldg(rows.s[r] + blk) * 256.f;
+                e4m3x4(rows.v[u][r].x, wf[r]);
+                e4m3x4(rows.v[u][r].y, wf[r] + 4);
+                e4m3x4(rows.v[u][r].z, wf[r] + 8);
+                e4m3x4(rows.v[u][r].w, wf[r] + 12);
             }
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -470,26 +483,10 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
     const int n0 = warp_id * NR;
     if (n0 >= N) return;  // n0 is uniform in a warp: whole warps leave
     const int kv = K / 16, kb = (K + bi - 1) / bi;
-    const uint4* wr[NR];
-    const float* sr[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const int n = min(n0 + r, N - 1);
-        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
-        sr[r] = scale + (size_t)(n / bo) * kb;
-    }
-    uint4 wv[UNROLL][NR];
-    auto load_weights = [&](int base) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * 32 + lane;
-#pragma unroll
-            for (int r = 0; r < NR; ++r) wv[u][r] = i < kv ? __ldcs(wr[r] + i) : make_uint4(0, 0, 0, 0);
-        }
-    };
+    Fp8Rows<NR> rows(w, scale, n0, N, K, bo, kb);
     pdl_launch_dependents();
     // The weights and scales do not depend on the previous kernel: load while it finishes.
-    load_weights(0);
+    rows.load(0, lane, kv);
     pdl_wait();
     const int g = lane >> 2;
     const bool diag = (lane & 3) == (g >> 1);  // lane (g, g / 2) holds column g's diagonal
@@ -499,7 +496,7 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
 #pragma unroll
         for (int q = 0; q < SETS; ++q) acc[r][q][0] = acc[r][q][1] = 0.f;
     for (int base = 0; base < kv; base += 32 * UNROLL) {
-        if (base > 0) load_weights(base);
+        if (base > 0) rows.load(base, lane, kv);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = base + u * 32;  // the chunk's first vector
@@ -523,9 +520,9 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
                 uint32_t wh[8];
-                e4m3x16_h2(wv[u][r], wh);
+                e4m3x16_h2(rows.v[u][r], wh);
                 h2_to<T>(wh);
-                const float s = __ldg(sr[r] + blk);
+                const float s = __ldg(rows.s[r] + blk);
 #pragma unroll
                 for (int q = 0; q < SETS; ++q) {
                     float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -601,9 +598,9 @@ __device__ void fp8_dequant16(const uint8_t* __restrict__ w, const float* __rest
     pdl_launch_dependents();
     pdl_wait();
     const int kb = (K + bi - 1) / bi, kv = K / 16;
-    const int total = N * kv;  // below 2^31 (N·K < 2^35: the launcher checks)
-    for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < total; v += gridDim.x * blockDim.x) {
-        const int n = v / kv, c = v - n * kv;
+    const size_t total = (size_t)N * kv;
+    for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < total; v += (size_t)gridDim.x * blockDim.x) {
+        const int n = (int)(v / kv), c = (int)(v - (size_t)n * kv);
         const float s = scale[(size_t)(n / bo) * kb + c * 16 / bi] * F8_UNIT;
         uint32_t h[8];
         e4m3x16_h2(__ldcs(reinterpret_cast<const uint4*>(w) + v), h);

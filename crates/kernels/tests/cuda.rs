@@ -783,6 +783,10 @@ fn fp8_linear_matches_cpu() {
         (8, 6144, 33, [128, 128], 1.0),
         (9, 512, 50, [128, 128], 1.0),
         (2, 100, 20, [32, 20], 1.0),
+        // Odd column counts and blocks other than 128 on the tensor-core kernel.
+        (2, 336, 131, [64, 192], 1.0),
+        (3, 1040, 97, [32, 64], 1.0),
+        (1, 1024, 33, [16, 128], 1.0),
     ] {
         let w = fp8_weight(n, k, block);
         let wg = Fp8Weight::new(

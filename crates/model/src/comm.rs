@@ -3,7 +3,8 @@
 //! [`Communicator`] is what a sharded model calls after each row-parallel projection (the
 //! attention, GDN and MLP output projections). [`LocalComm::group`] makes ranks as threads of one
 //! process on any device and sums in rank order, so every rank gets the same bits; CI runs
-//! tensor parallelism through it.
+//! tensor parallelism through it. `NcclComm::group` (feature `nccl`) puts each rank on a GPU of
+//! its own and sums through NCCL.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -31,6 +32,20 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     fn graph_safe(&self) -> bool {
         false
     }
+    /// Every rank says whether it can go on (a rank whose load failed joins with `ok` false):
+    /// an error on every rank when any one cannot, so that none is left waiting for it.
+    fn barrier(&self, ok: bool) -> Result<()> {
+        let device = self.device().unwrap_or(Device::Cpu);
+        let flag = Tensor::new(&[if ok { 0f32 } else { 1f32 }], &device)?;
+        let failed = self.all_reduce_sum(&flag)?.to_vec1::<f32>()?[0];
+        if failed > 0.0 {
+            return Err(Error::Comm(format!(
+                "{failed} of {} ranks could not go on",
+                self.size()
+            )));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -39,8 +54,6 @@ struct Round {
     parts: Vec<Option<Tensor>>,
     /// Ranks that have read the current round's parts.
     read: usize,
-    /// Counts rounds (a rank waits for its round's end, not a later one's).
-    round: u64,
     /// A rank left (its handle dropped): every wait fails from then on.
     gone: Option<usize>,
 }
@@ -130,9 +143,9 @@ impl LocalComm {
             s = self.wait(s)?;
         }
         s.parts[self.rank] = Some(x.clone());
-        let round = s.round;
         self.shared.changed.notify_all();
-        while s.parts.iter().any(Option::is_none) && s.round == round {
+        // (The round cannot end before this rank has read it.)
+        while s.parts.iter().any(Option::is_none) {
             if let Some(r) = s.gone {
                 return Err(gone(r));
             }
@@ -173,18 +186,26 @@ impl Communicator for LocalComm {
         }
         // Ranks on one GPU each run on a stream of their own, and no stream waits for another's
         // work: a part is published once its kernels have finished.
-        x.device().synchronize()?;
+        if let Err(e) = x.device().synchronize() {
+            self.abort();
+            return Err(e.into());
+        }
         let parts = self.publish(x)?;
         let sum = Self::sum_parts(&parts, x.device());
         drop(parts);
         // The round ends only once every rank has read it (a part is not freed or replaced while
         // another rank's stream copies it); a rank that failed to read ends the group.
-        let mut s = self.lock()?;
+        let mut s = match self.lock() {
+            Ok(s) => s,
+            Err(e) => {
+                self.abort();
+                return Err(e);
+            }
+        };
         s.read += 1;
         if s.read == size {
             s.parts.iter_mut().for_each(|p| *p = None);
             s.read = 0;
-            s.round += 1;
             self.shared.changed.notify_all();
         }
         drop(s);
@@ -219,7 +240,6 @@ impl Drop for LocalComm {
 #[derive(Debug)]
 pub struct NcclComm {
     rank: qwen36_kernels::collective::NcclRank,
-    aborted: std::sync::atomic::AtomicBool,
 }
 
 #[cfg(feature = "nccl")]
@@ -241,12 +261,7 @@ impl NcclComm {
         let ranks = qwen36_kernels::collective::NcclRank::group(devices)?;
         Ok(ranks
             .into_iter()
-            .map(|rank| {
-                Arc::new(NcclComm {
-                    rank,
-                    aborted: false.into(),
-                }) as Arc<dyn Communicator>
-            })
+            .map(|rank| Arc::new(NcclComm { rank }) as Arc<dyn Communicator>)
             .collect())
     }
 }
@@ -262,16 +277,14 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
-        if self.aborted.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(Error::Comm(format!("rank {} left the group", self.rank())));
-        }
         Ok(self.rank.all_reduce_sum(x)?)
     }
 
-    /// This rank's later reductions fail. (The other ranks' NCCL calls are not woken: the engine
-    /// ends a failed step on every rank.)
+    /// Aborts every rank's communicator: collectives queued or running anywhere end without
+    /// their result (a rank waiting on the GPU is released) and later reductions fail. (Dropping
+    /// a rank's handle does not: its peers may still be finishing their last collectives.)
     fn abort(&self) {
-        self.aborted.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.rank.abort_group();
     }
 
     fn device(&self) -> Option<Device> {

@@ -319,8 +319,7 @@ pub(crate) fn fp8_dequantize(
             // grid-stride).
             let out = unsafe { dev.alloc::<$t>(n * k)? };
             // Whole 16-byte vectors in one column block: a thread per vector.
-            let vec16 =
-                k % 16 == 0 && bi % 16 == 0 && ql.start_offset() % 16 == 0 && n * k / 16 <= i32::MAX as usize;
+            let vec16 = k % 16 == 0 && bi % 16 == 0 && ql.start_offset() % 16 == 0;
             let kind = if vec16 { "fp8_dequant16" } else { "fp8_dequant" };
             let func = LINEAR.func(&dev, &format!("{kind}_{}", dtype_suffix(op, dtype)?))?;
             let mut lb = KernelCall::new(&dev, &func, policy);
@@ -343,8 +342,8 @@ pub(crate) fn fp8_dequantize(
                 // SAFETY: arguments match `{kind}_{sfx}` in cuda/linear.cu: w [n·k] bytes
                 // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, contiguous (checked above), out [n·k], i32 n,
                 // k, bo, bi (below 2^31: Fp8Weight::new); a grid-stride loop over the elements,
-                // or over w's 16-byte vectors (16-byte aligned, fewer than 2^31, checked) when k
-                // and bi are multiples of 16.
+                // or over w's 16-byte vectors (16-byte aligned, checked) when k and bi are
+                // multiples of 16.
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(out, &dev, (n, k))))
