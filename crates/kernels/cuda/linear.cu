@@ -430,24 +430,28 @@ __device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ 
         }
 }
 
-#define FP8_LINEAR_KERNEL(SUFFIX, T, M, NR)                                                          \
+// `FN`_`SUFFIX`_m`M`_r`NR` calls FN<T, M, NR>: the FP8 GEMVs on CUDA cores (1..8 rows, every
+// dtype) and on tensor cores (1..4 rows, 16-bit types).
+#define FP8_KERNEL(FN, SUFFIX, T, M, NR)                                                             \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        fp8_linear_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale,         \
-                                           const T* res, T* y, int N, int K, int bo, int bi) {       \
-        fp8_linear<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                     \
+        FN##_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale, const T* res, \
+                                     T* y, int N, int K, int bo, int bi) {                           \
+        FN<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                             \
     }
-#define FP8_LINEAR_KERNELS_M(SUFFIX, T, M)                                                           \
-    FP8_LINEAR_KERNEL(SUFFIX, T, M, 1)                                                               \
-    FP8_LINEAR_KERNEL(SUFFIX, T, M, 2)
+#define FP8_KERNELS_M(FN, SUFFIX, T, M)                                                              \
+    FP8_KERNEL(FN, SUFFIX, T, M, 1)                                                                  \
+    FP8_KERNEL(FN, SUFFIX, T, M, 2)
+#define FP8_KERNELS_TO_4(FN, SUFFIX, T)                                                              \
+    FP8_KERNELS_M(FN, SUFFIX, T, 1)                                                                  \
+    FP8_KERNELS_M(FN, SUFFIX, T, 2)                                                                  \
+    FP8_KERNELS_M(FN, SUFFIX, T, 3)                                                                  \
+    FP8_KERNELS_M(FN, SUFFIX, T, 4)
 #define FP8_LINEAR_KERNELS(SUFFIX, T)                                                                \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 1)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 2)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 3)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 4)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 5)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 6)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 7)                                                               \
-    FP8_LINEAR_KERNELS_M(SUFFIX, T, 8)
+    FP8_KERNELS_TO_4(fp8_linear, SUFFIX, T)                                                          \
+    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 5)                                                          \
+    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 6)                                                          \
+    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 7)                                                          \
+    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 8)
 FP8_LINEAR_KERNELS(f32, float)
 FP8_LINEAR_KERNELS(bf16, __nv_bfloat16)
 FP8_LINEAR_KERNELS(f16, __half)
@@ -555,22 +559,8 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
     }
 }
 
-#define FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, NR)                                                       \
-    extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        fp8_linear_tc_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale,      \
-                                              const T* res, T* y, int N, int K, int bo, int bi) {    \
-        fp8_linear_tc<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                  \
-    }
-#define FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, M)                                                        \
-    FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, 1)                                                            \
-    FP8_LINEAR_TC_KERNEL(SUFFIX, T, M, 2)
-#define FP8_LINEAR_TC_KERNELS(SUFFIX, T)                                                             \
-    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 1)                                                            \
-    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 2)                                                            \
-    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 3)                                                            \
-    FP8_LINEAR_TC_KERNELS_M(SUFFIX, T, 4)
-FP8_LINEAR_TC_KERNELS(bf16, __nv_bfloat16)
-FP8_LINEAR_TC_KERNELS(f16, __half)
+FP8_KERNELS_TO_4(fp8_linear_tc, bf16, __nv_bfloat16)
+FP8_KERNELS_TO_4(fp8_linear_tc, f16, __half)
 
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and
