@@ -335,6 +335,33 @@ mod tests {
         }
     }
 
+    /// The barrier passes when every rank can go on, and fails on every rank when one cannot.
+    #[test]
+    fn a_barrier_fails_on_every_rank_when_one_cannot_go_on() {
+        for (size, failing) in [
+            (1, None),
+            (2, None),
+            (3, None),
+            (1, Some(0)),
+            (2, Some(1)),
+            (3, Some(0)),
+        ] {
+            let done = LocalComm::run_ranks(size, |c| c.barrier(Some(c.rank()) != failing)).unwrap();
+            for (rank, d) in done.iter().enumerate() {
+                match failing {
+                    None => assert!(d.is_ok(), "size {size} rank {rank}: {d:?}"),
+                    Some(_) => {
+                        let e = d.as_ref().unwrap_err().to_string();
+                        assert!(
+                            e.contains(&format!("1 of {size} ranks")),
+                            "size {size} rank {rank}: {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A rank that leaves (its handle dropped) fails the others' reductions instead of leaving
     /// them waiting.
     #[test]
