@@ -98,27 +98,14 @@ fn main() -> anyhow_like::Result<()> {
     // Every rank runs the same benchmark on its shard (one thread each, in step through the
     // reductions); the first prints. Random weights draw the same values on every GPU rank.
     let comms = load::tp_group(args.tp, args.run.cuda)?;
-    let done: Vec<Result<(), String>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let args = &args;
-                s.spawn(move || {
-                    let done = bench(args, kernels, Some(comm.clone())).map_err(|e| e.to_string());
-                    if done.is_err() {
-                        // (Ends the others' reductions: none waits for this rank.)
-                        comm.abort();
-                    }
-                    done
-                })
-            })
-            .collect();
-        ranks
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| t.join().unwrap_or_else(|_| Err(format!("rank {rank} panicked"))))
-            .collect()
-    });
+    let done = qwen36::model::run_ranks(comms, |comm| {
+        let done = bench(&args, kernels, Some(comm.clone())).map_err(|e| e.to_string());
+        if done.is_err() {
+            // (Ends the others' reductions: none waits for this rank.)
+            comm.abort();
+        }
+        done
+    })?;
     done.into_iter()
         .collect::<Result<(), String>>()
         .map_err(Into::into)

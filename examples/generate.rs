@@ -113,44 +113,27 @@ fn run(args: Args) -> Result<(), BoxError> {
     // Every rank runs the same generation on its shard (the same seed: the same tokens), one
     // thread each; the first prints.
     let comms = load::tp_group(args.tp, args.cuda)?;
-    std::thread::scope(|s| {
-        let ranks: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (args, model_dir, opts) = (&args, &model_dir, &opts);
-                s.spawn(move || {
-                    let first = comm.rank() == 0;
-                    let progress = if first { load::progress() } else { None };
-                    let opts = LoadOptions {
-                        device: load::rank_device(comm.as_ref(), &opts(None).device),
-                        ..opts(progress)
-                    };
-                    let loaded = Generator::load_shard(model_dir, opts, comm.clone());
-                    // Every rank learns whether all loaded (a rank that failed must not leave
-                    // the others waiting in their first reduction).
-                    let all = comm.barrier(loaded.is_ok());
-                    let generator = loaded?;
-                    all?;
-                    let done = generate(args, &generator, first);
-                    if done.is_err() {
-                        comm.abort();
-                    }
-                    done
-                })
-            })
-            .collect();
-        // Every rank joined (a failed one aborts the group, ending the others' reductions),
-        // then the first error.
-        let done: Vec<Result<(), BoxError>> = ranks
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                t.join()
-                    .unwrap_or_else(|_| Err(format!("rank {rank} panicked").into()))
-            })
-            .collect();
-        done.into_iter().collect()
-    })
+    let done = qwen36::model::run_ranks(comms, |comm| -> Result<(), BoxError> {
+        let first = comm.rank() == 0;
+        let progress = if first { load::progress() } else { None };
+        let opts = LoadOptions {
+            device: load::rank_device(comm.as_ref(), &opts(None).device),
+            ..opts(progress)
+        };
+        let loaded = Generator::load_shard(&model_dir, opts, comm.clone());
+        // Every rank learns whether all loaded (a rank that failed must not leave the others
+        // waiting in their first reduction).
+        let all = comm.barrier(loaded.is_ok());
+        let generator = loaded?;
+        all?;
+        let done = generate(&args, &generator, first);
+        if done.is_err() {
+            // (Ends the others' reductions: none waits for this rank.)
+            comm.abort();
+        }
+        done
+    })?;
+    done.into_iter().collect()
 }
 
 /// Generates as `args` say with `generator`; only with `print` does it write anything.

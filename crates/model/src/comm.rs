@@ -101,20 +101,9 @@ impl LocalComm {
             .collect())
     }
 
-    /// Runs `f` on `size` ranks, one scoped thread each with its rank's handle, and returns
-    /// their results in rank order. A rank that panics is an error (the others' reductions
-    /// fail rather than wait for it).
+    /// [`run_ranks`] over a new group of `size` ranks.
     pub fn run_ranks<T: Send>(size: usize, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Result<Vec<T>> {
-        let comms = Self::group(size)?;
-        let f = &f;
-        std::thread::scope(|scope| {
-            let threads: Vec<_> = comms.into_iter().map(|c| scope.spawn(move || f(c))).collect();
-            threads
-                .into_iter()
-                .enumerate()
-                .map(|(rank, t)| t.join().map_err(|_| Error::Comm(format!("rank {rank} panicked"))))
-                .collect()
-        })
+        run_ranks(Self::group(size)?, f)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Round>> {
@@ -164,6 +153,37 @@ impl LocalComm {
         device.synchronize()?;
         Ok(sum)
     }
+}
+
+/// Runs `f` on every rank of a group, one scoped thread each with its rank's handle, and
+/// returns their results in rank order once all have ended. A rank that panics is an error, and
+/// aborts the group (the others' reductions fail rather than wait for it).
+pub fn run_ranks<T: Send>(
+    comms: Vec<Arc<dyn Communicator>>,
+    f: impl Fn(Arc<dyn Communicator>) -> T + Sync,
+) -> Result<Vec<T>> {
+    let f = &f;
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                scope.spawn(move || {
+                    let mine = c.clone();
+                    // (`f` holds no state across the unwind: a panicking rank only ends.)
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c)))
+                        .inspect_err(|_| mine.abort())
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| match t.join() {
+                Ok(Ok(v)) => Ok(v),
+                _ => Err(Error::Comm(format!("rank {rank} panicked"))),
+            })
+            .collect()
+    })
 }
 
 fn gone(rank: usize) -> Error {
@@ -333,6 +353,24 @@ mod tests {
                 assert_eq!(h.join().unwrap().unwrap(), want, "size {size}");
             }
         }
+    }
+
+    /// A rank that panics while the others wait in a reduction ends the group: the others'
+    /// reductions fail instead of waiting, and the run is an error naming the rank.
+    #[test]
+    fn a_rank_that_panics_ends_the_run() {
+        let waits = std::sync::Mutex::new(Vec::new());
+        let e = LocalComm::run_ranks(3, |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                panic!("rank 1 fails");
+            }
+            let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+            waits.lock().unwrap().push(c.all_reduce_sum(&x).is_err());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("rank 1 panicked"), "{e}");
+        assert_eq!(*waits.lock().unwrap(), [true, true]);
     }
 
     /// The barrier passes when every rank can go on, and fails on every rank when one cannot.

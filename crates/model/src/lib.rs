@@ -23,7 +23,7 @@ pub use attention::GatedAttention;
 pub use cache::{Cache, LayerCache};
 #[cfg(feature = "nccl")]
 pub use comm::NcclComm;
-pub use comm::{Communicator, LocalComm};
+pub use comm::{run_ranks, Communicator, LocalComm};
 pub use config::{Config, LayerType, Quantization};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
