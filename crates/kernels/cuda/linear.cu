@@ -431,7 +431,7 @@ __device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ 
 }
 
 // `FN`_`SUFFIX`_m`M`_r`NR` calls FN<T, M, NR>: the FP8 GEMVs on CUDA cores (1..8 rows, every
-// dtype) and on tensor cores (1..4 rows, 16-bit types).
+// dtype) and on tensor cores in the diagonal layout (one row, 16-bit types).
 #define FP8_KERNEL(FN, SUFFIX, T, M, NR)                                                             \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
         FN##_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale, const T* res, \
@@ -469,7 +469,8 @@ template <> __device__ __forceinline__ void h2_to<__nv_bfloat16>(uint32_t (&h)[8
     }
 }
 
-// FP8 weights on tensor cores, for 16-bit activations (1..4 rows): the products the kernel above
+// FP8 weights on tensor cores, for 16-bit activations (built for one row: from two rows the tile
+// kernel below, fp8_linear_mma, is faster; at one row this one is): the products the kernel above
 // makes on CUDA cores, where decoding the bytes and the f32 multiplies, not the memory, set its
 // pace. The weights are read as there; a lane's 16 weights decode to eight pairs in x's format
 // (e4m3x16_h2, h2_to: exact) and enter four m16n8k16 products in skinny_linear_tc's layout
@@ -559,8 +560,161 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
     }
 }
 
-FP8_KERNELS_TO_4(fp8_linear_tc, bf16, __nv_bfloat16)
-FP8_KERNELS_TO_4(fp8_linear_tc, f16, __half)
+FP8_KERNELS_M(fp8_linear_tc, bf16, __nv_bfloat16, 1)
+FP8_KERNELS_M(fp8_linear_tc, f16, __half, 1)
+
+// Sixteen e4m3 bytes as eight pairs in T's 16-bit format (element 2j in the low half of h[j]),
+// each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 with the bit trick of
+// e4m3x4_h2 moved to bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is e4m3(b) · 2⁻¹²⁰,
+// subnormals included: the biases, 7 and 127, differ by 120) times 2¹²⁰ / F8_UNIT, a power of two
+// (exact; bf16 keeps subnormals). Integer and half-precision multiply instructions only, no
+// conversions through f32.
+template <typename T> __device__ __forceinline__ void e4m3x16_pairs(const uint4& v, uint32_t (&h)[8]);
+template <> __device__ __forceinline__ void e4m3x16_pairs<__half>(const uint4& v, uint32_t (&h)[8]) {
+    e4m3x16_h2(v, h);
+}
+template <> __device__ __forceinline__ void e4m3x16_pairs<__nv_bfloat16>(const uint4& v, uint32_t (&h)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    const __nv_bfloat162 unit = __float2bfloat162_rn(0x1p120f / F8_UNIT);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = __byte_perm(w[i], 0u, 0x1404), hi = __byte_perm(w[i], 0u, 0x3424);  // b << 8
+        uint32_t p[2] = {(lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 4), (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 4)};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&p[j]), unit);
+            h[2 * i + j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+    }
+}
+
+// A weight vector streamed once: past L1 (evict-first), with the L2 fetching the whole 256-byte
+// span around it from DRAM (the tile kernel below reads 64 bytes per row and step; its
+// neighbouring steps, taken by the same or the next warp, read the rest).
+__device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// FP8 weights on tensor cores in the products' own layout, for 1..8 rows of 16-bit activations:
+// a block of WARPS warps makes 16 output columns (weight rows n0..n0+15) for all M rows of x, the
+// weights as m16n8k16's A (16 weight rows by 16 k) and x as its B (16 k by 8 rows of x, columns
+// M..7 zero). A k step covers 64 elements: lane (g, t) loads the 16-byte vector 4s + t of weight
+// rows n0 + g and n0 + g + 8 and the same 16 elements of x's row g, and its four products take
+// elements 4j..4j+3 of them (j = 0..3) as its A and B k slots 2t, 2t+1, 2t+8, 2t+9: both operands
+// list the same elements in the same slots, so each product sums 16 of the step's elements and
+// the four products all 64. Each weight byte is loaded and decoded once; x's bytes once per 16
+// weight rows. A step lies in one column block (bi a multiple of 64): its products start from
+// zero and join the f32 sums times the block's scales. Warp w takes U = 16 / WARPS consecutive
+// steps from step U·w, then the same 16 steps further, and so on; the warps' sums are added in
+// warp order at the end. The rows of x are batch-invariant: each sees the same operations in the
+// same order whatever M is (the tensor cores compute each column of a product on its own, and
+// the zero columns add nothing to the others).
+template <typename T, int M, int WARPS>
+__device__ void fp8_linear_mma(const T* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ scale,
+                               const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
+    static_assert(sizeof(T) == 2 && M >= 1 && M <= 8, "16-bit activations, 1..8 rows");
+    static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
+    constexpr int U = 16 / WARPS;
+    __shared__ float part[WARPS][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int kv = K / 16, kb = (K + bi - 1) / bi, steps = (kv + 3) / 4;
+    // Weight rows n0 + g and n0 + g + 8 (past N: row N - 1 again, never written).
+    const int ra = min(n0 + g, N - 1), rb = min(n0 + g + 8, N - 1);
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * K);
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * K);
+    const float* sa = scale + (size_t)(ra / bo) * kb;
+    const float* sb = scale + (size_t)(rb / bo) * kb;
+    uint4 va[U], vb[U];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = 4 * (s0 + u) + t;
+            const bool in = i < kv;
+            va[u] = in ? ld_stream256(wa + i) : make_uint4(0, 0, 0, 0);
+            vb[u] = in ? ld_stream256(wb + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    pdl_launch_dependents();
+    // The weights do not depend on the previous kernel: load them while it finishes.
+    load(U * warp);
+    pdl_wait();
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)min(g, M - 1) * K);
+    for (int s0 = U * warp; s0 < steps; s0 += 16) {
+        if (s0 != U * warp) load(s0);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u;
+            if (s >= steps) break;  // uniform in the warp
+            const int i = 4 * s + t;
+            uint32_t xb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (g < M && i < kv) {
+                const uint4 x0 = __ldg(xr + 2 * i), x1 = __ldg(xr + 2 * i + 1);
+                xb[0] = x0.x, xb[1] = x0.y, xb[2] = x0.z, xb[3] = x0.w;
+                xb[4] = x1.x, xb[5] = x1.y, xb[6] = x1.z, xb[7] = x1.w;
+            }
+            uint32_t ha[8], hb[8];
+            e4m3x16_pairs<T>(va[u], ha);
+            e4m3x16_pairs<T>(vb[u], hb);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
+                mma16816<T>(d, a, xb[2 * j], xb[2 * j + 1]);
+            }
+            const int blk = 64 * s / bi;
+            const float fa = __ldg(sa + blk), fb = __ldg(sb + blk);
+            acc[0] = fmaf(d[0], fa, acc[0]);
+            acc[1] = fmaf(d[1], fa, acc[1]);
+            acc[2] = fmaf(d[2], fb, acc[2]);
+            acc[3] = fmaf(d[3], fb, acc[3]);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) part[warp][lane][c] = acc[c];
+    __syncthreads();
+    if (warp > 0) return;
+    // Lane (g, t) holds columns n0 + g (c = 0, 1) and n0 + g + 8 (c = 2, 3) of rows 2t, 2t + 1.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        float sum = part[0][lane][c];
+#pragma unroll
+        for (int v = 1; v < WARPS; ++v) sum += part[v][lane][c];
+        const int m = 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
+        if (m < M && n < N) {
+            const size_t o = (size_t)m * N + n;
+            sum *= F8_UNIT;
+            y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+        }
+    }
+}
+// fp8_linear_mma_`SUFFIX`_m`M`_w`WARPS`: 1..8 rows, 4 or 8 warps per 16 columns.
+#define FP8_MMA_KERNEL(SUFFIX, T, M, WARPS)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
+        fp8_linear_mma_##SUFFIX##_m##M##_w##WARPS(const T* x, const uint8_t* w, const float* scale,  \
+                                                  const T* res, T* y, int N, int K, int bo, int bi) { \
+        fp8_linear_mma<T, M, WARPS>(x, w, scale, res, y, N, K, bo, bi);                              \
+    }
+#define FP8_MMA_KERNELS_M(SUFFIX, T, M)                                                              \
+    FP8_MMA_KERNEL(SUFFIX, T, M, 4)                                                                  \
+    FP8_MMA_KERNEL(SUFFIX, T, M, 8)
+#define FP8_MMA_KERNELS(SUFFIX, T)                                                                   \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 1)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 2)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 3)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 4)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 5)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 6)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 7)                                                                  \
+    FP8_MMA_KERNELS_M(SUFFIX, T, 8)
+FP8_MMA_KERNELS(bf16, __nv_bfloat16)
+FP8_MMA_KERNELS(f16, __half)
 
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and

@@ -9,7 +9,9 @@
 //!
 //! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (for profiling one
 //! kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
-//! blocks, bf16 activations): the tensor-core kernel, the CUDA-core one and dequantize + cuBLAS.
+//! blocks, bf16 activations): the default (tensor cores: one row through the diagonal kernel,
+//! more through the tile kernel), the tile kernel for every row count (`SkinnyPath::Uniform`),
+//! the CUDA-core kernel and dequantize + cuBLAS.
 
 mod common;
 
@@ -74,9 +76,9 @@ fn fp8(
 ) -> Result<(), Box<dyn std::error::Error>> {
     use qwen36_kernels::linear::{Fp8Weight, LinearWeight};
     println!(
-        "| shape | rows | tensor cores | CUDA cores | dequantize + cuBLAS | (TB/s of FP8 weights read) |"
+        "| shape | rows | default | tiles | CUDA cores | dequantize + cuBLAS | (TB/s of FP8 weights read) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     for &(name, k, o) in shapes {
         // Random e4m3 bytes of magnitude below 8 (never NaN).
@@ -95,7 +97,12 @@ fn fp8(
         for rows in 1..=max_rows {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
-            for path in [SkinnyPath::Auto, SkinnyPath::Streaming(1), SkinnyPath::Matmul] {
+            for path in [
+                SkinnyPath::Auto,
+                SkinnyPath::Uniform,
+                SkinnyPath::Streaming(1),
+                SkinnyPath::Matmul,
+            ] {
                 let policy = KernelPolicy {
                     skinny: path,
                     ..KernelPolicy::from_env()

@@ -34,6 +34,10 @@ pub enum SkinnyPath {
     /// One row as [`SkinnyPath::Auto`]; two rows and more (a verify pass) through the streaming
     /// kernel with 1, 2 or 4 columns per warp.
     Multi(usize),
+    /// [`SkinnyPath::Auto`], except that FP8 weights with 16-bit activations take the tile kernel
+    /// for one row too, as for 2..8: a row's output is then the same bits alone, in a batch or
+    /// in a verify (batch-invariant), at some cost at one row (docs/BENCHMARKS.md §1b).
+    Uniform,
 }
 
 /// The kernel variants a model's ops run.
@@ -65,10 +69,15 @@ impl KernelPolicy {
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
-    /// programmatic dependent launch off. Read when called (at load), never during a launch.
+    /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`].
+    /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self {
             pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
+            skinny: match std::env::var("QWEN36_SKINNY").as_deref() {
+                Ok("uniform") => SkinnyPath::Uniform,
+                _ => SkinnyPath::Auto,
+            },
             ..Self::DEFAULT
         }
     }

@@ -818,8 +818,14 @@ fn fp8_linear_matches_cpu() {
             } else {
                 2.0 * tol
             };
-            // Auto: the tensor-core kernel where it takes the operands; Streaming: the CUDA-core one.
-            for path in [SkinnyPath::Auto, SkinnyPath::Streaming(1), SkinnyPath::Matmul] {
+            // Auto: the tensor-core kernels where they take the operands (Uniform: the tile kernel
+            // for one row too); Streaming: the CUDA-core one.
+            for path in [
+                SkinnyPath::Auto,
+                SkinnyPath::Uniform,
+                SkinnyPath::Streaming(1),
+                SkinnyPath::Matmul,
+            ] {
                 let layer =
                     Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(skinny_policy(path));
                 let (xg, rg) = (x.to_device(&d).unwrap(), res.to_device(&d).unwrap());
@@ -837,6 +843,50 @@ fn fp8_linear_matches_cpu() {
                     e <= 2.0 * tol,
                     "{dt:?} rows {rows} k {k} n {n} {block:?} {path:?}: residual {e}"
                 );
+            }
+        }
+    }
+}
+
+/// The FP8 tile kernel (`SkinnyPath::Uniform`: every row count 1..8) is batch-invariant: each row
+/// of x gets the same bits whether it is multiplied alone or with up to seven other rows (bf16
+/// and f16, Qwen's blocks and smaller ones, a column count not a multiple of 16 and one past
+/// `FP8_FEW_TILES` tiles, with and without a residual).
+#[test]
+fn fp8_linear_rows_are_batch_invariant() {
+    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    let d = gpu();
+    for (k, n, block) in [
+        (5120, 300, [128, 128]),
+        (1040, 97, [32, 64]),
+        (256, 10256, [128, 128]),
+    ] {
+        let w = fp8_weight(n, k, block);
+        let wg = Fp8Weight::new(
+            w.q().to_device(&d).unwrap(),
+            w.scale().to_device(&d).unwrap(),
+            block,
+        )
+        .unwrap();
+        let layer =
+            Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(skinny_policy(SkinnyPath::Uniform));
+        for dt in [DType::BF16, DType::F16] {
+            let x = randn(1.0, (1, 8, k), dt).to_device(&d).unwrap();
+            let res = randn(1.0, (1, 8, n), dt).to_device(&d).unwrap();
+            let all = layer.forward(&x).unwrap();
+            let all_res = layer.forward_add(&x, &res).unwrap();
+            for rows in 1..=8 {
+                for start in [0, 8 - rows] {
+                    let xs = x.narrow(1, start, rows).unwrap().contiguous().unwrap();
+                    let rs = res.narrow(1, start, rows).unwrap().contiguous().unwrap();
+                    let want = all.narrow(1, start, rows).unwrap();
+                    let want_res = all_res.narrow(1, start, rows).unwrap();
+                    let got = layer.forward(&xs).unwrap();
+                    let got_res = layer.forward_add(&xs, &rs).unwrap();
+                    let what = format!("{dt:?} [{n}, {k}] {block:?} rows {start}..{}", start + rows);
+                    assert_eq!(max_diff(&got, &want), 0.0, "{what}");
+                    assert_eq!(max_diff(&got_res, &want_res), 0.0, "{what} (residual)");
+                }
             }
         }
     }

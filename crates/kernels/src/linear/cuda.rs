@@ -177,8 +177,10 @@ pub(crate) fn skinny_linear(
     }
 }
 
-/// Most rows the FP8 tensor-core kernel takes by default.
-const FP8_TC_MAX_ROWS: usize = 4;
+/// Below this many 16-column tiles (`n` < 10240) the FP8 tile kernel gives each tile 8 warps
+/// instead of 4: the Qwen3.6-27B projections onto the 5120-wide residual stream have 320 tiles,
+/// too few to keep the H200's memory busy with 4 warps each (docs/BENCHMARKS.md §1b).
+const FP8_FEW_TILES: usize = 640;
 
 /// The kernel's requirements on an FP8 weight: `in` and the column block multiples of 16 (each
 /// 16-byte vector of a row in one block), contiguous operands.
@@ -231,16 +233,19 @@ pub(crate) fn fp8_linear(
     let dev = device(op, x)?;
     let null: u64 = 0;
     let [bo, bi] = w.block();
-    // The tensor-core kernel for up to 4 rows (16-bit activations, column blocks of whole
-    // 64-element segments), unless the policy asks for the CUDA-core one; from 5 rows the
-    // CUDA-core kernel is as fast or faster (H200, docs/BENCHMARKS.md §1b).
-    let tc = matches!(dt, DType::BF16 | DType::F16)
+    // Tensor cores for 16-bit activations whose column blocks hold whole 64-element segments,
+    // unless the policy asks for the CUDA-core kernel: one row through the diagonal kernel
+    // (`fp8_linear_tc`, the faster at one row), two to eight rows, and one row under
+    // `SkinnyPath::Uniform`, through the tile kernel (`fp8_linear_mma`, whose rows are
+    // batch-invariant; 1.3-3× the CUDA-core kernel from 2 rows on: H200, docs/BENCHMARKS.md §1b).
+    let tensor = matches!(dt, DType::BF16 | DType::F16)
         && bi % 64 == 0
-        && m <= FP8_TC_MAX_ROWS
         && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_));
-    // Two columns per warp while few rows leave registers to spare (the tensor-core kernel
-    // keeps only its products' diagonals).
-    let columns = if m <= 2 || tc { 2 } else { 1 };
+    let tiles = tensor && (m > 1 || policy.skinny == SkinnyPath::Uniform);
+    let tile_warps = if n.div_ceil(16) < FP8_FEW_TILES { 8 } else { 4 };
+    // Two columns per warp while few rows leave registers to spare (the diagonal kernel keeps
+    // only its products' diagonals).
+    let columns = if m <= 2 || tensor { 2 } else { 1 };
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
@@ -257,8 +262,12 @@ pub(crate) fn fp8_linear(
             // SAFETY: uninitialised; the kernel writes every element (each warp its columns of
             // every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
-            let kind = if tc { "fp8_linear_tc" } else { "fp8_linear" };
-            let name = format!("{kind}_{}_m{m}_r{columns}", dtype_suffix(op, dt)?);
+            let sfx = dtype_suffix(op, dt)?;
+            let name = match (tiles, tensor) {
+                (true, _) => format!("fp8_linear_mma_{sfx}_m{m}_w{tile_warps}"),
+                (false, true) => format!("fp8_linear_tc_{sfx}_m{m}_r{columns}"),
+                (false, false) => format!("fp8_linear_{sfx}_m{m}_r{columns}"),
+            };
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
             let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
@@ -268,18 +277,27 @@ pub(crate) fn fp8_linear(
                 None => lb.arg(&null),
             };
             lb.arg(&y).arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
-            let cfg = LaunchConfig {
-                grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
-                block_dim: (LINEAR_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
+            let cfg = if tiles {
+                LaunchConfig {
+                    grid_dim: (n.div_ceil(16) as u32, 1, 1),
+                    block_dim: (32 * tile_warps as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            } else {
+                LaunchConfig {
+                    grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
+                    block_dim: (LINEAR_THREADS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                }
             };
             if n > 0 {
-                // SAFETY: arguments match `{kind}_{sfx}_m{m}_r{columns}` in cuda/linear.cu:
-                // x [m·k] (16-byte aligned), w [n·k] bytes (16-byte aligned, k a multiple of 16)
-                // and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all contiguous (checked above), res [m·n]
+                // SAFETY: arguments match `name` in cuda/linear.cu (every FP8 GEMV takes the
+                // same): x [m·k] (16-byte aligned), w [n·k] bytes (16-byte aligned, k a multiple
+                // of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all contiguous (checked above), res [m·n]
                 // contiguous or a null pointer (0u64), y [m·n], i32 n, k, bo, bi with bi a
-                // multiple of 16 (of 64 for the tensor-core kernel, with x 16-bit); one warp per
-                // `columns` columns.
+                // multiple of 16 (of 64 for the tensor-core kernels, with x 16-bit); one warp per
+                // `columns` columns, or one block of `tile_warps` warps per 16 columns for the
+                // tile kernel (its shared memory is static).
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, n))))

@@ -33,10 +33,14 @@ pub const FP8_STREAM_MAX_ROWS: usize = 4 * SKINNY_MAX_ROWS;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn streaming_columns(path: SkinnyPath, rows: usize, columns: usize) -> Option<usize> {
     match path {
-        SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 && (8192..32768).contains(&columns) => Some(2),
-        SkinnyPath::Auto | SkinnyPath::Multi(_) if rows == 1 => Some(1),
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Multi(_)
+            if rows == 1 && (8192..32768).contains(&columns) =>
+        {
+            Some(2)
+        }
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Multi(_) if rows == 1 => Some(1),
         SkinnyPath::Streaming(c) | SkinnyPath::Multi(c) => Some(c),
-        SkinnyPath::Auto | SkinnyPath::Matmul => None,
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Matmul => None,
     }
 }
 
