@@ -599,45 +599,53 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
     return v;
 }
 
-// FP8 weights on tensor cores in the products' own layout, for 1..8 rows of 16-bit activations:
-// a block of WARPS warps makes 16 output columns (weight rows n0..n0+15) for all M rows of x, the
-// weights as m16n8k16's A (16 weight rows by 16 k) and x as its B (16 k by 8 rows of x, columns
-// M..7 zero). A k step covers 64 elements: lane (g, t) loads the 16-byte vector 4s + t of weight
-// rows n0 + g and n0 + g + 8 and the same 16 elements of x's row g, and its four products take
-// elements 4j..4j+3 of them (j = 0..3) as its A and B k slots 2t, 2t+1, 2t+8, 2t+9: both operands
-// list the same elements in the same slots, so each product sums 16 of the step's elements and
-// the four products all 64. Each weight byte is loaded and decoded once; x's bytes once per 16
-// weight rows. A step lies in one column block (bi a multiple of 64): its products start from
-// zero and join the f32 sums times the block's scales. Warp w takes U = 16 / WARPS consecutive
-// steps from step U·w, then the same 16 steps further, and so on; the warps' sums are added in
-// warp order at the end. The rows of x are batch-invariant: each sees the same operations in the
-// same order whatever M is (the tensor cores compute each column of a product on its own, and
-// the zero columns add nothing to the others).
-template <typename T, int M, int WARPS>
-__device__ void fp8_linear_mma(const T* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ scale,
-                               const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
+// Weights on tensor cores in the products' own layout, for 1..8 rows of 16-bit activations: FP8
+// weights (W8) or weights of x's type. A block of WARPS warps makes 16 output columns (weight rows
+// n0..n0+15) for all M rows of x, the weights as m16n8k16's A (16 weight rows by 16 k) and x as
+// its B (16 k by 8 rows of x, columns M..7 zero). A k step covers 64 elements: lane (g, t) loads
+// elements 16(4s + t)..+15 of weight rows n0 + g and n0 + g + 8 (one 16-byte vector of FP8, two of
+// 16-bit weights) and the same 16 elements of x's row g, and its four products take elements
+// 4j..4j+3 of them (j = 0..3) as its A and B k slots 2t, 2t+1, 2t+8, 2t+9: both operands list
+// the same elements in the same slots, so each product sums 16 of the step's elements and the
+// four products all 64. Each weight byte is loaded (and decoded) once; x's bytes once per 16
+// weight rows. FP8: a step lies in one column block (bi a multiple of 64), so its products start
+// from zero and join the f32 sums times the block's scales; 16-bit weights accumulate in the
+// products. Warp w takes U = 16 / WARPS consecutive steps from step U·w, then the same 16 steps
+// further, and so on; the warps' sums are added in warp order at the end. The rows of x are
+// batch-invariant: each sees the same operations in the same order whatever M is (the tensor
+// cores compute each column of a product on its own, and the zero columns add nothing to the
+// others).
+template <typename T, bool W8, int M, int WARPS>
+__device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
+                            const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
     static_assert(sizeof(T) == 2 && M >= 1 && M <= 8, "16-bit activations, 1..8 rows");
     static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
     constexpr int U = 16 / WARPS;
+    constexpr int V = W8 ? 1 : 2;  // 16-byte weight vectors per lane, row and step
     __shared__ float part[WARPS][32][4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
-    const int kv = K / 16, kb = (K + bi - 1) / bi, steps = (kv + 3) / 4;
+    const int kv = K / 16, steps = (kv + 3) / 4;  // kv: 16-element groups per row
     // Weight rows n0 + g and n0 + g + 8 (past N: row N - 1 again, never written).
     const int ra = min(n0 + g, N - 1), rb = min(n0 + g + 8, N - 1);
-    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * K);
-    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * K);
-    const float* sa = scale + (size_t)(ra / bo) * kb;
-    const float* sb = scale + (size_t)(rb / bo) * kb;
-    uint4 va[U], vb[U];
+    const size_t row_bytes = (size_t)K * (W8 ? 1 : sizeof(T));
+    const uint4* wa = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w) + ra * row_bytes);
+    const uint4* wb = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w) + rb * row_bytes);
+    const int kb = W8 ? (K + bi - 1) / bi : 0;
+    const float* sa = W8 ? scale + (size_t)(ra / bo) * kb : nullptr;
+    const float* sb = W8 ? scale + (size_t)(rb / bo) * kb : nullptr;
+    uint4 va[U][V], vb[U][V];
     auto load = [&](int s0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int i = 4 * (s0 + u) + t;
             const bool in = i < kv;
-            va[u] = in ? ld_stream256(wa + i) : make_uint4(0, 0, 0, 0);
-            vb[u] = in ? ld_stream256(wb + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                va[u][v] = in ? ld_stream256(wa + V * i + v) : make_uint4(0, 0, 0, 0);
+                vb[u][v] = in ? ld_stream256(wb + V * i + v) : make_uint4(0, 0, 0, 0);
+            }
         }
     };
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -660,20 +668,38 @@ __device__ void fp8_linear_mma(const T* __restrict__ x, const uint8_t* __restric
                 xb[4] = x1.x, xb[5] = x1.y, xb[6] = x1.z, xb[7] = x1.w;
             }
             uint32_t ha[8], hb[8];
-            e4m3x16_pairs<T>(va[u], ha);
-            e4m3x16_pairs<T>(vb[u], hb);
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (W8) {
+                e4m3x16_pairs<T>(va[u][0], ha);
+                e4m3x16_pairs<T>(vb[u][0], hb);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
-                mma16816<T>(d, a, xb[2 * j], xb[2 * j + 1]);
+                for (int v = 0; v < V; ++v) {
+                    ha[4 * v] = va[u][v].x, ha[4 * v + 1] = va[u][v].y, ha[4 * v + 2] = va[u][v].z;
+                    ha[4 * v + 3] = va[u][v].w;
+                    hb[4 * v] = vb[u][v].x, hb[4 * v + 1] = vb[u][v].y, hb[4 * v + 2] = vb[u][v].z;
+                    hb[4 * v + 3] = vb[u][v].w;
+                }
             }
-            const int blk = 64 * s / bi;
-            const float fa = __ldg(sa + blk), fb = __ldg(sb + blk);
-            acc[0] = fmaf(d[0], fa, acc[0]);
-            acc[1] = fmaf(d[1], fa, acc[1]);
-            acc[2] = fmaf(d[2], fb, acc[2]);
-            acc[3] = fmaf(d[3], fb, acc[3]);
+            if constexpr (W8) {
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
+                    mma16816<T>(d, a, xb[2 * j], xb[2 * j + 1]);
+                }
+                const int blk = 64 * s / bi;
+                const float fa = __ldg(sa + blk), fb = __ldg(sb + blk);
+                acc[0] = fmaf(d[0], fa, acc[0]);
+                acc[1] = fmaf(d[1], fa, acc[1]);
+                acc[2] = fmaf(d[2], fb, acc[2]);
+                acc[3] = fmaf(d[3], fb, acc[3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
+                    mma16816<T>(acc, a, xb[2 * j], xb[2 * j + 1]);
+                }
+            }
         }
     }
 #pragma unroll
@@ -689,32 +715,37 @@ __device__ void fp8_linear_mma(const T* __restrict__ x, const uint8_t* __restric
         const int m = 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
         if (m < M && n < N) {
             const size_t o = (size_t)m * N + n;
-            sum *= F8_UNIT;
+            if constexpr (W8) sum *= F8_UNIT;
             y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
         }
     }
 }
-// fp8_linear_mma_`SUFFIX`_m`M`_w`WARPS`: 1..8 rows, 4 or 8 warps per 16 columns.
-#define FP8_MMA_KERNEL(SUFFIX, T, M, WARPS)                                                          \
+// fp8_linear_mma_`SUFFIX`_m`M`_w`WARPS` (FP8 weights) and tile_linear_`SUFFIX`_m`M`_w`WARPS`
+// (weights of x's type): 1..8 rows, 4 or 8 warps per 16 columns.
+#define TILE_KERNELS(SUFFIX, T, M, WARPS)                                                            \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
         fp8_linear_mma_##SUFFIX##_m##M##_w##WARPS(const T* x, const uint8_t* w, const float* scale,  \
                                                   const T* res, T* y, int N, int K, int bo, int bi) { \
-        fp8_linear_mma<T, M, WARPS>(x, w, scale, res, y, N, K, bo, bi);                              \
+        tile_linear<T, true, M, WARPS>(x, w, scale, res, y, N, K, bo, bi);                           \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
+        tile_linear_##SUFFIX##_m##M##_w##WARPS(const T* x, const T* w, const T* res, T* y, int N, int K) { \
+        tile_linear<T, false, M, WARPS>(x, w, nullptr, res, y, N, K, 1, 1);                          \
     }
-#define FP8_MMA_KERNELS_M(SUFFIX, T, M)                                                              \
-    FP8_MMA_KERNEL(SUFFIX, T, M, 4)                                                                  \
-    FP8_MMA_KERNEL(SUFFIX, T, M, 8)
-#define FP8_MMA_KERNELS(SUFFIX, T)                                                                   \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 1)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 2)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 3)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 4)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 5)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 6)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 7)                                                                  \
-    FP8_MMA_KERNELS_M(SUFFIX, T, 8)
-FP8_MMA_KERNELS(bf16, __nv_bfloat16)
-FP8_MMA_KERNELS(f16, __half)
+#define TILE_KERNELS_M(SUFFIX, T, M)                                                                 \
+    TILE_KERNELS(SUFFIX, T, M, 4)                                                                    \
+    TILE_KERNELS(SUFFIX, T, M, 8)
+#define TILE_KERNELS_ALL(SUFFIX, T)                                                                  \
+    TILE_KERNELS_M(SUFFIX, T, 1)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 2)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 3)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 4)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 5)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 6)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 7)                                                                     \
+    TILE_KERNELS_M(SUFFIX, T, 8)
+TILE_KERNELS_ALL(bf16, __nv_bfloat16)
+TILE_KERNELS_ALL(f16, __half)
 
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and

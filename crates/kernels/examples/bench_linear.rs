@@ -1,5 +1,6 @@
-//! The CUDA weight-streaming linear kernel against candle's matmul
-//! (cuBLAS) at the Qwen3.6-27B projection shapes, for 1..=8 rows (decode and MTP verify), bf16. Prints the weight bytes read
+//! The CUDA weight-streaming linear kernel (1, 2 or 4 columns per warp) and the tile kernel against
+//! candle's matmul (cuBLAS) at the Qwen3.6-27B projection shapes, for 1..=8 rows (decode and MTP
+//! verify), bf16. Prints the weight bytes read
 //! per second of each variant; the yardstick is the device-to-device copy bandwidth measured in
 //! the same run.
 //!
@@ -40,12 +41,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         SkinnyPath::Streaming(1),
         SkinnyPath::Streaming(2),
         SkinnyPath::Streaming(4),
+        SkinnyPath::Uniform,
     ];
     if only == "fp8" {
         return fp8(&dev, &shapes[..5], max_rows);
     }
-    println!("| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | (TB/s of weights read) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| shape | rows | cuBLAS | 1 col/warp | 2 col/warp | 4 col/warp | tiles | (TB/s of weights read) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for (name, k, o) in shapes.into_iter().filter(|s| s.0.contains(&only)) {
         let w = Tensor::randn(0f32, 0.02, (o, k), &dev)?.to_dtype(DType::BF16)?;
         let lin = Linear::new(w, None);

@@ -24,7 +24,8 @@ pub enum ChunkPath {
 /// [`SKINNY_MAX_ROWS`](crate::linear::SKINNY_MAX_ROWS) rows (decode, drafts, verify).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SkinnyPath {
-    /// The measured default: the weight-streaming kernel for one row, cuBLAS from two rows on.
+    /// The measured default: the weight-streaming kernel for one row; from two rows on the tile
+    /// kernel for 16-bit activations (dense and FP8 weights), cuBLAS for f32.
     #[default]
     Auto,
     /// candle's matmul (cuBLAS).
@@ -34,9 +35,10 @@ pub enum SkinnyPath {
     /// One row as [`SkinnyPath::Auto`]; two rows and more (a verify pass) through the streaming
     /// kernel with 1, 2 or 4 columns per warp.
     Multi(usize),
-    /// [`SkinnyPath::Auto`], except that FP8 weights with 16-bit activations take the tile kernel
-    /// for one row too, as for 2..8: a row's output is then the same bits alone, in a batch or
-    /// in a verify (batch-invariant), at some cost at one row (docs/BENCHMARKS.md §1b).
+    /// [`SkinnyPath::Auto`], except that 16-bit activations take the tile kernel for one row too,
+    /// as for 2..8 (dense weights of their dtype and FP8 weights): a row's linear outputs are then
+    /// the same bits alone, in a batch or in a verify (batch-invariant), at a cost at one row
+    /// (the 27B's decode: 3% in bf16, 7% in FP8; docs/BENCHMARKS.md §1, §1b).
     Uniform,
 }
 

@@ -616,6 +616,7 @@ fn linear_matches_cpu() {
             (9, 512, 50),
             (4, 20, 12),
             (1, 512, 8200),
+            (2, 64, 10250),
         ]) {
             let x = randn(1.0, (1, rows, k + 1), dt);
             let w = weight(n, k, dt);
@@ -648,13 +649,16 @@ fn linear_matches_cpu() {
                 let res = res.to_dtype(DType::F32).unwrap();
                 // Every kernel variant (1, 2, 4 columns per warp; n not a multiple of 4 covers
                 // the partial last warp; from two rows in bf16/f16 the tensor-core kernel, whose
-                // k = 64, 128 and 520 leave partial chunks), the matmul and the default choice.
+                // k = 64, 128 and 520 leave partial chunks), the matmul, the default choice (from
+                // two rows in bf16/f16 the tile kernel, with 4 and 8 warps per 16 columns; k =
+                // 520 and 20 fall back) and the tile kernel for every row count.
                 let paths = [
                     SkinnyPath::Streaming(1),
                     SkinnyPath::Streaming(2),
                     SkinnyPath::Streaming(4),
                     SkinnyPath::Matmul,
                     SkinnyPath::Auto,
+                    SkinnyPath::Uniform,
                 ];
                 for path in paths {
                     let lg = lg.clone().with_policy(skinny_policy(path));
@@ -848,17 +852,20 @@ fn fp8_linear_matches_cpu() {
     }
 }
 
-/// The FP8 tile kernel (`SkinnyPath::Uniform`: every row count 1..8) is batch-invariant: each row
-/// of x gets the same bits whether it is multiplied alone or with up to seven other rows (bf16
-/// and f16, Qwen's blocks and smaller ones, a column count not a multiple of 16 and one past
-/// `FP8_FEW_TILES` tiles, with and without a residual).
+/// The tile kernels (`SkinnyPath::Uniform`: every row count 1..8) are batch-invariant: each row
+/// of x gets the same bits whether it is multiplied alone or with up to seven other rows, for FP8
+/// weights (Qwen's blocks and smaller ones) and bf16/f16 weights, bf16 and f16 activations, a
+/// column count not a multiple of 16 and one past `FEW_TILES` tiles, with and without a residual,
+/// and through the layers that fuse a norm or the SwiGLU at one row under `Auto`.
 #[test]
-fn fp8_linear_rows_are_batch_invariant() {
+fn tile_kernel_rows_are_batch_invariant() {
     use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_kernels::norm::RmsNorm;
     let d = gpu();
+    let uniform = skinny_policy(SkinnyPath::Uniform);
     for (k, n, block) in [
         (5120, 300, [128, 128]),
-        (1040, 97, [32, 64]),
+        (1040, 98, [32, 64]),
         (256, 10256, [128, 128]),
     ] {
         let w = fp8_weight(n, k, block);
@@ -868,24 +875,38 @@ fn fp8_linear_rows_are_batch_invariant() {
             block,
         )
         .unwrap();
-        let layer =
-            Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(skinny_policy(SkinnyPath::Uniform));
+        let fp8 = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(uniform);
         for dt in [DType::BF16, DType::F16] {
+            let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(uniform);
+            let norm =
+                RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
             let x = randn(1.0, (1, 8, k), dt).to_device(&d).unwrap();
             let res = randn(1.0, (1, 8, n), dt).to_device(&d).unwrap();
-            let all = layer.forward(&x).unwrap();
-            let all_res = layer.forward_add(&x, &res).unwrap();
-            for rows in 1..=8 {
-                for start in [0, 8 - rows] {
-                    let xs = x.narrow(1, start, rows).unwrap().contiguous().unwrap();
-                    let rs = res.narrow(1, start, rows).unwrap().contiguous().unwrap();
-                    let want = all.narrow(1, start, rows).unwrap();
-                    let want_res = all_res.narrow(1, start, rows).unwrap();
-                    let got = layer.forward(&xs).unwrap();
-                    let got_res = layer.forward_add(&xs, &rs).unwrap();
-                    let what = format!("{dt:?} [{n}, {k}] {block:?} rows {start}..{}", start + rows);
-                    assert_eq!(max_diff(&got, &want), 0.0, "{what}");
-                    assert_eq!(max_diff(&got_res, &want_res), 0.0, "{what} (residual)");
+            for (name, layer) in [("fp8", &fp8), ("dense", &dense)] {
+                let run = |x: &Tensor, res: &Tensor| {
+                    let mut outs = vec![layer.forward(x).unwrap(), layer.forward_add(x, res).unwrap()];
+                    if name == "dense" {
+                        outs.push(layer.forward_normed(x, &norm).unwrap());
+                        outs.push(layer.forward_swiglu(x).unwrap());
+                        outs.push(layer.forward_swiglu_normed(x, &norm).unwrap());
+                    }
+                    outs
+                };
+                let all = run(&x, &res);
+                for rows in 1..=8 {
+                    for start in [0, 8 - rows] {
+                        let xs = x.narrow(1, start, rows).unwrap().contiguous().unwrap();
+                        let rs = res.narrow(1, start, rows).unwrap().contiguous().unwrap();
+                        for (i, (got, all)) in run(&xs, &rs).iter().zip(&all).enumerate() {
+                            let want = all.narrow(1, start, rows).unwrap();
+                            assert_eq!(
+                                max_diff(got, &want),
+                                0.0,
+                                "{name} {dt:?} [{n}, {k}] {block:?} rows {start}..{} output {i}",
+                                start + rows
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -262,3 +262,39 @@ fn the_first_token_can_end_generation() {
         (1, qwen36_mtp::SpecStopReason::StopToken(first))
     );
 }
+
+/// Batch invariance in bf16 (issue 22): with every linear layer's rows through one kernel
+/// whatever their count (`SkinnyPath::Uniform`), MTP speculation (k = 1..3) gives plain greedy's
+/// tokens in bf16 too, 500 tokens of the bundled model, whose drafts are often accepted. CUDA
+/// only: the CPU's bf16 matmul and attention sum a verify's rows in another order than one row's
+/// (the outputs part at the 22nd token). Ignored until it holds: on the H200 (2026-12-02) the
+/// outputs part at the 140th token for k = 1, the attention and GDN kernels of a verify not yet
+/// summing as a decode step's do (docs/GPU-CHECKS.md).
+#[test]
+#[ignore = "the verify's attention and GDN kernels are not batch-invariant yet (issue 22)"]
+fn bf16_uniform_greedy_speculative_equals_plain_greedy() {
+    use qwen36_kernels::{KernelPolicy, SkinnyPath};
+    if !test_device().is_cuda() {
+        eprintln!("skipped: batch invariance is a property of the CUDA kernels");
+        return;
+    }
+    let dir = qwen36_testutil::bundled_dir();
+    let opts = qwen36_model::LoadOptions {
+        kernels: KernelPolicy {
+            skinny: SkinnyPath::Uniform,
+            ..KernelPolicy::DEFAULT
+        },
+        ..load_options(candle_core::DType::BF16)
+    };
+    let model = Qwen36Model::load(&dir, opts.clone()).unwrap();
+    let head = MtpHead::load_dir(&dir, model.config(), opts).unwrap();
+    let p = bundled_prompt(0);
+    let want = plain_greedy(&model, &p, 500);
+    for k in 1..=3 {
+        let mut mtp = MtpDrafter::new(&model, &head);
+        let out = speculate(&model, SamplingParams::greedy(), &mut mtp, &p, k, 500);
+        let first_diff = out.tokens.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!(first_diff, None, "bf16 mtp k={k}: diverged");
+        eprintln!("bf16 k={k}: accept len {:.2}", out.stats.accepted_len_mean());
+    }
+}

@@ -177,10 +177,104 @@ pub(crate) fn skinny_linear(
     }
 }
 
-/// Below this many 16-column tiles (`n` < 10240) the FP8 tile kernel gives each tile 8 warps
+/// Below this many 16-column tiles (`n` < 10240) the tile kernels give each tile 8 warps
 /// instead of 4: the Qwen3.6-27B projections onto the 5120-wide residual stream have 320 tiles,
 /// too few to keep the H200's memory busy with 4 warps each (docs/BENCHMARKS.md §1b).
-const FP8_FEW_TILES: usize = 640;
+const FEW_TILES: usize = 640;
+
+/// Warps per 16 output columns of the tile kernels (`tile_linear`, `fp8_linear_mma`) for `n`
+/// columns.
+fn tile_warps(n: usize) -> usize {
+    if n.div_ceil(16) < FEW_TILES {
+        8
+    } else {
+        4
+    }
+}
+
+/// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]`,
+/// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
+/// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
+/// operands (another dtype, `k` not a multiple of 16, a strided or misaligned operand).
+pub(crate) fn tile_linear(
+    x: &Tensor,
+    w: &Tensor,
+    res: Option<&Tensor>,
+    policy: &KernelPolicy,
+) -> Result<Option<Tensor>> {
+    let op = "tile_linear";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    if kw != k || w.dtype() != dt || !(1..=LINEAR_MAX_ROWS).contains(&m) || n > i32::MAX as usize {
+        return Err(err(
+            op,
+            format!("x {:?} {dt:?} and w {:?} {:?}", x.dims(), w.dims(), w.dtype()),
+        ));
+    }
+    if res.is_some_and(|r| r.dims() != [m, n] || r.dtype() != dt) {
+        return Err(err(
+            op,
+            format!("residual {:?}, expected [{m}, {n}] {dt:?}", res.map(Tensor::dims)),
+        ));
+    }
+    let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * 2) % 16 == 0;
+    if !matches!(dt, DType::BF16 | DType::F16)
+        || k % 16 != 0
+        || k > i32::MAX as usize
+        || !aligned(x.layout())
+        || !aligned(w.layout())
+        || res.is_some_and(|r| !r.is_contiguous())
+    {
+        return Ok(None);
+    }
+    let dev = device(op, x)?;
+    let null: u64 = 0;
+    let warps = tile_warps(n);
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            let res_guard = res.map(|r| r.storage_and_layout());
+            let rv = match &res_guard {
+                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
+                None => None,
+            };
+            // SAFETY: uninitialised; the kernel writes every element (each block its 16 columns
+            // of every row).
+            let y = unsafe { dev.alloc::<$t>(m * n)? };
+            let name = format!("tile_linear_{}_m{m}_w{warps}", dtype_suffix(op, dt)?);
+            let func = LINEAR.func(&dev, &name)?;
+            let mut lb = KernelCall::new(&dev, &func, policy);
+            let (n32, k32) = (n as i32, k as i32);
+            lb.arg(&xv).arg(&wv);
+            match &rv {
+                Some(rv) => lb.arg(rv),
+                None => lb.arg(&null),
+            };
+            lb.arg(&y).arg(&n32).arg(&k32);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(16) as u32, 1, 1),
+                block_dim: (32 * warps as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if n > 0 {
+                // SAFETY: arguments match `tile_linear_{sfx}_m{m}_w{warps}` in cuda/linear.cu:
+                // x [m·k] and w [n·k] of T, contiguous and 16-byte aligned with k a multiple of 16
+                // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 n
+                // and k; one block of `warps` warps per 16 columns (static shared memory).
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some(wrap(y, &dev, (m, n))))
+        }};
+    }
+    match dt {
+        DType::BF16 => go!(half::bf16),
+        _ => go!(half::f16),
+    }
+}
 
 /// The kernel's requirements on an FP8 weight: `in` and the column block multiples of 16 (each
 /// 16-byte vector of a row in one block), contiguous operands.
@@ -242,7 +336,7 @@ pub(crate) fn fp8_linear(
         && bi % 64 == 0
         && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_));
     let tiles = tensor && (m > 1 || policy.skinny == SkinnyPath::Uniform);
-    let tile_warps = if n.div_ceil(16) < FP8_FEW_TILES { 8 } else { 4 };
+    let tile_warps = tile_warps(n);
     // Two columns per warp while few rows leave registers to spare (the diagonal kernel keeps
     // only its products' diagonals).
     let columns = if m <= 2 || tensor { 2 } else { 1 };

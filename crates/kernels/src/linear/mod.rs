@@ -27,7 +27,8 @@ pub const FP8_STREAM_MAX_ROWS: usize = 4 * SKINNY_MAX_ROWS;
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
 /// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
 /// bench_linear): at one row the kernel beats cuBLAS by 0-10% with one column per warp, or two for
-/// 8k-32k wide outputs. From two rows on cuBLAS: the kernel for 2..8 rows (on tensor cores in
+/// 8k-32k wide outputs. From two rows on cuBLAS (in f32; bf16/f16 layers take the tile kernel
+/// before this is asked, `Linear::tiles`): the streaming kernel for 2..8 rows (on tensor cores in
 /// bf16/f16) beats it in isolation at two rows but not inside the verify's graph, and from three
 /// rows on not at all.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -291,6 +292,10 @@ impl Linear {
         match &self.kind {
             Kind::Dense(l) => {
                 #[cfg(feature = "cuda")]
+                if let Some((y, _)) = self.forward_tiles(x, None)? {
+                    return Ok(y);
+                }
+                #[cfg(feature = "cuda")]
                 if let Some((y, _)) = self.forward_skinny(x, None, None)? {
                     return Ok(y);
                 }
@@ -319,8 +324,10 @@ impl Linear {
     /// the two steps, one kernel fewer); otherwise the two steps.
     pub fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some((y, _)) = self.forward_skinny(x, None, Some(norm))? {
-            return Ok(y);
+        if !self.tiles(x)? {
+            if let Some((y, _)) = self.forward_skinny(x, None, Some(norm))? {
+                return Ok(y);
+            }
         }
         self.forward(&norm.forward(x)?)
     }
@@ -331,8 +338,10 @@ impl Linear {
     /// halves, no second pass); otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(y) = self.forward_skinny_swiglu(x, None)? {
-            return Ok(y);
+        if !self.tiles(x)? {
+            if let Some(y) = self.forward_skinny_swiglu(x, None)? {
+                return Ok(y);
+            }
         }
         crate::activation::swiglu(&self.forward(x)?, &self.policy)
     }
@@ -341,8 +350,10 @@ impl Linear {
     /// `x` as it reads it (as [`Self::forward_normed`]).
     pub fn forward_swiglu_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(y) = self.forward_skinny_swiglu(x, Some(norm))? {
-            return Ok(y);
+        if !self.tiles(x)? {
+            if let Some(y) = self.forward_skinny_swiglu(x, Some(norm))? {
+                return Ok(y);
+            }
         }
         self.forward_swiglu(&norm.forward(x)?)
     }
@@ -395,6 +406,10 @@ impl Linear {
             return self.forward(x);
         }
         #[cfg(feature = "cuda")]
+        if let Some((y, added)) = self.forward_tiles(x, Some(residual))? {
+            return Ok(if added { y } else { (residual + y)? });
+        }
+        #[cfg(feature = "cuda")]
         if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
             return Ok(if added { y } else { (residual + y)? });
         }
@@ -405,6 +420,55 @@ impl Linear {
             }
         }
         Ok((residual + self.forward(x)?)?)
+    }
+
+    /// Whether the CUDA tile kernel takes `x` through this dense layer: a CUDA tensor of the
+    /// weight's 16-bit dtype with 2..=[`SKINNY_MAX_ROWS`] rows under [`SkinnyPath::Auto`] (the
+    /// 27B's MTP verify as fast as through cuBLAS, and batch-invariant), or 1..= rows under
+    /// [`SkinnyPath::Uniform`] (then no one-row kernel fuses a norm or the SwiGLU in: every row
+    /// count runs the same products).
+    #[cfg(feature = "cuda")]
+    fn tiles(&self, x: &Tensor) -> Result<bool> {
+        let Some(w) = self.dense_weight() else {
+            return Ok(false);
+        };
+        if !x.device().is_cuda() || x.dtype() != w.dtype() || x.rank() == 0 {
+            return Ok(false);
+        }
+        if !matches!(w.dtype(), candle_core::DType::BF16 | candle_core::DType::F16) {
+            return Ok(false);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        Ok(w.dim(1)? == k
+            && k % 16 == 0
+            && match self.policy.skinny {
+                SkinnyPath::Auto => (2..=SKINNY_MAX_ROWS).contains(&rows),
+                SkinnyPath::Uniform => (1..=SKINNY_MAX_ROWS).contains(&rows),
+                _ => false,
+            })
+    }
+
+    /// The CUDA tile kernel when [`Self::tiles`]: the output and whether `residual` was added
+    /// into it; `None` for the other paths.
+    #[cfg(feature = "cuda")]
+    fn forward_tiles(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Option<(Tensor, bool)>> {
+        let (true, Some(w)) = (self.tiles(x)?, self.dense_weight()) else {
+            return Ok(None);
+        };
+        let (n, k) = w.dims2()?;
+        let rows = x.elem_count() / k;
+        let dims = out_dims(x, n);
+        let r2 = residual_rows(residual, &dims, rows)?.filter(|_| self.bias().is_none());
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let Some(y) = cuda::tile_linear(&x2, w, r2.as_ref(), &self.policy)? else {
+            return Ok(None);
+        };
+        let y = y.reshape(dims)?;
+        Ok(Some(match self.bias() {
+            Some(b) => (y.broadcast_add(b)?, false),
+            None => (y, r2.is_some()),
+        }))
     }
 
     /// The CUDA streaming kernel, when it applies ([`streaming_columns`], matching dtypes,
