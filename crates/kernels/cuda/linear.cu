@@ -2,8 +2,9 @@
 // twin of the matmul in src/linear/. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
 // weight-streaming kernel does better: one warp per output column n streams row n of w once in
 // 16-byte loads and keeps the M dot products in registers (f32), one rounding at the output.
-// From two rows in 16-bit types, skinny_linear_tc does the products on tensor cores.
-// Built to PTX by build.rs.
+// From two rows in 16-bit types the tile kernel (tile_linear, below) does the products on tensor
+// cores, for dense and FP8 weights; skinny_linear_tc, the older tensor-core twin of skinny_linear,
+// runs where a policy asks for the streaming kernel. Built to PTX by build.rs.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -560,8 +561,8 @@ __device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict
     }
 }
 
-FP8_KERNELS_M(fp8_linear_tc, bf16, __nv_bfloat16, 1)
-FP8_KERNELS_M(fp8_linear_tc, f16, __half, 1)
+FP8_KERNEL(fp8_linear_tc, bf16, __nv_bfloat16, 1, 2)
+FP8_KERNEL(fp8_linear_tc, f16, __half, 1, 2)
 
 // Sixteen e4m3 bytes as eight pairs in T's 16-bit format (element 2j in the low half of h[j]),
 // each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 with the bit trick of
@@ -622,7 +623,7 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
     constexpr int U = 16 / WARPS;
     constexpr int V = W8 ? 1 : 2;  // 16-byte weight vectors per lane, row and step
-    __shared__ float part[WARPS][32][4];
+    __shared__ __align__(16) float part[WARPS][32][4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
@@ -703,7 +704,8 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
         }
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c) part[warp][lane][c] = acc[c];
+    // One 16-byte store per lane (scalar stores would conflict four ways on the banks).
+    *reinterpret_cast<float4*>(part[warp][lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     if (warp > 0) return;
     // Lane (g, t) holds columns n0 + g (c = 0, 1) and n0 + g + 8 (c = 2, 3) of rows 2t, 2t + 1.

@@ -24,8 +24,10 @@ pub enum ChunkPath {
 /// [`SKINNY_MAX_ROWS`](crate::linear::SKINNY_MAX_ROWS) rows (decode, drafts, verify).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SkinnyPath {
-    /// The measured default: the weight-streaming kernel for one row; from two rows on the tile
-    /// kernel for 16-bit activations (dense and FP8 weights), cuBLAS for f32.
+    /// The measured default: one row through a weight-streaming kernel (for FP8 weights with
+    /// 16-bit activations the diagonal tensor-core one); from two rows the tile kernel for 16-bit
+    /// activations (dense and FP8 weights), cuBLAS for dense f32, the CUDA-core FP8 kernel for
+    /// FP8 with f32.
     #[default]
     Auto,
     /// candle's matmul (cuBLAS).

@@ -616,7 +616,9 @@ fn linear_matches_cpu() {
             (9, 512, 50),
             (4, 20, 12),
             (1, 512, 8200),
-            (2, 64, 10250),
+            // The tile kernel with 4 warps per 16 columns, and with k % 64 != 0 (3 rows).
+            (2, 1024, 10250),
+            (3, 528, 17),
         ]) {
             let x = randn(1.0, (1, rows, k + 1), dt);
             let w = weight(n, k, dt);
@@ -629,7 +631,7 @@ fn linear_matches_cpu() {
                 Linear::new(w.to_device(&d).unwrap(), Some(b.to_device(&d).unwrap())),
             );
             // Without a bias the streaming kernels add the residual themselves (from two rows
-            // in bf16/f16 the tensor-core one).
+            // in bf16/f16 the tile kernel).
             let lc_plain = Linear::new(w.to_dtype(DType::F32).unwrap(), None);
             let lg_plain = Linear::new(w.to_device(&d).unwrap(), None);
             let xg = x.to_device(&d).unwrap();
@@ -709,24 +711,29 @@ fn fp8_weight(n: usize, k: usize, block: [usize; 2]) -> qwen36_kernels::linear::
     qwen36_kernels::linear::Fp8Weight::new(q, scale, block).unwrap()
 }
 
+/// `w` on the device `d`.
+fn on_gpu(w: &qwen36_kernels::linear::Fp8Weight, d: &Device) -> qwen36_kernels::linear::Fp8Weight {
+    qwen36_kernels::linear::Fp8Weight::new(
+        w.q().to_device(d).unwrap(),
+        w.scale().to_device(d).unwrap(),
+        w.block(),
+    )
+    .unwrap()
+}
+
 /// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
 /// down, an output projection) for every row count the model runs (decode, drafts, verify, the
 /// grouped and the dequantizing paths): the kernels' output within one bf16 rounding of the f32
 /// product, each block's scale applied (checked against the dequantize-then-matmul path in f32).
 #[test]
 fn fp8_linear_at_the_27b_shapes() {
-    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_kernels::linear::{Linear, LinearWeight};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
     let mut failed = Vec::new();
     for (n, k) in [(16384, 5120), (34816, 5120), (5120, 17408), (5120, 6144)] {
         let w = fp8_weight(n, k, [128, 128]);
-        let wg = Fp8Weight::new(
-            w.q().to_device(&d).unwrap(),
-            w.scale().to_device(&d).unwrap(),
-            [128, 128],
-        )
-        .unwrap();
+        let wg = on_gpu(&w, &d);
         let deq = wg.dequantize(DType::F32).unwrap();
         for rows in [1, 2, 3, 4, 5, 8, 12, 64] {
             let x = randn(1.0, (1, rows, k), DType::BF16).to_device(&d).unwrap();
@@ -767,7 +774,7 @@ fn fp8_linear_at_the_27b_shapes() {
 /// dequantized weights to the activation dtype (one more rounding of each term: twice that).
 #[test]
 fn fp8_linear_matches_cpu() {
-    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_kernels::linear::{Linear, LinearWeight};
     use qwen36_testutil::max_row_rel_err;
     let d = gpu();
     // (rows, k, n, block, the activations' scale: 1, past f16's range, far below 1).
@@ -791,14 +798,12 @@ fn fp8_linear_matches_cpu() {
         (2, 336, 131, [64, 192], 1.0),
         (3, 1040, 97, [32, 64], 1.0),
         (1, 1024, 33, [16, 128], 1.0),
+        // Rows n0 + g and n0 + g + 8 of a 16-column tile in different row blocks.
+        (4, 1024, 40, [8, 64], 1.0),
+        (2, 640, 50, [24, 128], 1.0),
     ] {
         let w = fp8_weight(n, k, block);
-        let wg = Fp8Weight::new(
-            w.q().to_device(&d).unwrap(),
-            w.scale().to_device(&d).unwrap(),
-            block,
-        )
-        .unwrap();
+        let wg = on_gpu(&w, &d);
         let deq = w.dequantize(DType::F32).unwrap();
         for (dt, tol) in ONE_ROUNDING {
             let got = wg.dequantize(dt).unwrap();
@@ -859,22 +864,17 @@ fn fp8_linear_matches_cpu() {
 /// and through the layers that fuse a norm or the SwiGLU at one row under `Auto`.
 #[test]
 fn tile_kernel_rows_are_batch_invariant() {
-    use qwen36_kernels::linear::{Fp8Weight, Linear, LinearWeight};
+    use qwen36_kernels::linear::{Linear, LinearWeight};
     use qwen36_kernels::norm::RmsNorm;
     let d = gpu();
     let uniform = skinny_policy(SkinnyPath::Uniform);
     for (k, n, block) in [
         (5120, 300, [128, 128]),
-        (1040, 98, [32, 64]),
-        (256, 10256, [128, 128]),
+        (1040, 98, [8, 64]),
+        (2048, 10256, [128, 128]),
     ] {
         let w = fp8_weight(n, k, block);
-        let wg = Fp8Weight::new(
-            w.q().to_device(&d).unwrap(),
-            w.scale().to_device(&d).unwrap(),
-            block,
-        )
-        .unwrap();
+        let wg = on_gpu(&w, &d);
         let fp8 = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(uniform);
         for dt in [DType::BF16, DType::F16] {
             let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(uniform);

@@ -177,7 +177,7 @@ pub(crate) fn skinny_linear(
     }
 }
 
-/// Below this many 16-column tiles (`n` < 10240) the tile kernels give each tile 8 warps
+/// Below this many 16-column tiles (`n` ≤ 10224) the tile kernels give each tile 8 warps
 /// instead of 4: the Qwen3.6-27B projections onto the 5120-wide residual stream have 320 tiles,
 /// too few to keep the H200's memory busy with 4 warps each (docs/BENCHMARKS.md §1b).
 const FEW_TILES: usize = 640;
@@ -195,7 +195,8 @@ fn tile_warps(n: usize) -> usize {
 /// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]`,
 /// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
 /// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
-/// operands (another dtype, `k` not a multiple of 16, a strided or misaligned operand).
+/// operands (f32, `k` not a multiple of 16, a strided or misaligned operand); an error when the
+/// shapes or dtypes do not match.
 pub(crate) fn tile_linear(
     x: &Tensor,
     w: &Tensor,

@@ -1,7 +1,8 @@
 //! Linear layers `y = x·wᵀ (+ b)`. The reference is candle's matmul (what `candle_nn::Linear`
 //! runs, [`reference::linear`]); on CUDA, calls with one row (decode) go to a weight-streaming
 //! kernel instead (`cuda.rs`), because cuBLAS reads the weights at only ~84% of the copy bandwidth
-//! on those shapes (PERF-ANCHORS) and decode is nothing but reading weights.
+//! on those shapes (PERF-ANCHORS) and decode is nothing but reading weights; 2..8 rows of bf16/f16
+//! (a verify) go to the tile kernel on tensor cores, whose rows are batch-invariant.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -321,7 +322,7 @@ impl Linear {
 
     /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
     /// row goes through the streaming kernel that normalises `x` as it reads it (the same bits as
-    /// the two steps, one kernel fewer); otherwise the two steps.
+    /// the two steps, one kernel fewer); otherwise (and under `SkinnyPath::Uniform`) the two steps.
     pub fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if !self.tiles(x)? {
@@ -335,7 +336,7 @@ impl Linear {
     /// `swiglu(self.forward(x))` for a layer whose outputs are `[gate | up]` halves (the MLP's
     /// fused gate and up projections): `silu(gate) · up`, `[..., out / 2]`. On CUDA one row goes
     /// through the streaming kernel with the activation in its epilogue (no rounding of the
-    /// halves, no second pass); otherwise the two steps.
+    /// halves, no second pass); otherwise (and under `SkinnyPath::Uniform`) the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if !self.tiles(x)? {
