@@ -279,16 +279,19 @@ NORM_KERNELS(f16, __half)
 // e4m3(w) · scale. K and bi are multiples of 16, so each 16-byte vector of a weight row lies in one
 // block (the launchers check).
 
-// Four e4m3 bytes of a word as f16 pairs (elements 0, 1 in hl; 2, 3 in hh), or as floats,
-// divided by 256: byte b becomes the f16 whose bits are
-// ((b & 0x80) << 8) | ((b & 0x7F) << 7), which is exactly e4m3(b) / 256 for every finite value,
-// subnormals included (the exponent fields' biases, 7 and 15, differ by 8). The 256 goes into
-// the block scale. (The NaN bytes 0x7F/0xFF decode as ±480/256; loading refuses NaN weights.)
-__device__ __forceinline__ void e4m3x4_h2(uint32_t w, uint32_t& hl, uint32_t& hh) {
+// Four e4m3 bytes of a word as 16-bit pairs (elements 0, 1 in hl; 2, 3 in hh): byte b becomes
+// ((b & 0x80) << 8) | ((b & 0x7F) << (8 - SHIFT)), its sign, exponent and mantissa moved into the
+// fields of a 16-bit float whose exponent field is SHIFT - 3 bits wider than e4m3's 4.
+template <int SHIFT> __device__ __forceinline__ void e4m3x4_bits(uint32_t w, uint32_t& hl, uint32_t& hh) {
     const uint32_t lo = __byte_perm(w, 0u, 0x1404), hi = __byte_perm(w, 0u, 0x3424);  // b << 8 per half
-    hl = (lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 1);
-    hh = (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 1);
+    hl = (lo & 0x80008000u) | ((lo & 0x7F007F00u) >> SHIFT);
+    hh = (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> SHIFT);
 }
+// As f16 pairs, or as floats, divided by 256: the f16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+// are exactly e4m3(b) / 256 for every finite value, subnormals included (the exponent fields'
+// biases, 7 and 15, differ by 8). The 256 goes into the block scale. (The NaN bytes 0x7F/0xFF
+// decode as ±480/256; loading refuses NaN weights.)
+__device__ __forceinline__ void e4m3x4_h2(uint32_t w, uint32_t& hl, uint32_t& hh) { e4m3x4_bits<1>(w, hl, hh); }
 __device__ __forceinline__ void e4m3x4(uint32_t w, float* f) {
     uint32_t hl, hh;
     e4m3x4_h2(w, hl, hh);
@@ -565,8 +568,8 @@ FP8_KERNEL(fp8_linear_tc, bf16, __nv_bfloat16, 1, 2)
 FP8_KERNEL(fp8_linear_tc, f16, __half, 1, 2)
 
 // Sixteen e4m3 bytes as eight pairs in T's 16-bit format (element 2j in the low half of h[j]),
-// each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 with the bit trick of
-// e4m3x4_h2 moved to bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is e4m3(b) · 2⁻¹²⁰,
+// each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 with e4m3x4_bits in bf16's
+// fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is e4m3(b) · 2⁻¹²⁰,
 // subnormals included: the biases, 7 and 127, differ by 120) times 2¹²⁰ / F8_UNIT, a power of two
 // (exact; bf16 keeps subnormals). Integer and half-precision multiply instructions only, no
 // conversions through f32.
@@ -579,8 +582,8 @@ template <> __device__ __forceinline__ void e4m3x16_pairs<__nv_bfloat16>(const u
     const __nv_bfloat162 unit = __float2bfloat162_rn(0x1p120f / F8_UNIT);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const uint32_t lo = __byte_perm(w[i], 0u, 0x1404), hi = __byte_perm(w[i], 0u, 0x3424);  // b << 8
-        uint32_t p[2] = {(lo & 0x80008000u) | ((lo & 0x7F007F00u) >> 4), (hi & 0x80008000u) | ((hi & 0x7F007F00u) >> 4)};
+        uint32_t p[2];
+        e4m3x4_bits<4>(w[i], p[0], p[1]);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&p[j]), unit);
@@ -703,7 +706,6 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
             }
         }
     }
-#pragma unroll
     // One 16-byte store per lane (scalar stores would conflict four ways on the banks).
     *reinterpret_cast<float4*>(part[warp][lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();

@@ -86,15 +86,7 @@ fn fp8(
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     for &(name, k, o) in shapes {
         // Random e4m3 bytes of magnitude below 8 (never NaN).
-        let bytes: Vec<u8> = (0..k * o)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                let b = (state >> 24) as u8;
-                (b & 0x80) | ((b & 0x7F) % 0x50)
-            })
-            .collect();
+        let bytes = qwen36_testutil::e4m3_bytes(&mut state, k * o, 0x50);
         let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, k], &Device::Cpu)?.to_device(dev)?;
         let scale = (Tensor::rand(0.5f32, 1.5, (o.div_ceil(128), k.div_ceil(128)), dev)? * 0.01)?;
         let lin = Linear::from_weight(LinearWeight::Fp8(Fp8Weight::new(q, scale, [128, 128])?), None);

@@ -693,15 +693,7 @@ fn linear_matches_cpu() {
 fn fp8_weight(n: usize, k: usize, block: [usize; 2]) -> qwen36_kernels::linear::Fp8Weight {
     let seed = NEXT_SEED.with(|s| s.replace(s.get() + 1));
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let bytes: Vec<u8> = (0..n * k)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let b = (state >> 24) as u8;
-            (b & 0x80) | ((b & 0x7F) % 0x50) // |value| < 8: never NaN
-        })
-        .collect();
+    let bytes = qwen36_testutil::e4m3_bytes(&mut state, n * k, 0x50); // |value| < 8: never NaN
     let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[n, k], &Device::Cpu).unwrap();
     let (ob, ib) = (n.div_ceil(block[0]), k.div_ceil(block[1]));
     let scale = (randn(1.0, (ob, ib), DType::F32).abs().unwrap() * (0.25 / (k as f64).sqrt()))

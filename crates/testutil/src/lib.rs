@@ -107,6 +107,21 @@ pub fn rand_uniform(
     Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)
 }
 
+/// `n` random float8 e4m3 bytes from the xorshift64 stream `state` (advanced): each keeps its
+/// draw's sign bit and takes the magnitude code `(b & 0x7F) % codes`, so `codes ≤ 0x7F` never
+/// gives NaN (0x50: |value| < 8, 0x58: < 16), subnormals and zeros included.
+pub fn e4m3_bytes(state: &mut u64, n: usize, codes: u8) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            let b = (*state >> 24) as u8;
+            (b & 0x80) | ((b & 0x7F) % codes)
+        })
+        .collect()
+}
+
 /// A seeded stream of integers for randomised tests (SplitMix64): the same seed gives the same
 /// draws on every run.
 #[derive(Debug, Clone)]

@@ -177,16 +177,8 @@ pub(crate) mod tests {
     /// Random e4m3 bytes (no NaN) of a `[rows, cols]` weight.
     pub(crate) fn random_q(seed: u64, rows: usize, cols: usize, dev: &Device) -> Result<Tensor> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let bytes: Vec<u8> = (0..rows * cols)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                // Magnitudes up to 2^4 (exponent field ≤ 11) in either sign: never NaN.
-                let b = (s >> 24) as u8;
-                (b & 0x80) | ((b & 0x7F) % 0x58)
-            })
-            .collect();
+        // Magnitudes below 2^4 (exponent field ≤ 10) in either sign: never NaN.
+        let bytes = qwen36_testutil::e4m3_bytes(&mut s, rows * cols, 0x58);
         Ok(Tensor::from_raw_buffer(
             &bytes,
             DType::F8E4M3,
