@@ -15,10 +15,10 @@ use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, RepetitionDetector,
 use rayon::prelude::*;
 
 use crate::scheduler::{note_mtp, Scheduler, Sequence};
-use crate::spec::{choose_k, AcceptanceCounts, SpecCosts};
+use crate::spec::{choose_k, SpecCosts};
 use crate::{
     BlockPool, Error, Event, PrefixCache, PrefixStats, Request, RequestHandle, Result, SlotId, SlotPool,
-    Speculation, StopReason, Usage,
+    SpecStats, Speculation, StopReason, Usage,
 };
 
 /// Positions per slot of a pool sized by default (16384: 1 GiB of K/V per sequence at the
@@ -151,8 +151,8 @@ pub struct Engine {
     pub(crate) lockstep: bool,
     pub(crate) measured: SpecCosts,
     /// Acceptance over every request, per drafter: the prior of each request's own rates.
-    accept_mtp: AcceptanceCounts,
-    accept_ngram: AcceptanceCounts,
+    accept_mtp: SpecStats,
+    accept_ngram: SpecStats,
     /// Turns output tokens into the events' text, when set.
     detokenizer: Option<Detokenizer>,
     /// Tests only: the next step panics (the engine thread's panic handling).
@@ -237,8 +237,8 @@ impl Engine {
             costs: SpecCosts::default(),
             lockstep: false,
             measured: SpecCosts::default(),
-            accept_mtp: AcceptanceCounts::default(),
-            accept_ngram: AcceptanceCounts::default(),
+            accept_mtp: SpecStats::default(),
+            accept_ngram: SpecStats::default(),
             detokenizer: None,
             #[cfg(test)]
             panic_next_step: false,
@@ -397,9 +397,7 @@ impl Engine {
             drafts: Vec::new(),
             mtp_len: 0,
             unfed: None,
-            accept: AcceptanceCounts::default(),
-            drafted: 0,
-            accepted: 0,
+            spec: SpecStats::default(),
             degeneration: req.degeneration.map(RepetitionDetector::new),
             stop_on_degeneration: req.stop_on_degeneration,
             cached: 0,
@@ -593,20 +591,23 @@ impl Engine {
                 Decision::Sampled(token, rows) => {
                     s.computed += p.tokens;
                     decoded[c] = Some(start);
+                    // A speculating sequence's decode step without drafts: a pass of length 1.
+                    if let (Some(sp), true) = (s.speculation, p.tokens == 1 && start >= s.prompt.len()) {
+                        s.spec.record(0, 0, sp.k());
+                    }
                     (vec![token], rows)
                 }
                 Decision::Verified(acc, drafts, rows) => {
                     commits.push((c, acc.accepted + 1));
                     decoded[c] = Some(start);
                     s.computed += acc.accepted + 1;
-                    s.drafted += drafts.len();
-                    s.accepted += acc.accepted;
-                    s.accept.record(drafts.len(), acc.accepted);
+                    let k = s.speculation.map_or(0, |sp| sp.k());
+                    s.spec.record(drafts.len(), acc.accepted, k);
                     match s.speculation {
                         Some(Speculation::Mtp { .. }) => &mut self.accept_mtp,
                         _ => &mut self.accept_ngram,
                     }
-                    .record(drafts.len(), acc.accepted);
+                    .record(drafts.len(), acc.accepted, k);
                     let mut fresh = drafts[..acc.accepted].to_vec();
                     fresh.push(acc.next);
                     (fresh, rows)
@@ -823,8 +824,7 @@ impl Engine {
             // (A preempted request's hit may reach into its own output.)
             cached_tokens: s.cached.min(s.prompt.len()),
             preemptions: s.preemptions,
-            drafted: s.drafted,
-            accepted: s.accepted,
+            speculation: s.spec.clone(),
             degeneration: s.degeneration.as_ref().and_then(RepetitionDetector::first),
         };
         let _ = s.events.send(Event::Finished { reason, usage });
@@ -858,7 +858,7 @@ impl Engine {
             .running
             .iter()
             .filter(|s| ngram(s))
-            .map(|s| rates(&s.accept, &self.accept_ngram, k_max))
+            .map(|s| rates(&s.spec, &self.accept_ngram, k_max))
             .collect();
         let k_round = match self.cfg.adaptive_k {
             true => choose_k(&alphas, k_max, batch, &self.costs, false),
@@ -908,7 +908,7 @@ impl Engine {
             .unwrap_or(0);
         let alphas: Vec<Vec<f64>> = deciders
             .iter()
-            .map(|s| rates(&s.accept, &self.accept_mtp, k_max))
+            .map(|s| rates(&s.spec, &self.accept_mtp, k_max))
             .collect();
         let k_round = match self.cfg.adaptive_k {
             true => choose_k(&alphas, k_max, batch_size, &self.costs, true),
@@ -1292,7 +1292,7 @@ const ROLLING_BLOCKS: usize = 8;
 
 /// A sequence's acceptance rates for draft positions `0..k`, shrunk toward the engine-wide ones
 /// (themselves toward 1/2).
-fn rates(own: &AcceptanceCounts, all: &AcceptanceCounts, k: usize) -> Vec<f64> {
+fn rates(own: &SpecStats, all: &SpecStats, k: usize) -> Vec<f64> {
     (0..k).map(|j| own.rate(j, all.rate(j, 0.5, 4.0), 4.0)).collect()
 }
 

@@ -28,8 +28,9 @@ pub use engine::{Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS}
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use prefix::{PrefixCache, PrefixHit, PrefixStats};
+pub use qwen36_mtp::SpecStats;
 pub use qwen36_sampling::Detokenize;
 pub use request::{Canceller, Event, Request, RequestHandle, Speculation, StopReason, Usage, Wait};
 pub use sizes::{PoolSizes, StateBytes};
-pub use spec::{AcceptanceCounts, SpecCosts};
+pub use spec::SpecCosts;
 pub use thread::{EngineClient, EngineStatus};

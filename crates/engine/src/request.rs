@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use qwen36_mtp::SpecStats;
 use qwen36_sampling::{Degeneration, DegenerationConfig, Sampled, SamplingParams};
 
 /// One generation request, in token ids.
@@ -96,7 +97,7 @@ pub enum StopReason {
 }
 
 /// Token counts of a finished request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: usize,
@@ -106,9 +107,9 @@ pub struct Usage {
     pub cached_tokens: usize,
     /// Times the request was preempted (its state freed and recomputed later).
     pub preemptions: usize,
-    /// Drafts verified, and those accepted (speculative decoding).
-    pub drafted: usize,
-    pub accepted: usize,
+    /// Speculative decoding: drafts verified and accepted, acceptance per draft position,
+    /// accepted lengths (its decode steps without drafts count as passes of length 1).
+    pub speculation: SpecStats,
     /// The first degeneration seen in the output, when the request watched for it.
     pub degeneration: Option<Degeneration>,
 }

@@ -13,10 +13,10 @@ use std::sync::Arc;
 
 use qwen36_sampling::{RepetitionDetector, Sampler, TextStream};
 
-use crate::spec::AcceptanceCounts;
 use crate::{
     BlockPool, BlockTable, Error, Event, PrefixCache, Result, SlotId, SlotPool, Speculation, StopReason,
 };
+use qwen36_mtp::SpecStats;
 
 /// One request inside the engine.
 #[derive(Debug)]
@@ -48,10 +48,9 @@ pub(crate) struct Sequence {
     /// Final hidden states `[pairs, hidden]` of the positions after `mtp_len` not yet fed to the
     /// MTP head (held while the sequence drafts nothing).
     pub unfed: Option<candle_core::Tensor>,
-    /// How often its drafts were accepted, per position.
-    pub accept: AcceptanceCounts,
-    pub drafted: usize,
-    pub accepted: usize,
+    /// Its verifies (and the plain decode steps of a speculating sequence): acceptance per
+    /// position, accepted lengths.
+    pub spec: SpecStats,
     /// Watches the output for loops and entropy collapse, when the request asked.
     pub degeneration: Option<RepetitionDetector>,
     pub stop_on_degeneration: bool,

@@ -106,41 +106,6 @@ impl SpecCosts {
     }
 }
 
-/// The conditional acceptance of each draft position (position `j` accepted given that every
-/// draft before it was), counted over verifies.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct AcceptanceCounts {
-    /// Verifies that reached position `j`.
-    pub reached: Vec<u64>,
-    /// Verifies that accepted position `j`.
-    pub accepted: Vec<u64>,
-}
-
-impl AcceptanceCounts {
-    /// Counts a verify of `drafted` drafts of which the first `accepted` passed.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
-        let reached = drafted.min(accepted + 1);
-        if self.reached.len() < reached {
-            self.reached.resize(reached, 0);
-            self.accepted.resize(reached, 0);
-        }
-        for j in 0..reached {
-            self.reached[j] += 1;
-            self.accepted[j] += (j < accepted) as u64;
-        }
-    }
-
-    /// The acceptance rate at position `j`, shrunk toward `prior` by `weight` pseudo-counts (so
-    /// that a few verifies do not decide).
-    pub fn rate(&self, j: usize, prior: f64, weight: f64) -> f64 {
-        let (a, r) = (
-            self.accepted.get(j).copied().unwrap_or(0) as f64,
-            self.reached.get(j).copied().unwrap_or(0) as f64,
-        );
-        (a + weight * prior) / (r + weight)
-    }
-}
-
 /// Expected tokens one verify of `k` drafts yields: 1 (the correction or bonus token) plus the
 /// chance that each prefix of drafts is all accepted, with `alpha[j]` the conditional acceptance
 /// of position `j`.
@@ -260,19 +225,6 @@ mod tests {
         // Batch 3 counts as 4: nothing measured there yet.
         assert_eq!(choose_k(&alpha, 3, 3, &costs, true), 3);
         assert!(costs.cycle(4, 3, true).is_none());
-    }
-
-    #[test]
-    fn acceptance_counts_condition_on_reaching() {
-        let mut c = AcceptanceCounts::default();
-        c.record(3, 3); // all accepted
-        c.record(3, 1); // the second rejected: the third never reached
-        c.record(2, 0);
-        assert_eq!(c.reached, [3, 2, 1]);
-        assert_eq!(c.accepted, [2, 1, 1]);
-        assert_eq!(c.rate(0, 0.5, 0.0), 2.0 / 3.0);
-        assert_eq!(c.rate(5, 0.7, 4.0), 0.7, "no count: the prior");
-        assert_eq!(c.rate(1, 0.0, 2.0), 0.25);
     }
 
     #[test]

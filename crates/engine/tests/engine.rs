@@ -101,8 +101,8 @@ fn check_random(
         let o = collect(handles[i].as_ref().unwrap());
         let (reason, usage) = o.end.clone().expect("every request ends");
         totals.preemptions += usage.preemptions;
-        totals.drafted += usage.drafted;
-        totals.accepted += usage.accepted;
+        totals.drafted += usage.speculation.drafted;
+        totals.accepted += usage.speculation.accepted;
         let max = p.req.max_tokens.unwrap();
         let (want, rows) = solo(&model, &p.req.prompt, max);
         assert_eq!(usage.prompt_tokens, p.req.prompt.len());
@@ -499,8 +499,12 @@ fn timing_accept_rates_set_the_acceptance() {
             let o = collect(h);
             let u = o.end.unwrap().1;
             assert_eq!(o.ids.len(), 20);
-            assert!(u.drafted > 0);
-            assert_eq!(u.accepted, if all { u.drafted } else { 0 }, "{u:?}");
+            assert!(u.speculation.drafted > 0);
+            assert_eq!(
+                u.speculation.accepted,
+                if all { u.speculation.drafted } else { 0 },
+                "{u:?}"
+            );
         }
     }
 }
@@ -541,7 +545,7 @@ fn adaptive_k_follows_the_costs_and_stays_lossless() {
         for (h, want) in handles.iter().zip(&want) {
             let o = collect(h);
             assert_eq!(&o.ids, want);
-            let drafted = o.end.unwrap().1.drafted;
+            let drafted = o.end.unwrap().1.speculation.drafted;
             if fixed {
                 assert_eq!(drafted > 0, drafts, "drafted {drafted}");
             }
@@ -605,7 +609,7 @@ fn sampled_speculation_equals_plain_sampling() {
             let o = collect(h);
             assert_eq!(&o.ids, want, "adaptive_k {adaptive_k}");
             let u = o.end.unwrap().1;
-            (drafted, accepted) = (drafted + u.drafted, accepted + u.accepted);
+            (drafted, accepted) = (drafted + u.speculation.drafted, accepted + u.speculation.accepted);
         }
         if !adaptive_k {
             assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");

@@ -117,8 +117,8 @@ fn turn(
         cold.run_to_completion().unwrap();
         let (_, alone) = collect(&h).end.expect("it ended");
         assert_eq!(
-            (usage.drafted, usage.accepted),
-            (alone.drafted, alone.accepted),
+            (usage.speculation.drafted, usage.speculation.accepted),
+            (alone.speculation.drafted, alone.speculation.accepted),
             "{what}: drafts and acceptance of its cold run"
         );
     }
@@ -156,7 +156,7 @@ fn turns(
             req.speculation = spec(t);
             let what = format!("turn {t} of {c}");
             let (out, usage) = turn(engine, cold.as_deref_mut(), &mut policy, req, &what);
-            accepted += usage.accepted;
+            accepted += usage.speculation.accepted;
             hits += usage.cached_tokens;
             prompt_tokens += prompt.len();
             *history = [prompt, out].concat();
@@ -319,8 +319,8 @@ fn mtp_requests_hit_a_running_requests_prompt() {
     cold.run_to_completion().unwrap();
     let (_, cold_usage) = collect(&alone).end.expect("it ended");
     assert_eq!(
-        (usage.drafted, usage.accepted),
-        (cold_usage.drafted, cold_usage.accepted)
+        (usage.speculation.drafted, usage.speculation.accepted),
+        (cold_usage.speculation.drafted, cold_usage.speculation.accepted)
     );
 }
 

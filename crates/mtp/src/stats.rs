@@ -1,7 +1,7 @@
 //! Acceptance statistics of a speculative run.
 
 /// Counters of one speculative generation.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecStats {
     /// Verify passes (target forwards after the prefill).
     pub cycles: usize,
@@ -20,8 +20,11 @@ pub struct SpecStats {
 }
 
 impl SpecStats {
-    pub(crate) fn record(&mut self, drafted: usize, accepted: usize, k: usize) {
-        // k = 0 (plain decoding through the loop) still counts its cycles' accepted length 0.
+    /// Counts one verify pass of `drafted` drafts (of up to `k` asked for) whose first
+    /// `accepted` passed; a pass with no drafts (plain decoding through the loop, k = 0 included)
+    /// counts as accepted length 0.
+    pub fn record(&mut self, drafted: usize, accepted: usize, k: usize) {
+        let k = k.max(drafted);
         if self.accepted_len_hist.len() < k + 1 {
             self.reached.resize(k, 0);
             self.accepted_at.resize(k, 0);
@@ -58,6 +61,16 @@ impl SpecStats {
             .collect()
     }
 
+    /// The acceptance at draft position `j` (given every draft before it passed), shrunk toward
+    /// `prior` by `weight` pseudo-counts, so that a few verifies do not decide.
+    pub fn rate(&self, j: usize, prior: f64, weight: f64) -> f64 {
+        let (a, r) = (
+            self.accepted_at.get(j).copied().unwrap_or(0) as f64,
+            self.reached.get(j).copied().unwrap_or(0) as f64,
+        );
+        (a + weight * prior) / (r + weight)
+    }
+
     /// Accepted / proposed drafts.
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 {
@@ -65,5 +78,32 @@ impl SpecStats {
         } else {
             self.accepted as f64 / self.drafted as f64
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Position j is reached when every draft before it passed; accepted lengths are counted.
+    #[test]
+    fn acceptance_conditions_on_reaching() {
+        let mut c = SpecStats::default();
+        c.record(3, 3, 3); // all accepted
+        c.record(3, 1, 3); // the second rejected: the third never reached
+        c.record(2, 0, 3);
+        c.record(0, 0, 3); // no drafts: a plain step
+        assert_eq!(c.reached, [3, 2, 1]);
+        assert_eq!(c.accepted_at, [2, 1, 1]);
+        assert_eq!(c.accepted_len_hist, [2, 1, 0, 1]);
+        assert_eq!((c.cycles, c.drafted, c.accepted, c.emitted), (4, 8, 4, 8));
+        assert_eq!(c.accepted_len_mean(), 2.0);
+        assert_eq!(c.rate(0, 0.5, 0.0), 2.0 / 3.0);
+        assert_eq!(c.rate(5, 0.7, 4.0), 0.7, "no count: the prior");
+        assert_eq!(c.rate(1, 0.0, 2.0), 0.25);
+        // More drafts than the k given still count (k grows to them).
+        c.record(5, 4, 1);
+        assert_eq!(c.reached.len(), 5);
+        assert_eq!(c.accepted_len_hist[4], 1);
     }
 }

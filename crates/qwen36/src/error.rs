@@ -11,6 +11,13 @@ pub enum Error {
     /// Speculative decoding failed.
     #[error(transparent)]
     Speculative(#[from] qwen36_mtp::Error),
+    /// The engine refused or failed a request (a prompt over the context, say).
+    #[error(transparent)]
+    Engine(#[from] qwen36_engine::Error),
+    /// A generation could not go on (the message names why: non-finite logits, a failed
+    /// detokenization).
+    #[error("generation failed: {0}")]
+    Generation(String),
     /// Sampling failed (bad parameters, non-finite logits).
     #[error(transparent)]
     Sampling(#[from] qwen36_sampling::Error),

@@ -1,15 +1,14 @@
-//! A streaming text generator over one sequence: prefill, sample, stop on tokens or strings.
+//! A streaming text generator over one sequence: the engine with one sequence slot, stepped by
+//! the caller's thread (prefill, sample or verify drafts, stop on tokens or strings).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use candle_core::Tensor;
-use qwen36_model::{Communicator, DraftSession, DraftVocab, LoadOptions, MtpHead, Qwen36Model, Session};
-use qwen36_mtp::{MtpDrafter, NgramDrafter, SpecConfig, SpecStats, SpecStopReason, SpeculativeDecoder};
-use qwen36_sampling::{
-    Degeneration, DegenerationConfig, RepetitionDetector, Sampler, SamplingParams, TextStream,
-};
+use qwen36_engine::{Engine, EngineConfig, Event, Request, Speculation};
+use qwen36_model::{Communicator, LoadOptions, MtpHead, Qwen36Model};
+use qwen36_mtp::SpecStats;
+use qwen36_sampling::{Degeneration, DegenerationConfig, SamplingParams};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -179,8 +178,11 @@ impl GenerationOutput {
 
 /// A model with its tokenizer and generation defaults, generating one sequence at a time.
 ///
-/// The caches of the last generation are kept (and reset before the next one), so the CUDA
-/// graphs recorded for them are replayed by later generations instead of recorded again.
+/// Each generation is one request to an [`Engine`] with one sequence slot, stepped on the
+/// caller's thread: the same loop that serves many requests at once, so a request gives here
+/// what it gives a server. The engine of the last generation is kept (reset by the next one, its
+/// pools and CUDA graphs reused) unless a request needs a longer KV pool or another draft
+/// vocabulary; concurrent calls each get an engine of their own.
 pub struct Generator {
     model: Qwen36Model,
     mtp_head: Option<MtpHead>,
@@ -188,21 +190,15 @@ pub struct Generator {
     chat_template: Option<ChatTemplate>,
     dir: PathBuf,
     generation_config: GenerationConfig,
-    sessions: Mutex<Sessions>,
+    engine: Mutex<Option<Engine>>,
 }
 
-/// What a kept draft session's vocabulary was made from: `None` for the whole vocabulary, else
-/// the size and the stop ids ([`DraftVocab::first`]).
-type DraftVocabKey = Option<(usize, Vec<u32>)>;
+/// The fewest KV positions a generator's engine holds (a pool is sized for its request, in
+/// powers of two from here, and grown when a later request needs more).
+const MIN_POSITIONS: usize = 1024;
 
-/// What a finished generation leaves for the next one (taken while a generation runs, so
-/// concurrent calls each get their own).
-#[derive(Default)]
-struct Sessions {
-    target: Option<Session>,
-    /// With what its draft vocabulary was made from (size, stop ids; its graphs score those rows).
-    draft: Option<(DraftVocabKey, DraftSession)>,
-}
+/// The most prompt tokens one forward runs (a longer prompt is prefilled in chunks of this).
+const PREFILL_CHUNK: usize = 8192;
 
 impl Generator {
     /// Loads the model in `dir`, plus `tokenizer.json` and `generation_config.json` when present.
@@ -258,7 +254,7 @@ impl Generator {
             chat_template,
             dir,
             generation_config,
-            sessions: Mutex::default(),
+            engine: Mutex::default(),
         })
     }
 
@@ -294,20 +290,6 @@ impl Generator {
     /// The generation defaults read from the model directory.
     pub fn generation_config(&self) -> &GenerationConfig {
         &self.generation_config
-    }
-
-    fn sessions(&self) -> std::sync::MutexGuard<'_, Sessions> {
-        // A generation that panicked left nothing half-written here: the state is a plain take.
-        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The kept target session or a new one (whoever runs in it resets it first).
-    fn target_session(&self) -> Result<Session> {
-        let kept = self.sessions().target.take();
-        match kept {
-            Some(s) => Ok(s),
-            None => Ok(Session::new(&self.model, 1)?),
-        }
     }
 
     fn tok(&self) -> Result<&Tokenizer> {
@@ -367,6 +349,48 @@ impl Generator {
         self.generate(&ids, opts, on_token)
     }
 
+    /// The kept engine when it can run a request of `positions` positions with `draft_vocab`,
+    /// else a new one sized for it.
+    fn engine_for(&self, positions: usize, draft_vocab: Option<Option<usize>>) -> Result<Engine> {
+        let kept = self.kept_engine().take();
+        if let Some(e) = kept {
+            let cfg = e.config();
+            let pool = cfg.kv_blocks.unwrap_or(0) * cfg.block_size;
+            if pool >= positions && draft_vocab.is_none_or(|v| v == cfg.draft_vocab) {
+                return Ok(e);
+            }
+            // (Dropped before the new pools are allocated.)
+        }
+        let context = self.model.config().max_position_embeddings;
+        let positions = positions.max(MIN_POSITIONS).next_power_of_two().min(context);
+        let block_size = EngineConfig::default().block_size;
+        let cfg = EngineConfig {
+            max_seqs: 1,
+            kv_blocks: Some(positions.div_ceil(block_size)),
+            block_size,
+            max_queue: 1,
+            step_tokens: PREFILL_CHUNK,
+            // The k asked for in every round: the same on every tensor-parallel rank.
+            adaptive_k: false,
+            prefix_snapshots: 0,
+            draft_vocab: draft_vocab.flatten(),
+            ..EngineConfig::default()
+        };
+        let engine = match &self.mtp_head {
+            Some(head) => Engine::with_mtp_head(self.model.clone(), head.clone(), cfg)?,
+            None => Engine::new(self.model.clone(), cfg)?,
+        };
+        Ok(match self.detokenizer() {
+            Some(d) => engine.with_detokenizer(d),
+            None => engine,
+        })
+    }
+
+    fn kept_engine(&self) -> std::sync::MutexGuard<'_, Option<Engine>> {
+        // A generation that panicked left nothing half-written here: the engine is a plain take.
+        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Generates after `prompt` (token ids), calling `on_token` for every new token.
     pub fn generate(
         &self,
@@ -374,7 +398,7 @@ impl Generator {
         opts: &GenerateOptions,
         mut on_token: impl FnMut(TokenEvent),
     ) -> Result<GenerationOutput> {
-        let params = opts
+        let sampling = opts
             .sampling
             .clone()
             .or_else(|| self.generation_config.sampling.clone())
@@ -383,195 +407,110 @@ impl Generator {
             .stop_token_ids
             .clone()
             .unwrap_or_else(|| self.default_stop_ids());
-        // The text as it streams (none without a tokenizer).
-        let mut stream = self
-            .tokenizer
-            .as_ref()
-            .map(|_| TextStream::new(&opts.stop_strings));
-        // Self::decode's, on the tokenizer alone (a CUDA generator is not Sync: its graphs).
-        let tokenizer = self.tokenizer.as_ref();
-        let decode = |ids: &[u32]| match tokenizer {
-            Some(t) => t.decode(ids, true).map_err(|e| e.to_string()),
-            None => Err("no tokenizer".to_string()),
-        };
-        let mut failure = None;
-        let t0 = Instant::now();
-        let mut first_token_secs = None;
-        let mut detector = RepetitionDetector::new(opts.degeneration);
-        let mut degenerate = None;
-        // Called for every token; false ends generation (a stop string matched, decoding failed,
-        // or the output degenerated and that stops it).
-        let mut push = |token: u32| -> bool {
-            first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-            if stop_ids.contains(&token) {
-                on_token(TokenEvent { token, text: "" });
-                return false;
-            }
-            let go_on = match stream.as_mut() {
-                None => {
-                    on_token(TokenEvent { token, text: "" });
-                    true
+        let speculation = match opts.speculative {
+            None => None,
+            Some(Speculative { k, drafter, .. }) => Some(match drafter {
+                DrafterKind::Mtp if self.mtp_head.is_none() => {
+                    return Err(qwen36_model::Error::NoMtpHead.into())
                 }
-                Some(stream) => match stream.push(token, &decode) {
-                    Ok((piece, go_on)) => {
-                        on_token(TokenEvent { token, text: &piece });
-                        go_on
-                    }
-                    Err(e) => {
-                        failure = Some(self.tok_err(e));
-                        false
-                    }
-                },
-            };
-            match detector.observe(token, None) {
-                Some(d) if go_on && opts.stop_on_degeneration => {
-                    degenerate = Some(d);
-                    false
-                }
-                _ => go_on,
-            }
+                DrafterKind::Mtp => Speculation::Mtp { k },
+                DrafterKind::Ngram => Speculation::ngram(k),
+            }),
         };
-        let ((tokens, reason), spec_stats) = match &opts.speculative {
-            None => (self.plain(prompt, params, opts, &stop_ids, &mut push)?, None),
-            Some(spec) => {
-                let (tokens, reason, stats) =
-                    self.speculative(prompt, params, opts, spec, &stop_ids, &mut push)?;
-                ((tokens, reason), Some(stats))
-            }
+        // Only MTP requests care about the draft vocabulary (`None`: any engine will do).
+        let draft_vocab = match opts.speculative {
+            Some(s) if s.drafter == DrafterKind::Mtp => Some(s.draft_vocab),
+            _ => None,
         };
-        let total = t0.elapsed().as_secs_f64();
-        let prefill_secs = first_token_secs.unwrap_or(total);
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        let stop_reason = match (reason, degenerate) {
-            (StopReason::StopString(_), Some(d)) => StopReason::Degenerate(d),
-            (StopReason::StopString(_), None) => {
-                StopReason::StopString(stream.as_ref().and_then(TextStream::stopped_by).unwrap_or(0))
-            }
-            (r, _) => r,
-        };
-        let tail = stream.as_mut().map(TextStream::finish).unwrap_or_default();
-        if !tail.is_empty() {
-            on_token(TokenEvent {
-                token: *tokens.last().unwrap_or(&0),
-                text: &tail,
+        if opts.max_new_tokens == 0 {
+            return Ok(GenerationOutput {
+                prompt_tokens: prompt.len(),
+                tokens: Vec::new(),
+                text: self.tokenizer.as_ref().map(|_| String::new()),
+                stop_reason: StopReason::MaxTokens,
+                prefill_secs: 0.0,
+                decode_secs: 0.0,
+                spec_stats: opts.speculative.map(|_| SpecStats::default()),
+                degeneration: None,
             });
         }
+        // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
+        // prompt that leaves no room is the engine's error to name.
+        let room = (self.model.config().max_position_embeddings + 1).saturating_sub(prompt.len());
+        let max_tokens = opts.max_new_tokens.min(room.max(1));
+        let request = Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            max_tokens: Some(max_tokens),
+            stop_ids,
+            stop_strings: opts.stop_strings.clone(),
+            logprobs: false,
+            speculation,
+            degeneration: Some(opts.degeneration),
+            stop_on_degeneration: opts.stop_on_degeneration,
+        };
+        let mut engine = self.engine_for(prompt.len() + max_tokens - 1, draft_vocab)?;
+        let t0 = Instant::now();
+        let handle = engine.submit(request)?;
+        let (mut tokens, mut text, mut first_token_secs) = (Vec::new(), String::new(), None);
+        let (reason, usage) = loop {
+            let stepped = engine.step();
+            let mut end = None;
+            for event in handle.drain() {
+                match event {
+                    Event::Token { ids, text: piece, .. } => {
+                        if !ids.is_empty() {
+                            first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                        }
+                        // The piece is the text the ids complete: it goes with the last of them
+                        // (a last event without ids carries the text held back to the end).
+                        let last = ids.len().saturating_sub(1);
+                        for (j, &token) in ids.iter().enumerate() {
+                            tokens.push(token);
+                            let piece = if j == last { piece.as_str() } else { "" };
+                            on_token(TokenEvent { token, text: piece });
+                        }
+                        if ids.is_empty() && !piece.is_empty() {
+                            let token = tokens.last().copied().unwrap_or(0);
+                            on_token(TokenEvent { token, text: &piece });
+                        }
+                        text.push_str(&piece);
+                    }
+                    Event::Finished { reason, usage } => end = Some(Ok((reason, usage))),
+                    Event::Failed { error } => end = Some(Err(error)),
+                }
+            }
+            // (A failed step failed the request too: the step's error is the typed one.)
+            stepped?;
+            match end {
+                Some(Ok(finished)) => break finished,
+                Some(Err(error)) => return Err(Error::Generation(error)),
+                None => {}
+            }
+        };
+        // The engine is empty again: the next generation may have it.
+        self.kept_engine().get_or_insert(engine);
+        let total = t0.elapsed().as_secs_f64();
+        let prefill_secs = first_token_secs.unwrap_or(total);
+        use qwen36_engine::StopReason as Engine;
+        let stop_reason = match reason {
+            Engine::MaxTokens if max_tokens < opts.max_new_tokens => StopReason::ContextFull,
+            Engine::MaxTokens => StopReason::MaxTokens,
+            Engine::StopToken(t) => StopReason::StopToken(t),
+            Engine::ContextFull => StopReason::ContextFull,
+            Engine::StopString(i) => StopReason::StopString(i),
+            Engine::Degenerate(d) => StopReason::Degenerate(d),
+            Engine::Cancelled => return Err(Error::Generation("the request was cancelled".into())),
+        };
         Ok(GenerationOutput {
             prompt_tokens: prompt.len(),
             tokens,
-            text: stream.map(TextStream::into_text),
+            text: self.tokenizer.as_ref().map(|_| text),
             stop_reason,
             prefill_secs,
             decode_secs: total - prefill_secs,
-            spec_stats,
-            degeneration: detector.first(),
+            spec_stats: opts.speculative.map(|_| usage.speculation),
+            degeneration: usage.degeneration,
         })
-    }
-
-    /// One token per forward. Returns the tokens and why it stopped.
-    fn plain(
-        &self,
-        prompt: &[u32],
-        params: SamplingParams,
-        opts: &GenerateOptions,
-        stop_ids: &[u32],
-        push: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<(Vec<u32>, StopReason)> {
-        let mut sampler = Sampler::new(params)?;
-        // One-token steps replay CUDA graphs where the device allows.
-        let mut session = self.target_session()?;
-        let out = self.plain_in(&mut session, &mut sampler, prompt, opts, stop_ids, push)?;
-        self.sessions().target = Some(session);
-        Ok(out)
-    }
-
-    fn plain_in(
-        &self,
-        session: &mut Session,
-        sampler: &mut Sampler,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        stop_ids: &[u32],
-        push: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<(Vec<u32>, StopReason)> {
-        let max_ctx = self.model.config().max_position_embeddings;
-        let dev = self.model.device().clone();
-        let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
-        session.reset()?;
-        let Session { cache, stepper } = session;
-        let mut logits = self.model.forward_last(&ids(prompt)?, cache)?;
-        let mut tokens = Vec::new();
-        while tokens.len() < opts.max_new_tokens {
-            let row = logits.squeeze(0)?.to_vec1::<f32>()?;
-            let token = sampler.sample(&row, prompt, &tokens)?.token;
-            tokens.push(token);
-            if !push(token) {
-                let reason = if stop_ids.contains(&token) {
-                    StopReason::StopToken(token)
-                } else {
-                    StopReason::StopString(0)
-                };
-                return Ok((tokens, reason));
-            }
-            if tokens.len() >= opts.max_new_tokens {
-                break;
-            }
-            if cache.seq_len() >= max_ctx {
-                return Ok((tokens, StopReason::ContextFull));
-            }
-            let h = stepper.forward_hidden(&self.model, &ids(&[token])?, cache)?;
-            logits = self.model.logits(&h.squeeze(1)?)?;
-        }
-        Ok((tokens, StopReason::MaxTokens))
-    }
-
-    /// Speculative decoding with the chosen drafter.
-    fn speculative(
-        &self,
-        prompt: &[u32],
-        params: SamplingParams,
-        opts: &GenerateOptions,
-        spec: &Speculative,
-        stop_ids: &[u32],
-        push: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<(Vec<u32>, StopReason, SpecStats)> {
-        let mut decoder = SpeculativeDecoder::with_session(&self.model, params, self.target_session()?)?;
-        let cfg = SpecConfig {
-            k: spec.k,
-            max_new_tokens: opts.max_new_tokens,
-            stop_token_ids: stop_ids.to_vec(),
-        };
-        let out = match spec.drafter {
-            DrafterKind::Mtp => {
-                let head = self.mtp_head.as_ref().ok_or(qwen36_model::Error::NoMtpHead)?;
-                let key: DraftVocabKey = spec.draft_vocab.map(|n| (n, stop_ids.to_vec()));
-                let kept = self.sessions().draft.take();
-                let session = match kept {
-                    Some((k, session)) if k == key => session,
-                    _ => {
-                        let vocab = key
-                            .as_ref()
-                            .map(|(n, stops)| DraftVocab::first(&self.model, *n, stops))
-                            .transpose()?;
-                        DraftSession::with_vocab(&self.model, head, vocab)
-                    }
-                };
-                let mut mtp = MtpDrafter::with_session(&self.model, head, session);
-                let out = decoder.generate(&mut mtp, prompt, &cfg, push)?;
-                self.sessions().draft = Some((key, mtp.into_session()));
-                out
-            }
-            DrafterKind::Ngram => decoder.generate(&mut NgramDrafter::default(), prompt, &cfg, push)?,
-        };
-        self.sessions().target = Some(decoder.into_session());
-        let reason = match out.stop_reason {
-            SpecStopReason::MaxTokens => StopReason::MaxTokens,
-            SpecStopReason::StopToken(t) => StopReason::StopToken(t),
-            SpecStopReason::ContextFull => StopReason::ContextFull,
-            SpecStopReason::Callback => StopReason::StopString(0),
-        };
-        Ok((out.tokens, reason, out.stats))
     }
 }

@@ -173,3 +173,67 @@ fn kept_caches_start_each_generation_fresh() {
         );
     }
 }
+
+/// The context caps a generation: the output stops where the sequence fills
+/// `max_position_embeddings` (ContextFull), a request that fits exactly ends at its
+/// `max_new_tokens`, and a prompt longer than the context is a typed error.
+#[test]
+fn the_context_caps_generation() {
+    let g = load_generator(fixture_dir("tiny-nested"));
+    let context = g.model().config().max_position_embeddings;
+    let mut rng = qwen36_testutil::Rng::new(5);
+    let prompt: Vec<u32> = (0..context - 20).map(|_| rng.below(384) as u32).collect();
+    let opts = |max_new_tokens| GenerateOptions {
+        max_new_tokens,
+        sampling: Some(SamplingParams::greedy()),
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    // Room for 21 tokens: the last one generated is never run.
+    let full = g.generate(&prompt, &opts(100), |_| {}).unwrap();
+    assert_eq!(full.tokens.len(), 21);
+    assert_eq!(full.stop_reason, StopReason::ContextFull);
+    let exact = g.generate(&prompt, &opts(21), |_| {}).unwrap();
+    assert_eq!(exact.tokens, full.tokens);
+    assert_eq!(exact.stop_reason, StopReason::MaxTokens);
+    let long: Vec<u32> = (0..=context as u32).map(|i| i % 384).collect();
+    let e = g.generate(&long, &opts(4), |_| {}).unwrap_err();
+    assert!(
+        matches!(e, qwen36::Error::Engine(qwen36::engine::Error::TooLong { .. })),
+        "{e}"
+    );
+    // Stop strings need text: without a tokenizer they are refused, not ignored.
+    let e = g
+        .generate(
+            &prompt[..8],
+            &GenerateOptions {
+                stop_strings: vec!["x".into()],
+                ..opts(4)
+            },
+            |_| {},
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("detokenizer"), "{e}");
+}
+
+/// A request longer than the kept engine's KV pool gets a bigger one (and a short request after
+/// it the same tokens as before).
+#[test]
+fn a_longer_request_grows_the_pool() {
+    let g = load_generator(bundled_dir());
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        sampling: Some(SamplingParams::greedy()),
+        stop_token_ids: Some(vec![]),
+        ..Default::default()
+    };
+    let short = g.generate(&[5, 6, 7], &opts, |_| {}).unwrap();
+    // Past the smallest pool (1024 positions) that the first request made.
+    let long: Vec<u32> = (0..1500u32).map(|i| 3 + (i * 7919) % 4000).collect();
+    let out = g.generate(&long, &opts, |_| {}).unwrap();
+    assert_eq!(out.tokens.len(), 24);
+    assert_eq!(
+        g.generate(&[5, 6, 7], &opts, |_| {}).unwrap().tokens,
+        short.tokens
+    );
+}

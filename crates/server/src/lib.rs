@@ -590,12 +590,12 @@ fn forward(handles: Vec<RequestHandle>) -> mpsc::UnboundedReceiver<(usize, Optio
 fn usage_json(prompt_tokens: usize, choices: &[Choice]) -> Value {
     let completion: usize = choices
         .iter()
-        .map(|c| c.usage.map_or(c.ids.len(), |u| u.completion_tokens))
+        .map(|c| c.usage.as_ref().map_or(c.ids.len(), |u| u.completion_tokens))
         .sum();
     // Each choice is a request of its own: the most any of them was served from the cache.
     let cached = choices
         .iter()
-        .filter_map(|c| c.usage.map(|u| u.cached_tokens))
+        .filter_map(|c| c.usage.as_ref().map(|u| u.cached_tokens))
         .max()
         .unwrap_or(0);
     json!({

@@ -125,8 +125,8 @@ impl Metrics {
             *m.finished.entry(reason).or_default() += 1;
             if let Some(u) = usage {
                 m.generation_tokens += u.completion_tokens as u64;
-                m.drafted += u.drafted as u64;
-                m.accepted += u.accepted as u64;
+                m.drafted += u.speculation.drafted as u64;
+                m.accepted += u.speculation.accepted as u64;
                 m.preemptions += u.preemptions as u64;
                 if let Some(first) = times.first_token {
                     m.ttft.observe(first.as_secs_f64());
@@ -365,8 +365,11 @@ mod tests {
         let usage = Usage {
             prompt_tokens: 7,
             completion_tokens: 5,
-            drafted: 4,
-            accepted: 3,
+            speculation: qwen36::mtp::SpecStats {
+                drafted: 4,
+                accepted: 3,
+                ..Default::default()
+            },
             ..Usage::default()
         };
         let times = ChoiceTimes {
