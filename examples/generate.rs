@@ -60,7 +60,8 @@ struct Args {
     /// Run on the first CUDA GPU (needs a build with --features cuda).
     #[arg(long)]
     cuda: bool,
-    /// Speculative decoding: drafts per verify pass (0 = off).
+    /// Speculative decoding: the most drafts per verify pass (0 = off); each round drafts what
+    /// pays at the measured acceptance and costs, 0 included.
     #[arg(long, default_value_t = 0)]
     mtp: usize,
     /// Drafter for speculative decoding: mtp (the checkpoint's MTP head) or ngram (prompt lookup).
@@ -210,7 +211,8 @@ fn generate(args: &Args, generator: &Generator, print: bool) -> Result<(), BoxEr
         if let Some(s) = &out.spec_stats {
             json["accepted_len_mean"] = s.accepted_len_mean().into();
             json["acceptance_by_position"] = s.acceptance_by_position().into();
-            json["verify_passes"] = s.cycles.into();
+            json["decode_passes"] = s.cycles.into();
+            json["passes_with_drafts"] = s.reached.first().copied().unwrap_or(0).into();
         }
         println!("{json}");
     } else {
@@ -222,8 +224,9 @@ fn generate(args: &Args, generator: &Generator, print: bool) -> Result<(), BoxEr
                 .map(|x| format!("{x:.2}"))
                 .collect();
             eprintln!(
-                "speculative: {} verify passes, accepted length {:.2}, acceptance by position [{}]",
+                "speculative: {} decode passes ({} with drafts), accepted length {:.2}, acceptance by position [{}]",
                 s.cycles,
+                s.reached.first().copied().unwrap_or(0),
                 s.accepted_len_mean(),
                 by_pos.join(", ")
             );

@@ -3,7 +3,7 @@
 /// Counters of one speculative generation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecStats {
-    /// Verify passes (target forwards after the prefill).
+    /// Target forwards after the prefill: verifies, and steps that had no drafts to verify.
     pub cycles: usize,
     /// Draft tokens proposed.
     pub drafted: usize,

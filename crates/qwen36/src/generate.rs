@@ -93,7 +93,10 @@ pub enum DrafterKind {
 /// Speculative decoding settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Speculative {
-    /// Drafts per verify pass.
+    /// The most drafts per verify pass: each round drafts the number (0..=k) that gives the most
+    /// tokens per second at the acceptance and step costs measured so far, so that speculation
+    /// never makes generation slower (a tensor-parallel rank drafts k in every round). The tokens
+    /// are the same whatever the number.
     pub k: usize,
     /// The drafter.
     pub drafter: DrafterKind,
@@ -181,7 +184,8 @@ impl GenerationOutput {
 /// Each generation is one request to an [`Engine`] with one sequence slot, stepped on the
 /// caller's thread: the same loop that serves many requests at once, so a request gives here
 /// what it gives a server. The engine of the last generation is kept (reset by the next one, its
-/// pools and CUDA graphs reused) unless a request needs a longer KV pool or another draft
+/// pools and CUDA graphs reused, and the step costs it measured, which decide how many drafts a
+/// speculative round makes) unless a request needs a longer KV pool or another draft
 /// vocabulary; concurrent calls each get an engine of their own.
 pub struct Generator {
     model: Qwen36Model,
@@ -370,8 +374,10 @@ impl Generator {
             block_size,
             max_queue: 1,
             step_tokens: PREFILL_CHUNK,
-            // The k asked for in every round: the same on every tensor-parallel rank.
-            adaptive_k: false,
+            // Each round drafts what pays (up to the k asked for, 0 included: speculation never
+            // makes generation slower), chosen from this process's timings; tensor-parallel
+            // ranks, which time themselves, draft the k asked for so that they stay in step.
+            adaptive_k: self.model.communicator().is_none(),
             prefix_snapshots: 0,
             draft_vocab: draft_vocab.flatten(),
             ..EngineConfig::default()
