@@ -109,6 +109,18 @@ impl Cache {
             }
         }
         self.seq_len = p.base + keep;
+        #[cfg(feature = "fault-injection")]
+        if self.fault == Some(crate::Fault::Bf16State) {
+            for l in &mut self.layers {
+                if let LayerCache::Gdn(s) = l {
+                    let rounded = s
+                        .recurrent()
+                        .to_dtype(candle_core::DType::BF16)?
+                        .to_dtype(candle_core::DType::F32)?;
+                    *s = qwen36_gdn::GdnState::from_parts(s.conv().clone(), rounded, s.seen())?;
+                }
+            }
+        }
         Ok(())
     }
 

@@ -41,10 +41,17 @@ pub use weights::{LoadOptions, LoadProgress, Weights};
 #[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// The GDN recurrent state is rounded to bf16 after every eager step (a bf16 state).
+    /// The GDN recurrent state is rounded to bf16 after every eager step and every commit (a
+    /// bf16 state), in a `Cache` and in the engine's pools.
     Bf16State,
-    /// `Cache::reset` leaves the GDN states as they are (a state not reset between sequences).
+    /// `Cache::reset` leaves the GDN states as they are, and a sequence starting in a pool slot
+    /// does not clear it (a state not reset between sequences).
     NoReset,
-    /// `Cache::commit(keep)` keeps one token more than asked (a wrong rollback after a verify).
+    /// `Cache::commit(keep)` and the pools' commits keep one token more than asked (a wrong
+    /// rollback after a verify).
     WrongRollback,
+    /// A decode step's GDN state is not written back: every decode step reads the state the
+    /// prompt left (a state buffer a graph or an engine never updates), in a `Cache` and in the
+    /// engine's pools.
+    StaleState,
 }

@@ -472,13 +472,19 @@ impl Qwen36Model {
                 head_dim: self.cfg.head_dim,
             },
         });
-        PagedCache::zeros(
+        #[allow(unused_mut)]
+        let mut cache = PagedCache::zeros(
             kinds,
             (slots, blocks, block_size),
             self.dtype,
             &self.device,
             *self.lm_head.policy(),
-        )
+        )?;
+        #[cfg(feature = "fault-injection")]
+        {
+            cache.fault = self.fault;
+        }
+        Ok(cache)
     }
 
     /// Runs every chunk of `batch` (prefill chunks, decode tokens, verifies) in one pass over
@@ -488,11 +494,37 @@ impl Qwen36Model {
     /// of every row and, when a chunk verifies, the checkpoints for [`PagedCache::commit`].
     pub fn forward_batch(&self, batch: &ForwardBatch, cache: &mut PagedCache) -> Result<BatchOutput> {
         self.check_batch(batch, cache)?;
-        for c in batch.chunks.iter().filter(|c| c.start == 0) {
+        #[cfg(feature = "fault-injection")]
+        let no_reset = self.fault == Some(crate::Fault::NoReset);
+        #[cfg(not(feature = "fault-injection"))]
+        let no_reset = false;
+        for c in batch.chunks.iter().filter(|c| c.start == 0 && !no_reset) {
             cache.clear_slot(c.slot)?;
         }
+        // Decode steps' slots as they were, for a state that is never written back.
+        #[cfg(feature = "fault-injection")]
+        let stale: Vec<(u32, PagedCache)> = match self.fault {
+            Some(crate::Fault::StaleState) => batch
+                .chunks
+                .iter()
+                .filter(|c| c.tokens.len() == 1 && !c.verify)
+                .map(|c| Ok((c.slot, cache.slot_copy(c.slot)?)))
+                .collect::<Result<_>>()?,
+            _ => Vec::new(),
+        };
         let (flat, ids) = self.flat_inputs(batch, cache)?;
         let (hidden, layers) = self.run_flat(&ids, &flat, cache, &[])?;
+        #[cfg(feature = "fault-injection")]
+        {
+            for (slot, old) in stale {
+                cache.restore_slot(slot, &old)?;
+            }
+            if self.fault == Some(crate::Fault::Bf16State) {
+                for c in batch.chunks.iter().filter(|c| !c.verify) {
+                    cache.round_slot_to_bf16(c.slot)?;
+                }
+            }
+        }
         Ok(BatchOutput {
             hidden,
             pending: batch.pending(layers),
@@ -675,7 +707,16 @@ impl Qwen36Model {
             if let Some(s) = states.as_deref_mut() {
                 s.push(x.clone());
             }
+            #[cfg(feature = "fault-injection")]
+            let stale = match (cache.fault, &*lc) {
+                (Some(crate::Fault::StaleState), LayerCache::Gdn(s)) if t == 1 => Some(s.clone()),
+                _ => None,
+            };
             let (y, cp) = layer.forward(&x, lc, &step, checkpoints.is_some())?;
+            #[cfg(feature = "fault-injection")]
+            if let (Some(old), LayerCache::Gdn(s)) = (stale, &mut *lc) {
+                *s = old;
+            }
             if let Some(c) = checkpoints.as_deref_mut() {
                 c.push(cp);
             }

@@ -37,6 +37,9 @@ pub struct PagedCache {
     pub(crate) block_size: usize,
     /// The kernel policy of its own launches (the commits' copies): the model's.
     policy: KernelPolicy,
+    /// Tests only: the fault of the model that made it.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault: Option<crate::Fault>,
 }
 
 impl PagedCache {
@@ -137,7 +140,101 @@ impl PagedCache {
                 ))
             })
             .collect::<Result<_>>()?;
-        self.commit_into(pending, &into)
+        #[cfg(feature = "fault-injection")]
+        let into = self.faulty_keeps(pending, into)?;
+        self.commit_into(pending, &into)?;
+        #[cfg(feature = "fault-injection")]
+        if self.fault == Some(crate::Fault::Bf16State) {
+            for &(_, _, slot) in &into {
+                self.round_slot_to_bf16(slot)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tests only: the keeps of a wrong rollback (one token more than asked, within the chunk).
+    #[cfg(feature = "fault-injection")]
+    fn faulty_keeps(
+        &self,
+        pending: &BatchPending,
+        into: Vec<(usize, usize, u32)>,
+    ) -> Result<Vec<(usize, usize, u32)>> {
+        if self.fault != Some(crate::Fault::WrongRollback) {
+            return Ok(into);
+        }
+        into.into_iter()
+            .map(|(chunk, keep, slot)| {
+                let (group, _) = pending
+                    .member_of
+                    .get(chunk)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| no_chunk(chunk))?;
+                Ok((chunk, (keep + 1).min(pending.group_len(group)?), slot))
+            })
+            .collect()
+    }
+
+    /// Tests only: slot `slot`'s GDN state in every layer, as a pool of one slot.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn slot_copy(&self, slot: u32) -> Result<PagedCache> {
+        self.check_slot(slot)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    PagedLayer::Gdn { conv, recurrent } => PagedLayer::Gdn {
+                        conv: conv.narrow(0, slot as usize, 1)?.copy()?,
+                        recurrent: recurrent.narrow(0, slot as usize, 1)?.copy()?,
+                    },
+                    PagedLayer::Attention { k, v } => PagedLayer::Attention {
+                        k: k.clone(),
+                        v: v.clone(),
+                    },
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(PagedCache {
+            layers,
+            slots: 1,
+            blocks: self.blocks,
+            block_size: self.block_size,
+            policy: self.policy,
+            fault: None,
+        })
+    }
+
+    /// Tests only: writes `old` (a [`Self::slot_copy`]) back into slot `slot`.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn restore_slot(&mut self, slot: u32, old: &PagedCache) -> Result<()> {
+        for (layer, old) in self.layers.iter().zip(&old.layers) {
+            if let (
+                PagedLayer::Gdn { conv, recurrent },
+                PagedLayer::Gdn {
+                    conv: c,
+                    recurrent: r,
+                },
+            ) = (layer, old)
+            {
+                conv.slice_set(c, 0, slot as usize)?;
+                recurrent.slice_set(r, 0, slot as usize)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tests only: rounds slot `slot`'s recurrent states to bf16 (a bf16 state).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn round_slot_to_bf16(&mut self, slot: u32) -> Result<()> {
+        for layer in &self.layers {
+            if let PagedLayer::Gdn { recurrent, .. } = layer {
+                let row = recurrent.narrow(0, slot as usize, 1)?;
+                let rounded = row.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+                recurrent.slice_set(&rounded, 0, slot as usize)?;
+            }
+        }
+        Ok(())
     }
 
     /// Writes the GDN state after the first `keep` tokens of each verified `chunk` into `slot`
@@ -512,6 +609,8 @@ impl PagedCache {
             blocks,
             block_size,
             policy,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
         })
     }
 }

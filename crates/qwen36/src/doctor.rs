@@ -4,7 +4,7 @@
 //!
 //! [`examine`] runs every check on a model directory; the groups are public too, so a test can
 //! give them a model with a fault injected: [`checkpoint_checks`], [`convention_checks`],
-//! [`numerics_checks`], [`speculation_checks`], [`generation_checks`].
+//! [`numerics_checks`], [`speculation_checks`], [`engine_checks`], [`generation_checks`].
 
 use std::path::Path;
 
@@ -180,6 +180,13 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
         ),
     }
     report.checks.extend(speculation_checks(
+        model,
+        generator.mtp_head(),
+        &prompt[..16],
+        opts.generate_tokens,
+    ));
+    report.checks.extend(engine_checks(
+        model,
         model,
         generator.mtp_head(),
         &prompt[..16],
@@ -742,6 +749,253 @@ pub fn speculation_checks(
     };
     if let Err(e) = run(&mut out) {
         out.push(check(G, "run", Status::Fail, format!("the model failed: {e}")));
+    }
+    out
+}
+
+/// Greedy decoding of `n` tokens after `prompt` through a `Cache` (the solo path): the tokens,
+/// each one's log-probability, and each step's largest logit magnitude (the row's scale).
+fn solo_greedy(model: &Qwen36Model, prompt: &[u32], n: usize) -> Result<Vec<(u32, f32, f32)>> {
+    // (The engine's log-probabilities come from the same function.)
+    let sampler = qwen36_sampling::Sampler::new(SamplingParams::greedy())?;
+    let mut cache = model.new_cache(1)?;
+    let mut logits = last_logits(model, &mut cache, prompt)?;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let row = logits.squeeze(0)?.to_vec1::<f32>()?;
+        let t = sampler.sample_at(&row, prompt, &[], 0, 0)?.token;
+        let lp = sampler.logprobs(&row, t).logprob;
+        let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        out.push((t, lp, scale));
+        if out.len() < n {
+            logits = last_logits(model, &mut cache, &[t])?;
+        }
+    }
+    Ok(out)
+}
+
+/// A request's greedy tokens and their log-probabilities (with the 5 most likely) from the
+/// engine.
+type EngineRun = (Vec<u32>, Vec<qwen36_sampling::Sampled>, qwen36_engine::Usage);
+
+/// Runs `requests` through `engine` together and collects each one's tokens.
+fn engine_runs(
+    engine: &mut qwen36_engine::Engine,
+    requests: Vec<qwen36_engine::Request>,
+) -> Result<Vec<EngineRun>> {
+    use qwen36_engine::Event;
+    let handles = requests
+        .into_iter()
+        .map(|r| engine.submit(r))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    engine.run_to_completion()?;
+    handles
+        .iter()
+        .map(|h| {
+            let (mut ids, mut lps, mut usage) = (Vec::new(), Vec::new(), None);
+            for e in h.drain() {
+                match e {
+                    Event::Token { ids: i, logprobs, .. } => {
+                        ids.extend(i);
+                        lps.extend(logprobs.unwrap_or_default());
+                    }
+                    Event::Finished { usage: u, .. } => usage = Some(u),
+                    Event::Failed { error } => return Err(crate::Error::Generation(error)),
+                }
+            }
+            Ok((ids, lps, usage.unwrap_or_default()))
+        })
+        .collect()
+}
+
+/// How an engine run compares with the solo path's greedy run: `Ok(detail)` when the tokens
+/// agree and their log-probabilities lie within the dtype's bound (or the two part where the
+/// engine's top two tokens are within that bound of each other: rounding, reported as a
+/// warning), `Err(detail)` otherwise.
+fn compare_runs(run: &EngineRun, solo: &[(u32, f32, f32)], tol: f32) -> (Status, String) {
+    let (ids, lps, _) = run;
+    let bound = |i: usize| 2.0 * tol * solo[i].2;
+    let part = ids.iter().zip(solo).position(|(a, b)| *a != b.0);
+    let upto = part.unwrap_or(ids.len().min(solo.len()));
+    let (mut worst, mut at) = (0f32, 0);
+    for i in 0..upto.min(lps.len()) {
+        let e = (lps[i].logprob - solo[i].1).abs() / bound(i);
+        if e > worst {
+            (worst, at) = (e, i);
+        }
+    }
+    let lp = |i: usize| (lps[i].logprob - solo[i].1).abs();
+    if worst > 1.0 {
+        return (
+            Status::Fail,
+            format!(
+                "log-probabilities differ from the solo path's by {:.2e} at token {at} (bound {:.2e})",
+                lp(at),
+                bound(at)
+            ),
+        );
+    }
+    match part {
+        None if ids.len() == solo.len() => (
+            Status::Pass,
+            format!(
+                "{} tokens identical, log-probabilities within {:.2e}",
+                ids.len(),
+                if upto > 0 { lp(at) } else { 0.0 }
+            ),
+        ),
+        None => (
+            Status::Fail,
+            format!("{} tokens where the solo path gave {}", ids.len(), solo.len()),
+        ),
+        Some(i) => {
+            // The solo path's token among the engine's likeliest there, and how far below.
+            let gap = lps.get(i).and_then(|s| {
+                s.top_logprobs
+                    .iter()
+                    .find(|(t, _)| *t == solo[i].0)
+                    .map(|(_, l)| s.logprob - l)
+            });
+            match gap {
+                Some(g) if g <= bound(i) => (
+                    Status::Warn,
+                    format!("the outputs part at token {i} on a near-tie (the two tokens {g:.2e} apart in log-probability): rounding, not state"),
+                ),
+                _ => (Status::Fail, format!("the outputs part at token {i}")),
+            }
+        }
+    }
+}
+
+/// The engine (what a server runs): `model`'s engine runs the same prompts two at a time over
+/// pooled state, a third request taking a slot another left, and must give the greedy tokens
+/// and log-probabilities of `alone`'s solo path (`Cache`; the same model, whose solo path the
+/// numerics checks test); with the MTP head, speculation in the engine must give its plain
+/// tokens. A state carried wrongly between requests, a commit that restores the wrong state, or
+/// a state never written back show here even where the solo path is right.
+pub fn engine_checks(
+    model: &Qwen36Model,
+    alone: &Qwen36Model,
+    head: Option<&MtpHead>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<Check> {
+    use qwen36_engine::{Engine, EngineConfig, Request, Speculation};
+    const G: &str = "engine";
+    let tol = tolerance(model.dtype());
+    let mut out = Vec::new();
+    let run = |out: &mut Vec<Check>| -> Result<()> {
+        let other: Vec<u32> = prompt.iter().rev().copied().collect();
+        let block_size = EngineConfig::default().block_size;
+        let cfg = EngineConfig {
+            max_seqs: 2,
+            kv_blocks: Some(2 * (prompt.len() + n).div_ceil(block_size) + 2),
+            max_queue: 4,
+            adaptive_k: false,
+            prefix_snapshots: 0,
+            ..EngineConfig::default()
+        };
+        let mut engine = match head {
+            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), cfg)?,
+            None => Engine::new(model.clone(), cfg)?,
+        };
+        let request = |p: &[u32], speculation| Request {
+            logprobs: true,
+            sampling: SamplingParams {
+                top_logprobs: 5,
+                ..SamplingParams::greedy()
+            },
+            speculation,
+            ..Request::greedy(p.to_vec(), n)
+        };
+        let solo_a = solo_greedy(alone, prompt, n)?;
+        let solo_b = solo_greedy(alone, &other, n)?;
+        // Two at once, then a third in a slot one of them left.
+        let runs = engine_runs(
+            &mut engine,
+            vec![
+                request(prompt, None),
+                request(&other, None),
+                request(prompt, None),
+            ],
+        )?;
+        let verdicts = [
+            ("with another", compare_runs(&runs[0], &solo_a, tol)),
+            ("beside it", compare_runs(&runs[1], &solo_b, tol)),
+            ("in a reused slot", compare_runs(&runs[2], &solo_a, tol)),
+        ];
+        let worst = verdicts.iter().map(|v| v.1 .0).max_by_key(|s| match s {
+            Status::Fail => 3,
+            Status::Warn => 2,
+            _ => 1,
+        });
+        let detail = verdicts
+            .iter()
+            .map(|(what, (_, d))| format!("{what}: {d}"))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let c = check(G, "batched = alone", worst.unwrap_or(Status::Pass), detail);
+        out.push(match c.status {
+            Status::Fail if verdicts[2].1 .0 == Status::Fail && verdicts[0].1 .0 != Status::Fail => c.advise(
+                "a request in a slot another one left differs from itself alone: the engine does not clear a sequence's GDN state (or KV) when a new one takes its slot",
+            ),
+            Status::Fail => c.advise(
+                "the engine's pooled, batched forward does not give what the model gives one sequence alone: check the state pool's slot indexing, that each decode step writes the state back, and the paged KV",
+            ),
+            Status::Warn => c.advise("half-precision sums in another order part greedy outputs where two tokens are near-tied; an f32 run should show none"),
+            _ => c,
+        });
+        let Some(_) = head else {
+            out.push(check(G, "MTP = plain in the engine", Status::Skip, "no MTP head"));
+            return Ok(());
+        };
+        let spec = engine_runs(
+            &mut engine,
+            vec![request(prompt, Some(Speculation::Mtp { k: 3 }))],
+        )?;
+        let (ids, _, usage) = &spec[0];
+        let by_pos: Vec<String> = usage
+            .speculation
+            .acceptance_by_position()
+            .iter()
+            .map(|x| format!("{x:.2}"))
+            .collect();
+        let plain = &runs[0].0;
+        out.push(match ids.iter().zip(plain).position(|(a, b)| a != b) {
+            None if ids.len() == plain.len() => check(
+                G,
+                "MTP = plain in the engine",
+                Status::Pass,
+                format!("{} tokens identical; acceptance by position [{}]", ids.len(), by_pos.join(", ")),
+            ),
+            at => check(
+                G,
+                "MTP = plain in the engine",
+                Status::Fail,
+                format!(
+                    "the outputs part at token {}; acceptance by position [{}]",
+                    at.unwrap_or(ids.len().min(plain.len())),
+                    by_pos.join(", ")
+                ),
+            )
+            .advise("speculation in the engine changes greedy output: the state its commit restores after a verify is not the one after the last accepted token"),
+        });
+        let rate = usage
+            .speculation
+            .acceptance_by_position()
+            .first()
+            .copied()
+            .unwrap_or(0.0);
+        if let (Some(d), true) = (loops(ids), rate > 0.9) {
+            out.push(
+                check(G, "acceptance on a loop", Status::Fail, format!("acceptance {rate:.2} while the output has {d}"))
+                    .advise("near-perfect acceptance of a looping output is the signature of a corrupted GDN state (the target repeats what the drafter guesses), not a good drafter"),
+            );
+        }
+        Ok(())
+    };
+    if let Err(e) = run(&mut out) {
+        out.push(check(G, "run", Status::Fail, format!("the engine failed: {e}")));
     }
     out
 }

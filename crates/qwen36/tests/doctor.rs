@@ -1,12 +1,13 @@
 //! The doctor: it passes the bundled model and the HF fixtures, and fails each injected fault
 //! (feature `fault-injection` of qwen36-model, enabled for tests only) with its own diagnosis;
 //! the repetition detector stays quiet on held-out text and the bundled model's samples and
-//! fires on loops.
+//! fires on loops, those of a faulty state among them.
 
 use std::path::Path;
 
 use qwen36::doctor::{
-    convention_checks, examine, numerics_checks, speculation_checks, Check, DoctorOptions, Status,
+    convention_checks, engine_checks, examine, numerics_checks, speculation_checks, Check, DoctorOptions,
+    Status,
 };
 use qwen36::model::{Fault, LoadOptions, MtpHead, Qwen36Model};
 use qwen36::sampling::{DegenerationConfig, RepetitionDetector};
@@ -95,6 +96,21 @@ fn a_state_not_reset_is_found() {
     );
 }
 
+/// A decode step's state never written back: the layer comparison over decode steps fails (at a
+/// GDN layer: the attention layers before it see the right context), and the chunked prefill no
+/// longer equals token-by-token decoding.
+#[test]
+fn a_state_never_written_back_is_found() {
+    let dir = bundled_dir();
+    let (sick, clean) = (model(&dir, Some(Fault::StaleState)), model(&dir, None));
+    let checks = numerics_checks(&sick, &clean, &prompt(4096));
+    let c = failed(&checks, "layers against the CPU f32 reference");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert!(c.detail.contains("(GDN)"), "{c:?}");
+    let c = failed(&checks, "chunked against recurrent GDN");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+}
+
 /// A wrong rollback after a verify: the rollback check fails, and MTP greedy parts from plain
 /// greedy.
 #[test]
@@ -109,6 +125,44 @@ fn a_wrong_rollback_is_found() {
     let c = failed(&checks, "MTP greedy = plain greedy");
     assert_eq!(c.status, Status::Fail, "{c:?}");
     assert!(c.detail.contains("part at token"), "{c:?}");
+}
+
+/// Faults in the engine's pooled state (what a server runs): each fails the engine check it
+/// shows in, with its diagnosis, and the clean model passes them all.
+#[test]
+fn engine_faults_are_found_in_the_engine() {
+    let dir = bundled_dir();
+    let p = &prompt(4096)[..16];
+    // (The solo path, which the numerics checks cover, is the clean model's: a fault that
+    // reaches both paths would agree with itself.)
+    let alone = model(&dir, None);
+    let run = |fault| {
+        let m = model(&dir, fault);
+        let head = MtpHead::load_dir(&dir, m.config(), LoadOptions::default()).unwrap();
+        engine_checks(&m, &alone, Some(&head), p, 64)
+    };
+    let clean = run(None);
+    assert!(clean.iter().all(|c| c.status == Status::Pass), "{clean:#?}");
+    let status = |checks: &[Check], name| failed(checks, name).status;
+    // A slot not cleared for the next request: only the request in a reused slot differs.
+    let checks = run(Some(Fault::NoReset));
+    let c = failed(&checks, "batched = alone");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert!(c.advice.contains("does not clear"), "{c:?}");
+    assert!(c.detail.starts_with("with another: 64 tokens identical"), "{c:?}");
+    // A wrong commit after a verify: plain requests are right, MTP parts from them.
+    let checks = run(Some(Fault::WrongRollback));
+    assert_eq!(status(&checks, "batched = alone"), Status::Pass, "{checks:#?}");
+    let c = failed(&checks, "MTP = plain in the engine");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert!(c.advice.contains("commit restores"), "{c:?}");
+    // A decode step's state never written back, and a bf16 state: wrong from the first request.
+    for fault in [Fault::StaleState, Fault::Bf16State] {
+        let checks = run(Some(fault));
+        let c = failed(&checks, "batched = alone");
+        assert_eq!(c.status, Status::Fail, "{fault:?}: {c:?}");
+        assert!(c.advice.contains("writes the state back"), "{fault:?}: {c:?}");
+    }
 }
 
 /// Norm weights shifted by +1 (a plain-RMSNorm conversion): the convention check fails.
@@ -207,4 +261,64 @@ fn the_repetition_detector_is_quiet_on_normal_text_and_fires_on_loops() {
         out.text
     );
     assert!(out.tokens.len() < 256);
+}
+
+/// The seed's failure on the bundled model: with a GDN state that decode steps never write back
+/// (`Fault::StaleState`, in the engine's pools), generation at the model's own default sampling
+/// falls into loops ("'''\n    '''\n…", "\n\n\n…") that the repetition detector stops, while the
+/// clean model's same requests run to their end.
+#[test]
+fn the_detector_stops_the_loops_of_a_state_never_written_back() {
+    use qwen36::engine::{Engine, EngineConfig, Event, Request, StopReason};
+    let dir = bundled_dir();
+    let g = Generator::load(&dir, LoadOptions::default()).unwrap();
+    let defaults = g.generation_config().sampling.clone().unwrap();
+    let prompts = [
+        "def fibonacci(n):",
+        "import os\n",
+        "class Parser:",
+        "# Utilities\n",
+    ];
+    let stops = |fault| {
+        let cfg = EngineConfig {
+            max_seqs: 8,
+            prefix_snapshots: 0,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(model(&dir, fault), cfg).unwrap();
+        let mut handles = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            for seed in 0..2u64 {
+                let mut req = Request::greedy(g.encode(p).unwrap(), 512);
+                req.sampling = qwen36::SamplingParams {
+                    seed: seed + 2 * i as u64,
+                    ..defaults.clone()
+                };
+                req.degeneration = Some(DegenerationConfig::default());
+                req.stop_on_degeneration = true;
+                handles.push(engine.submit(req).unwrap());
+            }
+        }
+        engine.run_to_completion().unwrap();
+        let ends: Vec<StopReason> = handles
+            .iter()
+            .map(|h| {
+                h.drain()
+                    .into_iter()
+                    .find_map(|e| match e {
+                        Event::Finished { reason, .. } => Some(reason),
+                        _ => None,
+                    })
+                    .unwrap()
+            })
+            .collect();
+        ends.iter()
+            .filter(|r| matches!(r, StopReason::Degenerate(_)))
+            .count()
+    };
+    let sick = stops(Some(Fault::StaleState));
+    let clean = stops(None);
+    eprintln!("stopped as degenerate: {sick} of 8 with a stale state, {clean} of 8 clean");
+    assert!(sick >= 2, "{sick} of 8 faulty generations stopped");
+    assert_eq!(clean, 0);
 }
