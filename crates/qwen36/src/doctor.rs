@@ -641,22 +641,6 @@ pub fn numerics_checks(model: &Qwen36Model, reference: &Qwen36Model, prompt: &[u
     out
 }
 
-/// Plain greedy decoding of `n` tokens after `prompt`, no stop ids.
-fn plain_greedy(model: &Qwen36Model, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
-    let mut cache = model.new_cache(1)?;
-    let mut logits = last_logits(model, &mut cache, prompt)?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
-        out.push(t);
-        if out.len() == n {
-            break;
-        }
-        logits = last_logits(model, &mut cache, &[t])?;
-    }
-    Ok(out)
-}
-
 /// Whether `tokens` loop (the repetition detector's default).
 fn loops(tokens: &[u32]) -> Option<qwen36_sampling::Degeneration> {
     let mut d = RepetitionDetector::new(DegenerationConfig::default());
@@ -703,7 +687,7 @@ pub fn speculation_checks(
             out.push(check(G, "MTP greedy = plain greedy", Status::Skip, "no MTP head"));
             return Ok(());
         };
-        let plain = plain_greedy(model, prompt, n)?;
+        let plain: Vec<u32> = solo_greedy(model, prompt, n)?.into_iter().map(|t| t.0).collect();
         let mut dec = SpeculativeDecoder::new(model, SamplingParams::greedy())?;
         let cfg = SpecConfig {
             k: 3,
@@ -711,44 +695,65 @@ pub fn speculation_checks(
             stop_token_ids: Vec::new(),
         };
         let spec = dec.generate(&mut MtpDrafter::new(model, head), prompt, &cfg, |_| true)?;
-        let by_pos: Vec<String> = spec
-            .stats
-            .acceptance_by_position()
-            .iter()
-            .map(|x| format!("{x:.2}"))
-            .collect();
-        let rate = spec
-            .stats
-            .acceptance_by_position()
-            .first()
-            .copied()
-            .unwrap_or(0.0);
-        let looped = loops(&plain);
-        out.push(match spec.tokens.iter().zip(&plain).position(|(a, b)| a != b) {
-            None => check(
-                G,
-                "MTP greedy = plain greedy",
-                Status::Pass,
-                format!("{n} tokens identical; acceptance by position [{}]", by_pos.join(", ")),
-            ),
-            Some(i) => check(
-                G,
-                "MTP greedy = plain greedy",
-                Status::Fail,
-                format!("the outputs part at token {i}; acceptance by position [{}]", by_pos.join(", ")),
-            )
-            .advise("speculative decoding must not change greedy output: the verify's rollback or the MTP head's cache is wrong"),
-        });
-        if let (Some(d), true) = (looped, rate > 0.9) {
-            out.push(
-                check(G, "acceptance on a loop", Status::Fail, format!("acceptance {rate:.2} while the output has {d}"))
-                    .advise("near-perfect acceptance of a looping output is the signature of a corrupted GDN state (the target repeats what the drafter guesses), not a good drafter: see the numerics checks"),
-            );
-        }
+        out.extend(speculative_verdicts(
+            G,
+            "MTP greedy = plain greedy",
+            &spec.tokens,
+            &plain,
+            &spec.stats,
+            "speculative decoding must not change greedy output: the verify's rollback or the MTP head's cache is wrong",
+        ));
         Ok(())
     };
     if let Err(e) = run(&mut out) {
         out.push(check(G, "run", Status::Fail, format!("the model failed: {e}")));
+    }
+    out
+}
+
+/// A speculative greedy run against the plain one: the same tokens (the check `name`, with the
+/// acceptance per position; `advice` when they part), and near-perfect acceptance on a looping
+/// output named for what it is: a corrupted GDN state feeding the drafter's guess back, not a
+/// good drafter.
+fn speculative_verdicts(
+    group: &'static str,
+    name: &'static str,
+    spec: &[u32],
+    plain: &[u32],
+    stats: &qwen36_mtp::SpecStats,
+    advice: &str,
+) -> Vec<Check> {
+    let rates = stats.acceptance_by_position();
+    let by_pos: Vec<String> = rates.iter().map(|x| format!("{x:.2}")).collect();
+    let mut out = vec![match spec.iter().zip(plain).position(|(a, b)| a != b) {
+        None if spec.len() == plain.len() => check(
+            group,
+            name,
+            Status::Pass,
+            format!(
+                "{} tokens identical; acceptance by position [{}]",
+                spec.len(),
+                by_pos.join(", ")
+            ),
+        ),
+        at => check(
+            group,
+            name,
+            Status::Fail,
+            format!(
+                "the outputs part at token {}; acceptance by position [{}]",
+                at.unwrap_or(spec.len().min(plain.len())),
+                by_pos.join(", ")
+            ),
+        )
+        .advise(advice),
+    }];
+    let rate = rates.first().copied().unwrap_or(0.0);
+    if let (Some(d), true) = (loops(spec), rate > 0.9) {
+        out.push(
+            check(group, "acceptance on a loop", Status::Fail, format!("acceptance {rate:.2} while the output has {d}"))
+                .advise("near-perfect acceptance of a looping output is the signature of a corrupted GDN state (the target repeats what the drafter guesses), not a good drafter: see the numerics checks"),
+        );
     }
     out
 }
@@ -954,44 +959,14 @@ pub fn engine_checks(
             vec![request(prompt, Some(Speculation::Mtp { k: 3 }))],
         )?;
         let (ids, _, usage) = &spec[0];
-        let by_pos: Vec<String> = usage
-            .speculation
-            .acceptance_by_position()
-            .iter()
-            .map(|x| format!("{x:.2}"))
-            .collect();
-        let plain = &runs[0].0;
-        out.push(match ids.iter().zip(plain).position(|(a, b)| a != b) {
-            None if ids.len() == plain.len() => check(
-                G,
-                "MTP = plain in the engine",
-                Status::Pass,
-                format!("{} tokens identical; acceptance by position [{}]", ids.len(), by_pos.join(", ")),
-            ),
-            at => check(
-                G,
-                "MTP = plain in the engine",
-                Status::Fail,
-                format!(
-                    "the outputs part at token {}; acceptance by position [{}]",
-                    at.unwrap_or(ids.len().min(plain.len())),
-                    by_pos.join(", ")
-                ),
-            )
-            .advise("speculation in the engine changes greedy output: the state its commit restores after a verify is not the one after the last accepted token"),
-        });
-        let rate = usage
-            .speculation
-            .acceptance_by_position()
-            .first()
-            .copied()
-            .unwrap_or(0.0);
-        if let (Some(d), true) = (loops(ids), rate > 0.9) {
-            out.push(
-                check(G, "acceptance on a loop", Status::Fail, format!("acceptance {rate:.2} while the output has {d}"))
-                    .advise("near-perfect acceptance of a looping output is the signature of a corrupted GDN state (the target repeats what the drafter guesses), not a good drafter"),
-            );
-        }
+        out.extend(speculative_verdicts(
+            G,
+            "MTP = plain in the engine",
+            ids,
+            &runs[0].0,
+            &usage.speculation,
+            "speculation in the engine changes greedy output: the state its commit restores after a verify is not the one after the last accepted token",
+        ));
         Ok(())
     };
     if let Err(e) = run(&mut out) {
