@@ -58,8 +58,9 @@ fn local(n: usize, size: usize, field: &str, replicable: bool) -> Result<usize> 
 impl Config {
     /// The configuration of one rank's part of the model: its attention and GDN head counts and
     /// its intermediate size. Refused, naming the field, when the heads or the intermediate size
-    /// do not split over `shard.size` ranks, and for what sharding does not cover yet (FP8
-    /// weights, attention biases).
+    /// do not split over `shard.size` ranks, and for what sharding does not cover yet
+    /// (attention biases). (FP8 weights shard along their scale blocks: a rank count whose parts
+    /// cut a block is refused as the weight is read, naming it.)
     pub fn shard(&self, shard: Shard) -> Result<Config> {
         let size = shard.size;
         if size == 0 || shard.rank >= size {
@@ -70,12 +71,6 @@ impl Config {
         }
         if size == 1 {
             return Ok(self.clone());
-        }
-        if self.quantization.is_some() {
-            return Err(Error::Config {
-                field: "quantization_config".into(),
-                msg: "FP8 weights are not sharded for tensor parallelism yet (run them on one device)".into(),
-            });
         }
         if self.attention_bias {
             return Err(Error::Config {

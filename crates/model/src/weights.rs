@@ -210,16 +210,7 @@ impl Weights {
                 msg: "is float8 e4m3 where this model reads a plain tensor (FP8 is supported for linear weights only)".into(),
             });
         }
-        let part = self.shard.as_ref().and_then(|(comm, full)| {
-            Some((
-                split_of(name, full)?,
-                Shard {
-                    rank: comm.rank(),
-                    size: comm.size(),
-                },
-            ))
-        });
-        let t = match part {
+        let t = match self.part_of(name) {
             Some((split, shard)) => {
                 let (n, keep) = split.ranges(shard);
                 let mut full = shape.to_vec();
@@ -265,6 +256,20 @@ impl Weights {
 }
 
 impl Weights {
+    /// How a sharded checkpoint's rank cuts tensor `name`, and the rank; `None` when it reads
+    /// all of it.
+    fn part_of(&self, name: &str) -> Option<(crate::shard::Split, Shard)> {
+        self.shard.as_ref().and_then(|(comm, full)| {
+            Some((
+                split_of(name, full)?,
+                Shard {
+                    rank: comm.rank(),
+                    size: comm.size(),
+                },
+            ))
+        })
+    }
+
     /// The weight of linear layer `name` (a full module name; the tensor is `{name}.weight`,
     /// `[out, in]` = `shape`): dense in the model dtype, or, when the file holds it in float8
     /// e4m3, FP8 with its block scales `{name}.weight_scale_inv`, which `quant` must declare.
@@ -292,26 +297,65 @@ impl Weights {
                 })
             }
         };
-        if view.shape() != shape {
+        // A rank of a sharded checkpoint reads its rows (or columns) of the weight and of the
+        // scales: whole scale blocks only.
+        let part = self.part_of(&wname);
+        let mut full = shape.to_vec();
+        let mut keep = Vec::new();
+        if let Some((split, shard)) = &part {
+            let n;
+            (n, keep) = split.ranges(*shard);
+            full[split.dim] = n;
+            let kept: usize = keep.iter().map(|r| r.len()).sum();
+            let b = block[split.dim];
+            // Each kept piece starts on a block and holds whole blocks, but for one that ends
+            // the tensor (its last block may be short there).
+            let aligned = keep
+                .iter()
+                .all(|r| r.start % b == 0 && (r.len() % b == 0 || r.end == n))
+                && keep.iter().rev().skip(1).all(|r| r.len() % b == 0);
+            if kept != shape[split.dim] || (view.shape() == full && !aligned) {
+                let what = if split.dim == 0 { "rows" } else { "columns" };
+                return Err(Error::Quantized {
+                    name: wname,
+                    msg: format!(
+                        "rank {} of {} would hold {what} {keep:?} of {n}, which do not fall on the {b}-wide blocks of its scales: FP8 weights shard only over rank counts that keep whole scale blocks on every rank",
+                        shard.rank, shard.size
+                    ),
+                });
+            }
+        }
+        if view.shape() != full {
             return Err(Error::TensorShape {
                 name: wname,
-                expected: shape.to_vec(),
+                expected: full,
                 found: view.shape().to_vec(),
             });
         }
+        let bytes = match &part {
+            Some((split, _)) => {
+                std::borrow::Cow::Owned(slice_bytes(view.data(), view.shape(), 1, split.dim, &keep))
+            }
+            None => std::borrow::Cow::Borrowed(view.data()),
+        };
         // NaN bytes (S.1111.111) are refused whatever `check_finite` says: the CUDA kernels
         // would read them as ±480·scale where the CPU reads NaN. A scan of the mapped bytes.
-        if view.data().iter().any(|&b| b & 0x7F == 0x7F) {
+        if bytes.iter().any(|&b| b & 0x7F == 0x7F) {
             return Err(Error::NonFinite(wname));
         }
-        let q = view.load(&self.opts.device)?;
-        self.count_loaded(view.data().len());
+        let load = |dtype, shape: Vec<usize>, bytes: &[u8], name: &str| -> Result<Tensor> {
+            let view = safetensors::tensor::TensorView::new(dtype, shape, bytes)
+                .map_err(|e| Error::Candle(candle_core::Error::Msg(format!("{name}: {e}"))))?;
+            self.count_loaded(bytes.len());
+            Ok(view.load(&self.opts.device)?)
+        };
+        let q = load(view.dtype(), shape.to_vec(), &bytes, &wname)?;
         let sname = format!("{name}.weight_scale_inv");
         let sview = st.get(&sname).map_err(|_| Error::Quantized {
             name: wname.clone(),
             msg: format!("is float8 e4m3 but {sname} (its block scales) is missing"),
         })?;
-        let want = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+        let want = [full[0].div_ceil(block[0]), full[1].div_ceil(block[1])];
         if sview.shape() != want {
             return Err(Error::TensorShape {
                 name: sname,
@@ -319,8 +363,17 @@ impl Weights {
                 found: sview.shape().to_vec(),
             });
         }
-        let scale = sview.load(&self.opts.device)?;
-        self.count_loaded(sview.data().len());
+        let scale = match &part {
+            Some((split, _)) => {
+                let b = block[split.dim];
+                let blocks: Vec<Range<usize>> = keep.iter().map(|r| r.start / b..r.end.div_ceil(b)).collect();
+                let elem = sview.dtype().bitsize() / 8;
+                let sbytes = slice_bytes(sview.data(), sview.shape(), elem, split.dim, &blocks);
+                let local = vec![shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+                load(sview.dtype(), local, &sbytes, &sname)?
+            }
+            None => load(sview.dtype(), sview.shape().to_vec(), sview.data(), &sname)?,
+        };
         if !scale
             .to_dtype(DType::F32)?
             .sum_all()?

@@ -54,11 +54,15 @@ fn run(model: &Qwen36Model, head: &MtpHead, ids: &[u32], n: usize) -> Run {
 /// Every rank of a group of `tp` (one thread each) loading its shard of fixture `name` and its
 /// MTP head, running the same prompt.
 fn ranks(name: &'static str, tp: usize, ids: &[u32], n: usize) -> Vec<Run> {
-    let dir = fixture_dir(name);
+    ranks_at(&fixture_dir(name), tp, ids, n)
+}
+
+/// [`ranks`] of the checkpoint in `dir`.
+fn ranks_at(dir: &std::path::Path, tp: usize, ids: &[u32], n: usize) -> Vec<Run> {
     LocalComm::run_ranks(tp, |comm| {
         let opts = load_options(DType::F32);
-        let model = Qwen36Model::load_shard(&dir, opts.clone(), comm.clone()).unwrap();
-        let head = MtpHead::load_dir_shard(&dir, opts, comm).unwrap();
+        let model = Qwen36Model::load_shard(dir, opts.clone(), comm.clone()).unwrap();
+        let head = MtpHead::load_dir_shard(dir, opts, comm).unwrap();
         run(&model, &head, ids, n)
     })
     .unwrap()
@@ -89,6 +93,94 @@ fn sharded_ranks_equal_the_one_device_model() {
             );
         }
     }
+}
+
+/// `tiny-fp8` (FP8 projections in 32×32 blocks) requantized in `block`×`block` blocks: every
+/// FP8 weight dequantized and quantized again (e4m3 of weight / scale, scale = the block's
+/// largest magnitude / 448), everything else as it is.
+fn fp8_checkpoint(block: usize) -> tempfile::TempDir {
+    use candle_core::Device;
+    let dir = copy_fixture("tiny-fp8");
+    let cpu = Device::Cpu;
+    edit_tensors(dir.path(), "model.safetensors", |map| {
+        let names: Vec<String> = map
+            .iter()
+            .filter(|(_, t)| t.dtype() == DType::F8E4M3)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let sname = format!("{name}_scale_inv");
+            let q = map[&name].to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+            let scale = map[&sname]
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let (r, c) = (q.len(), q[0].len());
+            let w: Vec<Vec<f32>> = (0..r)
+                .map(|i| (0..c).map(|j| q[i][j] * scale[i / 32][j / 32]).collect())
+                .collect();
+            let (br, bc) = (r.div_ceil(block), c.div_ceil(block));
+            let mut s = vec![vec![0f32; bc]; br];
+            for (i, row) in w.iter().enumerate() {
+                for (j, x) in row.iter().enumerate() {
+                    s[i / block][j / block] = s[i / block][j / block].max(x.abs() / 448.0);
+                }
+            }
+            for v in s.iter_mut().flatten() {
+                if *v == 0.0 {
+                    *v = 1.0;
+                }
+            }
+            let scaled: Vec<f32> = (0..r)
+                .flat_map(|i| (0..c).map(move |j| (i, j)))
+                .map(|(i, j)| w[i][j] / s[i / block][j / block])
+                .collect();
+            let q = Tensor::from_vec(scaled, (r, c), &cpu)
+                .unwrap()
+                .to_dtype(DType::F8E4M3)
+                .unwrap();
+            let s = Tensor::from_vec(s.concat(), (br, bc), &cpu).unwrap();
+            map.insert(name, q);
+            map.insert(sname, s);
+        }
+    });
+    edit_config(dir.path(), |v| {
+        let c = if v.get("text_config").is_some() {
+            &mut v["text_config"]
+        } else {
+            v
+        };
+        c["quantization_config"]["weight_block_size"] = serde_json::json!([block, block]);
+    });
+    dir
+}
+
+/// FP8 weights shard along their scale blocks: with 8×8 blocks tp = 2 and 4 give the
+/// one-device FP8 model's logits within 1e-5 and its greedy tokens; with `tiny-fp8`'s 32×32
+/// blocks a rank's 16 rows of a GDN key projection would cut a block: refused naming the weight.
+#[test]
+fn fp8_weights_shard_along_their_blocks() {
+    let dir = fp8_checkpoint(8);
+    let (model, head) = load_with_head_at(dir.path());
+    assert!(model.config().quantization.is_some());
+    let ids = ids_of(&fixture_reference("tiny-fp8")["prompt0.ids"]);
+    let one = run(&model, &head, &ids, 24);
+    for tp in [2, 4] {
+        let runs = ranks_at(dir.path(), tp, &ids, 24);
+        for (rank, r) in runs.iter().enumerate() {
+            assert_eq!(r.tokens, one.tokens, "tp {tp} rank {rank}: greedy tokens");
+        }
+        let err = max_row_rel_err(&runs[0].logits, &one.logits);
+        assert!(err <= 1e-5, "tp {tp}: logits {err:.2e} from one device");
+        let err = max_row_rel_err(&runs[0].mtp_logits, &one.mtp_logits);
+        assert!(err <= 1e-5, "tp {tp}: MTP logits {err:.2e} from one device");
+    }
+    let comm = LocalComm::group(2).unwrap().remove(0);
+    let e = Qwen36Model::load_shard(fixture_dir("tiny-fp8"), load_options(DType::F32), comm)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in_proj_qkv") && e.contains("32-wide blocks"), "{e}");
 }
 
 /// Heads or an intermediate size that a rank count does not split: refused naming the field.
