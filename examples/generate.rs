@@ -67,10 +67,13 @@ struct Args {
     /// Drafter for speculative decoding: mtp (the checkpoint's MTP head) or ngram (prompt lookup).
     #[arg(long, default_value = "mtp")]
     drafter: String,
-    /// MTP drafts over the first N token ids (plus the stop ids) instead of the whole vocabulary:
-    /// cheaper draft steps, the same output, possibly lower acceptance.
+    /// MTP drafts over the first N token ids instead of the whole vocabulary: cheaper draft
+    /// steps, the same output, possibly lower acceptance.
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// Draft the --mtp number in every round, whatever it costs (to measure a drafter).
+    #[arg(long)]
+    fixed_k: bool,
     /// Stop string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -174,6 +177,7 @@ fn generate(args: &Args, generator: &Generator, print: bool) -> Result<(), BoxEr
             k: args.mtp,
             drafter,
             draft_vocab: args.draft_vocab,
+            fixed_k: args.fixed_k,
         }),
         stop_on_degeneration: args.stop_on_loop,
         ..GenerateOptions::default()

@@ -1296,10 +1296,13 @@ fn rates(own: &SpecStats, all: &SpecStats, k: usize) -> Vec<f64> {
     (0..k).map(|j| own.rate(j, all.rate(j, 0.5, 4.0), 4.0)).collect()
 }
 
-/// Drafts a decoding sequence may verify: `k` within its `max_tokens` and the context.
+/// Drafts a decoding sequence may verify: `k` within the context, and within its `max_tokens`:
+/// a verify of `d` drafts yields up to `d + 1` tokens, so `left − 1` drafts reach the end (and
+/// its positions stay within the `prompt + max_tokens − 1` that `submit` admitted).
 fn draft_room(s: &Sequence, k: usize, context: usize) -> usize {
     let left = s.max_tokens.map_or(usize::MAX, |m| m - s.output.len());
-    k.min(left).min(context.saturating_sub(s.computed + 1))
+    k.min(left.saturating_sub(1))
+        .min(context.saturating_sub(s.computed + 1))
 }
 
 /// Appends `fresh` tokens (row `j` of `rows` gave `fresh[j]`) to `s`'s output up to its first

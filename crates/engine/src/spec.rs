@@ -9,18 +9,34 @@ fn bucket(batch: usize) -> usize {
     batch.max(1).next_power_of_two()
 }
 
-/// A running mean that follows drift (each new sample weighs 1/4 once four are in).
+/// Samples of a step shape that are not counted: on a graph device its first step runs eagerly
+/// and its second records the graph, both slower than the replays that follow (a first cost
+/// that high could make a `k` look too dear ever to be measured again).
+const WARMUP: u32 = 2;
+
+/// A running mean that follows drift (each new sample weighs 1/4 once four are in), after the
+/// first [`WARMUP`] samples.
 #[derive(Debug, Clone, Copy, Default)]
 struct Mean {
     value: f64,
     n: u32,
+    skipped: u32,
 }
 
 impl Mean {
     fn add(&mut self, x: f64) {
+        if self.skipped < WARMUP {
+            self.skipped += 1;
+            return;
+        }
         self.n += 1;
         let w = 1.0 / f64::from(self.n.min(4));
         self.value += w * (x - self.value);
+    }
+
+    /// The mean, once a sample counts.
+    fn get(&self) -> Option<f64> {
+        (self.n > 0).then_some(self.value)
     }
 }
 
@@ -56,6 +72,7 @@ impl SpecCosts {
                     Mean {
                         value: verify(t),
                         n: 1,
+                        skipped: WARMUP,
                     },
                 );
             }
@@ -64,9 +81,17 @@ impl SpecCosts {
                 Mean {
                     value: first_draft,
                     n: 1,
+                    skipped: WARMUP,
                 },
             );
-            c.draft.insert(b, Mean { value: draft, n: 1 });
+            c.draft.insert(
+                b,
+                Mean {
+                    value: draft,
+                    n: 1,
+                    skipped: WARMUP,
+                },
+            );
             b *= 2;
         }
         c.fixed = true;
@@ -96,12 +121,12 @@ impl SpecCosts {
     /// steps; `None` while a part is unmeasured.
     fn cycle(&self, batch: usize, k: usize, mtp: bool) -> Option<f64> {
         let b = bucket(batch);
-        let verify = self.verify.get(&(b, k + 1))?.value;
+        let verify = self.verify.get(&(b, k + 1))?.get()?;
         if !mtp || k == 0 {
             return Some(verify);
         }
-        let first = self.first_draft.get(&b)?.value;
-        let rest = if k > 1 { self.draft.get(&b)?.value } else { 0.0 };
+        let first = self.first_draft.get(&b)?.get()?;
+        let rest = if k > 1 { self.draft.get(&b)?.get()? } else { 0.0 };
         Some(verify + first + (k - 1) as f64 * rest)
     }
 }
@@ -138,6 +163,20 @@ pub fn choose_k(alphas: &[Vec<f64>], k_max: usize, batch: usize, costs: &SpecCos
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A measured step: past the warm-up samples, each `secs`.
+    fn step(c: &mut SpecCosts, batch: usize, t: usize, secs: f64) {
+        for _ in 0..=WARMUP {
+            c.record_step(batch, t, secs);
+        }
+    }
+
+    /// A measured draft step, likewise.
+    fn draft(c: &mut SpecCosts, batch: usize, at: usize, secs: f64) {
+        for _ in 0..=WARMUP {
+            c.record_draft(batch, at, secs);
+        }
+    }
 
     #[test]
     fn expected_tokens_multiplies_conditional_rates() {
@@ -193,18 +232,18 @@ mod tests {
         // Measured: the first draft step and the later ones are kept apart.
         let mut m = SpecCosts::default();
         for t in 1..=3 {
-            m.record_step(2, t, ms(t));
+            step(&mut m, 2, t, ms(t));
         }
-        m.record_draft(2, 0, 10e-3);
+        draft(&mut m, 2, 0, 10e-3);
         assert_eq!(m.cycle(2, 1, true).map(|s| (s * 1e6).round()), Some(12e3));
         assert!(m.cycle(2, 2, true).is_none(), "no later draft step measured yet");
-        m.record_draft(2, 1, 100e-3);
-        m.record_draft(2, 2, 100e-3);
+        draft(&mut m, 2, 1, 100e-3);
+        draft(&mut m, 2, 2, 100e-3);
         assert_eq!(m.cycle(2, 2, true).map(|s| (s * 1e6).round()), Some(113e3));
         // Given costs do not move.
         let mut f = SpecCosts::fixed(1, 2, ms, 0.0, 0.0);
-        f.record_step(1, 1, 5.0);
-        f.record_draft(1, 0, 5.0);
+        step(&mut f, 1, 1, 5.0);
+        draft(&mut f, 1, 0, 5.0);
         assert_eq!(f.cycle(1, 1, true), Some(2e-3));
     }
 
@@ -214,12 +253,12 @@ mod tests {
         let mut costs = SpecCosts::default();
         let alpha = vec![vec![0.9; 3]];
         assert_eq!(choose_k(&alpha, 3, 2, &costs, true), 3);
-        costs.record_step(2, 4, 0.01);
-        costs.record_draft(2, 0, 0.001);
-        costs.record_draft(2, 1, 0.001);
+        step(&mut costs, 2, 4, 0.01);
+        draft(&mut costs, 2, 0, 0.001);
+        draft(&mut costs, 2, 1, 0.001);
         assert_eq!(choose_k(&alpha, 3, 2, &costs, true), 2, "t = 3 is unmeasured");
         for t in 1..=3 {
-            costs.record_step(2, t, 0.01);
+            step(&mut costs, 2, t, 0.01);
         }
         assert_eq!(choose_k(&alpha, 3, 2, &costs, true), 3);
         // Batch 3 counts as 4: nothing measured there yet.
@@ -227,9 +266,26 @@ mod tests {
         assert!(costs.cycle(4, 3, true).is_none());
     }
 
+    /// The first samples of a shape (an eager step, a graph's recording) do not count: until a
+    /// later one comes the shape is unmeasured, and then its cost is the later ones'.
+    #[test]
+    fn warm_up_samples_do_not_count() {
+        let mut c = SpecCosts::default();
+        for _ in 0..WARMUP {
+            c.record_step(1, 4, 1.0);
+            assert!(c.cycle(1, 3, false).is_none());
+        }
+        c.record_step(1, 4, 0.01);
+        assert_eq!(c.cycle(1, 3, false), Some(0.01));
+    }
+
     #[test]
     fn means_follow_drift() {
-        let mut m = Mean::default();
+        let mut m = Mean {
+            skipped: WARMUP,
+            ..Mean::default()
+        };
+        assert_eq!(m.get(), None);
         m.add(4.0);
         assert_eq!(m.value, 4.0);
         m.add(2.0);

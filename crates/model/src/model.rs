@@ -347,6 +347,18 @@ impl Qwen36Model {
         self
     }
 
+    /// Whether its steps may replay CUDA graphs: on a CUDA device, sharded only where the
+    /// reductions are device work (NCCL, not `LocalComm`'s threads), and never with an injected
+    /// fault (the faults act in the eager passes).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn can_record_graphs(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.fault.is_some() {
+            return false;
+        }
+        self.device.is_cuda() && self.comm.as_ref().is_none_or(|c| c.graph_safe())
+    }
+
     /// Loads `dir/config.json` and the checkpoint in `dir`.
     pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
@@ -709,7 +721,9 @@ impl Qwen36Model {
             }
             #[cfg(feature = "fault-injection")]
             let stale = match (cache.fault, &*lc) {
-                (Some(crate::Fault::StaleState), LayerCache::Gdn(s)) if t == 1 => Some(s.clone()),
+                (Some(crate::Fault::StaleState), LayerCache::Gdn(s)) if t == 1 => Some(
+                    qwen36_gdn::GdnState::from_parts(s.conv().copy()?, s.recurrent().copy()?, s.seen())?,
+                ),
                 _ => None,
             };
             let (y, cp) = layer.forward(&x, lc, &step, checkpoints.is_some())?;

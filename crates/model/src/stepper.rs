@@ -77,9 +77,8 @@ impl Stepper {
     pub fn new(model: &Qwen36Model, batch: usize) -> Self {
         #[cfg(feature = "cuda")]
         {
-            // (A sharded model only where its reductions are device work: NCCL, not LocalComm's
-            // threads.)
-            let graph = (model.device().is_cuda() && model.communicator().is_none_or(|c| c.graph_safe()))
+            let graph = model
+                .can_record_graphs()
                 .then(|| crate::DecodeGraph::new(model.device(), batch).ok())
                 .flatten();
             Self { graph }
@@ -162,7 +161,8 @@ impl DraftStepper {
     pub fn with_vocab(model: &Qwen36Model, vocab: Option<DraftVocab>) -> Self {
         #[cfg(feature = "cuda")]
         {
-            let graph = (model.device().is_cuda() && model.communicator().is_none_or(|c| c.graph_safe()))
+            let graph = model
+                .can_record_graphs()
                 .then(|| crate::graph::DraftGraph::new(model.device()).ok())
                 .flatten();
             Self { graph, vocab }
@@ -229,10 +229,9 @@ impl BatchStepper {
     pub fn new(model: &Qwen36Model, graphs: bool, table_blocks: usize) -> Self {
         #[cfg(feature = "cuda")]
         {
-            let graph =
-                (graphs && model.device().is_cuda() && model.communicator().is_none_or(|c| c.graph_safe()))
-                    .then(|| crate::graph::BatchGraph::new(model.device(), table_blocks).ok())
-                    .flatten();
+            let graph = (graphs && model.can_record_graphs())
+                .then(|| crate::graph::BatchGraph::new(model.device(), table_blocks).ok())
+                .flatten();
             Self { graph, vocab: None }
         }
         #[cfg(not(feature = "cuda"))]

@@ -9,7 +9,7 @@ pub struct SpecStats {
     pub drafted: usize,
     /// Draft tokens accepted.
     pub accepted: usize,
-    /// Tokens emitted by verify passes (accepted drafts + one correction or bonus each).
+    /// Tokens emitted by those passes (accepted drafts + one correction or bonus each).
     pub emitted: usize,
     /// `reached[j]`: cycles in which draft position j was verified (all drafts before it accepted).
     pub reached: Vec<usize>,
@@ -43,7 +43,8 @@ impl SpecStats {
         self.accepted_len_hist[accepted] += 1;
     }
 
-    /// Mean tokens emitted per verify pass (accepted drafts + 1): SGLang's "accept length".
+    /// Mean tokens emitted per pass (accepted drafts + 1): SGLang's "accept length" when every
+    /// pass drafts; passes without drafts count as 1.
     pub fn accepted_len_mean(&self) -> f64 {
         if self.cycles == 0 {
             0.0

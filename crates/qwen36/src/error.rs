@@ -11,14 +11,15 @@ pub enum Error {
     /// Speculative decoding failed.
     #[error(transparent)]
     Speculative(#[from] qwen36_mtp::Error),
-    /// The engine refused or failed a request (a prompt over the context, say).
+    /// The engine refused or failed a request (a prompt over the context, bad sampling
+    /// parameters, stop strings without a tokenizer).
     #[error(transparent)]
     Engine(#[from] qwen36_engine::Error),
     /// A generation could not go on (the message names why: non-finite logits, a failed
     /// detokenization).
     #[error("generation failed: {0}")]
     Generation(String),
-    /// Sampling failed (bad parameters, non-finite logits).
+    /// Sampling failed (bad parameters, non-finite logits) outside a generation.
     #[error(transparent)]
     Sampling(#[from] qwen36_sampling::Error),
     /// The tokenizer could not be loaded or used.

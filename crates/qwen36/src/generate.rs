@@ -64,13 +64,15 @@ impl GenerationConfig {
 /// How one generation runs.
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
-    /// Upper bound on generated tokens.
+    /// Upper bound on generated tokens (capped by the model's context). The KV pool is sized
+    /// for the prompt and this many tokens before generation starts.
     pub max_new_tokens: usize,
     /// Sampling; `None` uses the model's generation_config (or greedy when it has none).
     pub sampling: Option<SamplingParams>,
     /// Stop token ids; `None` uses the model's (generation_config, then config.json).
     pub stop_token_ids: Option<Vec<u32>>,
-    /// Stop strings (may span tokens); the output text ends before the match.
+    /// Stop strings (may span tokens); the output text ends before the match. They need the
+    /// model's tokenizer: without one they are an error.
     pub stop_strings: Vec<String>,
     /// Speculative decoding (`None`: one token per forward).
     pub speculative: Option<Speculative>,
@@ -95,16 +97,18 @@ pub enum DrafterKind {
 pub struct Speculative {
     /// The most drafts per verify pass: each round drafts the number (0..=k) that gives the most
     /// tokens per second at the acceptance and step costs measured so far, so that speculation
-    /// never makes generation slower (a tensor-parallel rank drafts k in every round). The tokens
-    /// are the same whatever the number.
+    /// never makes generation slower; with `fixed_k` (and on a tensor-parallel rank) every round
+    /// drafts k. The tokens are plain decoding's whatever the number (bit for bit on the CPU; on
+    /// CUDA in half precision a verify row may round otherwise than a decode row).
     pub k: usize,
     /// The drafter.
     pub drafter: DrafterKind,
-    /// MTP drafts only: draft over the first `n` token ids plus the stop ids
-    /// ([`qwen36_model::DraftVocab::first`]) instead of the whole vocabulary: each draft step
-    /// reads that share of lm_head. The output is the same; acceptance may drop. `None`: the whole
-    /// vocabulary.
+    /// MTP drafts only: draft over the first `n` token ids ([`qwen36_model::DraftVocab::first`])
+    /// instead of the whole vocabulary: each draft step reads that share of lm_head. The output
+    /// is the same; acceptance may drop. `None`: the whole vocabulary.
     pub draft_vocab: Option<usize>,
+    /// Draft `k` in every round, whatever it costs (to measure a drafter, say).
+    pub fixed_k: bool,
 }
 
 impl Default for GenerateOptions {
@@ -142,7 +146,8 @@ pub struct TokenEvent<'a> {
     /// The token id.
     pub token: u32,
     /// Text that became printable with this token (may be empty: an incomplete UTF-8 sequence or
-    /// a possible stop-string prefix is held back).
+    /// a possible stop-string prefix is held back; a speculative pass's text comes with the last
+    /// of its tokens that is not a stop id, and a stop id brings none).
     pub text: &'a str,
 }
 
@@ -157,7 +162,8 @@ pub struct GenerationOutput {
     pub text: Option<String>,
     /// Why it ended.
     pub stop_reason: StopReason,
-    /// Time to the first generated token: the prompt forward and one sampling.
+    /// Time to the first generated token: the prompt forward and one sampling (and, with MTP,
+    /// the head's pass over the prompt and its first drafts).
     pub prefill_secs: f64,
     /// Wall time after the first token (every later step, sampling included).
     pub decode_secs: f64,
@@ -353,14 +359,22 @@ impl Generator {
         self.generate(&ids, opts, on_token)
     }
 
-    /// The kept engine when it can run a request of `positions` positions with `draft_vocab`,
-    /// else a new one sized for it.
-    fn engine_for(&self, positions: usize, draft_vocab: Option<Option<usize>>) -> Result<Engine> {
+    /// The kept engine when it can run a request of `positions` positions with `draft_vocab`
+    /// and `adaptive_k` (`None`: either will do), else a new one sized for it.
+    fn engine_for(
+        &self,
+        positions: usize,
+        draft_vocab: Option<Option<usize>>,
+        adaptive_k: Option<bool>,
+    ) -> Result<Engine> {
         let kept = self.kept_engine().take();
         if let Some(e) = kept {
             let cfg = e.config();
             let pool = cfg.kv_blocks.unwrap_or(0) * cfg.block_size;
-            if pool >= positions && draft_vocab.is_none_or(|v| v == cfg.draft_vocab) {
+            if pool >= positions
+                && draft_vocab.is_none_or(|v| v == cfg.draft_vocab)
+                && adaptive_k.is_none_or(|a| a == cfg.adaptive_k)
+            {
                 return Ok(e);
             }
             // (Dropped before the new pools are allocated.)
@@ -374,10 +388,7 @@ impl Generator {
             block_size,
             max_queue: 1,
             step_tokens: PREFILL_CHUNK,
-            // Each round drafts what pays (up to the k asked for, 0 included: speculation never
-            // makes generation slower), chosen from this process's timings; tensor-parallel
-            // ranks, which time themselves, draft the k asked for so that they stay in step.
-            adaptive_k: self.model.communicator().is_none(),
+            adaptive_k: adaptive_k.unwrap_or(true),
             prefix_snapshots: 0,
             draft_vocab: draft_vocab.flatten(),
             ..EngineConfig::default()
@@ -423,11 +434,17 @@ impl Generator {
                 DrafterKind::Ngram => Speculation::ngram(k),
             }),
         };
-        // Only MTP requests care about the draft vocabulary (`None`: any engine will do).
+        // Only MTP requests care about the draft vocabulary, and only speculating ones about
+        // choosing k (`None`: any engine will do). Each round drafts what pays, from this
+        // process's timings, unless the request fixes k; tensor-parallel ranks, which time
+        // themselves, draft the k asked for so that they stay in step.
         let draft_vocab = match opts.speculative {
             Some(s) if s.drafter == DrafterKind::Mtp => Some(s.draft_vocab),
             _ => None,
         };
+        let adaptive_k = opts
+            .speculative
+            .map(|s| !s.fixed_k && self.model.communicator().is_none());
         if opts.max_new_tokens == 0 {
             return Ok(GenerationOutput {
                 prompt_tokens: prompt.len(),
@@ -441,23 +458,40 @@ impl Generator {
             });
         }
         // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
-        // prompt that leaves no room is the engine's error to name.
-        let room = (self.model.config().max_position_embeddings + 1).saturating_sub(prompt.len());
+        // prompt that leaves no room is refused before any pool is made for it.
+        let context = self.model.config().max_position_embeddings;
+        let room = (context + 1).saturating_sub(prompt.len());
         let max_tokens = opts.max_new_tokens.min(room.max(1));
+        let positions = prompt.len() + max_tokens - 1;
+        if positions > context {
+            return Err(qwen36_engine::Error::TooLong {
+                needed: prompt.len() + max_tokens,
+                context,
+                pool: context,
+            }
+            .into());
+        }
         let request = Request {
             prompt: prompt.to_vec(),
             sampling,
             max_tokens: Some(max_tokens),
-            stop_ids,
+            stop_ids: stop_ids.clone(),
             stop_strings: opts.stop_strings.clone(),
             logprobs: false,
             speculation,
             degeneration: Some(opts.degeneration),
             stop_on_degeneration: opts.stop_on_degeneration,
         };
-        let mut engine = self.engine_for(prompt.len() + max_tokens - 1, draft_vocab)?;
+        let mut engine = self.engine_for(positions, draft_vocab, adaptive_k)?;
         let t0 = Instant::now();
-        let handle = engine.submit(request)?;
+        let handle = match engine.submit(request) {
+            Ok(h) => h,
+            Err(e) => {
+                // (A refused request leaves the engine as it was.)
+                self.kept_engine().get_or_insert(engine);
+                return Err(e.into());
+            }
+        };
         let (mut tokens, mut text, mut first_token_secs) = (Vec::new(), String::new(), None);
         let (reason, usage) = loop {
             let stepped = engine.step();
@@ -469,8 +503,12 @@ impl Generator {
                             first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
                         }
                         // The piece is the text the ids complete: it goes with the last of them
-                        // (a last event without ids carries the text held back to the end).
-                        let last = ids.len().saturating_sub(1);
+                        // that is not a stop id (a stop id adds none; a last event without ids
+                        // carries the text held back to the end).
+                        let last = ids
+                            .iter()
+                            .rposition(|t| !stop_ids.contains(t))
+                            .unwrap_or(ids.len().saturating_sub(1));
                         for (j, &token) in ids.iter().enumerate() {
                             tokens.push(token);
                             let piece = if j == last { piece.as_str() } else { "" };
@@ -498,15 +536,15 @@ impl Generator {
         self.kept_engine().get_or_insert(engine);
         let total = t0.elapsed().as_secs_f64();
         let prefill_secs = first_token_secs.unwrap_or(total);
-        use qwen36_engine::StopReason as Engine;
+        use qwen36_engine::StopReason as Ended;
         let stop_reason = match reason {
-            Engine::MaxTokens if max_tokens < opts.max_new_tokens => StopReason::ContextFull,
-            Engine::MaxTokens => StopReason::MaxTokens,
-            Engine::StopToken(t) => StopReason::StopToken(t),
-            Engine::ContextFull => StopReason::ContextFull,
-            Engine::StopString(i) => StopReason::StopString(i),
-            Engine::Degenerate(d) => StopReason::Degenerate(d),
-            Engine::Cancelled => return Err(Error::Generation("the request was cancelled".into())),
+            Ended::MaxTokens if max_tokens < opts.max_new_tokens => StopReason::ContextFull,
+            Ended::MaxTokens => StopReason::MaxTokens,
+            Ended::StopToken(t) => StopReason::StopToken(t),
+            Ended::ContextFull => StopReason::ContextFull,
+            Ended::StopString(i) => StopReason::StopString(i),
+            Ended::Degenerate(d) => StopReason::Degenerate(d),
+            Ended::Cancelled => return Err(Error::Generation("the request was cancelled".into())),
         };
         Ok(GenerationOutput {
             prompt_tokens: prompt.len(),

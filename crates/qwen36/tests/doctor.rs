@@ -163,6 +163,32 @@ fn engine_faults_are_found_in_the_engine() {
         assert_eq!(c.status, Status::Fail, "{fault:?}: {c:?}");
         assert!(c.advice.contains("writes the state back"), "{fault:?}: {c:?}");
     }
+    // In bf16 (the dtype most deployments run) a parting on a tie is a warning at most, and the
+    // faults still fail.
+    let bf16 = |fault| {
+        let opts = LoadOptions {
+            dtype: candle_core::DType::BF16,
+            ..LoadOptions::default()
+        };
+        let m = Qwen36Model::load(&dir, opts.clone()).unwrap();
+        let alone = m.clone();
+        let m = match fault {
+            Some(f) => m.with_fault(f),
+            None => m,
+        };
+        let head = MtpHead::load_dir(&dir, m.config(), opts).unwrap();
+        engine_checks(&m, &alone, Some(&head), p, 64)
+    };
+    let clean = bf16(None);
+    assert!(clean.iter().all(|c| c.status != Status::Fail), "{clean:#?}");
+    assert_eq!(
+        status(&bf16(Some(Fault::StaleState)), "batched = alone"),
+        Status::Fail
+    );
+    assert_eq!(
+        status(&bf16(Some(Fault::WrongRollback)), "MTP = plain in the engine"),
+        Status::Fail
+    );
 }
 
 /// Norm weights shifted by +1 (a plain-RMSNorm conversion): the convention check fails.

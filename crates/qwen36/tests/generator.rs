@@ -82,23 +82,35 @@ fn speculative_generation_equals_plain_greedy() {
     let base = GenerateOptions {
         max_new_tokens: 60,
         sampling: Some(SamplingParams::greedy()),
+        stop_token_ids: Some(vec![]),
         ..Default::default()
     };
     let plain = g.generate(&prompt, &base, |_| {}).unwrap();
     for drafter in [DrafterKind::Mtp, DrafterKind::Ngram] {
-        let opts = GenerateOptions {
-            speculative: Some(Speculative {
-                k: 3,
-                drafter,
-                draft_vocab: None,
-            }),
-            ..base.clone()
-        };
-        let mut streamed = Vec::new();
-        let out = g.generate(&prompt, &opts, |ev| streamed.push(ev.token)).unwrap();
-        assert_eq!(out.tokens, plain.tokens, "{drafter:?}");
-        assert_eq!(streamed, plain.tokens);
-        assert!(out.spec_stats.unwrap().cycles > 0);
+        for fixed_k in [false, true] {
+            let opts = GenerateOptions {
+                speculative: Some(Speculative {
+                    k: 3,
+                    drafter,
+                    draft_vocab: None,
+                    fixed_k,
+                }),
+                ..base.clone()
+            };
+            let mut streamed = Vec::new();
+            let out = g.generate(&prompt, &opts, |ev| streamed.push(ev.token)).unwrap();
+            let what = format!("{drafter:?}, fixed k {fixed_k}");
+            assert_eq!(out.tokens, plain.tokens, "{what}");
+            assert_eq!(streamed, plain.tokens);
+            let stats = out.spec_stats.unwrap();
+            assert!(stats.reached[0] > 0, "{what}: no drafts verified");
+            // Every pass after the prefill's token emits its accepted drafts and one more.
+            assert_eq!(stats.emitted, out.tokens.len() - 1, "{what}: {stats:?}");
+            if fixed_k && drafter == DrafterKind::Mtp {
+                // The MTP head always drafts: only the last pass (one token left) has none.
+                assert!(stats.cycles - stats.reached[0] <= 1, "{what}: {stats:?}");
+            }
+        }
     }
 }
 
@@ -112,6 +124,7 @@ fn mtp_without_head_is_a_typed_error() {
             k: 2,
             drafter: DrafterKind::Mtp,
             draft_vocab: None,
+            fixed_k: false,
         }),
         ..Default::default()
     };
@@ -154,11 +167,13 @@ fn kept_caches_start_each_generation_fresh() {
             k: 3,
             drafter: DrafterKind::Mtp,
             draft_vocab: None,
+            fixed_k: false,
         }),
         Some(Speculative {
             k: 3,
             drafter: DrafterKind::Mtp,
             draft_vocab: Some(100),
+            fixed_k: false,
         }),
     ] {
         let opts = GenerateOptions {
@@ -236,4 +251,39 @@ fn a_longer_request_grows_the_pool() {
         g.generate(&[5, 6, 7], &opts, |_| {}).unwrap().tokens,
         short.tokens
     );
+}
+
+/// Speculation that ends exactly at a pool's last position: a request of 1000 prompt tokens
+/// and 25 more fills its 1024-position pool, and drafting k = 3 in every round still gives all
+/// 25 tokens (a verify never asks for a position past `prompt + max_tokens − 1`).
+#[test]
+fn speculation_fills_the_pool_to_its_last_position() {
+    use qwen36::{DrafterKind, Speculative};
+    let g = load_generator(bundled_dir());
+    let prompt: Vec<u32> = (0..1000u32).map(|i| 3 + (i * 7919) % 4000).collect();
+    let opts = GenerateOptions {
+        max_new_tokens: 25,
+        sampling: Some(SamplingParams::greedy()),
+        stop_token_ids: Some(vec![]),
+        speculative: Some(Speculative {
+            k: 3,
+            drafter: DrafterKind::Mtp,
+            draft_vocab: None,
+            fixed_k: true,
+        }),
+        ..Default::default()
+    };
+    let out = g.generate(&prompt, &opts, |_| {}).unwrap();
+    assert_eq!((out.tokens.len(), &out.stop_reason), (25, &StopReason::MaxTokens));
+    let plain = g
+        .generate(
+            &prompt,
+            &GenerateOptions {
+                speculative: None,
+                ..opts
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(out.tokens, plain.tokens);
 }
