@@ -164,12 +164,7 @@ impl PagedCache {
         }
         into.into_iter()
             .map(|(chunk, keep, slot)| {
-                let (group, _) = pending
-                    .member_of
-                    .get(chunk)
-                    .copied()
-                    .flatten()
-                    .ok_or_else(|| no_chunk(chunk))?;
+                let (group, _) = pending.member(chunk)?;
                 Ok((chunk, (keep + 1).min(pending.group_len(group)?), slot))
             })
             .collect()
@@ -245,12 +240,7 @@ impl PagedCache {
         // per-token states (member · len + keep - 1) and its window's first column (keep).
         let mut groups: Vec<(usize, [Vec<u32>; 4])> = Vec::new();
         for &(chunk, keep, slot) in keeps {
-            let (group, member) = pending
-                .member_of
-                .get(chunk)
-                .copied()
-                .flatten()
-                .ok_or_else(|| no_chunk(chunk))?;
+            let (group, member) = pending.member(chunk)?;
             self.check_slot(slot)?;
             let len = pending.group_len(group)?;
             if keep == 0 || keep > len {
@@ -544,6 +534,15 @@ pub struct BatchPending {
 }
 
 impl BatchPending {
+    /// The verify group of `chunk` and its member index there.
+    fn member(&self, chunk: usize) -> Result<(usize, usize)> {
+        self.member_of
+            .get(chunk)
+            .copied()
+            .flatten()
+            .ok_or_else(|| no_chunk(chunk))
+    }
+
     /// Tokens each chunk of verify group `group` ran.
     fn group_len(&self, group: usize) -> Result<usize> {
         self.layers
