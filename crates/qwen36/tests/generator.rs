@@ -287,3 +287,44 @@ fn speculation_fills_the_pool_to_its_last_position() {
         .unwrap();
     assert_eq!(out.tokens, plain.tokens);
 }
+
+/// generation_config.json: the stop ids and, with `do_sample`, every sampling field it sets
+/// (the bundled model's); without `do_sample` no sampling; a malformed file names itself.
+#[test]
+fn generation_config_reads_its_fields() {
+    use qwen36::GenerationConfig;
+    let c = GenerationConfig::from_file(&bundled_dir().join("generation_config.json")).unwrap();
+    assert_eq!(c.eos_token_ids, [2, 0]);
+    let s = c.sampling.expect("do_sample is true");
+    assert_eq!(
+        (s.temperature, s.top_k, s.top_p, s.repetition_penalty),
+        (0.7, 20, 0.9, 1.2)
+    );
+    assert_eq!((s.min_p, s.presence_penalty), (0.0, 0.0));
+    let dir = std::env::temp_dir().join(format!("qwen36-genconf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("generation_config.json");
+    std::fs::write(
+        &path,
+        r#"{"eos_token_id": 7, "do_sample": true, "min_p": 0.05, "presence_penalty": 1.5}"#,
+    )
+    .unwrap();
+    let c = GenerationConfig::from_file(&path).unwrap();
+    assert_eq!(c.eos_token_ids, [7]);
+    let s = c.sampling.unwrap();
+    assert_eq!(
+        (s.temperature, s.top_k, s.top_p),
+        (1.0, 0, 1.0),
+        "unset fields: transformers' defaults"
+    );
+    assert_eq!((s.min_p, s.presence_penalty), (0.05, 1.5));
+    std::fs::write(&path, r#"{"eos_token_id": 7, "temperature": 0.5}"#).unwrap();
+    assert_eq!(GenerationConfig::from_file(&path).unwrap().sampling, None);
+    std::fs::write(&path, r#"{"eos_token_id": "x"}"#).unwrap();
+    let e = GenerationConfig::from_file(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("generation_config.json") && e.contains("eos_token_id"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
