@@ -403,6 +403,12 @@ impl Generator {
         })
     }
 
+    /// The configuration of the engine kept for the next generation, if one is (its KV pool,
+    /// draft vocabulary and choice of k: what a request must fit to reuse it).
+    pub fn kept_engine_config(&self) -> Option<EngineConfig> {
+        self.kept_engine().as_ref().map(|e| e.config().clone())
+    }
+
     fn kept_engine(&self) -> std::sync::MutexGuard<'_, Option<Engine>> {
         // A generation that panicked left nothing half-written here: the engine is a plain take.
         self.engine.lock().unwrap_or_else(PoisonError::into_inner)

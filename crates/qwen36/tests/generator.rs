@@ -242,15 +242,46 @@ fn a_longer_request_grows_the_pool() {
         stop_token_ids: Some(vec![]),
         ..Default::default()
     };
+    let pool = |g: &qwen36::Generator| {
+        let c = g.kept_engine_config().expect("an engine is kept");
+        c.kv_blocks.unwrap() * c.block_size
+    };
     let short = g.generate(&[5, 6, 7], &opts, |_| {}).unwrap();
+    assert_eq!(pool(&g), 1024);
     // Past the smallest pool (1024 positions) that the first request made.
     let long: Vec<u32> = (0..1500u32).map(|i| 3 + (i * 7919) % 4000).collect();
     let out = g.generate(&long, &opts, |_| {}).unwrap();
     assert_eq!(out.tokens.len(), 24);
+    assert_eq!(pool(&g), 2048);
+    // The bigger pool is kept for what fits in it.
     assert_eq!(
         g.generate(&[5, 6, 7], &opts, |_| {}).unwrap().tokens,
         short.tokens
     );
+    assert_eq!(pool(&g), 2048);
+    // An MTP request keeps an engine of its draft vocabulary and choice of k; a plain one
+    // takes any.
+    use qwen36::{DrafterKind, Speculative};
+    let mtp = |draft_vocab| GenerateOptions {
+        speculative: Some(Speculative {
+            k: 2,
+            drafter: DrafterKind::Mtp,
+            draft_vocab,
+            fixed_k: true,
+        }),
+        ..opts.clone()
+    };
+    for vocab in [Some(512), Some(512), None] {
+        assert_eq!(
+            g.generate(&[5, 6, 7], &mtp(vocab), |_| {}).unwrap().tokens,
+            short.tokens
+        );
+        let c = g.kept_engine_config().unwrap();
+        assert_eq!((c.draft_vocab, c.adaptive_k), (vocab, false), "{vocab:?}");
+    }
+    g.generate(&[5, 6, 7], &opts, |_| {}).unwrap();
+    let c = g.kept_engine_config().unwrap();
+    assert_eq!((c.draft_vocab, c.adaptive_k), (None, false));
 }
 
 /// Speculation that ends exactly at a pool's last position: a request of 1000 prompt tokens
