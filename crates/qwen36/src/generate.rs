@@ -385,8 +385,6 @@ impl Generator {
         let cfg = EngineConfig {
             max_seqs: 1,
             kv_blocks: Some(positions.div_ceil(block_size)),
-            block_size,
-            max_queue: 1,
             step_tokens: PREFILL_CHUNK,
             adaptive_k: adaptive_k.unwrap_or(true),
             prefix_snapshots: 0,

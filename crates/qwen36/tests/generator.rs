@@ -248,6 +248,9 @@ fn a_longer_request_grows_the_pool() {
     };
     let short = g.generate(&[5, 6, 7], &opts, |_| {}).unwrap();
     assert_eq!(pool(&g), 1024);
+    // One sequence slot, no prefix cache, prompts up to 8192 tokens in one forward.
+    let c = g.kept_engine_config().unwrap();
+    assert_eq!((c.max_seqs, c.prefix_snapshots, c.step_tokens), (1, 0, 8192));
     // Past the smallest pool (1024 positions) that the first request made.
     let long: Vec<u32> = (0..1500u32).map(|i| 3 + (i * 7919) % 4000).collect();
     let out = g.generate(&long, &opts, |_| {}).unwrap();
