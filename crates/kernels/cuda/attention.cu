@@ -157,16 +157,23 @@ __device__ __forceinline__ int entries(int len, int unit, int s0, int per) {
     return (parts + per - 1) / per;
 }
 
+// The keys row r sees, of a pass of Tn new tokens with len keys after them (len clamped to the
+// buffer as the partial kernels clamp it): its token r % Tn sits at position len - Tn + r % Tn.
+// The partial kernels cut each row's keys by this length, as a decode step at that position
+// does; entries past it hold no key of the row.
+__device__ __forceinline__ int row_len(const unsigned* len_p, int sel, int cap, int r, int Tn) {
+    return max(min((int)len_p[sel], cap) - Tn + r % Tn + 1, 0);
+}
+
 // First level for long buffers: block (r, bh, g) merges input entries [g·GROUP, (g+1)·GROUP) into
 // one (max, sum, unnormalised o) entry, so that the final merge reads at most S / GROUP entries.
 __device__ void attn_merge_group(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                  const unsigned* __restrict__ len_p, float* __restrict__ out_o,
                                  float* __restrict__ out_ml, int R, int D, int S, int per_in, int unit,
-                                 int s0, int len_h, int cap) {
+                                 int s0, int len_h, int cap, int Tn) {
     const int r = blockIdx.x, bh = blockIdx.y, g = blockIdx.z, G = gridDim.z;
-    // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0]; clamped
-    // to the buffer as the partial kernels clamp it (entries past it were never written).
-    const int len = min((int)len_p[len_h > 0 ? bh / len_h : 0], cap);
+    // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0].
+    const int len = row_len(len_p, len_h > 0 ? bh / len_h : 0, cap, r, Tn);
     const int n = min(entries(len, unit, s0, per_in), S) - g * GROUP;
     if (n <= 0) return;
     const float* ml = part_ml + (((size_t)bh * S + g * GROUP) * R + r) * 2;  // entry e at ml[e·R·2]
@@ -209,7 +216,7 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
                            int Tn, int paged, int cap) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
-    const int ns = min(entries(min((int)len_p[paged ? bh / H : 0], cap), unit, s0, per), S);
+    const int ns = min(entries(row_len(len_p, paged ? bh / H : 0, cap, r, Tn), unit, s0, per), S);
     const float* ml = part_ml + ((size_t)bh * S * R + r) * 2;  // entry s at ml[s·R·2]
     float M = -INFINITY;
 #pragma unroll 8
@@ -263,9 +270,9 @@ ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
                             float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int len_h,
-                            int cap) {
+                            int cap, int Tn) {
     pdl_enter();
-    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h, cap);
+    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h, cap, Tn);
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
@@ -583,132 +590,149 @@ __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, 
     }
 }
 
-// Block (split s, bh) takes ceil(tiles / S) consecutive tiles of FA_BK keys (tiles = ceil(len /
-// FA_BK), read from device memory: the grid is fixed by the buffer, so a recorded graph serves
-// every length); blocks past the last tile return. Warp w takes row tile w % MT and key part
-// w / MT (16·MT keys) of every tile, with its own online softmax; the warps' partials are merged
-// through shared memory at the end. K and V tiles load as in flash_prefill. Masks: row r is token
-// r % t at position len - t + r % t.
-template <typename T, int HD, int MT>
+// Tiles of FA_BK keys per split when a row's L keys are cut into at most S splits of
+// consecutive tiles (the merge kernels' `entries` cuts them the same way).
+__device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_BK - 1) / FA_BK + S - 1) / S, 1); }
+
+// Block (split s, bh, row tile z) takes rows 16z.. (row r is token r % t, at position len - t +
+// r % t) and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
+// fixed by the buffer, so a recorded graph serves every length); blocks past the last tile
+// return. Warp w takes key part w (FA_BK / FA_WARPS keys) of every tile, with its own online
+// softmax; the warps' partials are merged through shared memory at the end. K and V tiles load
+// as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone, not on
+// the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
+// decode step at its position cuts them (split_tiles of its own length), so a verify whose
+// tokens straddle a change of that cut (past a multiple of S tiles) runs its split once per
+// cut, each time keeping the rows of that cut; tiles past a row's position are masked whole,
+// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged).
+template <typename T, int HD>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
                              float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
                              const KvRows kv) {
     constexpr int LD = HD + 8;
-    constexpr int KW = FA_BK * MT / FA_WARPS;  // keys per warp per tile
+    constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
-    T* Ks = Qs + 16 * MT * LD;
+    T* Ks = Qs + 16 * LD;
     T* Vs = Ks + FA_BK * LD;
-    const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x;
+    const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x, r0 = 16 * blockIdx.z;
     const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
-    const int tps = max((nt + S - 1) / S, 1);
-    const int t0 = s * tps, t1 = min(t0 + tps, nt);
-    if (t0 >= t1) return;  // past the keys: the merge never reads this split
-    q += (size_t)bh * R * HD;
-    cp_async_tile<16 * MT, HD / 8, FA_WARPS * 32>(Qs, LD, q, HD, 0, R, HD / 8);
-    cp_async_commit();
-    kv_load_tile<T, HD>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
-    cp_async_commit();
-    kv_load_tile<T, HD>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
+    // The cuts of the pass's first and last rows (split_tiles grows with the length).
+    const int cut_lo = split_tiles(L - t + 1, S), cut_hi = split_tiles(L, S);
+    if (s * cut_lo >= nt) return;  // past the keys under both cuts: the merge never reads it
+    q += ((size_t)bh * R + r0) * HD;
+    cp_async_tile<16, HD / 8, FA_WARPS * 32>(Qs, LD, q, HD, 0, R - r0, HD / 8);
     cp_async_commit();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    const int rt = warp % MT, kp = warp / MT;
-    float o[HD / 8][4];
+    const int pos_r[2] = {L - t + (r0 + g) % t, L - t + (r0 + g + 8) % t};
+    // The cut of row r (of the pass's rows), and whether this block's rows take cut `cut`.
+    auto row_cut = [&](int r) { return split_tiles(L - t + r % t + 1, S); };
+    auto takes = [&](int cut) {
+        bool any = false;
+        for (int r = r0; r < min(r0 + 16, R); r++) any |= row_cut(r) == cut;
+        return any;
+    };
+    // The cuts of a pass's rows are consecutive (a length one longer moves a cut by at most one).
+    for (int cut = cut_lo; cut <= cut_hi; cut++) {
+        const int t0 = s * cut, t1 = min(t0 + cut, nt);
+        if (t0 < t1 && takes(cut)) {
+            kv_load_tile<T, HD>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
+            cp_async_commit();
+            kv_load_tile<T, HD>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
+            cp_async_commit();
+            float o[HD / 8][4];
 #pragma unroll
-    for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    const int pos_r[2] = {L - t + (rt * 16 + g) % t, L - t + (rt * 16 + g + 8) % t};
+            for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+            float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+            for (int tile = t0; tile < t1; tile++) {
+                const int k0 = tile * FA_BK + warp * KW;  // this warp's first key
+                cp_async_wait<1>();
+                __syncthreads();
+                float sc[KW / 8][4];
+                fa_scores<T, HD>(sc, Qs, Ks, LD, 0, warp * KW);
+                __syncthreads();
+                if (tile + 1 < t1) kv_load_tile<T, HD>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
+                cp_async_commit();
 
-    for (int tile = t0; tile < t1; tile++) {
-        const int k0 = tile * FA_BK + kp * KW;  // this warp's first key
-        cp_async_wait<1>();
-        __syncthreads();
-        float sc[KW / 8][4];
-        fa_scores<T, HD>(sc, Qs, Ks, LD, rt * 16, kp * KW);
-        __syncthreads();
-        if (tile + 1 < t1) kv_load_tile<T, HD>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
-        cp_async_commit();
+                // Every key at or past L is past every row's position: masked too.
+                fa_online_softmax(sc, o, m, l, scale_log2, true, k0, pos_r);
 
-        // Every key at or past L is past every row's position: masked too.
-        fa_online_softmax(sc, o, m, l, scale_log2, true, k0, pos_r);
+                cp_async_wait<1>();
+                __syncthreads();
+                fa_accumulate<T, HD>(o, sc, Vs, LD, warp * KW);
+                __syncthreads();
+                if (tile + 1 < t1) kv_load_tile<T, HD>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
+                cp_async_commit();
+            }
+            cp_async_wait<0>();
+            __syncthreads();
 
-        cp_async_wait<1>();
-        __syncthreads();
-        fa_accumulate<T, HD>(o, sc, Vs, LD, kp * KW);
-        __syncthreads();
-        if (tile + 1 < t1) kv_load_tile<T, HD>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
-        cp_async_commit();
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-
-    // Merge the warps of each row tile through the K/V tiles' space (4·16·HD + 4·16·2 floats fit
-    // in 2·64·(HD + 8) elements of T): Ow[w][row][HD], Ml[w][row] = (max, sum).
-    float* Ow = reinterpret_cast<float*>(Ks);
-    float* Ml = Ow + FA_WARPS * 16 * HD;
+            // Merge the warps through the K/V tiles' space (4·16·HD + 4·16·2 floats fit in
+            // 2·64·(HD + 8) elements of T): Ow[w][row][HD], Ml[w][row] = (max, sum).
+            float* Ow = reinterpret_cast<float*>(Ks);
+            float* Ml = Ow + FA_WARPS * 16 * HD;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int row = warp * 16 + g + 8 * r;
-        if (c == 0) {
-            Ml[row * 2] = m[r];
-            Ml[row * 2 + 1] = sum;
-        }
+            for (int r = 0; r < 2; r++) {
+                float sum = l[r];
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                const int row = warp * 16 + g + 8 * r;
+                if (c == 0) {
+                    Ml[row * 2] = m[r];
+                    Ml[row * 2 + 1] = sum;
+                }
 #pragma unroll
-        for (int j = 0; j < HD / 8; j++) {
-            Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
-            Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
-        }
-    }
-    __syncthreads();
-    constexpr int KP = FA_WARPS / MT;
-    for (int idx = threadIdx.x; idx < R * HD; idx += FA_WARPS * 32) {
-        const int r = idx / HD, d = idx % HD, rr = r % 16, tile_r = r / 16;
-        float M = -INFINITY;
+                for (int j = 0; j < HD / 8; j++) {
+                    Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
+                    Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
+                }
+            }
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < 16 * HD; idx += FA_WARPS * 32) {
+                const int rr = idx / HD, d = idx % HD, r = r0 + rr;
+                // The rows of this cut only (the other cut's pass writes the rest).
+                if (r >= R || row_cut(r) != cut) continue;
+                float M = -INFINITY;
 #pragma unroll
-        for (int p = 0; p < KP; p++) M = fmaxf(M, Ml[((p * MT + tile_r) * 16 + rr) * 2]);
-        float acc = 0.f, sum = 0.f;
+                for (int w = 0; w < FA_WARPS; w++) M = fmaxf(M, Ml[(w * 16 + rr) * 2]);
+                float acc = 0.f, sum = 0.f;
 #pragma unroll
-        for (int p = 0; p < KP; p++) {
-            const int w = p * MT + tile_r;
-            const float mw = Ml[(w * 16 + rr) * 2];
-            const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
-            acc += wt * Ow[(w * 16 + rr) * HD + d];
-            sum += wt * Ml[(w * 16 + rr) * 2 + 1];
-        }
-        part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
-        if (d == 0) {
-            // The merge kernels weigh entries by e^(m - M): the max back in natural-log units.
-            part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
-            part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
+                for (int w = 0; w < FA_WARPS; w++) {
+                    const float mw = Ml[(w * 16 + rr) * 2];
+                    const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
+                    acc += wt * Ow[(w * 16 + rr) * HD + d];
+                    sum += wt * Ml[(w * 16 + rr) * 2 + 1];
+                }
+                part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
+                if (d == 0) {
+                    // The merge kernels weigh entries by e^(m - M): the max back in natural-log units.
+                    part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
+                    part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
+                }
+            }
+            __syncthreads();  // before another cut's tiles overwrite Ow
         }
     }
 }
 
-#define FLASH_DECODE(SUFFIX, T, HD, MT)                                                                   \
+#define FLASH_DECODE(SUFFIX, T, HD)                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                           \
-        flash_decode_##SUFFIX##_d##HD##_m##MT(const T* q, const T* k, const T* v, const unsigned* len,    \
-                                              float* part_o, float* part_ml, int R, int cap, int t,       \
-                                              float sl2, const unsigned* table, int maxb, int bs,         \
-                                              int nblocks, int H) {                                       \
+        flash_decode_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, const unsigned* len,            \
+                                      float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
+                                      const unsigned* table, int maxb, int bs, int nblocks, int H) {      \
         pdl_enter();                                                                                      \
-        flash_decode<T, HD, MT>(q, k, v, len, part_o, part_ml, R, cap, t, sl2,                            \
-                                KvRows{table, maxb, bs, nblocks, H});                                     \
+        flash_decode<T, HD>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, KvRows{table, maxb, bs, nblocks, H}); \
     }
-#define FLASH_DECODE_DIMS(SUFFIX, T, MT) \
-    FLASH_DECODE(SUFFIX, T, 64, MT)      \
-    FLASH_DECODE(SUFFIX, T, 128, MT)     \
-    FLASH_DECODE(SUFFIX, T, 256, MT)
-FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 1)
-FLASH_DECODE_DIMS(bf16, __nv_bfloat16, 2)
-FLASH_DECODE_DIMS(f16, __half, 1)
-FLASH_DECODE_DIMS(f16, __half, 2)
+#define FLASH_DECODE_DIMS(SUFFIX, T) \
+    FLASH_DECODE(SUFFIX, T, 64)      \
+    FLASH_DECODE(SUFFIX, T, 128)     \
+    FLASH_DECODE(SUFFIX, T, 256)
+FLASH_DECODE_DIMS(bf16, __nv_bfloat16)
+FLASH_DECODE_DIMS(f16, __half)
 
 // A step's new keys and values into the cache buffers, at positions read from device memory (so a
 // recorded graph replays at any position), the CUDA twin of `write_kv` and `write_kv_rows` in

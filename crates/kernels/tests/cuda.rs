@@ -1223,8 +1223,8 @@ fn pooled_in_place_states_equal_gathered_ones() {
     }
 }
 
-/// The paged decode kernels (tensor cores for bf16 at head dims 64/128/256, the split-K kernel
-/// for f32 and for rows past 32) against the CPU reference: sequences of different lengths in
+/// The paged decode kernels (tensor cores for bf16 at head dims 64/128/256, in tiles of 16 rows;
+/// the split-K kernel for f32) against the CPU reference: sequences of different lengths in
 /// shuffled blocks, one past 64 tiles (several tiles per split), gated or not; the tolerances of
 /// `decode_attention_matches_cpu`.
 #[test]
@@ -1234,9 +1234,8 @@ fn paged_decode_attention_matches_cpu() {
     let d = gpu();
     let cpu = Device::Cpu;
     for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2f32.powi(-6))] {
-        // (The last: 36 rows per KV head, past the tensor-core kernel's 32, so the split-K
-        // kernel in bf16 too; and a length past the positions its table holds, which counts as
-        // the table's.)
+        // (The last: 36 rows per KV head, three row tiles of the tensor-core kernel in bf16; and a
+        // length past the positions its table holds, which counts as the table's.)
         for (t, hd, lens) in [
             (1, 256, vec![1usize, 217, 1030]),
             (4, 256, vec![4, 64, 5000]),
@@ -1334,6 +1333,123 @@ fn paged_decode_attention_matches_cpu() {
                     max_diff(&alone, &one(&got)),
                     0.0,
                     "{dt:?} t {t} hd {hd} sequence {i} alone"
+                );
+            }
+        }
+    }
+}
+
+/// Batch invariance of decode attention (issue 22): each token of a pass of t new tokens (a
+/// speculative verify) gets the bits that a one-token decode at its position gets, in bf16 and
+/// f16 (tensor cores) and f32, through a shared-length buffer and through paged pools in a
+/// batch with other sequences. The cases: 6 query heads per KV head (the 27B's), so a verify of
+/// 3+ tokens has more than 16 rows (more row tiles than a decode's one); and lengths whose
+/// tokens straddle 64 and 128 tiles of 64 keys, where the split of a row's keys into the 64
+/// splits changes from one tile each to two, and from two to three.
+#[test]
+fn decode_attention_rows_are_batch_invariant() {
+    use candle_core::IndexOp;
+    use qwen36_kernels::attention::{decode_attention, paged_decode_attention, Pages};
+    let d = gpu();
+    let on = |x: &Tensor| x.to_device(&d).unwrap();
+    let bits = |x: &Tensor| {
+        let v = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        v.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+    };
+    let (h, g, bs) = (2, 6, 16);
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        for (t, hd, len) in [(4, 256, 4098), (3, 64, 8194), (8, 128, 300), (2, 256, 4097)] {
+            let cap = 8448;
+            let scale = (hd as f64).powf(-0.5);
+            let q = on(&randn(1.0, (1, h, g * t, hd), dt));
+            let gate = on(&randn(1.0, (1, t, h * g, hd), dt));
+            // Query rows member·t + i of token i: [1, h, g, hd].
+            let token_q = |i: usize| {
+                let rows: Vec<u32> = (0..g).map(|m| (m * t + i) as u32).collect();
+                let idx = Tensor::new(rows.as_slice(), &d).unwrap();
+                q.index_select(&idx, 2).unwrap().contiguous().unwrap()
+            };
+            let token_gate = |i: usize| gate.i((.., i..i + 1)).unwrap();
+            let lens = |l: usize| on(&Tensor::new(&[l as u32], &Device::Cpu).unwrap());
+            // A shared-length buffer [1, h, cap, hd].
+            let k = on(&randn(1.0, (1, h, cap, hd), dt));
+            let v = on(&randn(1.0, (1, h, cap, hd), dt));
+            let pass = decode_attention(
+                AttentionInputs::new(&q, &k, &v, Some(&gate), scale),
+                &lens(len),
+                t,
+                P,
+            )
+            .unwrap();
+            // Paged: this sequence second in a batch of two, its blocks reversed in the pool.
+            let blocks = cap / bs;
+            let kp = on(&randn(1.0, (2 * blocks * bs, h, hd), dt));
+            let vp = on(&randn(1.0, (2 * blocks * bs, h, hd), dt));
+            let mine: Vec<u32> = (0..blocks as u32).rev().map(|b| b + blocks as u32).collect();
+            let table1 = on(&Tensor::new(mine.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap());
+            let other: Vec<u32> = (0..blocks as u32).collect();
+            let table2 = on(
+                &Tensor::new([other, mine.clone()].concat().as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .reshape((2, blocks))
+                    .unwrap(),
+            );
+            let q2 = Tensor::cat(&[&on(&randn(1.0, (1, h, g * t, hd), dt)), &q], 0).unwrap();
+            let gate2 = Tensor::cat(&[&gate, &gate], 0).unwrap();
+            let lens2 = on(&Tensor::new(&[77u32, len as u32], &Device::Cpu).unwrap());
+            let paged_pass = paged_decode_attention(
+                AttentionInputs::new(&q2, &kp, &vp, Some(&gate2), scale),
+                Pages {
+                    tables: &table2,
+                    lens: &lens2,
+                    block_size: bs,
+                },
+                t,
+                P,
+            )
+            .unwrap()
+            .i(1..2)
+            .unwrap();
+            for i in 0..t {
+                let at = len - t + i + 1;
+                let (qi, gi) = (token_q(i), token_gate(i));
+                let alone = decode_attention(
+                    AttentionInputs::new(&qi, &k, &v, Some(&gi), scale),
+                    &lens(at),
+                    1,
+                    P,
+                )
+                .unwrap();
+                let what = format!("{dt:?} t {t} hd {hd} len {len} token {i}");
+                assert_eq!(
+                    bits(&alone),
+                    bits(&pass.i((.., i..i + 1)).unwrap()),
+                    "{what}: buffer"
+                );
+                let paged_alone = paged_decode_attention(
+                    AttentionInputs::new(&qi, &kp, &vp, Some(&gi), scale),
+                    Pages {
+                        tables: &table1,
+                        lens: &lens(at),
+                        block_size: bs,
+                    },
+                    1,
+                    P,
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&paged_alone),
+                    bits(&paged_pass.i((.., i..i + 1)).unwrap()),
+                    "{what}: paged"
                 );
             }
         }

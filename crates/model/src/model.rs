@@ -687,9 +687,22 @@ impl Qwen36Model {
     /// after all of them) but keeps per-token GDN checkpoints, so that [`Cache::commit`] can keep
     /// any prefix exactly. Returns the final-norm hidden states `[batch, k+1, hidden]`.
     pub fn forward_verify(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        self.verify(ids, cache, None)
+    }
+
+    /// [`Self::forward_verify`], also returning the residual streams of
+    /// [`Self::forward_hidden_states`]: what each layer gives a verified token, to compare with
+    /// the same token decoded alone.
+    pub fn forward_verify_states(&self, ids: &Tensor, cache: &mut Cache) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut states = Vec::with_capacity(self.layers.len() + 1);
+        let h = self.verify(ids, cache, Some(&mut states))?;
+        Ok((h, states))
+    }
+
+    fn verify(&self, ids: &Tensor, cache: &mut Cache, states: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
         let base = cache.seq_len;
         let mut checkpoints = Vec::with_capacity(self.layers.len());
-        let h = self.run_layers(ids, cache, None, Some(&mut checkpoints))?;
+        let h = self.run_layers(ids, cache, states, Some(&mut checkpoints))?;
         cache.pending = Some(crate::cache::Pending {
             base,
             len: ids.dim(1)?,

@@ -264,14 +264,13 @@ fn the_first_token_can_end_generation() {
 }
 
 /// Batch invariance in bf16 (issue 22): with every linear layer's rows through one kernel
-/// whatever their count (`SkinnyPath::Uniform`), MTP speculation (k = 1..3) gives plain greedy's
-/// tokens in bf16 too, 500 tokens of the bundled model, whose drafts are often accepted. CUDA
-/// only: the CPU's bf16 matmul and attention sum a verify's rows in another order than one row's
-/// (the outputs part at the 22nd token). Ignored until it holds: on the H200 (2026-12-02) the
-/// outputs part at the 140th token for k = 1, the attention and GDN kernels of a verify not yet
-/// summing as a decode step's do (docs/GPU-CHECKS.md).
+/// whatever their count (`SkinnyPath::Uniform`) and decode attention cutting each row's keys by
+/// its own position, MTP speculation (k = 1..3) gives plain greedy's tokens in bf16 too, 500
+/// tokens of the bundled model, whose drafts are often accepted. Plain greedy breaks ties as the
+/// decoder does (lowest id): bf16 logits tie now and then. CUDA only: the CPU's bf16 matmul and
+/// attention sum a verify's rows in another order than one row's (the outputs part at the 22nd
+/// token).
 #[test]
-#[ignore = "the verify's attention and GDN kernels are not batch-invariant yet (issue 22)"]
 fn bf16_uniform_greedy_speculative_equals_plain_greedy() {
     use qwen36_kernels::{KernelPolicy, SkinnyPath};
     if !test_device().is_cuda() {

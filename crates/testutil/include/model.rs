@@ -57,15 +57,25 @@ pub fn load_bundled() -> (Qwen36Model, MtpHead) {
 }
 
 /// Plain greedy decoding of `n` tokens: `prompt` through `cache`, then one token per forward (none
-/// after the last token).
+/// after the last token). Ties go to the lowest id, as the samplers and the engine break them
+/// (half-precision logits tie now and then; candle's argmax promises no order).
 pub fn greedy(model: &Qwen36Model, cache: &mut Cache, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut logits = model.forward_last(&ids_tensor(prompt), cache).unwrap();
+    let next = |h: candle_core::Tensor| {
+        let last = h.narrow(1, h.dim(1).unwrap() - 1, 1).unwrap();
+        model
+            .greedy_ids(&last)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()[0]
+    };
+    let mut tok = next(model.forward_hidden(&ids_tensor(prompt), cache).unwrap());
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
-        let next = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
-        out.push(next);
+        out.push(tok);
         if out.len() < n {
-            logits = model.forward_last(&ids_tensor(&[next]), cache).unwrap();
+            tok = next(model.forward_hidden(&ids_tensor(&[tok]), cache).unwrap());
         }
     }
     out

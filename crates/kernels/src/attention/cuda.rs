@@ -232,10 +232,10 @@ fn decode(
             ),
         ));
     }
-    // The tensor-core kernel (bf16/f16, its head dims, up to 32 rows) or the general one. Their
-    // partials (one per split of a KV head: `spans` of them, each over `unit`-key units) go
-    // through the same merge kernels.
-    let tensor_cores = matches!(dt, DType::BF16 | DType::F16) && PREFILL_HEAD_DIMS.contains(&d) && r <= 32;
+    // The tensor-core kernel (bf16/f16, its head dims; any number of rows, 16 per block) or the
+    // general one. Their partials (one per split of a KV head: `spans` of them, each over
+    // `unit`-key units) go through the same merge kernels.
+    let tensor_cores = matches!(dt, DType::BF16 | DType::F16) && PREFILL_HEAD_DIMS.contains(&d);
     let (spans, unit) = if tensor_cores && paging.is_some() {
         (FLASH_DECODE_SPLITS, FLASH_TILE)
     } else if tensor_cores {
@@ -309,10 +309,9 @@ fn decode(
             );
             let (unit32, s0) = (unit as i32, spans as i32);
             if tensor_cores {
-                let mt = if r <= 16 { 1 } else { 2 };
-                let name = format!("flash_decode_{sfx}_d{d}_m{mt}");
-                // Q rows (16 per row tile), then one K and one V tile of FLASH_TILE rows.
-                let smem = (16 * mt + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
+                let name = format!("flash_decode_{sfx}_d{d}");
+                // 16 Q rows, then one K and one V tile of FLASH_TILE rows.
+                let smem = (16 + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -320,12 +319,12 @@ fn decode(
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
-                    grid_dim: (spans as u32, bh as u32, 1),
+                    grid_dim: (spans as u32, bh as u32, r.div_ceil(16) as u32),
                     block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] with
-                // r ≤ 16·mt, k and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks
+                // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] (row
+                // tiles of 16: the grid's z covers r), k and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks
                 // read through tables [b·maxb] u32 (block ids past the pool read block 0), len
                 // [1] or (paged) [b] u32 (clamped to cap by the kernel), scratch of
                 // bh·spans·r·(d | 2) f32 (the grid's x is spans), i32 r, cap, t, f32 scale·log2 e,
@@ -363,6 +362,7 @@ fn decode(
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
                 lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&len_h).arg(&cap32);
+                lb.arg(&t32);
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, bh as u32, groups as u32),
                     block_dim: (ATTENTION_THREADS as u32, 1, 1),
@@ -372,7 +372,7 @@ fn decode(
                 // len [1] or [b] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span
                 // per input entry, the partial kernel's unit and split count, the KV heads per
                 // length (0: one shared length), i32 cap (the length clamped to it, as the
-                // partial kernels clamp it); grid (r, bh, groups).
+                // partial kernels clamp it), i32 t (row r is token r % t); grid (r, bh, groups).
                 unsafe { lb.launch(cfg) }.w()?;
                 Some((o2, ml2, groups))
             } else {
