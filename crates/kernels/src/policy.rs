@@ -24,24 +24,32 @@ pub enum ChunkPath {
 /// [`SKINNY_MAX_ROWS`](crate::linear::SKINNY_MAX_ROWS) rows (decode, drafts, verify).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SkinnyPath {
-    /// The measured default: one row through a weight-streaming kernel (for FP8 weights with
-    /// 16-bit activations the diagonal tensor-core one); from two rows the tile kernel for 16-bit
-    /// activations (dense and FP8 weights), cuBLAS for dense f32, the CUDA-core FP8 kernel for
-    /// FP8 with f32.
+    /// The default, batch-invariant where that costs under 5% (issue 22's rule): 16-bit
+    /// activations with dense weights of their dtype take the tile kernel for every row count
+    /// 1..8, so a row's outputs are the same bits alone, in a batch or in a verify (the 27B's
+    /// bf16 decode 4% slower than [`SkinnyPath::Fastest`], its MTP cycle 1%); FP8 weights with
+    /// 16-bit activations take the diagonal tensor-core kernel for one row (7% faster decode
+    /// than the tile kernel, not invariant) and the tile kernel for 2..8; dense f32 the
+    /// streaming kernel for one row and cuBLAS from two; FP8 with f32 the CUDA-core FP8 kernel.
+    /// (docs/BENCHMARKS.md §1, §1b.)
     #[default]
     Auto,
     /// candle's matmul (cuBLAS).
     Matmul,
     /// The streaming kernel computing 1, 2 or 4 output columns per warp, for every row count.
     Streaming(usize),
-    /// One row as [`SkinnyPath::Auto`]; two rows and more (a verify pass) through the streaming
-    /// kernel with 1, 2 or 4 columns per warp.
+    /// One row as [`SkinnyPath::Fastest`]; two rows and more (a verify pass) through the
+    /// streaming kernel with 1, 2 or 4 columns per warp.
     Multi(usize),
-    /// [`SkinnyPath::Auto`], except that 16-bit activations take the tile kernel for one row too,
-    /// as for 2..8 (dense weights of their dtype and FP8 weights): a row's linear outputs are then
-    /// the same bits alone, in a batch or in a verify (batch-invariant), at a cost at one row
-    /// (the 27B's decode: 3% in bf16, 7% in FP8; docs/BENCHMARKS.md §1, §1b).
+    /// [`SkinnyPath::Auto`], and FP8 weights' one row through the tile kernel too: every row
+    /// count of 16-bit activations batch-invariant, FP8 included (the 27B's FP8 decode 7% slower).
     Uniform,
+    /// The fastest measured at one row, not batch-invariant: one dense row through the
+    /// weight-streaming kernel (with the block's norm or the MLP's SwiGLU fused in), one FP8 row
+    /// through the diagonal kernel; from two rows as [`SkinnyPath::Auto`]. A verify's rows then
+    /// sum in another order than a decode step's, so half-precision speculation may part from
+    /// plain decoding at a near-tie.
+    Fastest,
 }
 
 /// The kernel variants a model's ops run.
@@ -73,13 +81,15 @@ impl KernelPolicy {
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
-    /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`].
+    /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`],
+    /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`].
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self {
             pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
             skinny: match std::env::var("QWEN36_SKINNY").as_deref() {
                 Ok("uniform") => SkinnyPath::Uniform,
+                Ok("fastest") => SkinnyPath::Fastest,
                 _ => SkinnyPath::Auto,
             },
             ..Self::DEFAULT

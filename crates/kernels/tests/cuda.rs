@@ -651,9 +651,10 @@ fn linear_matches_cpu() {
                 let res = res.to_dtype(DType::F32).unwrap();
                 // Every kernel variant (1, 2, 4 columns per warp; n not a multiple of 4 covers
                 // the partial last warp; from two rows in bf16/f16 the tensor-core kernel, whose
-                // k = 64, 128 and 520 leave partial chunks), the matmul, the default choice (from
-                // two rows in bf16/f16 the tile kernel, with 4 and 8 warps per 16 columns; k =
-                // 520 and 20 fall back) and the tile kernel for every row count.
+                // k = 64, 128 and 520 leave partial chunks), the matmul, the default choice (in
+                // bf16/f16 the tile kernel for every row count, with 4 and 8 warps per 16
+                // columns; k = 520 and 20 fall back), the same under `Uniform`, and `Fastest`
+                // (one row through the streaming kernel, more through the tile kernel).
                 let paths = [
                     SkinnyPath::Streaming(1),
                     SkinnyPath::Streaming(2),
@@ -661,6 +662,7 @@ fn linear_matches_cpu() {
                     SkinnyPath::Matmul,
                     SkinnyPath::Auto,
                     SkinnyPath::Uniform,
+                    SkinnyPath::Fastest,
                 ];
                 for path in paths {
                     let lg = lg.clone().with_policy(skinny_policy(path));
@@ -849,11 +851,12 @@ fn fp8_linear_matches_cpu() {
     }
 }
 
-/// The tile kernels (`SkinnyPath::Uniform`: every row count 1..8) are batch-invariant: each row
-/// of x gets the same bits whether it is multiplied alone or with up to seven other rows, for FP8
-/// weights (Qwen's blocks and smaller ones) and bf16/f16 weights, bf16 and f16 activations, a
-/// column count not a multiple of 16 and one past `FEW_TILES` tiles, with and without a residual,
-/// and through the layers that fuse a norm or the SwiGLU at one row under `Auto`.
+/// The tile kernels (every row count 1..8: the default for dense weights, `SkinnyPath::Uniform`
+/// for FP8) are batch-invariant: each row of x gets the same bits whether it is multiplied alone
+/// or with up to seven other rows, for FP8 weights (Qwen's blocks and smaller ones) and bf16/f16
+/// weights, bf16 and f16 activations, a column count not a multiple of 16 and one past
+/// `FEW_TILES` tiles, with and without a residual, and through the layers that fuse a norm or the
+/// SwiGLU at one row under `Fastest`.
 #[test]
 fn tile_kernel_rows_are_batch_invariant() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
@@ -869,7 +872,7 @@ fn tile_kernel_rows_are_batch_invariant() {
         let wg = on_gpu(&w, &d);
         let fp8 = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(uniform);
         for dt in [DType::BF16, DType::F16] {
-            let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(uniform);
+            let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(*P);
             let norm =
                 RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
             let x = randn(1.0, (1, 8, k), dt).to_device(&d).unwrap();
@@ -933,6 +936,7 @@ fn normalising_projection_equals_norm_then_projection() {
                 SkinnyPath::Streaming(1),
                 SkinnyPath::Streaming(2),
                 SkinnyPath::Streaming(4),
+                SkinnyPath::Fastest,
                 SkinnyPath::Auto,
             ] {
                 let lin = lin.clone().with_policy(skinny_policy(path));
@@ -946,7 +950,9 @@ fn normalising_projection_equals_norm_then_projection() {
                 );
             }
             // The SwiGLU epilogue pairs [gate; up] rows: n even (33 covers partial warps above).
+            // (`Fastest`: the default takes one 16-bit row through the tile kernel, in two steps.)
             if n % 2 == 0 {
+                let lin = lin.clone().with_policy(skinny_policy(SkinnyPath::Fastest));
                 let want = lin.forward_swiglu(&norm.forward(&x).unwrap()).unwrap();
                 let got = lin.forward_swiglu_normed(&x, &norm).unwrap();
                 assert_eq!(got.dims(), [1, rows, n / 2]);

@@ -1,8 +1,9 @@
 //! Linear layers `y = x·wᵀ (+ b)`. The reference is candle's matmul (what `candle_nn::Linear`
-//! runs, [`reference::linear`]); on CUDA, calls with one row (decode) go to a weight-streaming
-//! kernel instead (`cuda.rs`), because cuBLAS reads the weights at only ~84% of the copy bandwidth
-//! on those shapes (PERF-ANCHORS) and decode is nothing but reading weights; 2..8 rows of bf16/f16
-//! (a verify) go to the tile kernel on tensor cores, whose rows are batch-invariant.
+//! runs, [`reference::linear`]); on CUDA, 1..8 rows of bf16/f16 (decode, a verify) go to the tile
+//! kernel on tensor cores (`cuda.rs`), whose rows are batch-invariant, and one f32 row (or one
+//! row under [`SkinnyPath::Fastest`]) to a weight-streaming kernel: cuBLAS reads the weights at
+//! only ~84% of the copy bandwidth on those shapes (PERF-ANCHORS) and decode is nothing but
+//! reading weights.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -35,14 +36,16 @@ pub const FP8_STREAM_MAX_ROWS: usize = 4 * SKINNY_MAX_ROWS;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn streaming_columns(path: SkinnyPath, rows: usize, columns: usize) -> Option<usize> {
     match path {
-        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Multi(_)
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Fastest | SkinnyPath::Multi(_)
             if rows == 1 && (8192..32768).contains(&columns) =>
         {
             Some(2)
         }
-        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Multi(_) if rows == 1 => Some(1),
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Fastest | SkinnyPath::Multi(_) if rows == 1 => {
+            Some(1)
+        }
         SkinnyPath::Streaming(c) | SkinnyPath::Multi(c) => Some(c),
-        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Matmul => None,
+        SkinnyPath::Auto | SkinnyPath::Uniform | SkinnyPath::Fastest | SkinnyPath::Matmul => None,
     }
 }
 
@@ -322,7 +325,8 @@ impl Linear {
 
     /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
     /// row goes through the streaming kernel that normalises `x` as it reads it (the same bits as
-    /// the two steps, one kernel fewer); otherwise (and under `SkinnyPath::Uniform`) the two steps.
+    /// the two steps, one kernel fewer) where the tile kernel does not take it (f32, or
+    /// [`SkinnyPath::Fastest`]); otherwise the two steps.
     pub fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if !self.tiles(x)? {
@@ -336,7 +340,7 @@ impl Linear {
     /// `swiglu(self.forward(x))` for a layer whose outputs are `[gate | up]` halves (the MLP's
     /// fused gate and up projections): `silu(gate) · up`, `[..., out / 2]`. On CUDA one row goes
     /// through the streaming kernel with the activation in its epilogue (no rounding of the
-    /// halves, no second pass); otherwise (and under `SkinnyPath::Uniform`) the two steps.
+    /// halves, no second pass) where the tile kernel does not take it; otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if !self.tiles(x)? {
@@ -424,10 +428,10 @@ impl Linear {
     }
 
     /// Whether the CUDA tile kernel takes `x` through this dense layer: a CUDA tensor of the
-    /// weight's 16-bit dtype with 2..=[`SKINNY_MAX_ROWS`] rows under [`SkinnyPath::Auto`] (the
-    /// 27B's MTP verify as fast as through cuBLAS, and batch-invariant), or 1..= rows under
+    /// weight's 16-bit dtype with 1..=[`SKINNY_MAX_ROWS`] rows under [`SkinnyPath::Auto`] and
     /// [`SkinnyPath::Uniform`] (then no one-row kernel fuses a norm or the SwiGLU in: every row
-    /// count runs the same products).
+    /// count runs the same products, batch-invariant; the 27B's MTP verify as fast as through
+    /// cuBLAS), 2..= rows under [`SkinnyPath::Fastest`].
     #[cfg(feature = "cuda")]
     fn tiles(&self, x: &Tensor) -> Result<bool> {
         let Some(w) = self.dense_weight() else {
@@ -444,8 +448,8 @@ impl Linear {
         Ok(w.dim(1)? == k
             && k % 16 == 0
             && match self.policy.skinny {
-                SkinnyPath::Auto => (2..=SKINNY_MAX_ROWS).contains(&rows),
-                SkinnyPath::Uniform => (1..=SKINNY_MAX_ROWS).contains(&rows),
+                SkinnyPath::Auto | SkinnyPath::Uniform => (1..=SKINNY_MAX_ROWS).contains(&rows),
+                SkinnyPath::Fastest => (2..=SKINNY_MAX_ROWS).contains(&rows),
                 _ => false,
             })
     }
