@@ -205,7 +205,10 @@ fn build(
     };
     if let Some(gib) = args.memory_gib {
         let mtp = matches!(speculation, Some(Speculation::Mtp { .. }));
-        let bytes = StateBytes::of(model.config(), opts.dtype, cfg.block_size, mtp);
+        let mut bytes = StateBytes::of(model.config(), opts.dtype, cfg.block_size, mtp);
+        if let Some(sp) = &speculation {
+            bytes = bytes.with_stash(model.config(), opts.dtype, sp.k() + 1);
+        }
         let slots = args.max_seqs + args.prefix_snapshots;
         let sizes = PoolSizes::from_budget(bytes, (gib * (1u64 << 30) as f64) as u64, slots)?;
         cfg.kv_blocks = Some(sizes.blocks);

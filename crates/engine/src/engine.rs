@@ -100,8 +100,8 @@ pub struct StepStats {
     pub sampling: std::time::Duration,
     /// Time in the MTP head's draft steps.
     pub drafting: std::time::Duration,
-    /// Time committing verified sequences' states (queuing the copies; the device runs them
-    /// before the next read).
+    /// Time committing verified sequences' states (bookkeeping: the next forward applies the
+    /// accepted tokens, [`qwen36_model::PagedCache::commit`]).
     pub committing: std::time::Duration,
 }
 
@@ -650,7 +650,7 @@ impl Engine {
         }
         if !commits.is_empty() {
             let committing = Instant::now();
-            let pending = pending.as_ref().expect("a verify keeps checkpoints");
+            let pending = pending.as_ref().expect("a verify leaves its commits pending");
             if let Err(e) = self.cache.commit_many(pending, &commits) {
                 // The states are not the accepted ones: no sequence of the step can go on.
                 let e = Error::from(e);
@@ -708,7 +708,8 @@ impl Engine {
     /// The prefix cache's share of a step: each planned sequence whose chunk ended at a snapshot
     /// point keeps its state there in the cache (with its blocks); each decoding sequence that
     /// passed a block boundary it keeps ([`ROLLING_BLOCKS`]) copies the state there to its rolling
-    /// slot (from the verify's checkpoints when the boundary was inside a verified run), for
+    /// slot (a copy of the slot with the accepted tokens up to the boundary still to replay, when
+    /// the boundary was inside a verified run), for
     /// `Scheduler::keep_leaving`.
     fn keep_states(
         &mut self,
@@ -719,7 +720,7 @@ impl Engine {
         pending: Option<&BatchPending>,
     ) -> Result<()> {
         let bs = self.sched.blocks.block_size();
-        let mut from_checkpoints = Vec::new();
+        let mut inside_verifies = Vec::new();
         for (c, p) in plan.iter().enumerate() {
             if failed.contains(&p.index) {
                 continue;
@@ -773,12 +774,12 @@ impl Engine {
             };
             self.sched.running[p.index].rolling = Some((rolling, boundary));
             match verified {
-                true => from_checkpoints.push((c, boundary - start, rolling.0)),
+                true => inside_verifies.push((c, boundary - start, rolling.0)),
                 false => self.cache.copy_slot(slot.0, rolling.0)?,
             }
         }
-        if let (Some(pending), false) = (pending, from_checkpoints.is_empty()) {
-            self.cache.commit_into(pending, &from_checkpoints)?;
+        if let (Some(pending), false) = (pending, inside_verifies.is_empty()) {
+            self.cache.commit_into(pending, &inside_verifies)?;
         }
         Ok(())
     }
@@ -1079,8 +1080,8 @@ impl Engine {
     }
 
     /// The forward of `batch`, what each entry of `reads` needs of its rows (with `full`, their
-    /// f32 logits; otherwise only their argmax, taken on the device), the checkpoints of its
-    /// verifies and the final hidden states.
+    /// f32 logits; otherwise only their argmax, taken on the device), what its verifies leave to
+    /// commit and the final hidden states.
     fn forward(
         &mut self,
         batch: &ForwardBatch,

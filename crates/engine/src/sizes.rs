@@ -1,6 +1,7 @@
 //! How many slots and blocks a memory budget holds, from the model's config alone.
 
 use candle_core::DType;
+use qwen36_kernels::delta_rule::GdnHeads;
 use qwen36_model::{Config, LayerType};
 
 use crate::{Error, Result};
@@ -33,6 +34,33 @@ impl StateBytes {
         Self {
             slot,
             block: per_position * block_size as u64,
+        }
+    }
+}
+
+impl StateBytes {
+    /// The sizes with each slot's stash of deferred commits for verifies of up to `verify`
+    /// tokens (speculative decoding; the stash is made at the first verify), at its CUDA size
+    /// (the larger of the two layouts).
+    pub fn with_stash(self, cfg: &Config, dtype: DType, verify: usize) -> Self {
+        let count = cfg
+            .layer_types
+            .iter()
+            .filter(|&&t| t == LayerType::LinearAttention)
+            .count() as u64;
+        let g = cfg.gdn();
+        let tokens = qwen36_model::stash_tokens(verify);
+        let heads = GdnHeads {
+            k_heads: g.num_k_heads,
+            v_heads: g.num_v_heads,
+            k_dim: g.k_head_dim,
+            v_dim: g.v_head_dim,
+        };
+        let conv = (tokens * g.conv_dim() * dtype.size_in_bytes()) as u64;
+        let state = qwen36_kernels::delta_rule::stash_bytes(heads, dtype, tokens, true);
+        Self {
+            slot: self.slot + count * (conv + state),
+            ..self
         }
     }
 }
@@ -101,6 +129,12 @@ mod tests {
         assert_eq!(
             StateBytes::of(&cfg, DType::F32, 16, false).slot,
             48 * (48 * 128 * 128 * 4 + 10240 * 3 * 4)
+        );
+        // Speculation (k = 3) adds each GDN layer's stash for 4 tokens: per (value head, tile of
+        // 32 state columns) a record of 128 + 32 + 2 f32, and the conv's 10240 raw inputs.
+        assert_eq!(
+            b.with_stash(&cfg, DType::BF16, 4).slot - b.slot,
+            48 * 4 * (48 * 4 * (128 + 32 + 2) * 4 + 10240 * 2)
         );
     }
 

@@ -2,13 +2,18 @@
 
 use candle_core::{DType, Tensor, D};
 use qwen36_kernels::{
-    conv1d::{causal_conv1d, causal_conv1d_in_place},
+    conv1d::{
+        causal_conv1d, causal_conv1d_in_place, causal_conv1d_pooled, new_stash as new_conv_stash,
+        replay_pooled as conv1d_replay_pooled,
+    },
     delta_rule::{
-        fused_gated_delta_rule, fused_gated_delta_rule_in_place, DeltaRuleMode, GdnHeads, GdnParams,
+        fused_gated_delta_rule, fused_gated_delta_rule_in_place, fused_gated_delta_rule_pooled,
+        new_stash as new_delta_rule_stash, replay_pooled as delta_rule_replay_pooled, DeltaRuleMode,
+        GdnHeads, GdnParams,
     },
     linear::{Linear, LinearWeight},
     norm::{GatedRmsNorm, RmsNorm},
-    KernelPolicy,
+    Deferred, KernelPolicy,
 };
 
 use crate::{Error, GdnConfig, GdnState, Result};
@@ -401,8 +406,11 @@ impl GatedDeltaNet {
                     conv,
                     recurrent,
                     slots,
-                    kept,
-                } => self.mix_pooled(&part, (conv, recurrent, slots), g.verify, *kept)?,
+                    stash,
+                } => (
+                    self.mix_pooled(&part, (conv, recurrent, slots), g.verify, stash.as_ref())?,
+                    None,
+                ),
             };
             let (_, _, hv, dv) = out.dims4()?;
             outs.push(out.reshape((1, g.batch * g.len, hv, dv))?);
@@ -499,12 +507,7 @@ impl GatedDeltaNet {
             let (y, s) = causal_conv1d(&mixed, &self.conv_weight, Some(state.conv()), &self.policy)?;
             (y, s, window)
         };
-        let heads = GdnHeads {
-            k_heads: c.num_k_heads,
-            v_heads: c.num_v_heads,
-            k_dim: c.k_head_dim,
-            v_dim: c.v_head_dim,
-        };
+        let heads = self.heads();
         // Like the reference: one token uses the recurrent form, several the chunked form; a
         // verify pass runs token by token and keeps every state.
         let mode = if verify || t == 1 {
@@ -551,18 +554,19 @@ impl GatedDeltaNet {
     /// [`Self::mix`] for sequences whose states are rows `slots` (u32 `[batch]`) of pools (conv
     /// windows `[pool, conv_dim, K-1]` in the activation dtype, recurrent states `[pool, Hv, dk,
     /// dv]` f32), which the kernels read and write in place: one token per sequence, or with
-    /// `verify` any number, token by token, keeping the checkpoints (batch-indexed, `seen_before`
-    /// 0), into `kept` when given (else fresh buffers). The same kernels and sums as
-    /// [`Self::mix`] on the gathered rows.
+    /// `verify` any number, token by token. With a `stash` the commits are deferred
+    /// ([`qwen36_kernels::Deferred`]): each slot first takes its replayed tokens, and a verify
+    /// leaves the state there and stashes its own (a verify needs a stash). The same kernels
+    /// and sums as [`Self::mix`] on the gathered rows.
     fn mix_pooled(
         &self,
         proj: &Tensor,
         (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
         verify: bool,
-        kept: Option<&VerifyCheckpoints>,
-    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+        stash: Option<&PoolStash>,
+    ) -> Result<Tensor> {
         let c = &self.cfg;
-        let (b, t, _) = proj.dims3()?;
+        let (_, t, _) = proj.dims3()?;
         if t != 1 && !verify {
             return Err(Error::Input(format!(
                 "pooled states run decode steps and verifies; a prefill of {t} tokens runs from its own state"
@@ -572,56 +576,96 @@ impl GatedDeltaNet {
         let mixed = proj.narrow(D::Minus1, 0, cd)?;
         let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
         let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
-        let hist = c.conv_kernel - 1;
-        let kept = if let (true, Some(kept)) = (verify, kept) {
-            let (states, window) = (kept.states.dims(), kept.window.dims());
-            if states != [b, t, hv, c.k_head_dim, c.v_head_dim] || window != [b, cd, hist + t] {
-                return Err(Error::State(format!(
-                    "checkpoint buffers {states:?} and {window:?} do not fit a verify of {b} \
-                     sequences of {t} tokens"
-                )));
+        let params = GdnParams::new(&self.a_log, &self.dt_bias, self.heads());
+        let Some(stash) = stash else {
+            if verify {
+                return Err(Error::State(
+                    "a verify over pooled states needs the pool's stash (its commits are deferred)".into(),
+                ));
             }
-            Some(kept.clone())
-        } else if verify {
-            let dev = proj.device();
-            // SAFETY: uninitialised buffers that the ops below fill entirely before anything reads
-            // them: the conv writes every sequence's whole window (the K-1 held inputs, then each
-            // new one) and the delta rule every token's full state (both kernels and the CPU
-            // forms, which copy whole tensors in).
-            let (window, states) = unsafe {
-                (
-                    Tensor::empty((b, cd, hist + t), conv.dtype(), dev)?,
-                    Tensor::empty((b, t, hv, c.k_head_dim, c.v_head_dim), DType::F32, dev)?,
-                )
-            };
-            Some(VerifyCheckpoints {
-                states,
-                window,
-                seen_before: 0,
-            })
-        } else {
-            None
+            let conv_out =
+                causal_conv1d_in_place(&mixed, &self.conv_weight, conv, Some(slots), None, &self.policy)?;
+            let r = fused_gated_delta_rule_in_place(
+                &conv_out,
+                &a,
+                &beta_logits,
+                params,
+                recurrent,
+                Some(slots),
+                None,
+                &self.policy,
+            )?;
+            return Ok(r.out);
         };
-        let window = kept.as_ref().map(|cp| &cp.window);
-        let conv_out =
-            causal_conv1d_in_place(&mixed, &self.conv_weight, conv, Some(slots), window, &self.policy)?;
-        let heads = GdnHeads {
+        let deferred = |of| Deferred {
+            slots,
+            replay: stash.replay,
+            stash: of,
+            verify,
+        };
+        let conv_out = causal_conv1d_pooled(
+            &mixed,
+            &self.conv_weight,
+            conv,
+            &deferred(stash.conv),
+            &self.policy,
+        )?;
+        Ok(fused_gated_delta_rule_pooled(
+            &conv_out,
+            &a,
+            &beta_logits,
+            params,
+            recurrent,
+            &deferred(stash.recurrent),
+            &self.policy,
+        )?)
+    }
+
+    /// Applies each slot's deferred commits alone (no new tokens): the pools' rows `slots` take
+    /// `stash.replay` of their stashed tokens, as the next pass over them would.
+    pub fn replay_pooled(
+        &self,
+        (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
+        stash: &PoolStash,
+    ) -> Result<()> {
+        conv1d_replay_pooled(conv, stash.conv, slots, stash.replay, &self.policy)?;
+        let params = GdnParams::new(&self.a_log, &self.dt_bias, self.heads());
+        delta_rule_replay_pooled(
+            params,
+            recurrent,
+            stash.recurrent,
+            slots,
+            stash.replay,
+            &self.policy,
+        )?;
+        Ok(())
+    }
+
+    /// The stashes of pools of this layer's states (`conv` windows, `recurrent` states) for
+    /// verifies of up to `tokens` tokens over activations of `dtype`: the conv's and the delta
+    /// rule's ([`PoolStash`]).
+    pub fn new_pool_stash(
+        &self,
+        conv: &Tensor,
+        recurrent: &Tensor,
+        tokens: usize,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        Ok((
+            new_conv_stash(conv, tokens)?,
+            new_delta_rule_stash(recurrent, tokens, self.heads(), dtype)?,
+        ))
+    }
+
+    /// The head layout of the delta rule.
+    fn heads(&self) -> GdnHeads {
+        let c = &self.cfg;
+        GdnHeads {
             k_heads: c.num_k_heads,
             v_heads: c.num_v_heads,
             k_dim: c.k_head_dim,
             v_dim: c.v_head_dim,
-        };
-        let r = fused_gated_delta_rule_in_place(
-            &conv_out,
-            &a,
-            &beta_logits,
-            GdnParams::new(&self.a_log, &self.dt_bias, heads),
-            recurrent,
-            Some(slots),
-            kept.as_ref().map(|cp| &cp.states),
-            &self.policy,
-        )?;
-        Ok((r.out, kept))
+        }
     }
 
     /// The gated norm of the read-out `out: [batch, len, Hv, dv]` with the z part of `proj`, and
@@ -661,14 +705,24 @@ pub enum GroupState<'a> {
     Own(&'a mut GdnState),
     /// Rows `slots` (u32 `[batch]`, distinct) of pooled states: conv windows `[pool, conv_dim,
     /// K-1]` (activation dtype) and recurrent states `[pool, Hv, dk, dv]` f32, updated in place.
-    /// For decode steps (`len` 1) and verifies; a verify's checkpoints are batch-indexed, written
-    /// into `kept` when given ([`VerifyCheckpoints::from_buffers`]).
+    /// For decode steps (`len` 1) and verifies; with the pools' `stash` their commits are
+    /// deferred (a verify needs it: it keeps no checkpoints).
     Pooled {
         conv: &'a Tensor,
         recurrent: &'a Tensor,
         slots: &'a Tensor,
-        kept: Option<&'a VerifyCheckpoints>,
+        stash: Option<PoolStash<'a>>,
     },
+}
+
+/// The deferred commits of pooled GDN states ([`qwen36_kernels::Deferred`]): the conv's and the
+/// delta rule's stashes (`[pool, tokens, ...]`, [`GatedDeltaNet::new_pool_stash`]) and the
+/// tokens each sequence of the pass replays first (u32 `[batch]`).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolStash<'a> {
+    pub conv: &'a Tensor,
+    pub recurrent: &'a Tensor,
+    pub replay: &'a Tensor,
 }
 
 #[cfg(test)]
@@ -977,8 +1031,9 @@ mod group_tests {
 
     /// A flat batch of a decode group and a verify group whose states are rows of pools gives
     /// what the same groups give from states of their own (equal bits on the CPU): outputs, the
-    /// pools' rows afterwards, the verify's checkpoints; the other rows stay; a pooled prefill is
-    /// refused.
+    /// decode rows afterwards; the verify leaves its row and, replayed for any accepted length,
+    /// gives the own verify's checkpoint there; the other rows stay; a pooled prefill, a verify
+    /// without a stash and one longer than the stash are refused.
     #[test]
     fn pooled_groups_equal_own_states() -> Result<()> {
         let l = layer(7);
@@ -990,34 +1045,36 @@ mod group_tests {
         let rec0 = qwen36_testutil::randn(122, 0.5, (pool, c.num_v_heads, c.k_head_dim, c.v_head_dim), &dev)?;
         // Group 0: two decode tokens (slots 4, 1); group 1: one verify of 3 tokens (slot 2).
         let slots = [Tensor::new(&[4u32, 1], &dev)?, Tensor::new(&[2u32], &dev)?];
+        let replay = [Tensor::new(&[0u32, 0], &dev)?, Tensor::new(&[0u32], &dev)?];
         let x = qwen36_testutil::randn(123, 1.0, (1, 5, 24), &dev)?;
         let (conv, rec) = (conv0.copy()?, rec0.copy()?);
-        // The verify writes its checkpoints into buffers given to it.
-        let hv = (c.num_v_heads, c.k_head_dim, c.v_head_dim);
-        let kept = VerifyCheckpoints::from_buffers(
-            Tensor::zeros((1, 3, hv.0, hv.1, hv.2), DType::F32, &dev)?,
-            Tensor::zeros((1, c.conv_dim(), c.conv_kernel - 1 + 3), DType::F32, &dev)?,
-        )?;
-        let specs = [(2, 1, false, None), (1, 3, true, Some(&kept))];
+        let (cs, rs) = l.new_pool_stash(&conv, &rec, 4, DType::F32)?;
+        let stash = |replay| PoolStash {
+            conv: &cs,
+            recurrent: &rs,
+            replay,
+        };
+        let specs = [(2, 1, false), (1, 3, true)];
         let mut groups: Vec<GdnGroup> = specs
             .iter()
-            .zip(&slots)
-            .map(|(&(batch, len, verify, kept), slots)| GdnGroup {
+            .zip(slots.iter().zip(&replay))
+            .map(|(&(batch, len, verify), (slots, replay))| GdnGroup {
                 batch,
                 len,
                 state: GroupState::Pooled {
                     conv: &conv,
                     recurrent: &rec,
                     slots,
-                    kept,
+                    stash: Some(stash(replay)),
                 },
                 verify,
             })
             .collect();
         let (y, cps) = l.forward_groups_block(&x, &norm, &mut groups)?;
-        let given = cps[1].as_ref().expect("kept");
-        assert_eq!(given.states().id(), kept.states().id());
-        assert_eq!(given.window().id(), kept.window().id());
+        assert!(
+            cps.iter().all(Option::is_none),
+            "pooled verifies keep no checkpoints"
+        );
 
         let own = |s: &Tensor| -> Result<GdnState> {
             GdnState::from_parts(conv0.index_select(s, 0)?, rec0.index_select(s, 0)?, 0)
@@ -1040,48 +1097,67 @@ mod group_tests {
         ];
         let (y_own, cps_own) = l.forward_groups_block(&x, &norm, &mut groups)?;
         assert_eq!(max_diff(&y, &y_own), 0.0);
-        for (state, s) in states.iter().zip(&slots) {
-            assert_eq!(max_diff(&conv.index_select(s, 0)?, state.conv()), 0.0);
-            assert_eq!(max_diff(&rec.index_select(s, 0)?, state.recurrent()), 0.0);
-        }
+        assert_eq!(max_diff(&conv.index_select(&slots[0], 0)?, states[0].conv()), 0.0);
+        assert_eq!(
+            max_diff(&rec.index_select(&slots[0], 0)?, states[0].recurrent()),
+            0.0
+        );
+        assert_eq!(
+            max_diff(&rec.get(2)?, &rec0.get(2)?),
+            0.0,
+            "a verify leaves its row"
+        );
+        assert_eq!(
+            max_diff(&conv.get(2)?, &conv0.get(2)?),
+            0.0,
+            "a verify leaves its row"
+        );
         for untouched in [0, 3] {
             assert_eq!(max_diff(&rec.get(untouched)?, &rec0.get(untouched)?), 0.0);
             assert_eq!(max_diff(&conv.get(untouched)?, &conv0.get(untouched)?), 0.0);
         }
-        assert!(cps[0].is_none() && cps_own[0].is_none());
-        let (a, b) = (cps[1].as_ref().expect("kept"), cps_own[1].as_ref().expect("kept"));
-        for keep in 1..=3 {
-            let (ca, ra) = a.state_after(keep)?;
-            let (cb, rb) = b.state_after(keep)?;
-            assert_eq!(max_diff(&ca, &cb), 0.0, "keep {keep}");
-            assert_eq!(max_diff(&ra, &rb), 0.0, "keep {keep}");
+        let b = cps_own[1].as_ref().expect("kept");
+        for keep in 1..=3u32 {
+            let (cc, rc) = (conv.copy()?, rec.copy()?);
+            let n = Tensor::new(&[keep], &dev)?;
+            let st = PoolStash {
+                conv: &cs,
+                recurrent: &rs,
+                replay: &n,
+            };
+            l.replay_pooled((&cc, &rc, &slots[1]), &st)?;
+            let (cb, rb) = b.state_after(keep as usize)?;
+            assert_eq!(max_diff(&cc.narrow(0, 2, 1)?, &cb), 0.0, "keep {keep}");
+            assert_eq!(max_diff(&rc.narrow(0, 2, 1)?, &rb), 0.0, "keep {keep}");
         }
 
-        let mut prefill = [GdnGroup {
+        let pooled = |verify, stash| GdnGroup {
             batch: 1,
             len: 5,
             state: GroupState::Pooled {
                 conv: &conv,
                 recurrent: &rec,
                 slots: &slots[1],
-                kept: None,
+                stash,
             },
-            verify: false,
-        }];
-        let e = l.forward_groups_block(&x, &norm, &mut prefill).unwrap_err();
+            verify,
+        };
+        let e = l
+            .forward_groups_block(&x, &norm, &mut [pooled(false, None)])
+            .unwrap_err();
         assert!(e.to_string().contains("prefill of 5 tokens"), "{e}");
-        // Buffers for 3 tokens do not take a verify of 5.
-        prefill[0].verify = true;
-        if let GroupState::Pooled { kept: k, .. } = &mut prefill[0].state {
-            *k = Some(&kept);
-        }
-        let e = l.forward_groups_block(&x, &norm, &mut prefill).unwrap_err();
+        let e = l
+            .forward_groups_block(&x, &norm, &mut [pooled(true, None)])
+            .unwrap_err();
+        assert!(e.to_string().contains("needs the pool's stash"), "{e}");
+        let e = l
+            .forward_groups_block(&x, &norm, &mut [pooled(true, Some(stash(&replay[1])))])
+            .unwrap_err();
         assert!(
-            e.to_string().contains("do not fit a verify of 1 sequences of 5"),
+            e.to_string()
+                .contains("a verify of 5 tokens does not fit a stash of 4"),
             "{e}"
         );
-        let bad = VerifyCheckpoints::from_buffers(kept.window().clone(), kept.window().clone());
-        assert!(bad.is_err());
         Ok(())
     }
 }

@@ -12,5 +12,5 @@ mod state;
 
 pub use config::GdnConfig;
 pub use error::{Error, Result};
-pub use layer::{GatedDeltaNet, GdnGroup, GdnWeights, GroupState, VerifyCheckpoints};
+pub use layer::{GatedDeltaNet, GdnGroup, GdnWeights, GroupState, PoolStash, VerifyCheckpoints};
 pub use state::GdnState;

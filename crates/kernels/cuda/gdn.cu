@@ -44,6 +44,17 @@ __device__ __forceinline__ int state_slot(const unsigned* slots, int pool, int b
     return s < (unsigned)pool ? (int)s : -1;
 }
 
+// Deferred commits (a pool's speculative verifies, `stash` non-null): a verify leaves each
+// sequence's state as it was before its tokens and keeps, per block and token, what the update
+// reads (the normalised k row, this tile's v, decay and beta: a record of dk + BV + 2 floats) in
+// the block's own rows of `stash` ([pool, tmax, Hv·tiles, dk + BV + 2]); once the sequence's
+// accepted count is known, the next pass over its slot first applies that many records
+// (`replay[b]`), with the same arithmetic as the pass that made them, so the state after them is
+// the one the accepted tokens left, bit for bit. With `stash_new` the pass keeps its own tokens
+// so (a verify: the state is written once, after the replayed records, and not after its own
+// tokens); otherwise it writes the state after all of them (a decode step, or T = 0: a replay
+// alone). Each block reads and writes only its own records: record j is read at combined token j
+// (< P) and rewritten at P + j, never earlier, so the reads of a pass see the previous pass's.
 template <typename TQ, typename TG, bool FUSED, int ROWS>
 __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
@@ -51,7 +62,8 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                               const float* s0, float* __restrict__ out, float* s_final,
                               float* __restrict__ s_all, int in_place, int T, int Hk, int Hv, int dk, int dv,
-                              float scale, float eps, int sb) {
+                              float scale, float eps, int sb, const unsigned* __restrict__ replay,
+                              float* __restrict__ stash, int tmax, int stash_new) {
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
@@ -75,29 +87,62 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         const int r = w + NW * i;
         s[i] = (init != nullptr && sb >= 0 && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
     }
-    for (int t0 = 0; t0 < T; t0 += TB) {
-        const int nt = min(TB, T - t0);
-        const long bt0 = (long)b * T + t0;
+    // Deferred commits: P stashed tokens run first (no outputs), then the T new ones.
+    const bool deferred = stash != nullptr && sb >= 0;
+    const int P = deferred && replay != nullptr ? (int)replay[b] : 0;
+    const int rec = dk + BV + 2;
+    // Record t of this block: the slot's token t, this (value head, tile).
+    auto record = [&](int t) { return stash + (((long)sb * tmax + t) * Hv * tiles + hv * tiles + tile) * rec; };
+    auto write_state = [&]() {
+        if (col_ok && sb >= 0) {
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) {
+                const int r = w + NW * i;
+                if (r < dk) s_final[head + (long)r * dv + j] = s[i];
+            }
+        }
+    };
+    const int total = P + T;
+    for (int t0 = 0; t0 < total; t0 += TB) {
+        const int nt = min(TB, total - t0);
+        // Staged token tt is combined token t0 + tt: a stashed record below P, else new token
+        // t0 + tt - P (row b*T + that).
         for (int e = threadIdx.x; e < nt * dk; e += blockDim.x) {
-            const int tt = e / dk, r = e % dk;
-            sq[tt][r] = to_f(q[(bt0 + tt) * qk_stride + hk * dk + r]);
-            sk[tt][r] = to_f(k[(bt0 + tt) * qk_stride + hk * dk + r]);
+            const int tt = e / dk, r = e % dk, gt = t0 + tt;
+            if (gt < P) {
+                sq[tt][r] = 0.f;
+                sk[tt][r] = record(gt)[r];
+            } else {
+                const long bt = (long)b * T + gt - P;
+                sq[tt][r] = to_f(q[bt * qk_stride + hk * dk + r]);
+                sk[tt][r] = to_f(k[bt * qk_stride + hk * dk + r]);
+            }
         }
         for (int e = threadIdx.x; e < nt * BV; e += blockDim.x) {
-            const int tt = e / BV, jj = tile * BV + e % BV;
-            sv[tt][e % BV] = jj < dv ? to_f(v[(bt0 + tt) * v_stride + (long)hv * dv + jj]) : 0.f;
+            const int tt = e / BV, jj = tile * BV + e % BV, gt = t0 + tt;
+            if (gt < P)
+                sv[tt][e % BV] = record(gt)[dk + e % BV];
+            else
+                sv[tt][e % BV] = jj < dv ? to_f(v[((long)b * T + gt - P) * v_stride + (long)hv * dv + jj]) : 0.f;
         }
         if (threadIdx.x < nt) {
-            const long bt = bt0 + threadIdx.x;
-            const float a = to_f(ga[bt * g_stride + hv]), bb = to_f(gb[bt * g_stride + hv]);
-            coef[threadIdx.x][0] = FUSED ? expf(-expf(a_log[hv]) * softplus(a + dt_bias[hv])) : expf(a);
-            coef[threadIdx.x][1] = FUSED ? 1.f / (1.f + expf(-bb)) : bb;
+            const int gt = t0 + threadIdx.x;
+            if (gt < P) {
+                coef[threadIdx.x][0] = record(gt)[dk + BV];
+                coef[threadIdx.x][1] = record(gt)[dk + BV + 1];
+            } else {
+                const long bt = (long)b * T + gt - P;
+                const float a = to_f(ga[bt * g_stride + hv]), bb = to_f(gb[bt * g_stride + hv]);
+                coef[threadIdx.x][0] = FUSED ? expf(-expf(a_log[hv]) * softplus(a + dt_bias[hv])) : expf(a);
+                coef[threadIdx.x][1] = FUSED ? 1.f / (1.f + expf(-bb)) : bb;
+            }
         }
         __syncthreads();
-        // Warp w finds the q and k scales of tokens w, w + NW, ...
+        // Warp w finds the q and k scales of tokens w, w + NW, ... (a record's k is normalised).
         for (int tt = w; tt < nt; tt += NW) {
+            const bool stashed = t0 + tt < P;
             float pq = 0.f, pk = 0.f;
-            if (FUSED) {
+            if (FUSED && !stashed) {
                 for (int r = lane; r < dk; r += 32) {
                     pq += sq[tt][r] * sq[tt][r];
                     pk += sk[tt][r] * sk[tt][r];
@@ -106,12 +151,28 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                 pk = warp_sum(pk);
             }
             if (lane == 0) {
-                coef[tt][2] = FUSED ? scale / sqrtf(pq + eps) : scale;
-                coef[tt][3] = FUSED ? 1.f / sqrtf(pk + eps) : 1.f;
+                coef[tt][2] = FUSED && !stashed ? scale / sqrtf(pq + eps) : scale;
+                coef[tt][3] = FUSED && !stashed ? 1.f / sqrtf(pk + eps) : 1.f;
             }
         }
         __syncthreads();
+        // A verify keeps its new tokens' records (after this group's reads of older ones).
+        if (deferred && stash_new) {
+            for (int e = threadIdx.x; e < nt * rec; e += blockDim.x) {
+                const int tt = e / rec, x = e % rec, gt = t0 + tt;
+                if (gt < P) continue;
+                float val;
+                if (x < dk)
+                    val = sk[tt][x] * coef[tt][3];
+                else if (x < dk + BV)
+                    val = sv[tt][x - dk];
+                else
+                    val = coef[tt][x - dk - BV == 0 ? 0 : 1];
+                record(gt - P)[x] = val;
+            }
+        }
         for (int tt = 0; tt < nt; tt++) {
+            const int gt = t0 + tt;
             const float decay = coef[tt][0], beta = coef[tt][1], iq = coef[tt][2], ik = coef[tt][3];
             float m = 0.f;
 #pragma unroll
@@ -140,7 +201,12 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
             red_o[w][lane] = o;
             // Also orders this token's reads of red_m before the next token's writes.
             __syncthreads();
-            const long bt = bt0 + tt;
+            if (gt < P) {
+                // The last replayed token of a verify: the state its commit keeps.
+                if (stash_new && gt == P - 1) write_state();
+                continue;
+            }
+            const long bt = (long)b * T + gt - P;
             if (w == 0 && col_ok) {
                 float ot = 0.f;
 #pragma unroll
@@ -160,13 +226,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         }
         __syncthreads();  // before the next group overwrites the staged inputs
     }
-    if (col_ok && sb >= 0) {
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const int r = w + NW * i;
-            if (r < dk) s_final[head + (long)r * dv + j] = s[i];
-        }
-    }
+    if (!(deferred && stash_new)) write_state();
 }
 
 #define GDN_KERNEL(NAME, TQ, TG, FUSED, ROWS, MINB)                                                            \
@@ -175,14 +235,15 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
              long g_stride,                                                                                    \
              const float* a_log, const float* dt_bias, const float* s0, float* out, float* s_final,          \
              float* s_all, int in_place, int T, int Hk, int Hv, int dk, int dv, float scale, float eps,          \
-             const unsigned* slots, int pool) {                                                                \
+             const unsigned* slots, int pool, const unsigned* replay, float* stash, int tmax, int stash_new) { \
         pdl_launch_dependents();                                                                               \
         const int tiles_ = (dv + BV - 1) / BV;                                                                 \
         const int sb = state_slot(slots, pool, blockIdx.x / tiles_ / Hv);                                      \
         gdn_prefetch_state(in_place ? s_final : s0, Hv, dk, dv, sb);                                          \
         pdl_wait();                                                                                            \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
-                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps, sb);      \
+                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps, sb, replay, \
+                                           stash, tmax, stash_new);                                            \
     }
 
 #define GDN_ROWS(NAME, TQ, TG, FUSED) \
@@ -276,10 +337,16 @@ __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w
 // win_out (optional, [B, C, K-1+Tn]): the raw window concat(state before, x) a speculative verify
 // keeps for its commit. slots (optional, [B] of a pool of `pool` states): sequence b's state is
 // row slots[b] of st, so a batch runs over a state pool with no gather or scatter.
+// Deferred commits (stash non-null, [pool, tmax, C]: a slot's raw inputs of its last verify, as
+// gdn_recurrent's records): the window first takes the replay[b] stashed inputs of the slot; with
+// stash_new (a verify) the window after them is the state kept and the Tn new inputs replace the
+// stash (each thread reads its channel's stashed inputs before it writes them), otherwise the
+// state is the window after the new inputs too.
 template <typename T>
 __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict__ w, T* __restrict__ y,
                            T* __restrict__ st, T* __restrict__ win_out, int B, int Tn, int C, int K,
-                           const unsigned* __restrict__ slots, int pool) {
+                           const unsigned* __restrict__ slots, int pool, const unsigned* __restrict__ replay,
+                           T* __restrict__ stash, int tmax, int stash_new) {
     const long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (idx >= (long)B * C) return;
     const int b = idx / C, c = idx % C, H = K - 1;
@@ -294,14 +361,29 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
         win[j] = j < H ? to_f(held) : 0.f;
         if (wo != nullptr && j < H) wo[j] = held;
     }
+    const bool deferred = stash != nullptr && sb >= 0;
+    const int P = deferred && replay != nullptr ? (int)replay[b] : 0;
+    T* own = deferred ? stash + (long)sb * tmax * C + c : nullptr;  // stashed input t: own[t * C]
+    auto write_state = [&]() {
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (j < H && sb >= 0) st[((long)sb * C + c) * H + j] = from_f<T>(win[j]);
+    };
+    for (int t = 0; t < P; t++) {
+        const float xt = to_f(own[(long)t * C]);
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (j + 1 < H) win[j] = win[j + 1];
+            else if (j + 1 == H) win[j] = xt;
+    }
+    if (deferred && stash_new && P > 0) write_state();
     for (int t = 0; t < Tn; t++) {
         const long row = (long)b * Tn + t;
         if (wo != nullptr) wo[H + t] = x[row * xs + c];
+        if (deferred && stash_new) own[(long)t * C] = x[row * xs + c];
         y[row * C + c] = from_f<T>(conv_step(wt, win, to_f(x[row * xs + c]), K));
     }
-#pragma unroll
-    for (int j = 0; j < 7; j++)
-        if (j < H && sb >= 0) st[((long)sb * C + c) * H + j] = from_f<T>(win[j]);
+    if (!(deferred && stash_new)) write_state();
 }
 
 #define CONV_KERNEL(NAME, T)                                                                                  \
@@ -310,9 +392,10 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
         conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
     }                                                                                                         \
     extern "C" __global__ void NAME##_in_place(const T* x, long xs, const T* w, T* y, T* st, T* win, int B,   \
-                                               int Tn, int C, int K, const unsigned* slots, int pool) {        \
+                                               int Tn, int C, int K, const unsigned* slots, int pool,         \
+                                               const unsigned* replay, T* stash, int tmax, int stash_new) {   \
         pdl_enter();                                                                                          \
-        conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K, slots, pool);                                       \
+        conv1d_seq<T>(x, xs, w, y, st, win, B, Tn, C, K, slots, pool, replay, stash, tmax, stash_new);       \
     }
 CONV_KERNEL(conv1d_f32, float)
 CONV_KERNEL(conv1d_bf16, __nv_bfloat16)

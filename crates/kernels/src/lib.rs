@@ -57,6 +57,92 @@ pub(crate) mod consts {
     );
 }
 
+/// A pass over pooled states with deferred commits (the serving engine's decode steps and
+/// speculative verifies): a verify leaves each sequence's state as it was before its tokens and
+/// keeps what its tokens' updates need in the pool's `stash`; when the sequence's accepted count
+/// is known, the next pass over its slot first applies that many stashed tokens (`replay`), with
+/// the arithmetic of the pass that stashed them, so the state after them is bit for bit the one
+/// those tokens left. No state per token is ever written (a verify writes the state at most
+/// once), and committing is bookkeeping. Each op makes its own stash (`conv1d::new_stash`,
+/// `delta_rule::new_stash`: `[pool, tokens, ...]`, its layout the backend's).
+#[derive(Debug, Clone, Copy)]
+pub struct Deferred<'a> {
+    /// u32 `[batch]`: each sequence's state row in the pool (distinct).
+    pub slots: &'a candle_core::Tensor,
+    /// u32 `[batch]`: the stashed tokens each sequence applies first (at most the stash's
+    /// `tokens`, and what the slot's last verify stashed).
+    pub replay: &'a candle_core::Tensor,
+    /// The op's stash for the whole pool.
+    pub stash: &'a candle_core::Tensor,
+    /// A verify: the state is left as it is after the replayed tokens and this pass's tokens
+    /// replace the slot's stash. Otherwise (a decode step) the state advances over them too.
+    pub verify: bool,
+}
+
+impl Deferred<'_> {
+    /// Checks the tables against a batch of `batch` sequences over a pool of `pool` rows and a
+    /// pass of `tokens` new tokens; returns the stash's tokens per slot.
+    pub(crate) fn check(&self, op: &'static str, batch: usize, pool: usize, tokens: usize) -> Result<usize> {
+        expect_slots(op, self.slots, batch, pool)?;
+        if self.replay.dtype() != candle_core::DType::U32 || self.replay.dims() != [batch] {
+            return Err(Error::Shape {
+                op,
+                msg: format!(
+                    "replay must be u32 [{batch}], found {:?} {:?}",
+                    self.replay.dtype(),
+                    self.replay.dims()
+                ),
+            });
+        }
+        let dims = self.stash.dims();
+        if dims.len() < 3 || dims[0] != pool || !self.stash.is_contiguous() {
+            return Err(Error::Shape {
+                op,
+                msg: format!("the stash must be a contiguous [{pool}, tokens, ...], found {dims:?}"),
+            });
+        }
+        let held = dims[1];
+        if self.verify && tokens > held {
+            return Err(Error::Shape {
+                op,
+                msg: format!("a verify of {tokens} tokens does not fit a stash of {held}"),
+            });
+        }
+        if !self.replay.device().is_cuda() {
+            let replay = self.replay.to_vec1::<u32>()?;
+            if let Some(&r) = replay.iter().find(|&&r| r as usize > held) {
+                return Err(Error::Shape {
+                    op,
+                    msg: format!("cannot replay {r} tokens from a stash of {held}"),
+                });
+            }
+        }
+        Ok(held)
+    }
+
+    /// The replay counts on the host (the CPU forms).
+    pub(crate) fn host_replay(&self) -> Result<Vec<u32>> {
+        Ok(self.replay.to_vec1::<u32>()?)
+    }
+}
+
+/// Writes `rows: [len, ...]` as the first `len` tokens of slot `slot`'s stash (`[pool, tokens,
+/// ...]`), keeping the rest of the row.
+pub(crate) fn stash_tokens(stash: &candle_core::Tensor, slot: u32, rows: &candle_core::Tensor) -> Result<()> {
+    let s = slot as usize;
+    let held = stash.dim(1)?;
+    let len = rows.dim(0)?;
+    let row = stash.narrow(0, s, 1)?.squeeze(0)?;
+    let rows = rows.to_dtype(stash.dtype())?;
+    let new = if len < held {
+        candle_core::Tensor::cat(&[&rows, &row.narrow(0, len, held - len)?], 0)?
+    } else {
+        rows
+    };
+    stash.slice_set(&new.unsqueeze(0)?.contiguous()?, 0, s)?;
+    Ok(())
+}
+
 /// Checks that `t` has exactly `want` dims; names the op and the argument otherwise.
 pub(crate) fn expect_rank(
     op: &'static str,

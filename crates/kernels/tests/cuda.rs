@@ -1229,6 +1229,189 @@ fn pooled_in_place_states_equal_gathered_ones() {
     }
 }
 
+/// Deferred commits over a state pool (what the engine runs): a verify gives bit for bit the
+/// in-place kernels' outputs and leaves the slots' rows; the next pass, replaying `n` of each
+/// slot's stashed tokens, gives bit for bit what a pass from the verify's state after `n` tokens
+/// gives (so a verified token's state is a decode step's), and a replay alone leaves exactly that
+/// state; a slot past the pool (a graph's padding row) runs from zeros and writes nothing.
+#[test]
+fn pooled_deferred_commits_replay_exactly() {
+    use qwen36_kernels::conv1d::{causal_conv1d_in_place, causal_conv1d_pooled, new_stash as conv_stash};
+    use qwen36_kernels::delta_rule::{
+        fused_gated_delta_rule_in_place, fused_gated_delta_rule_pooled, new_stash, replay_pooled,
+    };
+    use qwen36_kernels::Deferred;
+    let d = gpu();
+    let (b, hk, hv, dk, dv, pool, t) = (3, 2, 4, 128, 128, 7, 4);
+    let heads = GdnHeads {
+        k_heads: hk,
+        v_heads: hv,
+        k_dim: dk,
+        v_dim: dv,
+    };
+    let width = 2 * hk * dk + hv * dv;
+    let a_log = qwen36_testutil::rand_uniform(537, 0f32, 2.5, hv, &d).unwrap();
+    let dt_bias = (qwen36_testutil::rand_uniform(538, 0f32, 1.0, hv, &d).unwrap() - 3.0).unwrap();
+    let layer = GdnParams::new(&a_log, &dt_bias, heads);
+    let slots = Tensor::new(&[5u32, 0, 3], &d).unwrap();
+    let u32s = |v: &[u32]| Tensor::new(v, &d).unwrap();
+    let keep = [1u32, 4, 2];
+    for dtype in [DType::F32, DType::BF16] {
+        let inputs = |t| {
+            let proj = randn(1.0, (b, t, width + 2 * hv), dtype).to_device(&d).unwrap();
+            let qkv = proj.narrow(2, 0, width).unwrap().contiguous().unwrap();
+            let (ga, gb) = (
+                proj.narrow(2, width, hv).unwrap(),
+                proj.narrow(2, width + hv, hv).unwrap(),
+            );
+            (qkv, ga, gb)
+        };
+        let (qkv, ga, gb) = inputs(t);
+        let pool0 = qwen36_testutil::randn(539, 0.5, (pool, hv, dk, dv), &d).unwrap();
+        let own = pool0.index_select(&slots, 0).unwrap();
+        let all = Tensor::zeros((b, t, hv, dk, dv), DType::F32, &d).unwrap();
+        let want = fused_gated_delta_rule_in_place(&qkv, &ga, &gb, layer, &own, None, Some(&all), P).unwrap();
+        let states = pool0.copy().unwrap();
+        let stash = new_stash(&states, 8, heads, dtype).unwrap();
+        let pass = |qkv: &Tensor, ga: &Tensor, gb: &Tensor, slots: &Tensor, replay: &[u32], verify: bool| {
+            let replay = u32s(replay);
+            let deferred = Deferred {
+                slots,
+                replay: &replay,
+                stash: &stash,
+                verify,
+            };
+            fused_gated_delta_rule_pooled(qkv, ga, gb, layer, &states, &deferred, P).unwrap()
+        };
+        let out = pass(&qkv, &ga, &gb, &slots, &[0, 0, 0], true);
+        assert_eq!(max_diff(&out, &want.out), 0.0, "{dtype:?}: the verify's outputs");
+        assert_eq!(
+            max_diff(&states, &pool0),
+            0.0,
+            "{dtype:?}: a verify leaves the rows"
+        );
+        // A decode token after keeping 1, 4 and 2 of the verified tokens.
+        let (qkv1, ga1, gb1) = inputs(1);
+        let out1 = pass(&qkv1, &ga1, &gb1, &slots, &keep, false);
+        for (i, (&k, slot)) in keep.iter().zip([5usize, 0, 3]).enumerate() {
+            let after = all
+                .get(i)
+                .unwrap()
+                .get(k as usize - 1)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .copy()
+                .unwrap();
+            let row = |x: &Tensor| x.narrow(0, i, 1).unwrap();
+            let r = fused_gated_delta_rule_in_place(
+                &row(&qkv1),
+                &row(&ga1),
+                &row(&gb1),
+                layer,
+                &after,
+                None,
+                None,
+                P,
+            )
+            .unwrap();
+            assert_eq!(max_diff(&row(&out1), &r.out), 0.0, "{dtype:?} row {i}: output");
+            assert_eq!(
+                max_diff(&states.get(slot).unwrap(), &after.get(0).unwrap()),
+                0.0,
+                "{dtype:?} slot {slot}"
+            );
+        }
+        for row in [1, 2, 4, 6] {
+            assert_eq!(max_diff(&states.get(row).unwrap(), &pool0.get(row).unwrap()), 0.0);
+        }
+        // A verify, then a replay alone of each slot's first tokens; a padding row (slot 9).
+        let before = states.index_select(&slots, 0).unwrap();
+        let all2 = Tensor::zeros((b, t, hv, dk, dv), DType::F32, &d).unwrap();
+        fused_gated_delta_rule_in_place(&qkv, &ga, &gb, layer, &before, None, Some(&all2), P).unwrap();
+        pass(&qkv, &ga, &gb, &slots, &[0, 0, 0], true);
+        replay_pooled(layer, &states, &stash, &slots, &u32s(&keep), P).unwrap();
+        for (i, (&k, slot)) in keep.iter().zip([5usize, 0, 3]).enumerate() {
+            let want = all2.get(i).unwrap().get(k as usize - 1).unwrap();
+            assert_eq!(
+                max_diff(&states.get(slot).unwrap(), &want),
+                0.0,
+                "{dtype:?} replay, slot {slot}"
+            );
+        }
+        let kept = states.copy().unwrap();
+        let padded = u32s(&[5, 9, 3]);
+        let out_pad = pass(&qkv1, &ga1, &gb1, &padded, &[0, 0, 0], true);
+        let zero = own.narrow(0, 0, 1).unwrap().zeros_like().unwrap();
+        let row = |x: &Tensor| x.narrow(0, 1, 1).unwrap();
+        let fresh =
+            fused_gated_delta_rule_in_place(&row(&qkv1), &row(&ga1), &row(&gb1), layer, &zero, None, None, P)
+                .unwrap();
+        assert_eq!(
+            max_diff(&row(&out_pad), &fresh.out),
+            0.0,
+            "{dtype:?}: a padding row"
+        );
+        assert_eq!(
+            max_diff(&states, &kept),
+            0.0,
+            "{dtype:?}: a verify with nothing to replay writes nothing"
+        );
+
+        // The conv: the same passes against the in-place kernel with its window.
+        let (c, kw) = (200, 4);
+        let x = randn(1.0, (b, t, c + 60), dtype).to_device(&d).unwrap();
+        let x = x.narrow(2, 40, c).unwrap();
+        let w = randn(0.5, (c, 1, kw), dtype).to_device(&d).unwrap();
+        let cpool0 = randn(1.0, (pool, c, kw - 1), dtype).to_device(&d).unwrap();
+        let cown = cpool0.index_select(&slots, 0).unwrap();
+        let win = Tensor::zeros((b, c, kw - 1 + t), dtype, &d).unwrap();
+        let y_want = causal_conv1d_in_place(&x, &w, &cown, None, Some(&win), P).unwrap();
+        let cpool = cpool0.copy().unwrap();
+        let cstash = conv_stash(&cpool, 8).unwrap();
+        let conv = |x: &Tensor, replay: &[u32], verify: bool| {
+            let replay = u32s(replay);
+            let deferred = Deferred {
+                slots: &slots,
+                replay: &replay,
+                stash: &cstash,
+                verify,
+            };
+            causal_conv1d_pooled(x, &w, &cpool, &deferred, P).unwrap()
+        };
+        assert_eq!(
+            max_diff(&conv(&x, &[0, 0, 0], true), &y_want),
+            0.0,
+            "conv {dtype:?}: the verify"
+        );
+        assert_eq!(max_diff(&cpool, &cpool0), 0.0);
+        let x1 = randn(1.0, (b, 1, c), dtype).to_device(&d).unwrap();
+        let y1 = conv(&x1, &keep, false);
+        for (i, (&k, slot)) in keep.iter().zip([5usize, 0, 3]).enumerate() {
+            let after = win
+                .get(i)
+                .unwrap()
+                .narrow(1, k as usize, kw - 1)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let y = causal_conv1d_in_place(&x1.narrow(0, i, 1).unwrap(), &w, &after, None, None, P).unwrap();
+            assert_eq!(
+                max_diff(&y1.narrow(0, i, 1).unwrap(), &y),
+                0.0,
+                "conv {dtype:?} row {i}"
+            );
+            assert_eq!(
+                max_diff(&cpool.get(slot).unwrap(), &after.get(0).unwrap()),
+                0.0,
+                "conv {dtype:?} slot {slot}"
+            );
+        }
+    }
+}
+
 /// The paged decode kernels (tensor cores for bf16 at head dims 64/128/256, in tiles of 16 rows;
 /// the split-K kernel for f32) against the CPU reference: sequences of different lengths in
 /// shuffled blocks, one past 64 tiles (several tiles per split), gated or not; the tolerances of

@@ -19,12 +19,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
-use candle_core::{DType, Device, Tensor, TensorId};
+use candle_core::{Device, Tensor, TensorId};
 use qwen36_gdn::{GdnState, VerifyCheckpoints};
 
 use crate::attention::{AttnPart, AttnStep};
 use crate::model::{FlatGroup, FlatInputs};
-use crate::paged::{LayerCheckpoints, PagedLayer};
+use crate::paged::PagedLayer;
 use crate::{
     BatchOutput, Cache, DraftVocab, Error, ForwardBatch, LayerCache, MtpCache, MtpHead, PagedCache,
     Qwen36Model, Result,
@@ -467,9 +467,9 @@ impl DraftGraph {
 /// one token or all verify the same number, and of MTP draft steps: one graph per kind of step
 /// (the target's layers, or a draft step of one head layer), bucket of [`crate::BATCH_BUCKETS`]
 /// (at most the pool's slots), tokens per sequence, verify or not and block-table width (a power
-/// of two), bound to one [`PagedCache`] (its pools). Their inputs (token
-/// ids, RoPE rows, slots, KV rows, block tables, lengths) are device buffers rewritten before each
-/// replay; a verify's checkpoints go to buffers shared by every verify graph.
+/// of two), bound to one [`PagedCache`] (its pools and stashes). Their inputs (token ids, RoPE
+/// rows, slots, replay counts, KV rows, block tables, lengths) are device buffers rewritten
+/// before each replay.
 pub struct BatchGraph {
     stream: Arc<CudaStream>,
     device: Device,
@@ -478,9 +478,6 @@ pub struct BatchGraph {
     steps: Vec<BatchStep>,
     /// The pool tensors the graphs were recorded with.
     bound_to: Vec<TensorId>,
-    /// Per layer (GDN layers only): the flat storage of the verify checkpoints (f32 states, conv
-    /// windows) that every verify graph's checkpoints are leading views of.
-    kept: Vec<Option<(Tensor, Tensor)>>,
     /// Shapes whose recording failed: they run eagerly.
     refused: Vec<StepKey>,
     /// The thread that recorded the graphs (whose cache of uploaded launch parameters they read).
@@ -531,7 +528,6 @@ struct BatchStep {
     flat: FlatInputs,
     /// A draft step's input states `[seqs · len, hidden]`.
     hidden: Option<Tensor>,
-    kept: Vec<Option<VerifyCheckpoints>>,
     outputs: Vec<Tensor>,
     graph: SendGraph,
 }
@@ -549,6 +545,7 @@ impl BatchStep {
         }
         for (dst, src) in a.groups.iter().zip(&b.groups) {
             dst.slots.slice_set(&src.slots, 0, 0)?;
+            dst.replay.slice_set(&src.replay, 0, 0)?;
         }
         for (dst, src) in a.attn.iter().zip(&b.attn) {
             if let (
@@ -584,7 +581,6 @@ impl BatchGraph {
             table_blocks,
             steps: Vec::new(),
             bound_to: Vec::new(),
-            kept: Vec::new(),
             refused: Vec::new(),
             thread: std::thread::current().id(),
             recordings: 0,
@@ -592,7 +588,7 @@ impl BatchGraph {
         })
     }
 
-    /// Graphs recorded so far, re-recordings (another pool, grown checkpoint buffers) included.
+    /// Graphs recorded so far, re-recordings (another pool, grown stashes) included.
     pub fn recordings(&self) -> usize {
         self.recordings
     }
@@ -605,9 +601,7 @@ impl BatchGraph {
     /// [`Qwen36Model::forward_batch`], replayed from a graph when every chunk decodes one token or
     /// verifies as many as the others (none at position 0, with the paged decode kernel, at most
     /// the largest bucket of sequences); recorded on first use of its shape. Anything else runs
-    /// eagerly. The results are the eager forward's for the same padded batch; a replayed verify's
-    /// checkpoints are the graphs' shared buffers, which the next verify overwrites: commit
-    /// before the next forward.
+    /// eagerly. The results are the eager forward's for the same padded batch.
     pub(crate) fn forward(
         &mut self,
         model: &Qwen36Model,
@@ -618,6 +612,7 @@ impl BatchGraph {
             return model.forward_batch(batch, cache);
         };
         model.check_batch(batch, cache)?;
+        model.prepare_batch(batch, cache)?;
         let key = self.key(StepKind::Target, batch, cache, (seqs, len, verify));
         let seqs = key.seqs;
         let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
@@ -626,13 +621,13 @@ impl BatchGraph {
             flat,
             hidden: None,
         };
-        let (outputs, layers) = self.run(key, inputs, cache, |x, kept| {
-            let (h, layers) = model.run_flat(&x.ids, &x.flat, cache, kept)?;
-            Ok((vec![h], layers))
+        let outputs = self.run(key, inputs, cache, |x| {
+            Ok(vec![model.run_flat(&x.ids, &x.flat, cache)?])
         })?;
+        cache.passed(batch);
         Ok(BatchOutput {
             hidden: outputs[0].narrow(0, 0, batch.total_rows())?,
-            pending: batch.pending(layers),
+            pending: batch.pending(),
         })
     }
 
@@ -681,7 +676,7 @@ impl BatchGraph {
             flat,
             hidden: Some(padded),
         };
-        let (outputs, _) = self.run(key, inputs, cache, |x, _| {
+        let outputs = self.run(key, inputs, cache, |x| {
             let h = x.hidden.as_ref().expect("a draft step's input states");
             let states = head.forward_flat(model, h, &x.ids, &x.flat, cache, step)?;
             // Each sequence's last row (its rows are consecutive).
@@ -691,7 +686,7 @@ impl BatchGraph {
                 .squeeze(1)?
                 .contiguous()?;
             let tokens = crate::stepper::draft_ids(model, &last, vocab)?;
-            Ok((vec![last, tokens], vec![None; cache.layers.len()]))
+            Ok(vec![last, tokens])
         })?;
         let n = rows / len;
         Ok((outputs[0].narrow(0, 0, n)?, outputs[1].narrow(0, 0, n)?))
@@ -729,14 +724,14 @@ impl BatchGraph {
 
     /// Runs the step `key` on `inputs`: replays its graph (the inputs copied into its buffers),
     /// or runs `run` eagerly and records it for the next step of this shape. Returns `run`'s
-    /// outputs (copies on a replay: the next replay overwrites the graph's) and its checkpoints.
+    /// outputs (copies on a replay: the next replay overwrites the graph's).
     fn run(
         &mut self,
         key: StepKey,
         inputs: StepInputs,
         cache: &PagedCache,
-        run: impl Fn(&StepInputs, &[Option<VerifyCheckpoints>]) -> Result<(Vec<Tensor>, LayerCheckpoints)>,
-    ) -> Result<(Vec<Tensor>, LayerCheckpoints)> {
+        run: impl Fn(&StepInputs) -> Result<Vec<Tensor>>,
+    ) -> Result<Vec<Tensor>> {
         if self.thread != std::thread::current().id() {
             // Graphs read the launch parameters in the recording thread's cache: record anew.
             self.steps.clear();
@@ -746,34 +741,24 @@ impl BatchGraph {
             step.write_from(&inputs.ids, &inputs.flat, inputs.hidden.as_ref())?;
             step.graph.0.launch().map_err(candle_core::Error::wrap)?;
             self.replays += 1;
-            let layers = step
-                .kept
-                .iter()
-                .map(|k| k.as_ref().map(|cp| vec![Some(cp.clone())]))
-                .collect();
-            let outputs = step
+            return Ok(step
                 .outputs
                 .iter()
                 .map(Tensor::copy)
-                .collect::<candle_core::Result<_>>()?;
-            return Ok((outputs, layers));
+                .collect::<candle_core::Result<_>>()?);
         }
         if self.refused.contains(&key) {
-            return run(&inputs, &vec![None; cache.layers.len()]);
+            return run(&inputs);
         }
-        let kept = if key.verify {
-            self.checkpoint_buffers(cache, key.seqs, key.len)?
-        } else {
-            vec![None; cache.layers.len()]
-        };
+        let _ = cache;
         let cuda = self.device.as_cuda_device()?;
         let htod_cache = cuda.enable_cuda_graph_htod_cache();
         // The step runs eagerly once (which also fills candle's cache of uploaded launch
         // parameters, which a capture may only read from); the capture records the same work
         // from the same buffers for the next steps of this shape, running nothing.
-        let eager = run(&inputs, &kept);
+        let eager = run(&inputs);
         let recorded = match &eager {
-            Ok((outs, _)) => {
+            Ok(outs) => {
                 // Outputs live outside the graph, so their addresses stay valid between replays.
                 let buffers = outs
                     .iter()
@@ -781,7 +766,7 @@ impl BatchGraph {
                     .collect::<candle_core::Result<Vec<_>>>();
                 Some(buffers.map_err(Error::from).and_then(|buffers| {
                     let graph = capture(&self.stream, || {
-                        let (outs, _) = run(&inputs, &kept)?;
+                        let outs = run(&inputs)?;
                         for (dst, src) in buffers.iter().zip(&outs) {
                             dst.slice_set(src, 0, 0)?;
                         }
@@ -806,7 +791,6 @@ impl BatchGraph {
                 ids: inputs.ids,
                 flat: inputs.flat,
                 hidden: inputs.hidden,
-                kept,
                 outputs,
                 graph: SendGraph(graph),
             });
@@ -814,107 +798,29 @@ impl BatchGraph {
         Ok(out)
     }
 
-    /// Drops the graphs when they were recorded with other pools.
+    /// Drops the graphs when they were recorded with other pools or stashes.
     fn bind(&mut self, cache: &PagedCache) {
         let ids: Vec<TensorId> = cache
             .layers
             .iter()
             .flat_map(|l| match l {
-                PagedLayer::Gdn { conv, recurrent } => [conv.id(), recurrent.id()],
-                PagedLayer::Attention { k, v } => [k.id(), v.id()],
+                PagedLayer::Gdn {
+                    conv,
+                    recurrent,
+                    stash,
+                    ..
+                } => {
+                    let mut ids = vec![conv.id(), recurrent.id()];
+                    ids.extend(stash.iter().flat_map(|(c, r)| [c.id(), r.id()]));
+                    ids
+                }
+                PagedLayer::Attention { k, v } => vec![k.id(), v.id()],
             })
             .collect();
         if ids != self.bound_to {
             self.steps.clear();
-            self.kept.clear();
             self.bound_to = ids;
         }
-    }
-
-    /// Per layer, the checkpoint buffers of a verify of `seqs` sequences of `len` tokens: leading
-    /// views of the shared storage, grown (dropping the graphs that read the old one) when short.
-    fn checkpoint_buffers(
-        &mut self,
-        cache: &PagedCache,
-        seqs: usize,
-        len: usize,
-    ) -> Result<Vec<Option<VerifyCheckpoints>>> {
-        // Per GDN layer: the state `(Hv, dk, dv)` and the conv window `(conv_dim, K-1)`.
-        type Shape = ((usize, usize, usize), (usize, usize));
-        let shapes: Vec<Option<Shape>> = cache
-            .layers
-            .iter()
-            .map(|l| match l {
-                PagedLayer::Gdn { conv, recurrent } => {
-                    let (_, hv, dk, dv) = recurrent.dims4()?;
-                    let (_, cd, hist) = conv.dims3()?;
-                    Ok(Some(((hv, dk, dv), (cd, hist))))
-                }
-                PagedLayer::Attention { .. } => Ok(None),
-            })
-            .collect::<Result<_>>()?;
-        let need =
-            |&((hv, dk, dv), (cd, hist)): &Shape| (seqs * len * hv * dk * dv, seqs * cd * (hist + len));
-        let short = self.kept.len() != shapes.len()
-            || shapes
-                .iter()
-                .zip(&self.kept)
-                .any(|(shape, kept)| match (shape, kept) {
-                    (Some(shape), Some((s, w))) => {
-                        let (ns, nw) = need(shape);
-                        s.elem_count() < ns || w.elem_count() < nw
-                    }
-                    (None, None) => false,
-                    _ => true,
-                });
-        if short {
-            // Graphs recorded with the old buffers would write where nothing reads.
-            self.steps.retain(|s| !s.key.verify);
-            // Room for the largest verify seen so far, this one included; the old storage is
-            // let go before the new is made (freed then unless a pending commit still holds it).
-            let sizes: Vec<Option<(usize, usize, DType)>> = shapes
-                .iter()
-                .zip(&cache.layers)
-                .enumerate()
-                .map(|(l, (shape, layer))| {
-                    let (Some(shape), PagedLayer::Gdn { conv, .. }) = (shape, layer) else {
-                        return None;
-                    };
-                    let (mut ns, mut nw) = need(shape);
-                    if let Some(Some((s, w))) = self.kept.get(l) {
-                        (ns, nw) = (ns.max(s.elem_count()), nw.max(w.elem_count()));
-                    }
-                    Some((ns, nw, conv.dtype()))
-                })
-                .collect();
-            self.kept.clear();
-            self.kept = sizes
-                .into_iter()
-                .map(|size| {
-                    let Some((ns, nw, dtype)) = size else {
-                        return Ok(None);
-                    };
-                    Ok(Some((
-                        Tensor::zeros(ns, DType::F32, &self.device)?,
-                        Tensor::zeros(nw, dtype, &self.device)?,
-                    )))
-                })
-                .collect::<Result<_>>()?;
-        }
-        shapes
-            .iter()
-            .zip(&self.kept)
-            .map(|(shape, kept)| match (shape, kept) {
-                (Some(shape), Some((s, w))) => {
-                    let ((hv, dk, dv), (cd, hist)) = *shape;
-                    let (ns, nw) = need(shape);
-                    let states = s.narrow(0, 0, ns)?.reshape((seqs, len, hv, dk, dv))?;
-                    let window = w.narrow(0, 0, nw)?.reshape((seqs, cd, hist + len))?;
-                    Ok(Some(VerifyCheckpoints::from_buffers(states, window)?))
-                }
-                _ => Ok(None),
-            })
-            .collect()
     }
 }
 
@@ -951,6 +857,7 @@ fn padded_inputs(
     let mut tables = vec![0u32; seqs * width];
     let mut lens = vec![0u32; seqs];
     let mut slots = vec![cache.slots as u32; seqs];
+    let mut replay = vec![0u32; seqs];
     for (i, c) in chunks.iter().enumerate() {
         let rows = i * len..(i + 1) * len;
         ids[rows.clone()].copy_from_slice(&c.tokens);
@@ -961,6 +868,7 @@ fn padded_inputs(
         tables[i * width..i * width + c.blocks.len()].copy_from_slice(&c.blocks);
         lens[i] = (c.start + len) as u32;
         slots[i] = c.slot;
+        replay[i] = cache.replay[c.slot as usize];
     }
     let dev = model.device();
     let (cos, sin) = model.rope().cos_sin_at(positions, model.dtype(), dev)?;
@@ -972,6 +880,7 @@ fn padded_inputs(
             len,
             verify,
             slots: Tensor::new(slots.as_slice(), dev)?,
+            replay: Tensor::new(replay.as_slice(), dev)?,
             host_slots: slots,
         }],
         kv_rows: Tensor::new(kv_rows.as_slice(), dev)?,

@@ -31,7 +31,7 @@ pub use graph::{graph_device, BatchGraph, DecodeGraph, DraftGraph};
 pub use kv_cache::KvCache;
 pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
-pub use paged::{BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
+pub use paged::{stash_tokens, BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
 pub use shard::Shard;
 pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
 pub use weights::{LoadOptions, LoadProgress, Weights};

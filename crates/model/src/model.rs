@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
-use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, VerifyCheckpoints};
+use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, PoolStash, VerifyCheckpoints};
 use qwen36_kernels::linear::{Linear, LinearWeight};
 use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::attention::{AttnPart, AttnStep};
-use crate::paged::{LayerCheckpoints, PagedLayer, PoolShape};
+use crate::paged::{PagedLayer, PoolShape};
 use crate::{
     BatchOutput, Cache, Communicator, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
     LoadOptions, PagedCache, Result, Weights,
@@ -212,20 +212,22 @@ impl DecoderLayer {
     }
 
     /// [`Self::forward`] over a flat batch (`x: [1, rows, hidden]`) with pooled caches: a GDN
-    /// layer runs decode and verify groups on their slots in place (a verify's checkpoints into
-    /// `kept` when given), and each prefill group from its slots' states gathered (written back
-    /// after); an attention layer reads and writes paged K/V. Returns, for a GDN layer with
-    /// verifying groups, every group's checkpoints.
-    pub(crate) fn forward_paged(
-        &self,
-        x: &Tensor,
-        pool: &PagedLayer,
-        flat: &FlatInputs,
-        kept: Option<&VerifyCheckpoints>,
-    ) -> Result<(Tensor, Option<Vec<Option<VerifyCheckpoints>>>)> {
+    /// layer runs decode and verify groups on their slots in place (with the pool's stash, its
+    /// commits deferred: each slot first replays its accepted tokens, a verify stashes its own),
+    /// and each prefill group from its slots' states gathered (written back after); an
+    /// attention layer reads and writes paged K/V.
+    pub(crate) fn forward_paged(&self, x: &Tensor, pool: &PagedLayer, flat: &FlatInputs) -> Result<Tensor> {
         let norm = &self.input_norm;
-        let (r, checkpoints) = match (&self.mixer, pool) {
-            (Mixer::Gdn(g), PagedLayer::Gdn { conv, recurrent }) => {
+        let r = match (&self.mixer, pool) {
+            (
+                Mixer::Gdn(g),
+                PagedLayer::Gdn {
+                    conv,
+                    recurrent,
+                    stash,
+                    ..
+                },
+            ) => {
                 let mut own = flat
                     .groups
                     .iter()
@@ -251,13 +253,17 @@ impl DecoderLayer {
                                 conv,
                                 recurrent,
                                 slots: &g.slots,
-                                kept: kept.filter(|_| g.verify),
+                                stash: stash.as_ref().map(|(c, r)| PoolStash {
+                                    conv: c,
+                                    recurrent: r,
+                                    replay: &g.replay,
+                                }),
                             },
                         },
                         verify: g.verify,
                     })
                     .collect();
-                let (r, cps) = g.forward_groups_block(x, norm, &mut groups)?;
+                let (r, _) = g.forward_groups_block(x, norm, &mut groups)?;
                 for (g, state) in flat.groups.iter().zip(&own) {
                     let Some(state) = state else { continue };
                     for (i, &slot) in g.host_slots.iter().enumerate() {
@@ -267,13 +273,12 @@ impl DecoderLayer {
                         recurrent.slice_set(&rec, 0, slot)?;
                     }
                 }
-                let verifies = cps.iter().any(Option::is_some);
-                (r, verifies.then_some(cps))
+                r
             }
             (Mixer::Attention(a), PagedLayer::Attention { k, v }) => {
                 let rope = (&flat.cos, &flat.sin);
                 let parts = (&flat.kv_rows, flat.attn.as_slice());
-                (a.forward_paged_block(x, norm, rope, parts, (k, v))?, None)
+                a.forward_paged_block(x, norm, rope, parts, (k, v))?
             }
             _ => {
                 return Err(Error::Cache(
@@ -282,10 +287,7 @@ impl DecoderLayer {
             }
         };
         let r = self.reduce(r)?;
-        Ok((
-            self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)?,
-            checkpoints,
-        ))
+        self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)
     }
 }
 
@@ -310,6 +312,9 @@ pub(crate) struct FlatGroup {
     pub(crate) verify: bool,
     /// u32 `[batch]`: their GDN slots (a slot outside the pool: a padding row on CUDA).
     pub(crate) slots: Tensor,
+    /// u32 `[batch]`: the stashed tokens each applies first (its deferred commit; 0 for padding
+    /// and prefill rows).
+    pub(crate) replay: Tensor,
     /// The same slots on the host (a prefill group writes its states back to them).
     pub(crate) host_slots: Vec<u32>,
 }
@@ -477,6 +482,7 @@ impl Qwen36Model {
                 PoolShape::Gdn {
                     conv: vec![c.conv_dim(), c.conv_kernel - 1],
                     recurrent: vec![c.num_v_heads, c.k_head_dim, c.v_head_dim],
+                    layer: Box::new(g.clone()),
                 }
             }
             Mixer::Attention(_) => PoolShape::Attention {
@@ -485,13 +491,7 @@ impl Qwen36Model {
             },
         });
         #[allow(unused_mut)]
-        let mut cache = PagedCache::zeros(
-            kinds,
-            (slots, blocks, block_size),
-            self.dtype,
-            &self.device,
-            *self.lm_head.policy(),
-        )?;
+        let mut cache = PagedCache::zeros(kinds, (slots, blocks, block_size), self.dtype, &self.device)?;
         #[cfg(feature = "fault-injection")]
         {
             cache.fault = self.fault;
@@ -503,16 +503,10 @@ impl Qwen36Model {
     /// the pools of `cache`, each from its slot's state and its blocks' K/V, and advances them.
     /// Each chunk's hidden states are what it gets run alone through a [`Cache`] (the same
     /// kernels for its token count, from the same state). Returns the final-norm hidden states
-    /// of every row and, when a chunk verifies, the checkpoints for [`PagedCache::commit`].
+    /// of every row and, when a chunk verifies, what [`PagedCache::commit`] takes.
     pub fn forward_batch(&self, batch: &ForwardBatch, cache: &mut PagedCache) -> Result<BatchOutput> {
         self.check_batch(batch, cache)?;
-        #[cfg(feature = "fault-injection")]
-        let no_reset = self.fault == Some(crate::Fault::NoReset);
-        #[cfg(not(feature = "fault-injection"))]
-        let no_reset = false;
-        for c in batch.chunks.iter().filter(|c| c.start == 0 && !no_reset) {
-            cache.clear_slot(c.slot)?;
-        }
+        self.prepare_batch(batch, cache)?;
         // Decode steps' slots as they were, for a state that is never written back.
         #[cfg(feature = "fault-injection")]
         let stale: Vec<(u32, PagedCache)> = match self.fault {
@@ -525,7 +519,8 @@ impl Qwen36Model {
             _ => Vec::new(),
         };
         let (flat, ids) = self.flat_inputs(batch, cache)?;
-        let (hidden, layers) = self.run_flat(&ids, &flat, cache, &[])?;
+        let hidden = self.run_flat(&ids, &flat, cache)?;
+        cache.passed(batch);
         #[cfg(feature = "fault-injection")]
         {
             for (slot, old) in stale {
@@ -539,28 +534,52 @@ impl Qwen36Model {
         }
         Ok(BatchOutput {
             hidden,
-            pending: batch.pending(layers),
+            pending: batch.pending(),
         })
     }
 
-    /// The layers over flat inputs: `ids: [1, rows]` → the final-norm hidden states `[rows,
-    /// hidden]` and each GDN layer's verify checkpoints (into `kept[layer]` where given).
-    pub(crate) fn run_flat(
-        &self,
-        ids: &Tensor,
-        flat: &FlatInputs,
-        cache: &PagedCache,
-        kept: &[Option<VerifyCheckpoints>],
-    ) -> Result<(Tensor, LayerCheckpoints)> {
-        let mut x = self.embed.forward(ids)?;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (l, (layer, pool)) in self.layers.iter().zip(&cache.layers).enumerate() {
-            let kept = kept.get(l).and_then(Option::as_ref);
-            let (y, cps) = layer.forward_paged(&x, pool, flat, kept)?;
-            layers.push(cps);
-            x = y;
+    /// Readies `cache` for a flat forward of `batch`: each chunk starting a sequence gets a
+    /// zeroed slot, the stashes room for its verifies, and a prefill chunk's slot (which runs
+    /// from its gathered state) its deferred commits applied.
+    pub(crate) fn prepare_batch(&self, batch: &ForwardBatch, cache: &mut PagedCache) -> Result<()> {
+        #[cfg(feature = "fault-injection")]
+        let no_reset = self.fault == Some(crate::Fault::NoReset);
+        #[cfg(not(feature = "fault-injection"))]
+        let no_reset = false;
+        for c in batch.chunks.iter().filter(|c| c.start == 0) {
+            if no_reset {
+                #[cfg(feature = "fault-injection")]
+                cache.forget_only(c.slot);
+            } else {
+                cache.clear_slot(c.slot)?;
+            }
         }
-        Ok((self.norm.forward(&x)?.squeeze(0)?, layers))
+        let verify = batch
+            .chunks
+            .iter()
+            .filter(|c| c.verify)
+            .map(|c| c.tokens.len())
+            .max();
+        if let Some(len) = verify.filter(|&len| len > cache.stash_tokens()) {
+            cache.reserve_stash(crate::paged::stash_tokens(len))?;
+        }
+        let gathered: Vec<u32> = batch
+            .chunks
+            .iter()
+            .filter(|c| !c.verify && c.tokens.len() > 1)
+            .map(|c| c.slot)
+            .collect();
+        cache.settle(&gathered)
+    }
+
+    /// The layers over flat inputs: `ids: [1, rows]` → the final-norm hidden states `[rows,
+    /// hidden]`.
+    pub(crate) fn run_flat(&self, ids: &Tensor, flat: &FlatInputs, cache: &PagedCache) -> Result<Tensor> {
+        let mut x = self.embed.forward(ids)?;
+        for (layer, pool) in self.layers.iter().zip(&cache.layers) {
+            x = layer.forward_paged(&x, pool, flat)?;
+        }
+        Ok(self.norm.forward(&x)?.squeeze(0)?)
     }
 
     /// Checks `batch` against `cache`, the vocabulary and the context.
@@ -608,11 +627,13 @@ impl Qwen36Model {
             .map(|members| {
                 let first = &batch.chunks[members[0]];
                 let host_slots: Vec<u32> = members.iter().map(|&i| batch.chunks[i].slot).collect();
+                let replay: Vec<u32> = host_slots.iter().map(|&s| cache.replay[s as usize]).collect();
                 Ok(FlatGroup {
                     batch: members.len(),
                     len: first.tokens.len(),
                     verify: first.verify,
                     slots: Tensor::new(host_slots.as_slice(), &self.device)?,
+                    replay: Tensor::new(replay.as_slice(), &self.device)?,
                     host_slots,
                 })
             })

@@ -282,13 +282,7 @@ impl MtpHead {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         });
-        PagedCache::zeros(
-            kinds,
-            (slots, blocks, block_size),
-            model.dtype(),
-            model.device(),
-            *model.lm_head().policy(),
-        )
+        PagedCache::zeros(kinds, (slots, blocks, block_size), model.dtype(), model.device())
     }
 
     /// [`Self::forward`] over a flat batch of several sequences with paged KV: chunk `i` of
@@ -336,7 +330,7 @@ impl MtpHead {
             .forward(&hidden.to_dtype(e.dtype())?.unsqueeze(0)?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = self.layer_index(step);
-        let (y, _) = self.layers[i].forward_paged(&x, &cache.layers[i], flat, None)?;
+        let y = self.layers[i].forward_paged(&x, &cache.layers[i], flat)?;
         Ok(self.norm.forward(&y)?.squeeze(0)?)
     }
 

@@ -9,19 +9,30 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor};
-use qwen36_gdn::VerifyCheckpoints;
-use qwen36_kernels::copy::copy_rows;
-use qwen36_kernels::KernelPolicy;
+use qwen36_gdn::{GatedDeltaNet, PoolStash};
 
 use crate::attention::{AttnPart, PagedSeq};
 use crate::{Error, Result};
+
+/// The tokens per slot a pool's stashes hold once a verify of `verify` tokens has run: a few
+/// more than asked (at least 4, a power of two), since a stash that grows re-records graphs.
+pub fn stash_tokens(verify: usize) -> usize {
+    verify.next_power_of_two().max(4)
+}
 
 /// What one layer keeps for every sequence of the pool.
 #[derive(Debug, Clone)]
 pub(crate) enum PagedLayer {
     /// GDN layer: conv windows `[slots, conv_dim, K-1]` (activation dtype) and recurrent
-    /// states `[slots, Hv, dk, dv]` f32, one row per sequence slot.
-    Gdn { conv: Tensor, recurrent: Tensor },
+    /// states `[slots, Hv, dk, dv]` f32, one row per sequence slot; once a verify has run, the
+    /// stashes of its deferred commits (conv, delta rule: `[slots, tokens, ...]`); the layer
+    /// itself, which applies them.
+    Gdn {
+        conv: Tensor,
+        recurrent: Tensor,
+        stash: Option<(Tensor, Tensor)>,
+        layer: Box<GatedDeltaNet>,
+    },
     /// Attention layer: keys and values `[blocks · block_size, kv_heads, head_dim]`; position
     /// `j` of block `b` is row `b · block_size + j`.
     Attention { k: Tensor, v: Tensor },
@@ -29,14 +40,24 @@ pub(crate) enum PagedLayer {
 
 /// The pools of the whole model: GDN state per slot, paged K/V per block. Made by
 /// [`crate::Qwen36Model::new_paged_cache`]; written in place by each forward.
+///
+/// Commits are deferred: a verify leaves each slot's GDN state as it was before the verified
+/// tokens and stashes them; [`Self::commit`] only records how many were accepted, and the next
+/// forward over the slot applies them first (bit for bit as they ran), so no per-token state is
+/// kept. A slot's state is thus its rows plus what it has yet to replay; [`Self::copy_slot`]
+/// copies both, [`Self::slot_state`] applies them first.
 #[derive(Debug)]
 pub struct PagedCache {
     pub(crate) layers: Vec<PagedLayer>,
     pub(crate) slots: usize,
     pub(crate) blocks: usize,
     pub(crate) block_size: usize,
-    /// The kernel policy of its own launches (the commits' copies): the model's.
-    policy: KernelPolicy,
+    /// Per slot: the stashed tokens the next pass applies first (its accepted ones).
+    pub(crate) replay: Vec<u32>,
+    /// Per slot: the tokens its stash holds (its last verify's), the most it may replay.
+    pub(crate) stashed: Vec<u32>,
+    /// The activation dtype (the stashes' inputs).
+    dtype: DType,
     /// Tests only: the fault of the model that made it.
     #[cfg(feature = "fault-injection")]
     pub(crate) fault: Option<crate::Fault>,
@@ -58,59 +79,99 @@ impl PagedCache {
         self.block_size
     }
 
-    /// Bytes of one slot's GDN state (every layer's conv window and recurrent state).
+    /// Bytes of one slot's GDN state (every layer's conv window and recurrent state, and the
+    /// stash of its deferred commits once a verify has made one).
     pub fn slot_bytes(&self) -> u64 {
         let row = |t: &Tensor| (t.elem_count() / self.slots.max(1) * t.dtype().size_in_bytes()) as u64;
         self.layers
             .iter()
             .map(|l| match l {
-                PagedLayer::Gdn { conv, recurrent } => row(conv) + row(recurrent),
+                PagedLayer::Gdn {
+                    conv,
+                    recurrent,
+                    stash,
+                    ..
+                } => row(conv) + row(recurrent) + stash.as_ref().map_or(0, |(c, r)| row(c) + row(r)),
                 PagedLayer::Attention { .. } => 0,
             })
             .sum()
     }
 
     /// Zeroes slot `slot`'s GDN state in every layer (a sequence starting there sees nothing of
-    /// the one before).
+    /// the one before), with nothing left to replay.
     pub fn clear_slot(&mut self, slot: u32) -> Result<()> {
         self.check_slot(slot)?;
-        for layer in &self.layers {
-            if let PagedLayer::Gdn { conv, recurrent } = layer {
-                for pool in [conv, recurrent] {
-                    let row = pool.narrow(0, 0, 1)?.zeros_like()?;
-                    pool.slice_set(&row, 0, slot as usize)?;
-                }
-            }
+        for (pool, _) in self.slot_rows() {
+            let row = pool.narrow(0, 0, 1)?.zeros_like()?;
+            pool.slice_set(&row, 0, slot as usize)?;
         }
+        self.forget(slot);
         Ok(())
     }
 
-    /// Copies slot `src`'s GDN state (every layer's conv window and recurrent state) into slot
-    /// `dst`: a prefix-cache snapshot taken from a sequence, or restored into one.
+    /// Tests only: zeroes nothing but forgets what slot `slot` had to replay (a slot not cleared).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn forget_only(&mut self, slot: u32) {
+        self.forget(slot);
+    }
+
+    fn forget(&mut self, slot: u32) {
+        self.replay[slot as usize] = 0;
+        self.stashed[slot as usize] = 0;
+    }
+
+    /// Every pool of the GDN layers that holds a row per slot (windows, states, their stashes),
+    /// with whether it is a stash.
+    fn slot_rows(&self) -> impl Iterator<Item = (&Tensor, bool)> {
+        self.layers.iter().flat_map(|l| match l {
+            PagedLayer::Gdn {
+                conv,
+                recurrent,
+                stash,
+                ..
+            } => {
+                let mut v = vec![(conv, false), (recurrent, false)];
+                if let Some((c, r)) = stash {
+                    v.extend([(c, true), (r, true)]);
+                }
+                v
+            }
+            PagedLayer::Attention { .. } => Vec::new(),
+        })
+    }
+
+    /// Copies slot `src`'s GDN state into slot `dst`: every layer's conv window and recurrent
+    /// state, and what it has yet to replay (a prefix-cache snapshot taken from a sequence, or
+    /// restored into one).
     pub fn copy_slot(&mut self, src: u32, dst: u32) -> Result<()> {
         self.check_slot(src)?;
         self.check_slot(dst)?;
         if src == dst {
             return Ok(());
         }
-        for layer in &self.layers {
-            if let PagedLayer::Gdn { conv, recurrent } = layer {
-                for pool in [conv, recurrent] {
-                    let row = pool.narrow(0, src as usize, 1)?.copy()?;
-                    pool.slice_set(&row, 0, dst as usize)?;
-                }
+        let pending = self.replay[src as usize] > 0;
+        for (pool, stash) in self.slot_rows() {
+            // A stash matters only while something is left to replay from it.
+            if stash && !pending {
+                continue;
             }
+            let row = pool.narrow(0, src as usize, 1)?.copy()?;
+            pool.slice_set(&row, 0, dst as usize)?;
         }
+        let (s, d) = (src as usize, dst as usize);
+        self.replay[d] = self.replay[s];
+        self.stashed[d] = if pending { self.stashed[s] } else { 0 };
         Ok(())
     }
 
-    /// Slot `slot`'s state in GDN layer `layer` (counting all layers): the conv window
-    /// `[conv_dim, K-1]` and the recurrent state `[Hv, dk, dv]` (copies). `None` for an
-    /// attention layer.
-    pub fn slot_state(&self, layer: usize, slot: u32) -> Result<Option<(Tensor, Tensor)>> {
+    /// Slot `slot`'s state in GDN layer `layer` (counting all layers), its deferred commits
+    /// applied first: the conv window `[conv_dim, K-1]` and the recurrent state `[Hv, dk, dv]`
+    /// (copies). `None` for an attention layer.
+    pub fn slot_state(&mut self, layer: usize, slot: u32) -> Result<Option<(Tensor, Tensor)>> {
         self.check_slot(slot)?;
+        self.settle(&[slot])?;
         Ok(match self.layers.get(layer) {
-            Some(PagedLayer::Gdn { conv, recurrent }) => {
+            Some(PagedLayer::Gdn { conv, recurrent, .. }) => {
                 let row = |t: &Tensor| t.get(slot as usize).and_then(|r| r.copy());
                 Some((row(conv)?, row(recurrent)?))
             }
@@ -119,16 +180,97 @@ impl PagedCache {
         })
     }
 
+    /// Applies the deferred commits of `slots` now (the replay a next pass would run first),
+    /// leaving them nothing to replay.
+    pub fn settle(&mut self, slots: &[u32]) -> Result<()> {
+        let due: Vec<u32> = slots
+            .iter()
+            .copied()
+            .filter(|&s| self.replay.get(s as usize).is_some_and(|&r| r > 0))
+            .collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let device = self.device()?;
+        let counts: Vec<u32> = due.iter().map(|&s| self.replay[s as usize]).collect();
+        let (slot_t, replay_t) = (
+            Tensor::new(due.as_slice(), &device)?,
+            Tensor::new(counts.as_slice(), &device)?,
+        );
+        for l in &self.layers {
+            if let PagedLayer::Gdn {
+                conv,
+                recurrent,
+                stash: Some((cs, rs)),
+                layer,
+            } = l
+            {
+                let stash = PoolStash {
+                    conv: cs,
+                    recurrent: rs,
+                    replay: &replay_t,
+                };
+                layer.replay_pooled((conv, recurrent, &slot_t), &stash)?;
+            }
+        }
+        for s in due {
+            self.forget(s);
+        }
+        Ok(())
+    }
+
+    /// Makes room in the stashes for verifies of `tokens` tokens (grown once for all slots,
+    /// keeping what they hold): the stashes' tensors change, so graphs recorded over the old
+    /// ones must be recorded again.
+    pub(crate) fn reserve_stash(&mut self, tokens: usize) -> Result<()> {
+        let dtype = self.dtype;
+        for l in &mut self.layers {
+            let PagedLayer::Gdn {
+                conv,
+                recurrent,
+                stash,
+                layer,
+            } = l
+            else {
+                continue;
+            };
+            let held = stash.as_ref().map_or(0, |(c, _)| c.dim(1).unwrap_or(0));
+            if held >= tokens {
+                continue;
+            }
+            let (c, r) = layer.new_pool_stash(conv, recurrent, tokens, dtype)?;
+            if let Some((oc, or)) = stash.as_ref() {
+                c.slice_set(oc, 1, 0)?;
+                r.slice_set(or, 1, 0)?;
+            }
+            *stash = Some((c, r));
+        }
+        Ok(())
+    }
+
+    /// The stashes' size in tokens per slot (0 before any verify).
+    pub(crate) fn stash_tokens(&self) -> usize {
+        self.layers
+            .iter()
+            .find_map(|l| match l {
+                PagedLayer::Gdn {
+                    stash: Some((c, _)), ..
+                } => c.dim(1).ok(),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
     /// After a forward that verified `chunk` (its [`SeqChunk::verify`]): keeps its first `keep`
-    /// tokens, setting its slot's GDN states to exactly the state after them. Its K/V past them
-    /// stay in the blocks, unread, until later tokens overwrite them: the caller shortens the
-    /// sequence.
+    /// tokens, so that its slot's GDN states are exactly the state after them (applied by the
+    /// next pass over the slot, or [`Self::settle`]). Its K/V past them stay in the blocks,
+    /// unread, until later tokens overwrite them: the caller shortens the sequence.
     pub fn commit(&mut self, pending: &BatchPending, chunk: usize, keep: usize) -> Result<()> {
         self.commit_many(pending, &[(chunk, keep)])
     }
 
     /// [`Self::commit`] for several verified chunks at once, `(chunk, keep)` each (distinct
-    /// chunks): one copy per GDN layer, pool and verify group for all of them.
+    /// chunks).
     pub fn commit_many(&mut self, pending: &BatchPending, keeps: &[(usize, usize)]) -> Result<()> {
         let into: Vec<(usize, usize, u32)> = keeps
             .iter()
@@ -163,25 +305,30 @@ impl PagedCache {
             return Ok(into);
         }
         into.into_iter()
-            .map(|(chunk, keep, slot)| {
-                let (group, _) = pending.member(chunk)?;
-                Ok((chunk, (keep + 1).min(pending.group_len(group)?), slot))
-            })
+            .map(|(chunk, keep, slot)| Ok((chunk, (keep + 1).min(pending.chunk_len(chunk)?), slot)))
             .collect()
     }
 
-    /// Tests only: slot `slot`'s GDN state in every layer, as a pool of one slot.
+    /// Tests only: slot `slot`'s GDN state (settled) in every layer, as a pool of one slot.
     #[cfg(feature = "fault-injection")]
-    pub(crate) fn slot_copy(&self, slot: u32) -> Result<PagedCache> {
+    pub(crate) fn slot_copy(&mut self, slot: u32) -> Result<PagedCache> {
         self.check_slot(slot)?;
+        self.settle(&[slot])?;
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    PagedLayer::Gdn { conv, recurrent } => PagedLayer::Gdn {
+                    PagedLayer::Gdn {
+                        conv,
+                        recurrent,
+                        layer,
+                        ..
+                    } => PagedLayer::Gdn {
                         conv: conv.narrow(0, slot as usize, 1)?.copy()?,
                         recurrent: recurrent.narrow(0, slot as usize, 1)?.copy()?,
+                        stash: None,
+                        layer: layer.clone(),
                     },
                     PagedLayer::Attention { k, v } => PagedLayer::Attention {
                         k: k.clone(),
@@ -195,20 +342,24 @@ impl PagedCache {
             slots: 1,
             blocks: self.blocks,
             block_size: self.block_size,
-            policy: self.policy,
+            replay: vec![0],
+            stashed: vec![0],
+            dtype: self.dtype,
             fault: None,
         })
     }
 
-    /// Tests only: writes `old` (a [`Self::slot_copy`]) back into slot `slot`.
+    /// Tests only: writes `old` (a [`Self::slot_copy`]) back into slot `slot`, with nothing to
+    /// replay.
     #[cfg(feature = "fault-injection")]
     pub(crate) fn restore_slot(&mut self, slot: u32, old: &PagedCache) -> Result<()> {
         for (layer, old) in self.layers.iter().zip(&old.layers) {
             if let (
-                PagedLayer::Gdn { conv, recurrent },
+                PagedLayer::Gdn { conv, recurrent, .. },
                 PagedLayer::Gdn {
                     conv: c,
                     recurrent: r,
+                    ..
                 },
             ) = (layer, old)
             {
@@ -216,6 +367,7 @@ impl PagedCache {
                 recurrent.slice_set(r, 0, slot as usize)?;
             }
         }
+        self.forget(slot);
         Ok(())
     }
 
@@ -232,60 +384,44 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Writes the GDN state after the first `keep` tokens of each verified `chunk` into `slot`
+    /// Makes `slot` hold the GDN state after the first `keep` tokens of each verified `chunk`
     /// (`(chunk, keep, slot)` each, distinct slots): [`Self::commit_many`] when each slot is its
-    /// chunk's own, a snapshot of a state the verify passed through when it is another.
+    /// chunk's own, a snapshot of a state the verify passed through when it is another (a copy
+    /// of the chunk's slot, which still holds the state before the verify, with its stash). Run
+    /// after the forward and before the next one over these slots.
     pub fn commit_into(&mut self, pending: &BatchPending, keeps: &[(usize, usize, u32)]) -> Result<()> {
-        // Per verify group: each kept chunk's slot, its member index, its row of the group's
-        // per-token states (member · len + keep - 1) and its window's first column (keep).
-        let mut groups: Vec<(usize, [Vec<u32>; 4])> = Vec::new();
         for &(chunk, keep, slot) in keeps {
-            let (group, member) = pending.member(chunk)?;
+            let len = pending.chunk_len(chunk)?;
             self.check_slot(slot)?;
-            let len = pending.group_len(group)?;
             if keep == 0 || keep > len {
                 return Err(Error::Cache(format!(
                     "cannot keep {keep} of chunk {chunk}'s {len} verified tokens (need 1..={len})"
                 )));
             }
-            let at = match groups.iter().position(|g| g.0 == group) {
-                Some(at) => at,
-                None => {
-                    groups.push((group, Default::default()));
-                    groups.len() - 1
-                }
-            };
-            let [slots, members, rows, cols] = &mut groups[at].1;
-            slots.push(slot);
-            members.push(member as u32);
-            rows.push((member * len + keep - 1) as u32);
-            cols.push(keep as u32);
-        }
-        let device = self.device()?;
-        let groups = groups
-            .into_iter()
-            .map(|(group, lists)| {
-                let [s, m, r, c] = lists.map(|v| Tensor::new(v.as_slice(), &device));
-                Ok((group, s?, m?, r?, c?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        for (layer, cps) in self.layers.iter().zip(&pending.layers) {
-            let (PagedLayer::Gdn { conv, recurrent }, Some(cps)) = (layer, cps) else {
-                continue;
-            };
-            for (group, slots, members, rows, cols) in &groups {
-                let cp = cps
-                    .get(*group)
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| Error::Cache("a verify group without checkpoints".into()))?;
-                // [members, len, Hv, dk, dv] as rows [members · len, Hv, dk, dv].
-                let (b, t, hv, dk, dv) = cp.states().dims5()?;
-                let states = cp.states().reshape((b * t, hv, dk, dv))?;
-                copy_rows(recurrent, &states, slots, rows, None, &self.policy)?;
-                copy_rows(conv, cp.window(), slots, members, Some(cols), &self.policy)?;
+            let own = pending.slots[chunk];
+            if own != slot {
+                // The chunk's own slot may have its keep recorded already: copy what the verify
+                // left (its state before the verify and its stash), then the keep.
+                let recorded = self.replay[own as usize];
+                self.replay[own as usize] = keep as u32;
+                let copied = self.copy_slot(own, slot);
+                self.replay[own as usize] = recorded;
+                copied?;
             }
+            self.replay[slot as usize] = keep as u32;
+            self.stashed[slot as usize] = len as u32;
         }
         Ok(())
+    }
+
+    /// After a forward of `batch`: what each decode and verify chunk replayed is spent, and a
+    /// verify's slot holds its tokens in the stash (none accepted until its commit).
+    pub(crate) fn passed(&mut self, batch: &ForwardBatch) {
+        for c in &batch.chunks {
+            let s = c.slot as usize;
+            self.replay[s] = 0;
+            self.stashed[s] = if c.verify { c.tokens.len() as u32 } else { 0 };
+        }
     }
 
     fn check_slot(&self, slot: u32) -> Result<()> {
@@ -494,63 +630,39 @@ impl ForwardBatch {
 }
 
 impl ForwardBatch {
-    /// What a forward of this batch keeps for [`PagedCache::commit`], from each layer's
-    /// checkpoints per group (`None` when no chunk verifies).
-    pub(crate) fn pending(
-        &self,
-        layers: Vec<Option<Vec<Option<VerifyCheckpoints>>>>,
-    ) -> Option<BatchPending> {
-        if layers.iter().all(Option::is_none) {
+    /// What a forward of this batch leaves for [`PagedCache::commit`]: each verified chunk's
+    /// slot and token count (`None` when no chunk verifies).
+    pub(crate) fn pending(&self) -> Option<BatchPending> {
+        if !self.chunks.iter().any(|c| c.verify) {
             return None;
         }
-        let mut member_of = vec![None; self.chunks.len()];
-        for (g, members) in self.groups.iter().enumerate() {
-            for (i, &chunk) in members.iter().enumerate() {
-                if self.chunks[chunk].verify {
-                    member_of[chunk] = Some((g, i));
-                }
-            }
-        }
         Some(BatchPending {
-            layers,
-            member_of,
+            verified: self
+                .chunks
+                .iter()
+                .map(|c| c.verify.then_some(c.tokens.len()))
+                .collect(),
             slots: self.chunks.iter().map(|c| c.slot).collect(),
         })
     }
 }
 
-/// Per layer of a flat forward, each group's verify checkpoints (`None` for a layer without any:
-/// attention layers, or no verifying group).
-pub(crate) type LayerCheckpoints = Vec<Option<Vec<Option<VerifyCheckpoints>>>>;
-
-/// What a forward with verifying chunks keeps for [`PagedCache::commit`]: per layer, each
-/// group's checkpoints (GDN layers; `None` for attention layers).
+/// What a forward with verifying chunks leaves for [`PagedCache::commit`]: per chunk, its
+/// slot and, when it verified, its token count.
 #[derive(Debug, Clone)]
 pub struct BatchPending {
-    pub(crate) layers: LayerCheckpoints,
-    /// Per chunk: (group, index in the group) when it verified.
-    pub(crate) member_of: Vec<Option<(usize, usize)>>,
+    pub(crate) verified: Vec<Option<usize>>,
     pub(crate) slots: Vec<u32>,
 }
 
 impl BatchPending {
-    /// The verify group of `chunk` and its member index there.
-    fn member(&self, chunk: usize) -> Result<(usize, usize)> {
-        self.member_of
+    /// Tokens verified chunk `chunk` ran.
+    fn chunk_len(&self, chunk: usize) -> Result<usize> {
+        self.verified
             .get(chunk)
             .copied()
             .flatten()
             .ok_or_else(|| no_chunk(chunk))
-    }
-
-    /// Tokens each chunk of verify group `group` ran.
-    fn group_len(&self, group: usize) -> Result<usize> {
-        self.layers
-            .iter()
-            .flatten()
-            .find_map(|cps| cps.get(group).and_then(Option::as_ref))
-            .map(VerifyCheckpoints::len)
-            .ok_or_else(|| Error::Cache(format!("group {group} kept no checkpoints")))
     }
 }
 
@@ -559,7 +671,7 @@ impl BatchPending {
 pub struct BatchOutput {
     /// Final-norm hidden states `[rows, hidden]` (rows as [`ForwardBatch::rows`] gives them).
     pub hidden: Tensor,
-    /// The checkpoints, when some chunk verified.
+    /// What the verified chunks leave to commit, when some chunk verified.
     pub pending: Option<BatchPending>,
 }
 
@@ -578,7 +690,6 @@ impl PagedCache {
         (slots, blocks, block_size): (usize, usize, usize),
         dtype: DType,
         device: &candle_core::Device,
-        policy: KernelPolicy,
     ) -> Result<Self> {
         if slots == 0 || blocks == 0 || block_size == 0 {
             return Err(Error::Cache(format!(
@@ -588,9 +699,15 @@ impl PagedCache {
         let layers = kinds
             .map(|k| {
                 Ok(match k {
-                    PoolShape::Gdn { conv, recurrent } => PagedLayer::Gdn {
+                    PoolShape::Gdn {
+                        conv,
+                        recurrent,
+                        layer,
+                    } => PagedLayer::Gdn {
                         conv: Tensor::zeros([&[slots][..], &conv].concat(), dtype, device)?,
                         recurrent: Tensor::zeros([&[slots][..], &recurrent].concat(), DType::F32, device)?,
+                        stash: None,
+                        layer,
                     },
                     PoolShape::Attention { kv_heads, head_dim } => {
                         let shape = (blocks * block_size, kv_heads, head_dim);
@@ -607,7 +724,9 @@ impl PagedCache {
             slots,
             blocks,
             block_size,
-            policy,
+            replay: vec![0; slots],
+            stashed: vec![0; slots],
+            dtype,
             #[cfg(feature = "fault-injection")]
             fault: None,
         })
@@ -616,8 +735,13 @@ impl PagedCache {
 
 /// The shape of one layer's pooled cache per slot or position.
 pub(crate) enum PoolShape {
-    /// A GDN layer's conv window `[conv_dim, K-1]` and recurrent state `[Hv, dk, dv]`.
-    Gdn { conv: Vec<usize>, recurrent: Vec<usize> },
+    /// A GDN layer's conv window `[conv_dim, K-1]` and recurrent state `[Hv, dk, dv]`, and the
+    /// layer (which makes and applies the stashes of deferred commits).
+    Gdn {
+        conv: Vec<usize>,
+        recurrent: Vec<usize>,
+        layer: Box<GatedDeltaNet>,
+    },
     /// An attention layer's K/V row `[kv_heads, head_dim]`.
     Attention { kv_heads: usize, head_dim: usize },
 }

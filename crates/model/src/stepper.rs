@@ -268,8 +268,7 @@ impl BatchStepper {
     }
 
     /// [`Qwen36Model::forward_batch`] of `batch` over `cache`, replayed from a graph when it can.
-    /// A replayed verify's checkpoints are buffers the next graphed verify overwrites: commit
-    /// ([`PagedCache::commit_many`]) before the next forward.
+    /// Commit its verifies ([`PagedCache::commit_many`]) before the next forward.
     pub fn forward(
         &mut self,
         model: &Qwen36Model,

@@ -146,7 +146,9 @@ pub(crate) fn conv1d_in_place(
                         Some(sv) => lb.arg(sv),
                         None => lb.arg(&null),
                     };
-                    lb.arg(&pool);
+                    // No deferred commits: replay counts, stash, tmax and the verify flag.
+                    let zero = 0i32;
+                    lb.arg(&pool).arg(&null).arg(&null).arg(&zero).arg(&zero);
                     let cfg = LaunchConfig {
                         grid_dim: ((b * c).div_ceil(CONV_SEQ_THREADS as usize) as u32, 1, 1),
                         block_dim: (CONV_SEQ_THREADS, 1, 1),
@@ -157,7 +159,7 @@ pub(crate) fn conv1d_in_place(
                     // y [b·t·c], the state [pool·c·(k-1)] (pool = b without slots; checked by the
                     // caller), the caller's window [b·c·(k-1+t)] (checked by the caller, disjoint
                     // from the state) or null, i32 dims, the slots [b] u32 or null and i32 pool
-                    // (the kernel touches no row at or past pool); one thread per (sequence,
+                    // (the kernel touches no row at or past pool), no stash; one thread per (sequence,
                     // channel), each reading its state entries before writing them (distinct
                     // slots give distinct rows; the caller's duty).
                     unsafe { lb.launch(cfg) }.w()?;
@@ -169,4 +171,120 @@ pub(crate) fn conv1d_in_place(
         };
     }
     for_float_dtype!(op, dt)
+}
+
+/// CUDA twin of [`super::causal_conv1d_pooled`] (`x` and `weight` given) and of
+/// [`super::replay_pooled`] (neither: no new tokens), shapes checked by the caller: `pool: [rows,
+/// c, k-1]`, the stash `[rows, tokens, c]`, both contiguous in the pool's dtype. Returns y `[b,
+/// t, c]` (empty for a replay).
+pub(crate) fn conv1d_pooled(
+    x: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    k: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let op = "causal_conv1d_pooled";
+    if k > 8 {
+        return Err(err(op, format!("kernel width {k} > 8 is not supported on CUDA")));
+    }
+    let (rows, c, _) = pool.dims3()?;
+    let b = deferred.slots.dim(0)?;
+    let dt = pool.dtype();
+    let dev = device(op, pool)?;
+    let t = x.map_or(Ok(0), |x| x.dim(1))?;
+    let x = match x {
+        Some(x) => Some(match row_stride(x) {
+            Some(rs) => (x.clone(), rs),
+            None => (x.contiguous()?, c),
+        }),
+        None => None,
+    };
+    let w = weight
+        .map(|w| w.reshape((c, k))?.to_dtype(dt)?.contiguous())
+        .transpose()?;
+    let slots = deferred.slots.contiguous()?;
+    let replay = deferred.replay.contiguous()?;
+    let tmax = deferred.stash.dim(1)? as i32;
+    let stash_new = i32::from(deferred.verify);
+    let name = format!("conv1d_{}_in_place", dtype_suffix(op, dt)?);
+    macro_rules! go {
+        ($t:ty) => {
+            with_out_buffer::<$t, _>(op, Some(deferred.stash), |stash| {
+                let stash = stash.expect("a stash buffer");
+                let mut y = None;
+                in_place(op, pool, |st, range| {
+                    let mut state = st.as_cuda_slice_mut::<$t>()?.slice_mut(range);
+                    let xg = x.as_ref().map(|(x, _)| x.storage_and_layout());
+                    let wg = w.as_ref().map(|w| w.storage_and_layout());
+                    let (ss, sl) = slots.storage_and_layout();
+                    let (rs, rl) = replay.storage_and_layout();
+                    let null = 0u64;
+                    // SAFETY: uninitialised; the kernel writes every element of y.
+                    let out = unsafe { dev.alloc::<$t>((b * t * c).max(1))? };
+                    let func = GDN.func(&dev, &name)?;
+                    let mut lb = KernelCall::new(&dev, &func, policy);
+                    let xs64 = x.as_ref().map_or(c, |(_, xs)| *xs) as i64;
+                    let xv = match (&xg, &x) {
+                        (Some((xst, xl)), Some((_, xs))) => {
+                            Some(rows_view::<$t>(op, xst, xl, b * t, c, *xs)?)
+                        }
+                        _ => None,
+                    };
+                    let wv = match &wg {
+                        Some((ws, wl)) => Some(view::<$t>(op, ws, wl)?),
+                        None => None,
+                    };
+                    match &xv {
+                        Some(v) => lb.arg(v),
+                        None => lb.arg(&null),
+                    };
+                    lb.arg(&xs64);
+                    match &wv {
+                        Some(v) => lb.arg(v),
+                        None => lb.arg(&null),
+                    };
+                    lb.arg(&out).arg(&mut state).arg(&null);
+                    let dims = [b as i32, t as i32, c as i32, k as i32];
+                    for v in &dims {
+                        lb.arg(v);
+                    }
+                    let sv = view::<u32>(op, &ss, sl)?;
+                    let rv = view::<u32>(op, &rs, rl)?;
+                    let pool_rows = rows as i32;
+                    lb.arg(&sv)
+                        .arg(&pool_rows)
+                        .arg(&rv)
+                        .arg(stash)
+                        .arg(&tmax)
+                        .arg(&stash_new);
+                    let cfg = LaunchConfig {
+                        grid_dim: (
+                            (b * c).div_ceil(CONV_SEQ_THREADS as usize).max(1) as u32,
+                            1,
+                            1,
+                        ),
+                        block_dim: (CONV_SEQ_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: arguments match `conv1d_*_in_place` in cuda/gdn.cu: x as b·t rows
+                    // of c elements xs apart, or null with t = 0 (then neither x, w nor y is
+                    // read or written), i64 xs, w [c·k] or null, y [b·t·c] (fresh), the pool
+                    // [rows·c·(k-1)], a null window, i32 dims, the slots and replay counts [b]
+                    // u32, i32 rows (the kernel touches no row at or past it), the stash
+                    // [rows·tmax·c] (checked by the caller: replay counts and t at most tmax;
+                    // disjoint from the pool), i32 tmax and the verify flag. One thread per
+                    // (sequence, channel) reads its stash entries before writing them; distinct
+                    // slots give distinct rows (the caller's duty).
+                    unsafe { lb.launch(cfg) }.w()?;
+                    y = Some(wrap(out, &dev, (b * t * c).max(1)));
+                    Ok(())
+                })?;
+                y.ok_or_else(|| err(op, "the in-place launch did not run"))
+            })
+        };
+    }
+    let y = for_float_dtype!(op, dt)?;
+    Ok(y.narrow(0, 0, b * t * c)?.reshape((b, t, c))?)
 }

@@ -133,6 +133,151 @@ pub fn causal_conv1d_in_place(
     Ok(y)
 }
 
+/// The stash of a pool of conv windows for [`causal_conv1d_pooled`]: per slot, the raw inputs of
+/// up to `tokens` verified tokens, `[pool, tokens, channels]` in the window's dtype.
+pub fn new_stash(window_pool: &Tensor, tokens: usize) -> Result<Tensor> {
+    let (pool, channels, _) = window_pool.dims3()?;
+    Ok(Tensor::zeros(
+        (pool, tokens, channels),
+        window_pool.dtype(),
+        window_pool.device(),
+    )?)
+}
+
+/// [`causal_conv1d_in_place`] over rows of a pool of windows `[pool, channels, kernel-1]` with
+/// deferred commits ([`crate::Deferred`]): each sequence's window first takes the raw inputs its
+/// slot's last verify stashed (`replay` of them); a verify then keeps that window as the state and
+/// stashes its own inputs, a decode step keeps the window after its inputs. Returns `y: [batch,
+/// len, channels]`, the conv of `x` after the replayed inputs.
+pub fn causal_conv1d_pooled(
+    x: &Tensor,
+    weight: &Tensor,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let op = "causal_conv1d_pooled";
+    let (b, t, _) = x.dims3()?;
+    check_pool(op, pool, x.dtype(), deferred, b, t)?;
+    let per_seq = crate::state_per_sequence(op, pool, Some(deferred.slots), b)?;
+    let (_, _, _, k) = check(x, weight, Some(&per_seq))?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda::conv1d_pooled(Some(x), Some(weight), pool, deferred, k, policy);
+    }
+    let _ = (k, policy);
+    let stash = deferred.stash;
+    let slots = deferred.slots.to_vec1::<u32>()?;
+    let replay = deferred.host_replay()?;
+    crate::on_pool_rows(op, pool, deferred.slots, |own| {
+        let own_after = replayed_windows(own, stash, &slots, &replay)?;
+        let (y, after) = reference::causal_conv1d(x, weight, Some(&own_after))?;
+        if deferred.verify {
+            own.slice_set(&own_after, 0, 0)?;
+            for (i, &slot) in slots.iter().enumerate() {
+                crate::stash_tokens(stash, slot, &x.get(i)?)?;
+            }
+        } else {
+            own.slice_set(&after, 0, 0)?;
+        }
+        Ok(y)
+    })
+}
+
+/// Applies the deferred commits of `replay` (u32 `[batch]`) to pool rows `slots` alone (no new
+/// tokens): each row's window takes that many of its slot's stashed inputs.
+pub fn replay_pooled(
+    pool: &Tensor,
+    stash: &Tensor,
+    slots: &Tensor,
+    replay: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let op = "conv1d::replay_pooled";
+    let deferred = crate::Deferred {
+        slots,
+        replay,
+        stash,
+        verify: false,
+    };
+    let b = slots.dims1()?;
+    check_pool(op, pool, pool.dtype(), &deferred, b, 0)?;
+    #[cfg(feature = "cuda")]
+    if pool.device().is_cuda() {
+        let k = pool.dim(2)? + 1;
+        return cuda::conv1d_pooled(None, None, pool, &deferred, k, policy).map(|_| ());
+    }
+    let _ = policy;
+    let ids = slots.to_vec1::<u32>()?;
+    let counts = deferred.host_replay()?;
+    crate::on_pool_rows(op, pool, slots, |own| {
+        let after = replayed_windows(own, stash, &ids, &counts)?;
+        own.slice_set(&after, 0, 0)?;
+        Ok(())
+    })
+}
+
+/// Checks a pool of windows and its stash for a pass of `tokens` new tokens per sequence.
+fn check_pool(
+    op: &'static str,
+    pool: &Tensor,
+    dtype: candle_core::DType,
+    deferred: &crate::Deferred,
+    batch: usize,
+    tokens: usize,
+) -> Result<()> {
+    if pool.rank() != 3 || !pool.is_contiguous() || pool.dtype() != dtype {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the pool must be a contiguous {dtype:?} [pool, channels, kernel-1], found {:?} {:?}",
+                pool.dtype(),
+                pool.dims()
+            ),
+        });
+    }
+    deferred.check(op, batch, pool.dim(0)?, tokens)?;
+    let (rows, channels, _) = pool.dims3()?;
+    let stash = deferred.stash;
+    if stash.rank() != 3 || stash.dim(2)? != channels || stash.dtype() != dtype {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the stash must be {dtype:?} [{rows}, tokens, {channels}], found {:?} {:?}",
+                stash.dtype(),
+                stash.dims()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The CPU form's windows `own: [batch, channels, kernel-1]` after each row's `replay[i]`
+/// stashed inputs of slot `slots[i]`.
+fn replayed_windows(own: &Tensor, stash: &Tensor, slots: &[u32], replay: &[u32]) -> Result<Tensor> {
+    let hist = own.dim(2)?;
+    let rows = slots
+        .iter()
+        .zip(replay)
+        .enumerate()
+        .map(|(i, (&slot, &n))| {
+            let w = own.narrow(0, i, 1)?;
+            if n == 0 {
+                return Ok(w);
+            }
+            // [1, channels, n] of the stashed inputs, after the window: its last kernel-1.
+            let inputs = stash
+                .narrow(0, slot as usize, 1)?
+                .narrow(1, 0, n as usize)?
+                .transpose(1, 2)?;
+            let all = Tensor::cat(&[&w, &inputs], 2)?;
+            Ok(all.narrow(2, all.dim(2)? - hist, hist)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // A copy: the caller writes it back into `own`.
+    Ok(Tensor::cat(&rows, 0)?.contiguous()?.copy()?)
+}
+
 /// One decode step: `x: [batch, channels]`, `state: [batch, channels, kernel-1]`.
 /// Returns `(y: [batch, channels], new_state)`.
 pub fn causal_conv1d_step(
@@ -308,6 +453,60 @@ mod tests {
             let err = causal_conv1d_in_place(&x, &w, &pool, Some(&bad), None, P).unwrap_err();
             assert!(err.to_string().contains(msg), "{err}");
         }
+        Ok(())
+    }
+
+    /// Deferred commits over a pool of windows (CPU): a verify gives the plain conv's outputs
+    /// and leaves its slots' windows; the next pass, replaying `n` of each slot's stashed inputs,
+    /// runs from the window after them, and so does a replay alone; other rows stay.
+    #[test]
+    fn deferred_commits_replay_exactly_the_accepted_inputs() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, t, c, k) = (2, 3, 5, 4);
+        let x = Tensor::new(rand_vec(b * t * c, 27), &dev)?.reshape((b, t, c))?;
+        let w = Tensor::new(rand_vec(c * k, 28), &dev)?.reshape((c, k))?;
+        let pool0 = Tensor::new(rand_vec(4 * c * 3, 29), &dev)?.reshape((4, c, 3))?;
+        let pool = pool0.copy()?;
+        let slots = Tensor::new(&[3u32, 1], &dev)?;
+        let stash = new_stash(&pool, 4)?;
+        let pass = |x: &Tensor, replay: &[u32], verify: bool| {
+            let replay = Tensor::new(replay, &dev)?;
+            let d = crate::Deferred {
+                slots: &slots,
+                replay: &replay,
+                stash: &stash,
+                verify,
+            };
+            causal_conv1d_pooled(x, &w, &pool, &d, P)
+        };
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        };
+        let own0 = pool0.index_select(&slots, 0)?;
+        let (y_want, _) = causal_conv1d(&x, &w, Some(&own0), P)?;
+        assert_eq!(diff(&pass(&x, &[0, 0], true)?, &y_want)?, 0.0);
+        assert_eq!(diff(&pool, &pool0)?, 0.0, "a verify leaves the windows");
+        let x2 = Tensor::new(rand_vec(b * c, 30), &dev)?.reshape((b, 1, c))?;
+        let y2 = pass(&x2, &[1, 3], false)?;
+        for (i, (keep, slot)) in [(1usize, 3usize), (3, 1)].into_iter().enumerate() {
+            let (_, after) = causal_conv1d(
+                &x.narrow(0, i, 1)?.narrow(1, 0, keep)?,
+                &w,
+                Some(&own0.narrow(0, i, 1)?),
+                P,
+            )?;
+            let (y, s) = causal_conv1d(&x2.narrow(0, i, 1)?, &w, Some(&after), P)?;
+            assert_eq!(diff(&y2.narrow(0, i, 1)?, &y)?, 0.0, "row {i}");
+            assert_eq!(diff(&pool.get(slot)?, &s.get(0)?)?, 0.0, "slot {slot}");
+        }
+        for untouched in [0, 2] {
+            assert_eq!(diff(&pool.get(untouched)?, &pool0.get(untouched)?)?, 0.0);
+        }
+        let before = pool.index_select(&slots, 0)?;
+        pass(&x, &[0, 0], true)?;
+        replay_pooled(&pool, &stash, &slots, &Tensor::new(&[2u32, 2], &dev)?, P)?;
+        let (_, after) = causal_conv1d(&x.narrow(1, 0, 2)?, &w, Some(&before), P)?;
+        assert_eq!(diff(&pool.index_select(&slots, 0)?, &after)?, 0.0);
         Ok(())
     }
 }

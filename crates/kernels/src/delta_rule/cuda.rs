@@ -175,6 +175,16 @@ struct Pool<'a> {
     rows: usize,
 }
 
+/// The deferred-commit arguments of the recurrent kernel (see [`crate::Deferred`]): the replay
+/// counts, the stash (`[rows, tmax, hv·tiles, dk + BV + 2]` f32) and whether the pass stashes its
+/// tokens (a verify).
+struct Stash<'a, 'v> {
+    replay: &'a Tensor,
+    stash: &'a mut CudaViewMut<'v, f32>,
+    tmax: usize,
+    verify: bool,
+}
+
 /// Runs the recurrent kernel (`gdn_recurrent_*` or `gdn_fused_*`, see [`KernelInputs`]).
 /// With `in_place` (a state buffer of `[rows, hv, dk, dv]` f32 and its [`Pool`], and `inp.state`
 /// None) the kernel starts from that buffer and writes the final state back into it; the
@@ -188,6 +198,7 @@ fn launch_recurrent<T: CudaDType>(
     scale: f32,
     keep: Keep,
     in_place: Option<(&mut CudaViewMut<'_, f32>, Pool)>,
+    deferred: Option<Stash>,
     policy: &KernelPolicy,
 ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let dev = device(op, inp.q.0)?;
@@ -208,6 +219,7 @@ fn launch_recurrent<T: CudaDType>(
     };
     let pool = in_place.as_ref().map(|(_, p)| *p);
     let slot_guard = pool.and_then(|p| p.slots).map(|s| s.storage_and_layout());
+    let replay_guard = deferred.as_ref().map(|d| d.replay.storage_and_layout());
     with_views::<T, _>(op, &inp, |v| {
         let func = GDN.func(&dev, &name)?;
         let mut lb = KernelCall::new(&dev, &func, policy);
@@ -247,6 +259,18 @@ fn launch_recurrent<T: CudaDType>(
         };
         let rows = pool.map_or(d.b, |p| p.rows) as i32;
         lb.arg(&rows);
+        let replay_view = match &replay_guard {
+            Some((rs, rl)) => Some(view::<u32>(op, rs, rl)?),
+            None => None,
+        };
+        let (tmax, stash_new) = deferred
+            .as_ref()
+            .map_or((0, 0), |d| (d.tmax as i32, i32::from(d.verify)));
+        match (&replay_view, deferred) {
+            (Some(rv), Some(d)) => lb.arg(rv).arg(d.stash),
+            _ => lb.arg(&v.null).arg(&v.null),
+        };
+        lb.arg(&tmax).arg(&stash_new);
         let cfg = state_column_blocks(d);
         // SAFETY: the argument list matches the kernel's signature in cuda/gdn.cu (the shared
         // input prefix, the initial state or null, then the outputs, the in-place flag, i32
@@ -256,7 +280,10 @@ fn launch_recurrent<T: CudaDType>(
         // f32, which the kernel reads before it writes (each thread its own elements; rows
         // slots[i] < rows, distinct by the caller's duty, else row i < b = rows), the caller's
         // buffer for every token's state (`Keep::Into`, b·t·hv·dk·dv f32: checked by the caller,
-        // disjoint from the state), and null (0) is passed only where the kernel tests for it.
+        // disjoint from the state), the replay counts [b] u32 and the stash (`Stash`, checked by
+        // the caller: rows·tmax·hv·tiles·(dk + BV + 2) f32, replay counts and t at most tmax, each
+        // block reading and writing only its own records) or nulls, and null (0) is passed only
+        // where the kernel tests for it.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(())
     })?;
@@ -665,7 +692,7 @@ pub(crate) fn recurrent(
     let name = format!("gdn_recurrent_f32_r{}", rows_variant(op, d.dk)?);
     let x = SeparateF32::new(inputs, state)?;
     let keep = Keep::fresh(keep_all_states);
-    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep, None, policy).map(fresh_output)
+    launch_recurrent::<f32>(op, name, d, x.inputs(d), scale, keep, None, None, policy).map(fresh_output)
 }
 
 /// The fused kernels' inputs in the layout they read: `qkv` contiguous, `a`/`b` as rows
@@ -775,7 +802,8 @@ pub(crate) fn fused(
             let name = args.recurrent_kernel(op, d)?;
             macro_rules! go {
                 ($t:ty) => {
-                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, None, policy).map(fresh_output)
+                    launch_recurrent::<$t>(op, name, d, inp, scale, keep, None, None, policy)
+                        .map(fresh_output)
                 };
             }
             for_float_dtype!(op, dt)
@@ -825,6 +853,7 @@ pub(crate) fn fused_in_place(
                         scale,
                         keep,
                         Some((&mut view, pool)),
+                        None,
                         policy,
                     )
                 };
@@ -839,4 +868,150 @@ pub(crate) fn fused_in_place(
         state: state.clone(),
         all_states: all_states.cloned(),
     })
+}
+
+/// CUDA twin of [`super::fused_gated_delta_rule_pooled`] (shapes checked by the caller): the
+/// in-place recurrent kernel over the pool's rows with deferred commits. Returns the read-out.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused_pooled(
+    d: Launch,
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    layer: GdnParams,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let op = "fused_gated_delta_rule_pooled";
+    let args = FusedArgs::new(d, qkv, a, b, layer)?;
+    let name = args.recurrent_kernel(op, d)?;
+    let dt = args.qkv.dtype();
+    let inp = args.inputs(d, None);
+    recurrent_pooled(op, name, d, Some(inp), dt, pool, deferred, policy)
+}
+
+/// CUDA twin of [`super::replay_pooled`]: the recurrent kernel with no new tokens.
+pub(crate) fn replay_pooled(
+    d: Launch,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let op = "delta_rule::replay_pooled";
+    let name = format!("gdn_fused_f32_r{}", rows_variant(op, d.dk)?);
+    recurrent_pooled(op, name, d, None, DType::F32, pool, deferred, policy).map(|_| ())
+}
+
+/// The recurrent kernel `name` in place over rows `deferred.slots` of `pool` with deferred
+/// commits, on `inp` (activation dtype `dt`) or, without inputs, no new tokens (`d.t` 0).
+#[allow(clippy::too_many_arguments)]
+fn recurrent_pooled(
+    op: &'static str,
+    name: String,
+    d: Launch,
+    inp: Option<KernelInputs>,
+    dt: DType,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let slots = deferred.slots.contiguous()?;
+    let replay = deferred.replay.contiguous()?;
+    let rows = Pool {
+        slots: Some(&slots),
+        rows: pool.dim(0)?,
+    };
+    let tmax = deferred.stash.dim(1)?;
+    let scale = (d.dk as f32).powf(-0.5);
+    with_out_buffer::<f32, _>(op, Some(deferred.stash), |stash| {
+        let stash = stash.expect("a stash buffer");
+        let mut out = None;
+        in_place(op, pool, |st, range| {
+            let mut view = st.as_cuda_slice_mut::<f32>()?.slice_mut(range);
+            let deferred = Some(Stash {
+                replay: &replay,
+                stash,
+                tmax,
+                verify: deferred.verify,
+            });
+            let Some(inp) = inp else {
+                launch_replay(op, &name, d, scale, &mut view, rows, deferred, policy)?;
+                return Ok(());
+            };
+            macro_rules! go {
+                ($t:ty) => {
+                    launch_recurrent::<$t>(
+                        op,
+                        name,
+                        d,
+                        inp,
+                        scale,
+                        Keep::No,
+                        Some((&mut view, rows)),
+                        deferred,
+                        policy,
+                    )
+                };
+            }
+            out = Some(for_float_dtype!(op, dt)?.0);
+            Ok(())
+        })?;
+        Ok(out)
+    })
+    .and_then(|out| match out {
+        Some(out) => Ok(out),
+        None => Ok(Tensor::zeros((d.b, 0, d.hv, d.dv), DType::F32, pool.device())?),
+    })
+}
+
+/// The recurrent kernel with no new tokens (`d.t` 0): each row of the pool takes its replayed
+/// records alone.
+#[allow(clippy::too_many_arguments)]
+fn launch_replay(
+    op: &'static str,
+    name: &str,
+    d: Launch,
+    scale: f32,
+    state: &mut CudaViewMut<'_, f32>,
+    pool: Pool,
+    deferred: Option<Stash>,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let (Some(slots), Some(deferred)) = (pool.slots, deferred) else {
+        return Err(err(op, "a replay needs slots and a stash"));
+    };
+    let dev = device(op, slots)?;
+    let func = GDN.func(&dev, name)?;
+    let mut lb = KernelCall::new(&dev, &func, policy);
+    let (null, zero64, zero, one) = (0u64, 0i64, 0i32, 1i32);
+    // q, k, v, their strides, a, b, their stride, a_log, dt_bias, the initial state, the output.
+    lb.arg(&null).arg(&null).arg(&null).arg(&zero64).arg(&zero64);
+    lb.arg(&null).arg(&null).arg(&zero64).arg(&null).arg(&null);
+    lb.arg(&null).arg(&null);
+    lb.arg(state).arg(&null).arg(&one).arg(&zero);
+    let dims = [d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32];
+    for x in &dims {
+        lb.arg(x);
+    }
+    let eps = 1e-6f32;
+    lb.arg(&scale).arg(&eps);
+    let (ss, sl) = slots.storage_and_layout();
+    let sv = view::<u32>(op, &ss, sl)?;
+    let (rs, rl) = deferred.replay.storage_and_layout();
+    let rv = view::<u32>(op, &rs, rl)?;
+    let (rows, tmax, stash_new) = (pool.rows as i32, deferred.tmax as i32, 0i32);
+    lb.arg(&sv)
+        .arg(&rows)
+        .arg(&rv)
+        .arg(deferred.stash)
+        .arg(&tmax)
+        .arg(&stash_new);
+    // SAFETY: the argument list matches `gdn_fused_f32_r*` in cuda/gdn.cu with no new tokens (T
+    // 0: q, k, v, a, b, a_log, dt_bias, the initial state and the output are never read or
+    // written, so nulls), the pool [rows·hv·dk·dv] f32 in place (flag 1), the slots and replay
+    // counts [b] u32 (rows below `rows`, distinct; counts at most tmax: the caller's duty), the
+    // stash [rows·tmax·hv·tiles·(dk + BV + 2)] f32 read by each block for its own records only.
+    unsafe { lb.launch(state_column_blocks(d)) }.w()?;
+    Ok(())
 }

@@ -337,6 +337,202 @@ pub fn fused_gated_delta_rule_in_place(
     })
 }
 
+/// The stash of a pool of recurrent states (`[pool, Hv, dk, dv]` f32) for
+/// [`fused_gated_delta_rule_pooled`], for verifies of up to `tokens` tokens over activations of
+/// `dtype`: `[pool, tokens, ...]`, zeroed. On CUDA each token keeps, per (value head, tile of
+/// `GDN_BV` state columns), the normalised k row, the tile's v, the decay and beta in f32 (what
+/// the kernel's blocks read back, each its own); on the CPU the token's raw qkv, a and b rows in
+/// `dtype`.
+pub fn new_stash(pool: &Tensor, tokens: usize, heads: GdnHeads, dtype: DType) -> Result<Tensor> {
+    let (dims, dtype) = new_stash_dims(pool.dim(0)?, tokens, heads, dtype, pool.device().is_cuda());
+    Ok(Tensor::zeros(dims, dtype, pool.device())?)
+}
+
+/// Bytes of one slot's row of [`new_stash`] for verifies of `tokens` tokens, on CUDA (`cuda`)
+/// or the CPU.
+pub fn stash_bytes(heads: GdnHeads, dtype: DType, tokens: usize, cuda: bool) -> u64 {
+    let (dims, dt) = new_stash_dims(1, tokens, heads, dtype, cuda);
+    dims.iter().product::<usize>() as u64 * dt.size_in_bytes() as u64
+}
+
+/// [`fused_gated_delta_rule_in_place`] over rows of a pool of states with deferred commits
+/// ([`crate::Deferred`]): each sequence's state first takes the tokens its slot's last verify
+/// stashed (`replay` of them); a verify then leaves that state in the pool and stashes its own
+/// tokens, a decode step advances it over them too. Returns the read-out `[batch, len, Hv, dv]`
+/// f32 of the new tokens, from the state after the replayed ones.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_gated_delta_rule_pooled(
+    qkv: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    layer: GdnParams,
+    pool: &Tensor,
+    deferred: &crate::Deferred,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    let op = "fused_gated_delta_rule_pooled";
+    let (batch, t, _) = qkv.dims3()?;
+    check_pool(op, pool, qkv.dtype(), layer.heads, deferred, batch, t)?;
+    let per_seq = crate::state_per_sequence(op, pool, Some(deferred.slots), batch)?;
+    let d = check_fused(op, qkv, a, b, layer.heads, Some(&per_seq))?;
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        return cuda::fused_pooled(d, qkv, a, b, layer, pool, deferred, policy);
+    }
+    let _ = d;
+    let mode = DeltaRuleMode::Recurrent {
+        keep_all_states: false,
+    };
+    let slots = deferred.slots.to_vec1::<u32>()?;
+    let replay = deferred.host_replay()?;
+    crate::on_pool_rows(op, pool, deferred.slots, |own| {
+        replay_rows(own, deferred.stash, &slots, &replay, layer, policy)?;
+        let r = fused_gated_delta_rule(qkv, a, b, layer, Some(own), mode, policy)?;
+        if deferred.verify {
+            let tokens = Tensor::cat(&[qkv, &a.to_dtype(qkv.dtype())?, &b.to_dtype(qkv.dtype())?], 2)?;
+            for (i, &slot) in slots.iter().enumerate() {
+                crate::stash_tokens(deferred.stash, slot, &tokens.get(i)?)?;
+            }
+        } else {
+            own.slice_set(&r.state, 0, 0)?;
+        }
+        Ok(r.out)
+    })
+}
+
+/// Applies the deferred commits of `replay` (u32 `[batch]`) to pool rows `slots` alone (no new
+/// tokens): each row's state takes that many of its slot's stashed tokens.
+pub fn replay_pooled(
+    layer: GdnParams,
+    pool: &Tensor,
+    stash: &Tensor,
+    slots: &Tensor,
+    replay: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let op = "delta_rule::replay_pooled";
+    let deferred = crate::Deferred {
+        slots,
+        replay,
+        stash,
+        verify: false,
+    };
+    let batch = slots.dims1()?;
+    let dtype = if pool.device().is_cuda() {
+        DType::F32
+    } else {
+        stash.dtype()
+    };
+    check_pool(op, pool, dtype, layer.heads, &deferred, batch, 0)?;
+    #[cfg(feature = "cuda")]
+    if pool.device().is_cuda() {
+        let h = layer.heads;
+        let d = Dims {
+            b: batch,
+            t: 0,
+            hk: h.k_heads,
+            hv: h.v_heads,
+            dk: h.k_dim,
+            dv: h.v_dim,
+        };
+        return cuda::replay_pooled(d, pool, &deferred, policy);
+    }
+    let ids = slots.to_vec1::<u32>()?;
+    let counts = deferred.host_replay()?;
+    crate::on_pool_rows(op, pool, slots, |own| {
+        replay_rows(own, stash, &ids, &counts, layer, policy)
+    })
+}
+
+/// The CPU form's states `own: [batch, Hv, dk, dv]` advanced, row by row, over `replay[i]` of
+/// slot `slots[i]`'s stashed tokens (raw qkv|a|b rows), as the pass that stashed them ran them.
+fn replay_rows(
+    own: &Tensor,
+    stash: &Tensor,
+    slots: &[u32],
+    replay: &[u32],
+    layer: GdnParams,
+    policy: &KernelPolicy,
+) -> Result<()> {
+    let h = layer.heads;
+    let width = 2 * h.k_heads * h.k_dim + h.v_heads * h.v_dim;
+    let mode = DeltaRuleMode::Recurrent {
+        keep_all_states: false,
+    };
+    for (i, (&slot, &n)) in slots.iter().zip(replay).enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let rows = stash.narrow(0, slot as usize, 1)?.narrow(1, 0, n as usize)?;
+        let (qkv, a, b) = (
+            rows.narrow(2, 0, width)?,
+            rows.narrow(2, width, h.v_heads)?,
+            rows.narrow(2, width + h.v_heads, h.v_heads)?,
+        );
+        let state = own.narrow(0, i, 1)?;
+        let r = fused_gated_delta_rule(&qkv, &a, &b, layer, Some(&state), mode, policy)?;
+        own.slice_set(&r.state, 0, i)?;
+    }
+    Ok(())
+}
+
+/// Checks a pool of states and its stash (as [`new_stash`] makes them for `heads` over
+/// activations of `dtype`) for a pass of `tokens` new tokens per sequence.
+fn check_pool(
+    op: &'static str,
+    pool: &Tensor,
+    dtype: DType,
+    heads: GdnHeads,
+    deferred: &crate::Deferred,
+    batch: usize,
+    tokens: usize,
+) -> Result<()> {
+    if !pool.is_contiguous() || pool.dtype() != DType::F32 || pool.rank() != 4 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the pool must be contiguous f32 [pool, Hv, dk, dv], found {:?} {:?}",
+                pool.dtype(),
+                pool.dims()
+            ),
+        });
+    }
+    let rows = pool.dim(0)?;
+    let held = deferred.check(op, batch, rows, tokens)?;
+    let want = new_stash_dims(rows, held, heads, dtype, pool.device().is_cuda());
+    let stash = deferred.stash;
+    if stash.dims() != want.0 || stash.dtype() != want.1 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the stash must be {:?} {:?}, found {:?} {:?}",
+                want.1,
+                want.0,
+                stash.dtype(),
+                stash.dims()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The dims and dtype [`new_stash`] gives.
+fn new_stash_dims(
+    rows: usize,
+    tokens: usize,
+    heads: GdnHeads,
+    dtype: DType,
+    cuda: bool,
+) -> (Vec<usize>, DType) {
+    if cuda {
+        let tiles = heads.v_dim.div_ceil(crate::consts::GDN_BV);
+        let rec = heads.k_dim + crate::consts::GDN_BV + 2;
+        return (vec![rows, tokens, heads.v_heads * tiles, rec], DType::F32);
+    }
+    let width = 2 * heads.k_heads * heads.k_dim + heads.v_heads * heads.v_dim + 2 * heads.v_heads;
+    (vec![rows, tokens, width], dtype)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -682,6 +878,126 @@ mod tests {
                 .unwrap_err();
             assert!(err.to_string().contains(msg), "{err}");
         }
+        Ok(())
+    }
+
+    /// Deferred commits over a pool (CPU): a verify returns what the plain recurrent pass gives
+    /// and leaves its slots' states as they were; the next pass, replaying the first `n` of each
+    /// slot's stashed tokens, runs from exactly the state after them (bits), and so does a
+    /// replay alone; other rows stay; replays past the stash and verifies longer than it are
+    /// refused by name.
+    #[test]
+    fn deferred_commits_replay_exactly_the_accepted_tokens() -> Result<()> {
+        let dev = Device::Cpu;
+        let heads = GdnHeads {
+            k_heads: 1,
+            v_heads: 2,
+            k_dim: 4,
+            v_dim: 4,
+        };
+        let width = 2 * 4 + 2 * 4;
+        let (b, t) = (2, 3);
+        let qkv = qwen36_testutil::randn(321, 1.0, (b, t, width), &dev)?;
+        let ab = qwen36_testutil::randn(322, 1.0, (b, t, 4), &dev)?;
+        let (ga, gb) = (ab.narrow(2, 0, 2)?, ab.narrow(2, 2, 2)?);
+        let (a_log, dt_bias) = (
+            Tensor::new(&[0.3f32, -0.2], &dev)?,
+            Tensor::new(&[0.1f32, 0.4], &dev)?,
+        );
+        let layer = GdnParams::new(&a_log, &dt_bias, heads);
+        let pool0 = qwen36_testutil::randn(323, 0.5, (5, 2, 4, 4), &dev)?;
+        let slots = Tensor::new(&[4u32, 0], &dev)?;
+        let pool = pool0.copy()?;
+        let stash = new_stash(&pool, 4, heads, DType::F32)?;
+        let verify = |qkv: &Tensor, ga: &Tensor, gb: &Tensor, replay: &[u32], verify: bool| {
+            let replay = Tensor::new(replay, &dev)?;
+            let d = crate::Deferred {
+                slots: &slots,
+                replay: &replay,
+                stash: &stash,
+                verify,
+            };
+            fused_gated_delta_rule_pooled(qkv, ga, gb, layer, &pool, &d, P)
+        };
+        let all = DeltaRuleMode::Recurrent {
+            keep_all_states: true,
+        };
+        let want = fused_gated_delta_rule(
+            &qkv,
+            &ga,
+            &gb,
+            layer,
+            Some(&pool0.index_select(&slots, 0)?),
+            all,
+            P,
+        )?;
+        let out = verify(&qkv, &ga, &gb, &[0, 0], true)?;
+        assert_eq!(max_diff(&out, &want.out), 0.0);
+        assert_eq!(max_diff(&pool, &pool0), 0.0, "a verify leaves the states");
+        // The next pass (a decode token) keeps 2 of slot 4's verified tokens and all 3 of slot 0's.
+        let keep = [2usize, 3];
+        let qkv2 = qwen36_testutil::randn(324, 1.0, (b, 1, width), &dev)?;
+        let ab2 = qwen36_testutil::randn(325, 1.0, (b, 1, 4), &dev)?;
+        let (ga2, gb2) = (ab2.narrow(2, 0, 2)?, ab2.narrow(2, 2, 2)?);
+        let out2 = verify(&qkv2, &ga2, &gb2, &[2, 3], false)?;
+        let plain = DeltaRuleMode::Recurrent {
+            keep_all_states: false,
+        };
+        let states = want.all_states.expect("kept");
+        for (i, (&k, slot)) in keep.iter().zip([4, 0]).enumerate() {
+            let after = states.get(i)?.get(k - 1)?.unsqueeze(0)?;
+            let row = |x: &Tensor| x.narrow(0, i, 1);
+            let r = fused_gated_delta_rule(
+                &row(&qkv2)?,
+                &row(&ga2)?,
+                &row(&gb2)?,
+                layer,
+                Some(&after),
+                plain,
+                P,
+            )?;
+            assert_eq!(max_diff(&out2.narrow(0, i, 1)?, &r.out), 0.0, "row {i}");
+            assert_eq!(max_diff(&pool.get(slot)?, &r.state.get(0)?), 0.0, "slot {slot}");
+        }
+        for untouched in 1..4 {
+            assert_eq!(max_diff(&pool.get(untouched)?, &pool0.get(untouched)?), 0.0);
+        }
+        // A verify, then its first token alone applied by a replay.
+        let before = pool.copy()?;
+        let out3 = verify(&qkv, &ga, &gb, &[0, 0], true)?;
+        let want3 = fused_gated_delta_rule(
+            &qkv,
+            &ga,
+            &gb,
+            layer,
+            Some(&before.index_select(&slots, 0)?),
+            all,
+            P,
+        )?;
+        assert_eq!(max_diff(&out3, &want3.out), 0.0);
+        replay_pooled(layer, &pool, &stash, &slots, &Tensor::new(&[1u32, 1], &dev)?, P)?;
+        let states = want3.all_states.expect("kept");
+        for (i, slot) in [4usize, 0].into_iter().enumerate() {
+            assert_eq!(
+                max_diff(&pool.get(slot)?, &states.get(i)?.get(0)?),
+                0.0,
+                "slot {slot}"
+            );
+        }
+        let err = verify(&qkv2, &ga2, &gb2, &[5, 0], false).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("cannot replay 5 tokens from a stash of 4"),
+            "{err}"
+        );
+        let long = qwen36_testutil::randn(326, 1.0, (b, 5, width), &dev)?;
+        let ab5 = qwen36_testutil::randn(327, 1.0, (b, 5, 4), &dev)?;
+        let err = verify(&long, &ab5.narrow(2, 0, 2)?, &ab5.narrow(2, 2, 2)?, &[0, 0], true).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a verify of 5 tokens does not fit a stash of 4"),
+            "{err}"
+        );
         Ok(())
     }
 }
