@@ -52,10 +52,9 @@ pub struct PagedCache {
     pub(crate) slots: usize,
     pub(crate) blocks: usize,
     pub(crate) block_size: usize,
-    /// Per slot: the stashed tokens the next pass applies first (its accepted ones).
+    /// Per slot: the stashed tokens the next pass applies first (its accepted ones, at most
+    /// what its last verify stashed).
     pub(crate) replay: Vec<u32>,
-    /// Per slot: the tokens its stash holds (its last verify's), the most it may replay.
-    pub(crate) stashed: Vec<u32>,
     /// The activation dtype (the stashes' inputs).
     dtype: DType,
     /// Tests only: the fault of the model that made it.
@@ -101,7 +100,8 @@ impl PagedCache {
     /// the one before), with nothing left to replay.
     pub fn clear_slot(&mut self, slot: u32) -> Result<()> {
         self.check_slot(slot)?;
-        for (pool, _) in self.slot_rows() {
+        // (Its stash is read only as far as it is to replay: nothing now.)
+        for (pool, _) in self.slot_rows().filter(|(_, stash)| !stash) {
             let row = pool.narrow(0, 0, 1)?.zeros_like()?;
             pool.slice_set(&row, 0, slot as usize)?;
         }
@@ -117,7 +117,6 @@ impl PagedCache {
 
     fn forget(&mut self, slot: u32) {
         self.replay[slot as usize] = 0;
-        self.stashed[slot as usize] = 0;
     }
 
     /// Every pool of the GDN layers that holds a row per slot (windows, states, their stashes),
@@ -158,9 +157,7 @@ impl PagedCache {
             let row = pool.narrow(0, src as usize, 1)?.copy()?;
             pool.slice_set(&row, 0, dst as usize)?;
         }
-        let (s, d) = (src as usize, dst as usize);
-        self.replay[d] = self.replay[s];
-        self.stashed[d] = if pending { self.stashed[s] } else { 0 };
+        self.replay[dst as usize] = self.replay[src as usize];
         Ok(())
     }
 
@@ -343,7 +340,6 @@ impl PagedCache {
             blocks: self.blocks,
             block_size: self.block_size,
             replay: vec![0],
-            stashed: vec![0],
             dtype: self.dtype,
             fault: None,
         })
@@ -409,18 +405,15 @@ impl PagedCache {
                 copied?;
             }
             self.replay[slot as usize] = keep as u32;
-            self.stashed[slot as usize] = len as u32;
         }
         Ok(())
     }
 
-    /// After a forward of `batch`: what each decode and verify chunk replayed is spent, and a
-    /// verify's slot holds its tokens in the stash (none accepted until its commit).
+    /// After a forward of `batch`: what each chunk replayed is spent (a verify's slot holds its
+    /// tokens in the stash, none accepted until its commit).
     pub(crate) fn passed(&mut self, batch: &ForwardBatch) {
         for c in &batch.chunks {
-            let s = c.slot as usize;
-            self.replay[s] = 0;
-            self.stashed[s] = if c.verify { c.tokens.len() as u32 } else { 0 };
+            self.replay[c.slot as usize] = 0;
         }
     }
 
@@ -725,7 +718,6 @@ impl PagedCache {
             blocks,
             block_size,
             replay: vec![0; slots],
-            stashed: vec![0; slots],
             dtype,
             #[cfg(feature = "fault-injection")]
             fault: None,
