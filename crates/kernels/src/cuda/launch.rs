@@ -36,7 +36,7 @@ use crate::KernelPolicy;
 /// Compute capability the PTX was built for (build.rs).
 const PTX_CAP: &str = env!("QWEN36_PTX_CAP");
 /// Most arguments of any kernel in `cuda/*.cu` (flash_prefill: 18).
-const MAX_ARGS: usize = 24;
+const MAX_ARGS: usize = 32;
 
 /// One kernel argument as the 8-byte word the kernel parameter points to.
 pub(crate) trait KernelArg {
