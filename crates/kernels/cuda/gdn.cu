@@ -73,8 +73,12 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     __shared__ float sq[TB][MAXDK], sk[TB][MAXDK], sv[TB][BV];
     // Per staged token: decay exp(g), beta, and the q and k scales (L2 norm, attention scale).
     __shared__ float coef[TB][4];
-    // Partial sums of S^T k and S^T q across the NW warps (two buffers: two barriers per token).
-    __shared__ float red_m[NW][BV], red_o[NW][BV];
+    // Partial sums of S^T k and S^T q across the NW warps. red_m alternates between two buffers
+    // by token: a token's writes then never meet the previous token's reads (a warp writes
+    // buffer t & 1 again at token t + 2, after every warp passed token t + 1's first barrier,
+    // which each reaches only after its reads of token t), so a replayed token, which forms no
+    // output, needs one barrier; a new token's second barrier orders red_o for warp 0.
+    __shared__ float red_m[2][NW][BV], red_o[NW][BV];
 
     float s[ROWS];
     // The state's row: sb (the sequence's slot; -1: none, start from zeros and keep nothing).
@@ -183,12 +187,24 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                     m += s[i] * (sk[tt][r] * ik);
                 }
             }
-            red_m[w][lane] = m;
+            float(&rm)[NW][BV] = red_m[gt & 1];
+            rm[w][lane] = m;
             __syncthreads();
             float mt = 0.f;
 #pragma unroll
-            for (int x = 0; x < NW; x++) mt += red_m[x][lane];
+            for (int x = 0; x < NW; x++) mt += rm[x][lane];
             const float delta = beta * (sv[tt][lane] - mt);
+            if (gt < P) {
+                // A replayed token: the state's update alone, the same operations as below.
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) {
+                    const int r = w + NW * i;
+                    if (r < dk) s[i] += (sk[tt][r] * ik) * delta;
+                }
+                // The last replayed token of a verify: the state its commit keeps.
+                if (stash_new && gt == P - 1) write_state();
+                continue;
+            }
             float o = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
@@ -199,13 +215,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                 }
             }
             red_o[w][lane] = o;
-            // Also orders this token's reads of red_m before the next token's writes.
             __syncthreads();
-            if (gt < P) {
-                // The last replayed token of a verify: the state its commit keeps.
-                if (stash_new && gt == P - 1) write_state();
-                continue;
-            }
             const long bt = (long)b * T + gt - P;
             if (w == 0 && col_ok) {
                 float ot = 0.f;
@@ -356,7 +366,7 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
     float wt[8], win[8];  // win[0..H): the last H inputs, oldest first
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        wt[j] = j < K ? to_f(w[(long)c * K + j]) : 0.f;
+        wt[j] = j < K && w != nullptr ? to_f(w[(long)c * K + j]) : 0.f;  // no weights: a replay alone
         const T held = (j < H && sb >= 0) ? st[((long)sb * C + c) * H + j] : from_f<T>(0.f);
         win[j] = j < H ? to_f(held) : 0.f;
         if (wo != nullptr && j < H) wo[j] = held;

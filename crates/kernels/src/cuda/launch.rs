@@ -35,7 +35,7 @@ use crate::KernelPolicy;
 
 /// Compute capability the PTX was built for (build.rs).
 const PTX_CAP: &str = env!("QWEN36_PTX_CAP");
-/// Most arguments of any kernel in `cuda/*.cu` (flash_prefill: 18).
+/// Most arguments of any kernel in `cuda/*.cu` (the recurrent GDN kernels: 28).
 const MAX_ARGS: usize = 32;
 
 /// One kernel argument as the 8-byte word the kernel parameter points to.
