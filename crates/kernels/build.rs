@@ -1,4 +1,4 @@
-//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation,copy}.cu to PTX with nvcc (from $NVCC or PATH) for
+//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation}.cu to PTX with nvcc (from $NVCC or PATH) for
 //! compute capability $CUDA_COMPUTE_CAP (default 80: the PTX then also JIT-compiles for Hopper),
 //! with the sizes of src/consts.rs as `qwen36_consts.cuh` (the crate includes the same table).
 use std::{env, fmt::Write, path::PathBuf, process::Command};
@@ -31,15 +31,7 @@ fn consts_header() -> String {
 }
 
 /// The kernel sources, each compiled to `<name>.ptx`.
-const KERNELS: [&str; 7] = [
-    "gdn",
-    "norm",
-    "linear",
-    "attention",
-    "argmax",
-    "activation",
-    "copy",
-];
+const KERNELS: [&str; 6] = ["gdn", "norm", "linear", "attention", "argmax", "activation"];
 
 fn main() {
     println!("cargo:rerun-if-changed=src/consts.rs");

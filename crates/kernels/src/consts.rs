@@ -69,9 +69,6 @@ kernel_consts! {
     // Threads per row of the causal softmax.
     SOFTMAX_THREADS = 256;
 
-    // Row copies (cuda/copy.cu): threads per block, elements per block.
-    COPY_THREADS = 256;
-    COPY_TILE = 4096;
 
     // Argmax (cuda/argmax.cu): threads per block, elements of a row one block reduces first.
     ARGMAX_THREADS = 256;

@@ -14,7 +14,6 @@ pub mod argmax;
 pub mod attention;
 pub mod collective;
 pub mod conv1d;
-pub mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod delta_rule;

@@ -1645,43 +1645,6 @@ fn decode_attention_rows_are_batch_invariant() {
     }
 }
 
-/// The row-copy kernel against the CPU form: whole rows (a commit's recurrent states) and
-/// windows of the last dim (its conv windows), bit for bit, other rows untouched; a copy whose
-/// rows fall outside the pools is skipped.
-#[test]
-fn copy_rows_matches_cpu() {
-    use qwen36_kernels::copy::copy_rows;
-    let d = gpu();
-    let cpu = Device::Cpu;
-    let idx = |v: &[u32]| Tensor::new(v, &cpu).unwrap();
-    let on = |x: &Tensor| x.to_device(&d).unwrap();
-    for dt in [DType::F32, DType::BF16] {
-        for (src_dims, dst_dims, cols) in [
-            ((6, 48, 128), (5, 48, 128), None),
-            ((3, 700, 7), (4, 700, 3), Some(idx(&[4, 1, 2]))),
-        ] {
-            let src = randn(1.0, src_dims, dt);
-            let dst = randn(1.0, dst_dims, dt);
-            let (drows, srows) = (idx(&[3, 0, 1]), idx(&[2, 2, 0]));
-            let want = dst.copy().unwrap();
-            copy_rows(&want, &src, &drows, &srows, cols.as_ref(), P).unwrap();
-            let got = on(&dst);
-            let cols_d = cols.as_ref().map(on);
-            copy_rows(&got, &on(&src), &on(&drows), &on(&srows), cols_d.as_ref(), P).unwrap();
-            assert_eq!(max_diff(&got, &want), 0.0, "{dt:?} {dst_dims:?}");
-            // A destination row past the pool: that copy is skipped, the others land.
-            let got = on(&dst);
-            let outside = idx(&[3, 9, 1]);
-            copy_rows(&got, &on(&src), &on(&outside), &on(&srows), cols_d.as_ref(), P).unwrap();
-            let want = dst.copy().unwrap();
-            let (d2, s2) = (idx(&[3, 1]), idx(&[2, 0]));
-            let c2 = cols.as_ref().map(|_| idx(&[4, 2]));
-            copy_rows(&want, &src, &d2, &s2, c2.as_ref(), P).unwrap();
-            assert_eq!(max_diff(&got, &want), 0.0, "{dt:?} {dst_dims:?}: outside skipped");
-        }
-    }
-}
-
 /// The pool KV write kernel against candle's scatter on the CPU: bit-exact rows, a value view
 /// with strides, the rows around left alone.
 #[test]

@@ -46,8 +46,6 @@ pub(crate) static ATTENTION: Ptx = ptx!("attention");
 pub(crate) static ARGMAX: Ptx = ptx!("argmax");
 /// cuda/activation.cu: SwiGLU.
 pub(crate) static ACTIVATION: Ptx = ptx!("activation");
-/// cuda/copy.cu: row copies between pools.
-pub(crate) static COPY: Ptx = ptx!("copy");
 
 impl Ptx {
     /// Kernel `name` of this module on `dev`.
