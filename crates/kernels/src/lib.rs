@@ -78,7 +78,22 @@ pub struct Deferred<'a> {
     pub verify: bool,
 }
 
-impl Deferred<'_> {
+impl<'a> Deferred<'a> {
+    /// A pass of no new tokens over pool rows `slots`: each applies `replay` of its stashed
+    /// tokens (the `replay_pooled` ops).
+    pub fn replay_only(
+        slots: &'a candle_core::Tensor,
+        replay: &'a candle_core::Tensor,
+        stash: &'a candle_core::Tensor,
+    ) -> Self {
+        Self {
+            slots,
+            replay,
+            stash,
+            verify: false,
+        }
+    }
+
     /// Checks the tables against a batch of `batch` sequences over a pool of `pool` rows and a
     /// pass of `tokens` new tokens; returns the stash's tokens per slot.
     pub(crate) fn check(&self, op: &'static str, batch: usize, pool: usize, tokens: usize) -> Result<usize> {

@@ -194,12 +194,7 @@ pub fn replay_pooled(
     policy: &KernelPolicy,
 ) -> Result<()> {
     let op = "conv1d::replay_pooled";
-    let deferred = crate::Deferred {
-        slots,
-        replay,
-        stash,
-        verify: false,
-    };
+    let deferred = crate::Deferred::replay_only(slots, replay, stash);
     let b = slots.dims1()?;
     check_pool(op, pool, pool.dtype(), &deferred, b, 0)?;
     #[cfg(feature = "cuda")]

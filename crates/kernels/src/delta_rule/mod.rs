@@ -411,12 +411,7 @@ pub fn replay_pooled(
     policy: &KernelPolicy,
 ) -> Result<()> {
     let op = "delta_rule::replay_pooled";
-    let deferred = crate::Deferred {
-        slots,
-        replay,
-        stash,
-        verify: false,
-    };
+    let deferred = crate::Deferred::replay_only(slots, replay, stash);
     let batch = slots.dims1()?;
     let dtype = if pool.device().is_cuda() {
         DType::F32
