@@ -603,30 +603,32 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
     return v;
 }
 
-// Weights on tensor cores in the products' own layout, for 1..8 rows of 16-bit activations: FP8
+// Weights on tensor cores in the products' own layout, for 1..8·NT rows of 16-bit activations: FP8
 // weights (W8) or weights of x's type. A block of WARPS warps makes 16 output columns (weight rows
 // n0..n0+15) for all M rows of x, the weights as m16n8k16's A (16 weight rows by 16 k) and x as
-// its B (16 k by 8 rows of x, columns M..7 zero). A k step covers 64 elements: lane (g, t) loads
-// elements 16(4s + t)..+15 of weight rows n0 + g and n0 + g + 8 (one 16-byte vector of FP8, two of
-// 16-bit weights) and the same 16 elements of x's row g, and its four products take elements
-// 4j..4j+3 of them (j = 0..3) as its A and B k slots 2t, 2t+1, 2t+8, 2t+9: both operands list
-// the same elements in the same slots, so each product sums 16 of the step's elements and the
-// four products all 64. Each weight byte is loaded (and decoded) once; x's bytes once per 16
-// weight rows. FP8: a step lies in one column block (bi a multiple of 64), so its products start
-// from zero and join the f32 sums times the block's scales; 16-bit weights accumulate in the
-// products. Warp w takes U = 16 / WARPS consecutive steps from step U·w, then the same 16 steps
-// further, and so on; the warps' sums are added in warp order at the end. The rows of x are
-// batch-invariant: each sees the same operations in the same order whatever M is (the tensor
-// cores compute each column of a product on its own, and the zero columns add nothing to the
-// others).
-template <typename T, bool W8, int M, int WARPS>
+// its B, one n-tile per 8 rows of x (rows 8j..8j+7 in n-tile j, rows past M zero). A k step
+// covers 64 elements: lane (g, t) loads elements 16(4s + t)..+15 of weight rows n0 + g and
+// n0 + g + 8 (one 16-byte vector of FP8, two of 16-bit weights) and the same 16 elements of x's
+// rows g + 8j, and its four products per n-tile take elements 4i..4i+3 of them (i = 0..3) as
+// its A and B k slots 2t, 2t+1, 2t+8, 2t+9: both operands list the same elements in the same
+// slots, so each product sums 16 of the step's elements and the four products all 64. Each weight
+// byte is loaded (and decoded) once; x's bytes once per 16 weight rows. FP8: a step lies in one
+// column block (bi a multiple of 64), so its products start from zero and join the f32 sums times
+// the block's scales; 16-bit weights accumulate in the products. Warp w takes U = 16 / WARPS
+// consecutive steps from step U·w, then the same 16 steps further, and so on; the warps' sums are
+// added in warp order at the end. The rows of x are batch-invariant: each sees the same
+// operations in the same order whatever M and NT are (the tensor cores compute each column of a
+// product on its own, the zero columns add nothing to the others, and an n-tile's products do
+// not depend on the other n-tiles).
+template <typename T, bool W8, int NT, int WARPS>
 __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
-                            const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
-    static_assert(sizeof(T) == 2 && M >= 1 && M <= 8, "16-bit activations, 1..8 rows");
+                            const T* __restrict__ res, T* __restrict__ y, int M, int N, int K, int bo, int bi) {
+    static_assert(sizeof(T) == 2 && NT >= 1 && NT <= TILE_MAX_NT, "16-bit activations, 1..8·TILE_MAX_NT rows");
     static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
+    static_assert(WARPS * NT * 32 * 4 * 4 <= 48 * 1024, "static shared memory");
     constexpr int U = 16 / WARPS;
     constexpr int V = W8 ? 1 : 2;  // 16-byte weight vectors per lane, row and step
-    __shared__ __align__(16) float part[WARPS][32][4];
+    __shared__ __align__(16) float part[WARPS][NT][32][4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
@@ -652,12 +654,13 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
             }
         }
     };
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     pdl_launch_dependents();
     // The weights do not depend on the previous kernel: load them while it finishes.
     load(U * warp);
     pdl_wait();
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)min(g, M - 1) * K);
     for (int s0 = U * warp; s0 < steps; s0 += 16) {
         if (s0 != U * warp) load(s0);
 #pragma unroll
@@ -665,12 +668,6 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
             const int s = s0 + u;
             if (s >= steps) break;  // uniform in the warp
             const int i = 4 * s + t;
-            uint32_t xb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            if (g < M && i < kv) {
-                const uint4 x0 = __ldg(xr + 2 * i), x1 = __ldg(xr + 2 * i + 1);
-                xb[0] = x0.x, xb[1] = x0.y, xb[2] = x0.z, xb[3] = x0.w;
-                xb[4] = x1.x, xb[5] = x1.y, xb[6] = x1.z, xb[7] = x1.w;
-            }
             uint32_t ha[8], hb[8];
             if constexpr (W8) {
                 e4m3x16_pairs<T>(va[u][0], ha);
@@ -684,70 +681,87 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
                     hb[4 * v + 3] = vb[u][v].w;
                 }
             }
+            float fa = 0.f, fb = 0.f;
             if constexpr (W8) {
-                float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
-                    mma16816<T>(d, a, xb[2 * j], xb[2 * j + 1]);
-                }
                 const int blk = 64 * s / bi;
-                const float fa = __ldg(sa + blk), fb = __ldg(sb + blk);
-                acc[0] = fmaf(d[0], fa, acc[0]);
-                acc[1] = fmaf(d[1], fa, acc[1]);
-                acc[2] = fmaf(d[2], fb, acc[2]);
-                acc[3] = fmaf(d[3], fb, acc[3]);
-            } else {
+                fa = __ldg(sa + blk), fb = __ldg(sb + blk);
+            }
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const uint32_t a[4] = {ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1]};
-                    mma16816<T>(acc, a, xb[2 * j], xb[2 * j + 1]);
+            for (int j = 0; j < NT; ++j) {
+                const int r = g + 8 * j;
+                uint32_t xb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                if (r < M && i < kv) {
+                    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r * K);
+                    const uint4 x0 = __ldg(xr + 2 * i), x1 = __ldg(xr + 2 * i + 1);
+                    xb[0] = x0.x, xb[1] = x0.y, xb[2] = x0.z, xb[3] = x0.w;
+                    xb[4] = x1.x, xb[5] = x1.y, xb[6] = x1.z, xb[7] = x1.w;
+                }
+                if constexpr (W8) {
+                    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const uint32_t a[4] = {ha[2 * q], hb[2 * q], ha[2 * q + 1], hb[2 * q + 1]};
+                        mma16816<T>(d, a, xb[2 * q], xb[2 * q + 1]);
+                    }
+                    acc[j][0] = fmaf(d[0], fa, acc[j][0]);
+                    acc[j][1] = fmaf(d[1], fa, acc[j][1]);
+                    acc[j][2] = fmaf(d[2], fb, acc[j][2]);
+                    acc[j][3] = fmaf(d[3], fb, acc[j][3]);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const uint32_t a[4] = {ha[2 * q], hb[2 * q], ha[2 * q + 1], hb[2 * q + 1]};
+                        mma16816<T>(acc[j], a, xb[2 * q], xb[2 * q + 1]);
+                    }
                 }
             }
         }
     }
-    // One 16-byte store per lane (scalar stores would conflict four ways on the banks).
-    *reinterpret_cast<float4*>(part[warp][lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    // One 16-byte store per lane and n-tile (scalar stores would conflict four ways on the banks).
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+        *reinterpret_cast<float4*>(part[warp][j][lane]) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
     __syncthreads();
-    if (warp > 0) return;
-    // Lane (g, t) holds columns n0 + g (c = 0, 1) and n0 + g + 8 (c = 2, 3) of rows 2t, 2t + 1.
+    // Warp v sums n-tiles v, v + WARPS, ...: lane (g, t) holds columns n0 + g (c = 0, 1) and
+    // n0 + g + 8 (c = 2, 3) of the n-tile's rows 2t, 2t + 1.
+    for (int j = warp; j < NT; j += WARPS) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        float sum = part[0][lane][c];
+        for (int c = 0; c < 4; ++c) {
+            float sum = part[0][j][lane][c];
 #pragma unroll
-        for (int v = 1; v < WARPS; ++v) sum += part[v][lane][c];
-        const int m = 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
-        if (m < M && n < N) {
-            const size_t o = (size_t)m * N + n;
-            if constexpr (W8) sum *= F8_UNIT;
-            y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+            for (int v = 1; v < WARPS; ++v) sum += part[v][j][lane][c];
+            const int m = 8 * j + 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
+            if (m < M && n < N) {
+                const size_t o = (size_t)m * N + n;
+                if constexpr (W8) sum *= F8_UNIT;
+                y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+            }
         }
     }
 }
-// fp8_linear_mma_`SUFFIX`_m`M`_w`WARPS` (FP8 weights) and tile_linear_`SUFFIX`_m`M`_w`WARPS`
-// (weights of x's type): 1..8 rows, 4 or 8 warps per 16 columns.
-#define TILE_KERNELS(SUFFIX, T, M, WARPS)                                                            \
+// fp8_linear_mma_`SUFFIX`_t`NT`_w`WARPS` (FP8 weights) and tile_linear_`SUFFIX`_t`NT`_w`WARPS`
+// (weights of x's type): M rows in NT n-tiles (M ≤ 8·NT), 4 or 8 warps per 16 columns.
+#define TILE_KERNELS(SUFFIX, T, NT, WARPS)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
-        fp8_linear_mma_##SUFFIX##_m##M##_w##WARPS(const T* x, const uint8_t* w, const float* scale,  \
-                                                  const T* res, T* y, int N, int K, int bo, int bi) { \
-        tile_linear<T, true, M, WARPS>(x, w, scale, res, y, N, K, bo, bi);                           \
+        fp8_linear_mma_##SUFFIX##_t##NT##_w##WARPS(const T* x, const uint8_t* w, const float* scale, \
+                                                   const T* res, T* y, int M, int N, int K, int bo,  \
+                                                   int bi) {                                         \
+        tile_linear<T, true, NT, WARPS>(x, w, scale, res, y, M, N, K, bo, bi);                       \
     }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
-        tile_linear_##SUFFIX##_m##M##_w##WARPS(const T* x, const T* w, const T* res, T* y, int N, int K) { \
-        tile_linear<T, false, M, WARPS>(x, w, nullptr, res, y, N, K, 1, 1);                          \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) tile_linear_##SUFFIX##_t##NT##_w##WARPS( \
+        const T* x, const T* w, const T* res, T* y, int M, int N, int K) {                           \
+        tile_linear<T, false, NT, WARPS>(x, w, nullptr, res, y, M, N, K, 1, 1);                      \
     }
-#define TILE_KERNELS_M(SUFFIX, T, M)                                                                 \
-    TILE_KERNELS(SUFFIX, T, M, 4)                                                                    \
-    TILE_KERNELS(SUFFIX, T, M, 8)
+#define TILE_KERNELS_NT(SUFFIX, T, NT)                                                               \
+    TILE_KERNELS(SUFFIX, T, NT, 4)                                                                   \
+    TILE_KERNELS(SUFFIX, T, NT, 8)
 #define TILE_KERNELS_ALL(SUFFIX, T)                                                                  \
-    TILE_KERNELS_M(SUFFIX, T, 1)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 2)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 3)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 4)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 5)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 6)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 7)                                                                     \
-    TILE_KERNELS_M(SUFFIX, T, 8)
+    TILE_KERNELS_NT(SUFFIX, T, 1)                                                                    \
+    TILE_KERNELS_NT(SUFFIX, T, 2)                                                                    \
+    TILE_KERNELS_NT(SUFFIX, T, 3)                                                                    \
+    TILE_KERNELS_NT(SUFFIX, T, 4)                                                                    \
+    TILE_KERNELS_NT(SUFFIX, T, 5)                                                                    \
+    TILE_KERNELS_NT(SUFFIX, T, 6)
 TILE_KERNELS_ALL(bf16, __nv_bfloat16)
 TILE_KERNELS_ALL(f16, __half)
 

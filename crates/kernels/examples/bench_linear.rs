@@ -1,6 +1,6 @@
 //! The CUDA weight-streaming linear kernel (1, 2 or 4 columns per warp) and the tile kernel against
 //! candle's matmul (cuBLAS) at the Qwen3.6-27B projection shapes, for 1..=8 rows (decode and MTP
-//! verify), bf16. Prints the weight bytes read
+//! verify) and 16..128 (batched decode and verify), bf16. Prints the weight bytes read
 //! per second of each variant; the yardstick is the device-to-device copy bandwidth measured in
 //! the same run.
 //!
@@ -8,8 +8,8 @@
 //! cargo run --release -p qwen36-kernels --features cuda --example bench_linear [SHAPE] [ROWS]
 //! ```
 //!
-//! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (for profiling one
-//! kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
+//! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (1..8, then 16, 32,
+//! 48, 64, 128; for profiling one kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
 //! blocks, bf16 activations): the default (tensor cores: one row through the diagonal kernel,
 //! more through the tile kernel), the tile kernel for every row count (`SkinnyPath::Uniform`),
 //! the CUDA-core kernel and dequantize + cuBLAS.
@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let w = Tensor::randn(0f32, 0.02, (o, k), &dev)?.to_dtype(DType::BF16)?;
         let lin = Linear::new(w, None);
         let bytes = (2 * k * o) as f64;
-        for rows in 1..=max_rows {
+        for rows in row_counts(max_rows) {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
             for path in paths {
@@ -70,6 +70,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// The row counts timed, up to `max`: each of 1..8, then the batches of 2..32 verified tokens.
+fn row_counts(max: usize) -> impl Iterator<Item = usize> {
+    (1..=8).chain([16, 32, 48, 64, 128]).filter(move |&r| r <= max)
 }
 
 /// The FP8 table: weight bytes (one per weight) read per second of each path.
@@ -90,7 +95,7 @@ fn fp8(
         let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, k], &Device::Cpu)?.to_device(dev)?;
         let scale = (Tensor::rand(0.5f32, 1.5, (o.div_ceil(128), k.div_ceil(128)), dev)? * 0.01)?;
         let lin = Linear::from_weight(LinearWeight::Fp8(Fp8Weight::new(q, scale, [128, 128])?), None);
-        for rows in 1..=max_rows {
+        for rows in row_counts(max_rows) {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
             for path in [

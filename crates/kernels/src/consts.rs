@@ -55,6 +55,10 @@ kernel_consts! {
     // the norm's thread-to-vector map) and the most rows it is built for.
     LINEAR_THREADS = NORM_THREADS;
     LINEAR_MAX_ROWS = 8;
+    // Tile kernels (cuda/linear.cu): the most n-tiles of 8 rows of x, so the most rows they take
+    // (past 48 rows dequantizing FP8 weights for cuBLAS is as fast: docs/BENCHMARKS.md §4b).
+    TILE_MAX_NT = 6;
+    TILE_MAX_ROWS = 8 * TILE_MAX_NT;
 
     // Attention (cuda/attention.cu): threads per block of the CUDA-core kernels, keys per span of
     // the split-K decode kernel (one per lane), spans one block of the first merge level combines,

@@ -29,7 +29,8 @@ pub enum SkinnyPath {
     /// 1..8, so a row's outputs are the same bits alone, in a batch or in a verify (the 27B's
     /// bf16 decode 4% slower than [`SkinnyPath::Fastest`], its MTP cycle 1%); FP8 weights with
     /// 16-bit activations take the diagonal tensor-core kernel for one row (7% faster decode
-    /// than the tile kernel, not invariant) and the tile kernel for 2..8; dense f32 the
+    /// than the tile kernel, not invariant) and the tile kernel for 2..=48 (batched verifies
+    /// included; more rows dequantize for cuBLAS); dense f32 the
     /// streaming kernel for one row and cuBLAS from two; FP8 with f32 the CUDA-core FP8 kernel.
     /// (docs/BENCHMARKS.md §1, §1b.)
     #[default]
@@ -41,8 +42,10 @@ pub enum SkinnyPath {
     /// One row as [`SkinnyPath::Fastest`]; two rows and more (a verify pass) through the
     /// streaming kernel with 1, 2 or 4 columns per warp.
     Multi(usize),
-    /// [`SkinnyPath::Auto`], and FP8 weights' one row through the tile kernel too: every row
-    /// count of 16-bit activations batch-invariant, FP8 included (the 27B's FP8 decode 7% slower).
+    /// [`SkinnyPath::Auto`], and FP8 weights' one row through the tile kernel too, and dense
+    /// 16-bit weights' 9..=[`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows: every row count
+    /// up to that of 16-bit activations batch-invariant, FP8 included (the 27B's FP8 decode 7%
+    /// slower; dense layers of 16 to 48 rows 6-60% slower than cuBLAS).
     Uniform,
     /// The fastest measured at one row, not batch-invariant: one dense row through the
     /// weight-streaming kernel (with the block's norm or the MLP's SwiGLU fused in), one FP8 row

@@ -10,6 +10,7 @@ use qwen36_kernels::delta_rule::{
     chunked_gated_delta_rule, fused_gated_delta_rule, recurrent_gated_delta_rule, DeltaRuleInputs,
     DeltaRuleMode, DeltaRuleOutput, GdnHeads, GdnParams, CHUNK_SIZE,
 };
+use qwen36_kernels::linear::TILE_MAX_ROWS;
 use qwen36_kernels::norm::l2_norm;
 use qwen36_kernels::{ChunkPath, KernelPolicy, SkinnyPath};
 use qwen36_testutil::max_abs_diff as max_diff;
@@ -716,9 +717,10 @@ fn on_gpu(w: &qwen36_kernels::linear::Fp8Weight, d: &Device) -> qwen36_kernels::
 }
 
 /// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
-/// down, an output projection) for every row count the model runs (decode, drafts, verify, the
-/// grouped and the dequantizing paths): the kernels' output within one bf16 rounding of the f32
-/// product, each block's scale applied (checked against the dequantize-then-matmul path in f32).
+/// down, an output projection) for every kind of row count the model runs (decode, drafts,
+/// verify, batched verifies of one and several n-tiles, the dequantizing path past
+/// [`TILE_MAX_ROWS`]): the kernels' output within one bf16 rounding of the f32 product, each
+/// block's scale applied (checked against the dequantize-then-matmul path in f32).
 #[test]
 fn fp8_linear_at_the_27b_shapes() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
@@ -729,15 +731,16 @@ fn fp8_linear_at_the_27b_shapes() {
         let w = fp8_weight(n, k, [128, 128]);
         let wg = on_gpu(&w, &d);
         let deq = wg.dequantize(DType::F32).unwrap();
-        for rows in [1, 2, 3, 4, 5, 8, 12, 64] {
+        for rows in [1, 2, 3, 4, 5, 8, 12, 48, 64] {
             let x = randn(1.0, (1, rows, k), DType::BF16).to_device(&d).unwrap();
             let want = x
                 .to_dtype(DType::F32)
                 .unwrap()
                 .broadcast_matmul(&deq.t().unwrap())
                 .unwrap();
-            // (More than 32 rows: the weight dequantized to bf16, one more rounding per term.)
-            let tol = if rows > 32 { 2.0 / 128.0 } else { 1.0 / 128.0 };
+            // (Past the tile kernel: the weight dequantized to bf16, one more rounding per term.)
+            let streamed = rows <= TILE_MAX_ROWS;
+            let tol = if streamed { 1.0 / 128.0 } else { 2.0 / 128.0 };
             for pdl in [false, true] {
                 let policy = KernelPolicy {
                     pdl,
@@ -788,6 +791,12 @@ fn fp8_linear_matches_cpu() {
         (8, 6144, 33, [128, 128], 1.0),
         (9, 512, 50, [128, 128], 1.0),
         (2, 100, 20, [32, 20], 1.0),
+        // Several n-tiles of rows (the tile kernel; past 8 rows the CUDA-core one dequantizes),
+        // and past TILE_MAX_ROWS.
+        (17, 1040, 97, [32, 64], 1.0),
+        (40, 336, 131, [64, 192], 1e5),
+        (48, 512, 50, [8, 64], 1.0),
+        (49, 1024, 40, [128, 128], 1.0),
         // Odd column counts and blocks other than 128 on the tensor-core kernel.
         (2, 336, 131, [64, 192], 1.0),
         (3, 1040, 97, [32, 64], 1.0),
@@ -815,12 +824,6 @@ fn fp8_linear_matches_cpu() {
             let xf = x.to_dtype(DType::F32).unwrap();
             let want = xf.broadcast_matmul(&deq.t().unwrap()).unwrap();
             let want_res = (&want + res.to_dtype(DType::F32).unwrap()).unwrap();
-            let streams = rows <= 8 && k % 16 == 0 && block[1] % 16 == 0;
-            let tol = if streams || dt == DType::F32 {
-                tol
-            } else {
-                2.0 * tol
-            };
             // Auto: the tensor-core kernels where they take the operands (Uniform: the tile kernel
             // for one row too); Streaming: the CUDA-core one.
             for path in [
@@ -829,6 +832,15 @@ fn fp8_linear_matches_cpu() {
                 SkinnyPath::Streaming(1),
                 SkinnyPath::Matmul,
             ] {
+                // The rows the kernels take: up to TILE_MAX_ROWS on tensor cores, else 8.
+                let tensor = dt != DType::F32 && block[1] % 64 == 0 && path != SkinnyPath::Streaming(1);
+                let most = if tensor { TILE_MAX_ROWS } else { 8 };
+                let streams = rows <= most && k % 16 == 0 && block[1] % 16 == 0;
+                let tol = if streams || dt == DType::F32 {
+                    tol
+                } else {
+                    2.0 * tol
+                };
                 let layer =
                     Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(skinny_policy(path));
                 let (xg, rg) = (x.to_device(&d).unwrap(), res.to_device(&d).unwrap());
@@ -851,10 +863,11 @@ fn fp8_linear_matches_cpu() {
     }
 }
 
-/// The tile kernels (every row count 1..8: the default for dense weights, `SkinnyPath::Uniform`
-/// for FP8) are batch-invariant: each row of x gets the same bits whether it is multiplied alone
-/// or with up to seven other rows, for FP8 weights (Qwen's blocks and smaller ones) and bf16/f16
-/// weights, bf16 and f16 activations, a column count not a multiple of 16 and one past
+/// The tile kernels (every row count 1..8: the default for dense weights; up to
+/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 from two rows by default) are batch-invariant:
+/// each row of x gets the same bits whether it is multiplied alone or with up to 47 other rows
+/// (one n-tile of 8 rows or several), for FP8 weights (Qwen's blocks and smaller ones) and
+/// bf16/f16 weights, bf16 and f16 activations, a column count not a multiple of 16 and one past
 /// `FEW_TILES` tiles, with and without a residual, and through the layers that fuse a norm or the
 /// SwiGLU at one row under `Fastest`.
 #[test]
@@ -872,12 +885,20 @@ fn tile_kernel_rows_are_batch_invariant() {
         let wg = on_gpu(&w, &d);
         let fp8 = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(uniform);
         for dt in [DType::BF16, DType::F16] {
-            let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(*P);
+            let wd = weight(n, k, dt).to_device(&d).unwrap();
+            let dense = Linear::new(wd.clone(), None).with_policy(*P);
+            let dense_uniform = Linear::new(wd, None).with_policy(uniform);
             let norm =
                 RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
-            let x = randn(1.0, (1, 8, k), dt).to_device(&d).unwrap();
-            let res = randn(1.0, (1, 8, n), dt).to_device(&d).unwrap();
-            for (name, layer) in [("fp8", &fp8), ("dense", &dense)] {
+            let x = randn(1.0, (1, TILE_MAX_ROWS, k), dt).to_device(&d).unwrap();
+            let res = randn(1.0, (1, TILE_MAX_ROWS, n), dt).to_device(&d).unwrap();
+            for (name, layer, most) in [
+                ("fp8", &fp8, TILE_MAX_ROWS),
+                ("dense", &dense, 8),
+                ("dense uniform", &dense_uniform, TILE_MAX_ROWS),
+            ] {
+                let x = x.narrow(1, 0, most).unwrap().contiguous().unwrap();
+                let res = res.narrow(1, 0, most).unwrap().contiguous().unwrap();
                 let run = |x: &Tensor, res: &Tensor| {
                     let mut outs = vec![layer.forward(x).unwrap(), layer.forward_add(x, res).unwrap()];
                     if name == "dense" {
@@ -888,8 +909,9 @@ fn tile_kernel_rows_are_batch_invariant() {
                     outs
                 };
                 let all = run(&x, &res);
-                for rows in 1..=8 {
-                    for start in [0, 8 - rows] {
+                let counts = (1..=8).chain([9, 16, 17, 40, 47, 48]).filter(|&r| r <= most);
+                for rows in counts {
+                    for start in [0, most - rows] {
                         let xs = x.narrow(1, start, rows).unwrap().contiguous().unwrap();
                         let rs = res.narrow(1, start, rows).unwrap().contiguous().unwrap();
                         for (i, (got, all)) in run(&xs, &rs).iter().zip(&all).enumerate() {

@@ -4,7 +4,7 @@
 use candle_core::cuda::WrapErr;
 use candle_core::{DType, Layout, Tensor};
 
-use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS};
+use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS, TILE_MAX_ROWS};
 use crate::cuda::{device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
 use crate::{KernelPolicy, Result, SkinnyPath};
 
@@ -192,7 +192,7 @@ fn tile_warps(n: usize) -> usize {
     }
 }
 
-/// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8) and `w: [n, k]`,
+/// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ `TILE_MAX_ROWS`) and `w: [n, k]`,
 /// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
 /// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
 /// operands (f32, `k` not a multiple of 16, a strided or misaligned operand); an error when the
@@ -207,7 +207,7 @@ pub(crate) fn tile_linear(
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims2()?;
-    if kw != k || w.dtype() != dt || !(1..=LINEAR_MAX_ROWS).contains(&m) || n > i32::MAX as usize {
+    if kw != k || w.dtype() != dt || !(1..=TILE_MAX_ROWS).contains(&m) || n > i32::MAX as usize {
         return Err(err(
             op,
             format!("x {:?} {dt:?} and w {:?} {:?}", x.dims(), w.dims(), w.dtype()),
@@ -246,26 +246,31 @@ pub(crate) fn tile_linear(
             // SAFETY: uninitialised; the kernel writes every element (each block its 16 columns
             // of every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
-            let name = format!("tile_linear_{}_m{m}_w{warps}", dtype_suffix(op, dt)?);
+            let name = format!(
+                "tile_linear_{}_t{}_w{warps}",
+                dtype_suffix(op, dt)?,
+                m.div_ceil(8)
+            );
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
-            let (n32, k32) = (n as i32, k as i32);
+            let (m32, n32, k32) = (m as i32, n as i32, k as i32);
             lb.arg(&xv).arg(&wv);
             match &rv {
                 Some(rv) => lb.arg(rv),
                 None => lb.arg(&null),
             };
-            lb.arg(&y).arg(&n32).arg(&k32);
+            lb.arg(&y).arg(&m32).arg(&n32).arg(&k32);
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(16) as u32, 1, 1),
                 block_dim: (32 * warps as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             if n > 0 {
-                // SAFETY: arguments match `tile_linear_{sfx}_m{m}_w{warps}` in cuda/linear.cu:
+                // SAFETY: arguments match `tile_linear_{sfx}_t{⌈m/8⌉}_w{warps}` in cuda/linear.cu:
                 // x [m·k] and w [n·k] of T, contiguous and 16-byte aligned with k a multiple of 16
-                // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 n
-                // and k; one block of `warps` warps per 16 columns (static shared memory).
+                // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 m
+                // (at most 8 per n-tile), n and k; one block of `warps` warps per 16 columns
+                // (static shared memory).
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, n))))
@@ -285,11 +290,29 @@ fn fp8_fits(w: &super::Fp8Weight) -> bool {
     k % 16 == 0 && bi % 16 == 0 && w.q().is_contiguous() && w.scale().is_contiguous()
 }
 
-/// CUDA `x·(e4m3(w)·scale)ᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ 8, f32/bf16/f16) and an
-/// FP8 weight `[n, k]`, streaming the weight bytes once (half of bf16's), with `res: [m, n]` (x's
-/// dtype) added as the output is written. `None` when the kernel cannot take the operands
-/// (`k` or the column block not multiples of 16, a strided or misaligned operand): the caller
-/// dequantizes and multiplies.
+/// Whether 16-bit activations of `dtype` go through the FP8 tensor-core kernels under `policy`
+/// (column blocks holding whole 64-element segments, the policy not asking for the CUDA-core
+/// kernel): then the tile kernel takes up to `TILE_MAX_ROWS` rows a call, else 8.
+fn fp8_tensor(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+        && w.block()[1] % 64 == 0
+        && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_))
+}
+
+/// The most rows one [`fp8_linear`] call takes for activations of `dtype`.
+pub(crate) fn fp8_max_rows(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> usize {
+    if fp8_tensor(dtype, w, policy) {
+        TILE_MAX_ROWS
+    } else {
+        LINEAR_MAX_ROWS
+    }
+}
+
+/// CUDA `x·(e4m3(w)·scale)ᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ [`fp8_max_rows`],
+/// f32/bf16/f16) and an FP8 weight `[n, k]`, streaming the weight bytes once (half of bf16's), with
+/// `res: [m, n]` (x's dtype) added as the output is written. `None` when the kernel cannot take the
+/// operands (`k` or the column block not multiples of 16, a strided or misaligned operand): the
+/// caller dequantizes and multiplies.
 pub(crate) fn fp8_linear(
     x: &Tensor,
     w: &super::Fp8Weight,
@@ -300,7 +323,7 @@ pub(crate) fn fp8_linear(
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims();
-    if kw != k || !(1..=LINEAR_MAX_ROWS).contains(&m) || n * k > i32::MAX as usize * 4 {
+    if kw != k || !(1..=fp8_max_rows(dt, w, policy)).contains(&m) || n * k > i32::MAX as usize * 4 {
         return Err(err(op, format!("x {:?} for an FP8 weight [{n}, {kw}]", x.dims())));
     }
     if let Some(r) = res {
@@ -328,14 +351,11 @@ pub(crate) fn fp8_linear(
     let dev = device(op, x)?;
     let null: u64 = 0;
     let [bo, bi] = w.block();
-    // Tensor cores for 16-bit activations whose column blocks hold whole 64-element segments,
-    // unless the policy asks for the CUDA-core kernel: one row through the diagonal kernel
-    // (`fp8_linear_tc`, the faster at one row), two to eight rows, and one row under
-    // `SkinnyPath::Uniform`, through the tile kernel (`fp8_linear_mma`, whose rows are
-    // batch-invariant; 1.3-3× the CUDA-core kernel from 2 rows on: H200, docs/BENCHMARKS.md §1b).
-    let tensor = matches!(dt, DType::BF16 | DType::F16)
-        && bi % 64 == 0
-        && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_));
+    // Tensor cores ([`fp8_tensor`]): one row through the diagonal kernel (`fp8_linear_tc`, the
+    // faster at one row), two rows and more, and one row under `SkinnyPath::Uniform`, through the
+    // tile kernel (`fp8_linear_mma`, whose rows are batch-invariant; 1.3-3× the CUDA-core kernel
+    // from 2 rows on: H200, docs/BENCHMARKS.md §1b).
+    let tensor = fp8_tensor(dt, w, policy);
     let tiles = tensor && (m > 1 || policy.skinny == SkinnyPath::Uniform);
     let tile_warps = tile_warps(n);
     // Two columns per warp while few rows leave registers to spare (the diagonal kernel keeps
@@ -359,19 +379,23 @@ pub(crate) fn fp8_linear(
             let y = unsafe { dev.alloc::<$t>(m * n)? };
             let sfx = dtype_suffix(op, dt)?;
             let name = match (tiles, tensor) {
-                (true, _) => format!("fp8_linear_mma_{sfx}_m{m}_w{tile_warps}"),
+                (true, _) => format!("fp8_linear_mma_{sfx}_t{}_w{tile_warps}", m.div_ceil(8)),
                 (false, true) => format!("fp8_linear_tc_{sfx}_m{m}_r{columns}"),
                 (false, false) => format!("fp8_linear_{sfx}_m{m}_r{columns}"),
             };
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
-            let (n32, k32, bo32, bi32) = (n as i32, k as i32, bo as i32, bi as i32);
+            let (m32, n32, k32, bo32, bi32) = (m as i32, n as i32, k as i32, bo as i32, bi as i32);
             lb.arg(&xv).arg(&qv).arg(&sv);
             match &rv {
                 Some(rv) => lb.arg(rv),
                 None => lb.arg(&null),
             };
-            lb.arg(&y).arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
+            lb.arg(&y);
+            if tiles {
+                lb.arg(&m32);
+            }
+            lb.arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
             let cfg = if tiles {
                 LaunchConfig {
                     grid_dim: (n.div_ceil(16) as u32, 1, 1),
@@ -387,9 +411,10 @@ pub(crate) fn fp8_linear(
             };
             if n > 0 {
                 // SAFETY: arguments match `name` in cuda/linear.cu (every FP8 GEMV takes the
-                // same): x [m·k] (16-byte aligned), w [n·k] bytes (16-byte aligned, k a multiple
-                // of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all contiguous (checked above), res [m·n]
-                // contiguous or a null pointer (0u64), y [m·n], i32 n, k, bo, bi with bi a
+                // same, the tile kernel with i32 m before n): x [m·k] (16-byte aligned), w [n·k]
+                // bytes (16-byte aligned, k a multiple of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all
+                // contiguous (checked above), res [m·n] contiguous or a null pointer (0u64),
+                // y [m·n], m at most 8 (8 per n-tile for the tile kernel), i32 n, k, bo, bi with bi a
                 // multiple of 16 (of 64 for the tensor-core kernels, with x 16-bit); one warp per
                 // `columns` columns, or one block of `tile_warps` warps per 16 columns for the
                 // tile kernel (its shared memory is static).

@@ -21,10 +21,10 @@ use crate::{Error, KernelPolicy, Result};
 /// The most rows (`batch · len`) a call may have to use the CUDA weight-streaming kernel.
 pub const SKINNY_MAX_ROWS: usize = crate::consts::LINEAR_MAX_ROWS;
 
-/// The most rows an FP8 layer streams its weight for on CUDA (in groups of
-/// [`SKINNY_MAX_ROWS`], reading the weight once per group: four reads of e4m3 bytes still move
-/// less than dequantizing to bf16 and multiplying); more rows dequantize and multiply.
-pub const FP8_STREAM_MAX_ROWS: usize = 4 * SKINNY_MAX_ROWS;
+/// The most rows one call of the CUDA tile kernels takes (dense 16-bit weights under
+/// [`SkinnyPath::Uniform`], FP8 weights with 16-bit activations); an FP8 layer with more rows
+/// dequantizes its weight and multiplies (past 48 rows as fast: docs/BENCHMARKS.md §4b).
+pub const TILE_MAX_ROWS: usize = crate::consts::TILE_MAX_ROWS;
 
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
 /// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
@@ -428,10 +428,11 @@ impl Linear {
     }
 
     /// Whether the CUDA tile kernel takes `x` through this dense layer: a CUDA tensor of the
-    /// weight's 16-bit dtype with 1..=[`SKINNY_MAX_ROWS`] rows under [`SkinnyPath::Auto`] and
-    /// [`SkinnyPath::Uniform`] (then no one-row kernel fuses a norm or the SwiGLU in: every row
-    /// count runs the same products, batch-invariant; the 27B's MTP verify as fast as through
-    /// cuBLAS), 2..= rows under [`SkinnyPath::Fastest`].
+    /// weight's 16-bit dtype with 1..=[`SKINNY_MAX_ROWS`] rows under [`SkinnyPath::Auto`]
+    /// (then no one-row kernel fuses a norm or the SwiGLU in: every row count runs the same
+    /// products, batch-invariant; the 27B's MTP verify as fast as through cuBLAS), 1..=
+    /// [`TILE_MAX_ROWS`] under [`SkinnyPath::Uniform`] (batches of verifies invariant too, slower
+    /// than cuBLAS past 8 rows), 2..=[`SKINNY_MAX_ROWS`] under [`SkinnyPath::Fastest`].
     #[cfg(feature = "cuda")]
     fn tiles(&self, x: &Tensor) -> Result<bool> {
         let Some(w) = self.dense_weight() else {
@@ -448,7 +449,8 @@ impl Linear {
         Ok(w.dim(1)? == k
             && k % 16 == 0
             && match self.policy.skinny {
-                SkinnyPath::Auto | SkinnyPath::Uniform => (1..=SKINNY_MAX_ROWS).contains(&rows),
+                SkinnyPath::Auto => (1..=SKINNY_MAX_ROWS).contains(&rows),
+                SkinnyPath::Uniform => (1..=TILE_MAX_ROWS).contains(&rows),
                 SkinnyPath::Fastest => (2..=SKINNY_MAX_ROWS).contains(&rows),
                 _ => false,
             })
@@ -512,9 +514,9 @@ impl Linear {
 }
 
 impl Linear {
-    /// The CUDA FP8 streaming kernel for 1..=[`SKINNY_MAX_ROWS`] rows (weights read as e4m3,
-    /// scaled per block in registers), adding `residual` as it writes when given; `None` for the
-    /// dequantize-then-matmul path.
+    /// The CUDA FP8 kernels for 1..=[`TILE_MAX_ROWS`] rows with 16-bit activations, 1..=
+    /// [`SKINNY_MAX_ROWS`] else (weights read as e4m3, scaled per block in registers), adding
+    /// `residual` as it writes when given; `None` for the dequantize-then-matmul path.
     #[cfg(feature = "cuda")]
     fn forward_fp8_skinny(
         &self,
@@ -530,37 +532,16 @@ impl Linear {
             return Ok(None);
         }
         let rows = x.elem_count() / k.max(1);
-        if rows == 0 || rows > FP8_STREAM_MAX_ROWS {
+        if rows == 0 || rows > cuda::fp8_max_rows(x.dtype(), w, &self.policy) {
             return Ok(None);
         }
         let dims = out_dims(x, n);
         let r2 = residual_rows(residual, &dims, rows)?;
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        // More rows than the kernel takes: it runs once per group of rows (reading the weight
-        // each time, which for a few groups still moves fewer bytes than dequantizing it).
-        let mut outs = Vec::new();
-        for start in (0..rows).step_by(SKINNY_MAX_ROWS) {
-            let m = SKINNY_MAX_ROWS.min(rows - start);
-            let (xs, rs) = match rows > SKINNY_MAX_ROWS {
-                true => (
-                    x2.narrow(0, start, m)?.contiguous()?,
-                    r2.as_ref()
-                        .map(|r| r.narrow(0, start, m)?.contiguous())
-                        .transpose()?,
-                ),
-                false => (x2.clone(), r2.clone()),
-            };
-            let Some(y) = cuda::fp8_linear(&xs, w, rs.as_ref(), &self.policy)? else {
-                return Ok(None);
-            };
-            outs.push(y);
-        }
-        let y = if outs.len() == 1 {
-            outs.pop().expect("one group")
-        } else {
-            Tensor::cat(&outs, 0)?
-        };
-        Ok(Some(y.reshape(dims)?))
+        Ok(match cuda::fp8_linear(&x2, w, r2.as_ref(), &self.policy)? {
+            Some(y) => Some(y.reshape(dims)?),
+            None => None,
+        })
     }
 }
 
