@@ -107,8 +107,8 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         }
     };
     const int total = P + T;
-    for (int t0 = 0; t0 < total; t0 += TB) {
-        const int nt = min(TB, total - t0);
+    // One group of nt staged tokens from combined token t0 (all replayed or all new).
+    auto group = [&](int t0, int nt) {
         // Staged token tt is combined token t0 + tt: a stashed record below P, else new token
         // t0 + tt - P (row b*T + that).
         for (int e = threadIdx.x; e < nt * dk; e += blockDim.x) {
@@ -201,8 +201,6 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                     const int r = w + NW * i;
                     if (r < dk) s[i] += (sk[tt][r] * ik) * delta;
                 }
-                // The last replayed token of a verify: the state its commit keeps.
-                if (stash_new && gt == P - 1) write_state();
                 continue;
             }
             float o = 0.f;
@@ -235,7 +233,13 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
             // barrier, which warp 0 reaches only after this read.
         }
         __syncthreads();  // before the next group overwrites the staged inputs
-    }
+    };
+    // The replayed tokens, then the new ones, in groups that never mix them: the state a verify's
+    // commit keeps (after the replayed tokens) is written between the two loops, outside any
+    // loop, so that no state address stays live in registers through the token steps.
+    for (int t0 = 0; t0 < P; t0 += TB) group(t0, min(TB, P - t0));
+    if (deferred && stash_new && P > 0) write_state();
+    for (int t0 = P; t0 < total; t0 += TB) group(t0, min(TB, total - t0));
     if (!(deferred && stash_new)) write_state();
 }
 
