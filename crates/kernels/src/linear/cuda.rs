@@ -192,6 +192,16 @@ fn tile_warps(n: usize) -> usize {
     }
 }
 
+/// The n-tiles of 8 rows a tile kernel runs `m` rows in (rows past `m` are zeros, so a row's
+/// bits do not depend on it): at least two for FP8 weights and for 16-bit weights with 8 warps
+/// per 16 columns, which measured 11-36% faster than one for 1..8 rows on the 27B's narrow
+/// projections (and FP8's wide ones but gate|up), and as many as `m` needs otherwise (one n-tile
+/// 2-3% faster for 16-bit weights with 4 warps): H200, docs/BENCHMARKS.md §4b.
+fn tile_ntiles(m: usize, warps: usize, fp8: bool) -> usize {
+    let least = if fp8 || warps == 8 { 2 } else { 1 };
+    m.div_ceil(8).max(least)
+}
+
 /// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ `TILE_MAX_ROWS`) and `w: [n, k]`,
 /// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
 /// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
@@ -249,7 +259,7 @@ pub(crate) fn tile_linear(
             let name = format!(
                 "tile_linear_{}_t{}_w{warps}",
                 dtype_suffix(op, dt)?,
-                m.div_ceil(8)
+                tile_ntiles(m, warps, false)
             );
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
@@ -266,11 +276,11 @@ pub(crate) fn tile_linear(
                 shared_mem_bytes: 0,
             };
             if n > 0 {
-                // SAFETY: arguments match `tile_linear_{sfx}_t{⌈m/8⌉}_w{warps}` in cuda/linear.cu:
+                // SAFETY: arguments match `tile_linear_{sfx}_t{nt}_w{warps}` in cuda/linear.cu:
                 // x [m·k] and w [n·k] of T, contiguous and 16-byte aligned with k a multiple of 16
                 // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 m
-                // (at most 8 per n-tile), n and k; one block of `warps` warps per 16 columns
-                // (static shared memory).
+                // (at most 8 per n-tile: nt ≥ ⌈m/8⌉), n and k; one block of `warps` warps per 16
+                // columns (static shared memory).
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some(wrap(y, &dev, (m, n))))
@@ -379,7 +389,10 @@ pub(crate) fn fp8_linear(
             let y = unsafe { dev.alloc::<$t>(m * n)? };
             let sfx = dtype_suffix(op, dt)?;
             let name = match (tiles, tensor) {
-                (true, _) => format!("fp8_linear_mma_{sfx}_t{}_w{tile_warps}", m.div_ceil(8)),
+                (true, _) => format!(
+                    "fp8_linear_mma_{sfx}_t{}_w{tile_warps}",
+                    tile_ntiles(m, tile_warps, true)
+                ),
                 (false, true) => format!("fp8_linear_tc_{sfx}_m{m}_r{columns}"),
                 (false, false) => format!("fp8_linear_{sfx}_m{m}_r{columns}"),
             };
