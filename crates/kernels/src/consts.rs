@@ -73,7 +73,6 @@ kernel_consts! {
     // Threads per row of the causal softmax.
     SOFTMAX_THREADS = 256;
 
-
     // Argmax (cuda/argmax.cu): threads per block, elements of a row one block reduces first.
     ARGMAX_THREADS = 256;
     ARGMAX_CHUNK = 4096;

@@ -427,7 +427,8 @@ pub(crate) fn fp8_linear(
                 // same, the tile kernel with i32 m before n): x [m·k] (16-byte aligned), w [n·k]
                 // bytes (16-byte aligned, k a multiple of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all
                 // contiguous (checked above), res [m·n] contiguous or a null pointer (0u64),
-                // y [m·n], m at most 8 (8 per n-tile for the tile kernel), i32 n, k, bo, bi with bi a
+                // y [m·n], m at most 8 (the tile kernel: at most 8 per n-tile, `tile_ntiles`),
+                // i32 n, k, bo, bi with bi a
                 // multiple of 16 (of 64 for the tensor-core kernels, with x 16-bit); one warp per
                 // `columns` columns, or one block of `tile_warps` warps per 16 columns for the
                 // tile kernel (its shared memory is static).
