@@ -301,11 +301,13 @@ fn fp8_fits(w: &super::Fp8Weight) -> bool {
 }
 
 /// Whether 16-bit activations of `dtype` go through the FP8 tensor-core kernels under `policy`
-/// (column blocks holding whole 64-element segments, the policy not asking for the CUDA-core
-/// kernel): then the tile kernel takes up to `TILE_MAX_ROWS` rows a call, else 8.
+/// (column blocks holding whole 64-element segments, `in · bi` below 2³² for the tile kernel's
+/// block index, the policy not asking for the CUDA-core kernel): then the tile kernel takes up to `TILE_MAX_ROWS` rows a call, else 8.
 fn fp8_tensor(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> bool {
+    let bi = w.block()[1];
     matches!(dtype, DType::BF16 | DType::F16)
-        && w.block()[1] % 64 == 0
+        && bi % 64 == 0
+        && (w.dims().1 as u64) * (bi as u64) < 1 << 32
         && !matches!(policy.skinny, SkinnyPath::Streaming(_) | SkinnyPath::Multi(_))
 }
 
