@@ -2,7 +2,7 @@
 // twin of the matmul in src/linear/. cuBLAS reaches ~84% of copy bandwidth on these shapes; a
 // weight-streaming kernel does better: one warp per output column n streams row n of w once in
 // 16-byte loads and keeps the M dot products in registers (f32), one rounding at the output.
-// From two rows in 16-bit types the tile kernel (tile_linear, below) does the products on tensor
+// By default rows of 16-bit types go through the tile kernel (tile_linear, below), on tensor
 // cores, for dense and FP8 weights; skinny_linear_tc, the older tensor-core twin of skinny_linear,
 // runs where a policy asks for the streaming kernel. Built to PTX by build.rs.
 #include "common.cuh"
@@ -434,146 +434,36 @@ __device__ void fp8_linear(const T* __restrict__ x, const uint8_t* __restrict__ 
         }
 }
 
-// `FN`_`SUFFIX`_m`M`_r`NR` calls FN<T, M, NR>: the FP8 GEMVs on CUDA cores (1..8 rows, every
-// dtype) and on tensor cores in the diagonal layout (one row, 16-bit types).
-#define FP8_KERNEL(FN, SUFFIX, T, M, NR)                                                             \
+// fp8_linear_`SUFFIX`_m`M`_r`NR`: the FP8 GEMVs on CUDA cores (1..8 rows, every dtype).
+#define FP8_KERNEL(SUFFIX, T, M, NR)                                                                 \
     extern "C" __global__ void __launch_bounds__(LINEAR_THREADS)                                     \
-        FN##_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale, const T* res, \
-                                     T* y, int N, int K, int bo, int bi) {                           \
-        FN<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                             \
+        fp8_linear_##SUFFIX##_m##M##_r##NR(const T* x, const uint8_t* w, const float* scale,         \
+                                           const T* res, T* y, int N, int K, int bo, int bi) {       \
+        fp8_linear<T, M, NR>(x, w, scale, res, y, N, K, bo, bi);                                     \
     }
-#define FP8_KERNELS_M(FN, SUFFIX, T, M)                                                              \
-    FP8_KERNEL(FN, SUFFIX, T, M, 1)                                                                  \
-    FP8_KERNEL(FN, SUFFIX, T, M, 2)
-#define FP8_KERNELS_TO_4(FN, SUFFIX, T)                                                              \
-    FP8_KERNELS_M(FN, SUFFIX, T, 1)                                                                  \
-    FP8_KERNELS_M(FN, SUFFIX, T, 2)                                                                  \
-    FP8_KERNELS_M(FN, SUFFIX, T, 3)                                                                  \
-    FP8_KERNELS_M(FN, SUFFIX, T, 4)
+#define FP8_KERNELS_M(SUFFIX, T, M)                                                                  \
+    FP8_KERNEL(SUFFIX, T, M, 1)                                                                      \
+    FP8_KERNEL(SUFFIX, T, M, 2)
 #define FP8_LINEAR_KERNELS(SUFFIX, T)                                                                \
-    FP8_KERNELS_TO_4(fp8_linear, SUFFIX, T)                                                          \
-    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 5)                                                          \
-    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 6)                                                          \
-    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 7)                                                          \
-    FP8_KERNELS_M(fp8_linear, SUFFIX, T, 8)
+    FP8_KERNELS_M(SUFFIX, T, 1)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 2)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 3)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 4)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 5)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 6)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 7)                                                                      \
+    FP8_KERNELS_M(SUFFIX, T, 8)
 FP8_LINEAR_KERNELS(f32, float)
 FP8_LINEAR_KERNELS(bf16, __nv_bfloat16)
 FP8_LINEAR_KERNELS(f16, __half)
 
-// Eight f16 pairs of exact e4m3 values (times F8_UNIT⁻¹) in T's 16-bit format: f16 as they are,
-// bf16 through f32 (exact: e4m3 has 4 significant bits, both formats hold its range).
-template <typename T> __device__ __forceinline__ void h2_to(uint32_t (&h)[8]);
-template <> __device__ __forceinline__ void h2_to<__half>(uint32_t (&)[8]) {}
-template <> __device__ __forceinline__ void h2_to<__nv_bfloat16>(uint32_t (&h)[8]) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
-        const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-        h[j] = *reinterpret_cast<const uint32_t*>(&b);
-    }
-}
-
-// FP8 weights on tensor cores, for 16-bit activations (built for one row: from two rows the tile
-// kernel below, fp8_linear_mma, is faster; at one row this one is): the products the kernel above
-// makes on CUDA cores, where decoding the bytes and the f32 multiplies, not the memory, set its
-// pace. The weights are read as there; a lane's 16 weights decode to eight pairs in x's format
-// (e4m3x16_h2, h2_to: exact) and enter four m16n8k16 products in skinny_linear_tc's layout
-// (segment s = lanes 4s..4s+3 as column s, two rows of x per product set, x read as it is), each
-// 16-element step of a lane a k step. A chunk's segment (64 consecutive elements, from 16·(the
-// chunk's first vector) + 64s) lies in one column block as bi is a multiple of 64: each chunk's
-// products start from zero and their diagonal joins the f32 sum times that block's scale.
-template <typename T, int M, int NR>
-__device__ void fp8_linear_tc(const T* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ scale,
-                              const T* __restrict__ res, T* __restrict__ y, int N, int K, int bo, int bi) {
-    static_assert(sizeof(T) == 2, "16-bit activations");
-    constexpr int SETS = (M + 1) / 2;  // products per k step: two rows each
-    const int lane = threadIdx.x & 31;
-    const int warp_id = (int)((blockIdx.x * (size_t)LINEAR_THREADS + threadIdx.x) >> 5);
-    const int n0 = warp_id * NR;
-    if (n0 >= N) return;  // n0 is uniform in a warp: whole warps leave
-    const int kv = K / 16, kb = (K + bi - 1) / bi;
-    Fp8Rows<NR> rows(w, scale, n0, N, K, bo, kb);
-    pdl_launch_dependents();
-    // The weights and scales do not depend on the previous kernel: load while it finishes.
-    rows.load(0, lane, kv);
-    pdl_wait();
-    const int g = lane >> 2;
-    const bool diag = (lane & 3) == (g >> 1);  // lane (g, g / 2) holds column g's diagonal
-    float acc[NR][SETS][2];
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-#pragma unroll
-        for (int q = 0; q < SETS; ++q) acc[r][q][0] = acc[r][q][1] = 0.f;
-    for (int base = 0; base < kv; base += 32 * UNROLL) {
-        if (base > 0) rows.load(base, lane, kv);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int c = base + u * 32;  // the chunk's first vector
-            if (c >= kv) break;           // uniform in the warp
-            const int i = c + lane;
-            const int blk = min((16 * c + 64 * g) / bi, kb - 1);
-            // x's 16 elements of this lane's vector, per row (two 16-byte loads), zeros past the
-            // rows and the row's end.
-            uint32_t xa[2 * SETS][8];
-#pragma unroll
-            for (int m = 0; m < 2 * SETS; ++m) {
-                uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
-                if (m < M && i < kv) {
-                    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)m * K) + 2 * i;
-                    v0 = __ldg(p);
-                    v1 = __ldg(p + 1);
-                }
-                xa[m][0] = v0.x, xa[m][1] = v0.y, xa[m][2] = v0.z, xa[m][3] = v0.w;
-                xa[m][4] = v1.x, xa[m][5] = v1.y, xa[m][6] = v1.z, xa[m][7] = v1.w;
-            }
-#pragma unroll
-            for (int r = 0; r < NR; ++r) {
-                uint32_t wh[8];
-                e4m3x16_h2(rows.v[u][r], wh);
-                h2_to<T>(wh);
-                const float s = __ldg(rows.s[r] + blk);
-#pragma unroll
-                for (int q = 0; q < SETS; ++q) {
-                    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const uint32_t a[4] = {xa[2 * q][2 * j], xa[2 * q + 1][2 * j], xa[2 * q][2 * j + 1],
-                                               xa[2 * q + 1][2 * j + 1]};
-                        mma16816<T>(d, a, wh[2 * j], wh[2 * j + 1]);
-                    }
-                    acc[r][q][0] = fmaf((g & 1) ? d[1] : d[0], s, acc[r][q][0]);
-                    acc[r][q][1] = fmaf((g & 1) ? d[3] : d[2], s, acc[r][q][1]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const int n = n0 + r;
-#pragma unroll
-        for (int q = 0; q < SETS; ++q)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                const int m = 2 * q + p;
-                const float sum = warp_sum(diag ? acc[r][q][p] : 0.f) * F8_UNIT;
-                if (m < M && lane == 0 && n < N) {
-                    const size_t o = (size_t)m * N + n;
-                    y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
-                }
-            }
-    }
-}
-
-FP8_KERNEL(fp8_linear_tc, bf16, __nv_bfloat16, 1, 2)
-FP8_KERNEL(fp8_linear_tc, f16, __half, 1, 2)
-
 // Sixteen e4m3 bytes as eight pairs in T's 16-bit format (element 2j in the low half of h[j]),
 // each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 on sm_89+ from those f16
-// pairs through f32 (h2_to: four instructions a pair, half of them on the FMA pipe; the tile
-// kernel 13% faster at one row than with the bit trick that follows, H200), before sm_89 with
-// e4m3x4_bits in bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is e4m3(b) · 2⁻¹²⁰,
-// subnormals included: the biases, 7 and 127, differ by 120) times 2¹²⁰ / F8_UNIT, a power of
-// two (exact; bf16 keeps subnormals). Both give the same values.
+// pairs through f32 (exact: e4m3 has 4 significant bits, both formats hold its range; four
+// instructions a pair, half of them on the FMA pipe: 13% faster tile kernels than the bit trick
+// that follows, docs/BENCHMARKS.md §1b), before sm_89 with e4m3x4_bits in bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is
+// e4m3(b) · 2⁻¹²⁰, subnormals included: the biases, 7 and 127, differ by 120) times
+// 2¹²⁰ / F8_UNIT, a power of two (exact; bf16 keeps subnormals). Both give the same values.
 template <typename T> __device__ __forceinline__ void e4m3x16_pairs(const uint4& v, uint32_t (&h)[8]);
 template <> __device__ __forceinline__ void e4m3x16_pairs<__half>(const uint4& v, uint32_t (&h)[8]) {
     e4m3x16_h2(v, h);
@@ -581,7 +471,12 @@ template <> __device__ __forceinline__ void e4m3x16_pairs<__half>(const uint4& v
 template <> __device__ __forceinline__ void e4m3x16_pairs<__nv_bfloat16>(const uint4& v, uint32_t (&h)[8]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     e4m3x16_h2(v, h);
-    h2_to<__nv_bfloat16>(h);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+        const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+        h[j] = *reinterpret_cast<const uint32_t*>(&b);
+    }
 #else
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     const __nv_bfloat162 unit = __float2bfloat162_rn(0x1p120f / F8_UNIT);

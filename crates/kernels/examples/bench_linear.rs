@@ -10,9 +10,9 @@
 //!
 //! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (1..8, then 16, 32,
 //! 48, 64, 128; for profiling one kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
-//! blocks, bf16 activations): the default (tensor cores: one row through the diagonal kernel,
-//! more through the tile kernel), the tile kernel for every row count (`SkinnyPath::Uniform`),
-//! the CUDA-core kernel and dequantize + cuBLAS.
+//! blocks, bf16 activations): the default (the tile kernel; past 8 rows 4 warps per 16 columns on
+//! wide layers), the tile kernel with 8 warps for every row count (`SkinnyPath::Uniform`), the
+//! CUDA-core kernel and dequantize + cuBLAS.
 
 mod common;
 

@@ -28,11 +28,10 @@ pub enum SkinnyPath {
     /// activations with dense weights of their dtype take the tile kernel for every row count
     /// 1..8, so a row's outputs are the same bits alone, in a batch or in a verify (the 27B's
     /// bf16 decode 4% slower than [`SkinnyPath::Fastest`], its MTP cycle 1%); FP8 weights with
-    /// 16-bit activations take the diagonal tensor-core kernel for one row (7% faster decode
-    /// than the tile kernel, not invariant) and the tile kernel for 2..=48 (batched verifies
-    /// included; more rows dequantize for cuBLAS); dense f32 the
-    /// streaming kernel for one row and cuBLAS from two; FP8 with f32 the CUDA-core FP8 kernel.
-    /// (docs/BENCHMARKS.md §1, §1b.)
+    /// 16-bit activations take the tile kernel for 1..=48 rows (batched verifies included; more
+    /// rows dequantize for cuBLAS), invariant over 1..8 rows (past 8, wide layers run fewer warps
+    /// per tile, which sum in another order); dense f32 the streaming kernel for one row and
+    /// cuBLAS from two; FP8 with f32 the CUDA-core FP8 kernel. (docs/BENCHMARKS.md §1, §1b.)
     #[default]
     Auto,
     /// candle's matmul (cuBLAS).
@@ -42,14 +41,14 @@ pub enum SkinnyPath {
     /// One row as [`SkinnyPath::Fastest`]; two rows and more (a verify pass) through the
     /// streaming kernel with 1, 2 or 4 columns per warp.
     Multi(usize),
-    /// [`SkinnyPath::Auto`], and FP8 weights' one row through the tile kernel too, and dense
-    /// 16-bit weights' 9..=[`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows: every row count
-    /// up to that of 16-bit activations batch-invariant, FP8 included (the 27B's FP8 decode 7%
-    /// slower; dense layers of 16 to 48 rows 6-60% slower than cuBLAS).
+    /// [`SkinnyPath::Auto`], with dense 16-bit weights' 9..=
+    /// [`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows through the tile kernel too and FP8
+    /// tiles of every row count with 8 warps: every row count up to that of 16-bit activations
+    /// batch-invariant, FP8 included (dense layers of 16 to 48 rows 6-60% slower than cuBLAS).
     Uniform,
     /// The fastest measured at one row, not batch-invariant: one dense row through the
-    /// weight-streaming kernel (with the block's norm or the MLP's SwiGLU fused in), one FP8 row
-    /// through the diagonal kernel; from two rows as [`SkinnyPath::Auto`]. A verify's rows then
+    /// weight-streaming kernel (with the block's norm or the MLP's SwiGLU fused in); FP8 rows and
+    /// from two rows as [`SkinnyPath::Auto`]. A verify's rows then
     /// sum in another order than a decode step's, so half-precision speculation may part from
     /// plain decoding at a near-tie.
     Fastest,

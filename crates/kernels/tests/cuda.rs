@@ -763,7 +763,8 @@ fn fp8_linear_at_the_27b_shapes() {
 }
 
 /// FP8 weights on CUDA: the dequantizing kernel equals the CPU reference bit for bit (f32, bf16,
-/// f16); the FP8 streaming kernel (1..=8 rows, with and without a residual) and the
+/// f16); the FP8 GEMVs (the tile kernel for 1..=48 rows of 16-bit activations, the CUDA-core
+/// kernel for 1..=8 rows; with and without a residual) and the
 /// dequantize-then-matmul path (more rows, `k` not a multiple of 16) against the CPU's f32
 /// product of the same activations and dequantized weights, for 128×128 blocks (Qwen's) and
 /// smaller ones, shapes not multiples of a block included. Tolerance: one output rounding plus
@@ -824,8 +825,8 @@ fn fp8_linear_matches_cpu() {
             let xf = x.to_dtype(DType::F32).unwrap();
             let want = xf.broadcast_matmul(&deq.t().unwrap()).unwrap();
             let want_res = (&want + res.to_dtype(DType::F32).unwrap()).unwrap();
-            // Auto: the tensor-core kernels where they take the operands (Uniform: the tile kernel
-            // for one row too); Streaming: the CUDA-core one.
+            // Auto and Uniform: the tile kernel where it takes the operands (Uniform with 8 warps
+            // per 16 columns for every row count); Streaming: the CUDA-core one.
             for path in [
                 SkinnyPath::Auto,
                 SkinnyPath::Uniform,
@@ -863,10 +864,10 @@ fn fp8_linear_matches_cpu() {
     }
 }
 
-/// The tile kernels (every row count 1..8: the default for dense weights; up to
-/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 from two rows by default) are batch-invariant:
-/// each row of x gets the same bits whether it is multiplied alone or with up to 47 other rows
-/// (one n-tile of 8 rows or several), for FP8 weights (Qwen's blocks and smaller ones) and
+/// The tile kernels (every row count 1..8: the default for dense and FP8 weights; up to
+/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`) are batch-invariant: each row of x gets the same bits
+/// whether it is multiplied alone or with up to 47 other rows (one n-tile of 8 rows or several),
+/// for FP8 weights (Qwen's blocks and smaller ones) and
 /// bf16/f16 weights, bf16 and f16 activations, a column count not a multiple of 16 and one past
 /// `FEW_TILES` tiles, with and without a residual, and through the layers that fuse a norm or the
 /// SwiGLU at one row under `Fastest`.
@@ -883,6 +884,7 @@ fn tile_kernel_rows_are_batch_invariant() {
     ] {
         let w = fp8_weight(n, k, block);
         let wg = on_gpu(&w, &d);
+        let fp8_auto = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(*P);
         let fp8 = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(uniform);
         for dt in [DType::BF16, DType::F16] {
             let wd = weight(n, k, dt).to_device(&d).unwrap();
@@ -894,6 +896,7 @@ fn tile_kernel_rows_are_batch_invariant() {
             let res = randn(1.0, (1, TILE_MAX_ROWS, n), dt).to_device(&d).unwrap();
             for (name, layer, most) in [
                 ("fp8", &fp8, TILE_MAX_ROWS),
+                ("fp8 default", &fp8_auto, 8),
                 ("dense", &dense, 8),
                 ("dense uniform", &dense_uniform, TILE_MAX_ROWS),
             ] {

@@ -192,14 +192,29 @@ fn tile_warps(n: usize) -> usize {
     }
 }
 
-/// The n-tiles of 8 rows a tile kernel runs `m` rows in (rows past `m` are zeros, so a row's
-/// bits do not depend on it): at least two for FP8 weights and for 16-bit weights with 8 warps
-/// per 16 columns, which measured 11-36% faster than one for 1..8 rows on the 27B's narrow
-/// projections (and FP8's wide ones but gate|up), and as many as `m` needs otherwise (one n-tile
-/// 2-3% faster for 16-bit weights with 4 warps): H200, docs/BENCHMARKS.md §4b.
-fn tile_ntiles(m: usize, warps: usize, fp8: bool) -> usize {
-    let least = if fp8 || warps == 8 { 2 } else { 1 };
+/// The n-tiles of 8 rows the dense tile kernel runs `m` rows in (rows past `m` are zeros, so a
+/// row's bits do not depend on it): at least two with 8 warps per 16 columns, which measured
+/// 11-36% faster than one for 1..8 rows on the 27B's narrow projections, and as many as `m` needs
+/// with 4 (one n-tile 2-3% faster there): H200, docs/BENCHMARKS.md §4b.
+fn tile_ntiles(m: usize, warps: usize) -> usize {
+    let least = if warps == 8 { 2 } else { 1 };
     m.div_ceil(8).max(least)
+}
+
+/// Warps per 16 columns and n-tiles of the FP8 tile kernel for `m` rows of `n` columns: 8 warps
+/// and one n-tile for 1..8 rows (the 27B's FP8 decode 5% and its MTP k = 3 cycle 11% faster than
+/// with 4 warps on wide layers and two n-tiles, or the diagonal one-row kernel it replaced: H200,
+/// docs/BENCHMARKS.md §1b), past 8 rows [`tile_warps`] and ⌈m/8⌉ n-tiles. A row's bits depend
+/// on the warps (each sums its own steps before the block adds them), not on the n-tiles: under
+/// [`SkinnyPath::Uniform`] every row count keeps 8 warps, batch-invariant up to `TILE_MAX_ROWS`
+/// rows; by default 1..8 rows are (and so are 9..48 of the 27B's narrow layers, which take 8).
+fn fp8_tile_shape(m: usize, n: usize, policy: &KernelPolicy) -> (usize, usize) {
+    let warps = if m <= LINEAR_MAX_ROWS || policy.skinny == SkinnyPath::Uniform {
+        8
+    } else {
+        tile_warps(n)
+    };
+    (warps, m.div_ceil(8))
 }
 
 /// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ `TILE_MAX_ROWS`) and `w: [n, k]`,
@@ -259,7 +274,7 @@ pub(crate) fn tile_linear(
             let name = format!(
                 "tile_linear_{}_t{}_w{warps}",
                 dtype_suffix(op, dt)?,
-                tile_ntiles(m, warps, false)
+                tile_ntiles(m, warps)
             );
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
@@ -300,9 +315,10 @@ fn fp8_fits(w: &super::Fp8Weight) -> bool {
     k % 16 == 0 && bi % 16 == 0 && w.q().is_contiguous() && w.scale().is_contiguous()
 }
 
-/// Whether 16-bit activations of `dtype` go through the FP8 tensor-core kernels under `policy`
-/// (column blocks holding whole 64-element segments, `in · bi` below 2³² for the tile kernel's
-/// block index, the policy not asking for the CUDA-core kernel): then the tile kernel takes up to `TILE_MAX_ROWS` rows a call, else 8.
+/// Whether 16-bit activations of `dtype` go through the FP8 tile kernel under `policy` (column
+/// blocks holding whole 64-element steps, `in · bi` below 2³² for its block index, the policy not
+/// asking for the CUDA-core kernel): then it takes up to `TILE_MAX_ROWS` rows a call, else the
+/// CUDA-core kernel 8.
 fn fp8_tensor(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> bool {
     let bi = w.block()[1];
     matches!(dtype, DType::BF16 | DType::F16)
@@ -363,16 +379,12 @@ pub(crate) fn fp8_linear(
     let dev = device(op, x)?;
     let null: u64 = 0;
     let [bo, bi] = w.block();
-    // Tensor cores ([`fp8_tensor`]): one row through the diagonal kernel (`fp8_linear_tc`, the
-    // faster at one row), two rows and more, and one row under `SkinnyPath::Uniform`, through the
-    // tile kernel (`fp8_linear_mma`, whose rows are batch-invariant; 1.3-3× the CUDA-core kernel
-    // from 2 rows on: H200, docs/BENCHMARKS.md §1b).
-    let tensor = fp8_tensor(dt, w, policy);
-    let tiles = tensor && (m > 1 || policy.skinny == SkinnyPath::Uniform);
-    let tile_warps = tile_warps(n);
-    // Two columns per warp while few rows leave registers to spare (the diagonal kernel keeps
-    // only its products' diagonals).
-    let columns = if m <= 2 || tensor { 2 } else { 1 };
+    // 16-bit activations through the tile kernel ([`fp8_tensor`]), f32 (or a policy asking for
+    // the streaming kernels) through the CUDA-core kernel, two columns per warp while few rows
+    // leave registers to spare.
+    let tiles = fp8_tensor(dt, w, policy);
+    let (tile_warps, tile_nt) = fp8_tile_shape(m, n, policy);
+    let columns = if m <= 2 { 2 } else { 1 };
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();
@@ -390,13 +402,10 @@ pub(crate) fn fp8_linear(
             // every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
             let sfx = dtype_suffix(op, dt)?;
-            let name = match (tiles, tensor) {
-                (true, _) => format!(
-                    "fp8_linear_mma_{sfx}_t{}_w{tile_warps}",
-                    tile_ntiles(m, tile_warps, true)
-                ),
-                (false, true) => format!("fp8_linear_tc_{sfx}_m{m}_r{columns}"),
-                (false, false) => format!("fp8_linear_{sfx}_m{m}_r{columns}"),
+            let name = if tiles {
+                format!("fp8_linear_mma_{sfx}_t{tile_nt}_w{tile_warps}")
+            } else {
+                format!("fp8_linear_{sfx}_m{m}_r{columns}")
             };
             let func = LINEAR.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
@@ -429,9 +438,9 @@ pub(crate) fn fp8_linear(
                 // same, the tile kernel with i32 m before n): x [m·k] (16-byte aligned), w [n·k]
                 // bytes (16-byte aligned, k a multiple of 16) and scale [⌈n/bo⌉·⌈k/bi⌉] f32, all
                 // contiguous (checked above), res [m·n] contiguous or a null pointer (0u64),
-                // y [m·n], m at most 8 (the tile kernel: at most 8 per n-tile, `tile_ntiles`),
-                // i32 n, k, bo, bi with bi a
-                // multiple of 16 (of 64 for the tensor-core kernels, with x 16-bit); one warp per
+                // y [m·n], m at most 8 (the tile kernel: at most 8 per n-tile, `fp8_tile_shape`),
+                // i32 n, k, bo, bi with bi a multiple of 16 (for the tile kernel, with x 16-bit,
+                // of 64 and k·bi below 2³², `fp8_tensor`); one warp per
                 // `columns` columns, or one block of `tile_warps` warps per 16 columns for the
                 // tile kernel (its shared memory is static).
                 unsafe { lb.launch(cfg) }.w()?;
