@@ -460,8 +460,9 @@ FP8_LINEAR_KERNELS(f16, __half)
 // Sixteen e4m3 bytes as eight pairs in T's 16-bit format (element 2j in the low half of h[j]),
 // each e4m3 · F8_UNIT⁻¹ exactly: f16 as e4m3x16_h2 gives them; bf16 on sm_89+ from those f16
 // pairs through f32 (exact: e4m3 has 4 significant bits, both formats hold its range; four
-// instructions a pair, half of them on the FMA pipe: 13% faster tile kernels than the bit trick
-// that follows, docs/BENCHMARKS.md §1b), before sm_89 with e4m3x4_bits in bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is
+// instructions a pair, half of them on the FMA pipe: with the tile kernel's multiply-high block
+// index, one row 9% faster than the bit trick and a division, docs/BENCHMARKS.md §1b), before
+// sm_89 with e4m3x4_bits in bf16's fields (((b & 0x80) << 8) | ((b & 0x7F) << 4) is
 // e4m3(b) · 2⁻¹²⁰, subnormals included: the biases, 7 and 127, differ by 120) times
 // 2¹²⁰ / F8_UNIT, a power of two (exact; bf16 keeps subnormals). Both give the same values.
 template <typename T> __device__ __forceinline__ void e4m3x16_pairs(const uint4& v, uint32_t (&h)[8]);

@@ -31,15 +31,16 @@ pub enum SkinnyPath {
     /// 16-bit activations take the tile kernel for 1..=48 rows (batched verifies included; more
     /// rows dequantize for cuBLAS), invariant over 1..8 rows (past 8, wide layers run fewer warps
     /// per tile, which sum in another order); dense f32 the streaming kernel for one row and
-    /// cuBLAS from two; FP8 with f32 the CUDA-core FP8 kernel. (docs/BENCHMARKS.md §1, §1b.)
+    /// cuBLAS from two; FP8 with f32, or with column blocks not a multiple of 64 wide, the
+    /// CUDA-core FP8 kernel for up to 8 rows. (docs/BENCHMARKS.md §1, §1b.)
     #[default]
     Auto,
     /// candle's matmul (cuBLAS).
     Matmul,
     /// The streaming kernel computing 1, 2 or 4 output columns per warp, for every row count.
     Streaming(usize),
-    /// One row as [`SkinnyPath::Fastest`]; two rows and more (a verify pass) through the
-    /// streaming kernel with 1, 2 or 4 columns per warp.
+    /// One dense row as [`SkinnyPath::Fastest`]; two rows and more (a verify pass) through the
+    /// streaming kernel with 1, 2 or 4 columns per warp; FP8 rows through the CUDA-core kernel.
     Multi(usize),
     /// [`SkinnyPath::Auto`], with dense 16-bit weights' 9..=
     /// [`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows through the tile kernel too and FP8

@@ -798,6 +798,8 @@ fn fp8_linear_matches_cpu() {
         (40, 336, 131, [64, 192], 1e5),
         (48, 512, 50, [8, 64], 1.0),
         (49, 1024, 40, [128, 128], 1.0),
+        // Past 8 rows on a layer of more than FEW_TILES tiles: 4 warps per 16 columns.
+        (12, 1024, 10256, [128, 128], 1.0),
         // Odd column counts and blocks other than 128 on the tensor-core kernel.
         (2, 336, 131, [64, 192], 1.0),
         (3, 1040, 97, [32, 64], 1.0),
@@ -865,8 +867,9 @@ fn fp8_linear_matches_cpu() {
 }
 
 /// The tile kernels (every row count 1..8: the default for dense and FP8 weights; up to
-/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`) are batch-invariant: each row of x gets the same bits
-/// whether it is multiplied alone or with up to 47 other rows (one n-tile of 8 rows or several),
+/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..48 among themselves by default) are
+/// batch-invariant: each row of x gets the same bits whether it is multiplied alone or with up to
+/// 47 other rows (one n-tile of 8 rows or several),
 /// for FP8 weights (Qwen's blocks and smaller ones) and
 /// bf16/f16 weights, bf16 and f16 activations, a column count not a multiple of 16 and one past
 /// `FEW_TILES` tiles, with and without a residual, and through the layers that fuse a norm or the
@@ -894,11 +897,13 @@ fn tile_kernel_rows_are_batch_invariant() {
                 RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
             let x = randn(1.0, (1, TILE_MAX_ROWS, k), dt).to_device(&d).unwrap();
             let res = randn(1.0, (1, TILE_MAX_ROWS, n), dt).to_device(&d).unwrap();
-            for (name, layer, most) in [
-                ("fp8", &fp8, TILE_MAX_ROWS),
-                ("fp8 default", &fp8_auto, 8),
-                ("dense", &dense, 8),
-                ("dense uniform", &dense_uniform, TILE_MAX_ROWS),
+            // (name, layer, the fewest and the most rows that sum alike)
+            for (name, layer, least, most) in [
+                ("fp8", &fp8, 1, TILE_MAX_ROWS),
+                ("fp8 default", &fp8_auto, 1, 8),
+                ("fp8 default past 8 rows", &fp8_auto, 9, TILE_MAX_ROWS),
+                ("dense", &dense, 1, 8),
+                ("dense uniform", &dense_uniform, 1, TILE_MAX_ROWS),
             ] {
                 let x = x.narrow(1, 0, most).unwrap().contiguous().unwrap();
                 let res = res.narrow(1, 0, most).unwrap().contiguous().unwrap();
@@ -912,7 +917,9 @@ fn tile_kernel_rows_are_batch_invariant() {
                     outs
                 };
                 let all = run(&x, &res);
-                let counts = (1..=8).chain([9, 16, 17, 40, 47, 48]).filter(|&r| r <= most);
+                let counts = (1..=8)
+                    .chain([9, 16, 17, 40, 47, 48])
+                    .filter(|&r| (least..=most).contains(&r));
                 for rows in counts {
                     for start in [0, most - rows] {
                         let xs = x.narrow(1, start, rows).unwrap().contiguous().unwrap();
