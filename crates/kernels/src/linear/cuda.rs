@@ -217,6 +217,16 @@ fn fp8_tile_shape(m: usize, n: usize, policy: &KernelPolicy) -> (usize, usize) {
     (warps, m.div_ceil(8))
 }
 
+/// The launch of a tile kernel (dense or FP8) over `n` columns: one block of `warps` warps per
+/// 16 columns, static shared memory only.
+fn tile_launch(n: usize, warps: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(16) as u32, 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ `TILE_MAX_ROWS`) and `w: [n, k]`,
 /// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
 /// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
@@ -285,11 +295,7 @@ pub(crate) fn tile_linear(
                 None => lb.arg(&null),
             };
             lb.arg(&y).arg(&m32).arg(&n32).arg(&k32);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, 1, 1),
-                block_dim: (32 * warps as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = tile_launch(n, warps);
             if n > 0 {
                 // SAFETY: arguments match `tile_linear_{sfx}_t{nt}_w{warps}` in cuda/linear.cu:
                 // x [m·k] and w [n·k] of T, contiguous and 16-byte aligned with k a multiple of 16
@@ -329,7 +335,12 @@ fn fp8_tensor(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> bool
 
 /// The most rows one [`fp8_linear`] call takes for activations of `dtype`.
 pub(crate) fn fp8_max_rows(dtype: DType, w: &super::Fp8Weight, policy: &KernelPolicy) -> usize {
-    if fp8_tensor(dtype, w, policy) {
+    fp8_rows_for(fp8_tensor(dtype, w, policy))
+}
+
+/// The most rows of the tile kernel (`tiles`) or of the CUDA-core FP8 kernel.
+fn fp8_rows_for(tiles: bool) -> usize {
+    if tiles {
         TILE_MAX_ROWS
     } else {
         LINEAR_MAX_ROWS
@@ -351,7 +362,10 @@ pub(crate) fn fp8_linear(
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims();
-    if kw != k || !(1..=fp8_max_rows(dt, w, policy)).contains(&m) || n * k > i32::MAX as usize * 4 {
+    // 16-bit activations through the tile kernel ([`fp8_tensor`]), f32 (or a policy asking for
+    // the streaming kernels) through the CUDA-core kernel.
+    let tiles = fp8_tensor(dt, w, policy);
+    if kw != k || !(1..=fp8_rows_for(tiles)).contains(&m) || n * k > i32::MAX as usize * 4 {
         return Err(err(op, format!("x {:?} for an FP8 weight [{n}, {kw}]", x.dims())));
     }
     if let Some(r) = res {
@@ -379,11 +393,8 @@ pub(crate) fn fp8_linear(
     let dev = device(op, x)?;
     let null: u64 = 0;
     let [bo, bi] = w.block();
-    // 16-bit activations through the tile kernel ([`fp8_tensor`]), f32 (or a policy asking for
-    // the streaming kernels) through the CUDA-core kernel, two columns per warp while few rows
-    // leave registers to spare.
-    let tiles = fp8_tensor(dt, w, policy);
     let (tile_warps, tile_nt) = fp8_tile_shape(m, n, policy);
+    // The CUDA-core kernel: two columns per warp while few rows leave registers to spare.
     let columns = if m <= 2 { 2 } else { 1 };
     macro_rules! go {
         ($t:ty) => {{
@@ -421,11 +432,7 @@ pub(crate) fn fp8_linear(
             }
             lb.arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
             let cfg = if tiles {
-                LaunchConfig {
-                    grid_dim: (n.div_ceil(16) as u32, 1, 1),
-                    block_dim: (32 * tile_warps as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                tile_launch(n, tile_warps)
             } else {
                 LaunchConfig {
                     grid_dim: ((n.div_ceil(columns) * 32).div_ceil(LINEAR_THREADS) as u32, 1, 1),
