@@ -5,6 +5,8 @@
 // By default rows of 16-bit types go through the tile kernel (tile_linear, below), on tensor
 // cores, for dense and FP8 weights; skinny_linear_tc, the older tensor-core twin of skinny_linear,
 // runs where a policy asks for the streaming kernel. Built to PTX by build.rs.
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -728,3 +730,59 @@ __device__ void fp8_dequant16(const uint8_t* __restrict__ w, const float* __rest
 FP8_DEQUANT_KERNEL(f32, float)
 FP8_DEQUANT_KERNEL(bf16, __nv_bfloat16)
 FP8_DEQUANT_KERNEL(f16, __half)
+
+// FP8 activations for the block-scaled FP8 GEMM (cuBLASLt, src/linear/fp8_gemm.rs), as transformers'
+// FineGrainedFP8 quantizes them on GPU: each row of x [M, K] (K a multiple of FP8_ACT_GROUP) in
+// groups of FP8_ACT_GROUP elements, one warp per group: s = amax / 448 (1 for a group of zeros,
+// where transformers divides 0 by 0), q = e4m3(x / s) rounded to nearest even and saturated, both
+// in f32 with IEEE division, as the CPU reference (linear::reference::fp8_quantize_activations)
+// does. Rows M..LD-1 (padding: the GEMM runs a multiple of 16 rows) get zeros and scale 1.
+// q: [LD, K] bytes; s: [K / FP8_ACT_GROUP, LD] f32, rows contiguous per group, the layout of
+// cuBLASLt's VEC128 scales for the GEMM's B operand.
+template <typename T>
+__device__ void fp8_act_quant(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int M, int K,
+                              int LD) {
+    static_assert(FP8_ACT_GROUP == 4 * 32, "four elements per lane");
+    pdl_enter();
+    const int groups = K / FP8_ACT_GROUP;
+    const size_t warp = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (size_t)LD * groups) return;
+    const int row = (int)(warp / groups), g = (int)(warp % groups);
+    const size_t at = (size_t)row * K + (size_t)g * FP8_ACT_GROUP + lane * 4;
+    if (row >= M) {
+        *reinterpret_cast<uint32_t*>(q + at) = 0u;
+        if (lane == 0) s[(size_t)g * LD + row] = 1.f;
+        return;
+    }
+    // Four elements in one 8-byte load (x is 16-byte aligned, K a multiple of 128).
+    union {
+        uint2 raw;
+        T e[4];
+    } in;
+    in.raw = *reinterpret_cast<const uint2*>(x + at);
+    float v[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[i] = to_f(in.e[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = warp_max(amax);
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t b = (uint32_t)__nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
+        packed |= b << (8 * i);
+    }
+    *reinterpret_cast<uint32_t*>(q + at) = packed;
+    if (lane == 0) s[(size_t)g * LD + row] = scale;
+}
+#define FP8_ACT_QUANT_KERNEL(SUFFIX, T)                                                                       \
+    extern "C" __global__ void fp8_act_quant_##SUFFIX(const T* x, uint8_t* q, float* s, int M, int K, \
+                                                      int LD) {                                       \
+        fp8_act_quant<T>(x, q, s, M, K, LD);                                                          \
+    }
+FP8_ACT_QUANT_KERNEL(bf16, __nv_bfloat16)
+FP8_ACT_QUANT_KERNEL(f16, __half)

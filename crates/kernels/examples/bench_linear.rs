@@ -9,17 +9,18 @@
 //! ```
 //!
 //! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (1..8, then 16, 32,
-//! 48, 64, 128; for profiling one kernel under ncu). SHAPE `fp8` times the FP8 layers instead (random e4m3 weights in 128×128
-//! blocks, bf16 activations): the default (the tile kernel; past 8 rows 4 warps per 16 columns on
-//! wide layers), the tile kernel with 8 warps for every row count (`SkinnyPath::Uniform`), the
-//! CUDA-core kernel and dequantize + cuBLAS.
+//! 48, 64, 128, and for FP8 512, 2048, 8192; for profiling one kernel under ncu). SHAPE `fp8`
+//! times the FP8 layers instead (random e4m3 weights in 128×128 blocks, bf16 activations): the
+//! default (the tile kernel up to 48 rows, past 8 rows 4 warps per 16 columns on wide layers;
+//! then the FP8 GEMM), the tile kernel with 8 warps for every row count (`SkinnyPath::Uniform`),
+//! the CUDA-core kernel up to 8 rows and the FP8 GEMM past them, and dequantize + cuBLAS.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{copy_bandwidth, time};
 use qwen36_kernels::linear::Linear;
-use qwen36_kernels::{KernelPolicy, SkinnyPath};
+use qwen36_kernels::{Fp8GemmPath, KernelPolicy, SkinnyPath};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -77,6 +78,11 @@ fn row_counts(max: usize) -> impl Iterator<Item = usize> {
     (1..=8).chain([16, 32, 48, 64, 128]).filter(move |&r| r <= max)
 }
 
+/// [`row_counts`], then prefill chunks.
+fn fp8_row_counts(max: usize) -> impl Iterator<Item = usize> {
+    row_counts(max).chain([512, 2048, 8192].into_iter().filter(move |&r| r <= max))
+}
+
 /// The FP8 table: weight bytes (one per weight) read per second of each path.
 fn fp8(
     dev: &Device,
@@ -85,7 +91,7 @@ fn fp8(
 ) -> Result<(), Box<dyn std::error::Error>> {
     use qwen36_kernels::linear::{Fp8Weight, LinearWeight};
     println!(
-        "| shape | rows | default | tiles | CUDA cores | dequantize + cuBLAS | (TB/s of FP8 weights read) |"
+        "| shape | rows | default | tiles | CUDA cores, past 8 rows the FP8 GEMM | dequantize + cuBLAS | (TB/s of FP8 weights read; TFLOP/s of the default) |"
     );
     println!("|---|---|---|---|---|---|---|");
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -95,24 +101,30 @@ fn fp8(
         let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, k], &Device::Cpu)?.to_device(dev)?;
         let scale = (Tensor::rand(0.5f32, 1.5, (o.div_ceil(128), k.div_ceil(128)), dev)? * 0.01)?;
         let lin = Linear::from_weight(LinearWeight::Fp8(Fp8Weight::new(q, scale, [128, 128])?), None);
-        for rows in row_counts(max_rows) {
+        for rows in fp8_row_counts(max_rows) {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), dev)?.to_dtype(DType::BF16)?;
             let mut cells = Vec::new();
-            for path in [
-                SkinnyPath::Auto,
-                SkinnyPath::Uniform,
-                SkinnyPath::Streaming(1),
-                SkinnyPath::Matmul,
+            let mut flops = 0.0;
+            for (path, fp8_gemm) in [
+                (SkinnyPath::Auto, Fp8GemmPath::Auto),
+                (SkinnyPath::Uniform, Fp8GemmPath::Auto),
+                (SkinnyPath::Streaming(1), Fp8GemmPath::Auto),
+                (SkinnyPath::Matmul, Fp8GemmPath::Dequantize),
             ] {
                 let policy = KernelPolicy {
                     skinny: path,
+                    fp8_gemm,
                     ..KernelPolicy::from_env()
                 };
                 let lin = lin.clone().with_policy(policy);
-                let s = time(dev, 50, || lin.forward(&x).map(|_| ()))?;
+                let iters = if rows > 512 { 10 } else { 50 };
+                let s = time(dev, iters, || lin.forward(&x).map(|_| ()))?;
                 cells.push(format!("{:.2}", (k * o) as f64 / s / 1e12));
+                if path == SkinnyPath::Auto {
+                    flops = 2.0 * (rows * k * o) as f64 / s / 1e12;
+                }
             }
-            println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
+            println!("| {name} {k}→{o} | {rows} | {} | {flops:.0} |", cells.join(" | "));
         }
     }
     Ok(())

@@ -56,9 +56,12 @@ kernel_consts! {
     LINEAR_THREADS = NORM_THREADS;
     LINEAR_MAX_ROWS = 8;
     // Tile kernels (cuda/linear.cu): the most n-tiles of 8 rows of x, so the most rows they take
-    // (past 48 rows dequantizing FP8 weights for cuBLAS is as fast: docs/BENCHMARKS.md §4b).
+    // (past 48 rows the FP8 weights' own GEMM is faster: docs/BENCHMARKS.md §4b).
     TILE_MAX_NT = 6;
     TILE_MAX_ROWS = 8 * TILE_MAX_NT;
+    // FP8 activations for the FP8 tensor-core GEMM (more rows than the tile kernels take):
+    // elements per quantization group of a row, one scale each (cuBLASLt's 1×128 blocks).
+    FP8_ACT_GROUP = 128;
 
     // Attention (cuda/attention.cu): threads per block of the CUDA-core kernels, keys per span of
     // the split-K decode kernel (one per lane), spans one block of the first merge level combines,

@@ -28,9 +28,10 @@ pub enum SkinnyPath {
     /// activations with dense weights of their dtype take the tile kernel for every row count
     /// 1..8, so a row's outputs are the same bits alone, in a batch or in a verify (the 27B's
     /// bf16 decode 4% slower than [`SkinnyPath::Fastest`], its MTP cycle 1%); FP8 weights with
-    /// 16-bit activations take the tile kernel for 1..=48 rows (batched verifies included; more
-    /// rows dequantize for cuBLAS), invariant over 1..8 rows (past 8, wide layers run fewer warps
-    /// per tile, which sum in another order); dense f32 the streaming kernel for one row and
+    /// 16-bit activations take the tile kernel for 1..=16 rows, invariant over 1..8 rows (past 8,
+    /// wide layers run fewer warps per tile, which sum in another order), and from
+    /// [`FP8_GEMM_MIN_ROWS`](crate::linear::FP8_GEMM_MIN_ROWS) the FP8 GEMM where the device has
+    /// it ([`Fp8GemmPath`]; else the tile kernel to 48 rows); dense f32 the streaming kernel for one row and
     /// cuBLAS from two; FP8 with f32, or with column blocks not a multiple of 64 wide, the
     /// CUDA-core FP8 kernel for up to 8 rows. (docs/BENCHMARKS.md §1, §1b.)
     #[default]
@@ -44,8 +45,9 @@ pub enum SkinnyPath {
     Multi(usize),
     /// [`SkinnyPath::Auto`], with dense 16-bit weights' 9..=
     /// [`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows through the tile kernel too and FP8
-    /// tiles of every row count with 8 warps: every row count up to that of 16-bit activations
-    /// batch-invariant, FP8 included (dense layers of 16 to 48 rows 6-60% slower than cuBLAS).
+    /// tiles of every row count up to that with 8 warps: every row count up to that of 16-bit
+    /// activations batch-invariant, FP8 included (dense layers of 16 to 48 rows 6-60% slower than
+    /// cuBLAS, FP8 ones of 32 to 48 up to 3× slower than the FP8 GEMM).
     Uniform,
     /// The fastest measured at one row, not batch-invariant: one dense row through the
     /// weight-streaming kernel (with the block's norm or the MLP's SwiGLU fused in); FP8 rows and
@@ -55,6 +57,24 @@ pub enum SkinnyPath {
     Fastest,
 }
 
+/// How an FP8 layer multiplies more rows than its few-row kernels take (prefill, batched
+/// verifies past [`TILE_MAX_ROWS`](crate::linear::TILE_MAX_ROWS) rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8GemmPath {
+    /// On sm_90 devices, for 16-bit activations, 128×128 weight blocks, an input width that is a
+    /// multiple of 512 and an output width of 128: the activations quantized to e4m3 per row and
+    /// 128-element group
+    /// (as transformers' FineGrainedFP8 does on GPU), then cuBLASLt's block-scaled FP8 GEMM on
+    /// FP8 tensor cores (on the H200 1.4-1.6× the dense bf16 GEMM's rate at 8k rows, 1.3-3.9×
+    /// dequantizing at 16..128 rows: docs/BENCHMARKS.md §4b). Elsewhere, or where cuBLASLt has
+    /// no kernel for the shape, as [`Fp8GemmPath::Dequantize`].
+    #[default]
+    Auto,
+    /// The weight dequantized to the activations' dtype, then candle's matmul: the CPU
+    /// reference's numerics (the activations unquantized), at 2.5× the weight traffic.
+    Dequantize,
+}
+
 /// The kernel variants a model's ops run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelPolicy {
@@ -62,6 +82,8 @@ pub struct KernelPolicy {
     pub chunk: ChunkPath,
     /// Linear layers of a few rows.
     pub skinny: SkinnyPath,
+    /// FP8 layers of many rows.
+    pub fp8_gemm: Fp8GemmPath,
     /// Programmatic dependent launch: on sm_90+ devices (with PTX built for them) a kernel may
     /// start while the one before it finishes (0.3-0.7 ms off an eager decode step of Qwen3.6-27B,
     /// nothing measurable inside a CUDA graph: docs/history/BENCHMARKS-log.md, the PDL A/B runs).
@@ -80,16 +102,21 @@ impl KernelPolicy {
     pub const DEFAULT: Self = Self {
         chunk: ChunkPath::Auto,
         skinny: SkinnyPath::Auto,
+        fp8_gemm: Fp8GemmPath::Auto,
         pdl: true,
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
     /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`],
-    /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`].
-    /// Read when called (at load), never during a launch.
+    /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
+    /// [`Fp8GemmPath::Dequantize`]. Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self {
             pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
+            fp8_gemm: match std::env::var("QWEN36_FP8_GEMM").as_deref() {
+                Ok("dequantize") => Fp8GemmPath::Dequantize,
+                _ => Fp8GemmPath::Auto,
+            },
             skinny: match std::env::var("QWEN36_SKINNY").as_deref() {
                 Ok("uniform") => SkinnyPath::Uniform,
                 Ok("fastest") => SkinnyPath::Fastest,

@@ -10,9 +10,10 @@ use qwen36_kernels::delta_rule::{
     chunked_gated_delta_rule, fused_gated_delta_rule, recurrent_gated_delta_rule, DeltaRuleInputs,
     DeltaRuleMode, DeltaRuleOutput, GdnHeads, GdnParams, CHUNK_SIZE,
 };
-use qwen36_kernels::linear::TILE_MAX_ROWS;
+use qwen36_kernels::linear::reference::{fp8_quantize_activations as fp8_quantize_cpu, fp8_w8a8_linear};
+use qwen36_kernels::linear::{fp8_gemm_available, FP8_GEMM_MIN_ROWS, TILE_MAX_ROWS};
 use qwen36_kernels::norm::l2_norm;
-use qwen36_kernels::{ChunkPath, KernelPolicy, SkinnyPath};
+use qwen36_kernels::{ChunkPath, Fp8GemmPath, KernelPolicy, SkinnyPath};
 use qwen36_testutil::max_abs_diff as max_diff;
 
 /// The default kernel policy (every call below passes its policy explicitly, so tests may run in
@@ -738,23 +739,41 @@ fn fp8_linear_at_the_27b_shapes() {
                 .unwrap()
                 .broadcast_matmul(&deq.t().unwrap())
                 .unwrap();
-            // (Past the tile kernel: the weight dequantized to bf16, one more rounding per term.)
+            // Past the tile kernel the weight dequantized to bf16 (one more rounding per term);
+            // on sm_90 by default from FP8_GEMM_MIN_ROWS the FP8 GEMM, against the product of the
+            // activations as it quantizes them (one output rounding; FP8 sums within each
+            // 128-element block).
             let streamed = rows <= TILE_MAX_ROWS;
-            let tol = if streamed { 1.0 / 128.0 } else { 2.0 / 128.0 };
-            for pdl in [false, true] {
+            let gemm = rows >= FP8_GEMM_MIN_ROWS && fp8_gemm_available(&d);
+            let want_w8a8 = if gemm {
+                Some(fp8_w8a8_linear(&x.reshape((rows, k)).unwrap(), &wg).unwrap())
+            } else {
+                None
+            };
+            for (pdl, fp8_gemm) in [
+                (false, Fp8GemmPath::Auto),
+                (true, Fp8GemmPath::Auto),
+                (true, Fp8GemmPath::Dequantize),
+            ] {
                 let policy = KernelPolicy {
                     pdl,
+                    fp8_gemm,
                     ..KernelPolicy::DEFAULT
+                };
+                let (want, tol) = match &want_w8a8 {
+                    Some(w8a8) if fp8_gemm == Fp8GemmPath::Auto => (w8a8.unsqueeze(0).unwrap(), 2.0 / 128.0),
+                    _ if streamed => (want.clone(), 1.0 / 128.0),
+                    _ => (want.clone(), 2.0 / 128.0),
                 };
                 let layer = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(policy);
                 match layer.forward(&x) {
                     Ok(got) => {
                         let e = max_row_rel_err(&got, &want);
                         if e > tol {
-                            failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl}: {e}"));
+                            failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl} {fp8_gemm:?}: {e}"));
                         }
                     }
-                    Err(e) => failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl}: {e}")),
+                    Err(e) => failed.push(format!("[{n}, {k}] rows {rows} pdl {pdl} {fp8_gemm:?}: {e}")),
                 }
             }
         }
@@ -764,8 +783,8 @@ fn fp8_linear_at_the_27b_shapes() {
 
 /// FP8 weights on CUDA: the dequantizing kernel equals the CPU reference bit for bit (f32, bf16,
 /// f16); the FP8 GEMVs (the tile kernel for 1..=48 rows of 16-bit activations, the CUDA-core
-/// kernel for 1..=8 rows; with and without a residual) and the
-/// dequantize-then-matmul path (more rows, `k` not a multiple of 16) against the CPU's f32
+/// kernel for 1..=8 rows; with and without a residual) and the dequantize-then-matmul path (more
+/// rows under `Fp8GemmPath::Dequantize`, `k` not a multiple of 16) against the CPU's f32
 /// product of the same activations and dequantized weights, for 128×128 blocks (Qwen's) and
 /// smaller ones, shapes not multiples of a block included. Tolerance: one output rounding plus
 /// f32 sums in another order (`ONE_ROUNDING`); the matmul path in bf16/f16 also rounds the
@@ -844,8 +863,11 @@ fn fp8_linear_matches_cpu() {
                 } else {
                     2.0 * tol
                 };
-                let layer =
-                    Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(skinny_policy(path));
+                let policy = KernelPolicy {
+                    fp8_gemm: Fp8GemmPath::Dequantize,
+                    ..skinny_policy(path)
+                };
+                let layer = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(policy);
                 let (xg, rg) = (x.to_device(&d).unwrap(), res.to_device(&d).unwrap());
                 let got = layer.forward(&xg).unwrap();
                 assert_eq!((got.dims(), got.dtype()), (&[1, rows, n][..], dt));
@@ -866,8 +888,113 @@ fn fp8_linear_matches_cpu() {
     }
 }
 
+/// The FP8 GEMM's activation quantization (one warp per 128-element group) equals the CPU
+/// reference bit for bit, bf16 and f16, with groups of zeros, outliers, values near e4m3's
+/// subnormals and ties, and row counts not a multiple of anything.
+#[test]
+fn fp8_activation_quantization_matches_cpu() {
+    use qwen36_kernels::linear::fp8_quantize_activations;
+    let d = gpu();
+    for (m, k) in [(1, 128), (61, 5120), (3, 384), (130, 256)] {
+        for dt in [DType::BF16, DType::F16] {
+            let mut x = randn(1.0, (m, k), DType::F32);
+            // Row 0's second group zeros (where k allows), its first an outlier; the rest scaled
+            // per row over 2^-8..2^8.
+            let scale: Vec<f32> = (0..m).map(|r| 2f32.powi((r % 17) as i32 - 8)).collect();
+            x = x
+                .broadcast_mul(&Tensor::from_vec(scale, (m, 1), &Device::Cpu).unwrap())
+                .unwrap();
+            let mut v = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v[3] = 1000.0;
+            if k >= 256 {
+                v[128..256].fill(0.0);
+            }
+            let x = Tensor::from_vec(v, (m, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let (want_q, want_s) = fp8_quantize_cpu(&x).unwrap();
+            let (q, s) = fp8_quantize_activations(&x.to_device(&d).unwrap(), P).unwrap();
+            assert_eq!((q.dims(), s.dims()), (want_q.dims(), want_s.dims()));
+            let bits = |t: &Tensor| {
+                t.to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&s), bits(&want_s), "{dt:?} [{m}, {k}] scales");
+            assert_eq!(bits(&q), bits(&want_q), "{dt:?} [{m}, {k}] values");
+        }
+    }
+}
+
+/// The FP8 GEMM (FP8 layers of `FP8_GEMM_MIN_ROWS` rows and more, by default on sm_90) against
+/// the CPU's product of the activations as it quantizes them and the dequantized weights, in bf16
+/// and f16, for row counts of batched verifies and prefill chunks (not multiples of 4 included:
+/// cuBLASLt reads the activation scales padded). Tolerance: one output rounding plus FP8 sums in
+/// another order within each 128-element block (twice `ONE_ROUNDING`). The output is farther from
+/// the unquantized activations' product than from this one, so the GEMM did run; a weight whose
+/// width is not whole 128-column blocks, or whose rows of blocks are not a multiple of 4, runs the
+/// w8a16 kernels instead (within one rounding of the unquantized product, or two where it
+/// dequantizes).
+#[test]
+fn fp8_gemm_matches_cpu() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    assert!(fp8_gemm_available(&d), "the FP8 GEMM needs an sm_90 device");
+    for (rows, k, n) in [
+        (49, 1024, 640),
+        (64, 5120, 1024),
+        (200, 2560, 256),
+        (1000, 2048, 512),
+        (61, 512, 128),
+        (17, 1536, 384),
+        // Partial column blocks, or rows of scale blocks not a multiple of 4: not the GEMM.
+        (49, 1024, 40),
+        (100, 512, 520),
+        (200, 384, 256),
+        (17, 768, 384),
+    ] {
+        let w = fp8_weight(n, k, [128, 128]);
+        let wg = on_gpu(&w, &d);
+        let w8a16_w = w.dequantize(DType::F32).unwrap();
+        for (dt, tol) in &ONE_ROUNDING[1..] {
+            let x = randn(1.0, (rows, k), *dt);
+            let want = fp8_w8a8_linear(&x, &w).unwrap();
+            let w8a16 = x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .matmul(&w8a16_w.t().unwrap())
+                .unwrap();
+            let layer = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(*P);
+            let got = layer.forward(&x.to_device(&d).unwrap()).unwrap();
+            assert_eq!((got.dims(), got.dtype()), (&[rows, n][..], *dt));
+            let e = max_row_rel_err(&got, &want);
+            let e16 = max_row_rel_err(&got, &w8a16);
+            if n % 128 == 0 && k % 512 == 0 {
+                assert!(e <= 2.0 * tol, "{dt:?} rows {rows} k {k} n {n}: {e}");
+                assert!(
+                    e16 > 2.0 * e,
+                    "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16, {e} from w8a8"
+                );
+            } else {
+                let tol = if rows <= TILE_MAX_ROWS { *tol } else { 2.0 * tol };
+                assert!(e16 <= tol, "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16");
+            }
+        }
+    }
+}
+
 /// The tile kernels (every row count 1..8: the default for dense and FP8 weights; up to
-/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..48 among themselves by default) are
+/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..16 among themselves by default, where the FP8 GEMM takes more) are
 /// batch-invariant: each row of x gets the same bits whether it is multiplied alone or with up to
 /// 47 other rows (one n-tile of 8 rows or several),
 /// for FP8 weights (Qwen's blocks and smaller ones) and
@@ -901,7 +1028,7 @@ fn tile_kernel_rows_are_batch_invariant() {
             for (name, layer, least, most) in [
                 ("fp8", &fp8, 1, TILE_MAX_ROWS),
                 ("fp8 default", &fp8_auto, 1, 8),
-                ("fp8 default past 8 rows", &fp8_auto, 9, TILE_MAX_ROWS),
+                ("fp8 default past 8 rows", &fp8_auto, 9, FP8_GEMM_MIN_ROWS - 1),
                 ("dense", &dense, 1, 8),
                 ("dense uniform", &dense_uniform, 1, TILE_MAX_ROWS),
             ] {

@@ -967,6 +967,7 @@ mod tests {
         let policy = KernelPolicy {
             chunk: ChunkPath::CudaCores(16),
             skinny: SkinnyPath::Matmul,
+            fp8_gemm: qwen36_kernels::Fp8GemmPath::Dequantize,
             pdl: false,
         };
         let w = Weights::random(LoadOptions {

@@ -3,14 +3,46 @@
 //! kernel on tensor cores (`cuda.rs`), whose rows are batch-invariant, and one f32 row (or one
 //! row under [`SkinnyPath::Fastest`]) to a weight-streaming kernel: cuBLAS reads the weights at
 //! only ~84% of the copy bandwidth on those shapes (PERF-ANCHORS) and decode is nothing but
-//! reading weights.
+//! reading weights. FP8 weights take the tile kernel for few rows and, for many on sm_90, an FP8
+//! GEMM on FP8 tensor cores over activations quantized per 128-element group (`fp8_gemm.rs`).
 
 #[cfg(feature = "cuda")]
 mod cuda;
 mod fp8;
+#[cfg(feature = "cuda")]
+mod fp8_gemm;
 pub mod reference;
 
 pub use fp8::{e4m3_to_f32, Fp8Weight};
+
+/// Whether `dev` runs FP8 layers of many rows on FP8 tensor cores ([`Fp8GemmPath::Auto`]): a
+/// CUDA device of compute capability 9.x in a build with the `cuda` feature.
+///
+/// [`Fp8GemmPath::Auto`]: crate::policy::Fp8GemmPath::Auto
+pub fn fp8_gemm_available(dev: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    return fp8_gemm::fp8_gemm_available(dev);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dev;
+        false
+    }
+}
+
+/// Activations `x: [m, k]` quantized as the FP8 GEMM does before it multiplies
+/// ([`reference::fp8_quantize_activations`], on CUDA for bf16/f16 by the GEMM's own kernel):
+/// `q: [m, k]` e4m3 and `s: [m, k / FP8_ACT_GROUP]` f32 (on CUDA a transposed view of the
+/// `[k / FP8_ACT_GROUP, m]` scales cuBLASLt reads).
+pub fn fp8_quantize_activations(x: &Tensor, policy: &KernelPolicy) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (q, s) = fp8_gemm::act_quant(x, policy)?;
+        let m = x.dim(0)?;
+        return Ok((q.narrow(0, 0, m)?, s.narrow(1, 0, m)?.t()?));
+    }
+    let _ = policy;
+    reference::fp8_quantize_activations(x)
+}
 
 use candle_core::{Module, Tensor};
 
@@ -23,8 +55,20 @@ pub const SKINNY_MAX_ROWS: usize = crate::consts::LINEAR_MAX_ROWS;
 
 /// The most rows one call of the CUDA tile kernels takes (dense 16-bit weights under
 /// [`SkinnyPath::Uniform`], FP8 weights with 16-bit activations); an FP8 layer with more rows
-/// dequantizes its weight and multiplies (past 48 rows as fast: docs/BENCHMARKS.md §4b).
+/// runs the FP8 GEMM where the device has one ([`Fp8GemmPath`]), else dequantizes its weight.
+///
+/// [`Fp8GemmPath`]: crate::policy::Fp8GemmPath
 pub const TILE_MAX_ROWS: usize = crate::consts::TILE_MAX_ROWS;
+
+/// Elements per quantization group of an activation row for the FP8 GEMM (one f32 scale each).
+pub const FP8_ACT_GROUP: usize = crate::consts::FP8_ACT_GROUP;
+
+/// The fewest rows an FP8 layer multiplies through the FP8 GEMM under [`SkinnyPath::Auto`]
+/// (where [`fp8_gemm_available`]; under the other paths, past the rows their few-row kernels
+/// take). On the H200 the GEMM passes the tile kernel between 16 and 32 rows on the 27B's
+/// layers (docs/BENCHMARKS.md §4b), so a batch of 16 decoding sequences keeps the tile kernel's
+/// unquantized activations.
+pub const FP8_GEMM_MIN_ROWS: usize = 17;
 
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
 /// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
@@ -313,6 +357,13 @@ impl Linear {
                         None => y,
                     });
                 }
+                #[cfg(feature = "cuda")]
+                if let Some(y) = self.forward_fp8_gemm(w, x)? {
+                    return Ok(match bias {
+                        Some(b) => y.broadcast_add(b)?,
+                        None => y,
+                    });
+                }
                 let dense = candle_nn::Linear::new(w.dequantize_with(x.dtype(), &self.policy)?, bias.clone());
                 reference::linear(&dense, x)
             }
@@ -516,7 +567,8 @@ impl Linear {
 impl Linear {
     /// The CUDA FP8 kernels for 1..=[`TILE_MAX_ROWS`] rows with 16-bit activations, 1..=
     /// [`SKINNY_MAX_ROWS`] else (weights read as e4m3, scaled per block in registers), adding
-    /// `residual` as it writes when given; `None` for the dequantize-then-matmul path.
+    /// `residual` as it writes when given; `None` for the FP8 GEMM (rows it takes first,
+    /// `fp8_gemm_rows`) or the dequantize-then-matmul path.
     #[cfg(feature = "cuda")]
     fn forward_fp8_skinny(
         &self,
@@ -532,7 +584,10 @@ impl Linear {
             return Ok(None);
         }
         let rows = x.elem_count() / k.max(1);
-        if rows == 0 || rows > cuda::fp8_max_rows(x.dtype(), w, &self.policy) {
+        if rows == 0
+            || rows > cuda::fp8_max_rows(x.dtype(), w, &self.policy)
+            || self.fp8_gemm_rows(w, x, rows)
+        {
             return Ok(None);
         }
         let dims = out_dims(x, n);
@@ -542,6 +597,46 @@ impl Linear {
             Some(y) => Some(y.reshape(dims)?),
             None => None,
         })
+    }
+}
+
+impl Linear {
+    /// The FP8 GEMM ([`Fp8GemmPath::Auto`]) for more rows than the few-row FP8 kernels take,
+    /// where the device and the operands allow it; `None` for the dequantize-then-matmul path.
+    ///
+    /// [`Fp8GemmPath::Auto`]: crate::policy::Fp8GemmPath::Auto
+    #[cfg(feature = "cuda")]
+    fn forward_fp8_gemm(&self, w: &Fp8Weight, x: &Tensor) -> Result<Option<Tensor>> {
+        if !x.device().is_cuda() || x.rank() == 0 {
+            return Ok(None);
+        }
+        let (n, k) = w.dims();
+        if x.dim(candle_core::D::Minus1)? != k {
+            return Ok(None);
+        }
+        let rows = x.elem_count() / k.max(1);
+        if !self.fp8_gemm_rows(w, x, rows) {
+            return Ok(None);
+        }
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        Ok(match fp8_gemm::fp8_gemm(&x2, w, &self.policy)? {
+            Some(y) => Some(y.reshape(out_dims(x, n))?),
+            None => None,
+        })
+    }
+}
+
+impl Linear {
+    /// Whether `rows` rows of `x` through the FP8 weight `w` take the FP8 GEMM: it takes the
+    /// operands on this device, and the rows are at least [`FP8_GEMM_MIN_ROWS`] under
+    /// [`SkinnyPath::Auto`], more than the few-row kernels take under the other paths.
+    #[cfg(feature = "cuda")]
+    fn fp8_gemm_rows(&self, w: &Fp8Weight, x: &Tensor, rows: usize) -> bool {
+        let least = match self.policy.skinny {
+            SkinnyPath::Auto => FP8_GEMM_MIN_ROWS,
+            _ => cuda::fp8_max_rows(x.dtype(), w, &self.policy) + 1,
+        };
+        rows >= least && fp8_gemm::fp8_gemm_takes(x, w, &self.policy)
     }
 }
 
