@@ -4,8 +4,9 @@
 //! transformers' FineGrainedFP8 computes on GPU; the CPU reference is
 //! [`reference::fp8_w8a8_linear`](super::reference::fp8_w8a8_linear).
 
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 
 use candle_core::cuda::cudarc::cublas::sys::cublasOperation_t as Op;
 use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
@@ -46,7 +47,16 @@ pub(crate) fn fp8_gemm_takes(x: &Tensor, w: &Fp8Weight, policy: &KernelPolicy) -
         && n % FP8_ACT_GROUP == 0
         && w.q().is_contiguous()
         && w.scale().is_contiguous()
+        && aligned(w.q(), 1)
+        && aligned(w.scale(), 4)
         && fp8_gemm_available(x.device())
+}
+
+/// Whether `t`'s data (elements of `size` bytes) starts 256 bytes into an allocation, as the
+/// heuristic's algorithms assume of every operand (a layer's weight and scales are whole
+/// allocations; the GEMM's other operands it allocates itself).
+fn aligned(t: &Tensor, size: usize) -> bool {
+    (t.layout().start_offset() * size) % 256 == 0
 }
 
 /// CUDA [`reference::fp8_quantize_activations`](super::reference::fp8_quantize_activations):
@@ -172,7 +182,7 @@ type AlgoKey = (usize, usize, usize, usize, DType);
 /// none (then the caller dequantizes).
 type Algo = Option<(sys::cublasLtMatmulAlgo_t, usize)>;
 /// The heuristic's answers, asked once per [`AlgoKey`].
-static ALGOS: Mutex<Vec<(AlgoKey, Algo)>> = Mutex::new(Vec::new());
+static ALGOS: LazyLock<Mutex<HashMap<AlgoKey, Algo>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// `x·(e4m3(w)·scale)ᵀ` for `x: [m, k]` (contiguous bf16/f16; [`fp8_gemm_takes`]) on the FP8
 /// tensor cores: `[m, n]` in x's dtype, or `None` where cuBLASLt has no kernel for the shape.
@@ -279,10 +289,7 @@ fn gemm<T: CudaDType + DeviceRepr>(
         )?;
     }
     let key = (ordinal, mp, n, k, dt);
-    let cached = {
-        let algos = ALGOS.lock().unwrap_or_else(|p| p.into_inner());
-        algos.iter().find(|(k, _)| *k == key).map(|(_, a)| *a)
-    };
+    let cached = ALGOS.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
     let algo = match cached {
         Some(a) => a,
         None => {
@@ -303,7 +310,7 @@ fn gemm<T: CudaDType + DeviceRepr>(
             let found = unsafe { lt::get_matmul_algo_heuristic(handle, desc, a_l, b_l, d_l, d_l, pref) }
                 .ok()
                 .map(|h| (h.algo, h.workspaceSize));
-            ALGOS.lock().unwrap_or_else(|p| p.into_inner()).push((key, found));
+            ALGOS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, found);
             found
         }
     };
