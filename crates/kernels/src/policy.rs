@@ -62,7 +62,7 @@ pub enum SkinnyPath {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8GemmPath {
     /// On sm_90 devices, for 16-bit activations, 128×128 weight blocks, an input width that is a
-    /// multiple of 512 and an output width of 128: the activations quantized to e4m3 per row and
+    /// multiple of 512 and an output width a multiple of 128: the activations quantized to e4m3 per row and
     /// 128-element group
     /// (as transformers' FineGrainedFP8 does on GPU), then cuBLASLt's block-scaled FP8 GEMM on
     /// FP8 tensor cores (on the H200 1.4-1.6× the dense bf16 GEMM's rate at 8k rows, 1.3-3.9×

@@ -719,9 +719,12 @@ fn on_gpu(w: &qwen36_kernels::linear::Fp8Weight, d: &Device) -> qwen36_kernels::
 
 /// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
 /// down, an output projection) for every kind of row count the model runs (decode, drafts,
-/// verify, batched verifies of one and several n-tiles, the dequantizing path past
-/// [`TILE_MAX_ROWS`]): the kernels' output within one bf16 rounding of the f32 product, each
-/// block's scale applied (checked against the dequantize-then-matmul path in f32).
+/// verify, batched verifies of one and several n-tiles; by default the FP8 GEMM from
+/// `FP8_GEMM_MIN_ROWS`, under `Fp8GemmPath::Dequantize` the dequantizing path past
+/// [`TILE_MAX_ROWS`]), with PDL on and off: the tile kernel's output within one bf16 rounding of
+/// the f32 product, each block's scale applied (checked against the dequantize-then-matmul path
+/// in f32), the GEMM's and the dequantizing path's within two (the GEMM against the product of
+/// its quantized activations).
 #[test]
 fn fp8_linear_at_the_27b_shapes() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
@@ -937,13 +940,13 @@ fn fp8_activation_quantization_matches_cpu() {
 
 /// The FP8 GEMM (FP8 layers of `FP8_GEMM_MIN_ROWS` rows and more, by default on sm_90) against
 /// the CPU's product of the activations as it quantizes them and the dequantized weights, in bf16
-/// and f16, for row counts of batched verifies and prefill chunks (not multiples of 4 included:
-/// cuBLASLt reads the activation scales padded). Tolerance: one output rounding plus FP8 sums in
-/// another order within each 128-element block (twice `ONE_ROUNDING`). The output is farther from
-/// the unquantized activations' product than from this one, so the GEMM did run; a weight whose
-/// width is not whole 128-column blocks, or whose rows of blocks are not a multiple of 4, runs the
-/// w8a16 kernels instead (within one rounding of the unquantized product, or two where it
-/// dequantizes).
+/// and f16 (with a bias, and closing a residual connection), for row counts of batched verifies
+/// and prefill chunks (not multiples of 16 included: the GEMM pads them). Tolerance: one output
+/// rounding plus FP8 sums in another order within each 128-element block (twice
+/// `ONE_ROUNDING`). The output is farther from the unquantized activations' product than from
+/// this one, so the GEMM did run; fewer rows, a weight whose width is not whole 128-column
+/// blocks, or whose rows of blocks are not a multiple of 4, run the w8a16 kernels instead (within
+/// one rounding of the unquantized product, or two where they dequantize).
 #[test]
 fn fp8_gemm_matches_cpu() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
@@ -957,7 +960,9 @@ fn fp8_gemm_matches_cpu() {
         (1000, 2048, 512),
         (61, 512, 128),
         (17, 1536, 384),
-        // Partial column blocks, or rows of scale blocks not a multiple of 4: not the GEMM.
+        // Fewer rows than FP8_GEMM_MIN_ROWS, partial column blocks, or rows of scale blocks
+        // not a multiple of 4: not the GEMM.
+        (16, 1024, 640),
         (49, 1024, 40),
         (100, 512, 520),
         (200, 384, 256),
@@ -979,22 +984,40 @@ fn fp8_gemm_matches_cpu() {
             assert_eq!((got.dims(), got.dtype()), (&[rows, n][..], *dt));
             let e = max_row_rel_err(&got, &want);
             let e16 = max_row_rel_err(&got, &w8a16);
-            if n % 128 == 0 && k % 512 == 0 {
-                assert!(e <= 2.0 * tol, "{dt:?} rows {rows} k {k} n {n}: {e}");
-                assert!(
-                    e16 > 2.0 * e,
-                    "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16, {e} from w8a8"
-                );
-            } else {
+            if !(n % 128 == 0 && k % 512 == 0 && rows >= FP8_GEMM_MIN_ROWS) {
                 let tol = if rows <= TILE_MAX_ROWS { *tol } else { 2.0 * tol };
                 assert!(e16 <= tol, "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16");
+                continue;
             }
+            assert!(e <= 2.0 * tol, "{dt:?} rows {rows} k {k} n {n}: {e}");
+            assert!(
+                e16 > 2.0 * e,
+                "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16, {e} from w8a8"
+            );
+            // Through the GEMM with a bias, and closing a residual connection (one more
+            // rounding each: three times `ONE_ROUNDING`).
+            let (xg, bias, res) = (
+                x.to_device(&d).unwrap(),
+                randn(1.0, n, *dt),
+                randn(1.0, (rows, n), *dt),
+            );
+            let biased =
+                Linear::from_weight(LinearWeight::Fp8(wg.clone()), Some(bias.to_device(&d).unwrap()))
+                    .with_policy(*P);
+            let want_b = want.broadcast_add(&bias.to_dtype(DType::F32).unwrap()).unwrap();
+            let e = max_row_rel_err(&biased.forward(&xg).unwrap(), &want_b);
+            assert!(e <= 3.0 * tol, "{dt:?} rows {rows} k {k} n {n}: bias {e}");
+            let got = layer.forward_add(&xg, &res.to_device(&d).unwrap()).unwrap();
+            let want_r = (&want + res.to_dtype(DType::F32).unwrap()).unwrap();
+            let e = max_row_rel_err(&got, &want_r);
+            assert!(e <= 3.0 * tol, "{dt:?} rows {rows} k {k} n {n}: residual {e}");
         }
     }
 }
 
 /// The tile kernels (every row count 1..8: the default for dense and FP8 weights; up to
-/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..16 among themselves by default, where the FP8 GEMM takes more) are
+/// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..48 among themselves by default on
+/// weights the FP8 GEMM does not take) are
 /// batch-invariant: each row of x gets the same bits whether it is multiplied alone or with up to
 /// 47 other rows (one n-tile of 8 rows or several),
 /// for FP8 weights (Qwen's blocks and smaller ones) and
@@ -1028,7 +1051,9 @@ fn tile_kernel_rows_are_batch_invariant() {
             for (name, layer, least, most) in [
                 ("fp8", &fp8, 1, TILE_MAX_ROWS),
                 ("fp8 default", &fp8_auto, 1, 8),
-                ("fp8 default past 8 rows", &fp8_auto, 9, FP8_GEMM_MIN_ROWS - 1),
+                // (None of these weights takes the FP8 GEMM: widths not in whole 128-column
+                // blocks, or other blocks.)
+                ("fp8 default past 8 rows", &fp8_auto, 9, TILE_MAX_ROWS),
                 ("dense", &dense, 1, 8),
                 ("dense uniform", &dense_uniform, 1, TILE_MAX_ROWS),
             ] {

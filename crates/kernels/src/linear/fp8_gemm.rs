@@ -6,12 +6,12 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use candle_core::cuda::cudarc::cublas::sys::cublasOperation_t as Op;
 use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
 use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DeviceRepr};
+use candle_core::cuda::cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{DType, Device, Tensor};
 
@@ -118,22 +118,34 @@ pub(crate) fn act_quant(x: &Tensor, policy: &KernelPolicy) -> Result<(Tensor, Te
     }
 }
 
-/// A cuBLASLt handle, made once per device ordinal and kept for the process (as cuBLAS's are).
-struct Handle(sys::cublasLtHandle_t);
+/// A cuBLASLt handle, made once per device ordinal and kept for the process with a reference to
+/// the context it was made in, so that the context outlives it (a handle must not outlive its
+/// context; candle releases a device's context when its last `Device` drops).
+struct Handle(sys::cublasLtHandle_t, #[allow(dead_code)] Arc<CudaContext>);
 // SAFETY: a cuBLASLt handle may be used from any thread (cuBLASLt's handles are thread-safe;
 // every call here passes its own stream and workspace).
 unsafe impl Send for Handle {}
 
-/// The handle of device `ordinal` (its context bound to this thread by the caller).
-fn handle(ordinal: usize) -> Result<sys::cublasLtHandle_t> {
+/// The handle of `ctx`'s device (the context bound to this thread by the caller).
+fn handle(ctx: &Arc<CudaContext>) -> Result<sys::cublasLtHandle_t> {
     static HANDLES: Mutex<Vec<(usize, Handle)>> = Mutex::new(Vec::new());
     let mut handles = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
+    let ordinal = ctx.ordinal();
     if let Some((_, h)) = handles.iter().find(|(o, _)| *o == ordinal) {
         return Ok(h.0);
     }
     let h = lt::create_handle().map_err(cublas_err)?;
-    handles.push((ordinal, Handle(h)));
+    handles.push((ordinal, Handle(h, ctx.clone())));
     Ok(h)
+}
+
+/// Whether cuBLASLt refused the problem itself (no kernel for it, or a combination it does not
+/// take), not a failure of the device.
+fn unsupported(e: &lt::CublasError) -> bool {
+    matches!(
+        e.0,
+        sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED | sys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
+    )
 }
 
 fn cublas_err(e: lt::CublasError) -> crate::Error {
@@ -214,14 +226,20 @@ fn gemm<T: CudaDType + DeviceRepr>(
     if m == 0 || n == 0 {
         return Ok(Some(Tensor::zeros((m, n), dt, x.device())?));
     }
-    let stream: std::sync::Arc<CudaStream> = dev.cuda_stream();
+    let stream: Arc<CudaStream> = dev.cuda_stream();
     stream
         .context()
         .bind_to_thread()
         .map_err(candle_core::Error::wrap)?;
     let ordinal = stream.context().ordinal();
-    let handle = handle(ordinal)?;
-    let (xq, xs) = act_quant(&x.contiguous()?, policy)?;
+    let handle = handle(stream.context())?;
+    // act_quant reads x in 16-byte vectors: a row view at an odd offset is copied first.
+    let x = if x.is_contiguous() && (x.layout().start_offset() * dt.size_in_bytes()) % 16 == 0 {
+        x.clone()
+    } else {
+        x.force_contiguous()?
+    };
+    let (xq, xs) = act_quant(&x, policy)?;
     // The GEMM's rows: m padded to whole 16-row tiles (`act_quant`), the padding's outputs dropped.
     let mp = xq.dim(0)?;
     let (n64, m64, k64) = (n as u64, mp as u64, k as u64);
@@ -307,9 +325,13 @@ fn gemm<T: CudaDType + DeviceRepr>(
                 .map_err(cublas_err)?;
             }
             // SAFETY: the descriptors and the preference are live (owned by `d`).
-            let found = unsafe { lt::get_matmul_algo_heuristic(handle, desc, a_l, b_l, d_l, d_l, pref) }
-                .ok()
-                .map(|h| (h.algo, h.workspaceSize));
+            let found = match unsafe { lt::get_matmul_algo_heuristic(handle, desc, a_l, b_l, d_l, d_l, pref) }
+            {
+                Ok(h) => Some((h.algo, h.workspaceSize)),
+                // No algorithm for the shape: remembered, the caller falls back.
+                Err(e) if unsupported(&e) => None,
+                Err(e) => return Err(cublas_err(e)),
+            };
             ALGOS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, found);
             found
         }
@@ -318,12 +340,12 @@ fn gemm<T: CudaDType + DeviceRepr>(
         return Ok(None);
     };
     // SAFETY: uninitialised; the matmul writes every element of D (beta = 0: C is not read).
-    let y = unsafe { dev.alloc::<T>(mp * n)? };
+    let mut y = unsafe { dev.alloc::<T>(mp * n)? };
     // SAFETY: uninitialised scratch that cuBLASLt owns for the call.
-    let workspace = unsafe { dev.alloc::<u8>(ws_size.max(1))? };
+    let mut workspace = unsafe { dev.alloc::<u8>(ws_size.max(1))? };
     {
-        let (y_ptr, _g5) = y.device_ptr(&stream);
-        let (w_ptr, _g6) = workspace.device_ptr(&stream);
+        let (y_ptr, _g5) = y.device_ptr_mut(&stream);
+        let (w_ptr, _g6) = workspace.device_ptr_mut(&stream);
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the operands match the layouts above: the weight [n·k] and the activations
         // [mp·k] e4m3, contiguous (checked by `fp8_gemm_takes` and made by `act_quant`), their
@@ -331,7 +353,7 @@ fn gemm<T: CudaDType + DeviceRepr>(
         // (`act_quant`'s layout), the output [mp·n] of `dt` (C = D, beta = 0), a workspace of the
         // size the heuristic asked for; alpha and beta are host f32 (the default pointer mode,
         // CUDA_R_32F scale type); the stream is the tensors' own.
-        unsafe {
+        let status = unsafe {
             lt::matmul(
                 handle,
                 desc,
@@ -350,7 +372,15 @@ fn gemm<T: CudaDType + DeviceRepr>(
                 ws_size,
                 stream.cu_stream() as sys::cudaStream_t,
             )
-            .map_err(cublas_err)?;
+        };
+        match status {
+            Ok(()) => {}
+            // Nothing was queued: the shape is remembered as unsupported, the caller falls back.
+            Err(e) if unsupported(&e) => {
+                ALGOS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, None);
+                return Ok(None);
+            }
+            Err(e) => return Err(cublas_err(e)),
         }
     }
     drop(d);

@@ -30,13 +30,17 @@ pub fn fp8_gemm_available(dev: &candle_core::Device) -> bool {
 }
 
 /// Activations `x: [m, k]` quantized as the FP8 GEMM does before it multiplies
-/// ([`reference::fp8_quantize_activations`], on CUDA for bf16/f16 by the GEMM's own kernel):
-/// `q: [m, k]` e4m3 and `s: [m, k / FP8_ACT_GROUP]` f32 (on CUDA a transposed view of the
-/// `[k / FP8_ACT_GROUP, m]` scales cuBLASLt reads).
+/// ([`reference::fp8_quantize_activations`]; on CUDA, bf16/f16 by the GEMM's own kernel, other
+/// dtypes by the reference): `q: [m, k]` e4m3 and `s: [m, k / FP8_ACT_GROUP]` f32 (from the
+/// kernel a transposed view of the `[k / FP8_ACT_GROUP, m]` scales cuBLASLt reads).
 pub fn fp8_quantize_activations(x: &Tensor, policy: &KernelPolicy) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        let (q, s) = fp8_gemm::act_quant(x, policy)?;
+    if x.device().is_cuda()
+        && matches!(x.dtype(), candle_core::DType::BF16 | candle_core::DType::F16)
+        && x.dim(candle_core::D::Minus1)? % FP8_ACT_GROUP == 0
+    {
+        // A fresh copy: contiguous and 16-byte aligned, as the kernel reads it.
+        let (q, s) = fp8_gemm::act_quant(&x.force_contiguous()?, policy)?;
         let m = x.dim(0)?;
         return Ok((q.narrow(0, 0, m)?, s.narrow(1, 0, m)?.t()?));
     }
@@ -351,18 +355,17 @@ impl Linear {
             }
             Kind::Fp8 { w, bias } => {
                 #[cfg(feature = "cuda")]
-                if let Some(y) = self.forward_fp8_skinny(w, x, None)? {
-                    return Ok(match bias {
-                        Some(b) => y.broadcast_add(b)?,
-                        None => y,
-                    });
-                }
-                #[cfg(feature = "cuda")]
-                if let Some(y) = self.forward_fp8_gemm(w, x)? {
-                    return Ok(match bias {
-                        Some(b) => y.broadcast_add(b)?,
-                        None => y,
-                    });
+                {
+                    let y = match self.forward_fp8_gemm(w, x)? {
+                        Some(y) => Some(y),
+                        None => self.forward_fp8_skinny(w, x, None)?,
+                    };
+                    if let Some(y) = y {
+                        return Ok(match bias {
+                            Some(b) => y.broadcast_add(b)?,
+                            None => y,
+                        });
+                    }
                 }
                 let dense = candle_nn::Linear::new(w.dequantize_with(x.dtype(), &self.policy)?, bias.clone());
                 reference::linear(&dense, x)
@@ -471,6 +474,9 @@ impl Linear {
         }
         #[cfg(feature = "cuda")]
         if let Kind::Fp8 { w, bias: None } = &self.kind {
+            if let Some(y) = self.forward_fp8_gemm(w, x)? {
+                return Ok((residual + y)?);
+            }
             if let Some(y) = self.forward_fp8_skinny(w, x, Some(residual))? {
                 return Ok(y);
             }
@@ -567,8 +573,8 @@ impl Linear {
 impl Linear {
     /// The CUDA FP8 kernels for 1..=[`TILE_MAX_ROWS`] rows with 16-bit activations, 1..=
     /// [`SKINNY_MAX_ROWS`] else (weights read as e4m3, scaled per block in registers), adding
-    /// `residual` as it writes when given; `None` for the FP8 GEMM (rows it takes first,
-    /// `fp8_gemm_rows`) or the dequantize-then-matmul path.
+    /// `residual` as it writes when given; `None` for the dequantize-then-matmul path. Callers try
+    /// the FP8 GEMM first (`forward_fp8_gemm`), so that the rows it takes run it.
     #[cfg(feature = "cuda")]
     fn forward_fp8_skinny(
         &self,
@@ -584,10 +590,7 @@ impl Linear {
             return Ok(None);
         }
         let rows = x.elem_count() / k.max(1);
-        if rows == 0
-            || rows > cuda::fp8_max_rows(x.dtype(), w, &self.policy)
-            || self.fp8_gemm_rows(w, x, rows)
-        {
+        if rows == 0 || rows > cuda::fp8_max_rows(x.dtype(), w, &self.policy) {
             return Ok(None);
         }
         let dims = out_dims(x, n);
@@ -628,12 +631,14 @@ impl Linear {
 
 impl Linear {
     /// Whether `rows` rows of `x` through the FP8 weight `w` take the FP8 GEMM: it takes the
-    /// operands on this device, and the rows are at least [`FP8_GEMM_MIN_ROWS`] under
-    /// [`SkinnyPath::Auto`], more than the few-row kernels take under the other paths.
+    /// operands on this device, and the rows are at least [`FP8_GEMM_MIN_ROWS`] (under
+    /// [`SkinnyPath::Auto`], `Fastest` and `Matmul`), or more than the few-row kernels take
+    /// (under `Uniform`, whose tiles are batch-invariant to [`TILE_MAX_ROWS`], and the streaming
+    /// paths).
     #[cfg(feature = "cuda")]
     fn fp8_gemm_rows(&self, w: &Fp8Weight, x: &Tensor, rows: usize) -> bool {
         let least = match self.policy.skinny {
-            SkinnyPath::Auto => FP8_GEMM_MIN_ROWS,
+            SkinnyPath::Auto | SkinnyPath::Fastest | SkinnyPath::Matmul => FP8_GEMM_MIN_ROWS,
             _ => cuda::fp8_max_rows(x.dtype(), w, &self.policy) + 1,
         };
         rows >= least && fp8_gemm::fp8_gemm_takes(x, w, &self.policy)
