@@ -153,33 +153,38 @@ impl<'a> KernelCall<'a> {
 
 /// What one device supports of our launches.
 #[derive(Clone, Copy)]
-struct DeviceSetup {
+pub(crate) struct DeviceSetup {
     /// Launches may carry the PDL attribute (an sm_90+ device and PTX built for it).
     pdl: bool,
+    /// The device's compute capability major version (0 where it could not be read).
+    pub(crate) major: u8,
 }
 
-/// What `stream`'s device supports, found at its first launch and cached per device ordinal (a
-/// fact of the hardware and the build, the same for every policy); that first launch also makes
+/// What `stream`'s device supports, found at its first use and cached per device ordinal (a
+/// fact of the hardware and the build, the same for every policy); that first use also makes
 /// the device's memory pool keep freed memory ([`keep_freed_memory`]).
-fn device_setup(stream: &CudaStream) -> DeviceSetup {
+pub(crate) fn device_setup(stream: &CudaStream) -> DeviceSetup {
+    // Per ordinal: 0 unknown, else the major version + 1.
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
     let ctx = stream.context();
     let slot = CACHE.get(ctx.ordinal());
-    match slot.map(|s| s.load(Ordering::Relaxed)) {
-        Some(1) => return DeviceSetup { pdl: false },
-        Some(2) => return DeviceSetup { pdl: true },
-        _ => {}
+    let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
+    let setup = |major: u8| DeviceSetup {
+        pdl: major >= 9 && ptx_cap >= 90,
+        major,
+    };
+    if let Some(cached) = slot.map(|s| s.load(Ordering::Relaxed)).filter(|&c| c > 0) {
+        return setup(cached - 1);
     }
     keep_freed_memory(ctx);
     let major = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .unwrap_or(0);
-    let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
-    let on = major >= 9 && ptx_cap >= 90;
+        .unwrap_or(0)
+        .clamp(0, 254) as u8;
     if let Some(s) = slot {
-        s.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+        s.store(major + 1, Ordering::Relaxed);
     }
-    DeviceSetup { pdl: on }
+    setup(major)
 }
 
 /// Lets the device's default memory pool, which candle allocates from (`cuMemAllocAsync`), keep the

@@ -14,7 +14,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor
 
 mod launch;
 pub(crate) use candle_core::cuda::cudarc::driver::LaunchConfig;
-pub(crate) use launch::KernelCall;
+pub(crate) use launch::{device_setup, KernelCall};
 
 use crate::{Error, Result};
 

@@ -10,7 +10,6 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use candle_core::cuda::cudarc::cublas::sys::cublasOperation_t as Op;
 use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
-use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda::cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{DType, Device, Tensor};
@@ -26,10 +25,7 @@ pub fn fp8_gemm_available(dev: &Device) -> bool {
     let Ok(cuda) = dev.as_cuda_device() else {
         return false;
     };
-    cuda.cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .is_ok_and(|major| major == 9)
+    crate::cuda::device_setup(&cuda.cuda_stream()).major == 9
 }
 
 /// Whether [`fp8_gemm`] may take `x: [.., k]` through `w` under `policy`: the policy's
