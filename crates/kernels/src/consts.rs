@@ -56,7 +56,7 @@ kernel_consts! {
     LINEAR_THREADS = NORM_THREADS;
     LINEAR_MAX_ROWS = 8;
     // Tile kernels (cuda/linear.cu): the most n-tiles of 8 rows of x, so the most rows they take
-    // (FP8 layers run the FP8 GEMM from 17 rows where it takes them: docs/BENCHMARKS.md §4b).
+    // (FP8 layers run the FP8 GEMM from 9 or 17 rows where it takes them: docs/BENCHMARKS.md §4b).
     TILE_MAX_NT = 6;
     TILE_MAX_ROWS = 8 * TILE_MAX_NT;
     // FP8 activations for the FP8 tensor-core GEMM (more rows than the tile kernels take):

@@ -28,10 +28,11 @@ pub enum SkinnyPath {
     /// activations with dense weights of their dtype take the tile kernel for every row count
     /// 1..8, so a row's outputs are the same bits alone, in a batch or in a verify (the 27B's
     /// bf16 decode 4% slower than [`SkinnyPath::Fastest`], its MTP cycle 1%); FP8 weights with
-    /// 16-bit activations take the tile kernel for 1..=16 rows, invariant over 1..8 rows (past 8,
-    /// wide layers run fewer warps per tile, which sum in another order), and from
-    /// [`FP8_GEMM_MIN_ROWS`](crate::linear::FP8_GEMM_MIN_ROWS) the FP8 GEMM where the device has
-    /// it ([`Fp8GemmPath`]; else the tile kernel to 48 rows); dense f32 the streaming kernel for one row and
+    /// 16-bit activations take the tile kernel for 1..8 rows, invariant over them, and from
+    /// [`fp8_gemm_min_rows`](crate::linear::fp8_gemm_min_rows) (9 rows for large weights, 17
+    /// for small ones) the FP8 GEMM where the device has it ([`Fp8GemmPath`]; else the tile
+    /// kernel to 48 rows, past 8 rows with fewer warps per tile on wide layers, which sum in
+    /// another order); dense f32 the streaming kernel for one row and
     /// cuBLAS from two; FP8 with f32, or with column blocks not a multiple of 64 wide, the
     /// CUDA-core FP8 kernel for up to 8 rows. (docs/BENCHMARKS.md §1, §1b.)
     #[default]
@@ -70,6 +71,10 @@ pub enum Fp8GemmPath {
     /// no kernel for the shape, as [`Fp8GemmPath::Dequantize`].
     #[default]
     Auto,
+    /// [`Fp8GemmPath::Auto`] from this many rows for every weight, under the paths that
+    /// otherwise take it from [`fp8_gemm_min_rows`](crate::linear::fp8_gemm_min_rows) (for A/B
+    /// runs of the threshold).
+    FromRows(usize),
     /// The weight dequantized to the activations' dtype, then candle's matmul: the CPU
     /// reference's numerics (the activations unquantized), at 2.5× the weight traffic.
     Dequantize,
@@ -109,14 +114,12 @@ impl KernelPolicy {
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
     /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`],
     /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
-    /// [`Fp8GemmPath::Dequantize`]. Read when called (at load), never during a launch.
+    /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`.
+    /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self {
             pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
-            fp8_gemm: match std::env::var("QWEN36_FP8_GEMM").as_deref() {
-                Ok("dequantize") => Fp8GemmPath::Dequantize,
-                _ => Fp8GemmPath::Auto,
-            },
+            fp8_gemm: fp8_gemm_from(std::env::var("QWEN36_FP8_GEMM").ok().as_deref()),
             skinny: match std::env::var("QWEN36_SKINNY").as_deref() {
                 Ok("uniform") => SkinnyPath::Uniform,
                 Ok("fastest") => SkinnyPath::Fastest,
@@ -124,5 +127,31 @@ impl KernelPolicy {
             },
             ..Self::DEFAULT
         }
+    }
+}
+
+/// The FP8 GEMM path a `QWEN36_FP8_GEMM` value names (anything else: the default).
+fn fp8_gemm_from(v: Option<&str>) -> Fp8GemmPath {
+    match v {
+        Some("dequantize") => Fp8GemmPath::Dequantize,
+        Some(v) => match v.strip_prefix("from:").map(str::parse) {
+            Some(Ok(rows)) => Fp8GemmPath::FromRows(rows),
+            _ => Fp8GemmPath::Auto,
+        },
+        None => Fp8GemmPath::Auto,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_gemm_paths_from_the_environment() {
+        assert_eq!(fp8_gemm_from(None), Fp8GemmPath::Auto);
+        assert_eq!(fp8_gemm_from(Some("dequantize")), Fp8GemmPath::Dequantize);
+        assert_eq!(fp8_gemm_from(Some("from:9")), Fp8GemmPath::FromRows(9));
+        assert_eq!(fp8_gemm_from(Some("from:x")), Fp8GemmPath::Auto);
+        assert_eq!(fp8_gemm_from(Some("auto")), Fp8GemmPath::Auto);
     }
 }

@@ -11,7 +11,7 @@ use qwen36_kernels::delta_rule::{
     DeltaRuleMode, DeltaRuleOutput, GdnHeads, GdnParams, CHUNK_SIZE,
 };
 use qwen36_kernels::linear::reference::{fp8_quantize_activations as fp8_quantize_cpu, fp8_w8a8_linear};
-use qwen36_kernels::linear::{fp8_gemm_available, FP8_GEMM_MIN_ROWS, TILE_MAX_ROWS};
+use qwen36_kernels::linear::{fp8_gemm_available, fp8_gemm_min_rows, TILE_MAX_ROWS};
 use qwen36_kernels::norm::l2_norm;
 use qwen36_kernels::{ChunkPath, Fp8GemmPath, KernelPolicy, SkinnyPath};
 use qwen36_testutil::max_abs_diff as max_diff;
@@ -720,7 +720,7 @@ fn on_gpu(w: &qwen36_kernels::linear::Fp8Weight, d: &Device) -> qwen36_kernels::
 /// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
 /// down, an output projection) for every kind of row count the model runs (decode, drafts,
 /// verify, batched verifies of one and several n-tiles; by default the FP8 GEMM from
-/// `FP8_GEMM_MIN_ROWS`, under `Fp8GemmPath::Dequantize` the dequantizing path past
+/// `fp8_gemm_min_rows` (12 rows of the three large weights, 48 of all), under `Fp8GemmPath::Dequantize` the dequantizing path past
 /// [`TILE_MAX_ROWS`]), with PDL on and off: the tile kernel's output within one bf16 rounding of
 /// the f32 product, each block's scale applied (checked against the dequantize-then-matmul path
 /// in f32), the GEMM's and the dequantizing path's within two (the GEMM against the product of
@@ -743,11 +743,11 @@ fn fp8_linear_at_the_27b_shapes() {
                 .broadcast_matmul(&deq.t().unwrap())
                 .unwrap();
             // Past the tile kernel the weight dequantized to bf16 (one more rounding per term);
-            // on sm_90 by default from FP8_GEMM_MIN_ROWS the FP8 GEMM, against the product of the
+            // on sm_90 by default from fp8_gemm_min_rows the FP8 GEMM, against the product of the
             // activations as it quantizes them (one output rounding; FP8 sums within each
             // 128-element block).
             let streamed = rows <= TILE_MAX_ROWS;
-            let gemm = rows >= FP8_GEMM_MIN_ROWS && fp8_gemm_available(&d);
+            let gemm = rows >= fp8_gemm_min_rows(n, k) && fp8_gemm_available(&d);
             let want_w8a8 = if gemm {
                 Some(fp8_w8a8_linear(&x.reshape((rows, k)).unwrap(), &wg).unwrap())
             } else {
@@ -938,7 +938,7 @@ fn fp8_activation_quantization_matches_cpu() {
     }
 }
 
-/// The FP8 GEMM (FP8 layers of `FP8_GEMM_MIN_ROWS` rows and more, by default on sm_90) against
+/// The FP8 GEMM (FP8 layers of `fp8_gemm_min_rows` rows and more, by default on sm_90) against
 /// the CPU's product of the activations as it quantizes them and the dequantized weights, in bf16
 /// and f16 (with a bias, and closing a residual connection), for row counts of batched verifies
 /// and prefill chunks (not multiples of 16 included: the GEMM pads them). Tolerance: one output
@@ -960,13 +960,16 @@ fn fp8_gemm_matches_cpu() {
         (1000, 2048, 512),
         (61, 512, 128),
         (17, 1536, 384),
-        // Fewer rows than FP8_GEMM_MIN_ROWS, partial column blocks, or rows of scale blocks
+        // A large weight from 9 rows.
+        (9, 5120, 10240),
+        // Fewer rows than fp8_gemm_min_rows, partial column blocks, or rows of scale blocks
         // not a multiple of 4: not the GEMM.
         (16, 1024, 640),
         (49, 1024, 40),
         (100, 512, 520),
         (200, 384, 256),
         (17, 768, 384),
+        (8, 5120, 10240),
     ] {
         let w = fp8_weight(n, k, [128, 128]);
         let wg = on_gpu(&w, &d);
@@ -984,7 +987,7 @@ fn fp8_gemm_matches_cpu() {
             assert_eq!((got.dims(), got.dtype()), (&[rows, n][..], *dt));
             let e = max_row_rel_err(&got, &want);
             let e16 = max_row_rel_err(&got, &w8a16);
-            if !(n % 128 == 0 && k % 512 == 0 && rows >= FP8_GEMM_MIN_ROWS) {
+            if !(n % 128 == 0 && k % 512 == 0 && rows >= fp8_gemm_min_rows(n, k)) {
                 let tol = if rows <= TILE_MAX_ROWS { *tol } else { 2.0 * tol };
                 assert!(e16 <= tol, "{dt:?} rows {rows} k {k} n {n}: {e16} from w8a16");
                 continue;

@@ -255,3 +255,60 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
         }
     }
 }
+
+/// On sm_90 an FP8 model with Qwen's 128×128 blocks runs its FP8 layers of many rows (a prefill)
+/// through the FP8 GEMM, its activations quantized to e4m3 (w8a8), where the dequantizing path
+/// (`Fp8GemmPath::Dequantize`) keeps them in bf16 (w8a16): the same random model (hidden 512,
+/// every FP8 layer whole 128-column blocks, a multiple of 4 of them a row) in both, its final
+/// hidden states of a 40-token prefill within 10% of each other per row (an e4m3 rounding moves
+/// each activation by at most 2⁻⁴ of itself, its layer's output by a few percent of its size; a
+/// wrong scale or a misplaced block moves them by their whole size) and not equal (the GEMM ran).
+#[cfg(feature = "cuda")]
+#[test]
+fn fp8_prefill_through_the_gemm_stays_near_the_dequantized_model() {
+    use qwen36_kernels::{Fp8GemmPath, KernelPolicy};
+    use qwen36_model::{Config, LoadOptions, Weights};
+    let dev = test_device();
+    if !dev.is_cuda() {
+        return;
+    }
+    assert!(
+        qwen36_kernels::linear::fp8_gemm_available(&dev),
+        "the FP8 GEMM needs an sm_90 device"
+    );
+    let mut cfg = Config::from_file(qwen36_testutil::bundled_dir().join("config.json")).unwrap();
+    cfg.hidden_size = 512;
+    cfg.intermediate_size = 1024;
+    cfg.num_attention_heads = 8;
+    cfg.linear_key_head_dim = 64;
+    cfg.linear_value_head_dim = 64;
+    cfg.linear_num_key_heads = 4;
+    cfg.linear_num_value_heads = 8;
+    cfg.num_hidden_layers = 4;
+    cfg.layer_types.truncate(4);
+    let hidden = |fp8_gemm| {
+        let kernels = KernelPolicy {
+            fp8_gemm,
+            ..KernelPolicy::DEFAULT
+        };
+        let opts = LoadOptions {
+            dtype: DType::BF16,
+            device: dev.clone(),
+            kernels,
+            ..LoadOptions::default()
+        };
+        // The same dense weights in both models (the FP8 ones are made from a fixed seed).
+        dev.set_seed(7).unwrap();
+        let model = Qwen36Model::from_weights(cfg.clone(), &Weights::random_fp8(opts, [128, 128])).unwrap();
+        let ids: Vec<u32> = (0..40).map(|i| (i * 97 + 13) % 4096).collect();
+        model
+            .forward_hidden(&ids_tensor(&ids), &mut model.new_cache(1).unwrap())
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+    };
+    let (w8a8, w8a16) = (hidden(Fp8GemmPath::Auto), hidden(Fp8GemmPath::Dequantize));
+    let rel = max_row_rel_err(&w8a8, &w8a16);
+    eprintln!("FP8 GEMM (w8a8) against dequantizing (w8a16): row rel err {rel:.3e}");
+    assert!(rel <= 0.1 && rel > 0.0, "{rel}");
+}

@@ -208,7 +208,7 @@ fn tile_ntiles(m: usize, warps: usize) -> usize {
 /// on the warps (each sums its own steps before the block adds them), not on the n-tiles: under
 /// [`SkinnyPath::Uniform`] every row count keeps 8 warps, batch-invariant up to `TILE_MAX_ROWS`
 /// rows; by default 1..8 rows are (and so are 9..16 of the 27B's narrow layers, which take 8;
-/// from `FP8_GEMM_MIN_ROWS` its layers run the FP8 GEMM on sm_90).
+/// from `fp8_gemm_min_rows` its layers run the FP8 GEMM on sm_90).
 fn fp8_tile_shape(m: usize, n: usize, policy: &KernelPolicy) -> (usize, usize) {
     let warps = if m <= LINEAR_MAX_ROWS || policy.skinny == SkinnyPath::Uniform {
         8

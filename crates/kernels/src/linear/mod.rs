@@ -67,12 +67,32 @@ pub const TILE_MAX_ROWS: usize = crate::consts::TILE_MAX_ROWS;
 /// Elements per quantization group of an activation row for the FP8 GEMM (one f32 scale each).
 pub const FP8_ACT_GROUP: usize = crate::consts::FP8_ACT_GROUP;
 
-/// The fewest rows an FP8 layer multiplies through the FP8 GEMM under [`SkinnyPath::Auto`]
-/// (where [`fp8_gemm_available`]; under the other paths, past the rows their few-row kernels
-/// take). On the H200 the GEMM passes the tile kernel between 16 and 32 rows on the 27B's
-/// layers (docs/BENCHMARKS.md §4b), so a batch of 16 decoding sequences keeps the tile kernel's
-/// unquantized activations.
+/// The fewest rows an FP8 layer smaller than [`FP8_GEMM_LARGE_WEIGHT`] multiplies through the FP8
+/// GEMM under [`SkinnyPath::Auto`] (where [`fp8_gemm_available`]; under the other paths, past
+/// the rows their few-row kernels take): [`fp8_gemm_min_rows`].
 pub const FP8_GEMM_MIN_ROWS: usize = 17;
+
+/// The fewest rows a weight of at least [`FP8_GEMM_LARGE_WEIGHT`] elements multiplies through the
+/// FP8 GEMM: [`fp8_gemm_min_rows`].
+pub const FP8_GEMM_MIN_ROWS_LARGE: usize = 9;
+
+/// The weights (in elements) from which the FP8 GEMM starts at [`FP8_GEMM_MIN_ROWS_LARGE`] rows.
+pub const FP8_GEMM_LARGE_WEIGHT: usize = 48 << 20;
+
+/// The fewest rows an FP8 weight `[n, k]` multiplies through the FP8 GEMM by default: on the
+/// H200, with every call streaming its weight from memory as a model's layers do, the GEMM
+/// beats the tile kernel from 9 rows on the 27B's large layers (gate|up, down, GDN in_proj,
+/// attention q|k|v: 73-178 M weights, 2.4-2.8 TB/s against 1.7-2.2 at 12 and 16 rows) but
+/// not on its 31 M-weight output projections (1.0-1.3 against 1.9) until past 16
+/// (docs/BENCHMARKS.md §4b; 16 FP8 sequences decode a step 12% faster than with 17 rows for
+/// all, §7).
+pub fn fp8_gemm_min_rows(n: usize, k: usize) -> usize {
+    if n * k >= FP8_GEMM_LARGE_WEIGHT {
+        FP8_GEMM_MIN_ROWS_LARGE
+    } else {
+        FP8_GEMM_MIN_ROWS
+    }
+}
 
 /// Columns per warp of the streaming kernel for `rows` rows of outputs `columns` wide under `path`,
 /// or `None` for the matmul. Measured on the H200 (docs/BENCHMARKS.md,
@@ -631,14 +651,20 @@ impl Linear {
 
 impl Linear {
     /// Whether `rows` rows of `x` through the FP8 weight `w` take the FP8 GEMM: it takes the
-    /// operands on this device, and the rows are at least [`FP8_GEMM_MIN_ROWS`] (under
+    /// operands on this device, and the rows are at least [`fp8_gemm_min_rows`] (under
     /// [`SkinnyPath::Auto`], `Fastest` and `Matmul`), or more than the few-row kernels take
     /// (under `Uniform`, whose tiles are batch-invariant to [`TILE_MAX_ROWS`], and the streaming
     /// paths).
     #[cfg(feature = "cuda")]
     fn fp8_gemm_rows(&self, w: &Fp8Weight, x: &Tensor, rows: usize) -> bool {
         let least = match self.policy.skinny {
-            SkinnyPath::Auto | SkinnyPath::Fastest | SkinnyPath::Matmul => FP8_GEMM_MIN_ROWS,
+            SkinnyPath::Auto | SkinnyPath::Fastest | SkinnyPath::Matmul => match self.policy.fp8_gemm {
+                crate::policy::Fp8GemmPath::FromRows(rows) => rows,
+                _ => {
+                    let (n, k) = w.dims();
+                    fp8_gemm_min_rows(n, k)
+                }
+            },
             _ => cuda::fp8_max_rows(x.dtype(), w, &self.policy) + 1,
         };
         rows >= least && fp8_gemm::fp8_gemm_takes(x, w, &self.policy)
