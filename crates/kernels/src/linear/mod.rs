@@ -782,6 +782,24 @@ mod tests {
         Ok(())
     }
 
+    /// The FP8 GEMM's row threshold at the 27B's FP8 layers (`[out, in]`): from 9 rows on the
+    /// large ones, from 17 on the 6144 → 5120 output projections, as measured (BENCHMARKS §4b);
+    /// the boundary weight itself is large.
+    #[test]
+    fn fp8_gemm_starts_earlier_on_large_weights() {
+        for (n, k, rows) in [
+            (34816, 5120, 9),
+            (5120, 17408, 9),
+            (16384, 5120, 9),
+            (14336, 5120, 9),
+            (5120, 6144, 17),
+            (1, FP8_GEMM_LARGE_WEIGHT, 9),
+            (1, FP8_GEMM_LARGE_WEIGHT - 1, 17),
+        ] {
+            assert_eq!(fp8_gemm_min_rows(n, k), rows, "[{n}, {k}]");
+        }
+    }
+
     /// `forward_add` is the residual plus the layer's output, with or without a bias; a residual
     /// of another shape is an error.
     #[test]
