@@ -117,12 +117,17 @@ impl KernelPolicy {
     /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`.
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Self::from_env`] over the variables `var` gives.
+    fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         Self {
-            pdl: !std::env::var("QWEN36_PDL").is_ok_and(|v| v == "0"),
-            fp8_gemm: fp8_gemm_from(std::env::var("QWEN36_FP8_GEMM").ok().as_deref()),
-            skinny: match std::env::var("QWEN36_SKINNY").as_deref() {
-                Ok("uniform") => SkinnyPath::Uniform,
-                Ok("fastest") => SkinnyPath::Fastest,
+            pdl: var("QWEN36_PDL").as_deref() != Some("0"),
+            fp8_gemm: fp8_gemm_from(var("QWEN36_FP8_GEMM").as_deref()),
+            skinny: match var("QWEN36_SKINNY").as_deref() {
+                Some("uniform") => SkinnyPath::Uniform,
+                Some("fastest") => SkinnyPath::Fastest,
                 _ => SkinnyPath::Auto,
             },
             ..Self::DEFAULT
@@ -153,5 +158,32 @@ mod tests {
         assert_eq!(fp8_gemm_from(Some("from:9")), Fp8GemmPath::FromRows(9));
         assert_eq!(fp8_gemm_from(Some("from:x")), Fp8GemmPath::Auto);
         assert_eq!(fp8_gemm_from(Some("auto")), Fp8GemmPath::Auto);
+    }
+
+    /// Each variable of `from_env` sets its own field; none set gives the defaults.
+    #[test]
+    fn the_environment_sets_each_field() {
+        let vars = |set: &'static [(&'static str, &'static str)]| {
+            KernelPolicy::from_vars(move |name| {
+                set.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
+            })
+        };
+        assert_eq!(vars(&[]), KernelPolicy::DEFAULT);
+        let all = vars(&[
+            ("QWEN36_PDL", "0"),
+            ("QWEN36_FP8_GEMM", "from:9"),
+            ("QWEN36_SKINNY", "uniform"),
+        ]);
+        assert_eq!(
+            all,
+            KernelPolicy {
+                pdl: false,
+                fp8_gemm: Fp8GemmPath::FromRows(9),
+                skinny: SkinnyPath::Uniform,
+                ..KernelPolicy::DEFAULT
+            }
+        );
+        assert_eq!(vars(&[("QWEN36_SKINNY", "fastest")]).skinny, SkinnyPath::Fastest);
+        assert!(vars(&[("QWEN36_PDL", "1")]).pdl);
     }
 }
