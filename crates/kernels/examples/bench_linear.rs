@@ -11,8 +11,8 @@
 //! SHAPE keeps the shapes whose name contains it, ROWS the row counts up to it (1..8, then 12, 16, 24, 32,
 //! 48, 64, 128, and for FP8 512, 2048, 8192; for profiling one kernel under ncu). SHAPE `fp8`
 //! times the FP8 layers instead (random e4m3 weights in 128×128 blocks, bf16 activations): the
-//! default (the tile kernel up to 16 rows, past 8 rows 4 warps per 16 columns on wide layers;
-//! then the FP8 GEMM where it takes the layer, else the tile kernel to 48 rows), the tile kernel
+//! default (the tile kernel below `fp8_gemm_min_rows`, past 8 rows 4 warps per 16 columns on wide
+//! layers; then the FP8 GEMM where it takes the layer, else the tile kernel to 48 rows), the tile kernel
 //! with 8 warps for every row count to 48 (`SkinnyPath::Uniform`; the GEMM past them), the FP8
 //! GEMM for every row count (`Fp8GemmPath::FromRows(1)`), and dequantize + cuBLAS. Each FP8
 //! call reads another copy of the weight, the copies 256 MB together (5× the H200's L2), so that

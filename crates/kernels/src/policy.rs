@@ -73,7 +73,7 @@ pub enum Fp8GemmPath {
     Auto,
     /// [`Fp8GemmPath::Auto`] from this many rows for every weight, under the paths that
     /// otherwise take it from [`fp8_gemm_min_rows`](crate::linear::fp8_gemm_min_rows) (for A/B
-    /// runs of the threshold).
+    /// runs of the threshold; past 49, the rows between the tile kernel's 48 and it dequantize).
     FromRows(usize),
     /// The weight dequantized to the activations' dtype, then candle's matmul: the CPU
     /// reference's numerics (the activations unquantized), at 2.5× the weight traffic.

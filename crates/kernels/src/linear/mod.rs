@@ -68,8 +68,9 @@ pub const TILE_MAX_ROWS: usize = crate::consts::TILE_MAX_ROWS;
 pub const FP8_ACT_GROUP: usize = crate::consts::FP8_ACT_GROUP;
 
 /// The fewest rows an FP8 layer smaller than [`FP8_GEMM_LARGE_WEIGHT`] multiplies through the FP8
-/// GEMM under [`SkinnyPath::Auto`] (where [`fp8_gemm_available`]; under the other paths, past
-/// the rows their few-row kernels take): [`fp8_gemm_min_rows`].
+/// GEMM under [`SkinnyPath::Auto`], `Fastest` and `Matmul` (where [`fp8_gemm_available`]; under
+/// `Uniform` and the streaming paths, past the rows their few-row kernels take):
+/// [`fp8_gemm_min_rows`].
 pub const FP8_GEMM_MIN_ROWS: usize = 17;
 
 /// The fewest rows a weight of at least [`FP8_GEMM_LARGE_WEIGHT`] elements multiplies through the
@@ -81,11 +82,11 @@ pub const FP8_GEMM_LARGE_WEIGHT: usize = 48 << 20;
 
 /// The fewest rows an FP8 weight `[n, k]` multiplies through the FP8 GEMM by default: on the
 /// H200, with every call streaming its weight from memory as a model's layers do, the GEMM
-/// beats the tile kernel from 9 rows on the 27B's large layers (gate|up, down, GDN in_proj,
-/// attention q|k|v: 73-178 M weights, 2.4-2.8 TB/s against 1.7-2.2 at 12 and 16 rows) but
-/// not on its 31 M-weight output projections (1.0-1.3 against 1.9) until past 16
-/// (docs/BENCHMARKS.md §4b; 16 FP8 sequences decode a step 12% faster than with 17 rows for
-/// all, §7).
+/// beats the tile kernel on the 27B's large layers (gate|up, down, GDN in_proj, attention
+/// q|k|v: 73-178 M weights, 2.4-2.8 TB/s against 1.7-2.2 at 12 and 16 rows; from 9 rows both
+/// run as for 16: the GEMM pads to 16, the tile kernel runs two n-tiles) but not on its 31
+/// M-weight output projections (1.0-1.3 against 1.9) until past 16 (docs/BENCHMARKS.md §4b;
+/// 16 FP8 sequences decode a step 13% faster than with 17 rows for all, §7).
 pub fn fp8_gemm_min_rows(n: usize, k: usize) -> usize {
     if n * k >= FP8_GEMM_LARGE_WEIGHT {
         FP8_GEMM_MIN_ROWS_LARGE
