@@ -2,7 +2,8 @@
 //! candle's matmul (cuBLAS) at the Qwen3.6-27B projection shapes, for 1..=8 rows (decode and MTP
 //! verify) and 16..128 (batched decode and verify), bf16. Prints the weight bytes read
 //! per second of each variant; the yardstick is the device-to-device copy bandwidth measured in
-//! the same run.
+//! the same run. Each call reads another copy of the weight, the copies 256 MB together (5× the
+//! H200's L2), so that every call streams its weight from memory as a model's layers do.
 //!
 //! ```text
 //! cargo run --release -p qwen36-kernels --features cuda --example bench_linear [SHAPE] [ROWS]
@@ -14,9 +15,7 @@
 //! default (the tile kernel below `fp8_gemm_min_rows`, past 8 rows 4 warps per 16 columns on wide
 //! layers; then the FP8 GEMM where it takes the layer, else the tile kernel to 48 rows), the tile kernel
 //! with 8 warps for every row count to 48 (`SkinnyPath::Uniform`; the GEMM past them), the FP8
-//! GEMM for every row count (`Fp8GemmPath::FromRows(1)`), and dequantize + cuBLAS. Each FP8
-//! call reads another copy of the weight, the copies 256 MB together (5× the H200's L2), so that
-//! every call streams its weight from memory as a model's layers do.
+//! GEMM for every row count (`Fp8GemmPath::FromRows(1)`), and dequantize + cuBLAS.
 
 mod common;
 
@@ -56,7 +55,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---|---|---|---|---|---|");
     for (name, k, o) in shapes.into_iter().filter(|s| s.0.contains(&only)) {
         let w = Tensor::randn(0f32, 0.02, (o, k), &dev)?.to_dtype(DType::BF16)?;
-        let lin = Linear::new(w, None);
+        let lins = (0..copies(2 * k * o))
+            .map(|_| Ok(Linear::new(w.copy()?, None)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let bytes = (2 * k * o) as f64;
         for rows in row_counts(max_rows) {
             let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?.to_dtype(DType::BF16)?;
@@ -66,14 +67,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     skinny: path,
                     ..KernelPolicy::from_env()
                 };
-                let lin = lin.clone().with_policy(policy);
-                let s = time(&dev, 50, || lin.forward(&x).map(|_| ()))?;
+                let s = time_rotating(&dev, 50, &lins, policy, &x)?;
                 cells.push(format!("{:.2}", bytes / s / 1e12));
             }
             println!("| {name} {k}→{o} | {rows} | {} |", cells.join(" | "));
         }
     }
     Ok(())
+}
+
+/// Copies of a weight of `bytes` that fill 256 MB, so that no call finds its weight in L2.
+fn copies(bytes: usize) -> usize {
+    (256usize << 20).div_ceil(bytes)
+}
+
+/// Seconds per call of `x` through `lins` under `policy`, each call the next copy.
+fn time_rotating(
+    dev: &Device,
+    iters: usize,
+    lins: &[Linear],
+    policy: KernelPolicy,
+    x: &Tensor,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let lins: Vec<_> = lins.iter().map(|l| l.clone().with_policy(policy)).collect();
+    let mut i = 0;
+    Ok(time(dev, iters, || {
+        i += 1;
+        lins[i % lins.len()].forward(x).map(|_| ())
+    })?)
 }
 
 /// The row counts timed, up to `max`: each of 1..8, then the batches of 2..32 verified tokens.
@@ -105,9 +126,7 @@ fn fp8(
         let bytes = qwen36_testutil::e4m3_bytes(&mut state, k * o, 0x50);
         let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[o, k], &Device::Cpu)?.to_device(dev)?;
         let scale = (Tensor::rand(0.5f32, 1.5, (o.div_ceil(128), k.div_ceil(128)), dev)? * 0.01)?;
-        // Copies enough to fill 256 MB, so that no call finds its weight in L2.
-        let copies = (256usize << 20).div_ceil(k * o);
-        let lins = (0..copies)
+        let lins = (0..copies(k * o))
             .map(|_| {
                 let w = Fp8Weight::new(q.copy()?, scale.copy()?, [128, 128])?;
                 Ok(Linear::from_weight(LinearWeight::Fp8(w), None))
@@ -128,13 +147,8 @@ fn fp8(
                     fp8_gemm,
                     ..KernelPolicy::from_env()
                 };
-                let lins: Vec<_> = lins.iter().map(|l| l.clone().with_policy(policy)).collect();
                 let iters = if rows > 512 { 10 } else { 50 };
-                let mut i = 0;
-                let s = time(dev, iters, || {
-                    i += 1;
-                    lins[i % lins.len()].forward(&x).map(|_| ())
-                })?;
+                let s = time_rotating(dev, iters, &lins, policy, &x)?;
                 cells.push(format!("{:.2}", (k * o) as f64 / s / 1e12));
                 if (path, fp8_gemm) == (SkinnyPath::Auto, Fp8GemmPath::Auto) {
                     flops = 2.0 * (rows * k * o) as f64 / s / 1e12;
