@@ -720,8 +720,8 @@ fn on_gpu(w: &qwen36_kernels::linear::Fp8Weight, d: &Device) -> qwen36_kernels::
 /// FP8 layers at Qwen3.6-27B's shapes in bf16 (the GDN input projection, the MLP's gate|up and
 /// down, an output projection) for every kind of row count the model runs (decode, drafts,
 /// verify, batched verifies of one and several n-tiles; by default the FP8 GEMM from
-/// `fp8_gemm_min_rows` (12 rows of the three large weights, 48 of all), under `Fp8GemmPath::Dequantize` the dequantizing path past
-/// [`TILE_MAX_ROWS`]), with PDL on and off: the tile kernel's output within one bf16 rounding of
+/// `fp8_gemm_min_rows` (12 rows of the three large weights, 48 of all), under
+/// `Fp8GemmPath::Dequantize` the dequantizing path past [`TILE_MAX_ROWS`]), with PDL on and off: the tile kernel's output within one bf16 rounding of
 /// the f32 product, each block's scale applied (checked against the dequantize-then-matmul path
 /// in f32), the GEMM's and the dequantizing path's within two (the GEMM against the product of
 /// its quantized activations).

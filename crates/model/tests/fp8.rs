@@ -258,8 +258,9 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
 
 /// On sm_90 an FP8 model with Qwen's 128×128 blocks runs its FP8 layers of many rows (a prefill)
 /// through the FP8 GEMM, its activations quantized to e4m3 (w8a8), where under
-/// `Fp8GemmPath::Dequantize` they stay bf16 (w8a16: the tile kernel up to 48 rows): the same random model (hidden 512,
-/// every FP8 layer whole 128-column blocks, a multiple of 4 of them a row) in both, its final
+/// `Fp8GemmPath::Dequantize` they stay bf16 (w8a16: the tile kernel up to 48 rows): the same
+/// random model (hidden 512, every FP8 layer whole 128-column blocks, a multiple of 4 of them a
+/// row) in both, its final
 /// hidden states of a 40-token prefill within 10% of each other per row (an e4m3 rounding moves
 /// each activation by at most 2⁻⁴ of itself, its layer's output by a few percent of its size; a
 /// wrong scale or a misplaced block moves them by their whole size) and not equal (the GEMM ran).

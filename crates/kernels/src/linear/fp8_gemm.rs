@@ -29,8 +29,8 @@ pub fn fp8_gemm_available(dev: &Device) -> bool {
 }
 
 /// Whether [`fp8_gemm`] may take `x: [.., k]` through `w` under `policy`: the policy's
-/// [`Fp8GemmPath::Auto`] (or `FromRows`), 16-bit CUDA activations, 128×128 blocks, `n` a multiple of 128 and `k`
-/// of 512, an sm_90 device. cuBLASLt 13.1 reads the weight's scales with each row of blocks
+/// [`Fp8GemmPath::Auto`] (or `FromRows`), 16-bit CUDA activations, 128×128 blocks, `n` a
+/// multiple of 128 and `k` of 512, an sm_90 device. cuBLASLt 13.1 reads the weight's scales with each row of blocks
 /// padded to a multiple of 4 (wrong sums on the H200 for 3 blocks a row: `k` 384) and gave wrong
 /// sums for a 40-column weight, so such shapes dequantize (every FP8 layer of Qwen3.6-27B, split
 /// over 1, 2 or 4 ranks, has whole blocks, a multiple of 4 of them a row).
