@@ -1018,6 +1018,53 @@ fn fp8_gemm_matches_cpu() {
     }
 }
 
+/// `Fp8GemmPath::FromRows(n)`, the knob for A/B runs of the GEMM's threshold, sends every row
+/// count from n through the FP8 GEMM (w8a8: within its tolerance of the w8a8 reference and more
+/// than twice as far from the dequantized weight's product) and fewer rows through the tile
+/// kernel (w8a16), on a weight that by default takes the GEMM only from 17 rows.
+#[test]
+fn fp8_gemm_from_rows_moves_the_threshold() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    assert!(fp8_gemm_available(&d), "the FP8 GEMM needs an sm_90 device");
+    let (k, n) = (1024, 640);
+    assert!(fp8_gemm_min_rows(n, k) > 3);
+    let w = fp8_weight(n, k, [128, 128]);
+    let wg = on_gpu(&w, &d);
+    let w8a16_w = w.dequantize(DType::F32).unwrap();
+    let policy = KernelPolicy {
+        fp8_gemm: Fp8GemmPath::FromRows(2),
+        ..KernelPolicy::DEFAULT
+    };
+    let layer = Linear::from_weight(LinearWeight::Fp8(wg), None).with_policy(policy);
+    for (dt, tol) in &ONE_ROUNDING[1..] {
+        for rows in 1..=3 {
+            let x = randn(1.0, (rows, k), *dt);
+            let want = fp8_w8a8_linear(&x, &w).unwrap();
+            let w8a16 = x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .matmul(&w8a16_w.t().unwrap())
+                .unwrap();
+            let got = layer.forward(&x.to_device(&d).unwrap()).unwrap();
+            let (e, e16) = (max_row_rel_err(&got, &want), max_row_rel_err(&got, &w8a16));
+            if rows < 2 {
+                assert!(
+                    e16 <= *tol,
+                    "{dt:?} rows {rows}: {e16} from w8a16 (the tile kernel)"
+                );
+            } else {
+                assert!(e <= 2.0 * tol, "{dt:?} rows {rows}: {e} from w8a8");
+                assert!(
+                    e16 > 2.0 * e,
+                    "{dt:?} rows {rows}: {e16} from w8a16, {e} from w8a8"
+                );
+            }
+        }
+    }
+}
+
 /// The tile kernels (every row count 1..8: the default for dense and FP8 weights; up to
 /// `TILE_MAX_ROWS`: `SkinnyPath::Uniform`, and FP8 rows 9..48 among themselves by default on
 /// weights the FP8 GEMM does not take) are
