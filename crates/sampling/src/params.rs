@@ -15,9 +15,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// HF-style: seen tokens' positive logits are divided by it, negative ones multiplied; 1 = off.
     pub repetition_penalty: f32,
-    /// Subtracted once from the logit of every token already generated; 0 = off.
+    /// Subtracted once from the logit of every token already generated, in [-2, 2]; 0 = off.
     pub presence_penalty: f32,
-    /// Subtracted per occurrence from the logit of tokens already generated; 0 = off.
+    /// Subtracted per occurrence from the logit of tokens already generated, in [-2, 2]; 0 = off.
     pub frequency_penalty: f32,
     /// Seed of the counter-based RNG.
     pub seed: u64,
@@ -77,12 +77,13 @@ impl SamplingParams {
                 "must be finite and > 0",
             );
         }
+        // OpenAI's range, which vLLM enforces too.
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
-            if !v.is_finite() {
-                return bad(name, v, "must be finite");
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(name, v, "must be in [-2, 2]");
             }
         }
         Ok(())

@@ -110,10 +110,17 @@ impl Sampler {
             }
             for (x, s) in l.iter_mut().zip(seen) {
                 if s {
-                    *x = if *x > 0.0 {
+                    let y = if *x > 0.0 {
                         *x / p.repetition_penalty
                     } else {
                         *x * p.repetition_penalty
+                    };
+                    // A finite logit stays finite (a penalty far from 1 saturates it), so no
+                    // extreme penalty can make the distribution NaN; -inf (a masked id) stays.
+                    *x = if x.is_finite() {
+                        y.clamp(f32::MIN, f32::MAX)
+                    } else {
+                        y
                     };
                 }
             }
@@ -125,7 +132,10 @@ impl Sampler {
             }
             for (t, c) in counts {
                 if let Some(x) = l.get_mut(t as usize) {
-                    *x -= p.presence_penalty + p.frequency_penalty * c as f32;
+                    if x.is_finite() {
+                        let y = *x - (p.presence_penalty + p.frequency_penalty * c as f32);
+                        *x = y.clamp(f32::MIN, f32::MAX);
+                    }
                 }
             }
         }
@@ -158,6 +168,9 @@ impl Sampler {
         let mut order: Vec<u32> = (0..probs.len() as u32)
             .filter(|&i| probs[i as usize] > 0.0)
             .collect();
+        if order.is_empty() {
+            return Err(Error::Empty { row });
+        }
         let by_prob = |a: &u32, b: &u32| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b));
         if p.top_k > 0 && p.top_k < order.len() {
             order.select_nth_unstable_by(p.top_k - 1, by_prob);

@@ -55,6 +55,35 @@ fn repetition_presence_and_frequency_penalties() {
     assert_eq!(l, vec![2.0, -8.0, 1.0, -0.25]);
 }
 
+/// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them
+/// to ±inf (whose differences are NaN, which once left no candidate and a panic in top-p/min-p):
+/// the distribution stays a distribution, the boosted seen tokens share it, and a masked (-inf)
+/// logit stays masked.
+#[test]
+fn extreme_repetition_penalties_saturate() {
+    let logits = [3.0, -10.0, 2.0, 0.1, f32::NEG_INFINITY];
+    let prompt = [0, 1, 2, 4];
+    // (penalty, the id it saturates and to what, the ids top-p 0.5 and min-p 0.1 keep)
+    for (rp, (id, to), winners) in [
+        (1e-40f32, (0, f32::MAX), vec![0, 2]),
+        (1e38, (1, f32::MIN), vec![0, 2, 3]),
+    ] {
+        let s = sampler(SamplingParams {
+            repetition_penalty: rp,
+            temperature: 1.0,
+            top_p: 0.5,
+            min_p: 0.1,
+            ..Default::default()
+        });
+        let l = s.penalised(&logits, &prompt, &[]);
+        assert!(l[..4].iter().all(|x| x.is_finite()), "rp {rp}: {l:?}");
+        assert_eq!((l[id], l[4]), (to, f32::NEG_INFINITY), "rp {rp}: {l:?}");
+        let p = s.probs(&logits, &prompt, &[], 0).unwrap();
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6, "rp {rp}: {p:?}");
+        assert_eq!(kept(&p), winners, "rp {rp}: {p:?}");
+    }
+}
+
 #[test]
 fn top_k_top_p_min_p_and_ties() {
     let logits: Vec<f32> = [0.4f32, 0.2, 0.2, 0.2].iter().map(|p| p.ln()).collect();
@@ -228,13 +257,13 @@ fn each_parameter_range_is_checked() {
         (
             "presence_penalty",
             |p, v| p.presence_penalty = v,
-            &[f32::NAN, f32::INFINITY],
+            &[f32::NAN, f32::INFINITY, 2.01, -3e38],
             &[-2.0, 2.0],
         ),
         (
             "frequency_penalty",
             |p, v| p.frequency_penalty = v,
-            &[f32::NAN, f32::NEG_INFINITY],
+            &[f32::NAN, f32::NEG_INFINITY, -2.01, 3e38],
             &[-2.0, 2.0],
         ),
     ];

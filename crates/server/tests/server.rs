@@ -770,6 +770,7 @@ async fn bad_requests_get_error_objects() {
         (c, many_stops, ok, 400, "at most 16", Some("stop")),
         (c, r#"{"prompt": [1], "stop": [""]}"#.into(), ok, 400, "0 bytes", Some("stop")),
         (c, r#"{"prompt": [1], "top_p": 0}"#.into(), ok, 400, "top_p", None),
+        (c, r#"{"prompt": [1], "presence_penalty": -3e38}"#.into(), ok, 400, "presence_penalty", None),
         (
             c,
             r#"{"prompt": [1], "tools": [{"type": "function", "function": {"name": "f"}}]}"#.into(),
@@ -847,6 +848,11 @@ async fn bad_requests_get_error_objects() {
     assert_eq!(r.status().as_u16(), 405);
     let v: Value = r.json().await.unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("method"));
+    // A repetition penalty of 1e-40 on a prompt's tokens (their logits once overflowed to inf,
+    // and top-p then indexed an empty candidate list, a panic that stopped the engine): served.
+    let body = r#"{"prompt": [1, 1, 2], "max_tokens": 4, "temperature": 1, "top_p": 0.5, "repetition_penalty": 1e-40}"#;
+    let r = send(c, body.into(), ok).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
     // Still answering, with the key.
     let r = send(c, r#"{"prompt": [1, 2], "max_tokens": 2}"#.into(), ok)
         .await
