@@ -191,6 +191,14 @@ fn build(
         (k, "ngram") => Some(Speculation::ngram(k)),
         (_, other) => return Err(format!("--drafter {other:?}: expected mtp or ngram").into()),
     };
+    if speculation.is_some_and(|s| s.k() > qwen36::engine::MAX_DRAFTS) {
+        return Err(format!(
+            "--mtp {}: at most {} drafts",
+            args.mtp,
+            qwen36::engine::MAX_DRAFTS
+        )
+        .into());
+    }
     let mut cfg = EngineConfig {
         max_seqs: args.max_seqs,
         max_queue: args.max_queue,

@@ -356,6 +356,22 @@ impl Engine {
                 pool,
             });
         }
+        if let Some(spec) = &req.speculation {
+            spec.check().map_err(Error::Request)?;
+        }
+        if let Some(d) = &req.degeneration {
+            if !(1..=crate::request::MAX_LOOP_PERIOD).contains(&d.max_period)
+                || d.entropy_floor.is_nan()
+                || d.entropy_floor < 0.0
+            {
+                return Err(Error::Request(format!(
+                    "degeneration needs 1 <= max_period <= {} and entropy_floor >= 0, got {} and {}",
+                    crate::request::MAX_LOOP_PERIOD,
+                    d.max_period,
+                    d.entropy_floor
+                )));
+            }
+        }
         if matches!(req.speculation, Some(Speculation::Mtp { .. })) && self.mtp.is_none() {
             return Err(Error::Request(
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),

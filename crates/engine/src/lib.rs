@@ -30,7 +30,10 @@ pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use prefix::{PrefixCache, PrefixHit, PrefixStats};
 pub use qwen36_mtp::SpecStats;
 pub use qwen36_sampling::Detokenize;
-pub use request::{Canceller, Event, Request, RequestHandle, Speculation, StopReason, Usage, Wait};
+pub use request::{
+    Canceller, Event, Request, RequestHandle, Speculation, StopReason, Usage, Wait, MAX_DRAFTS,
+    MAX_LOOP_PERIOD, MAX_NGRAM,
+};
 pub use sizes::{PoolSizes, StateBytes};
 pub use spec::SpecCosts;
 pub use thread::{EngineClient, EngineStatus};

@@ -44,7 +44,30 @@ pub enum Speculation {
     Mtp { k: usize },
 }
 
+/// The most drafts a request may ask for per verify (each one is a verify row and a record in
+/// its slot's stash).
+pub const MAX_DRAFTS: usize = 16;
+/// The longest suffix prompt lookup may match.
+pub const MAX_NGRAM: usize = 64;
+/// The longest loop period a degeneration watch may look for (it costs that much per token).
+pub const MAX_LOOP_PERIOD: usize = 1024;
+
 impl Speculation {
+    /// Its parameters' ranges, as an error message naming the one out of range.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        if self.k() > MAX_DRAFTS {
+            return Err(format!("speculation k = {} is over {MAX_DRAFTS}", self.k()));
+        }
+        if let Self::Ngram { min_n, max_n, .. } = *self {
+            if !(1..=max_n).contains(&min_n) || max_n > MAX_NGRAM {
+                return Err(format!(
+                    "n-gram speculation needs 1 <= min_n <= max_n <= {MAX_NGRAM}, got {min_n} and {max_n}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The most drafts per verify.
     pub fn k(&self) -> usize {
         match *self {

@@ -246,6 +246,16 @@ impl Scheduler {
                     i += 1;
                 }
                 Err(Error::Exhausted { wanted, .. }) if self.evict(wanted, 0)? => {}
+                // Drafts past what the pool holds are dropped (the last first) before anyone
+                // is preempted: they only speed the sequence up, and a sequence ended or
+                // preempted for them would give less, or later, than it gives alone.
+                Err(Error::Exhausted { .. }) if !self.running[i].drafts.is_empty() => {
+                    let s = &mut self.running[i];
+                    s.drafts.pop();
+                    s.verify &= !s.drafts.is_empty();
+                    counts[i] -= 1;
+                    budget += 1;
+                }
                 Err(Error::Exhausted { .. }) => {
                     // Preempt the newest (possibly this one) and try again.
                     let newest = self.running.len() - 1;

@@ -10,9 +10,10 @@ use common::{bundled, collect, model_helpers, solo, Outcome};
 use candle_core::DType;
 use qwen36_engine::{
     Engine, EngineConfig, Error, Event, Request, RequestHandle, SpecCosts, Speculation, StopReason,
+    MAX_DRAFTS, MAX_LOOP_PERIOD, MAX_NGRAM,
 };
 use qwen36_model::Qwen36Model;
-use qwen36_sampling::SamplingParams;
+use qwen36_sampling::{DegenerationConfig, SamplingParams};
 use qwen36_testutil::{ids_tensor, Rng};
 
 fn log_softmax_at(row: &[f32], i: usize) -> f32 {
@@ -283,22 +284,34 @@ fn a_request_without_max_tokens_stops_when_the_pool_is_full() {
         max_seqs: 1,
         kv_blocks: Some(3),
         block_size: 8,
-        ..Default::default()
+        ..mtp_config()
     };
-    let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let h = engine
-        .submit(Request {
-            max_tokens: None,
-            ..Request::greedy(vec![1, 2, 3, 4, 5], 1)
-        })
-        .unwrap();
-    engine.run_to_completion().unwrap();
-    let o = collect(&h);
-    assert_eq!(o.end.unwrap().0, StopReason::ContextFull);
-    // 24 positions: the prompt, then generated tokens run up to the last position; the token
-    // sampled there is sent too.
-    assert_eq!(o.ids.len(), 24 - 5 + 1);
-    assert_eq!(engine.pool_use(), (0, 0));
+    let mut plain = None;
+    // With speculation too: drafts that would run past the pool are dropped, never the
+    // sequence (it once ended up to k tokens early, or preempted itself every cycle).
+    for spec in [None, Some(Speculation::ngram(3)), Some(Speculation::Mtp { k: 3 })] {
+        let (model, head) = model_helpers::load_bundled();
+        let mut engine = Engine::with_mtp_head(model, head, cfg.clone()).unwrap();
+        let h = engine
+            .submit(Request {
+                max_tokens: None,
+                speculation: spec,
+                ..Request::greedy(vec![1, 2, 3, 4, 5], 1)
+            })
+            .unwrap();
+        engine.run_to_completion().unwrap();
+        let o = collect(&h);
+        assert_eq!(o.end.as_ref().unwrap().0, StopReason::ContextFull, "{spec:?}");
+        // 24 positions: the prompt, then generated tokens run up to the last position; the token
+        // sampled there is sent too.
+        assert_eq!(o.ids.len(), 24 - 5 + 1, "{spec:?}");
+        assert_eq!(engine.pool_use(), (0, 0));
+        assert_eq!(o.end.as_ref().unwrap().1.preemptions, 0, "{spec:?}");
+        match &plain {
+            None => plain = Some(o.ids),
+            Some(p) => assert_eq!(&o.ids, p, "{spec:?}"),
+        }
+    }
 }
 
 #[test]
@@ -326,6 +339,71 @@ fn bad_requests_are_typed_errors() {
     let mut hot = Request::greedy(vec![1], 4);
     hot.sampling.temperature = -1.0;
     assert!(matches!(err(&mut engine, hot), Error::Request(m) if m.contains("temperature")));
+    // Draft counts, n-gram lengths and loop periods that would overflow, hang or exhaust memory
+    // (they once panicked the engine thread at submit or in a step).
+    let with = |speculation, degeneration| Request {
+        speculation,
+        degeneration,
+        ..Request::greedy(vec![1], 4)
+    };
+    let ngram = |k, min_n, max_n| Some(Speculation::Ngram { k, min_n, max_n });
+    for (r, says) in [
+        (with(ngram(usize::MAX, 1, 4), None), "speculation k"),
+        (with(ngram(MAX_DRAFTS + 1, 1, 4), None), "speculation k"),
+        (with(ngram(2, 1, usize::MAX), None), "min_n <= max_n"),
+        (with(ngram(2, 0, 4), None), "min_n <= max_n"),
+        (with(ngram(2, 5, 4), None), "min_n <= max_n"),
+        (
+            with(
+                None,
+                Some(DegenerationConfig {
+                    max_period: usize::MAX,
+                    ..Default::default()
+                }),
+            ),
+            "max_period",
+        ),
+        (
+            with(
+                None,
+                Some(DegenerationConfig {
+                    max_period: 0,
+                    ..Default::default()
+                }),
+            ),
+            "max_period",
+        ),
+        (
+            with(
+                None,
+                Some(DegenerationConfig {
+                    entropy_floor: f32::NAN,
+                    ..Default::default()
+                }),
+            ),
+            "entropy_floor",
+        ),
+    ] {
+        assert!(
+            matches!(err(&mut engine, r.clone()), Error::Request(m) if m.contains(says)),
+            "{:?} {:?}",
+            r.speculation,
+            r.degeneration
+        );
+    }
+    for r in [
+        with(ngram(MAX_DRAFTS, 1, MAX_NGRAM), None),
+        with(
+            None,
+            Some(DegenerationConfig {
+                max_period: MAX_LOOP_PERIOD,
+                ..Default::default()
+            }),
+        ),
+    ] {
+        engine.submit(r).unwrap().cancel();
+    }
+    engine.run_to_completion().unwrap();
     // 32 positions in the pool: prompt + max_tokens − 1 must fit.
     assert!(engine.submit(Request::greedy(vec![1; 30], 3)).is_ok());
     assert!(matches!(
