@@ -132,12 +132,27 @@ pub(crate) fn run(
             };
             match command {
                 Some(Command::Submit(req, reply)) => {
-                    let answer = match (open, leader.as_mut()) {
+                    let answer = catch_unwind(AssertUnwindSafe(|| match (open, leader.as_mut()) {
                         (true, Some(l)) => l.submit(&mut engine, *req),
                         (true, None) => engine.submit(*req),
                         (false, _) => Err(Error::Stopped),
-                    };
-                    let _ = reply.send(answer);
+                    }));
+                    match answer {
+                        Ok(answer) => {
+                            let _ = reply.send(answer);
+                        }
+                        // A panic in submit (a bug) ends the engine as one in a step does,
+                        // this request's caller told why.
+                        Err(payload) => {
+                            let message = panic_message(payload.as_ref());
+                            let _ = reply.send(Err(Error::Panicked(message.clone())));
+                            if let Some(l) = leader.as_ref() {
+                                l.abort();
+                            }
+                            fail_after_panic(&mut engine, shared, message);
+                            return;
+                        }
+                    }
                 }
                 Some(Command::Shutdown) => open = false,
                 None if open && engine.pending() == 0 => open = false, // every client is gone
@@ -182,19 +197,23 @@ pub(crate) fn run(
             // its message.
             Ok(Err(e)) => engine.fail_all(&e),
             Err(payload) => {
-                let message = panic_message(payload.as_ref());
-                let e = Error::Panicked(message.clone());
-                // The engine may be inconsistent after a panic: if failing the requests panics
-                // too, dropping the engine closes their channels, which clients read as an end
-                // without a last event.
-                let _ = catch_unwind(AssertUnwindSafe(|| engine.fail_all(&e)));
-                let mut s = lock(shared);
-                s.status = EngineStatus::Failed(message);
-                s.load = EngineLoad::default();
+                fail_after_panic(&mut engine, shared, panic_message(payload.as_ref()));
                 return;
             }
         }
     }
+}
+
+/// Fails every request after a panic with `message` and marks the engine failed.
+fn fail_after_panic(engine: &mut Engine, shared: &Mutex<Shared>, message: String) {
+    let e = Error::Panicked(message.clone());
+    // The engine may be inconsistent after a panic: if failing the requests panics too,
+    // dropping the engine closes their channels, which clients read as an end without a last
+    // event.
+    let _ = catch_unwind(AssertUnwindSafe(|| engine.fail_all(&e)));
+    let mut s = lock(shared);
+    s.status = EngineStatus::Failed(message);
+    s.load = EngineLoad::default();
 }
 
 impl EngineClient {
