@@ -158,6 +158,9 @@ pub struct Engine {
     /// Tests only: the next step panics (the engine thread's panic handling).
     #[cfg(test)]
     pub(crate) panic_next_step: bool,
+    /// Tests only: the next submit panics.
+    #[cfg(test)]
+    pub(crate) panic_next_submit: bool,
 }
 
 /// The engine's detokenizer ([`Engine::with_detokenizer`]).
@@ -242,6 +245,8 @@ impl Engine {
             detokenizer: None,
             #[cfg(test)]
             panic_next_step: false,
+            #[cfg(test)]
+            panic_next_submit: false,
         })
     }
 
@@ -333,6 +338,10 @@ impl Engine {
         &mut self,
         req: Request,
     ) -> Result<(u64, flume::Receiver<Event>, Arc<AtomicBool>)> {
+        #[cfg(test)]
+        if std::mem::take(&mut self.panic_next_submit) {
+            panic!("a panic injected by a test");
+        }
         let context = self.context();
         let vocab = self.model.config().vocab_size;
         if req.prompt.is_empty() {

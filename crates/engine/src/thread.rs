@@ -320,6 +320,30 @@ mod tests {
         );
     }
 
+    /// A submit that panics ends the engine as a panicking step does: its caller gets the
+    /// panic, the requests already held fail naming it, and the client reports the failure.
+    #[test]
+    fn a_panicking_submit_fails_every_request_and_the_client_says_so() {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let held = engine.submit(crate::Request::greedy(vec![1, 2, 3], 400)).unwrap();
+        engine.panic_next_submit = true;
+        let client = engine.spawn();
+        let refused = client.submit(crate::Request::greedy(vec![1], 1));
+        assert!(
+            matches!(&refused, Err(Error::Panicked(m)) if m.contains("injected")),
+            "{refused:?}"
+        );
+        let last = std::iter::from_fn(|| held.recv()).last();
+        assert!(
+            matches!(&last, Some(Event::Failed { error }) if error.contains("injected")),
+            "{last:?}"
+        );
+        assert!(matches!(client.status(), EngineStatus::Failed(m) if m.contains("injected")));
+        assert_eq!(client.load(), EngineLoad::default());
+    }
+
     /// The client's load follows the engine: requests running and waiting while they run,
     /// nothing once they end; the step count grows; a shut-down engine says so.
     #[test]
