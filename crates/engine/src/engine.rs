@@ -504,15 +504,17 @@ impl Engine {
         }
         self.draft();
         let (plan, ended) = self.sched.schedule()?;
-        if self.lockstep {
-            self.agree_on(&plan)?;
-        }
         let mut stats = StepStats {
             finished: ended.len(),
             ..Default::default()
         };
+        // (Before the ranks agree: the sequences schedule ended are out of its queues, so an
+        // error from here on would leave them without their last event.)
         for (mut s, reason) in ended {
             self.finish(&mut s, reason);
+        }
+        if self.lockstep {
+            self.agree_on(&plan)?;
         }
         for (snapshot, slot) in std::mem::take(&mut self.sched.restores) {
             self.cache.copy_slot(snapshot.0, slot.0)?;
@@ -1164,24 +1166,28 @@ impl Engine {
     /// (after an error no request can go on from).
     pub(crate) fn fail_all(&mut self, e: &Error) {
         let running: Vec<usize> = (0..self.sched.running.len()).collect();
-        if self.fail_running(&running, e).is_err() {
-            self.sched.running.clear();
-        }
+        // Every one of them is told and removed even where freeing what it holds fails.
+        let _ = self.fail_running(&running, e);
         for s in self.sched.waiting.drain(..) {
             let _ = s.events.send(Event::Failed { error: e.to_string() });
         }
     }
 
-    /// Ends the running sequences at `indices` with `Failed`, freeing what they hold.
+    /// Ends the running sequences at `indices` with `Failed`, freeing what they hold: each is
+    /// told and removed whatever happens to the others; the first failure to free is returned.
     fn fail_running(&mut self, indices: &[usize], e: &Error) -> Result<()> {
         let mut indices = indices.to_vec();
         indices.sort_unstable_by(|a, b| b.cmp(a));
+        let mut freed = Ok(());
         for i in indices {
             let mut s = self.sched.running.remove(i);
-            s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
             let _ = s.events.send(Event::Failed { error: e.to_string() });
+            let released = s.release(&mut self.sched.slots, &mut self.sched.blocks);
+            if freed.is_ok() {
+                freed = released;
+            }
         }
-        Ok(())
+        freed
     }
 }
 

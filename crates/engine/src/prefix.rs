@@ -279,18 +279,22 @@ impl PrefixCache {
             let now = self.clock;
             self.node_mut(i).last_used = now;
             let end = (k + 1) * self.block_size;
+            let mine = table.blocks()[k];
+            let n = self.node(i);
+            if n.mtp_next.is_none() && n.block != mine {
+                // The sequence computed the same K/V again (no snapshot let it hit): the node
+                // takes the sequence's block and lets its old one go (freed unless another
+                // sequence holds it), since a block cached only, under a node that a running
+                // sequence's blocks extend, could never be evicted. A node whose block holds
+                // the MTP head's K/V keeps it.
+                let old = n.block;
+                blocks.retain(mine)?;
+                blocks.release(old)?;
+                self.by_block.remove(&old);
+                self.by_block.insert(mine, i);
+                self.node_mut(i).block = mine;
+            }
             if let (true, Some(&next)) = (end <= mtp_fed, tokens.get(end)) {
-                let mine = table.blocks()[k];
-                let n = self.node(i);
-                if n.mtp_next.is_none() && n.block != mine {
-                    // The same K/V with the MTP head's written: the cache keeps this block.
-                    let old = n.block;
-                    blocks.retain(mine)?;
-                    blocks.release(old)?;
-                    self.by_block.remove(&old);
-                    self.by_block.insert(mine, i);
-                    self.node_mut(i).block = mine;
-                }
                 self.mark_mtp(mine, next);
             }
             parent = Some(i);
@@ -788,9 +792,9 @@ mod tests {
         te.release(&mut p.blocks).unwrap();
     }
 
-    /// Blocks cached without MTP K/V give way to the same prefix's blocks with it (those its
-    /// pairs completed), noted with their next tokens; the replaced blocks lose the cache's
-    /// reference only.
+    /// Blocks cached without MTP K/V give way to the same prefix's blocks of a later table,
+    /// noted with their next tokens where its pairs completed the MTP head's K/V; the replaced
+    /// blocks lose the cache's reference only; a block noted so stays.
     #[test]
     fn blocks_with_mtp_kv_replace_cached_ones_without() {
         let mut c = PrefixCache::new(BS);
@@ -806,8 +810,8 @@ mod tests {
         let refs = |t: &BlockTable, p: &Pools| -> Vec<u32> {
             t.blocks().iter().map(|&b| p.blocks.refs(b)).collect()
         };
-        assert_eq!(refs(&plain, &p)[..3], [1, 1, 2]);
-        assert_eq!(refs(&mine, &p)[..3], [2, 2, 1]);
+        assert_eq!(refs(&plain, &p)[..3], [1, 1, 1]);
+        assert_eq!(refs(&mine, &p)[..3], [2, 2, 2]);
         assert_eq!(hit_len(&mut c, &mut p, &a, true), 8);
         assert_eq!(hit_len(&mut c, &mut p, &a, false), 12);
         // Once noted, a block stays: another table's does not replace it.

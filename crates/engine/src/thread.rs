@@ -145,11 +145,11 @@ pub(crate) fn run(
                         // this request's caller told why.
                         Err(payload) => {
                             let message = panic_message(payload.as_ref());
-                            let _ = reply.send(Err(Error::Panicked(message.clone())));
                             if let Some(l) = leader.as_ref() {
                                 l.abort();
                             }
-                            fail_after_panic(&mut engine, shared, message);
+                            fail_after_panic(&mut engine, shared, message.clone());
+                            let _ = reply.send(Err(Error::Panicked(message)));
                             return;
                         }
                     }

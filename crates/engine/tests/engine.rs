@@ -700,9 +700,9 @@ fn sampled_speculation_equals_plain_sampling() {
 #[test]
 fn greedy_with_penalties_applies_them() {
     let model = bundled();
-    let mut rng = Rng::new(53);
+    let mut rng = Rng::new(54);
     let mut engine = Engine::new(model.clone(), EngineConfig::default()).unwrap();
-    let reqs: Vec<Request> = [(5.0, 0.0, 0.0), (1.0, 10.0, 0.0), (1.0, 0.0, 10.0)]
+    let reqs: Vec<Request> = [(5.0, 0.0, 0.0), (1.0, 2.0, 0.0), (1.0, 0.0, 2.0)]
         .into_iter()
         .map(|(rep, presence, frequency)| {
             let mut r = Request::greedy(echo_prompt(&model, &mut rng, 18), 24);

@@ -491,3 +491,37 @@ fn a_turn_ending_early_keeps_its_last_eighth_block_boundary() {
     assert_eq!(usage.cached_tokens, kept);
     assert_eq!(o.ids, solo(&model, &next, 4).0);
 }
+
+/// A request that recomputes blocks the cache already holds (no snapshot where they end, so no
+/// hit) in a pool with room for exactly its own positions: the cache's copies give way, and the
+/// request runs to its `max_tokens` as it does alone instead of ending with a full context.
+#[test]
+fn recomputed_cached_blocks_give_way_to_their_sequence() {
+    let model = bundled();
+    let vocab = model.config().vocab_size;
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        kv_blocks: Some(4),
+        block_size: BS,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), cfg).unwrap();
+    let mut rng = Rng::new(5);
+    let (a, b, c) = (
+        random_ids(&mut rng, vocab, BS),
+        random_ids(&mut rng, vocab, BS),
+        random_ids(&mut rng, vocab, BS + 1),
+    );
+    let first = [&a[..], &b[..]].concat();
+    let h = engine.submit(Request::greedy(first, 1)).unwrap();
+    engine.run_to_completion().unwrap();
+    assert!(collect(&h).end.is_some());
+    // 17 prompt tokens + 15: the 32 positions of the pool (the last token is never run).
+    let second = [&a[..], &c[..]].concat();
+    let h = engine.submit(Request::greedy(second.clone(), 15)).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    let (reason, usage) = o.end.expect("ended");
+    assert_eq!((reason, usage.cached_tokens), (StopReason::MaxTokens, 0));
+    assert_eq!(o.ids, solo(&model, &second, 15).0);
+}
