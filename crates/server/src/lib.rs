@@ -312,6 +312,22 @@ impl Service {
                     )
                 }
             }
+            // The model reads text only: an image or audio part would be dropped, or rendered
+            // as placeholders with nothing behind them.
+            if let Some(parts) = m.get("content").and_then(Value::as_array) {
+                for (j, part) in parts.iter().enumerate() {
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => {}
+                        other => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}]: a part of type {} (this model reads text parts only)",
+                                other.map_or("none".to_string(), |t| format!("{t:?}"))
+                            ))
+                            .param("messages"))
+                        }
+                    }
+                }
+            }
         }
         let template = self
             .template

@@ -785,6 +785,14 @@ async fn bad_requests_get_error_objects() {
         (chat, r#"{"messages": "hi"}"#.into(), ok, 400, "messages", None),
         (
             chat,
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "what is it?"}]}]}"#.into(),
+            ok,
+            400,
+            "content[0]: a part of type \"image_url\"",
+            Some("messages"),
+        ),
+        (
+            chat,
             r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#.into(),
             ok,
             400,
