@@ -977,11 +977,7 @@ fn fp8_gemm_matches_cpu() {
         for (dt, tol) in &ONE_ROUNDING[1..] {
             let x = randn(1.0, (rows, k), *dt);
             let want = fp8_w8a8_linear(&x, &w).unwrap();
-            let w8a16 = x
-                .to_dtype(DType::F32)
-                .unwrap()
-                .matmul(&w8a16_w.t().unwrap())
-                .unwrap();
+            let w8a16 = f32_product(&x, &w8a16_w);
             let layer = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(*P);
             let got = layer.forward(&x.to_device(&d).unwrap()).unwrap();
             assert_eq!((got.dims(), got.dtype()), (&[rows, n][..], *dt));
@@ -1018,6 +1014,11 @@ fn fp8_gemm_matches_cpu() {
     }
 }
 
+/// `x · wᵀ` in f32 (`w` already f32): the unquantized activations' product, w8a16.
+fn f32_product(x: &Tensor, w: &Tensor) -> Tensor {
+    x.to_dtype(DType::F32).unwrap().matmul(&w.t().unwrap()).unwrap()
+}
+
 /// `Fp8GemmPath::FromRows(n)`, the knob for A/B runs of the GEMM's threshold, sends every row
 /// count from n through the FP8 GEMM (w8a8: within its tolerance of the w8a8 reference and more
 /// than twice as far from the dequantized weight's product) and fewer rows through the tile
@@ -1042,11 +1043,7 @@ fn fp8_gemm_from_rows_moves_the_threshold() {
         for rows in 1..=3 {
             let x = randn(1.0, (rows, k), *dt);
             let want = fp8_w8a8_linear(&x, &w).unwrap();
-            let w8a16 = x
-                .to_dtype(DType::F32)
-                .unwrap()
-                .matmul(&w8a16_w.t().unwrap())
-                .unwrap();
+            let w8a16 = f32_product(&x, &w8a16_w);
             let got = layer.forward(&x.to_device(&d).unwrap()).unwrap();
             let (e, e16) = (max_row_rel_err(&got, &want), max_row_rel_err(&got, &w8a16));
             if rows < 2 {
