@@ -237,6 +237,12 @@ impl Config {
             }
             _ => f.f64_or("partial_rotary_factor", 0.25)?,
         };
+        if !(rope_theta > 0.0 && rope_theta.is_finite()) {
+            return Err(f.err(
+                "rope_theta",
+                format!("must be finite and positive, found {rope_theta}"),
+            ));
+        }
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
             return Err(f.err(
                 "partial_rotary_factor",
@@ -265,13 +271,13 @@ impl Config {
             None => vec![],
             Some(Value::Array(list)) => list
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32))
+                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| f.err("eos_token_id", "expected integers"))?,
+                .ok_or_else(|| f.err("eos_token_id", "expected token ids (integers below 2^32)"))?,
             Some(v) => vec![v
                 .as_u64()
-                .ok_or_else(|| f.err("eos_token_id", format!("expected an integer, found {v}")))?
-                as u32],
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| f.err("eos_token_id", format!("expected a token id, found {v}")))?],
         };
         // A nested checkpoint's top-level `tie_word_embeddings` governs the lm_head, like HF.
         let tie_default = f.bool_or("tie_word_embeddings", false)?;
@@ -325,10 +331,21 @@ impl Config {
             ("linear_num_value_heads", self.linear_num_value_heads),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
+        // (The bound keeps every product of two sizes within usize.)
         for (key, v) in positive {
-            if v == 0 {
-                return Err(f.err(key, "must be positive"));
+            if v == 0 || v > 1 << 30 {
+                return Err(f.err(key, format!("must be positive and at most 2^30, found {v}")));
             }
+        }
+        if let Some(&id) = self
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            return Err(f.err(
+                "eos_token_id",
+                format!("{id} is outside the vocabulary of {}", self.vocab_size),
+            ));
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(f.err(
@@ -541,6 +558,26 @@ mod tests {
         let e = Config::from_json(&json!({"linear_num_key_heads": 16, "linear_num_value_heads": 40}))
             .unwrap_err();
         assert!(e.to_string().contains("linear_num_value_heads"), "{e}");
+        // A rope base that makes every attention output NaN; ids past u32 (which once wrapped
+        // to 0) or past the vocabulary (a stop that never fires); sizes whose products
+        // overflow.
+        for (bad, field) in [
+            (json!({"rope_theta": 0.0}), "rope_theta"),
+            (json!({"rope_parameters": {"rope_theta": -1.0}}), "rope_theta"),
+            (json!({"eos_token_id": 4_294_967_296u64}), "eos_token_id"),
+            (json!({"eos_token_id": [1, 4_294_967_297u64]}), "eos_token_id"),
+            (json!({"vocab_size": 1000, "eos_token_id": 1000}), "eos_token_id"),
+            (json!({"head_dim": 1u64 << 62}), "head_dim"),
+            (
+                json!({"max_position_embeddings": u64::MAX}),
+                "max_position_embeddings",
+            ),
+        ] {
+            let e = Config::from_json(&bad).unwrap_err();
+            assert!(e.to_string().contains(field), "{bad}: {e}");
+        }
+        let c = Config::from_json(&json!({"vocab_size": 1000, "eos_token_id": [999]})).unwrap();
+        assert_eq!(c.eos_token_ids, [999]);
     }
 
     /// `quantization_config` is read from `text_config` or the top level; `fmt` may be absent

@@ -47,6 +47,10 @@ pub enum Error {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+    /// A tensor is stored in a dtype the model cannot read it from (integers, bool, an
+    /// unsupported float).
+    #[error("tensor {name} is stored as {stored}, not a float dtype this model reads (f32, f64, bf16, f16)")]
+    TensorDtype { name: String, stored: String },
     /// A tensor holds NaN or infinity.
     #[error("tensor {0} contains NaN or infinite values")]
     NonFinite(String),

@@ -210,6 +210,7 @@ impl Weights {
                 msg: "is float8 e4m3 where this model reads a plain tensor (FP8 is supported for linear weights only)".into(),
             });
         }
+        float_stored(name, view.dtype())?;
         let t = match self.part_of(name) {
             Some((split, shard)) => {
                 let (n, keep) = split.ranges(shard);
@@ -445,6 +446,20 @@ fn random_fp8(shape: &[usize], block: [usize; 2], std: f64, dev: &Device) -> Res
     let blocks = (shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1]));
     let scale = Tensor::full((std / 0.6) as f32, blocks, dev)?;
     Ok(LinearWeight::Fp8(Fp8Weight::new(q, scale, block)?))
+}
+
+/// Refuses a plain tensor stored in a dtype that is not a float the model reads (an integer or
+/// bool tensor would load as integer-valued weights; other floats fail deep in candle without
+/// the tensor's name).
+fn float_stored(name: &str, stored: safetensors::Dtype) -> Result<()> {
+    use safetensors::Dtype as D;
+    match stored {
+        D::F32 | D::F64 | D::BF16 | D::F16 => Ok(()),
+        other => Err(Error::TensorDtype {
+            name: name.to_string(),
+            stored: format!("{other:?}"),
+        }),
+    }
 }
 
 /// A random stand-in for tensor `name`: (1+w) norms get w = 0, the GDN gated norm (plain w) and

@@ -37,6 +37,21 @@ fn wrong_shape_is_named_with_both_shapes() {
     );
 }
 
+/// A tensor stored as integers with the right shape is refused by name (it loaded as
+/// integer-valued weights).
+#[test]
+fn integer_tensor_is_named() {
+    let dir = copy_fixture("tiny-flat");
+    edit_tensors(dir.path(), "model.safetensors", |m| {
+        m.insert(A_LOG.into(), Tensor::zeros(4, DType::I64, &Device::Cpu).unwrap());
+    });
+    let e = load_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorDtype { name, stored } if name == A_LOG && stored == "I64"),
+        "{e}"
+    );
+}
+
 #[test]
 fn nan_in_weights_is_refused() {
     let dir = copy_fixture("tiny-flat");

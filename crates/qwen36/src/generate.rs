@@ -32,31 +32,58 @@ impl GenerationConfig {
         };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+        if !v.is_object() {
+            return Err(err(format!("expected a JSON object, found {v}")));
+        }
+        let id = |x: &Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
         let eos_token_ids = match v.get("eos_token_id") {
             None | Some(Value::Null) => vec![],
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_u64().map(|x| x as u32))
+                .map(id)
                 .collect::<Option<_>>()
-                .ok_or_else(|| err("eos_token_id: expected integers".into()))?,
-            Some(x) => vec![x
-                .as_u64()
-                .ok_or_else(|| err(format!("eos_token_id: expected an integer, found {x}")))?
-                as u32],
+                .ok_or_else(|| err("eos_token_id: expected token ids (integers below 2^32)".into()))?,
+            Some(x) => {
+                vec![id(x).ok_or_else(|| err(format!("eos_token_id: expected a token id, found {x}")))?]
+            }
         };
-        let num = |k: &str| v.get(k).and_then(Value::as_f64);
-        let sampling = (v.get("do_sample").and_then(Value::as_bool) == Some(true)).then(|| SamplingParams {
-            temperature: num("temperature").unwrap_or(1.0) as f32,
-            top_k: num("top_k").unwrap_or(0.0) as usize,
-            top_p: num("top_p").unwrap_or(1.0) as f32,
-            min_p: num("min_p").unwrap_or(0.0) as f32,
-            repetition_penalty: num("repetition_penalty").unwrap_or(1.0) as f32,
-            presence_penalty: num("presence_penalty").unwrap_or(0.0) as f32,
+        // A field of the wrong type is an error, not its default (a "0.6" temperature would
+        // sample at 1.0).
+        let num = |k: &str| -> Result<Option<f64>> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| err(format!("{k}: expected a number, found {x}"))),
+            }
+        };
+        let do_sample = match v.get("do_sample") {
+            None | Some(Value::Null) => false,
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| err(format!("do_sample: expected true or false, found {x}")))?,
+        };
+        let top_k = num("top_k")?.unwrap_or(0.0);
+        if !(top_k >= 0.0 && top_k.fract() == 0.0) {
+            return Err(err(format!("top_k: expected a count, found {top_k}")));
+        }
+        let sampling = SamplingParams {
+            temperature: num("temperature")?.unwrap_or(1.0) as f32,
+            top_k: top_k as usize,
+            top_p: num("top_p")?.unwrap_or(1.0) as f32,
+            min_p: num("min_p")?.unwrap_or(0.0) as f32,
+            repetition_penalty: num("repetition_penalty")?.unwrap_or(1.0) as f32,
+            presence_penalty: num("presence_penalty")?.unwrap_or(0.0) as f32,
             ..Default::default()
-        });
+        };
+        // Checked here, where the file can be named, not at the first generation.
+        if do_sample {
+            sampling.validate().map_err(|e| err(e.to_string()))?;
+        }
         Ok(Self {
             eos_token_ids,
-            sampling,
+            sampling: do_sample.then_some(sampling),
         })
     }
 }

@@ -364,6 +364,26 @@ fn generation_config_reads_its_fields() {
         e.contains("generation_config.json") && e.contains("eos_token_id"),
         "{e}"
     );
+    // Wrong types are errors, not defaults (a string temperature sampled at 1.0, a string
+    // do_sample decoded greedily), as are ids past u32 (they wrapped to 0), ranges checked
+    // where the file can be named, and a root that is not an object.
+    for (body, says) in [
+        (r#"{"do_sample": true, "temperature": "0.6"}"#, "temperature"),
+        (r#"{"do_sample": true, "top_k": "20"}"#, "top_k"),
+        (r#"{"do_sample": true, "top_k": 2.5}"#, "top_k"),
+        (r#"{"do_sample": "true"}"#, "do_sample"),
+        (r#"{"do_sample": true, "top_p": 0}"#, "top_p"),
+        (r#"{"eos_token_id": 4294967296}"#, "eos_token_id"),
+        (r#"{"eos_token_id": [2, 4294967297]}"#, "eos_token_id"),
+        ("[]", "object"),
+    ] {
+        std::fs::write(&path, body).unwrap();
+        let e = GenerationConfig::from_file(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("generation_config.json") && e.contains(says),
+            "{body}: {e}"
+        );
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 
