@@ -54,32 +54,89 @@ pub struct ChatTemplate {
     special_tokens: Vec<(String, String)>,
 }
 
+/// Named special tokens of a tokenizer config: (name, token).
+type SpecialTokens = Vec<(String, String)>;
+
+/// A tokenizer_config.json's `chat_template` (a string, or the one named "default" of a list
+/// of named templates) and its named special tokens.
+fn read_tokenizer_config(path: &Path) -> Result<(Option<String>, SpecialTokens)> {
+    let err = |msg: String| Error::File {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+    let special_tokens = SPECIAL_TOKENS
+        .iter()
+        .filter_map(|&name| {
+            // A token is a string or a serialized AddedToken `{"content": ..., ...}`.
+            let tok = v.get(name)?;
+            let s = tok.as_str().or_else(|| tok.get("content")?.as_str())?;
+            Some((name.to_string(), s.to_string()))
+        })
+        .collect();
+    let source = match v.get("chat_template") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Array(list)) => Some(
+            list.iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str())
+                .ok_or_else(|| err("chat_template: a list without a \"default\" template".into()))?
+                .to_string(),
+        ),
+        Some(other) => {
+            return Err(err(format!(
+                "chat_template: expected a string or a list of {{name, template}}, found {other}"
+            )))
+        }
+    };
+    Ok((source, special_tokens))
+}
+
 impl ChatTemplate {
     /// Reads `chat_template` from a tokenizer_config.json; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
-        let err = |msg: String| Error::File {
+        let (source, special_tokens) = read_tokenizer_config(path)?;
+        Ok(source.map(|source| Self {
+            source,
             path: path.to_path_buf(),
-            msg,
+            special_tokens,
+        }))
+    }
+
+    /// The template of a checkpoint directory: `chat_template.jinja` where it exists (where
+    /// newer transformers save it), else tokenizer_config.json's `chat_template`; the special
+    /// tokens from tokenizer_config.json. `Ok(None)` when neither holds one.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let config = dir.join("tokenizer_config.json");
+        let (source, special_tokens) = if config.exists() {
+            read_tokenizer_config(&config)?
+        } else {
+            (None, Vec::new())
         };
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
-        let special_tokens = SPECIAL_TOKENS
-            .iter()
-            .filter_map(|&name| {
-                // A token is a string or a serialized AddedToken `{"content": ..., ...}`.
-                let tok = v.get(name)?;
-                let s = tok.as_str().or_else(|| tok.get("content")?.as_str())?;
-                Some((name.to_string(), s.to_string()))
-            })
-            .collect();
-        Ok(match v.get("chat_template") {
-            Some(Value::String(s)) => Some(Self {
-                source: s.clone(),
-                path: path.to_path_buf(),
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::File {
+                path: jinja.clone(),
+                msg: e.to_string(),
+            })?;
+            return Ok(Some(Self {
+                source,
+                path: jinja,
                 special_tokens,
-            }),
-            _ => None,
-        })
+            }));
+        }
+        Ok(source.map(|source| Self {
+            source,
+            path: config,
+            special_tokens,
+        }))
+    }
+
+    /// The file the template was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// The Jinja source of the template.

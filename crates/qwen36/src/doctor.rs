@@ -341,14 +341,17 @@ pub fn checkpoint_checks(dir: &Path, opts: &DoctorOptions) -> (Vec<Check>, Optio
         }
     }
     out.push(match generator.chat_template() {
-        Some(_) => check(
+        Some(t) => check(
             G,
             "chat template",
             Status::Pass,
-            "present (tokenizer_config.json)",
+            format!(
+                "present ({})",
+                t.path().file_name().unwrap_or_default().to_string_lossy()
+            ),
         ),
         None => check(G, "chat template", Status::Warn, "none")
-            .advise("chat requests need tokenizer_config.json's chat_template"),
+            .advise("chat requests need a chat template (chat_template.jinja, or tokenizer_config.json's chat_template)"),
     });
     (out, Some(generator))
 }

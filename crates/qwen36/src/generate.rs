@@ -272,12 +272,7 @@ impl Generator {
         } else {
             None
         };
-        let tc_path = dir.join("tokenizer_config.json");
-        let chat_template = if tc_path.exists() {
-            ChatTemplate::from_tokenizer_config(&tc_path)?
-        } else {
-            None
-        };
+        let chat_template = ChatTemplate::from_dir(&dir)?;
         let gc_path = dir.join("generation_config.json");
         let generation_config = if gc_path.exists() {
             GenerationConfig::from_file(&gc_path)?

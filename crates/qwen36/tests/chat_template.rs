@@ -227,3 +227,56 @@ fn plain_chats_render_as_the_previous_template() {
         }
     }
 }
+
+/// A checkpoint directory's template: `chat_template.jinja` over tokenizer_config.json's (with
+/// the config's special tokens), a list of named templates gives the "default" one, and a
+/// `chat_template` of another type is an error naming the file and field, not "no template".
+#[test]
+fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
+    let bundled_dir = qwen36_testutil::bundled_dir();
+    let dir = std::env::temp_dir().join(format!("qwen36-chatdir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(bundled_dir.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    let write_config = |chat_template: Value| {
+        let mut c = config.clone();
+        c["chat_template"] = chat_template;
+        std::fs::write(dir.join("tokenizer_config.json"), c.to_string()).unwrap();
+    };
+    let hi = [ChatMessage::new("user", "hi")];
+    // The config's own template: as the bundled model's.
+    write_config(config["chat_template"].clone());
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    assert_eq!(t.source(), bundled().source());
+    // A list of named templates: the default one.
+    write_config(serde_json::json!([
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": PLAIN_TEMPLATE}
+    ]));
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    assert_eq!(t.source(), PLAIN_TEMPLATE);
+    // The .jinja file wins, and sees the config's special tokens.
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ eos_token }}|{{ messages[0]['content'] }}",
+    )
+    .unwrap();
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    let eos = config["eos_token"].as_str().unwrap_or_default();
+    assert_eq!(t.render(&hi, false, true).unwrap(), format!("{eos}|hi"));
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    // Neither: none; another type: an error.
+    write_config(Value::Null);
+    assert!(ChatTemplate::from_dir(&dir).unwrap().is_none());
+    write_config(serde_json::json!(3));
+    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("chat_template"),
+        "{e}"
+    );
+    write_config(serde_json::json!([{"name": "tool_use", "template": "TOOLS"}]));
+    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("default"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
