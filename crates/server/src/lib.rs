@@ -199,9 +199,16 @@ impl Service {
             Endpoint::Chat => req.max_completion_tokens.or(req.max_tokens),
         };
         let d = &self.defaults;
+        // vLLM's convention: -1 or 0 turns it off; other negatives are mistakes.
         let top_k = match req.top_k {
             None => d.top_k,
-            Some(k) if k <= 0 => 0,
+            Some(-1 | 0) => 0,
+            Some(k) if k < 0 => {
+                return Err(ApiError::bad_request(format!(
+                    "top_k = {k}: expected -1 or 0 (off) or a positive count"
+                ))
+                .param("top_k"))
+            }
             Some(k) => k as usize,
         };
         let seed = req.seed.unwrap_or_else(rand::random);

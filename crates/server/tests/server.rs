@@ -771,6 +771,7 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "stop": [""]}"#.into(), ok, 400, "0 bytes", Some("stop")),
         (c, r#"{"prompt": [1], "top_p": 0}"#.into(), ok, 400, "top_p", None),
         (c, r#"{"prompt": [1], "presence_penalty": -3e38}"#.into(), ok, 400, "presence_penalty", None),
+        (c, r#"{"prompt": [1], "top_k": -2}"#.into(), ok, 400, "top_k = -2", Some("top_k")),
         (
             c,
             r#"{"prompt": [1], "tools": [{"type": "function", "function": {"name": "f"}}]}"#.into(),
