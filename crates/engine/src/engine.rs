@@ -161,6 +161,9 @@ pub struct Engine {
     /// Tests only: the next submit panics.
     #[cfg(test)]
     pub(crate) panic_next_submit: bool,
+    /// Tests only: the next state copy fails (as a device error would).
+    #[cfg(test)]
+    pub(crate) fail_next_copy: bool,
 }
 
 /// The engine's detokenizer ([`Engine::with_detokenizer`]).
@@ -210,6 +213,7 @@ impl Engine {
             max_running: cfg.max_seqs,
             prefix: (cfg.prefix_snapshots > 0).then(|| PrefixCache::new(cfg.block_size)),
             restores: Vec::new(),
+            ended: Vec::new(),
         };
         let cache = model.new_paged_cache(slots, blocks, cfg.block_size)?;
         // Graphs' block tables cover a sequence of up to DEFAULT_POSITIONS (256 KiB of tables
@@ -247,6 +251,8 @@ impl Engine {
             panic_next_step: false,
             #[cfg(test)]
             panic_next_submit: false,
+            #[cfg(test)]
+            fail_next_copy: false,
         })
     }
 
@@ -369,17 +375,8 @@ impl Engine {
             spec.check().map_err(Error::Request)?;
         }
         if let Some(d) = &req.degeneration {
-            if !(1..=crate::request::MAX_LOOP_PERIOD).contains(&d.max_period)
-                || d.entropy_floor.is_nan()
-                || d.entropy_floor < 0.0
-            {
-                return Err(Error::Request(format!(
-                    "degeneration needs 1 <= max_period <= {} and entropy_floor >= 0, got {} and {}",
-                    crate::request::MAX_LOOP_PERIOD,
-                    d.max_period,
-                    d.entropy_floor
-                )));
-            }
+            d.validate()
+                .map_err(|e| Error::Request(format!("degeneration: {e}")))?;
         }
         if matches!(req.speculation, Some(Speculation::Mtp { .. })) && self.mtp.is_none() {
             return Err(Error::Request(
@@ -503,23 +500,32 @@ impl Engine {
             panic!("a panic injected by a test");
         }
         self.draft();
-        let (plan, ended) = self.sched.schedule()?;
+        let planned = self.sched.schedule();
+        let ended = std::mem::take(&mut self.sched.ended);
         let mut stats = StepStats {
             finished: ended.len(),
             ..Default::default()
         };
-        // (Before the ranks agree: the sequences schedule ended are out of its queues, so an
-        // error from here on would leave them without their last event.)
+        // (Before the ranks agree, and whether planning failed or not: the sequences that
+        // ended are out of the queues, so an error from here on would leave them without their
+        // last event.)
         for (mut s, reason) in ended {
             self.finish(&mut s, reason);
         }
+        let plan = planned?;
         if self.lockstep {
             self.agree_on(&plan)?;
         }
+        // Every snapshot is released, whether its copy (or an earlier one) failed or not.
+        let mut restored = Ok(());
         for (snapshot, slot) in std::mem::take(&mut self.sched.restores) {
-            self.cache.copy_slot(snapshot.0, slot.0)?;
-            self.sched.slots.release(snapshot)?;
+            if restored.is_ok() {
+                restored = self.copy_slot(snapshot, slot);
+            }
+            let released = self.sched.slots.release(snapshot).map(|_| ());
+            restored = restored.and(released);
         }
+        restored?;
         if plan.is_empty() {
             return Ok(stats);
         }
@@ -716,20 +722,24 @@ impl Engine {
         }
         done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         stats.finished += done.len();
+        // Every one of them ends and is freed; the first bookkeeping error is returned.
+        let mut freed = Ok(());
         for (index, outcome) in done {
             let mut s = self.sched.running.remove(index);
-            if outcome.is_ok() {
-                self.sched.keep_leaving(&mut s)?;
-            }
-            s.release(&mut self.sched.slots, &mut self.sched.blocks)?;
+            let kept = match outcome {
+                Ok(_) => self.sched.keep_leaving(&mut s),
+                Err(_) => Ok(()),
+            };
+            let released = s.release(&mut self.sched.slots, &mut self.sched.blocks);
             match outcome {
                 Ok(reason) => self.finish(&mut s, reason),
                 Err(error) => {
                     let _ = s.events.send(Event::Failed { error });
                 }
             }
+            freed = freed.and(kept).and(released);
         }
-        Ok(stats)
+        freed.map(|()| stats)
     }
 
     /// The prefix cache's share of a step: each planned sequence whose chunk ended at a snapshot
@@ -768,7 +778,10 @@ impl Engine {
                 let Some(snapshot) = self.spare_slot(false)? else {
                     continue;
                 };
-                self.cache.copy_slot(slot.0, snapshot.0)?;
+                if let Err(e) = self.copy_slot(slot, snapshot) {
+                    let _ = self.sched.slots.release(snapshot);
+                    return Err(e);
+                }
                 let sched = &mut self.sched;
                 let s = &mut sched.running[p.index];
                 let prefix = sched.prefix.as_mut().expect("the prefix cache is on");
@@ -802,7 +815,7 @@ impl Engine {
             self.sched.running[p.index].rolling = Some((rolling, boundary));
             match verified {
                 true => inside_verifies.push((c, boundary - start, rolling.0)),
-                false => self.cache.copy_slot(slot.0, rolling.0)?,
+                false => self.copy_slot(slot, rolling)?,
             }
         }
         if let (Some(pending), false) = (pending, inside_verifies.is_empty()) {
@@ -833,6 +846,15 @@ impl Engine {
             return Ok(None);
         }
         Ok(Some(sched.slots.alloc()?))
+    }
+
+    /// Copies slot `from`'s state (and what it has left to replay) into slot `to`.
+    fn copy_slot(&mut self, from: SlotId, to: SlotId) -> Result<()> {
+        #[cfg(test)]
+        if std::mem::take(&mut self.fail_next_copy) {
+            return Err(Error::Request("a state copy failure injected by a test".into()));
+        }
+        Ok(self.cache.copy_slot(from.0, to.0)?)
     }
 
     /// Sends a sequence's last events: the text its stream still holds, then `Finished`.
@@ -1168,8 +1190,10 @@ impl Engine {
         let running: Vec<usize> = (0..self.sched.running.len()).collect();
         // Every one of them is told and removed even where freeing what it holds fails.
         let _ = self.fail_running(&running, e);
-        for s in self.sched.waiting.drain(..) {
+        // (A waiting sequence holds nothing, unless planning failed while admitting it.)
+        for mut s in std::mem::take(&mut self.sched.waiting) {
             let _ = s.events.send(Event::Failed { error: e.to_string() });
+            let _ = s.release(&mut self.sched.slots, &mut self.sched.blocks);
         }
     }
 
@@ -1432,5 +1456,87 @@ mod tests {
                 "{last:?}"
             );
         }
+    }
+
+    /// A state copy that fails (a device error) fails the step; every request gets `Failed`
+    /// and, after `fail_all`, nothing is held but what the prefix cache keeps: `first_copy`
+    /// picks the copy that fails, the snapshot a new prompt keeps at its end (`false`) or the
+    /// restore of a cached one into a new sequence's slot (`true`).
+    fn a_failing_state_copy_leaks_no_slot(restore: bool) {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let cfg = EngineConfig {
+            prefix_snapshots: 4,
+            ..Default::default()
+        };
+        let mut engine = Engine::new(model, cfg).unwrap();
+        let prompt: Vec<u32> = (1..=2 * engine.cfg.block_size as u32).collect();
+        if restore {
+            let h = engine.submit(Request::greedy(prompt.clone(), 2)).unwrap();
+            engine.run_to_completion().unwrap();
+            assert!(matches!(h.drain().pop(), Some(Event::Finished { .. })));
+            assert_eq!(engine.cached().1, 1, "the prompt's end is kept");
+        }
+        let mut longer = prompt.clone();
+        longer.extend([7, 8, 9]);
+        let h = engine.submit(Request::greedy(longer, 4)).unwrap();
+        engine.fail_next_copy = true;
+        let e = engine.step().unwrap_err();
+        engine.fail_all(&e);
+        assert_eq!((engine.pending(), engine.pool_use()), (0, (0, 0)));
+        let last = h.drain().pop();
+        assert!(
+            matches!(&last, Some(Event::Failed { error }) if error.contains("injected")),
+            "{last:?}"
+        );
+        // The engine goes on: the same request now runs to its end.
+        let h = engine.submit(Request::greedy(prompt, 2)).unwrap();
+        engine.run_to_completion().unwrap();
+        assert!(matches!(h.drain().pop(), Some(Event::Finished { .. })));
+        assert_eq!(engine.pool_use(), (0, 0));
+    }
+
+    #[test]
+    fn a_failing_snapshot_copy_leaks_no_slot() {
+        a_failing_state_copy_leaks_no_slot(false);
+    }
+
+    #[test]
+    fn a_failing_restore_leaks_no_slot() {
+        a_failing_state_copy_leaks_no_slot(true);
+    }
+
+    /// A planning error (here a bookkeeping bug: a cancelled sequence's slot freed behind the
+    /// scheduler's back) loses no request: the cancelled one still gets `Finished`, the others
+    /// `Failed` from `fail_all`, and its blocks are freed although its slot's release failed.
+    #[test]
+    fn a_planning_error_loses_no_request() {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+        let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let handles: Vec<RequestHandle> = (0..2)
+            .map(|i| engine.submit(Request::greedy(vec![1, 2, 3 + i], 8)).unwrap())
+            .collect();
+        engine.step().unwrap();
+        handles[0].cancel();
+        let slot = engine.sched.running[0].slot.unwrap();
+        engine.sched.slots.release(slot).unwrap();
+        let e = engine.step().unwrap_err();
+        assert!(matches!(e, Error::NotAllocated { .. }), "{e}");
+        engine.fail_all(&e);
+        assert_eq!((engine.pending(), engine.pool_use()), (0, (0, 0)));
+        let ends: Vec<Option<Event>> = handles.iter().map(|h| h.drain().pop()).collect();
+        assert!(
+            matches!(
+                &ends[0],
+                Some(Event::Finished {
+                    reason: StopReason::Cancelled,
+                    ..
+                })
+            ),
+            "{:?}",
+            ends[0]
+        );
+        assert!(matches!(&ends[1], Some(Event::Failed { .. })), "{:?}", ends[1]);
     }
 }

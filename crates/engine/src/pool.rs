@@ -230,14 +230,14 @@ impl BlockTable {
     }
 
     /// Keeps the blocks that hold positions `0..positions` and releases the rest (a speculative
-    /// rollback, or a preemption to `0`).
+    /// rollback, or a preemption to `0`): every one of them, the first error returned.
     pub fn truncate(&mut self, positions: usize, pool: &mut BlockPool) -> Result<()> {
-        let keep = pool.blocks_for(positions);
-        while self.blocks.len() > keep {
-            let b = self.blocks.pop().expect("more blocks than kept");
-            pool.release(b)?;
+        let keep = pool.blocks_for(positions).min(self.blocks.len());
+        let mut released = Ok(());
+        for b in self.blocks.drain(keep..).rev() {
+            released = released.and(pool.release(b).map(|_| ()));
         }
-        Ok(())
+        released
     }
 
     /// Releases every block (the sequence ended).

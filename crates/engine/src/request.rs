@@ -49,8 +49,7 @@ pub enum Speculation {
 pub const MAX_DRAFTS: usize = 16;
 /// The longest suffix prompt lookup may match.
 pub const MAX_NGRAM: usize = 64;
-/// The longest loop period a degeneration watch may look for (it costs that much per token).
-pub const MAX_LOOP_PERIOD: usize = 1024;
+pub use qwen36_sampling::MAX_LOOP_PERIOD;
 
 impl Speculation {
     /// Its parameters' ranges, as an error message naming the one out of range.

@@ -124,23 +124,20 @@ impl Sequence {
             .map_or(usize::MAX, |&p| p - self.computed)
     }
 
-    /// Frees its slots and blocks.
+    /// Frees its slots and blocks: all of them even where one fails (a bookkeeping bug), whose
+    /// error is returned.
     pub fn release(&mut self, slots: &mut SlotPool, blocks: &mut BlockPool) -> Result<()> {
-        if let Some(slot) = self.slot.take() {
-            slots.release(slot)?;
-        }
-        if let Some((slot, _)) = self.rolling.take() {
-            slots.release(slot)?;
-        }
+        let slot = self.slot.take().map_or(Ok(()), |s| slots.release(s).map(|_| ()));
+        let rolling = (self.rolling.take()).map_or(Ok(()), |(s, _)| slots.release(s).map(|_| ()));
+        let table = self.table.release(blocks);
         self.snap_points.clear();
         self.kept = 0;
-        self.table.release(blocks)?;
         self.computed = 0;
         self.verify = false;
         self.drafts.clear();
         self.mtp_len = 0;
         self.unfed = None;
-        Ok(())
+        slot.and(rolling).and(table)
     }
 }
 
@@ -164,8 +161,8 @@ pub(crate) struct Scheduled {
     pub tokens: usize,
 }
 
-/// The next forward's plan, and the sequences that ended while planning it (already released).
-pub(crate) type Plan = (Vec<Scheduled>, Vec<(Sequence, StopReason)>);
+/// The next forward's plan.
+pub(crate) type Plan = Vec<Scheduled>;
 
 /// The queues and the pools' bookkeeping.
 #[derive(Debug)]
@@ -185,24 +182,27 @@ pub(crate) struct Scheduler {
     /// Snapshots to copy into newly admitted sequences' slots before the next forward
     /// `(snapshot, slot)`; the engine copies them, then releases each snapshot.
     pub restores: Vec<(SlotId, SlotId)>,
+    /// Sequences that ended while planning (cancelled, or too long for the whole pool), already
+    /// released, for the engine to finish: kept here so that a planning error loses none.
+    pub ended: Vec<(Sequence, StopReason)>,
 }
 
 impl Scheduler {
-    /// Plans the next forward; sequences that end here (cancelled, or too long for the whole
-    /// pool) come back with their reason, already released.
+    /// Plans the next forward; sequences that end here go to [`Self::ended`]. On an error
+    /// (a bookkeeping bug) every sequence is still in a queue or in `ended`.
     pub fn schedule(&mut self) -> Result<Plan> {
-        let mut ended = Vec::new();
         for queue_pos in (0..self.waiting.len()).rev() {
             if self.waiting[queue_pos].cancelled() {
                 let s = self.waiting.remove(queue_pos).expect("index in range");
-                ended.push((s, StopReason::Cancelled));
+                self.ended.push((s, StopReason::Cancelled));
             }
         }
         for i in (0..self.running.len()).rev() {
             if self.running[i].cancelled() {
                 let mut s = self.running.remove(i);
-                s.release(&mut self.slots, &mut self.blocks)?;
-                ended.push((s, StopReason::Cancelled));
+                let released = s.release(&mut self.slots, &mut self.blocks);
+                self.ended.push((s, StopReason::Cancelled));
+                released?;
             }
         }
         self.running.sort_by_key(|s| s.id);
@@ -262,15 +262,16 @@ impl Scheduler {
                     let mut victim = self.running.remove(newest);
                     budget += counts.remove(newest);
                     // Its rolling snapshot lets it (or another) restart past its prompt.
-                    self.keep_leaving(&mut victim)?;
-                    victim.release(&mut self.slots, &mut self.blocks)?;
+                    let kept = self.keep_leaving(&mut victim);
+                    let released = victim.release(&mut self.slots, &mut self.blocks);
                     if newest == 0 {
                         // Alone and still too long: the whole pool is its context.
-                        ended.push((victim, StopReason::ContextFull));
+                        self.ended.push((victim, StopReason::ContextFull));
                     } else {
                         victim.preemptions += 1;
                         self.wait(victim);
                     }
+                    kept.and(released)?;
                 }
                 Err(e) => return Err(e),
             }
@@ -290,21 +291,25 @@ impl Scheduler {
                     reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
                 }
             }
-            if reserved.is_err() {
+            // (A slot is free: checked above, so `alloc` fails only on a bookkeeping bug.)
+            let slot = reserved.map(|()| self.slots.alloc());
+            if !matches!(slot, Ok(Ok(_))) {
                 let s = self.waiting.front_mut().expect("a front");
-                s.release(&mut self.slots, &mut self.blocks)?;
-                if let Some(snapshot) = hit {
-                    self.slots.release(snapshot)?;
+                let released = s.release(&mut self.slots, &mut self.blocks);
+                let snapshot = hit.map_or(Ok(()), |h| self.slots.release(h).map(|_| ()));
+                released.and(snapshot)?;
+                if let Ok(Err(e)) = slot {
+                    return Err(e);
                 }
                 if self.running.is_empty() {
                     let s = self.waiting.pop_front().expect("a front");
-                    ended.push((s, StopReason::ContextFull));
+                    self.ended.push((s, StopReason::ContextFull));
                     continue;
                 }
                 break;
             }
+            let slot = slot.and_then(|s| s)?;
             let mut s = self.waiting.pop_front().expect("a front");
-            let slot = self.slots.alloc()?;
             s.slot = Some(slot);
             if let Some(prefix) = self.prefix.as_mut() {
                 prefix.record(s.len(), s.cached);
@@ -319,7 +324,7 @@ impl Scheduler {
             });
             budget -= tokens;
         }
-        Ok((plan, ended))
+        Ok(plan)
     }
 
     /// With the prefix cache on, starts the front waiting sequence from its longest cached

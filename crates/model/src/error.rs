@@ -37,7 +37,14 @@ pub enum Error {
     /// A weight file named by the index or expected in the directory is absent.
     #[error("missing weight file {0}")]
     MissingFile(PathBuf),
-    /// A tensor the model needs is not in the checkpoint.
+    /// Two shards of the checkpoint hold a tensor of the same name.
+    #[error("tensor {name} is stored twice, in {} and in {}: a checkpoint holds each tensor once", .first.display(), .second.display())]
+    DuplicateTensor {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
+    /// A tensor the model needs is in none of the checkpoint's files.
     #[error("missing tensor {0}")]
     MissingTensor(String),
     /// A tensor has the wrong shape.

@@ -85,6 +85,9 @@ impl Weights {
     pub fn open(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
         let files = checkpoint_files(dir)?;
+        if files.len() > 1 {
+            each_tensor_once(&files)?;
+        }
         // SAFETY: the files are mapped read-only; like every mmap-based loader we rely on no other
         // process truncating them while the model is alive (documented in candle's MmapedSafetensors).
         let st = unsafe { MmapedSafetensors::multi(&files) }?;
@@ -473,6 +476,27 @@ fn random_tensor(name: &str, shape: &[usize], dtype: DType, std: f64, dev: &Devi
         Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(dtype)?
     };
     Ok(t)
+}
+
+/// Refuses a tensor stored in two shards (the mapped view would take one of them silently).
+fn each_tensor_once(files: &[PathBuf]) -> Result<()> {
+    let mut seen: std::collections::HashMap<String, usize> = Default::default();
+    for (i, file) in files.iter().enumerate() {
+        // SAFETY: read-only mapping of a checkpoint file, as in `Weights::open`; only the header
+        // is read, and the mapping is dropped before returning.
+        let st = unsafe { MmapedSafetensors::new(file) }?;
+        for (name, _) in st.tensors() {
+            if let Some(&j) = seen.get(&name) {
+                return Err(Error::DuplicateTensor {
+                    name,
+                    first: files[j].clone(),
+                    second: file.clone(),
+                });
+            }
+            seen.insert(name, i);
+        }
+    }
+    Ok(())
 }
 
 /// The weight files of a checkpoint directory, each checked to exist.

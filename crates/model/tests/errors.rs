@@ -126,6 +126,25 @@ fn missing_files_are_named() {
     assert!(matches!(&e, Error::MissingFile(_)), "{e}");
 }
 
+/// A tensor stored in two shards is refused by name (the mapped view took one of the two).
+#[test]
+fn a_tensor_in_two_shards_is_named() {
+    let dir = copy_fixture("tiny-nested");
+    let name = "model.language_model.layers.0.linear_attn.A_log";
+    let doubled = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+    edit_tensors(dir.path(), "model-00005-of-00010.safetensors", |m| {
+        m.insert(name.into(), doubled);
+    });
+    let e = load_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&e, Error::DuplicateTensor { name: n, first, second }
+            if n == name
+                && first.ends_with("model-00002-of-00010.safetensors")
+                && second.ends_with("model-00005-of-00010.safetensors")),
+        "{e}"
+    );
+}
+
 #[test]
 fn prompt_over_context_bad_ids_and_wrong_cache_are_errors() {
     let dir = copy_fixture("tiny-flat");

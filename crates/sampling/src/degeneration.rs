@@ -5,6 +5,9 @@
 
 use std::collections::VecDeque;
 
+/// The longest loop period a watch may look for (it costs that much per token).
+pub const MAX_LOOP_PERIOD: usize = 1024;
+
 /// When output counts as degenerate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DegenerationConfig {
@@ -32,6 +35,27 @@ impl Default for DegenerationConfig {
             entropy_window: 128,
             entropy_floor: 1e-3,
         }
+    }
+}
+
+impl DegenerationConfig {
+    /// Checks the ranges: 1 <= `max_period` <= [`MAX_LOOP_PERIOD`], `entropy_floor` >= 0.
+    pub fn validate(&self) -> crate::Result<()> {
+        if !(1..=MAX_LOOP_PERIOD).contains(&self.max_period) {
+            return Err(crate::Error::Param {
+                name: "max_period",
+                value: self.max_period as f64,
+                msg: "must be in 1..=MAX_LOOP_PERIOD (1024)",
+            });
+        }
+        if self.entropy_floor.is_nan() || self.entropy_floor < 0.0 {
+            return Err(crate::Error::Param {
+                name: "entropy_floor",
+                value: self.entropy_floor as f64,
+                msg: "must be >= 0",
+            });
+        }
+        Ok(())
     }
 }
 
@@ -265,6 +289,31 @@ mod tests {
         let mut d = RepetitionDetector::new(off);
         for t in 0..10 {
             assert_eq!(d.observe(t, Some(0.0)), None);
+        }
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        assert!(DegenerationConfig::default().validate().is_ok());
+        let with = |max_period, entropy_floor| DegenerationConfig {
+            max_period,
+            entropy_floor,
+            ..Default::default()
+        };
+        assert!(with(1, 0.0).validate().is_ok());
+        assert!(with(MAX_LOOP_PERIOD, 0.0).validate().is_ok());
+        let msg = with(0, 0.0).validate().unwrap_err().to_string();
+        assert!(msg.contains(&format!("({MAX_LOOP_PERIOD})")), "{msg}");
+        for (cfg, name) in [
+            (with(0, 0.0), "max_period"),
+            (with(MAX_LOOP_PERIOD + 1, 0.0), "max_period"),
+            (with(8, -1e-9), "entropy_floor"),
+            (with(8, f32::NAN), "entropy_floor"),
+        ] {
+            match cfg.validate() {
+                Err(crate::Error::Param { name: n, .. }) => assert_eq!(n, name),
+                other => panic!("{cfg:?}: {other:?}"),
+            }
         }
     }
 

@@ -15,7 +15,7 @@ mod stop;
 mod text;
 
 pub use accept::{accept_greedy, accept_stochastic, Acceptance};
-pub use degeneration::{entropy, Degeneration, DegenerationConfig, RepetitionDetector};
+pub use degeneration::{entropy, Degeneration, DegenerationConfig, RepetitionDetector, MAX_LOOP_PERIOD};
 pub use error::{Error, Result};
 pub use params::SamplingParams;
 pub use sampler::{Sampled, Sampler};

@@ -67,7 +67,7 @@ pub struct GenerateRequest {
     pub tools: Option<Vec<Value>>,
     /// `"auto"` (the default) or `"none"` (tool calls are not parsed).
     pub tool_choice: Option<Value>,
-    /// Accepted (several tool calls per turn are always allowed).
+    /// `false`: only the first tool call of the output is returned (default `true`).
     pub parallel_tool_calls: Option<bool>,
     /// Chat template kwargs (`enable_thinking` for Qwen3.6).
     #[serde(default)]

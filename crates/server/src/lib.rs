@@ -260,6 +260,7 @@ impl Service {
                 reasoning: chat && self.cfg.reasoning,
                 thinking,
                 tools: tools.then(|| req.tools.clone().unwrap_or_default()),
+                one_call: req.parallel_tool_calls == Some(false),
             },
             id,
             created: now(),
@@ -440,6 +441,9 @@ struct ParserSpec {
     reasoning: bool,
     thinking: bool,
     tools: Option<Vec<Value>>,
+    /// `parallel_tool_calls: false`: the first call alone is returned (as vLLM does; the
+    /// model may still write more, which are dropped).
+    one_call: bool,
 }
 
 /// A checked request: its engine requests (one per choice) and how to answer.
@@ -471,6 +475,8 @@ struct Choice {
     /// Characters of the completion's tokens before the next streamed one (`text_offset`).
     text_offset: usize,
     tool_calls: usize,
+    /// The most tool calls returned.
+    max_tool_calls: usize,
     first_token: Option<Duration>,
     finish: Option<&'static str>,
     usage: Option<Usage>,
@@ -502,6 +508,7 @@ impl Choice {
             unsent_logprobs: Vec::new(),
             text_offset: 0,
             tool_calls: 0,
+            max_tool_calls: if spec.one_call { 1 } else { usize::MAX },
             first_token: None,
             finish: None,
             usage: None,
@@ -547,6 +554,8 @@ impl Choice {
                 up.finish = Some("error");
             }
         }
+        let room = self.max_tool_calls - self.tool_calls;
+        up.delta.tool_calls.truncate(room);
         self.tool_calls += up.delta.tool_calls.len();
         self.message.extend(up.delta.clone());
         self.finish = up.finish.or(self.finish);
@@ -1140,6 +1149,7 @@ mod tests {
             reasoning: true,
             thinking: false,
             tools: Some(vec![json!({"type": "function", "function": {"name": "f"}})]),
+            one_call: false,
         };
         let t0 = Instant::now();
         let finished = |reason| {

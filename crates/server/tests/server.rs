@@ -556,7 +556,8 @@ async fn choices_seeds_and_logprobs() {
 
 /// Chat output is split into `reasoning_content`, `content` and `tool_calls` (JSON and XML
 /// forms, arguments typed by the tool's schema), with `finish_reason: "tool_calls"`; streamed,
-/// the deltas add up to the whole message; with `tool_choice: "none"` the calls stay text.
+/// the deltas add up to the whole message; with `parallel_tool_calls: false` the first call
+/// alone; with `tool_choice: "none"` the calls stay text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reasoning_and_tool_calls() {
     let cfg = EngineConfig {
@@ -621,6 +622,29 @@ async fn reasoning_and_tool_calls() {
         assert_eq!(s["index"], w["index"]);
         assert_eq!(s["function"], w["function"]);
     }
+
+    // parallel_tool_calls false: the first call alone, whole and streamed.
+    let mut one = body.clone();
+    one["parallel_tool_calls"] = json!(false);
+    let (_, v) = server.post("/v1/chat/completions", &one).await;
+    let only = &v["choices"][0]["message"]["tool_calls"];
+    assert_eq!(only.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(only[0]["function"], calls[0]["function"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    one["stream"] = json!(true);
+    let events = server.stream("/v1/chat/completions", &one).await;
+    let streamed: Vec<Value> = chunks(&events)
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed.len(), 1);
+    assert_eq!(streamed[0]["function"], calls[0]["function"]);
+    assert_eq!(streamed[0]["index"], 0);
 
     // tool_choice "none": no parsing, the blocks are content; the reasoning is still split.
     let mut none = body.clone();
