@@ -392,14 +392,11 @@ impl GatedDeltaNet {
                 x.dims()
             )));
         }
-        let proj = self.in_proj.forward_normed(x, norm)?;
-        let width = proj.dim(D::Minus1)?;
+        let proj = Proj::new(self.in_proj.forward_parts(x, Some(norm))?)?;
         let (mut outs, mut checkpoints) = (Vec::with_capacity(groups.len()), Vec::new());
         let mut row = 0;
         for g in groups.iter_mut() {
-            let part = proj
-                .narrow(1, row, g.batch * g.len)?
-                .reshape((g.batch, g.len, width))?;
+            let part = proj.rows(row, g.batch, g.len)?;
             let (out, cp) = match &mut g.state {
                 GroupState::Own(state) => self.mix(&part, state, g.verify)?,
                 GroupState::Pooled {
@@ -443,10 +440,7 @@ impl GatedDeltaNet {
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         self.check_input(x)?;
-        let proj = match block {
-            Some(norm) => self.in_proj.forward_normed(x, norm)?,
-            None => self.in_proj.forward(x)?,
-        };
+        let proj = Proj::new(self.in_proj.forward_parts(x, block)?)?;
         let (out, checkpoints) = self.mix(&proj, state, verify)?;
         Ok((self.finish(x, &proj, &out, block)?, checkpoints))
     }
@@ -456,12 +450,12 @@ impl GatedDeltaNet {
     /// and, with `verify`, the checkpoints.
     fn mix(
         &self,
-        proj: &Tensor,
+        proj: &Proj,
         state: &mut GdnState,
         verify: bool,
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let c = &self.cfg;
-        let (b, t, _) = proj.dims3()?;
+        let (b, t) = proj.batch_len();
         if state.conv().dims() != [b, c.conv_dim(), c.conv_kernel - 1] {
             return Err(Error::State(format!(
                 "conv state {:?} does not fit batch {b} of this layer (want [{b}, {}, {}])",
@@ -471,9 +465,9 @@ impl GatedDeltaNet {
             )));
         }
         let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
-        let mixed = proj.narrow(D::Minus1, 0, cd)?;
-        let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
-        let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
+        let mixed = proj.cols(0, cd)?;
+        let beta_logits = proj.cols(cd + vd, hv)?;
+        let a = proj.cols(cd + vd + hv, hv)?;
 
         // States kept in place (the buffers a CUDA graph recorded) are written by the kernels
         // themselves for decode and verify passes, and a verify's checkpoints go straight into
@@ -560,22 +554,22 @@ impl GatedDeltaNet {
     /// and sums as [`Self::mix`] on the gathered rows.
     fn mix_pooled(
         &self,
-        proj: &Tensor,
+        proj: &Proj,
         (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
         verify: bool,
         stash: Option<&PoolStash>,
     ) -> Result<Tensor> {
         let c = &self.cfg;
-        let (_, t, _) = proj.dims3()?;
+        let (_, t) = proj.batch_len();
         if t != 1 && !verify {
             return Err(Error::Input(format!(
                 "pooled states run decode steps and verifies; a prefill of {t} tokens runs from its own state"
             )));
         }
         let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
-        let mixed = proj.narrow(D::Minus1, 0, cd)?;
-        let beta_logits = proj.narrow(D::Minus1, cd + vd, hv)?;
-        let a = proj.narrow(D::Minus1, cd + vd + hv, hv)?;
+        let mixed = proj.cols(0, cd)?;
+        let beta_logits = proj.cols(cd + vd, hv)?;
+        let a = proj.cols(cd + vd + hv, hv)?;
         let params = GdnParams::new(&self.a_log, &self.dt_bias, self.heads());
         let Some(stash) = stash else {
             if verify {
@@ -670,17 +664,86 @@ impl GatedDeltaNet {
 
     /// The gated norm of the read-out `out: [batch, len, Hv, dv]` with the z part of `proj`, and
     /// the output projection (with `block`, adding the residual stream `x`).
-    fn finish(&self, x: &Tensor, proj: &Tensor, out: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
+    fn finish(&self, x: &Tensor, proj: &Proj, out: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
         let c = &self.cfg;
         let (b, t, _) = x.dims3()?;
         let (cd, vd) = (c.conv_dim(), c.value_dim());
         // z stays a view of the projection ([b, t, hv·dv]); the norm reads it per head.
-        let z = proj.narrow(D::Minus1, cd, vd)?;
+        let z = proj.cols(cd, vd)?;
         let y = self.norm.forward(out, &z, x.dtype())?.reshape((b, t, vd))?;
         Ok(match block {
             Some(_) => self.out_proj.forward_add(&y, x)?,
             None => self.out_proj.forward(&y)?,
         })
+    }
+}
+
+/// The input projection's output `[batch, len, qkv|z|b|a]` as its parts gave it
+/// ([`Linear::forward_parts`]: one tensor, or an FP8 part beside a dense one), so that the
+/// layer's views of it (`cols`) need no concatenation.
+struct Proj(Vec<Tensor>);
+
+impl Proj {
+    /// Parts of the same `[batch, len, _]`.
+    fn new(parts: Vec<Tensor>) -> Result<Self> {
+        let dims: Vec<(usize, usize)> = parts
+            .iter()
+            .map(|p| p.dims3().map(|(b, t, _)| (b, t)))
+            .collect::<candle_core::Result<_>>()?;
+        if dims.is_empty() || dims.iter().any(|d| *d != dims[0]) {
+            return Err(Error::Input(format!(
+                "projection parts of unequal rows: {dims:?}"
+            )));
+        }
+        Ok(Self(parts))
+    }
+
+    fn batch_len(&self) -> (usize, usize) {
+        let (b, t, _) = self.0[0].dims3().expect("checked in new");
+        (b, t)
+    }
+
+    /// Columns `start..start + len` (the last dim): a view of the part holding them, or their
+    /// concatenation where they span parts.
+    fn cols(&self, start: usize, len: usize) -> Result<Tensor> {
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for p in &self.0 {
+            let w = p.dim(D::Minus1)?;
+            let (lo, hi) = (start.max(at), (start + len).min(at + w));
+            if lo < hi {
+                pieces.push(p.narrow(D::Minus1, lo - at, hi - lo)?);
+            }
+            at += w;
+        }
+        if pieces
+            .iter()
+            .map(|p| p.dim(D::Minus1))
+            .sum::<candle_core::Result<usize>>()?
+            != len
+        {
+            return Err(Error::Input(format!(
+                "columns {start}..{} of a projection of {at}",
+                start + len
+            )));
+        }
+        Ok(match pieces.len() {
+            1 => pieces.pop().expect("one"),
+            _ => Tensor::cat(&pieces, D::Minus1)?,
+        })
+    }
+
+    /// Rows `row..row + batch·len` of a `[1, rows, _]` projection as `[batch, len, _]`.
+    fn rows(&self, row: usize, batch: usize, len: usize) -> Result<Self> {
+        let parts = self
+            .0
+            .iter()
+            .map(|p| {
+                let w = p.dim(D::Minus1)?;
+                p.narrow(1, row, batch * len)?.reshape((batch, len, w))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self(parts))
     }
 }
 
@@ -766,6 +829,36 @@ mod tests {
     use super::tests_support::*;
     use super::*;
     use candle_core::Device;
+
+    /// A projection's columns are read from the part holding them, across parts as their
+    /// concatenation; columns past its width are an error.
+    #[test]
+    fn projection_columns_come_from_their_parts() -> Result<()> {
+        let dev = Device::Cpu;
+        let whole = Tensor::arange(0f32, 2.0 * 3.0 * 5.0, &dev)?.reshape((2, 3, 5))?;
+        let parts = vec![
+            whole.narrow(2, 0, 3)?.contiguous()?,
+            whole.narrow(2, 3, 2)?.contiguous()?,
+        ];
+        let proj = Proj::new(parts)?;
+        assert_eq!(proj.batch_len(), (2, 3));
+        for (start, len) in [(0, 3), (0, 5), (1, 3), (3, 2), (4, 1), (2, 1)] {
+            let got = proj.cols(start, len)?;
+            assert_eq!(
+                max_diff(&got, &whole.narrow(2, start, len)?),
+                0.0,
+                "{start}+{len}"
+            );
+        }
+        assert!(proj.cols(4, 2).is_err());
+        let flat = Proj::new(vec![whole.reshape((1, 6, 5))?])?;
+        let rows = flat.rows(2, 2, 2)?;
+        assert_eq!(rows.batch_len(), (2, 2));
+        let want = whole.reshape((6, 5))?.narrow(0, 2, 4)?.reshape((2, 2, 5))?;
+        assert_eq!(max_diff(&rows.cols(0, 5)?, &want), 0.0);
+        assert!(Proj::new(vec![whole.clone(), whole.narrow(1, 0, 2)?]).is_err());
+        Ok(())
+    }
 
     /// `with_policy` reaches every kernel-launching part: the projections, the norm and the
     /// layer's own conv and delta-rule calls.

@@ -398,6 +398,22 @@ impl Linear {
         }
     }
 
+    /// [`Self::forward`] as the parts of a fused layer of mixed weights give it, one output per
+    /// part in order (their concatenation is `forward`'s output, the same bits), so that a
+    /// caller narrowing the output needs no copy; one output for any other layer. With `norm`,
+    /// of `norm.forward(x)` as [`Self::forward_normed`].
+    pub fn forward_parts(&self, x: &Tensor, norm: Option<&RmsNorm>) -> Result<Vec<Tensor>> {
+        match (&self.kind, norm) {
+            (Kind::Parts(parts), norm) => {
+                let normed = norm.map(|n| n.forward(x)).transpose()?;
+                let x = normed.as_ref().unwrap_or(x);
+                parts.iter().map(|p| p.forward(x)).collect()
+            }
+            (_, Some(norm)) => Ok(vec![self.forward_normed(x, norm)?]),
+            (_, None) => Ok(vec![self.forward(x)?]),
+        }
+    }
+
     /// `self.forward(norm.forward(x))`: the projection that opens a pre-norm block. On CUDA one
     /// row goes through the streaming kernel that normalises `x` as it reads it (the same bits as
     /// the two steps, one kernel fewer) where the tile kernel does not take it (f32, or
