@@ -1427,6 +1427,14 @@ fn emit(
     Ok((n, reason))
 }
 
+/// Tests only: an engine of the bundled model under `cfg`.
+#[cfg(test)]
+pub(crate) fn bundled_engine(cfg: EngineConfig) -> Engine {
+    let opts = qwen36_model::LoadOptions::default();
+    let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
+    Engine::new(model, cfg).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1435,13 +1443,10 @@ mod tests {
     /// `Failed` naming it, and the pools are empty.
     #[test]
     fn fail_all_ends_every_request() {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
-        let cfg = EngineConfig {
+        let mut engine = bundled_engine(EngineConfig {
             max_seqs: 1,
             ..Default::default()
-        };
-        let mut engine = Engine::new(model, cfg).unwrap();
+        });
         let handles: Vec<RequestHandle> = (0..2)
             .map(|i| engine.submit(Request::greedy(vec![1, 2, 3 + i], 8)).unwrap())
             .collect();
@@ -1463,13 +1468,10 @@ mod tests {
     /// picks the copy that fails, the snapshot a new prompt keeps at its end (`false`) or the
     /// restore of a cached one into a new sequence's slot (`true`).
     fn a_failing_state_copy_leaks_no_slot(restore: bool) {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
-        let cfg = EngineConfig {
+        let mut engine = bundled_engine(EngineConfig {
             prefix_snapshots: 4,
             ..Default::default()
-        };
-        let mut engine = Engine::new(model, cfg).unwrap();
+        });
         let prompt: Vec<u32> = (1..=2 * engine.cfg.block_size as u32).collect();
         if restore {
             let h = engine.submit(Request::greedy(prompt.clone(), 2)).unwrap();
@@ -1511,9 +1513,7 @@ mod tests {
     /// `Failed` from `fail_all`, and its blocks are freed although its slot's release failed.
     #[test]
     fn a_planning_error_loses_no_request() {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
-        let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let mut engine = bundled_engine(EngineConfig::default());
         let handles: Vec<RequestHandle> = (0..2)
             .map(|i| engine.submit(Request::greedy(vec![1, 2, 3 + i], 8)).unwrap())
             .collect();

@@ -281,19 +281,15 @@ impl EngineClient {
 mod tests {
     use super::*;
     use crate::{EngineConfig, Event};
-    use qwen36_model::Qwen36Model;
 
     /// A step that panics fails every request it held (their handles get `Failed` naming the
     /// panic), the client reports the failure, and later submits are refused with it.
     #[test]
     fn a_panicking_step_fails_every_request_and_the_client_says_so() {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
-        let cfg = EngineConfig {
+        let mut engine = crate::engine::bundled_engine(EngineConfig {
             max_seqs: 1,
             ..Default::default()
-        };
-        let mut engine = Engine::new(model, cfg).unwrap();
+        });
         let handles: Vec<RequestHandle> = (0..2)
             .map(|i| {
                 engine
@@ -324,9 +320,7 @@ mod tests {
     /// panic, the requests already held fail naming it, and the client reports the failure.
     #[test]
     fn a_panicking_submit_fails_every_request_and_the_client_says_so() {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
-        let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let mut engine = crate::engine::bundled_engine(EngineConfig::default());
         let held = engine.submit(crate::Request::greedy(vec![1, 2, 3], 400)).unwrap();
         engine.panic_next_submit = true;
         let client = engine.spawn();
@@ -348,13 +342,11 @@ mod tests {
     /// nothing once they end; the step count grows; a shut-down engine says so.
     #[test]
     fn the_client_reports_load_steps_and_status() {
-        let opts = qwen36_model::LoadOptions::default();
-        let model = Qwen36Model::load(qwen36_testutil::bundled_dir(), opts).unwrap();
         let cfg = EngineConfig {
             max_seqs: 1,
             ..Default::default()
         };
-        let client = Engine::new(model, cfg).unwrap().spawn();
+        let client = crate::engine::bundled_engine(cfg).spawn();
         assert_eq!(client.status(), EngineStatus::Running);
         let idle = client.load();
         assert_eq!(
