@@ -706,8 +706,7 @@ impl Proj {
     /// Columns `start..start + len` (the last dim): a view of the part holding them, or their
     /// concatenation where they span parts.
     fn cols(&self, start: usize, len: usize) -> Result<Tensor> {
-        let mut pieces = Vec::new();
-        let mut at = 0;
+        let (mut pieces, mut at) = (Vec::new(), 0);
         for p in &self.0 {
             let w = p.dim(D::Minus1)?;
             let (lo, hi) = (start.max(at), (start + len).min(at + w));
@@ -727,10 +726,8 @@ impl Proj {
                 start + len
             )));
         }
-        Ok(match pieces.len() {
-            1 => pieces.pop().expect("one"),
-            _ => Tensor::cat(&pieces, D::Minus1)?,
-        })
+        // (candle's cat of one tensor is that tensor: a view stays a view.)
+        Ok(Tensor::cat(&pieces, D::Minus1)?)
     }
 
     /// Rows `row..row + batch·len` of a `[1, rows, _]` projection as `[batch, len, _]`.
@@ -850,6 +847,8 @@ mod tests {
                 "{start}+{len}"
             );
         }
+        // A range inside one part is a view of it (no copy): its rows keep the part's stride.
+        assert_eq!(proj.cols(1, 2)?.stride(), &[9, 3, 1]);
         assert!(proj.cols(4, 2).is_err());
         let flat = Proj::new(vec![whole.reshape((1, 6, 5))?])?;
         let rows = flat.rows(2, 2, 2)?;
