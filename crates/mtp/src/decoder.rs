@@ -97,11 +97,16 @@ impl<'m> SpeculativeDecoder<'m> {
         if prompt.is_empty() {
             return Err(Error::Input("empty prompt".into()));
         }
+        if cfg.max_new_tokens == 0 {
+            return Err(Error::Input("max_new_tokens must be at least 1".into()));
+        }
         let model = self.model;
         let dev = model.device();
         let max_ctx = model.config().max_position_embeddings;
         let mut stats = SpecStats::default();
         self.session.reset()?;
+        // Each generation samples from its seed's start, as a fresh decoder would.
+        self.sampler = Sampler::new(self.sampler.params().clone())?;
         let Session { cache, stepper } = &mut self.session;
         drafter.reset();
 
@@ -124,13 +129,13 @@ impl<'m> SpeculativeDecoder<'m> {
 
         while reason == SpecStopReason::MaxTokens && output.len() < cfg.max_new_tokens {
             // The verify pass runs the last token plus the drafts: all must fit the context, and
-            // drafts past max_new_tokens would be wasted.
+            // drafts past max_new_tokens would be wasted (k drafts give up to k + 1 tokens).
             if cache.seq_len() + 1 > max_ctx {
                 reason = SpecStopReason::ContextFull;
                 break;
             }
             let room = max_ctx - cache.seq_len() - 1;
-            let k = cfg.k.min(room).min(cfg.max_new_tokens - output.len());
+            let k = cfg.k.min(room).min(cfg.max_new_tokens - output.len() - 1);
             let ctx = DraftContext {
                 tokens: &tokens,
                 new_hidden: &new_hidden,

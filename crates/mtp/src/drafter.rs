@@ -108,10 +108,8 @@ impl NgramDrafter {
     /// Up to `k` drafts continuing `tokens`: what followed the latest earlier occurrence of its
     /// longest suffix of `min_n..=max_n` tokens (none when no suffix recurs).
     pub fn propose_tokens(&self, t: &[u32], k: usize) -> Vec<u32> {
-        for n in (self.min_n.max(1)..=self.max_n).rev() {
-            if t.len() <= n {
-                continue;
-            }
+        // (Suffixes as long as `t` have no earlier occurrence.)
+        for n in (self.min_n.max(1)..=self.max_n.min(t.len().saturating_sub(1))).rev() {
             let suffix = &t[t.len() - n..];
             // Latest earlier occurrence whose continuation exists.
             if let Some(start) = (0..t.len() - n).rev().find(|&i| &t[i..i + n] == suffix) {
@@ -137,6 +135,17 @@ impl Drafter for NgramDrafter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Suffix lengths past the tokens are not walked (a huge `max_n` hung).
+    #[test]
+    fn a_huge_max_n_is_cut_to_the_tokens() {
+        let d = NgramDrafter {
+            min_n: 1,
+            max_n: usize::MAX,
+        };
+        assert_eq!(d.propose_tokens(&[1, 2, 1], 2), vec![2, 1]);
+        assert!(d.propose_tokens(&[], 2).is_empty());
+    }
 
     fn ngram(d: &mut NgramDrafter, tokens: &[u32], k: usize) -> Vec<u32> {
         let h = Tensor::zeros((1, 1, 1), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();

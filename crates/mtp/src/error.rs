@@ -9,7 +9,7 @@ pub enum Error {
     /// Sampling or acceptance failed.
     #[error(transparent)]
     Sampling(#[from] qwen36_sampling::Error),
-    /// A bad argument (empty prompt, k = 0 with a drafter, ...).
+    /// A bad argument (an empty prompt, `max_new_tokens` = 0, a session of batch > 1, ...).
     #[error("speculative decoding: {0}")]
     Input(String),
     /// An error raised by candle.

@@ -24,6 +24,8 @@ impl SpecStats {
     /// `accepted` passed; a pass with no drafts (plain decoding through the loop, k = 0 included)
     /// counts as accepted length 0.
     pub fn record(&mut self, drafted: usize, accepted: usize, k: usize) {
+        debug_assert!(accepted <= drafted, "{accepted} of {drafted} drafts accepted");
+        let accepted = accepted.min(drafted);
         let k = k.max(drafted);
         if self.accepted_len_hist.len() < k + 1 {
             self.reached.resize(k, 0);
@@ -69,6 +71,9 @@ impl SpecStats {
             self.accepted_at.get(j).copied().unwrap_or(0) as f64,
             self.reached.get(j).copied().unwrap_or(0) as f64,
         );
+        if r + weight <= 0.0 {
+            return prior;
+        }
         (a + weight * prior) / (r + weight)
     }
 
@@ -85,6 +90,13 @@ impl SpecStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With no verify and no pseudo-counts the rate is the prior, not 0/0.
+    #[test]
+    fn an_unseen_position_without_weight_is_the_prior() {
+        assert_eq!(SpecStats::default().rate(0, 0.5, 0.0), 0.5);
+        assert_eq!(SpecStats::default().rate(3, 0.25, 2.0), 0.25);
+    }
 
     /// Position j is reached when every draft before it passed; accepted lengths are counted.
     #[test]

@@ -67,7 +67,10 @@ fn run(
         proposals: 0,
     };
     let out = speculate(model, params, &mut checked, prompt, k, n);
-    assert_eq!(checked.proposals, out.stats.cycles);
+    // Every cycle drafts but a last one with one token to go (a plain step: k drafts give up to
+    // k + 1 tokens).
+    let plain = out.stats.cycles - checked.proposals;
+    assert!(plain <= 1, "{} proposals in {} cycles", checked.proposals, out.stats.cycles);
     out.stats.accepted_len_hist
 }
 

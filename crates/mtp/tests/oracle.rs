@@ -7,7 +7,7 @@ mod common;
 use candle_core::IndexOp;
 use common::*;
 use qwen36_model::LayerCache;
-use qwen36_mtp::{DraftContext, Drafter};
+use qwen36_mtp::{DraftContext, Drafter, NgramDrafter, SpeculativeDecoder};
 use qwen36_sampling::SamplingParams;
 
 /// Proposes `truth` after the prompt, corrupting draft position `cycle % (k + 1)` (none when k).
@@ -122,7 +122,8 @@ fn commit_equals_a_fresh_run_over_the_kept_tokens() {
 }
 
 /// Drafts are never asked for past `max_new_tokens`: a drafter that always proposes all it is
-/// asked for is asked for at most the tokens still to generate.
+/// asked for is asked for at most the tokens still to generate less the verify's own (k drafts
+/// give up to k + 1 tokens), and every token a pass gives is emitted and counted.
 #[test]
 fn drafts_stop_at_max_new_tokens() {
     struct Greedy {
@@ -135,7 +136,7 @@ fn drafts_stop_at_max_new_tokens() {
         fn propose(&mut self, ctx: &DraftContext, k: usize) -> qwen36_mtp::Result<Vec<u32>> {
             let done = ctx.tokens.len() - self.prompt_len;
             assert!(
-                k < self.max_new - done + 1,
+                k < self.max_new - done,
                 "asked for {k} drafts with {done} of {} done",
                 self.max_new
             );
@@ -146,8 +147,9 @@ fn drafts_stop_at_max_new_tokens() {
     }
     let (model, _, p) = load_with_prompt("tiny-flat", "prompt0.ids", 30);
     let truth = plain_greedy(&model, &p, 12);
-    // Every draft is accepted, so each cycle asks for min(k, tokens still to come after it).
-    for (max_new, want_asked) in [(2, vec![1]), (3, vec![2]), (7, vec![4, 1])] {
+    // Every draft is accepted, so each cycle asks for min(k, tokens still to come − 1): with
+    // one token to come a plain step (no drafter call).
+    for (max_new, want_asked) in [(2, vec![]), (3, vec![1]), (7, vec![4])] {
         let mut d = Greedy {
             truth: truth.clone(),
             prompt_len: p.len(),
@@ -157,5 +159,42 @@ fn drafts_stop_at_max_new_tokens() {
         let out = speculate(&model, SamplingParams::greedy(), &mut d, &p, 4, max_new);
         assert_eq!(out.tokens, truth[..max_new]);
         assert_eq!(d.asked, want_asked, "max_new {max_new}");
+        assert_eq!(
+            out.stats.emitted,
+            max_new - 1,
+            "max_new {max_new}: all but the prefill's"
+        );
     }
+}
+
+/// `max_new_tokens = 0` is refused (it gave one token); a reused decoder samples each
+/// generation from its seed's start, as a fresh one does.
+#[test]
+fn zero_tokens_are_refused_and_a_reused_decoder_repeats_itself() {
+    let (model, _) = load_bundled();
+    let p = bundled_prompt(0);
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed: 5,
+        ..Default::default()
+    };
+    let mut dec = SpeculativeDecoder::new(&model, params.clone()).unwrap();
+    let mut ngram = NgramDrafter::default();
+    let e = dec
+        .generate(&mut ngram, &p, &spec_config(2, 0), |_| true)
+        .unwrap_err();
+    assert!(e.to_string().contains("max_new_tokens"), "{e}");
+    let first = dec
+        .generate(&mut ngram, &p, &spec_config(2, 24), |_| true)
+        .unwrap();
+    let again = dec
+        .generate(&mut ngram, &p, &spec_config(2, 24), |_| true)
+        .unwrap();
+    let fresh = speculate(&model, params.clone(), &mut NgramDrafter::default(), &p, 2, 24);
+    assert_eq!(first.tokens, fresh.tokens);
+    assert_eq!(again.tokens, fresh.tokens);
+    // (The draws matter: another seed gives other tokens.)
+    let other = SamplingParams { seed: 6, ..params };
+    let other = speculate(&model, other, &mut NgramDrafter::default(), &p, 2, 24);
+    assert_ne!(other.tokens, fresh.tokens);
 }

@@ -58,6 +58,17 @@ pub fn accept_stochastic(
                 q.len()
             )));
         }
+        if let Some((j, qj)) = q
+            .iter()
+            .enumerate()
+            .find(|(j, qj)| qj.len() != target_probs[*j].len())
+        {
+            return Err(Error::Shape(format!(
+                "draft distribution {j} has {} entries, the target's {}",
+                qj.len(),
+                target_probs[j].len()
+            )));
+        }
     }
     for (j, &d) in drafts.iter().enumerate() {
         let p = &target_probs[j];

@@ -349,6 +349,12 @@ fn greedy_acceptance() {
         Acceptance { accepted: 0, next: 3 }
     );
     assert!(accept_greedy(&[1], &[1]).is_err());
+    // A draft distribution shorter than the target's is a shape error (it panicked, or cut the
+    // residual short).
+    let rows = vec![vec![0.1f32; 10], vec![0.1f32; 10]];
+    let short = [vec![1.0f32 / 3.0; 3]];
+    let e = accept_stochastic(&[5], Some(&short[..]), &rows, |_| 0.5).unwrap_err();
+    assert!(e.to_string().contains("draft distribution 0"), "{e}");
 }
 
 /// The first emitted token after stochastic acceptance is distributed exactly as the target row 0,
