@@ -70,7 +70,12 @@ fn run(
     // Every cycle drafts but a last one with one token to go (a plain step: k drafts give up to
     // k + 1 tokens).
     let plain = out.stats.cycles - checked.proposals;
-    assert!(plain <= 1, "{} proposals in {} cycles", checked.proposals, out.stats.cycles);
+    assert!(
+        plain <= 1,
+        "{} proposals in {} cycles",
+        checked.proposals,
+        out.stats.cycles
+    );
     out.stats.accepted_len_hist
 }
 

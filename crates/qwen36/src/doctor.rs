@@ -149,9 +149,16 @@ impl Default for DoctorOptions {
     }
 }
 
-/// Every check on the model in `dir`. Fails only when the directory cannot be read at all; a
-/// model that does not load is a failed check in the report.
+/// Every check on the model in `dir`. Fails only on options out of range (no tokens to generate,
+/// a reference of no layers); a model that does not load is a failed check in the report.
 pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
+    if opts.generate_tokens == 0 || opts.reference_layers == Some(0) {
+        return Err(qwen36_model::Error::Input(format!(
+            "doctor: generate_tokens ({}) and reference_layers ({:?}) must be at least 1",
+            opts.generate_tokens, opts.reference_layers
+        ))
+        .into());
+    }
     let mut report = Report {
         model: dir.display().to_string(),
         device: format!("{:?}", opts.device),
@@ -179,6 +186,8 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
             .advise("run on a machine with the memory for the f32 model, or pass --reference-layers N"),
         ),
     }
+    // (The f32 copy is not needed past the numerics: freed before the engines allocate pools.)
+    drop(reference);
     report.checks.extend(speculation_checks(
         model,
         generator.mtp_head(),
@@ -505,7 +514,12 @@ fn last_logits(model: &Qwen36Model, cache: &mut qwen36_model::Cache, ids: &[u32]
 fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
     let b = b.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-    let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let diff = (&a - &b)?.abs()?;
+    // (candle's max skips NaN; a sum does not: a NaN or inf anywhere is an infinite error.)
+    if !diff.sum_all()?.to_scalar::<f32>()?.is_finite() {
+        return Ok(f32::INFINITY);
+    }
+    let diff = diff.max_all()?.to_scalar::<f32>()?;
     let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
     Ok(diff / scale)
 }
@@ -1140,4 +1154,23 @@ pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A NaN or inf anywhere is an infinite error (candle's max skips NaN, which passed a layer
+    /// that output NaN).
+    #[test]
+    fn non_finite_values_are_an_infinite_error() {
+        let r = Tensor::new(&[1f32, 2.0, 4.0], &Device::Cpu).unwrap();
+        let close = Tensor::new(&[1f32, 2.0, 4.5], &Device::Cpu).unwrap();
+        assert_eq!(rel_err(&close, &r).unwrap(), 0.125);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let t = Tensor::new(&[1f32, bad, 4.0], &Device::Cpu).unwrap();
+            assert_eq!(rel_err(&t, &r).unwrap(), f32::INFINITY, "{bad}");
+            assert_eq!(rel_err(&r, &t).unwrap(), f32::INFINITY, "{bad}");
+        }
+    }
 }

@@ -279,6 +279,17 @@ impl Generator {
         } else {
             GenerationConfig::default()
         };
+        let vocab = model.config().vocab_size;
+        if let Some(id) = generation_config
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab)
+        {
+            return Err(Error::File {
+                path: gc_path,
+                msg: format!("eos_token_id {id} is past the vocabulary ({vocab} ids): generation would never stop there"),
+            });
+        }
         Ok(Self {
             model,
             mtp_head,

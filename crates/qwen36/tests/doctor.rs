@@ -28,6 +28,28 @@ fn options() -> DoctorOptions {
     }
 }
 
+/// Options out of range are an error naming them (no tokens gave false failures, no reference
+/// layers a pass that compared nothing).
+#[test]
+fn options_out_of_range_are_refused() {
+    for opts in [
+        DoctorOptions {
+            generate_tokens: 0,
+            ..options()
+        },
+        DoctorOptions {
+            reference_layers: Some(0),
+            ..options()
+        },
+    ] {
+        let e = examine(&bundled_dir(), &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("generate_tokens") && e.contains("must be at least 1"),
+            "{e}"
+        );
+    }
+}
+
 /// The clean models pass every check (warnings allowed: the fixtures have no tokenizer and
 /// random weights, whose greedy output may loop).
 #[test]

@@ -387,6 +387,32 @@ fn generation_config_reads_its_fields() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A generation_config.json stop id past the vocabulary is refused by name (generation never
+/// stopped at the end of a turn).
+#[test]
+fn a_generation_config_stop_id_past_the_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "generation_config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": [2, 300000]}"#,
+    )
+    .unwrap();
+    let Err(e) = Generator::load(dir.path(), qwen36::model::LoadOptions::default()) else {
+        panic!("loaded with a stop id past the vocabulary");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("generation_config.json") && e.contains("eos_token_id 300000"),
+        "{e}"
+    );
+}
+
 /// Batch invariance in half precision (issue 22), through the product's path with its default
 /// kernels: the `Generator`'s MTP speculation (k = 1..3 in every round, the engine's paged pools
 /// and graphs) gives plain greedy's 400 tokens in bf16 and f16 on the bundled model, whose drafts
