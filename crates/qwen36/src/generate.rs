@@ -482,6 +482,32 @@ impl Generator {
         let adaptive_k = opts
             .speculative
             .map(|s| !s.fixed_k && self.model.communicator().is_none());
+        // The prompt's checks hold for any max_new_tokens, 0 included (the engine makes them
+        // for the others too).
+        let vocab = self.model.config().vocab_size;
+        if prompt.is_empty() {
+            return Err(qwen36_engine::Error::Request("the prompt has no tokens".into()).into());
+        }
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(qwen36_engine::Error::Request(format!(
+                "prompt token {id} is outside the vocabulary of {vocab}"
+            ))
+            .into());
+        }
+        // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
+        // prompt that leaves no room is refused before any pool is made for it.
+        let context = self.model.config().max_position_embeddings;
+        let room = (context + 1).saturating_sub(prompt.len());
+        let max_tokens = opts.max_new_tokens.max(1).min(room.max(1));
+        let positions = prompt.len() + max_tokens - 1;
+        if positions > context {
+            return Err(qwen36_engine::Error::TooLong {
+                needed: prompt.len() + max_tokens,
+                context,
+                pool: context,
+            }
+            .into());
+        }
         if opts.max_new_tokens == 0 {
             return Ok(GenerationOutput {
                 prompt_tokens: prompt.len(),
@@ -493,20 +519,6 @@ impl Generator {
                 spec_stats: opts.speculative.map(|_| SpecStats::default()),
                 degeneration: None,
             });
-        }
-        // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
-        // prompt that leaves no room is refused before any pool is made for it.
-        let context = self.model.config().max_position_embeddings;
-        let room = (context + 1).saturating_sub(prompt.len());
-        let max_tokens = opts.max_new_tokens.min(room.max(1));
-        let positions = prompt.len() + max_tokens - 1;
-        if positions > context {
-            return Err(qwen36_engine::Error::TooLong {
-                needed: prompt.len() + max_tokens,
-                context,
-                pool: context,
-            }
-            .into());
         }
         let request = Request {
             prompt: prompt.to_vec(),

@@ -216,11 +216,22 @@ fn the_context_caps_generation() {
     assert_eq!(exact.tokens, full.tokens);
     assert_eq!(exact.stop_reason, StopReason::MaxTokens);
     let long: Vec<u32> = (0..=context as u32).map(|i| i % 384).collect();
-    let e = g.generate(&long, &opts(4), |_| {}).unwrap_err();
-    assert!(
-        matches!(e, qwen36::Error::Engine(qwen36::engine::Error::TooLong { .. })),
-        "{e}"
-    );
+    // (Also with no tokens to generate: the prompt's checks come first.)
+    for n in [4, 0] {
+        let e = g.generate(&long, &opts(n), |_| {}).unwrap_err();
+        assert!(
+            matches!(e, qwen36::Error::Engine(qwen36::engine::Error::TooLong { .. })),
+            "{n}: {e}"
+        );
+    }
+    for bad in [vec![], vec![u32::MAX]] {
+        let e = g.generate(&bad, &opts(0), |_| {}).unwrap_err();
+        assert!(
+            matches!(e, qwen36::Error::Engine(qwen36::engine::Error::Request(_))),
+            "{e}"
+        );
+    }
+    assert!(g.generate(&prompt, &opts(0), |_| {}).unwrap().tokens.is_empty());
     // Stop strings need text: without a tokenizer they are refused, not ignored.
     let e = g
         .generate(
