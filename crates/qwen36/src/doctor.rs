@@ -331,24 +331,30 @@ pub fn checkpoint_checks(dir: &Path, opts: &DoctorOptions) -> (Vec<Check>, Optio
                 )
                 .advise("the tokenizer belongs to another model: use the checkpoint's own tokenizer.json")
             });
-            let named: Vec<String> = stop_ids
-                .iter()
-                .map(|&i| {
-                    t.id_to_token(i)
-                        .unwrap_or_else(|| format!("<{i}: not in the tokenizer>"))
-                })
-                .collect();
-            out.push(if stop_ids.is_empty() {
-                check(G, "stop ids", Status::Warn, "none in generation_config.json or config.json")
-                    .advise("generation never stops at the end of a turn: add eos_token_id (Qwen3.6: 248046 <|im_end|> and 248044)")
-            } else if stop_ids.iter().any(|&i| i as usize >= cfg.vocab_size || t.id_to_token(i).is_none()) {
-                check(G, "stop ids", Status::Fail, format!("{stop_ids:?} ({})", named.join(", ")))
-                    .advise("a stop id is outside the vocabulary: fix eos_token_id")
-            } else {
-                check(G, "stop ids", Status::Pass, format!("{stop_ids:?} = {}", named.join(", ")))
-            });
         }
     }
+    // (Stop ids are checked with or without a tokenizer; it only names them.)
+    let tokenizer = generator.tokenizer();
+    let named: Vec<String> = stop_ids
+        .iter()
+        .map(|&i| match tokenizer {
+            Some(t) => t
+                .id_to_token(i)
+                .unwrap_or_else(|| format!("<{i}: not in the tokenizer>")),
+            None => format!("{i}"),
+        })
+        .collect();
+    let unknown =
+        |i: u32| i as usize >= cfg.vocab_size || tokenizer.is_some_and(|t| t.id_to_token(i).is_none());
+    out.push(if stop_ids.is_empty() {
+        check(G, "stop ids", Status::Warn, "none in generation_config.json or config.json")
+            .advise("generation never stops at the end of a turn: add eos_token_id (Qwen3.6: 248046 <|im_end|> and 248044)")
+    } else if stop_ids.iter().any(|&i| unknown(i)) {
+        check(G, "stop ids", Status::Fail, format!("{stop_ids:?} ({})", named.join(", ")))
+            .advise("a stop id is outside the vocabulary: fix eos_token_id")
+    } else {
+        check(G, "stop ids", Status::Pass, format!("{stop_ids:?} = {}", named.join(", ")))
+    });
     out.push(match generator.chat_template() {
         Some(t) => check(
             G,

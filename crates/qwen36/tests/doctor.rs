@@ -50,6 +50,32 @@ fn options_out_of_range_are_refused() {
     }
 }
 
+/// Stop ids are checked without a tokenizer too (it ran only with one): none at all is a
+/// warning, ids within the vocabulary pass.
+#[test]
+fn missing_stop_ids_are_found_without_a_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture_dir("tiny-flat");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("eos_token_id");
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let report = examine(dir.path(), &options()).unwrap();
+    let c = failed(&report.checks, "stop ids");
+    assert_eq!(c.status, Status::Warn, "{}", report.render());
+    cfg["eos_token_id"] = serde_json::json!(5);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let report = examine(dir.path(), &options()).unwrap();
+    let c = failed(&report.checks, "stop ids");
+    assert_eq!((c.status, c.detail.as_str()), (Status::Pass, "[5] = 5"));
+}
+
 /// The clean models pass every check (warnings allowed: the fixtures have no tokenizer and
 /// random weights, whose greedy output may loop).
 #[test]
