@@ -1112,7 +1112,7 @@ pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
                 .advise("greedy decoding without penalties loops on long outputs: ship the recommended sampling (Qwen3.6: temperature 1.0, top_p 0.95, top_k 20, presence_penalty 1.5) in generation_config.json"));
             continue;
         }
-        let mut found = Vec::new();
+        let (mut found, mut failed) = (Vec::new(), Vec::new());
         for (i, p) in prompts.iter().enumerate() {
             let opts = GenerateOptions {
                 max_new_tokens: n,
@@ -1129,7 +1129,7 @@ pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
                         found.push(format!("prompt {i}: {d}"));
                     }
                 }
-                Err(e) => found.push(format!("prompt {i} failed: {e}")),
+                Err(e) => failed.push(format!("prompt {i} failed: {e}")),
             }
         }
         let name = if label == "greedy" {
@@ -1137,7 +1137,11 @@ pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
         } else {
             "sampled at the model's defaults"
         };
-        out.push(if found.is_empty() {
+        out.push(if !failed.is_empty() {
+            // Not a loop: the generation itself failed (the error names the cause).
+            check(G, name, Status::Fail, [failed, found].concat().join("; "))
+                .advise("a generation failed: the error names the cause (the checks above may too)")
+        } else if found.is_empty() {
             check(G, name, Status::Pass, format!("{} generations of {n} tokens, no loop", prompts.len()))
         } else {
             let advice = if status == Status::Fail {

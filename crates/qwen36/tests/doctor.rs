@@ -76,6 +76,32 @@ fn missing_stop_ids_are_found_without_a_tokenizer() {
     assert_eq!((c.status, c.detail.as_str()), (Status::Pass, "[5] = 5"));
 }
 
+/// A generation that fails is a failed check naming the error, not a loop warning with loop
+/// advice: here every probe prompt is longer than the model's context.
+#[test]
+fn a_failing_generation_is_a_failure_not_a_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture_dir("tiny-flat");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = serde_json::json!(4);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let g = Generator::load(dir.path(), LoadOptions::default()).unwrap();
+    let checks = qwen36::doctor::generation_checks(&g, 8);
+    let c = failed(&checks, "greedy");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert!(
+        c.detail.contains("prompt 0 failed") && c.advice.contains("generation failed"),
+        "{c:?}"
+    );
+}
+
 /// The clean models pass every check (warnings allowed: the fixtures have no tokenizer and
 /// random weights, whose greedy output may loop).
 #[test]
