@@ -28,6 +28,24 @@ fn options() -> DoctorOptions {
     }
 }
 
+/// The tiny-flat fixture in a temporary directory (its files linked) with `edit` applied to
+/// its config.json.
+fn tiny_flat_with(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture_dir("tiny-flat");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
 /// Options out of range are an error naming them (no tokens gave false failures, no reference
 /// layers a pass that compared nothing).
 #[test]
@@ -54,23 +72,13 @@ fn options_out_of_range_are_refused() {
 /// warning, ids within the vocabulary pass.
 #[test]
 fn missing_stop_ids_are_found_without_a_tokenizer() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = fixture_dir("tiny-flat");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "config.json" {
-            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-        }
-    }
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    cfg.as_object_mut().unwrap().remove("eos_token_id");
-    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let dir = tiny_flat_with(|cfg| {
+        cfg.as_object_mut().unwrap().remove("eos_token_id");
+    });
     let report = examine(dir.path(), &options()).unwrap();
     let c = failed(&report.checks, "stop ids");
     assert_eq!(c.status, Status::Warn, "{}", report.render());
-    cfg["eos_token_id"] = serde_json::json!(5);
-    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let dir = tiny_flat_with(|cfg| cfg["eos_token_id"] = serde_json::json!(5));
     let report = examine(dir.path(), &options()).unwrap();
     let c = failed(&report.checks, "stop ids");
     assert_eq!((c.status, c.detail.as_str()), (Status::Pass, "[5] = 5"));
@@ -80,18 +88,7 @@ fn missing_stop_ids_are_found_without_a_tokenizer() {
 /// advice: here every probe prompt is longer than the model's context.
 #[test]
 fn a_failing_generation_is_a_failure_not_a_loop() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = fixture_dir("tiny-flat");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "config.json" {
-            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-        }
-    }
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    cfg["max_position_embeddings"] = serde_json::json!(4);
-    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let dir = tiny_flat_with(|cfg| cfg["max_position_embeddings"] = serde_json::json!(4));
     let g = Generator::load(dir.path(), LoadOptions::default()).unwrap();
     let checks = qwen36::doctor::generation_checks(&g, 8);
     let c = failed(&checks, "greedy");
