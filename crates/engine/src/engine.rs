@@ -349,15 +349,7 @@ impl Engine {
             panic!("a panic injected by a test");
         }
         let context = self.context();
-        let vocab = self.model.config().vocab_size;
-        if req.prompt.is_empty() {
-            return Err(Error::Request("the prompt has no tokens".into()));
-        }
-        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::Request(format!(
-                "prompt token {id} is outside the vocabulary of {vocab}"
-            )));
-        }
+        check_prompt(&req.prompt, self.model.config().vocab_size)?;
         if req.max_tokens == Some(0) {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }
@@ -1427,6 +1419,19 @@ fn emit(
     Ok((n, reason))
 }
 
+/// A prompt's own checks (the rest depend on the engine): not empty, every id within `vocab`.
+pub fn check_prompt(prompt: &[u32], vocab: usize) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::Request("the prompt has no tokens".into()));
+    }
+    if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::Request(format!(
+            "prompt token {id} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
+
 /// Tests only: an engine of the bundled model under `cfg`.
 #[cfg(test)]
 pub(crate) fn bundled_engine(cfg: EngineConfig) -> Engine {
@@ -1464,9 +1469,9 @@ mod tests {
     }
 
     /// A state copy that fails (a device error) fails the step; every request gets `Failed`
-    /// and, after `fail_all`, nothing is held but what the prefix cache keeps: `first_copy`
-    /// picks the copy that fails, the snapshot a new prompt keeps at its end (`false`) or the
-    /// restore of a cached one into a new sequence's slot (`true`).
+    /// and, after `fail_all`, nothing is held but what the prefix cache keeps: `restore` picks
+    /// the copy that fails, the snapshot a new prompt keeps at its end (`false`) or the restore
+    /// of a cached one into a new sequence's slot (`true`).
     fn a_failing_state_copy_leaks_no_slot(restore: bool) {
         let mut engine = bundled_engine(EngineConfig {
             prefix_snapshots: 4,

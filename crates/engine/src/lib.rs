@@ -24,7 +24,7 @@ mod sizes;
 pub mod spec;
 mod thread;
 
-pub use engine::{Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS};
+pub use engine::{check_prompt, Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use prefix::{PrefixCache, PrefixHit, PrefixStats};

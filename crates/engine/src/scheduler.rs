@@ -128,7 +128,10 @@ impl Sequence {
     /// error is returned.
     pub fn release(&mut self, slots: &mut SlotPool, blocks: &mut BlockPool) -> Result<()> {
         let slot = self.slot.take().map_or(Ok(()), |s| slots.release(s).map(|_| ()));
-        let rolling = (self.rolling.take()).map_or(Ok(()), |(s, _)| slots.release(s).map(|_| ()));
+        let rolling = self
+            .rolling
+            .take()
+            .map_or(Ok(()), |(s, _)| slots.release(s).map(|_| ()));
         let table = self.table.release(blocks);
         self.snap_points.clear();
         self.kept = 0;
@@ -291,16 +294,8 @@ impl Scheduler {
                     reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
                 }
             }
-            // (A slot is free: checked above, so `alloc` fails only on a bookkeeping bug.)
-            let slot = reserved.map(|()| self.slots.alloc());
-            if !matches!(slot, Ok(Ok(_))) {
-                let s = self.waiting.front_mut().expect("a front");
-                let released = s.release(&mut self.slots, &mut self.blocks);
-                let snapshot = hit.map_or(Ok(()), |h| self.slots.release(h).map(|_| ()));
-                released.and(snapshot)?;
-                if let Ok(Err(e)) = slot {
-                    return Err(e);
-                }
+            if reserved.is_err() {
+                self.abandon_front(hit)?;
                 if self.running.is_empty() {
                     let s = self.waiting.pop_front().expect("a front");
                     self.ended.push((s, StopReason::ContextFull));
@@ -308,7 +303,14 @@ impl Scheduler {
                 }
                 break;
             }
-            let slot = slot.and_then(|s| s)?;
+            // (A slot is free: checked above, so `alloc` fails only on a bookkeeping bug.)
+            let slot = match self.slots.alloc() {
+                Ok(slot) => slot,
+                Err(e) => {
+                    let _ = self.abandon_front(hit);
+                    return Err(e);
+                }
+            };
             let mut s = self.waiting.pop_front().expect("a front");
             s.slot = Some(slot);
             if let Some(prefix) = self.prefix.as_mut() {
@@ -325,6 +327,15 @@ impl Scheduler {
             budget -= tokens;
         }
         Ok(plan)
+    }
+
+    /// Frees what the front waiting sequence holds and its prefix hit's snapshot `hit` (it stays
+    /// in the queue): all of it, the first error returned.
+    fn abandon_front(&mut self, hit: Option<SlotId>) -> Result<()> {
+        let s = self.waiting.front_mut().expect("a front");
+        let released = s.release(&mut self.slots, &mut self.blocks);
+        let snapshot = hit.map_or(Ok(()), |h| self.slots.release(h).map(|_| ()));
+        released.and(snapshot)
     }
 
     /// With the prefix cache on, starts the front waiting sequence from its longest cached

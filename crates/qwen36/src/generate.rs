@@ -484,16 +484,7 @@ impl Generator {
             .map(|s| !s.fixed_k && self.model.communicator().is_none());
         // The prompt's checks hold for any max_new_tokens, 0 included (the engine makes them
         // for the others too).
-        let vocab = self.model.config().vocab_size;
-        if prompt.is_empty() {
-            return Err(qwen36_engine::Error::Request("the prompt has no tokens".into()).into());
-        }
-        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
-            return Err(qwen36_engine::Error::Request(format!(
-                "prompt token {id} is outside the vocabulary of {vocab}"
-            ))
-            .into());
-        }
+        qwen36_engine::check_prompt(prompt, self.model.config().vocab_size)?;
         // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
         // prompt that leaves no room is refused before any pool is made for it.
         let context = self.model.config().max_position_embeddings;
