@@ -524,9 +524,16 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
 // operations in the same order whatever M and NT are (the tensor cores compute each column of a
 // product on its own, the zero columns add nothing to the others, and an n-tile's products do
 // not depend on the other n-tiles).
-template <typename T, bool W8, int NT, int WARPS>
+// `tile` is the block's 16-column tile (blockIdx.x, but for a launch that runs two layers).
+// SWIGLU: w holds [gate; up] (2N rows, y [M, N]): the block's 16 weight rows are gate rows
+// n0..n0+7 (its A rows g) and up rows N + n0..N + n0 + 7 (rows g + 8), n0 = 8·tile, and it writes
+// y[m, n] = silu(gate) · up of the halves rounded to T as the two-step path rounds them (the
+// layer's output, then the SwiGLU kernel): the same bits, no intermediate in memory, one kernel
+// fewer (no residual).
+template <typename T, bool W8, int NT, int WARPS, bool SWIGLU = false>
 __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
-                            const T* __restrict__ res, T* __restrict__ y, int M, int N, int K, int bo, int bi) {
+                            const T* __restrict__ res, T* __restrict__ y, int M, int N, int K, int bo, int bi,
+                            int tile) {
     static_assert(sizeof(T) == 2 && NT >= 1 && NT <= TILE_MAX_NT, "16-bit activations, 1..8·TILE_MAX_NT rows");
     static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
     static_assert(WARPS * NT * 32 * 4 * 4 <= 48 * 1024, "static shared memory");
@@ -535,10 +542,11 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     __shared__ __align__(16) float part[WARPS][NT][32][4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16;
+    const int n0 = tile * (SWIGLU ? 8 : 16);
     const int kv = K / 16, steps = (kv + 3) / 4;  // kv: 16-element groups per row
-    // Weight rows n0 + g and n0 + g + 8 (past N: row N - 1 again, never written).
-    const int ra = min(n0 + g, N - 1), rb = min(n0 + g + 8, N - 1);
+    // Weight rows n0 + g and n0 + g + 8 (past N: row N - 1 again, never written); SWIGLU: gate
+    // row n0 + g and its up row.
+    const int ra = min(n0 + g, N - 1), rb = SWIGLU ? N + ra : min(n0 + g + 8, N - 1);
     const size_t row_bytes = (size_t)K * (W8 ? 1 : sizeof(T));
     const uint4* wa = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w) + ra * row_bytes);
     const uint4* wb = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w) + rb * row_bytes);
@@ -633,16 +641,33 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     // Warp v sums n-tiles v, v + WARPS, ...: lane (g, t) holds columns n0 + g (c = 0, 1) and
     // n0 + g + 8 (c = 2, 3) of the n-tile's rows 2t, 2t + 1.
     for (int j = warp; j < NT; j += WARPS) {
+        float sums[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             float sum = part[0][j][lane][c];
 #pragma unroll
             for (int v = 1; v < WARPS; ++v) sum += part[v][j][lane][c];
-            const int m = 8 * j + 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
-            if (m < M && n < N) {
-                const size_t o = (size_t)m * N + n;
-                if constexpr (W8) sum *= F8_UNIT;
-                y[o] = from_f<T>(res ? sum + to_f(res[o]) : sum);
+            if constexpr (W8) sum *= F8_UNIT;
+            sums[c] = sum;
+        }
+        if constexpr (SWIGLU) {
+            // c = 0, 1: gate of rows 2t, 2t + 1 at column n0 + g; c + 2: their up.
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int m = 8 * j + 2 * t + c, n = n0 + g;
+                if (m < M && n < N) {
+                    const float ge = to_f(from_f<T>(sums[c])), ue = to_f(from_f<T>(sums[c + 2]));
+                    y[(size_t)m * N + n] = from_f<T>(ge / (1.f + expf(-ge)) * ue);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int m = 8 * j + 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
+                if (m < M && n < N) {
+                    const size_t o = (size_t)m * N + n;
+                    y[o] = from_f<T>(res ? sums[c] + to_f(res[o]) : sums[c]);
+                }
             }
         }
     }
@@ -654,11 +679,11 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
         fp8_linear_mma_##SUFFIX##_t##NT##_w##WARPS(const T* x, const uint8_t* w, const float* scale, \
                                                    const T* res, T* y, int M, int N, int K, int bo,  \
                                                    int bi) {                                         \
-        tile_linear<T, true, NT, WARPS>(x, w, scale, res, y, M, N, K, bo, bi);                       \
+        tile_linear<T, true, NT, WARPS>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x);           \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) tile_linear_##SUFFIX##_t##NT##_w##WARPS( \
         const T* x, const T* w, const T* res, T* y, int M, int N, int K) {                           \
-        tile_linear<T, false, NT, WARPS>(x, w, nullptr, res, y, M, N, K, 1, 1);                      \
+        tile_linear<T, false, NT, WARPS>(x, w, nullptr, res, y, M, N, K, 1, 1, blockIdx.x);          \
     }
 #define TILE_KERNELS_NT(SUFFIX, T, NT)                                                               \
     TILE_KERNELS(SUFFIX, T, NT, 4)                                                                   \
@@ -672,6 +697,44 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     TILE_KERNELS_NT(SUFFIX, T, 6)
 TILE_KERNELS_ALL(bf16, __nv_bfloat16)
 TILE_KERNELS_ALL(f16, __half)
+
+// fp8_pair_mma_`SUFFIX`: an FP8 layer (w8 [N8, K], y8 [M, N8]) and a layer of x's type (w16
+// [N16, K], y16 [M, N16]) on the same x [M, K], 1..8 rows, in one launch: blocks 0..⌈N16/16⌉ make
+// the dense layer's tiles (first: each streams twice an FP8 block's bytes), the rest the FP8
+// layer's, each as its own tile kernel with 8 warps makes them, so each output has the bits of
+// its separate launch. The FP8 checkpoints' GDN input projection (FP8 qkv|z beside bf16 b|a),
+// whose small dense part alone fills a few SMs and waits for its own launch.
+#define PAIR_KERNEL(SUFFIX, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * 8)                                             \
+        fp8_pair_mma_##SUFFIX(const T* x, const uint8_t* w8, const float* scale, T* y8, int N8, int bo, \
+                              int bi, const T* w16, T* y16, int N16, int M, int K) {                 \
+        const int dense_tiles = (N16 + 15) / 16;                                                     \
+        if ((int)blockIdx.x < dense_tiles)                                                           \
+            tile_linear<T, false, 1, 8>(x, w16, nullptr, nullptr, y16, M, N16, K, 1, 1, blockIdx.x); \
+        else                                                                                         \
+            tile_linear<T, true, 1, 8>(x, w8, scale, nullptr, y8, M, N8, K, bo, bi,                  \
+                                       blockIdx.x - dense_tiles);                                    \
+    }
+PAIR_KERNEL(bf16, __nv_bfloat16)
+PAIR_KERNEL(f16, __half)
+
+// fp8_swiglu_mma_`SUFFIX`_w`WARPS` (FP8 [gate; up]) and tile_swiglu_`SUFFIX`_w`WARPS` (of x's
+// type): the tile kernels with the SwiGLU epilogue for 1..8 rows (one n-tile), y [M, N] from a
+// weight of 2N rows; one block per 8 output columns.
+#define SWIGLU_TILE_KERNELS(SUFFIX, T, WARPS)                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
+        fp8_swiglu_mma_##SUFFIX##_w##WARPS(const T* x, const uint8_t* w, const float* scale, T* y,   \
+                                           int M, int N, int K, int bo, int bi) {                    \
+        tile_linear<T, true, 1, WARPS, true>(x, w, scale, nullptr, y, M, N, K, bo, bi, blockIdx.x);  \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
+        tile_swiglu_##SUFFIX##_w##WARPS(const T* x, const T* w, T* y, int M, int N, int K) {         \
+        tile_linear<T, false, 1, WARPS, true>(x, w, nullptr, nullptr, y, M, N, K, 1, 1, blockIdx.x); \
+    }
+SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16, 4)
+SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16, 8)
+SWIGLU_TILE_KERNELS(f16, __half, 4)
+SWIGLU_TILE_KERNELS(f16, __half, 8)
 
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and

@@ -591,6 +591,38 @@ fn swiglu_epilogue_matches_cpu() {
     }
 }
 
+/// The tile kernels with the SwiGLU in their epilogue (`Linear::forward_swiglu` of a dense or
+/// FP8 [gate; up] layer, 1..8 rows) against the two steps they replace, the layer's tile kernel
+/// then the SwiGLU kernel: equal bit for bit (the epilogue rounds the halves as the two steps
+/// do), with 8 warps (the narrow layer, FP8) and 4 (the dense 27B MLP's 34816 rows), widths not
+/// multiples of 8 and past 8 rows (the two steps) included.
+#[test]
+fn swiglu_tile_epilogue_equals_the_two_steps() {
+    use qwen36_kernels::activation::swiglu;
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    let d = gpu();
+    for (k, i) in [(5120, 17408), (1040, 301)] {
+        for dt in [DType::BF16, DType::F16] {
+            let dense = Linear::new(weight(2 * i, k, dt).to_device(&d).unwrap(), None);
+            let block = if i % 64 == 0 { [128, 128] } else { [16, 64] };
+            let fp8 = Linear::from_weight(LinearWeight::Fp8(on_gpu(&fp8_weight(2 * i, k, block), &d)), None);
+            for (name, layer) in [("dense", &dense), ("fp8", &fp8)] {
+                for rows in [1, 2, 3, 5, 8, 9] {
+                    let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                    let got = layer.forward_swiglu(&x).unwrap();
+                    let want = swiglu(&layer.forward(&x).unwrap(), P).unwrap();
+                    assert_eq!(got.dims(), [1, rows, i]);
+                    assert_eq!(
+                        max_diff(&got, &want),
+                        0.0,
+                        "{name} {dt:?} k {k} i {i} rows {rows}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The weight-streaming linear kernel (1..=8 rows; outputs narrower and wider than 8192, where
 /// the default choice changes) and its matmul fallback (more rows, K not a multiple of 16 bytes,
 /// unaligned x) against the CPU matmul of the same rounded inputs, with a bias, and the same
@@ -1130,6 +1162,49 @@ fn tile_kernel_rows_are_batch_invariant() {
                                 0.0,
                                 "{name} {dt:?} [{n}, {k}] {block:?} rows {start}..{} output {i}",
                                 start + rows
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A layer fused from an FP8 part and a dense one (an FP8 checkpoint's GDN input projection: FP8
+/// qkv|z beside bf16 b|a) runs both parts in one launch of their tile kernels for 1..8 rows: each
+/// output equals its part run alone, bit for bit, in either order and after a norm; past 8 rows
+/// (one launch a part) too. Shapes: the 27B's, and widths not multiples of 16 with small blocks.
+#[test]
+fn mixed_layer_parts_in_one_launch_equal_the_parts() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    use qwen36_kernels::norm::RmsNorm;
+    let d = gpu();
+    for (k, n8, n16, block) in [(5120, 16384, 96, [128, 128]), (1040, 300, 37, [8, 64])] {
+        let wg = on_gpu(&fp8_weight(n8, k, block), &d);
+        for dt in [DType::BF16, DType::F16] {
+            let fp8 = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None);
+            let dense = Linear::new(weight(n16, k, dt).to_device(&d).unwrap(), None);
+            let norm =
+                RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
+            for fp8_first in [true, false] {
+                let parts = match fp8_first {
+                    true => vec![fp8.clone(), dense.clone()],
+                    false => vec![dense.clone(), fp8.clone()],
+                };
+                let fused = Linear::fused(parts.clone()).unwrap();
+                for rows in [1, 2, 3, 4, 8, 12] {
+                    let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                    let normed = norm.forward(&x).unwrap();
+                    for (with_norm, input) in [(false, &x), (true, &normed)] {
+                        let got = fused.forward_parts(&x, with_norm.then_some(&norm)).unwrap();
+                        assert_eq!(got.len(), 2);
+                        for (i, (got, part)) in got.iter().zip(&parts).enumerate() {
+                            let want = part.forward(input).unwrap();
+                            assert_eq!(
+                                max_diff(got, &want),
+                                0.0,
+                                "{dt:?} k {k} FP8 first {fp8_first} rows {rows} norm {with_norm} part {i}"
                             );
                         }
                     }

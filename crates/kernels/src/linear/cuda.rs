@@ -463,6 +463,216 @@ pub(crate) fn fp8_linear(
     }
 }
 
+/// The weight of a `[gate; up]` layer (`2·i` rows) for [`tile_swiglu`].
+#[derive(Clone, Copy)]
+pub(crate) enum SwiGluWeight<'a> {
+    /// Of x's dtype.
+    Dense(&'a Tensor),
+    /// FP8 with block scales.
+    Fp8(&'a super::Fp8Weight),
+}
+
+/// CUDA `silu(x·gateᵀ) · (x·upᵀ)`, `[m, i]`, for `x: [m, k]` (contiguous, bf16 or f16, 1 ≤ m ≤ 8)
+/// and a `[gate; up]` weight of `2·i` rows, in one launch of the tile kernel with the SwiGLU in
+/// its epilogue: the bits of the layer's tile kernel ([`tile_linear`] or [`fp8_linear`], with
+/// the warps it would take) followed by the SwiGLU kernel. `None` when that kernel cannot take the
+/// operands (the caller then runs the two steps).
+pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) -> Result<Option<Tensor>> {
+    let op = "tile_swiglu";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (rows, kw) = match w {
+        SwiGluWeight::Dense(w) => w.dims2()?,
+        SwiGluWeight::Fp8(w) => w.dims(),
+    };
+    if kw != k || matches!(w, SwiGluWeight::Dense(w) if w.dtype() != dt) {
+        return Err(err(
+            op,
+            format!("x {:?} {dt:?} for a weight [{rows}, {kw}]", x.dims()),
+        ));
+    }
+    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    let fits = match w {
+        SwiGluWeight::Dense(w) => aligned(w.layout(), 2) && rows <= i32::MAX as usize,
+        SwiGluWeight::Fp8(w) => {
+            fp8_tensor(dt, w, policy)
+                && fp8_fits(w)
+                && aligned(w.q().layout(), 1)
+                && rows * k <= i32::MAX as usize * 4
+        }
+    };
+    if !fits
+        || !matches!(dt, DType::BF16 | DType::F16)
+        || !(1..=LINEAR_MAX_ROWS).contains(&m)
+        || rows % 2 != 0
+        || k % 16 != 0
+        || k > i32::MAX as usize
+        || !aligned(x.layout(), 2)
+    {
+        return Ok(None);
+    }
+    let n = rows / 2;
+    // The warps the layer's own tile kernel takes for its `rows` columns.
+    let warps = match w {
+        SwiGluWeight::Dense(_) => tile_warps(rows),
+        SwiGluWeight::Fp8(_) => fp8_tile_shape(m, rows, policy).0,
+    };
+    let dev = device(op, x)?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            // SAFETY: uninitialised; the kernel writes every element (each block its 8 columns of
+            // every row).
+            let y = unsafe { dev.alloc::<$t>(m * n)? };
+            let sfx = dtype_suffix(op, dt)?;
+            let (m32, n32, k32) = (m as i32, n as i32, k as i32);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(8) as u32, 1, 1),
+                block_dim: (32 * warps as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            match w {
+                SwiGluWeight::Dense(w) => {
+                    let (ws, wl) = w.storage_and_layout();
+                    let wv = view::<$t>(op, &ws, wl)?;
+                    let func = LINEAR.func(&dev, &format!("tile_swiglu_{sfx}_w{warps}"))?;
+                    let mut lb = KernelCall::new(&dev, &func, policy);
+                    lb.arg(&xv).arg(&wv).arg(&y).arg(&m32).arg(&n32).arg(&k32);
+                    if n > 0 {
+                        // SAFETY: arguments match `tile_swiglu_{sfx}_w{warps}` in cuda/linear.cu:
+                        // x [m·k] and w [2n·k] of T, contiguous and 16-byte aligned with k a
+                        // multiple of 16 (checked above), y [m·n], i32 m (1..=8: one n-tile), n,
+                        // k; one block of `warps` (4 or 8) warps per 8 output columns (static
+                        // shared memory).
+                        unsafe { lb.launch(cfg) }.w()?;
+                    }
+                }
+                SwiGluWeight::Fp8(w) => {
+                    let (qs, ql) = w.q().storage_and_layout();
+                    let (ss, sl) = w.scale().storage_and_layout();
+                    let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
+                    let sv = view::<f32>(op, &ss, sl)?;
+                    let [bo, bi] = w.block();
+                    let (bo32, bi32) = (bo as i32, bi as i32);
+                    let func = LINEAR.func(&dev, &format!("fp8_swiglu_mma_{sfx}_w{warps}"))?;
+                    let mut lb = KernelCall::new(&dev, &func, policy);
+                    lb.arg(&xv)
+                        .arg(&qv)
+                        .arg(&sv)
+                        .arg(&y)
+                        .arg(&m32)
+                        .arg(&n32)
+                        .arg(&k32);
+                    lb.arg(&bo32).arg(&bi32);
+                    if n > 0 {
+                        // SAFETY: arguments match `fp8_swiglu_mma_{sfx}_w{warps}` in
+                        // cuda/linear.cu: x [m·k] of T (16-byte aligned), w [2n·k] bytes (16-byte
+                        // aligned, k a multiple of 16) and scale [⌈2n/bo⌉·⌈k/bi⌉] f32, contiguous,
+                        // bi a multiple of 64 with k·bi below 2³² (`fp8_fits`, `fp8_tensor`,
+                        // checked above), y [m·n], i32 m (1..=8), n, k, bo, bi; one block of
+                        // `warps` warps per 8 output columns (static shared memory).
+                        unsafe { lb.launch(cfg) }.w()?;
+                    }
+                }
+            }
+            Ok(Some(wrap(y, &dev, (m, n))))
+        }};
+    }
+    match dt {
+        DType::BF16 => go!(half::bf16),
+        _ => go!(half::f16),
+    }
+}
+
+/// The FP8 layer `w8` and the dense layer `w16` (x's dtype, no biases) on the same `x: [m, k]`
+/// (contiguous, bf16 or f16, 1 ≤ m ≤ 8) in one launch of the tile kernels (`fp8_pair_mma_*`):
+/// `(x·(e4m3(w8)·scale)ᵀ, x·w16ᵀ)`, each the bits of its own launch ([`fp8_linear`],
+/// [`tile_linear`]), which the pair repeats: 8 warps per 16 columns, the FP8 tile path.
+/// `None` when one of them would not take that path (then the caller runs them apart).
+pub(crate) fn fp8_dense_pair(
+    x: &Tensor,
+    w8: &super::Fp8Weight,
+    w16: &Tensor,
+    policy: &KernelPolicy,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let op = "fp8_dense_pair";
+    let dt = x.dtype();
+    let (m, k) = x.dims2()?;
+    let (n8, k8) = w8.dims();
+    let (n16, k16) = w16.dims2()?;
+    if k8 != k || k16 != k || w16.dtype() != dt {
+        return Err(err(
+            op,
+            format!(
+                "x {:?} {dt:?}, FP8 w [{n8}, {k8}], w {:?} {:?}",
+                x.dims(),
+                w16.dims(),
+                w16.dtype()
+            ),
+        ));
+    }
+    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    if !(1..=LINEAR_MAX_ROWS).contains(&m)
+        || !fp8_tensor(dt, w8, policy)
+        || fp8_tile_shape(m, n8, policy).0 != 8
+        || tile_warps(n16) != 8
+        || !fp8_fits(w8)
+        || k > i32::MAX as usize
+        || n8 * k > i32::MAX as usize * 4
+        || n16 > i32::MAX as usize
+        || !aligned(x.layout(), 2)
+        || !aligned(w8.q().layout(), 1)
+        || !aligned(w16.layout(), 2)
+    {
+        return Ok(None);
+    }
+    let dev = device(op, x)?;
+    let [bo, bi] = w8.block();
+    macro_rules! go {
+        ($t:ty) => {{
+            let (xs, xl) = x.storage_and_layout();
+            let (qs, ql) = w8.q().storage_and_layout();
+            let (ss, sl) = w8.scale().storage_and_layout();
+            let (ws, wl) = w16.storage_and_layout();
+            let xv = view::<$t>(op, &xs, xl)?;
+            let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
+            let sv = view::<f32>(op, &ss, sl)?;
+            let wv = view::<$t>(op, &ws, wl)?;
+            // SAFETY: uninitialised; the kernel writes every element of both (each block its 16
+            // columns of every row of its layer).
+            let (y8, y16) = unsafe { (dev.alloc::<$t>(m * n8)?, dev.alloc::<$t>(m * n16)?) };
+            let func = LINEAR.func(&dev, &format!("fp8_pair_mma_{}", dtype_suffix(op, dt)?))?;
+            let mut lb = KernelCall::new(&dev, &func, policy);
+            let (m32, k32, n8_32, n16_32) = (m as i32, k as i32, n8 as i32, n16 as i32);
+            let (bo32, bi32) = (bo as i32, bi as i32);
+            lb.arg(&xv)
+                .arg(&qv)
+                .arg(&sv)
+                .arg(&y8)
+                .arg(&n8_32)
+                .arg(&bo32)
+                .arg(&bi32);
+            lb.arg(&wv).arg(&y16).arg(&n16_32).arg(&m32).arg(&k32);
+            let cfg = tile_launch(n8.div_ceil(16) * 16 + n16.div_ceil(16) * 16, 8);
+            if n8 + n16 > 0 {
+                // SAFETY: arguments match `fp8_pair_mma_{sfx}` in cuda/linear.cu: x [m·k] of T,
+                // w8 [n8·k] bytes with scale [⌈n8/bo⌉·⌈k/bi⌉] f32 and w16 [n16·k] of T, all
+                // contiguous and 16-byte aligned with k a multiple of 16, bi of 64 and k·bi below
+                // 2³² (`fp8_fits`, `fp8_tensor`, checked above), y8 [m·n8] and y16 [m·n16], i32
+                // n8, bo, bi, n16, m (1..=8: one n-tile) and k; one block of 8 warps per 16
+                // columns of either layer, the dense layer's first (static shared memory).
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            Ok(Some((wrap(y8, &dev, (m, n8)), wrap(y16, &dev, (m, n16)))))
+        }};
+    }
+    match dt {
+        DType::BF16 => go!(half::bf16),
+        _ => go!(half::f16),
+    }
+}
+
 /// The dequantized FP8 weight `[n, k]` in `dtype` (one kernel: each element times its block's
 /// scale in f32, rounded once, as the CPU reference does); `None` when the kernel cannot take it.
 pub(crate) fn fp8_dequantize(

@@ -391,10 +391,10 @@ impl Linear {
                 let dense = candle_nn::Linear::new(w.dequantize_with(x.dtype(), &self.policy)?, bias.clone());
                 reference::linear(&dense, x)
             }
-            Kind::Parts(parts) => {
-                let outs = parts.iter().map(|p| p.forward(x)).collect::<Result<Vec<_>>>()?;
-                Ok(Tensor::cat(&outs, candle_core::D::Minus1)?)
-            }
+            Kind::Parts(_) => Ok(Tensor::cat(
+                &self.forward_parts(x, None)?,
+                candle_core::D::Minus1,
+            )?),
         }
     }
 
@@ -407,6 +407,10 @@ impl Linear {
             (Kind::Parts(parts), norm) => {
                 let normed = norm.map(|n| n.forward(x)).transpose()?;
                 let x = normed.as_ref().unwrap_or(x);
+                #[cfg(feature = "cuda")]
+                if let Some(outs) = Self::forward_pair(parts, x)? {
+                    return Ok(outs);
+                }
                 parts.iter().map(|p| p.forward(x)).collect()
             }
             (_, Some(norm)) => Ok(vec![self.forward_normed(x, norm)?]),
@@ -433,6 +437,10 @@ impl Linear {
     /// through the streaming kernel with the activation in its epilogue (no rounding of the
     /// halves, no second pass) where the tile kernel does not take it; otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.forward_tile_swiglu(x)? {
+            return Ok(y);
+        }
         #[cfg(feature = "cuda")]
         if !self.tiles(x)? {
             if let Some(y) = self.forward_skinny_swiglu(x, None)? {
@@ -637,6 +645,76 @@ impl Linear {
             Some(y) => Some(y.reshape(dims)?),
             None => None,
         })
+    }
+}
+
+impl Linear {
+    /// `forward_swiglu` in one launch of the tile kernel with the SwiGLU in its epilogue, where
+    /// the layer (no bias) would run `x` through its tile kernel (dense, or FP8 short of the FP8
+    /// GEMM): the bits of the two steps; `None` for the two steps.
+    #[cfg(feature = "cuda")]
+    fn forward_tile_swiglu(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        if self.bias().is_some() || x.rank() == 0 || !x.device().is_cuda() {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        let w = match &self.kind {
+            Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
+                Some(w) => cuda::SwiGluWeight::Dense(w),
+                None => return Ok(None),
+            },
+            Kind::Fp8 { w, bias: None }
+                if w.dims().1 == k
+                    && !self.fp8_gemm_rows(w, x, rows)
+                    && !matches!(self.policy.skinny, SkinnyPath::Matmul) =>
+            {
+                cuda::SwiGluWeight::Fp8(w)
+            }
+            _ => return Ok(None),
+        };
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        Ok(match cuda::tile_swiglu(&x2, w, &self.policy)? {
+            Some(y) => Some(y.reshape(out_dims(x, self.out_features() / 2))?),
+            None => None,
+        })
+    }
+}
+
+impl Linear {
+    /// The two parts of a mixed layer, one FP8 and one dense (neither with a bias), in one launch
+    /// of their tile kernels where each part would run its tile kernel alone (the same bits: one
+    /// launch fewer, and the small dense part no longer waits for its own): their outputs in
+    /// order; `None` for one launch a part.
+    #[cfg(feature = "cuda")]
+    fn forward_pair(parts: &[Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        let [a, b] = parts else {
+            return Ok(None);
+        };
+        let (fp8, dense, fp8_first) = match (&a.kind, &b.kind) {
+            (Kind::Fp8 { w, bias: None }, Kind::Dense(_)) => (w, b, true),
+            (Kind::Dense(_), Kind::Fp8 { w, bias: None }) => (w, a, false),
+            _ => return Ok(None),
+        };
+        let fp8_layer = if fp8_first { a } else { b };
+        let Some(w16) = dense.dense_weight() else {
+            return Ok(None);
+        };
+        if dense.bias().is_some() || !dense.tiles(x)? || x.rank() == 0 {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        if fp8_layer.fp8_gemm_rows(fp8, x, rows) || matches!(fp8_layer.policy.skinny, SkinnyPath::Matmul) {
+            return Ok(None);
+        }
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let Some((y8, y16)) = cuda::fp8_dense_pair(&x2, fp8, w16, &fp8_layer.policy)? else {
+            return Ok(None);
+        };
+        let y8 = y8.reshape(out_dims(x, fp8.dims().0))?;
+        let y16 = y16.reshape(out_dims(x, w16.dim(0)?))?;
+        Ok(Some(if fp8_first { vec![y8, y16] } else { vec![y16, y8] }))
     }
 }
 
