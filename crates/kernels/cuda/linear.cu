@@ -718,23 +718,24 @@ TILE_KERNELS_ALL(f16, __half)
 PAIR_KERNEL(bf16, __nv_bfloat16)
 PAIR_KERNEL(f16, __half)
 
-// fp8_swiglu_mma_`SUFFIX`_w`WARPS` (FP8 [gate; up]) and tile_swiglu_`SUFFIX`_w`WARPS` (of x's
-// type): the tile kernels with the SwiGLU epilogue for 1..8 rows (one n-tile), y [M, N] from a
-// weight of 2N rows; one block per 8 output columns.
-#define SWIGLU_TILE_KERNELS(SUFFIX, T, WARPS)                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
-        fp8_swiglu_mma_##SUFFIX##_w##WARPS(const T* x, const uint8_t* w, const float* scale, T* y,   \
-                                           int M, int N, int K, int bo, int bi) {                    \
-        tile_linear<T, true, 1, WARPS, true>(x, w, scale, nullptr, y, M, N, K, bo, bi, blockIdx.x);  \
-    }                                                                                                \
+// tile_swiglu_`SUFFIX`_w`WARPS` (weights of x's type) and fp8_swiglu_mma_`SUFFIX`_w8 (FP8
+// [gate; up]: 1..8 rows take 8 warps): the tile kernels with the SwiGLU epilogue for 1..8 rows
+// (one n-tile), y [M, N] from a weight of 2N rows; one block per 8 output columns.
+#define SWIGLU_TILE_KERNEL(SUFFIX, T, WARPS)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
         tile_swiglu_##SUFFIX##_w##WARPS(const T* x, const T* w, T* y, int M, int N, int K) {         \
         tile_linear<T, false, 1, WARPS, true>(x, w, nullptr, nullptr, y, M, N, K, 1, 1, blockIdx.x); \
     }
-SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16, 4)
-SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16, 8)
-SWIGLU_TILE_KERNELS(f16, __half, 4)
-SWIGLU_TILE_KERNELS(f16, __half, 8)
+#define SWIGLU_TILE_KERNELS(SUFFIX, T)                                                               \
+    SWIGLU_TILE_KERNEL(SUFFIX, T, 4)                                                                 \
+    SWIGLU_TILE_KERNEL(SUFFIX, T, 8)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * 8)                                             \
+        fp8_swiglu_mma_##SUFFIX##_w8(const T* x, const uint8_t* w, const float* scale, T* y, int M,  \
+                                     int N, int K, int bo, int bi) {                                 \
+        tile_linear<T, true, 1, 8, true>(x, w, scale, nullptr, y, M, N, K, bo, bi, blockIdx.x);      \
+    }
+SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16)
+SWIGLU_TILE_KERNELS(f16, __half)
 
 // The dequantized weight out [N, K] in T (for the matmul of many rows): each element e4m3(w) ·
 // scale in f32, rounded once, as the CPU reference rounds it. One thread per element, any K and

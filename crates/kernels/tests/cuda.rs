@@ -595,28 +595,42 @@ fn swiglu_epilogue_matches_cpu() {
 /// FP8 [gate; up] layer, 1..8 rows) against the two steps they replace, the layer's tile kernel
 /// then the SwiGLU kernel: equal bit for bit (the epilogue rounds the halves as the two steps
 /// do), with 8 warps (the narrow layer, FP8) and 4 (the dense 27B MLP's 34816 rows), widths not
-/// multiples of 8 and past 8 rows (the two steps) included.
+/// multiples of 8 and past 8 rows (the two steps) included; under every policy for FP8 (those
+/// whose rows take other kernels run the two steps) and, for dense layers, those without the
+/// streaming kernel's one-row epilogue (which does not round the halves).
 #[test]
 fn swiglu_tile_epilogue_equals_the_two_steps() {
     use qwen36_kernels::activation::swiglu;
     use qwen36_kernels::linear::{Linear, LinearWeight};
     let d = gpu();
     for (k, i) in [(5120, 17408), (1040, 301)] {
+        let block = if i % 64 == 0 { [128, 128] } else { [16, 64] };
+        let w8 = on_gpu(&fp8_weight(2 * i, k, block), &d);
         for dt in [DType::BF16, DType::F16] {
-            let dense = Linear::new(weight(2 * i, k, dt).to_device(&d).unwrap(), None);
-            let block = if i % 64 == 0 { [128, 128] } else { [16, 64] };
-            let fp8 = Linear::from_weight(LinearWeight::Fp8(on_gpu(&fp8_weight(2 * i, k, block), &d)), None);
-            for (name, layer) in [("dense", &dense), ("fp8", &fp8)] {
-                for rows in [1, 2, 3, 5, 8, 9] {
-                    let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
-                    let got = layer.forward_swiglu(&x).unwrap();
-                    let want = swiglu(&layer.forward(&x).unwrap(), P).unwrap();
-                    assert_eq!(got.dims(), [1, rows, i]);
-                    assert_eq!(
-                        max_diff(&got, &want),
-                        0.0,
-                        "{name} {dt:?} k {k} i {i} rows {rows}"
-                    );
+            let wd = weight(2 * i, k, dt).to_device(&d).unwrap();
+            for skinny in POLICIES {
+                let policy = skinny_policy(skinny);
+                let dense = Linear::new(wd.clone(), None).with_policy(policy);
+                let fp8 = Linear::from_weight(LinearWeight::Fp8(w8.clone()), None).with_policy(policy);
+                let streams_one_row = matches!(
+                    skinny,
+                    SkinnyPath::Fastest | SkinnyPath::Streaming(_) | SkinnyPath::Multi(_)
+                );
+                for (name, layer) in [("dense", &dense), ("fp8", &fp8)] {
+                    if name == "dense" && streams_one_row {
+                        continue;
+                    }
+                    for rows in [1, 2, 3, 5, 8, 9] {
+                        let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                        let got = layer.forward_swiglu(&x).unwrap();
+                        let want = swiglu(&layer.forward(&x).unwrap(), P).unwrap();
+                        assert_eq!(got.dims(), [1, rows, i]);
+                        assert_eq!(
+                            max_diff(&got, &want),
+                            0.0,
+                            "{name} {dt:?} k {k} i {i} {skinny:?} rows {rows}"
+                        );
+                    }
                 }
             }
         }
@@ -1171,41 +1185,65 @@ fn tile_kernel_rows_are_batch_invariant() {
     }
 }
 
+/// Every few-row kernel policy: the default, batch-invariant tiles to 48 rows, the fastest one-row
+/// kernels, cuBLAS, the streaming kernels.
+const POLICIES: [SkinnyPath; 6] = [
+    SkinnyPath::Auto,
+    SkinnyPath::Uniform,
+    SkinnyPath::Fastest,
+    SkinnyPath::Matmul,
+    SkinnyPath::Streaming(2),
+    SkinnyPath::Multi(2),
+];
+
 /// A layer fused from an FP8 part and a dense one (an FP8 checkpoint's GDN input projection: FP8
 /// qkv|z beside bf16 b|a) runs both parts in one launch of their tile kernels for 1..8 rows: each
-/// output equals its part run alone, bit for bit, in either order and after a norm; past 8 rows
-/// (one launch a part) too. Shapes: the 27B's, and widths not multiples of 16 with small blocks.
+/// output equals its part run alone, bit for bit, in either order and after a norm, under every
+/// policy (those whose parts take other kernels run them apart); past 8 rows (one launch a part)
+/// too. Shapes: the 27B's; widths not multiples of 16 with small blocks (tile counts that a grid
+/// of ⌈(n8 + n16)/16⌉ blocks would cut short); a dense part wide enough for 4 warps a tile (run
+/// apart).
 #[test]
 fn mixed_layer_parts_in_one_launch_equal_the_parts() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
     use qwen36_kernels::norm::RmsNorm;
     let d = gpu();
-    for (k, n8, n16, block) in [(5120, 16384, 96, [128, 128]), (1040, 300, 37, [8, 64])] {
+    for (k, n8, n16, block) in [
+        (5120, 16384, 96, [128, 128]),
+        (1040, 300, 37, [8, 64]),
+        (1040, 300, 36, [8, 64]),
+        (2048, 300, 10256, [128, 128]),
+    ] {
         let wg = on_gpu(&fp8_weight(n8, k, block), &d);
         for dt in [DType::BF16, DType::F16] {
-            let fp8 = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None);
-            let dense = Linear::new(weight(n16, k, dt).to_device(&d).unwrap(), None);
+            let wd = weight(n16, k, dt).to_device(&d).unwrap();
             let norm =
                 RmsNorm::zero_centred(&randn(0.1, k, DType::F32).to_device(&d).unwrap(), 1e-6).unwrap();
-            for fp8_first in [true, false] {
-                let parts = match fp8_first {
-                    true => vec![fp8.clone(), dense.clone()],
-                    false => vec![dense.clone(), fp8.clone()],
-                };
-                let fused = Linear::fused(parts.clone()).unwrap();
-                for rows in [1, 2, 3, 4, 8, 12] {
-                    let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
-                    let normed = norm.forward(&x).unwrap();
-                    for (with_norm, input) in [(false, &x), (true, &normed)] {
-                        let got = fused.forward_parts(&x, with_norm.then_some(&norm)).unwrap();
-                        assert_eq!(got.len(), 2);
-                        for (i, (got, part)) in got.iter().zip(&parts).enumerate() {
-                            let want = part.forward(input).unwrap();
-                            assert_eq!(
-                                max_diff(got, &want),
-                                0.0,
-                                "{dt:?} k {k} FP8 first {fp8_first} rows {rows} norm {with_norm} part {i}"
-                            );
+            for skinny in POLICIES {
+                let policy = skinny_policy(skinny);
+                let fp8 = Linear::from_weight(LinearWeight::Fp8(wg.clone()), None).with_policy(policy);
+                let dense = Linear::new(wd.clone(), None).with_policy(policy);
+                for fp8_first in [true, false] {
+                    let parts = match fp8_first {
+                        true => vec![fp8.clone(), dense.clone()],
+                        false => vec![dense.clone(), fp8.clone()],
+                    };
+                    let fused = Linear::fused(parts.clone()).unwrap();
+                    for rows in [1, 2, 3, 4, 8, 12] {
+                        let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                        let normed = norm.forward(&x).unwrap();
+                        for (with_norm, input) in [(false, &x), (true, &normed)] {
+                            let got = fused.forward_parts(&x, with_norm.then_some(&norm)).unwrap();
+                            assert_eq!(got.len(), 2);
+                            for (i, (got, part)) in got.iter().zip(&parts).enumerate() {
+                                let want = part.forward(input).unwrap();
+                                assert_eq!(
+                                    max_diff(got, &want),
+                                    0.0,
+                                    "{dt:?} [{n8} + {n16}, {k}] {skinny:?} FP8 first {fp8_first} \
+                                     rows {rows} norm {with_norm} part {i}"
+                                );
+                            }
                         }
                     }
                 }

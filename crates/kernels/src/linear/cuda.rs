@@ -512,7 +512,8 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
         return Ok(None);
     }
     let n = rows / 2;
-    // The warps the layer's own tile kernel takes for its `rows` columns.
+    // The warps the layer's own tile kernel takes for its `rows` columns (FP8, 1..=8 rows: 8,
+    // `fp8_tile_shape`; the only FP8 SwiGLU kernel).
     let warps = match w {
         SwiGluWeight::Dense(_) => tile_warps(rows),
         SwiGluWeight::Fp8(_) => fp8_tile_shape(m, rows, policy).0,
@@ -613,14 +614,13 @@ pub(crate) fn fp8_dense_pair(
         ));
     }
     let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
+    // (1..=8 rows: the FP8 tile kernel takes 8 warps, `fp8_tile_shape`.)
     if !(1..=LINEAR_MAX_ROWS).contains(&m)
         || !fp8_tensor(dt, w8, policy)
-        || fp8_tile_shape(m, n8, policy).0 != 8
         || tile_warps(n16) != 8
         || !fp8_fits(w8)
         || k > i32::MAX as usize
         || n8 * k > i32::MAX as usize * 4
-        || n16 > i32::MAX as usize
         || !aligned(x.layout(), 2)
         || !aligned(w8.q().layout(), 1)
         || !aligned(w16.layout(), 2)
@@ -657,9 +657,9 @@ pub(crate) fn fp8_dense_pair(
             let cfg = tile_launch(n8.div_ceil(16) * 16 + n16.div_ceil(16) * 16, 8);
             if n8 + n16 > 0 {
                 // SAFETY: arguments match `fp8_pair_mma_{sfx}` in cuda/linear.cu: x [m·k] of T,
-                // w8 [n8·k] bytes with scale [⌈n8/bo⌉·⌈k/bi⌉] f32 and w16 [n16·k] of T, all
-                // contiguous and 16-byte aligned with k a multiple of 16, bi of 64 and k·bi below
-                // 2³² (`fp8_fits`, `fp8_tensor`, checked above), y8 [m·n8] and y16 [m·n16], i32
+                // w8 [n8·k] bytes and w16 [n16·k] of T, contiguous and 16-byte aligned, with
+                // scale [⌈n8/bo⌉·⌈k/bi⌉] f32 contiguous, k a multiple of 16, bi of 64 and k·bi
+                // below 2³² (`fp8_fits`, `fp8_tensor`, checked above), y8 [m·n8] and y16 [m·n16], i32
                 // n8, bo, bi, n16, m (1..=8: one n-tile) and k; one block of 8 warps per 16
                 // columns of either layer, the dense layer's first (static shared memory).
                 unsafe { lb.launch(cfg) }.w()?;

@@ -433,9 +433,11 @@ impl Linear {
     }
 
     /// `swiglu(self.forward(x))` for a layer whose outputs are `[gate | up]` halves (the MLP's
-    /// fused gate and up projections): `silu(gate) · up`, `[..., out / 2]`. On CUDA one row goes
-    /// through the streaming kernel with the activation in its epilogue (no rounding of the
-    /// halves, no second pass) where the tile kernel does not take it; otherwise the two steps.
+    /// fused gate and up projections): `silu(gate) · up`, `[..., out / 2]`. On CUDA 1..8 rows the
+    /// layer's tile kernel takes (dense or FP8) go through it with the activation in its epilogue
+    /// (the bits of the two steps, one kernel); one row the tile kernel does not take, through the
+    /// streaming kernel with the activation in its epilogue (no rounding of the halves, no second
+    /// pass); otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(y) = self.forward_tile_swiglu(x)? {
@@ -705,7 +707,10 @@ impl Linear {
         }
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
-        if fp8_layer.fp8_gemm_rows(fp8, x, rows) || matches!(fp8_layer.policy.skinny, SkinnyPath::Matmul) {
+        if fp8.dims().1 != k
+            || fp8_layer.fp8_gemm_rows(fp8, x, rows)
+            || matches!(fp8_layer.policy.skinny, SkinnyPath::Matmul)
+        {
             return Ok(None);
         }
         let x2 = x.contiguous()?.reshape((rows, k))?;
