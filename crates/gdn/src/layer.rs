@@ -392,6 +392,21 @@ impl GatedDeltaNet {
                 x.dims()
             )));
         }
+        // Every group's states are checked before any is advanced: an error leaves them all as
+        // they were.
+        for g in groups.iter() {
+            match &g.state {
+                GroupState::Own(state) => {
+                    self.check_states(state.conv(), state.recurrent(), Some(g.batch), x.dtype())?
+                }
+                GroupState::Pooled {
+                    conv,
+                    recurrent,
+                    slots,
+                    ..
+                } => self.check_pools((conv, recurrent, slots), g.batch, x.dtype())?,
+            }
+        }
         let proj = Proj::new(self.in_proj.forward_parts(x, Some(norm))?)?;
         let (mut outs, mut checkpoints) = (Vec::with_capacity(groups.len()), Vec::new());
         let mut row = 0;
@@ -416,6 +431,57 @@ impl GatedDeltaNet {
         }
         let out = Tensor::cat(&outs, 1)?;
         Ok((self.finish(x, &proj, &out, Some(norm))?, checkpoints))
+    }
+
+    /// Checks states of this layer over activations of `dtype`: conv windows `[rows, conv_dim,
+    /// K-1]` in `dtype` and recurrent states `[rows, Hv, dk, dv]`, with `rows` the sequences'
+    /// count (`Some`) or, for pools (`None`), any count the two share; so that a pass fails before
+    /// it writes anything.
+    fn check_states(
+        &self,
+        conv: &Tensor,
+        recurrent: &Tensor,
+        rows: Option<usize>,
+        dtype: DType,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let n = rows.unwrap_or_else(|| conv.dims().first().copied().unwrap_or(0));
+        let want_conv = [n, c.conv_dim(), c.conv_kernel - 1];
+        let want_rec = [n, c.num_v_heads, c.k_head_dim, c.v_head_dim];
+        let what = if rows.is_some() { "state" } else { "pool" };
+        if conv.dims() != want_conv || conv.dtype() != dtype {
+            return Err(Error::State(format!(
+                "conv {what} {:?} {:?} does not fit this layer over {dtype:?} activations (want \
+                 {want_conv:?} {dtype:?})",
+                conv.dims(),
+                conv.dtype(),
+            )));
+        }
+        if recurrent.dims() != want_rec {
+            return Err(Error::State(format!(
+                "recurrent {what} {:?} does not fit this layer (want {want_rec:?})",
+                recurrent.dims(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Self::check_states`] for pools and their `slots`, u32 `[rows]`.
+    fn check_pools(
+        &self,
+        (conv, recurrent, slots): (&Tensor, &Tensor, &Tensor),
+        rows: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        self.check_states(conv, recurrent, None, dtype)?;
+        if slots.dims() != [rows] || slots.dtype() != DType::U32 {
+            return Err(Error::State(format!(
+                "slots {:?} {:?} for {rows} sequences (want [{rows}] u32)",
+                slots.dims(),
+                slots.dtype()
+            )));
+        }
+        Ok(())
     }
 
     /// Checks `x: [batch, len > 0, hidden]`; returns its dims.
@@ -456,16 +522,9 @@ impl GatedDeltaNet {
     ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
         let c = &self.cfg;
         let (b, t) = proj.batch_len();
-        if state.conv().dims() != [b, c.conv_dim(), c.conv_kernel - 1] {
-            return Err(Error::State(format!(
-                "conv state {:?} does not fit batch {b} of this layer (want [{b}, {}, {}])",
-                state.conv().dims(),
-                c.conv_dim(),
-                c.conv_kernel - 1
-            )));
-        }
         let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.num_v_heads);
         let mixed = proj.cols(0, cd)?;
+        self.check_states(state.conv(), state.recurrent(), Some(b), mixed.dtype())?;
         let beta_logits = proj.cols(cd + vd, hv)?;
         let a = proj.cols(cd + vd + hv, hv)?;
 
@@ -480,7 +539,7 @@ impl GatedDeltaNet {
         } else {
             None
         };
-        let (conv_out, conv_state, window) = if in_place && state.conv().dtype() == mixed.dtype() {
+        let (conv_out, conv_state, window) = if in_place {
             let window = kept.as_ref().map(|cp| &cp.window);
             let y = causal_conv1d_in_place(
                 &mixed,
@@ -570,6 +629,7 @@ impl GatedDeltaNet {
         let mixed = proj.cols(0, cd)?;
         let beta_logits = proj.cols(cd + vd, hv)?;
         let a = proj.cols(cd + vd + hv, hv)?;
+        self.check_pools((conv, recurrent, slots), proj.batch_len().0, mixed.dtype())?;
         let params = GdnParams::new(&self.a_log, &self.dt_bias, self.heads());
         let Some(stash) = stash else {
             if verify {
@@ -1038,6 +1098,83 @@ mod verify_tests {
     use super::tests_support::*;
     use super::*;
     use candle_core::Device;
+
+    /// A commit of another sequence's checkpoints (a batch-2 pass's member 1 into the batch-2
+    /// state) is refused and changes nothing: it would have written row 1's state into row 0 (in
+    /// place) or shrunk the state to one row.
+    #[test]
+    fn a_commit_of_checkpoints_of_another_shape_is_refused() -> Result<()> {
+        let l = layer(7);
+        let dev = Device::Cpu;
+        let x = qwen36_testutil::randn(130, 1.0, (2, 3, 24), &dev)?;
+        for in_place in [false, true] {
+            let mut s = l.new_state(2, DType::F32, DType::F32)?;
+            if in_place {
+                s.set_in_place()?;
+            }
+            let (_, cp) = l.forward_verify(&x, &mut s)?;
+            let (conv, recurrent, seen) = (s.conv().copy()?, s.recurrent().copy()?, s.seen());
+            let one = cp.member(1)?.deep_copy()?;
+            assert!(s.commit(&one, 2).is_err(), "in place {in_place}");
+            assert_eq!(max_diff(s.conv(), &conv), 0.0);
+            assert_eq!(max_diff(s.recurrent(), &recurrent), 0.0);
+            assert_eq!((s.conv().dims(), s.seen()), (&[2, 56, 3][..], seen));
+            s.commit(&cp, 2)?;
+        }
+        Ok(())
+    }
+
+    /// A state of another conv dtype than the activations, or whose recurrent state has another
+    /// shape, is refused before either part moves (the in-place kernels had advanced the other
+    /// part); a group of a flat batch whose state does not fit leaves every group's state as it
+    /// was.
+    #[test]
+    fn states_that_do_not_fit_are_refused_before_anything_moves() -> Result<()> {
+        let l = layer(8);
+        let dev = Device::Cpu;
+        let x = qwen36_testutil::randn(131, 1.0, (1, 1, 24), &dev)?;
+        let zero_parts = |s: &GdnState| -> Result<(f32, f32)> {
+            let sum =
+                |t: &Tensor| -> Result<f32> { Ok(t.to_dtype(DType::F32)?.abs()?.sum_all()?.to_scalar()?) };
+            Ok((sum(s.conv())?, sum(s.recurrent())?))
+        };
+        for in_place in [false, true] {
+            let bf16 = l.new_state(1, DType::BF16, DType::F32)?;
+            let wrong_shape = GdnState::from_parts(
+                Tensor::zeros((1, 56, 3), DType::F32, &dev)?,
+                Tensor::zeros((1, 4, 8, 5), DType::F32, &dev)?,
+                0,
+            )?;
+            for mut s in [bf16.clone(), wrong_shape] {
+                if in_place {
+                    s.set_in_place()?;
+                }
+                assert!(l.forward(&x, &mut s).is_err(), "in place {in_place}");
+                assert_eq!((zero_parts(&s)?, s.seen()), ((0.0, 0.0), 0));
+            }
+        }
+        let norm = RmsNorm::zero_centred(&Tensor::zeros(24, DType::F32, &dev)?, 1e-6)?;
+        let x2 = qwen36_testutil::randn(132, 1.0, (1, 2, 24), &dev)?;
+        let mut s0 = l.new_state(1, DType::F32, DType::F32)?;
+        let mut s1 = l.new_state(2, DType::F32, DType::F32)?;
+        let mut groups = [
+            GdnGroup {
+                batch: 1,
+                len: 1,
+                state: GroupState::Own(&mut s0),
+                verify: false,
+            },
+            GdnGroup {
+                batch: 1,
+                len: 1,
+                state: GroupState::Own(&mut s1),
+                verify: false,
+            },
+        ];
+        assert!(l.forward_groups_block(&x2, &norm, &mut groups).is_err());
+        assert_eq!((zero_parts(&s0)?, s0.seen()), ((0.0, 0.0), 0));
+        Ok(())
+    }
 
     /// Every accepted length 0..=k: verify k+1 tokens, commit a+1, continue with one more token;
     /// output and state equal a fresh token-by-token run over exactly the kept tokens. Tolerance

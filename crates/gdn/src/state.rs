@@ -6,7 +6,8 @@ use crate::{Error, GdnConfig, Result, VerifyCheckpoints};
 
 /// The state one GDN layer carries between calls for a batch of sequences.
 ///
-/// * `conv`: the last `K-1` raw (pre-conv) inputs, `[batch, conv_dim, K-1]`, activation dtype;
+/// * `conv`: the last `K-1` raw (pre-conv) inputs, `[batch, conv_dim, K-1]`, in the activations'
+///   dtype (a layer refuses a state of another);
 /// * `recurrent`: `[batch, Hv, dk, dv]`, always f32.
 ///
 /// By default tensors are replaced, never written in place, so a `clone()` is an exact snapshot
@@ -145,8 +146,24 @@ impl GdnState {
 
     /// Keeps the first `keep` tokens (1..=len) of a verify pass: the state becomes exactly the state
     /// after token `keep - 1` of that pass, as if only those tokens had been run.
+    /// Checkpoints of another batch or shape are refused, the state unchanged.
     pub fn commit(&mut self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
         let (conv, recurrent) = checkpoints.state_after(keep)?;
+        if conv.dims() != self.conv.dims()
+            || conv.dtype() != self.conv.dtype()
+            || recurrent.dims() != self.recurrent.dims()
+        {
+            return Err(Error::State(format!(
+                "checkpoints of conv {:?} {:?} and recurrent {:?} do not fit this state (conv {:?} \
+                 {:?}, recurrent {:?})",
+                conv.dims(),
+                conv.dtype(),
+                recurrent.dims(),
+                self.conv.dims(),
+                self.conv.dtype(),
+                self.recurrent.dims()
+            )));
+        }
         self.set(conv, recurrent)?;
         self.seen = checkpoints.seen_before + keep;
         Ok(())

@@ -25,8 +25,10 @@ pub enum LayerCache {
 }
 
 /// The cache for one batch of sequences that advance together. `clone()` is a cheap snapshot of
-/// the GDN states (their tensors are replaced, never mutated); KV buffers are shared, which is
-/// fine because restoring a snapshot also restores the shorter KV length.
+/// the GDN states (their tensors are replaced, never mutated) while no state is in place (a
+/// recorded CUDA graph's: `DecodeGraph` turns it on); KV buffers are shared, so a snapshot's keys
+/// and values hold only until the live cache writes positions below its length again (restoring
+/// it, then running on from there, is exact: its length is restored too).
 #[derive(Debug, Clone)]
 pub struct Cache {
     pub(crate) layers: Vec<LayerCache>,

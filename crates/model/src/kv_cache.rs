@@ -77,12 +77,16 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends `k, v: [batch, kv_heads, new, head_dim]` and returns all valid keys and values.
+    /// Appends `k, v: [batch, kv_heads, new, head_dim]` (the same shape) and returns all valid
+    /// keys and values.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let new = k.dim(2)?;
         let needed = self.len + new;
         let (b, h, _, d) = k.dims4()?;
-        self.reserve(needed, (b, h, d), k.dtype(), k.device())?;
+        if v.dims() != k.dims() {
+            candle_core::bail!("values {:?} do not match keys {:?}", v.dims(), k.dims());
+        }
+        self.reserve(needed.max(1), (b, h, d), k.dtype(), k.device())?;
         let (kb, vb) = self
             .buffers()
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -105,7 +109,10 @@ impl KvCache {
         policy: &qwen36_kernels::KernelPolicy,
     ) -> Result<(Tensor, Tensor)> {
         let (b, h, new, d) = k.dims4()?;
-        self.reserve(self.len + new, (b, h, d), k.dtype(), k.device())?;
+        if v.dims() != k.dims() {
+            candle_core::bail!("values {:?} do not match keys {:?}", v.dims(), k.dims());
+        }
+        self.reserve((self.len + new).max(1), (b, h, d), k.dtype(), k.device())?;
         let (kb, vb) = self
             .buffers()
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -126,5 +133,32 @@ impl KvCache {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn set_len(&mut self, len: usize) {
         self.len = len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Zero new positions on an empty cache give empty keys and values (it had found no buffer);
+    /// values of another shape than the keys are refused, the length unchanged.
+    #[test]
+    fn appends_of_nothing_work_and_mismatched_values_are_refused() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut kv = KvCache::new();
+        let none = Tensor::zeros((1, 2, 0, 8), DType::F32, &dev)?;
+        let (k, v) = kv.append(&none, &none)?;
+        assert_eq!(
+            (k.dims(), v.dims(), kv.len()),
+            (&[1, 2, 0, 8][..], &[1, 2, 0, 8][..], 0)
+        );
+        let k3 = Tensor::ones((1, 2, 3, 8), DType::F32, &dev)?;
+        let v1 = Tensor::ones((1, 2, 1, 8), DType::F32, &dev)?;
+        assert!(kv.append(&k3, &v1).is_err());
+        assert_eq!(kv.len(), 0);
+        kv.append(&k3, &k3)?;
+        assert_eq!(kv.len(), 3);
+        Ok(())
     }
 }

@@ -385,6 +385,7 @@ impl PagedCache {
     /// chunk's own, a snapshot of a state the verify passed through when it is another (a copy
     /// of the chunk's slot, which still holds the state before the verify, with its stash). Run
     /// after the forward and before the next one over these slots.
+    /// Every entry is checked before any is applied: an error changes nothing.
     pub fn commit_into(&mut self, pending: &BatchPending, keeps: &[(usize, usize, u32)]) -> Result<()> {
         for &(chunk, keep, slot) in keeps {
             let len = pending.chunk_len(chunk)?;
@@ -394,6 +395,8 @@ impl PagedCache {
                     "cannot keep {keep} of chunk {chunk}'s {len} verified tokens (need 1..={len})"
                 )));
             }
+        }
+        for &(chunk, keep, slot) in keeps {
             let own = pending.slots[chunk];
             if own != slot {
                 // The chunk's own slot may have its keep recorded already: copy what the verify
@@ -452,8 +455,8 @@ pub struct SeqChunk {
     pub tokens: Vec<u32>,
     /// The sequence's KV blocks, covering at least `start + tokens.len()` positions.
     pub blocks: Vec<u32>,
-    /// Keep the GDN state after every new token (a speculative verify), for
-    /// [`PagedCache::commit`]; the tokens then run one by one like decode steps.
+    /// A speculative verify: the tokens run one by one like decode steps and the GDN pools stash
+    /// them, so that [`PagedCache::commit`] keeps any prefix (replayed on the slot's next pass).
     pub verify: bool,
 }
 
@@ -527,7 +530,12 @@ impl ForwardBatch {
         }
         let mut slots = std::collections::HashSet::new();
         for (i, c) in self.chunks.iter().enumerate() {
-            let end = c.start + c.tokens.len();
+            let Some(end) = c.start.checked_add(c.tokens.len()) else {
+                return Err(Error::Input(format!(
+                    "chunk {i}: start {} is past any position",
+                    c.start
+                )));
+            };
             if c.tokens.is_empty() {
                 return Err(Error::Input(format!("chunk {i} has no tokens")));
             }

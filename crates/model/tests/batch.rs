@@ -248,6 +248,7 @@ fn bad_batches_are_typed_errors() {
             "1 blocks of 4 positions do not hold 5",
         ),
         (vec![chunk(0, 0, &[1], &[4])], "block 4 is outside the pool of 4"),
+        (vec![chunk(0, usize::MAX, &[1], &[0])], "is past any position"),
     ];
     for (chunks, want) in cases {
         let e = run(&mut pool, chunks).unwrap_err().to_string();
@@ -275,6 +276,35 @@ fn bad_batches_are_typed_errors() {
         .contains("chunk 0 was not verified"));
     assert!(pool.commit(&pending, 1, 4).is_err() && pool.commit(&pending, 1, 0).is_err());
     pool.commit(&pending, 1, 2).unwrap();
+}
+
+/// A commit of several chunks with one bad keep changes no slot (the first chunk's keep was
+/// recorded before the second was checked, and replayed on the slot's next pass).
+#[test]
+fn a_failed_commit_of_several_chunks_changes_nothing() {
+    let model = load_at(bundled_dir(), DType::F32);
+    let mut pool: PagedCache = model.new_paged_cache(2, 8, 4).unwrap();
+    let run =
+        |pool: &mut PagedCache, chunks: Vec<SeqChunk>| model.forward_batch(&ForwardBatch::new(chunks), pool);
+    run(
+        &mut pool,
+        vec![chunk(0, 0, &[5, 9, 2], &[0, 1]), chunk(1, 0, &[5, 9, 2], &[2, 3])],
+    )
+    .unwrap();
+    let layers = model.config().num_hidden_layers;
+    let gdn = (0..layers)
+        .find(|&l| pool.slot_state(l, 0).unwrap().is_some())
+        .unwrap();
+    let (_, before) = pool.slot_state(gdn, 0).unwrap().unwrap();
+    let verify = |slot, blocks: &[u32]| SeqChunk {
+        verify: true,
+        ..chunk(slot, 3, &[7, 7, 1], blocks)
+    };
+    let out = run(&mut pool, vec![verify(0, &[0, 1]), verify(1, &[2, 3])]).unwrap();
+    let pending = out.pending.unwrap();
+    assert!(pool.commit_many(&pending, &[(0, 2), (1, 0)]).is_err());
+    let (_, after) = pool.slot_state(gdn, 0).unwrap().unwrap();
+    assert_eq!(max_row_rel_err(&after, &before), 0.0);
 }
 
 /// A sequence started in a slot sees nothing of the slot's last sequence, and clearing a slot
