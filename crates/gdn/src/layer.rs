@@ -552,8 +552,7 @@ impl GatedDeltaNet {
             (y, state.conv().clone(), window.cloned())
         } else {
             let window = if verify {
-                let new_inputs = mixed.transpose(1, 2)?.to_dtype(state.conv().dtype())?;
-                Some(Tensor::cat(&[state.conv(), &new_inputs], 2)?)
+                Some(Tensor::cat(&[state.conv(), &mixed.transpose(1, 2)?], 2)?)
             } else {
                 None
             };

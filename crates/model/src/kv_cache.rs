@@ -83,9 +83,7 @@ impl KvCache {
         let new = k.dim(2)?;
         let needed = self.len + new;
         let (b, h, _, d) = k.dims4()?;
-        if v.dims() != k.dims() {
-            candle_core::bail!("values {:?} do not match keys {:?}", v.dims(), k.dims());
-        }
+        same_shape(k, v)?;
         self.reserve(needed.max(1), (b, h, d), k.dtype(), k.device())?;
         let (kb, vb) = self
             .buffers()
@@ -109,9 +107,7 @@ impl KvCache {
         policy: &qwen36_kernels::KernelPolicy,
     ) -> Result<(Tensor, Tensor)> {
         let (b, h, new, d) = k.dims4()?;
-        if v.dims() != k.dims() {
-            candle_core::bail!("values {:?} do not match keys {:?}", v.dims(), k.dims());
-        }
+        same_shape(k, v)?;
         self.reserve((self.len + new).max(1), (b, h, d), k.dtype(), k.device())?;
         let (kb, vb) = self
             .buffers()
@@ -134,6 +130,14 @@ impl KvCache {
     pub(crate) fn set_len(&mut self, len: usize) {
         self.len = len;
     }
+}
+
+/// An append's keys and values are shaped alike.
+fn same_shape(k: &Tensor, v: &Tensor) -> Result<()> {
+    if v.dims() != k.dims() {
+        candle_core::bail!("values {:?} do not match keys {:?}", v.dims(), k.dims());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -651,6 +651,20 @@ impl Linear {
 }
 
 impl Linear {
+    /// Whether `forward` runs the rows of `x` through this FP8 layer's (weight `w`) few-row
+    /// kernels on CUDA, not the FP8 GEMM nor the matmul: the condition under which a fused launch
+    /// of its tile kernel repeats its bits (the launchers check the rest: the tile kernel over
+    /// the CUDA-core one, 1..8 rows, alignment).
+    #[cfg(feature = "cuda")]
+    fn fp8_tiles(&self, w: &Fp8Weight, x: &Tensor) -> Result<bool> {
+        if !x.device().is_cuda() || x.rank() == 0 || matches!(self.policy.skinny, SkinnyPath::Matmul) {
+            return Ok(false);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        Ok(w.dims().1 == k && rows > 0 && !self.fp8_gemm_rows(w, x, rows))
+    }
+
     /// `forward_swiglu` in one launch of the tile kernel with the SwiGLU in its epilogue, where
     /// the layer (no bias) would run `x` through its tile kernel (dense, or FP8 short of the FP8
     /// GEMM): the bits of the two steps; `None` for the two steps.
@@ -666,13 +680,7 @@ impl Linear {
                 Some(w) => cuda::SwiGluWeight::Dense(w),
                 None => return Ok(None),
             },
-            Kind::Fp8 { w, bias: None }
-                if w.dims().1 == k
-                    && !self.fp8_gemm_rows(w, x, rows)
-                    && !matches!(self.policy.skinny, SkinnyPath::Matmul) =>
-            {
-                cuda::SwiGluWeight::Fp8(w)
-            }
+            Kind::Fp8 { w, bias: None } if self.fp8_tiles(w, x)? => cuda::SwiGluWeight::Fp8(w),
             _ => return Ok(None),
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;
@@ -690,30 +698,19 @@ impl Linear {
     /// order; `None` for one launch a part.
     #[cfg(feature = "cuda")]
     fn forward_pair(parts: &[Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-        let [a, b] = parts else {
-            return Ok(None);
-        };
-        let (fp8, dense, fp8_first) = match (&a.kind, &b.kind) {
-            (Kind::Fp8 { w, bias: None }, Kind::Dense(_)) => (w, b, true),
-            (Kind::Dense(_), Kind::Fp8 { w, bias: None }) => (w, a, false),
+        let (fp8_first, fp8_layer, dense) = match parts {
+            [a, b] if matches!(b.kind, Kind::Dense(_)) => (true, a, b),
+            [a, b] if matches!(a.kind, Kind::Dense(_)) => (false, b, a),
             _ => return Ok(None),
         };
-        let fp8_layer = if fp8_first { a } else { b };
-        let Some(w16) = dense.dense_weight() else {
+        let (Kind::Fp8 { w: fp8, bias: None }, Some(w16)) = (&fp8_layer.kind, dense.dense_weight()) else {
             return Ok(None);
         };
-        if dense.bias().is_some() || !dense.tiles(x)? || x.rank() == 0 {
+        if dense.bias().is_some() || !dense.tiles(x)? || !fp8_layer.fp8_tiles(fp8, x)? {
             return Ok(None);
         }
         let k = x.dim(candle_core::D::Minus1)?;
-        let rows = x.elem_count() / k.max(1);
-        if fp8.dims().1 != k
-            || fp8_layer.fp8_gemm_rows(fp8, x, rows)
-            || matches!(fp8_layer.policy.skinny, SkinnyPath::Matmul)
-        {
-            return Ok(None);
-        }
-        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let x2 = x.contiguous()?.reshape((x.elem_count() / k.max(1), k))?;
         let Some((y8, y16)) = cuda::fp8_dense_pair(&x2, fp8, w16, &fp8_layer.policy)? else {
             return Ok(None);
         };
