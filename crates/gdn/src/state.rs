@@ -148,6 +148,27 @@ impl GdnState {
     /// after token `keep - 1` of that pass, as if only those tokens had been run.
     /// Checkpoints of another batch or shape are refused, the state unchanged.
     pub fn commit(&mut self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
+        let (conv, recurrent) = self.state_after(checkpoints, keep)?;
+        // A plain state takes buffers of its own: views would share the checkpoints' storage
+        // (buffers a caller may rewrite on the next pass) and keep all of it alive.
+        let (conv, recurrent) = match self.in_place {
+            true => (conv, recurrent),
+            false => (conv.force_contiguous()?, recurrent.force_contiguous()?),
+        };
+        self.set(conv, recurrent)?;
+        self.seen = checkpoints.seen_before + keep;
+        Ok(())
+    }
+
+    /// Whether [`Self::commit`] of `keep` tokens of `checkpoints` would be accepted (the keep
+    /// in range, the checkpoints of this state's shapes), changing nothing.
+    pub fn check_commit(&self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<()> {
+        self.state_after(checkpoints, keep).map(|_| ())
+    }
+
+    /// The conv window and recurrent state after `keep` tokens of `checkpoints` (views), or
+    /// an error when they do not fit this state.
+    fn state_after(&self, checkpoints: &VerifyCheckpoints, keep: usize) -> Result<(Tensor, Tensor)> {
         let (conv, recurrent) = checkpoints.state_after(keep)?;
         if conv.dims() != self.conv.dims()
             || conv.dtype() != self.conv.dtype()
@@ -164,9 +185,7 @@ impl GdnState {
                 self.recurrent.dims()
             )));
         }
-        self.set(conv, recurrent)?;
-        self.seen = checkpoints.seen_before + keep;
-        Ok(())
+        Ok((conv, recurrent))
     }
 
     /// The bookkeeping of [`Self::commit`] alone: for a caller that replays the commit's copies

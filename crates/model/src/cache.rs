@@ -100,6 +100,20 @@ impl Cache {
                 "cannot keep {keep} of the {len} verified tokens"
             )));
         }
+        // Every layer checked before any moves: an error leaves the cache as the pass left it.
+        for (layer, cp) in self.layers.iter().zip(&p.checkpoints) {
+            let fits = match (layer, cp) {
+                (LayerCache::Attention(_), _) => Ok(()),
+                (LayerCache::Gdn(s), Some(cp)) => s.check_commit(cp, keep),
+                (LayerCache::Gdn(_), None) => {
+                    Err(qwen36_gdn::Error::State("GDN layer without checkpoints".into()))
+                }
+            };
+            if let Err(e) = fits {
+                self.pending = Some(p);
+                return Err(e.into());
+            }
+        }
         for (layer, cp) in self.layers.iter_mut().zip(&p.checkpoints) {
             match (layer, cp) {
                 (LayerCache::Attention(kv), _) => kv.truncate(p.base + keep),
@@ -130,5 +144,45 @@ impl Cache {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn pending_checkpoints(&self) -> Option<&[Option<VerifyCheckpoints>]> {
         self.pending.as_ref().map(|p| p.checkpoints.as_slice())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+
+    /// A commit whose GDN checkpoints do not fit the layer's state (a broken pending) is refused
+    /// before anything moves: the attention layer before it keeps its positions, the sequence
+    /// its length, and the verify stays pending.
+    #[test]
+    fn a_commit_that_does_not_fit_changes_nothing() -> Result<()> {
+        let dev = Device::Cpu;
+        let zeros = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev);
+        let mut kv = KvCache::new();
+        kv.append(&zeros(&[1, 1, 6, 4])?, &zeros(&[1, 1, 6, 4])?)?;
+        let state = GdnState::from_parts(zeros(&[1, 3, 2])?, zeros(&[1, 2, 2, 2])?, 3)?;
+        // Recurrent states of dv 3 where the state has 2.
+        let cp = VerifyCheckpoints::from_buffers(zeros(&[1, 3, 2, 2, 3])?, zeros(&[1, 3, 5])?)?;
+        let mut cache = Cache {
+            layers: vec![LayerCache::Attention(kv), LayerCache::Gdn(state)],
+            batch: 1,
+            seq_len: 6,
+            pending: Some(Pending {
+                base: 3,
+                len: 3,
+                checkpoints: vec![None, Some(cp)],
+            }),
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+        };
+        let err = cache.commit(1).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+        let LayerCache::Attention(kv) = &cache.layers[0] else {
+            unreachable!()
+        };
+        assert_eq!((kv.len(), cache.seq_len(), cache.pending.is_some()), (6, 6, true));
+        Ok(())
     }
 }

@@ -627,7 +627,7 @@ impl BatchGraph {
         cache.passed(batch);
         Ok(BatchOutput {
             hidden: outputs[0].narrow(0, 0, batch.total_rows())?,
-            pending: batch.pending(),
+            pending: batch.pending(cache),
         })
     }
 

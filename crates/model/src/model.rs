@@ -534,7 +534,7 @@ impl Qwen36Model {
         }
         Ok(BatchOutput {
             hidden,
-            pending: batch.pending(),
+            pending: batch.pending(cache),
         })
     }
 

@@ -55,6 +55,10 @@ pub struct PagedCache {
     /// Per slot: the stashed tokens the next pass applies first (its accepted ones, at most
     /// what its last verify stashed).
     pub(crate) replay: Vec<u32>,
+    /// Per slot: a count of the changes to its state other than commits (passes over it,
+    /// settles, copies into it, clears), which a [`BatchPending`] records after its pass: a
+    /// commit from a pass the slot has moved on from would replay other tokens.
+    pub(crate) epoch: Vec<u64>,
     /// The activation dtype (the stashes' inputs).
     dtype: DType,
     /// Tests only: the fault of the model that made it.
@@ -115,8 +119,11 @@ impl PagedCache {
         self.forget(slot);
     }
 
+    /// The slot has nothing to replay, and its state has changed (no pending commit of it
+    /// holds).
     fn forget(&mut self, slot: u32) {
         self.replay[slot as usize] = 0;
+        self.epoch[slot as usize] += 1;
     }
 
     /// Every pool of the GDN layers that holds a row per slot (windows, states, their stashes),
@@ -158,6 +165,7 @@ impl PagedCache {
             pool.slice_set(&row, 0, dst as usize)?;
         }
         self.replay[dst as usize] = self.replay[src as usize];
+        self.epoch[dst as usize] += 1;
         Ok(())
     }
 
@@ -178,13 +186,17 @@ impl PagedCache {
     }
 
     /// Applies the deferred commits of `slots` now (the replay a next pass would run first),
-    /// leaving them nothing to replay.
+    /// leaving them nothing to replay. A slot listed twice settles once.
     pub fn settle(&mut self, slots: &[u32]) -> Result<()> {
-        let due: Vec<u32> = slots
+        let mut due: Vec<u32> = slots
             .iter()
             .copied()
             .filter(|&s| self.replay.get(s as usize).is_some_and(|&r| r > 0))
             .collect();
+        // Each slot once: the kernels replay every listed row, so a repeated one would take its
+        // tokens twice.
+        due.sort_unstable();
+        due.dedup();
         if due.is_empty() {
             return Ok(());
         }
@@ -340,6 +352,7 @@ impl PagedCache {
             blocks: self.blocks,
             block_size: self.block_size,
             replay: vec![0],
+            epoch: vec![0],
             dtype: self.dtype,
             fault: None,
         })
@@ -385,11 +398,21 @@ impl PagedCache {
     /// chunk's own, a snapshot of a state the verify passed through when it is another (a copy
     /// of the chunk's slot, which still holds the state before the verify, with its stash). Run
     /// after the forward and before the next one over these slots.
-    /// Every entry is checked before any is applied: an error changes nothing.
+    /// Every entry is checked before any is applied: an error changes nothing. A pending whose
+    /// chunk's slot has changed since its pass (another pass over it, a settle of its commit, a
+    /// copy into it, a clear) is refused.
     pub fn commit_into(&mut self, pending: &BatchPending, keeps: &[(usize, usize, u32)]) -> Result<()> {
         for &(chunk, keep, slot) in keeps {
             let len = pending.chunk_len(chunk)?;
             self.check_slot(slot)?;
+            let own = pending.slots[chunk];
+            self.check_slot(own)?;
+            if self.epoch[own as usize] != pending.epochs[chunk] {
+                return Err(Error::Cache(format!(
+                    "chunk {chunk}'s verify is stale: slot {own} has changed since (a later pass, \
+                     a settle of its commit, a copy into it or a clear), so its stash holds other tokens"
+                )));
+            }
             if keep == 0 || keep > len {
                 return Err(Error::Cache(format!(
                     "cannot keep {keep} of chunk {chunk}'s {len} verified tokens (need 1..={len})"
@@ -416,7 +439,7 @@ impl PagedCache {
     /// tokens in the stash, none accepted until its commit).
     pub(crate) fn passed(&mut self, batch: &ForwardBatch) {
         for c in &batch.chunks {
-            self.replay[c.slot as usize] = 0;
+            self.forget(c.slot);
         }
     }
 
@@ -631,9 +654,10 @@ impl ForwardBatch {
 }
 
 impl ForwardBatch {
-    /// What a forward of this batch leaves for [`PagedCache::commit`]: each verified chunk's
-    /// slot and token count (`None` when no chunk verifies).
-    pub(crate) fn pending(&self) -> Option<BatchPending> {
+    /// What a forward of this batch over `cache` leaves for [`PagedCache::commit`]: each
+    /// verified chunk's slot and token count, and the slots' states as the pass left them
+    /// (`None` when no chunk verifies). Made after [`PagedCache::passed`].
+    pub(crate) fn pending(&self, cache: &PagedCache) -> Option<BatchPending> {
         if !self.chunks.iter().any(|c| c.verify) {
             return None;
         }
@@ -644,16 +668,19 @@ impl ForwardBatch {
                 .map(|c| c.verify.then_some(c.tokens.len()))
                 .collect(),
             slots: self.chunks.iter().map(|c| c.slot).collect(),
+            epochs: self.chunks.iter().map(|c| cache.epoch[c.slot as usize]).collect(),
         })
     }
 }
 
 /// What a forward with verifying chunks leaves for [`PagedCache::commit`]: per chunk, its
-/// slot and, when it verified, its token count.
+/// slot, when it verified its token count, and its slot's [`PagedCache`] epoch after the pass
+/// (valid until the slot changes again).
 #[derive(Debug, Clone)]
 pub struct BatchPending {
     pub(crate) verified: Vec<Option<usize>>,
     pub(crate) slots: Vec<u32>,
+    pub(crate) epochs: Vec<u64>,
 }
 
 impl BatchPending {
@@ -726,6 +753,7 @@ impl PagedCache {
             blocks,
             block_size,
             replay: vec![0; slots],
+            epoch: vec![0; slots],
             dtype,
             #[cfg(feature = "fault-injection")]
             fault: None,

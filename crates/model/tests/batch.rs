@@ -307,6 +307,78 @@ fn a_failed_commit_of_several_chunks_changes_nothing() {
     assert_eq!(max_row_rel_err(&after, &before), 0.0);
 }
 
+/// A verify's pending commits only while its slot is as the pass left it: after a later pass
+/// over the slot, or after its commit was settled, the same pending is refused (its stash holds
+/// other tokens, or they were applied already) and the slot's state does not move; a slot
+/// listed twice in a settle takes its tokens once.
+#[test]
+fn stale_commits_are_refused_and_a_repeated_settle_applies_once() {
+    let model = load_at(bundled_dir(), DType::F32);
+    let layers = model.config().num_hidden_layers;
+    let run =
+        |pool: &mut PagedCache, chunks: Vec<SeqChunk>| model.forward_batch(&ForwardBatch::new(chunks), pool);
+    let verify = |start, tokens: &[u32]| SeqChunk {
+        verify: true,
+        ..chunk(0, start, tokens, &[0, 1, 2])
+    };
+    let fresh = || {
+        let mut pool: PagedCache = model.new_paged_cache(2, 8, 4).unwrap();
+        run(&mut pool, vec![chunk(0, 0, &[5, 9, 2], &[0, 1, 2])]).unwrap();
+        let pending = run(&mut pool, vec![verify(3, &[7, 7, 1])])
+            .unwrap()
+            .pending
+            .unwrap();
+        (pool, pending)
+    };
+    let gdn = {
+        let (mut pool, _) = fresh();
+        (0..layers)
+            .find(|&l| pool.slot_state(l, 0).unwrap().is_some())
+            .unwrap()
+    };
+    let state = |pool: &mut PagedCache| pool.slot_state(gdn, 0).unwrap().unwrap().1;
+
+    // A later pass (a verify of other tokens), then the first verify's pending.
+    let (mut pool, pending) = fresh();
+    pool.commit(&pending, 0, 2).unwrap();
+    let later = run(&mut pool, vec![verify(5, &[4, 3])]).unwrap().pending.unwrap();
+    let err = pool.commit(&pending, 0, 1).unwrap_err();
+    assert!(err.to_string().contains("stale"), "{err}");
+    pool.commit(&later, 0, 2).unwrap();
+    let want = {
+        let (mut p, pd) = fresh();
+        p.commit(&pd, 0, 2).unwrap();
+        let l = run(&mut p, vec![verify(5, &[4, 3])]).unwrap().pending.unwrap();
+        p.commit(&l, 0, 2).unwrap();
+        state(&mut p)
+    };
+    assert_eq!(max_row_rel_err(&state(&mut pool), &want), 0.0);
+
+    // A commit settled, then committed again.
+    let (mut pool, pending) = fresh();
+    pool.commit(&pending, 0, 2).unwrap();
+    let settled = state(&mut pool);
+    assert!(pool.commit(&pending, 0, 3).is_err());
+    assert_eq!(max_row_rel_err(&state(&mut pool), &settled), 0.0);
+
+    // A settle that finds nothing to apply changes nothing: the commit still holds.
+    let (mut pool, pending) = fresh();
+    pool.settle(&[0]).unwrap();
+    pool.commit(&pending, 0, 2).unwrap();
+    assert_eq!(max_row_rel_err(&state(&mut pool), &settled), 0.0);
+
+    // A copy into the slot replaces what the pending's tokens were stashed over.
+    let (mut pool, pending) = fresh();
+    pool.copy_slot(1, 0).unwrap();
+    assert!(pool.commit(&pending, 0, 2).is_err());
+
+    // The slot twice in one settle: its two accepted tokens once.
+    let (mut pool, pending) = fresh();
+    pool.commit(&pending, 0, 2).unwrap();
+    pool.settle(&[0, 0]).unwrap();
+    assert_eq!(max_row_rel_err(&state(&mut pool), &settled), 0.0);
+}
+
 /// A sequence started in a slot sees nothing of the slot's last sequence, and clearing a slot
 /// zeroes exactly that slot.
 #[test]
