@@ -1240,13 +1240,13 @@ mod verify_tests {
         assert_eq!(max_diff(t.conv(), u.conv()), 0.0);
         assert_eq!(t.seen(), u.seen());
         // The committed state owns its buffers: rewriting the checkpoint buffers it came from
-        // (as the next pass does) leaves it as it was.
-        let (rec, win) = (t.recurrent().force_contiguous()?, t.conv().force_contiguous()?);
+        // (as the next pass does) leaves it as it was. (Its recurrent state, at batch 1 a
+        // contiguous row of the checkpoints, was a view of them; its conv window never is.)
+        let rec = t.recurrent().force_contiguous()?;
         assert!(rec.abs()?.max_all()?.to_scalar::<f32>()? > 0.0);
         VerifyCheckpoints::from_buffers(kept.states.zeros_like()?, kept.window.zeros_like()?)?
             .write_into(&kept)?;
         assert_eq!(max_diff(t.recurrent(), &rec), 0.0);
-        assert_eq!(max_diff(t.conv(), &win), 0.0);
 
         let mut s = base.clone();
         let (_, cp) = l.forward_verify(&verify, &mut s)?;

@@ -101,6 +101,14 @@ impl Cache {
             )));
         }
         // Every layer checked before any moves: an error leaves the cache as the pass left it.
+        if p.checkpoints.len() != self.layers.len() {
+            let n = p.checkpoints.len();
+            self.pending = Some(p);
+            return Err(Error::Cache(format!(
+                "a verify of {n} layers' checkpoints for a cache of {} layers",
+                self.layers.len()
+            )));
+        }
         for (layer, cp) in self.layers.iter().zip(&p.checkpoints) {
             let fits = match (layer, cp) {
                 (LayerCache::Attention(_), _) => Ok(()),
@@ -153,9 +161,9 @@ mod tests {
 
     use super::*;
 
-    /// A commit whose GDN checkpoints do not fit the layer's state (a broken pending) is refused
-    /// before anything moves: the attention layer before it keeps its positions, the sequence
-    /// its length, and the verify stays pending.
+    /// A commit whose GDN checkpoints do not fit the layer's state, or that has checkpoints for
+    /// fewer layers (a broken pending), is refused before anything moves: the attention layer
+    /// before it keeps its positions, the sequence its length, and the verify stays pending.
     #[test]
     fn a_commit_that_does_not_fit_changes_nothing() -> Result<()> {
         let dev = Device::Cpu;
@@ -183,6 +191,15 @@ mod tests {
             unreachable!()
         };
         assert_eq!((kv.len(), cache.seq_len(), cache.pending.is_some()), (6, 6, true));
+        // Checkpoints for fewer layers than the cache has: refused too.
+        if let Some(p) = cache.pending.as_mut() {
+            p.checkpoints.pop();
+        }
+        assert!(cache.commit(1).is_err());
+        let LayerCache::Attention(kv) = &cache.layers[0] else {
+            unreachable!()
+        };
+        assert_eq!((kv.len(), cache.pending.is_some()), (6, true));
         Ok(())
     }
 }

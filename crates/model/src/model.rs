@@ -569,7 +569,9 @@ impl Qwen36Model {
             .filter(|c| !c.verify && c.tokens.len() > 1)
             .map(|c| c.slot)
             .collect();
-        cache.settle(&gathered)
+        cache.settle(&gathered)?;
+        cache.passing(batch);
+        Ok(())
     }
 
     /// The layers over flat inputs: `ids: [1, rows]` → the final-norm hidden states `[rows,

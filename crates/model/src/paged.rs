@@ -59,6 +59,8 @@ pub struct PagedCache {
     /// settles, copies into it, clears), which a [`BatchPending`] records after its pass: a
     /// commit from a pass the slot has moved on from would replay other tokens.
     pub(crate) epoch: Vec<u64>,
+    /// This pool among the process's pools (a pending is committed to the pool it came from).
+    id: u64,
     /// The activation dtype (the stashes' inputs).
     dtype: DType,
     /// Tests only: the fault of the model that made it.
@@ -193,8 +195,8 @@ impl PagedCache {
             .copied()
             .filter(|&s| self.replay.get(s as usize).is_some_and(|&r| r > 0))
             .collect();
-        // Each slot once: the kernels replay every listed row, so a repeated one would take its
-        // tokens twice.
+        // Each slot once: the CUDA kernels would replay a repeated row twice, racing (the CPU
+        // form refuses it).
         due.sort_unstable();
         due.dedup();
         if due.is_empty() {
@@ -353,6 +355,7 @@ impl PagedCache {
             block_size: self.block_size,
             replay: vec![0],
             epoch: vec![0],
+            id: next_pool_id(),
             dtype: self.dtype,
             fault: None,
         })
@@ -402,6 +405,11 @@ impl PagedCache {
     /// chunk's slot has changed since its pass (another pass over it, a settle of its commit, a
     /// copy into it, a clear) is refused.
     pub fn commit_into(&mut self, pending: &BatchPending, keeps: &[(usize, usize, u32)]) -> Result<()> {
+        if pending.pool != self.id {
+            return Err(Error::Cache(
+                "a verify's pending commits only to the pool its pass ran over".into(),
+            ));
+        }
         for &(chunk, keep, slot) in keeps {
             let len = pending.chunk_len(chunk)?;
             self.check_slot(slot)?;
@@ -411,6 +419,13 @@ impl PagedCache {
                 return Err(Error::Cache(format!(
                     "chunk {chunk}'s verify is stale: slot {own} has changed since (a later pass, \
                      a settle of its commit, a copy into it or a clear), so its stash holds other tokens"
+                )));
+            }
+            // Another chunk's slot would lose its own state (and a later entry could copy it on
+            // as that chunk's).
+            if slot != own && pending.slots.contains(&slot) {
+                return Err(Error::Cache(format!(
+                    "chunk {chunk}'s state cannot go into slot {slot}, which another chunk of the pass runs on"
                 )));
             }
             if keep == 0 || keep > len {
@@ -435,11 +450,20 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Before a forward of `batch`: its slots' states are about to change (a pass that fails
+    /// midway leaves them changed too), so no earlier pending holds for them.
+    pub(crate) fn passing(&mut self, batch: &ForwardBatch) {
+        for c in &batch.chunks {
+            self.epoch[c.slot as usize] += 1;
+        }
+    }
+
     /// After a forward of `batch`: what each chunk replayed is spent (a verify's slot holds its
     /// tokens in the stash, none accepted until its commit).
+    /// (Their epochs moved in [`Self::passing`].)
     pub(crate) fn passed(&mut self, batch: &ForwardBatch) {
         for c in &batch.chunks {
-            self.forget(c.slot);
+            self.replay[c.slot as usize] = 0;
         }
     }
 
@@ -460,6 +484,12 @@ impl PagedCache {
             .map(|p| blocks[p / bs] * bs as u32 + (p % bs) as u32)
             .collect()
     }
+}
+
+/// A new pool's [`PagedCache::id`].
+fn next_pool_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 fn no_chunk(chunk: usize) -> Error {
@@ -669,6 +699,7 @@ impl ForwardBatch {
                 .collect(),
             slots: self.chunks.iter().map(|c| c.slot).collect(),
             epochs: self.chunks.iter().map(|c| cache.epoch[c.slot as usize]).collect(),
+            pool: cache.id,
         })
     }
 }
@@ -681,6 +712,8 @@ pub struct BatchPending {
     pub(crate) verified: Vec<Option<usize>>,
     pub(crate) slots: Vec<u32>,
     pub(crate) epochs: Vec<u64>,
+    /// The [`PagedCache`] the pass ran over.
+    pool: u64,
 }
 
 impl BatchPending {
@@ -754,6 +787,7 @@ impl PagedCache {
             block_size,
             replay: vec![0; slots],
             epoch: vec![0; slots],
+            id: next_pool_id(),
             dtype,
             #[cfg(feature = "fault-injection")]
             fault: None,

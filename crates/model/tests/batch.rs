@@ -308,9 +308,11 @@ fn a_failed_commit_of_several_chunks_changes_nothing() {
 }
 
 /// A verify's pending commits only while its slot is as the pass left it: after a later pass
-/// over the slot, or after its commit was settled, the same pending is refused (its stash holds
-/// other tokens, or they were applied already) and the slot's state does not move; a slot
-/// listed twice in a settle takes its tokens once.
+/// over the slot, after its commit was settled, or after a copy into the slot, the same pending
+/// is refused (its stash holds other tokens, or they were applied already) and the slot's state
+/// does not move; the engine's own uses (the chunk's commit, then a snapshot of an earlier
+/// boundary into a spare slot) are accepted; a pending is refused by another pool and as a
+/// source for another chunk's slot; a slot listed twice in a settle takes its tokens once.
 #[test]
 fn stale_commits_are_refused_and_a_repeated_settle_applies_once() {
     let model = load_at(bundled_dir(), DType::F32);
@@ -367,10 +369,51 @@ fn stale_commits_are_refused_and_a_repeated_settle_applies_once() {
     pool.commit(&pending, 0, 2).unwrap();
     assert_eq!(max_row_rel_err(&state(&mut pool), &settled), 0.0);
 
-    // A copy into the slot replaces what the pending's tokens were stashed over.
+    // A copy into the slot replaces what the pending's tokens were stashed over: refused, and
+    // the slot keeps what was copied (slot 1's zeros).
     let (mut pool, pending) = fresh();
     pool.copy_slot(1, 0).unwrap();
+    let copied = pool.slot_state(gdn, 1).unwrap().unwrap().1;
     assert!(pool.commit(&pending, 0, 2).is_err());
+    assert_eq!(qwen36_testutil::max_abs_diff(&state(&mut pool), &copied), 0.0);
+
+    // The engine's flow: the chunk's own commit, then (a rolling snapshot) its state after an
+    // earlier boundary into another slot, from the same pending.
+    let after_one = {
+        let (mut p, pd) = fresh();
+        p.commit(&pd, 0, 1).unwrap();
+        state(&mut p)
+    };
+    let (mut pool, pending) = fresh();
+    pool.commit(&pending, 0, 2).unwrap();
+    pool.commit_into(&pending, &[(0, 1, 1)]).unwrap();
+    assert_eq!(max_row_rel_err(&state(&mut pool), &settled), 0.0);
+    let snapshot = pool.slot_state(gdn, 1).unwrap().unwrap().1;
+    assert_eq!(max_row_rel_err(&snapshot, &after_one), 0.0);
+
+    // A pending committed to another pool than its pass ran over.
+    let (mut other, _) = fresh();
+    let (_, pending) = fresh();
+    assert!(other.commit(&pending, 0, 2).is_err());
+
+    // A chunk's state copied into the slot another chunk of the pass runs on.
+    let mut pool: PagedCache = model.new_paged_cache(2, 8, 4).unwrap();
+    run(
+        &mut pool,
+        vec![chunk(0, 0, &[5, 9, 2], &[0, 1]), chunk(1, 0, &[5, 9, 2], &[2, 3])],
+    )
+    .unwrap();
+    let two = |slot, blocks: &[u32]| SeqChunk {
+        verify: true,
+        ..chunk(slot, 3, &[7, 7, 1], blocks)
+    };
+    let pending = run(&mut pool, vec![two(0, &[0, 1]), two(1, &[2, 3])])
+        .unwrap()
+        .pending
+        .unwrap();
+    let err = pool.commit_into(&pending, &[(0, 2, 1), (1, 2, 1)]).unwrap_err();
+    assert!(err.to_string().contains("another chunk"), "{err}");
+    pool.commit_many(&pending, &[(0, 2), (1, 3)]).unwrap();
 
     // The slot twice in one settle: its two accepted tokens once.
     let (mut pool, pending) = fresh();
