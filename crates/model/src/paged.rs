@@ -807,3 +807,41 @@ pub(crate) enum PoolShape {
     /// An attention layer's K/V row `[kv_heads, head_dim]`.
     Attention { kv_heads: usize, head_dim: usize },
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// A chunk may end exactly at the model's last position and not one past it; its token ids
+    /// must be below the vocabulary (the last id in, the next out).
+    #[test]
+    fn a_chunk_reaches_the_last_position_and_the_last_id() -> Result<()> {
+        let kv = PoolShape::Attention {
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let cache = PagedCache::zeros([kv].into_iter(), (1, 2, 4), DType::F32, &Device::Cpu)?;
+        let (vocab, max_positions) = (10, 8);
+        let batch = |start: usize, id: u32| {
+            ForwardBatch::new(vec![SeqChunk {
+                slot: 0,
+                start,
+                tokens: vec![id],
+                blocks: vec![0, 1, 1],
+                verify: false,
+            }])
+        };
+        batch(7, 9).check(&cache, vocab, max_positions)?;
+        assert!(matches!(
+            batch(8, 9).check(&cache, vocab, max_positions),
+            Err(Error::ContextOverflow { needed: 9, max: 8 })
+        ));
+        assert!(matches!(
+            batch(7, 10).check(&cache, vocab, max_positions),
+            Err(Error::Input(_))
+        ));
+        Ok(())
+    }
+}
