@@ -16,17 +16,24 @@
 //! # multi-turn chats through the prefix cache (each turn resends the history and 100 new tokens):
 //! cargo run --release --features cuda --example bench_serving -- --cuda --concurrency 1 \
 //!     --input-len 8000 --turns 2 --turn-len 100
+//! # tensor parallelism over two GPUs (NCCL), the engine's ranks on threads of their own:
+//! cargo run --release --features nccl --example bench_serving -- --cuda --tp 2 --concurrency 1,16
 //! ```
 //! Per concurrency: output tok/s, TPOT mean/p50/p99, TTFT mean/p99, the pool's peak memory, and
 //! the mean decode step against the bytes it must move (weights once + each sequence's GDN
 //! state read and written + its K/V read) at the copy bandwidth measured in the same run.
 
-use std::time::Instant;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use candle_core::{DType, Device};
 use clap::Parser;
-use qwen36::engine::{Engine, EngineConfig, Event, Request, RequestHandle, Speculation};
-use qwen36::model::MtpHead;
-use qwen36::Qwen36Model;
+use qwen36::engine::{
+    Engine, EngineClient, EngineConfig, EngineStatus, Event, Request, RequestHandle, Speculation, StepStats,
+};
+use qwen36::model::{Communicator, MtpHead};
+use qwen36::{Config, Qwen36Model};
 
 #[path = "common/hw.rs"]
 mod hw;
@@ -94,6 +101,12 @@ struct Args {
     /// State slots for the prefix cache's GDN snapshots (0: no prefix cache).
     #[arg(long, default_value_t = 8)]
     prefix_snapshots: usize,
+    /// Tensor parallelism over N ranks (threads on the CPU, with --cuda one GPU each over NCCL in
+    /// a build with --features nccl): the engine's ranks step in lockstep on threads of their
+    /// own, driven through their client as a server drives them. The step limit then counts one
+    /// rank's bytes (its shard plus the replicated embedding, norms and lm_head).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 /// What one request saw.
@@ -111,14 +124,14 @@ fn main() -> anyhow_like::Result<()> {
     if let Some(url) = &args.url {
         return over_http(&args, url);
     }
-    let random = args.run.model.is_none();
-    let (device, dtype, mut cfg, weights) =
-        setup(&args.run, qwen36::kernels::KernelPolicy::from_env(), None)?;
     if args.turns == 0 || args.shared_prefix > args.input_len {
         return Err("--turns must be at least 1 and --shared-prefix at most --input-len".into());
     }
-    let per_seq = args.input_len + args.turns * (args.output_len + args.turn_len) + args.mtp + 1;
-    cfg.max_position_embeddings = cfg.max_position_embeddings.max(per_seq);
+    if args.tp > 1 {
+        return over_ranks(&args);
+    }
+    let (device, dtype, cfg, weights) = setup(&args.run, qwen36::kernels::KernelPolicy::from_env(), None)?;
+    let cfg = with_room(&args, cfg);
     let copy_bw = copy_bandwidth(&device, dtype)?;
     eprintln!("measured: copy {:.1} GB/s (read + write)", copy_bw / 1e9);
     let model = Qwen36Model::from_weights(cfg.clone(), &weights)?;
@@ -126,7 +139,53 @@ fn main() -> anyhow_like::Result<()> {
         0 => None,
         _ => Some(MtpHead::load(&cfg, &weights)?),
     };
-    if args.mtp > 0 && random && args.accept_rates.is_none() {
+    let make = |engine_cfg: EngineConfig| match &head {
+        Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg),
+        None => Engine::new(model.clone(), engine_cfg),
+    };
+    announce(&args);
+    // Warm-up (kernel modules, cuBLAS handles, the memory pool) outside the timed runs.
+    {
+        let mut engine = make(warm_config(&args))?;
+        let _warm = engine.submit(warm_request(&args, cfg.vocab_size))?;
+        engine.run_to_completion()?;
+    }
+    let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
+    print_header(&args, dtype);
+    for &conc in &args.concurrency {
+        let n = args.num_prompts.unwrap_or((4 * conc).max(4));
+        let mut engine = make(engine_config(&args, conc, n))?;
+        reset_peak(&device);
+        let mut load = Load::new(&args, conc, n, cfg.vocab_size);
+        let start = Instant::now();
+        while !load.done() {
+            load.fill(|reqs| reqs.into_iter().map(|r| engine.submit(r)).collect())?;
+            let t0 = Instant::now();
+            let stats = engine.step()?;
+            device.synchronize()?;
+            load.stepped(&stats, t0.elapsed());
+            load.drain();
+        }
+        load.report(args.input_len, start.elapsed(), &cost, copy_bw, peak_gb(&device));
+        report_turns(&load.timings, engine.prefix_stats());
+    }
+    Ok(())
+}
+
+/// `cfg` with room for a whole conversation of `args` in its context.
+fn with_room(args: &Args, mut cfg: Config) -> Config {
+    cfg.max_position_embeddings = cfg.max_position_embeddings.max(per_seq(args));
+    cfg
+}
+
+/// The longest sequence a conversation of `args` reaches.
+fn per_seq(args: &Args) -> usize {
+    args.input_len + args.turns * (args.output_len + args.turn_len) + args.mtp + 1
+}
+
+/// What the runs mean, on stderr.
+fn announce(args: &Args) {
+    if args.mtp > 0 && args.run.model.is_none() && args.accept_rates.is_none() {
         eprintln!("note: random weights accept no drafts; pass --accept-rates to time MTP at a real head's acceptance");
     }
     if args.accept_rates.is_some() {
@@ -134,173 +193,356 @@ fn main() -> anyhow_like::Result<()> {
             "timing mode: drafts are accepted at the given rates, so the generated tokens are not meaningful"
         );
     }
-    let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
-    let vocab = cfg.vocab_size;
-    // Warm-up (kernel modules, cuBLAS handles, the memory pool) outside the timed runs.
-    {
-        let warm_cfg = EngineConfig {
-            max_seqs: 1,
-            kv_blocks: Some(per_seq.div_ceil(16) + 1),
-            ..Default::default()
-        };
-        let mut engine = match &head {
-            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), warm_cfg)?,
-            None => Engine::new(model.clone(), warm_cfg)?,
-        };
-        let mut req = Request::greedy(
-            (0..args.input_len.min(256) as u32)
-                .map(|i| i % vocab as u32)
-                .collect(),
-            4,
-        );
-        if args.mtp > 0 {
-            req.speculation = Some(Speculation::Mtp { k: args.mtp });
-        }
-        let _warm = engine.submit(req)?;
-        engine.run_to_completion()?;
+}
+
+/// The warm-up engine: one sequence.
+fn warm_config(args: &Args) -> EngineConfig {
+    EngineConfig {
+        max_seqs: 1,
+        kv_blocks: Some(per_seq(args).div_ceil(16) + 1),
+        ..Default::default()
     }
+}
+
+/// The warm-up request: a short prompt, four tokens.
+fn warm_request(args: &Args, vocab: usize) -> Request {
+    let prompt = (0..args.input_len.min(256) as u32)
+        .map(|i| i % vocab as u32)
+        .collect();
+    let mut req = Request::greedy(prompt, 4);
+    if args.mtp > 0 {
+        req.speculation = Some(Speculation::Mtp { k: args.mtp });
+    }
+    req
+}
+
+/// The engine of one run: `conc` sequences, room for `n` queued requests.
+fn engine_config(args: &Args, conc: usize, n: usize) -> EngineConfig {
+    let block_size = 16;
+    EngineConfig {
+        max_seqs: conc,
+        // Multi-turn: room for every conversation's history in the prefix cache too.
+        kv_blocks: Some(
+            (conc + if args.turns > 1 { n } else { 0 }) * (per_seq(args).div_ceil(block_size) + 1),
+        ),
+        block_size,
+        max_queue: n,
+        step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
+        timing_accept_rates: args.accept_rates.clone(),
+        adaptive_k: !args.fixed_k,
+        cuda_graphs: !args.eager,
+        prefix_snapshots: args.prefix_snapshots,
+        draft_vocab: args.draft_vocab,
+        max_model_len: None,
+    }
+}
+
+fn print_header(args: &Args, dtype: DType) {
     println!(
-        "input {} / output {} tokens, {dtype:?}, MTP k = {}{}",
+        "input {} / output {} tokens, {dtype:?}, MTP k = {}{}{}",
         args.input_len,
         args.output_len,
         args.mtp,
         match &args.accept_rates {
             Some(r) => format!(" (accept rates {r:?})"),
             None => String::new(),
+        },
+        match args.tp {
+            1 => String::new(),
+            tp => format!(", {tp} tensor-parallel ranks (the step limit and peak GB: rank 0's)"),
         }
     );
     println!(
         "| concurrency | prompts | output tok/s | TPOT mean / p50 / p99 (ms) | TTFT mean / p99 (ms) | decode step (ms) @ batch | of which forward / sampling / drafts / commits (ms) | step limit (ms) | peak GB |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    for &conc in &args.concurrency {
-        let n = args.num_prompts.unwrap_or((4 * conc).max(4));
-        let block_size = 16;
-        let engine_cfg = EngineConfig {
-            max_seqs: conc,
-            // Multi-turn: room for every conversation's history in the prefix cache too.
-            kv_blocks: Some((conc + if args.turns > 1 { n } else { 0 }) * (per_seq.div_ceil(block_size) + 1)),
-            block_size,
-            max_queue: n,
-            step_tokens: args.step_tokens.max(conc * (args.mtp + 1)),
-            timing_accept_rates: args.accept_rates.clone(),
-            adaptive_k: !args.fixed_k,
-            cuda_graphs: !args.eager,
-            prefix_snapshots: args.prefix_snapshots,
-            draft_vocab: args.draft_vocab,
-            max_model_len: None,
-        };
-        let mut engine = match &head {
-            Some(h) => Engine::with_mtp_head(model.clone(), h.clone(), engine_cfg)?,
-            None => Engine::new(model.clone(), engine_cfg)?,
-        };
-        reset_peak(&device);
+}
+
+/// One run's offered load: the prompts still to send, the requests in flight, what each saw,
+/// and the decode steps' times.
+struct Load {
+    conc: usize,
+    n: usize,
+    /// (`--output-len`, `--mtp`, `--turns`, `--turn-len`).
+    output_len: usize,
+    mtp: usize,
+    turns: usize,
+    turn_len: usize,
+    next_id: Box<dyn FnMut() -> u32>,
+    /// Prompts ready to go: (turn, prompt); a finished turn queues its conversation's next.
+    ready: VecDeque<(usize, Vec<u32>)>,
+    /// (timing index, handle, the conversation so far).
+    live: Vec<(usize, RequestHandle, Vec<u32>)>,
+    timings: Vec<Timing>,
+    /// Decode-only steps (no prefill chunk in them): their count, summed wall time (ms) and
+    /// batch, and their forward, sampling, drafting and committing time (ms).
+    decode_steps: usize,
+    decode_ms: f64,
+    decode_batch: usize,
+    parts: [f64; 4],
+}
+
+impl Load {
+    fn new(args: &Args, conc: usize, n: usize, vocab: usize) -> Self {
         let mut next_id = random_ids(conc as u64, vocab);
         let shared: Vec<u32> = (0..args.shared_prefix).map(|_| next_id()).collect();
-        // Prompts ready to go: (turn, prompt); a finished turn queues its conversation's next.
-        let mut ready: std::collections::VecDeque<(usize, Vec<u32>)> = (0..n)
+        let ready = (0..n)
             .map(|_| {
                 let own = (args.shared_prefix..args.input_len).map(|_| next_id());
                 (0, shared.iter().copied().chain(own).collect())
             })
             .collect();
-        let mut live: Vec<(usize, RequestHandle, Vec<u32>)> = Vec::new();
-        let mut timings: Vec<Timing> = Vec::new();
-        let (mut decode_ms, mut decode_batch, mut decode_steps) = (0.0, 0usize, 0usize);
-        // Of the decode steps: forward, sampling, drafting and committing time.
-        let mut parts = [0.0f64; 4];
-        let start = Instant::now();
-        while !ready.is_empty() || !live.is_empty() {
-            while live.len() < conc {
-                let Some((turn, prompt)) = ready.pop_front() else {
-                    break;
-                };
-                let mut req = Request::greedy(prompt.clone(), args.output_len);
-                if args.mtp > 0 {
-                    req.speculation = Some(Speculation::Mtp { k: args.mtp });
+        Self {
+            conc,
+            n,
+            output_len: args.output_len,
+            mtp: args.mtp,
+            turns: args.turns,
+            turn_len: args.turn_len,
+            next_id: Box::new(next_id),
+            ready,
+            live: Vec::new(),
+            timings: Vec::new(),
+            decode_steps: 0,
+            decode_ms: 0.0,
+            decode_batch: 0,
+            parts: [0.0; 4],
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.ready.is_empty() && self.live.is_empty()
+    }
+
+    /// Submits ready prompts (through `submit`, all at once) until `conc` are in flight.
+    fn fill(
+        &mut self,
+        submit: impl FnOnce(Vec<Request>) -> qwen36::engine::Result<Vec<RequestHandle>>,
+    ) -> qwen36::engine::Result<()> {
+        let free = self.conc.saturating_sub(self.live.len()).min(self.ready.len());
+        if free == 0 {
+            return Ok(());
+        }
+        let batch: Vec<(usize, Vec<u32>)> = self.ready.drain(..free).collect();
+        let reqs = batch
+            .iter()
+            .map(|(_, prompt)| {
+                let mut req = Request::greedy(prompt.clone(), self.output_len);
+                if self.mtp > 0 {
+                    req.speculation = Some(Speculation::Mtp { k: self.mtp });
                 }
-                live.push((timings.len(), engine.submit(req)?, prompt));
-                timings.push(Timing {
-                    submitted: Instant::now(),
-                    first: None,
-                    last: None,
-                    tokens: 0,
-                    turn,
-                });
-            }
-            let t0 = Instant::now();
-            let stats = engine.step()?;
-            device.synchronize()?;
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            // A step of decode tokens (and verifies) only: no prefill chunk in it.
-            if stats.sequences > 0 && stats.tokens <= stats.sequences * (args.mtp + 1) {
-                decode_ms += ms;
-                decode_batch += stats.sequences;
-                decode_steps += 1;
-                for (p, d) in
-                    parts
-                        .iter_mut()
-                        .zip([stats.forward, stats.sampling, stats.drafting, stats.committing])
-                {
-                    *p += d.as_secs_f64() * 1e3;
-                }
-            }
-            let now = Instant::now();
-            live.retain_mut(|(i, h, history)| {
-                let t = &mut timings[*i];
-                for e in h.drain() {
-                    match e {
-                        Event::Token { ids, .. } => {
-                            t.first.get_or_insert(now);
-                            t.last = Some(now);
-                            t.tokens += ids.len();
-                            history.extend(ids);
-                        }
-                        Event::Finished { .. } => {
-                            if t.turn + 1 < args.turns {
-                                history.extend((0..args.turn_len).map(|_| next_id()));
-                                ready.push_back((t.turn + 1, std::mem::take(history)));
-                            }
-                            return false;
-                        }
-                        Event::Failed { error } => {
-                            eprintln!("request {i} failed: {error}");
-                            return false;
-                        }
-                    }
-                }
-                true
+                req
+            })
+            .collect();
+        let submitted = Instant::now();
+        for ((turn, prompt), handle) in batch.into_iter().zip(submit(reqs)?) {
+            self.live.push((self.timings.len(), handle, prompt));
+            self.timings.push(Timing {
+                submitted,
+                first: None,
+                last: None,
+                tokens: 0,
+                turn,
             });
         }
-        let secs = start.elapsed().as_secs_f64();
-        let out_tokens: usize = timings.iter().map(|t| t.tokens).sum();
-        let (mut tpot, mut ttft) = latencies(&timings);
-        let (batch, step) = match decode_steps {
+        Ok(())
+    }
+
+    /// Counts a step that took `wall` if it ran decode tokens (and verifies) only.
+    fn stepped(&mut self, stats: &StepStats, wall: Duration) {
+        if stats.sequences == 0 || stats.tokens > stats.sequences * (self.mtp + 1) {
+            return;
+        }
+        self.decode_ms += wall.as_secs_f64() * 1e3;
+        self.decode_batch += stats.sequences;
+        self.decode_steps += 1;
+        let parts = [stats.forward, stats.sampling, stats.drafting, stats.committing];
+        for (p, d) in self.parts.iter_mut().zip(parts) {
+            *p += d.as_secs_f64() * 1e3;
+        }
+    }
+
+    /// Takes the requests' events: tokens timed now, a finished turn queueing its
+    /// conversation's next.
+    fn drain(&mut self) {
+        let now = Instant::now();
+        let (timings, ready, next_id) = (&mut self.timings, &mut self.ready, &mut self.next_id);
+        let (turns, turn_len) = (self.turns, self.turn_len);
+        self.live.retain_mut(|(i, h, history)| {
+            let t = &mut timings[*i];
+            for e in h.drain() {
+                match e {
+                    Event::Token { ids, .. } => {
+                        t.first.get_or_insert(now);
+                        t.last = Some(now);
+                        t.tokens += ids.len();
+                        history.extend(ids);
+                    }
+                    Event::Finished { .. } => {
+                        if t.turn + 1 < turns {
+                            history.extend((0..turn_len).map(|_| next_id()));
+                            ready.push_back((t.turn + 1, std::mem::take(history)));
+                        }
+                        return false;
+                    }
+                    Event::Failed { error } => {
+                        eprintln!("request {i} failed: {error}");
+                        return false;
+                    }
+                }
+            }
+            true
+        });
+    }
+
+    /// The run's row: throughput, latencies, the mean decode step against the bytes it must
+    /// move (weights once, each sequence's GDN state read and written, k + 1 times in a
+    /// verify, and its K/V read at the mean context of its decode) at `copy_bw`.
+    fn report(&self, input_len: usize, elapsed: Duration, cost: &Cost, copy_bw: f64, peak: Option<f64>) {
+        let out_tokens: usize = self.timings.iter().map(|t| t.tokens).sum();
+        let (mut tpot, mut ttft) = latencies(&self.timings);
+        let steps = self.decode_steps.max(1) as f64;
+        let (batch, step) = match self.decode_steps {
             0 => (0.0, f64::NAN),
-            s => (decode_batch as f64 / s as f64, decode_ms / s as f64),
+            s => (self.decode_batch as f64 / s as f64, self.decode_ms / s as f64),
         };
-        // Weights once, each sequence's GDN state read and written (k + 1 times in a verify),
-        // and its K/V read at the mean context of its decode.
-        let ctx = args.input_len + args.output_len / 2;
-        let limit_bytes = cost.weight_bytes + batch * (cost.state_bytes(args.mtp + 1) + cost.kv_bytes(ctx));
+        let ctx = input_len + self.output_len / 2;
+        let limit_bytes = cost.weight_bytes + batch * (cost.state_bytes(self.mtp + 1) + cost.kv_bytes(ctx));
         println!(
-            "| {conc} | {n} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} / {:.2} / {:.2} / {:.2} | {:.2} | {} |",
-            out_tokens as f64 / secs,
+            "| {} | {} | {:.1} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} | {step:.2} @ {batch:.1} | {:.2} / {:.2} / {:.2} / {:.2} | {:.2} | {} |",
+            self.conc,
+            self.n,
+            out_tokens as f64 / elapsed.as_secs_f64(),
             mean(&tpot),
             quantile(&mut tpot, 0.5),
             quantile(&mut tpot, 0.99),
             mean(&ttft),
             quantile(&mut ttft, 0.99),
-            parts[0] / decode_steps.max(1) as f64,
-            parts[1] / decode_steps.max(1) as f64,
-            parts[2] / decode_steps.max(1) as f64,
-            parts[3] / decode_steps.max(1) as f64,
+            self.parts[0] / steps,
+            self.parts[1] / steps,
+            self.parts[2] / steps,
+            self.parts[3] / steps,
             limit_bytes / copy_bw * 1e3,
-            peak_gb(&device).map_or("-".into(), |g| format!("{g:.1}")),
+            peak.map_or("-".into(), |g| format!("{g:.1}")),
         );
-        report_turns(&timings, engine.prefix_stats());
+    }
+}
+
+/// What one rank holds for the runs: its device, config, model and MTP head.
+struct Rank {
+    device: Device,
+    cfg: Config,
+    model: Qwen36Model,
+    head: Option<MtpHead>,
+}
+
+/// `--tp N`: each rank loads its shard once (on a thread of its own); each run spawns the
+/// ranks' engines in lockstep and drives them through their client, submitting each batch of
+/// prompts at once and timing tokens as the steps that made them end.
+fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
+    if args.run.model.is_none() && !args.run.cuda {
+        // (candle's CPU generator cannot be seeded: the replicated weights would differ.)
+        return Err(
+            "--tp on the CPU needs a checkpoint (--model): random CPU weights differ between ranks".into(),
+        );
+    }
+    let comms = load::tp_group(args.tp, args.run.cuda)?;
+    let policy = qwen36::kernels::KernelPolicy::from_env();
+    let built = qwen36::model::run_ranks(comms.clone(), |comm: Arc<dyn Communicator>| {
+        let rank = || -> anyhow_like::Result<Rank> {
+            let (device, _, cfg, weights) = setup(&args.run, policy, Some(comm.clone()))?;
+            let cfg = with_room(args, cfg);
+            let model = Qwen36Model::from_weights(cfg.clone(), &weights)?;
+            let head = match args.mtp {
+                0 => None,
+                _ => Some(MtpHead::load(&cfg, &weights)?),
+            };
+            Ok(Rank {
+                device,
+                cfg,
+                model,
+                head,
+            })
+        };
+        rank().map_err(|e| format!("rank {}: {e}", comm.rank()))
+    })?;
+    let ranks: Arc<Vec<Rank>> = Arc::new(built.into_iter().collect::<Result<_, String>>()?);
+    let (device, cfg) = (ranks[0].device.clone(), ranks[0].cfg.clone());
+    let dtype = load::dtype(&args.run.dtype)?;
+    let copy_bw = copy_bandwidth(&device, dtype)?;
+    eprintln!(
+        "measured: copy {:.1} GB/s (read + write) on rank 0",
+        copy_bw / 1e9
+    );
+    let spawn = |engine_cfg: EngineConfig| {
+        let ranks = ranks.clone();
+        Engine::spawn_ranks(comms.clone(), move |comm| {
+            let r = &ranks[comm.rank()];
+            match &r.head {
+                Some(h) => Engine::with_mtp_head(r.model.clone(), h.clone(), engine_cfg.clone()),
+                None => Engine::new(r.model.clone(), engine_cfg.clone()),
+            }
+        })
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    announce(args);
+    {
+        let client = spawn(warm_config(args))?;
+        let warm = client.submit(warm_request(args, cfg.vocab_size))?;
+        while warm.recv().is_some() {}
+        client.shutdown();
+    }
+    // Rank 0's bytes: its shard and the replicated tensors.
+    let cost = Cost::with_fp8(&cfg, dtype.size_in_bytes(), args.run.fp8);
+    print_header(args, dtype);
+    for &conc in &args.concurrency {
+        let n = args.num_prompts.unwrap_or((4 * conc).max(4));
+        let client = spawn(engine_config(args, conc, n))?;
+        let steps = client.step_stats();
+        reset_peak(&device);
+        let mut load = Load::new(args, conc, n, cfg.vocab_size);
+        let start = Instant::now();
+        while !load.done() {
+            load.fill(|reqs| runtime.block_on(submit_all(&client, reqs)))?;
+            // The next step's end (the requests in flight keep the engine stepping).
+            let stats = loop {
+                match steps.recv_timeout(Duration::from_secs(1)) {
+                    Ok(stats) => break stats,
+                    Err(_) if client.status() == EngineStatus::Running => continue,
+                    Err(_) => return Err(format!("the engine ended: {:?}", client.status()).into()),
+                }
+            };
+            for s in std::iter::once(stats).chain(steps.try_iter()) {
+                load.stepped(&s, s.wall);
+            }
+            load.drain();
+        }
+        load.report(args.input_len, start.elapsed(), &cost, copy_bw, peak_gb(&device));
+        // (The client does not read the prefix cache's counters.)
+        report_turns(&load.timings, None);
+        client.shutdown();
     }
     Ok(())
+}
+
+/// Submits `reqs` to the engine thread at once (each waits only for the engine to take it
+/// between two steps, not for the others).
+async fn submit_all(client: &EngineClient, reqs: Vec<Request>) -> qwen36::engine::Result<Vec<RequestHandle>> {
+    let tasks: Vec<_> = reqs
+        .into_iter()
+        .map(|r| {
+            let client = client.clone();
+            tokio::spawn(async move { client.submit_async(r).await })
+        })
+        .collect();
+    let mut handles = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        handles.push(
+            t.await
+                .map_err(|e| qwen36::engine::Error::Request(e.to_string()))??,
+        );
+    }
+    Ok(handles)
 }
 
 /// TTFT by turn (first turns against later ones) and the prefix cache's hit rate.

@@ -103,6 +103,9 @@ pub struct StepStats {
     /// Time committing verified sequences' states (bookkeeping: the next forward applies the
     /// accepted tokens, [`qwen36_model::PagedCache::commit`]).
     pub committing: std::time::Duration,
+    /// The whole step on the host, from its start to its return (its device work included:
+    /// a step ends by reading its tokens back).
+    pub wall: std::time::Duration,
 }
 
 /// How busy an engine is ([`Engine::load`]).
@@ -487,6 +490,14 @@ impl Engine {
     /// their drafts) and sends the events. A failing forward fails the requests in it (each gets
     /// [`Event::Failed`]) and returns the error.
     pub fn step(&mut self) -> Result<StepStats> {
+        let start = std::time::Instant::now();
+        let mut stats = self.step_parts()?;
+        stats.wall = start.elapsed();
+        Ok(stats)
+    }
+
+    /// [`Self::step`] but for its wall time.
+    fn step_parts(&mut self) -> Result<StepStats> {
         #[cfg(test)]
         if std::mem::take(&mut self.panic_next_step) {
             panic!("a panic injected by a test");

@@ -13,7 +13,7 @@ use qwen36_model::Communicator;
 
 use crate::spec::SpecCosts;
 use crate::thread::{lock, panic_message, run, Shared};
-use crate::{Engine, EngineClient, EngineLoad, EngineStatus, Error, Request, RequestHandle, Result};
+use crate::{Engine, EngineClient, EngineLoad, Error, Request, RequestHandle, Result};
 
 /// What every rank applies before one step.
 #[derive(Debug, Clone)]
@@ -175,11 +175,7 @@ impl Engine {
         let mut threads = Vec::new();
         let mut go = Vec::new();
         let (commands_tx, commands_rx) = std::sync::mpsc::channel();
-        let shared = Arc::new(Mutex::new(Shared {
-            load: EngineLoad::default(),
-            steps: 0,
-            status: EngineStatus::Running,
-        }));
+        let shared = Arc::new(Mutex::new(Shared::new(EngineLoad::default())));
         let mut leader_thread = None;
         let mut commands_rx = Some(commands_rx);
         for (rank, comm) in comms.iter().cloned().enumerate() {

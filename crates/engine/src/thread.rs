@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use crate::lockstep::Leader;
-use crate::{Engine, EngineLoad, Error, Request, RequestHandle, Result};
+use crate::{Engine, EngineLoad, Error, Request, RequestHandle, Result, StepStats};
 
 pub(crate) enum Command {
     Submit(Box<Request>, flume::Sender<Result<RequestHandle>>),
@@ -39,6 +39,19 @@ pub(crate) struct Shared {
     pub(crate) load: EngineLoad,
     pub(crate) steps: u64,
     pub(crate) status: EngineStatus,
+    /// Where each step's statistics go ([`EngineClient::step_stats`]).
+    pub(crate) watchers: Vec<flume::Sender<StepStats>>,
+}
+
+impl Shared {
+    pub(crate) fn new(load: EngineLoad) -> Self {
+        Self {
+            load,
+            steps: 0,
+            status: EngineStatus::Running,
+            watchers: Vec::new(),
+        }
+    }
 }
 
 /// A handle to an engine running on its own thread ([`Engine::spawn`]): cloneable and `Send`,
@@ -58,11 +71,7 @@ impl Engine {
     pub fn spawn(self) -> EngineClient {
         let (tx, rx) = channel();
         let context = self.context();
-        let shared = Arc::new(Mutex::new(Shared {
-            load: self.load(),
-            steps: 0,
-            status: EngineStatus::Running,
-        }));
+        let shared = Arc::new(Mutex::new(Shared::new(self.load())));
         let published = shared.clone();
         let thread = std::thread::Builder::new()
             .name("qwen36-engine".into())
@@ -92,11 +101,15 @@ pub(crate) fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> 
     shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Makes the engine's load and step count what clients read.
-fn publish(engine: &Engine, steps: u64, shared: &Mutex<Shared>) {
+/// Makes the engine's load and step count what clients read, and hands a step's statistics
+/// to the clients watching (dropping the watchers that are gone).
+fn publish(engine: &Engine, steps: u64, shared: &Mutex<Shared>, step: Option<StepStats>) {
     let mut s = lock(shared);
     s.load = engine.load();
     s.steps = steps;
+    if let Some(stats) = step {
+        s.watchers.retain(|w| w.send(stats).is_ok());
+    }
 }
 
 /// The text of a panic's payload.
@@ -159,7 +172,7 @@ pub(crate) fn run(
                 None => break,
             }
         }
-        publish(&engine, steps, shared);
+        publish(&engine, steps, shared, None);
         if engine.pending() == 0 {
             lock(shared).status = EngineStatus::Stopped;
             return;
@@ -173,17 +186,18 @@ pub(crate) fn run(
                 }
                 // (Every other rank reports, failed or not, before this one goes on.)
                 let others = l.after_step();
-                stepped.and(others)
+                // (This rank's error first, as the one it saw.)
+                stepped.and_then(|stats| others.map(|()| stats))
             }
-            None => engine.step().map(|_| ()),
+            None => engine.step(),
         }));
         if let (Some(l), Err(_) | Ok(Err(_))) = (leader.as_ref(), &stepped) {
             l.abort();
         }
         match stepped {
-            Ok(Ok(_)) => {
+            Ok(Ok(stats)) => {
                 steps += 1;
-                publish(&engine, steps, shared);
+                publish(&engine, steps, shared, Some(stats));
             }
             // A failing rank of a group ends it: its reductions cannot be trusted any more.
             Ok(Err(e)) if leader.is_some() => {
@@ -262,6 +276,14 @@ impl EngineClient {
         lock(&self.shared).steps
     }
 
+    /// Every step's statistics from now on, each sent as the engine thread finishes the step
+    /// (for benchmarks and monitoring: the receiver keeps what is not read; drop it to stop).
+    pub fn step_stats(&self) -> flume::Receiver<StepStats> {
+        let (tx, rx) = flume::unbounded();
+        lock(&self.shared).watchers.push(tx);
+        rx
+    }
+
     /// Whether the engine takes requests, has stopped, or died.
     pub fn status(&self) -> EngineStatus {
         lock(&self.shared).status.clone()
@@ -336,6 +358,48 @@ mod tests {
         );
         assert!(matches!(client.status(), EngineStatus::Failed(m) if m.contains("injected")));
         assert_eq!(client.load(), EngineLoad::default());
+    }
+
+    /// A watching client gets every step's statistics from then on, one per step: their
+    /// generated tokens are the requests' tokens, and each step's wall time covers its parts. A
+    /// watcher that is dropped stops only its own.
+    #[test]
+    fn each_step_reaches_the_clients_watching() {
+        let cfg = EngineConfig {
+            max_seqs: 2,
+            ..Default::default()
+        };
+        let client = crate::engine::bundled_engine(cfg).spawn();
+        let (watch, gone) = (client.step_stats(), client.step_stats());
+        drop(gone);
+        let handles: Vec<RequestHandle> = (0..3)
+            .map(|i| {
+                client
+                    .submit(crate::Request::greedy(vec![1, 2, 3 + i], 6))
+                    .unwrap()
+            })
+            .collect();
+        let mut tokens = 0;
+        for h in &handles {
+            for e in std::iter::from_fn(|| h.recv()) {
+                if let Event::Token { ids, .. } = e {
+                    tokens += ids.len();
+                }
+            }
+        }
+        client.shutdown();
+        let steps: Vec<StepStats> = watch.drain().collect();
+        assert_eq!(steps.len() as u64, client.steps());
+        assert_eq!(steps.iter().map(|s| s.generated).sum::<usize>(), tokens);
+        assert_eq!(tokens, 18);
+        for s in &steps {
+            assert!(
+                s.wall >= s.forward + s.sampling + s.drafting + s.committing,
+                "{s:?}"
+            );
+        }
+        assert!(steps.iter().all(|s| s.wall > std::time::Duration::ZERO));
+        assert_eq!(lock(&client.shared).watchers.len(), 1);
     }
 
     /// The client's load follows the engine: requests running and waiting while they run,

@@ -110,6 +110,7 @@ fn one_device_tokens(reqs: &[Request]) -> Vec<Vec<u32>> {
 fn check_ranks(comms: Vec<Arc<dyn Communicator>>, reqs: &[Request], want: &[Vec<u32>]) {
     let tp = comms.len();
     let client = Engine::spawn_ranks(comms, rank_engine).unwrap();
+    let watch = client.step_stats();
     let handles: Vec<_> = reqs.iter().map(|r| client.submit(r.clone()).unwrap()).collect();
     for h in [&handles[0], &handles[5]] {
         h.cancel();
@@ -123,6 +124,8 @@ fn check_ranks(comms: Vec<Arc<dyn Communicator>>, reqs: &[Request], want: &[Vec<
     }
     client.shutdown();
     assert_eq!(client.status(), EngineStatus::Stopped);
+    // The first rank's statistics, one per step of the group.
+    assert_eq!(watch.drain().count() as u64, client.steps(), "tp {tp}");
     let load = client.load();
     assert_eq!((load.running, load.waiting), (0, 0));
 }
