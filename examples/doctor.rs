@@ -5,6 +5,8 @@
 //! ```text
 //! cargo run --release --example doctor                      # the bundled model, CPU f32
 //! cargo run --release --features qwen36/cuda --example doctor -- --model Qwen/Qwen3.6-27B --cuda --dtype bf16
+//! # a tensor-parallel deployment: two ranks (threads here; with --cuda two GPUs over NCCL)
+//! cargo run --release --example doctor -- --tp 2
 //! ```
 
 #[path = "common/load.rs"]
@@ -12,7 +14,7 @@
 mod load;
 
 use clap::Parser;
-use qwen36::doctor::{examine, DoctorOptions};
+use qwen36::doctor::{examine, examine_ranks, DoctorOptions};
 
 #[derive(Parser, Debug)]
 #[command(about = "Find out whether a Qwen3.6 model runs correctly, and why not")]
@@ -36,6 +38,11 @@ struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Check a tensor-parallel deployment: the model sharded over this many ranks (threads on
+    /// the CPU, with --cuda one GPU each over NCCL in a build with --features nccl), every check
+    /// run on the ranks together, and whether they agree.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 fn main() {
@@ -51,12 +58,16 @@ fn main() {
 fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
     let dir = load::model_dir(args.model.as_deref())?;
     let opts = DoctorOptions {
-        device: load::device(args.cuda)?,
+        // (Ranks over NCCL each run on their own GPU.)
+        device: load::device(args.cuda && args.tp <= 1)?,
         dtype: load::dtype(&args.dtype)?,
         reference_layers: args.reference_layers,
         generate_tokens: args.tokens,
     };
-    let report = examine(&dir, &opts)?;
+    let report = match args.tp {
+        0 | 1 => examine(&dir, &opts)?,
+        tp => examine_ranks(&dir, &opts, load::tp_group(tp, args.cuda)?)?,
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report.to_json())?);
     } else {

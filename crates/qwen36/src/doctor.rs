@@ -2,14 +2,16 @@
 //! to do when it does not. Built for the failure this project started from, a deployment that
 //! answered "prime prime prime…" with 100% MTP acceptance because its GDN state was mishandled.
 //!
-//! [`examine`] runs every check on a model directory; the groups are public too, so a test can
+//! [`examine`] runs every check on a model directory ([`examine_ranks`] on a tensor-parallel
+//! deployment of it); the groups are public too, so a test can
 //! give them a model with a fault injected: [`checkpoint_checks`], [`convention_checks`],
 //! [`numerics_checks`], [`speculation_checks`], [`engine_checks`], [`generation_checks`].
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use qwen36_model::{Config, LayerCache, LayerType, LoadOptions, MtpHead, Qwen36Model, Weights};
+use qwen36_model::{Communicator, Config, LayerCache, LayerType, LoadOptions, MtpHead, Qwen36Model, Weights};
 use qwen36_mtp::{MtpDrafter, SpecConfig, SpeculativeDecoder};
 use qwen36_sampling::{DegenerationConfig, RepetitionDetector, SamplingParams};
 use serde_json::{json, Value};
@@ -152,13 +154,7 @@ impl Default for DoctorOptions {
 /// Every check on the model in `dir`. Fails only on options out of range (no tokens to generate,
 /// a reference of no layers); a model that does not load is a failed check in the report.
 pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
-    if opts.generate_tokens == 0 || opts.reference_layers == Some(0) {
-        return Err(qwen36_model::Error::Input(format!(
-            "doctor: generate_tokens ({}) and reference_layers ({:?}) must be at least 1",
-            opts.generate_tokens, opts.reference_layers
-        ))
-        .into());
-    }
+    check_options(opts)?;
     let mut report = Report {
         model: dir.display().to_string(),
         device: format!("{:?}", opts.device),
@@ -171,23 +167,131 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
         return Ok(report);
     };
     report.checks.extend(convention_checks(dir));
-    let model = generator.model();
-    let reference = reference_model(dir, model.config(), opts);
-    let prompt = probe_prompt(model.config().vocab_size, 80);
-    match &reference {
-        Ok(r) => report.checks.extend(numerics_checks(model, r, &prompt)),
-        Err(e) => report.checks.push(
-            check(
-                "numerics",
-                "reference",
-                Status::Skip,
-                format!("no CPU f32 reference: {e}"),
-            )
-            .advise("run on a machine with the memory for the f32 model, or pass --reference-layers N"),
-        ),
-    }
+    let reference = reference_model(dir, generator.model().config(), opts).map_err(|e| e.to_string());
+    let prompt = probe_prompt(generator.model().config().vocab_size, 80);
+    report
+        .checks
+        .extend(numerics_or_skip(generator.model(), &reference, &prompt));
     // (The f32 copy is not needed past the numerics: freed before the engines allocate pools.)
     drop(reference);
+    run_checks(&mut report, &generator, &prompt, opts);
+    Ok(report)
+}
+
+/// [`examine`] on a tensor-parallel deployment of the model in `dir`: rank `r` of `comms` loads
+/// its shard (on its communicator's device, else `opts.device`) and every rank runs the checks in
+/// step, their reductions meeting, against one CPU f32 reference that they share. Returns the
+/// first rank's report, closed by a check that every rank reached the same verdicts (ranks that
+/// disagree compute different logits: a reduction or a shard is wrong).
+pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Communicator>>) -> Result<Report> {
+    check_options(opts)?;
+    if comms.is_empty() {
+        return Err(qwen36_model::Error::Input("doctor: a tensor-parallel group of no ranks".into()).into());
+    }
+    let tp = comms.len();
+    let reference = Config::from_file(dir.join("config.json"))
+        .map_err(crate::Error::from)
+        .and_then(|cfg| reference_model(dir, &cfg, opts))
+        .map_err(|e| e.to_string());
+    let reports = qwen36_model::run_ranks(comms, |comm| {
+        let rank_opts = DoctorOptions {
+            device: comm.device().unwrap_or_else(|| opts.device.clone()),
+            ..opts.clone()
+        };
+        examine_rank(dir, &rank_opts, comm, &reference, tp)
+    })?;
+    let mut reports = reports.into_iter().collect::<Result<Vec<_>>>()?;
+    let agree = ranks_agree(&reports);
+    let mut report = reports.swap_remove(0);
+    report.checks.push(agree);
+    Ok(report)
+}
+
+/// Whether every rank's report reached rank 0's verdicts (the same checks, the same statuses).
+fn ranks_agree(reports: &[Report]) -> Check {
+    const G: &str = "tensor parallelism";
+    let verdicts =
+        |r: &Report| -> Vec<(&'static str, Status)> { r.checks.iter().map(|c| (c.name, c.status)).collect() };
+    let first = verdicts(&reports[0]);
+    let apart: Vec<usize> = (1..reports.len())
+        .filter(|&r| verdicts(&reports[r]) != first)
+        .collect();
+    if apart.is_empty() {
+        return check(
+            G,
+            "ranks agree",
+            Status::Pass,
+            format!("{} ranks reached the same verdicts", reports.len()),
+        );
+    }
+    check(G, "ranks agree", Status::Fail, format!("rank(s) {apart:?} reached other verdicts than rank 0"))
+        .advise("every rank must compute the same logits after its reductions: check that the reductions sum every rank's part once and that each rank reads its own shard")
+}
+
+/// One rank's share of [`examine_ranks`]: the checks of [`examine`] on its shard.
+fn examine_rank(
+    dir: &Path,
+    opts: &DoctorOptions,
+    comm: Arc<dyn Communicator>,
+    reference: &std::result::Result<Qwen36Model, String>,
+    tp: usize,
+) -> Result<Report> {
+    let mut report = Report {
+        model: dir.display().to_string(),
+        device: format!("{tp} tensor-parallel ranks, rank 0 on {:?}", opts.device),
+        dtype: format!("{:?}", opts.dtype),
+        checks: Vec::new(),
+    };
+    let (checks, loaded) = checkpoint_checks_with(dir, opts, Some(comm.clone()));
+    report.checks.extend(checks);
+    // Every rank learns whether all loaded (one that failed must not leave the others waiting
+    // in their first reduction).
+    let all = comm.barrier(loaded.is_some());
+    let (Some(generator), Ok(())) = (loaded, all) else {
+        return Ok(report);
+    };
+    report.checks.extend(convention_checks(dir));
+    let prompt = probe_prompt(generator.model().config().vocab_size, 80);
+    report
+        .checks
+        .extend(numerics_or_skip(generator.model(), reference, &prompt));
+    run_checks(&mut report, &generator, &prompt, opts);
+    Ok(report)
+}
+
+/// Refuses options out of range.
+fn check_options(opts: &DoctorOptions) -> Result<()> {
+    if opts.generate_tokens == 0 || opts.reference_layers == Some(0) {
+        return Err(qwen36_model::Error::Input(format!(
+            "doctor: generate_tokens ({}) and reference_layers ({:?}) must be at least 1",
+            opts.generate_tokens, opts.reference_layers
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The numerics group against `reference`, or why it could not run.
+fn numerics_or_skip(
+    model: &Qwen36Model,
+    reference: &std::result::Result<Qwen36Model, String>,
+    prompt: &[u32],
+) -> Vec<Check> {
+    match reference {
+        Ok(r) => numerics_checks(model, r, prompt),
+        Err(e) => vec![check(
+            "numerics",
+            "reference",
+            Status::Skip,
+            format!("no CPU f32 reference: {e}"),
+        )
+        .advise("run on a machine with the memory for the f32 model, or pass --reference-layers N")],
+    }
+}
+
+/// The groups after the numerics: speculation, the engine, generation.
+fn run_checks(report: &mut Report, generator: &Generator, prompt: &[u32], opts: &DoctorOptions) {
+    let model = generator.model();
     report.checks.extend(speculation_checks(
         model,
         generator.mtp_head(),
@@ -203,8 +307,7 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
     ));
     report
         .checks
-        .extend(generation_checks(&generator, opts.generate_tokens));
-    Ok(report)
+        .extend(generation_checks(generator, opts.generate_tokens));
 }
 
 /// Deterministic probe ids below `vocab` (a fixed xorshift stream).
@@ -240,6 +343,15 @@ fn reference_model(dir: &Path, cfg: &Config, opts: &DoctorOptions) -> Result<Qwe
 /// the MTP head, the tokenizer against the vocabulary, the stop ids, the chat template. Returns
 /// the loaded generator when the model loads.
 pub fn checkpoint_checks(dir: &Path, opts: &DoctorOptions) -> (Vec<Check>, Option<Generator>) {
+    checkpoint_checks_with(dir, opts, None)
+}
+
+/// [`checkpoint_checks`], loading the shard of tensor-parallel rank `comm` when given.
+fn checkpoint_checks_with(
+    dir: &Path,
+    opts: &DoctorOptions,
+    comm: Option<Arc<dyn Communicator>>,
+) -> (Vec<Check>, Option<Generator>) {
     const G: &str = "checkpoint";
     let mut out = Vec::new();
     let cfg = match Config::from_file(dir.join("config.json")) {
@@ -278,7 +390,11 @@ pub fn checkpoint_checks(dir: &Path, opts: &DoctorOptions) -> (Vec<Check>, Optio
         device: opts.device.clone(),
         ..LoadOptions::default()
     };
-    let generator = match Generator::load(dir, load) {
+    let loaded = match comm {
+        Some(comm) => Generator::load_shard(dir, load, comm),
+        None => Generator::load(dir, load),
+    };
+    let generator = match loaded {
         Ok(g) => {
             out.push(check(
                 G,
@@ -1181,6 +1297,35 @@ mod tests {
             let t = Tensor::new(&[1f32, bad, 4.0], &Device::Cpu).unwrap();
             assert_eq!(rel_err(&t, &r).unwrap(), f32::INFINITY, "{bad}");
             assert_eq!(rel_err(&r, &t).unwrap(), f32::INFINITY, "{bad}");
+        }
+    }
+
+    /// Ranks agree when every report lists the same checks with the same statuses (details may
+    /// differ); a rank with another status, or another list of checks, is named.
+    #[test]
+    fn ranks_agree_when_their_verdicts_do() {
+        let report = |checks: Vec<Check>| Report {
+            model: String::new(),
+            device: String::new(),
+            dtype: String::new(),
+            checks,
+        };
+        let a = || check("g", "a", Status::Pass, "x");
+        let b = |status| check("g", "b", status, "y");
+        let same = report(vec![a(), b(Status::Warn)]);
+        let detail = report(vec![check("g", "a", Status::Pass, "other"), b(Status::Warn)]);
+        let agree = ranks_agree(&[same.clone(), detail.clone(), same.clone()]);
+        assert_eq!(agree.status, Status::Pass, "{agree:?}");
+        assert!(agree.detail.starts_with("3 ranks"), "{agree:?}");
+        for other in [
+            report(vec![a(), b(Status::Fail)]),
+            report(vec![a()]),
+            report(vec![b(Status::Warn), a()]),
+        ] {
+            let apart = ranks_agree(&[same.clone(), detail.clone(), other]);
+            assert_eq!(apart.status, Status::Fail, "{apart:?}");
+            assert!(apart.detail.contains("[2]"), "{apart:?}");
+            assert!(!apart.advice.is_empty());
         }
     }
 }

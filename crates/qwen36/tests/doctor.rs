@@ -5,11 +5,14 @@
 
 use std::path::Path;
 
+use std::sync::Arc;
+
+use candle_core::Tensor;
 use qwen36::doctor::{
-    convention_checks, engine_checks, examine, numerics_checks, speculation_checks, Check, DoctorOptions,
-    Status,
+    convention_checks, engine_checks, examine, examine_ranks, numerics_checks, speculation_checks, Check,
+    DoctorOptions, Status,
 };
-use qwen36::model::{Fault, LoadOptions, MtpHead, Qwen36Model};
+use qwen36::model::{Communicator, Fault, LoadOptions, LocalComm, MtpHead, Qwen36Model};
 use qwen36::sampling::{DegenerationConfig, RepetitionDetector};
 use qwen36::{GenerateOptions, Generator};
 use qwen36_testutil::{bundled_dir, bundled_reference, fixture_dir, ids_of};
@@ -115,6 +118,56 @@ fn the_doctor_passes_the_bundled_model_and_the_fixtures() {
         assert_eq!(json["failed"], false);
         assert!(json["checks"].as_array().unwrap().len() >= 12);
     }
+}
+
+/// A tensor-parallel deployment of the bundled model (two ranks as threads) passes every check,
+/// its ranks agreeing.
+#[test]
+fn a_tensor_parallel_deployment_passes_and_its_ranks_agree() {
+    let report = examine_ranks(&bundled_dir(), &options(), LocalComm::group(2).unwrap()).unwrap();
+    eprint!("{}", report.render());
+    assert!(!report.failed(), "{}", report.render());
+    assert_eq!(failed(&report.checks, "ranks agree").status, Status::Pass);
+    assert!(
+        report.device.starts_with("2 tensor-parallel ranks"),
+        "{}",
+        report.device
+    );
+    assert!(report.checks.len() >= 13);
+}
+
+/// Ranks whose reductions all give 1.5 times the sum (a sum that counts parts wrongly, alike on
+/// every rank): the layers leave the reference at the first layer, and the ranks still agree.
+#[test]
+fn a_reduction_that_miscounts_is_found_at_the_first_layer() {
+    #[derive(Debug)]
+    struct Miscounting(Arc<dyn Communicator>);
+    impl Communicator for Miscounting {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn all_reduce_sum(&self, x: &Tensor) -> qwen36::model::Result<Tensor> {
+            let sum = self.0.all_reduce_sum(x)?;
+            // (One-element sums are the barriers' flags.)
+            Ok(if x.elem_count() > 1 { (sum * 1.5)? } else { sum })
+        }
+        fn abort(&self) {
+            self.0.abort()
+        }
+    }
+    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(2)
+        .unwrap()
+        .into_iter()
+        .map(|c| Arc::new(Miscounting(c)) as Arc<dyn Communicator>)
+        .collect();
+    let report = examine_ranks(&bundled_dir(), &options(), comms).unwrap();
+    let layers = failed(&report.checks, "layers against the CPU f32 reference");
+    assert_eq!(layers.status, Status::Fail, "{}", report.render());
+    assert!(layers.detail.starts_with("layer 0 "), "{layers:?}");
+    assert_eq!(failed(&report.checks, "ranks agree").status, Status::Pass);
 }
 
 fn model(dir: &Path, fault: Option<Fault>) -> Qwen36Model {
