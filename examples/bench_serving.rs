@@ -438,7 +438,9 @@ struct Rank {
 
 /// `--tp N`: each rank loads its shard once (on a thread of its own); each run spawns the
 /// ranks' engines in lockstep and drives them through their client, submitting each batch of
-/// prompts at once and timing tokens as the steps that made them end.
+/// prompts at once and timing tokens when the client reads them after a step's statistics
+/// (a token may be stamped a step late while a submit waits for the engine to take it: TTFT
+/// and TPOT here are as a server's client sees them, throughput exact).
 fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
     if args.run.model.is_none() && !args.run.cuda {
         // (candle's CPU generator cannot be seeded: the replicated weights would differ.)
@@ -517,10 +519,16 @@ fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
             }
             load.drain();
         }
-        load.report(args.input_len, start.elapsed(), &cost, copy_bw, peak_gb(&device));
+        let elapsed = start.elapsed();
+        // The last steps' statistics may come after their requests' last events: the engine
+        // thread publishes each step's once the step ends.
+        client.shutdown();
+        for s in steps.try_iter() {
+            load.stepped(&s, s.wall);
+        }
+        load.report(args.input_len, elapsed, &cost, copy_bw, peak_gb(&device));
         // (The client does not read the prefix cache's counters.)
         report_turns(&load.timings, None);
-        client.shutdown();
     }
     Ok(())
 }

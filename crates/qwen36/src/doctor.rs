@@ -180,19 +180,22 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
 
 /// [`examine`] on a tensor-parallel deployment of the model in `dir`: rank `r` of `comms` loads
 /// its shard (on its communicator's device, else `opts.device`) and every rank runs the checks in
-/// step, their reductions meeting, against one CPU f32 reference that they share. Returns the
-/// first rank's report, closed by a check that every rank reached the same verdicts (ranks that
-/// disagree compute different logits: a reduction or a shard is wrong).
+/// step, their reductions meeting, against one CPU f32 reference that they share (loaded by the
+/// first rank that needs it, freed once every rank has used it). After each group the ranks
+/// check that their verdicts so far agree; a rank whose checks fail with an error ends the group
+/// for all (none waits in a reduction for it), and the ranks stop there. Returns the first rank's
+/// report, closed by a check that every rank reached the same verdicts.
 pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Communicator>>) -> Result<Report> {
     check_options(opts)?;
     if comms.is_empty() {
         return Err(qwen36_model::Error::Input("doctor: a tensor-parallel group of no ranks".into()).into());
     }
     let tp = comms.len();
-    let reference = Config::from_file(dir.join("config.json"))
-        .map_err(crate::Error::from)
-        .and_then(|cfg| reference_model(dir, &cfg, opts))
-        .map_err(|e| e.to_string());
+    let reference = SharedReference {
+        model: std::sync::Mutex::new(None),
+        users: std::sync::atomic::AtomicUsize::new(0),
+        ranks: tp,
+    };
     let reports = qwen36_model::run_ranks(comms, |comm| {
         let rank_opts = DoctorOptions {
             device: comm.device().unwrap_or_else(|| opts.device.clone()),
@@ -207,33 +210,115 @@ pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Commun
     Ok(report)
 }
 
-/// Whether every rank's report reached rank 0's verdicts (the same checks, the same statuses).
+/// The CPU f32 reference the ranks of [`examine_ranks`] share.
+struct SharedReference {
+    model: std::sync::Mutex<Option<std::result::Result<Qwen36Model, String>>>,
+    /// Ranks that have run their numerics against it.
+    users: std::sync::atomic::AtomicUsize,
+    ranks: usize,
+}
+
+impl SharedReference {
+    /// The numerics group of one rank against the reference (loaded by the first rank here).
+    fn numerics(&self, dir: &Path, opts: &DoctorOptions, model: &Qwen36Model, prompt: &[u32]) -> Vec<Check> {
+        let reference = {
+            let mut slot = self
+                .model
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            slot.get_or_insert_with(|| {
+                Config::from_file(dir.join("config.json"))
+                    .map_err(crate::Error::from)
+                    .and_then(|cfg| reference_model(dir, &cfg, opts))
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+        };
+        let checks = numerics_or_skip(model, &reference, prompt);
+        drop(reference);
+        if self.users.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == self.ranks {
+            *self
+                .model
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+        checks
+    }
+}
+
+/// The group of [`examine_ranks`]' own checks.
+const TP: &str = "tensor parallelism";
+
+/// Whether every rank's report reached rank 0's verdicts (the same checks, the same statuses);
+/// a rank apart is named with its first check that differs.
 fn ranks_agree(reports: &[Report]) -> Check {
-    const G: &str = "tensor parallelism";
     let verdicts =
         |r: &Report| -> Vec<(&'static str, Status)> { r.checks.iter().map(|c| (c.name, c.status)).collect() };
     let first = verdicts(&reports[0]);
-    let apart: Vec<usize> = (1..reports.len())
+    let apart: Vec<String> = (1..reports.len())
         .filter(|&r| verdicts(&reports[r]) != first)
+        .map(|r| {
+            let differs = reports[r]
+                .checks
+                .iter()
+                .enumerate()
+                .find(|(i, c)| first.get(*i) != Some(&(c.name, c.status)));
+            match differs {
+                Some((_, c)) => format!(
+                    "rank {r}: {} / {}: {} ({})",
+                    c.group,
+                    c.name,
+                    c.status.word(),
+                    c.detail
+                ),
+                None => format!("rank {r}: fewer checks than rank 0"),
+            }
+        })
         .collect();
     if apart.is_empty() {
         return check(
-            G,
+            TP,
             "ranks agree",
             Status::Pass,
             format!("{} ranks reached the same verdicts", reports.len()),
         );
     }
-    check(G, "ranks agree", Status::Fail, format!("rank(s) {apart:?} reached other verdicts than rank 0"))
-        .advise("every rank must compute the same logits after its reductions: check that the reductions sum every rank's part once and that each rank reads its own shard")
+    check(TP, "ranks agree", Status::Fail, apart.join("; ")).advise(
+        "the ranks must compute the same logits: a rank that failed (named here) stopped the others; otherwise check that every rank holds the same replicated tensors (embedding, norms, lm_head) and gets the same sums from its reductions",
+    )
 }
 
-/// One rank's share of [`examine_ranks`]: the checks of [`examine`] on its shard.
+/// Whether a check records an error of the model, the engine or a generation (the rank could
+/// not run the group to its end), not a verdict on its results.
+fn is_error(c: &Check) -> bool {
+    c.status == Status::Fail && (c.name == "run" || c.detail.contains(" failed: "))
+}
+
+/// Whether every rank's verdicts so far equal this rank's: a 32-bit digest of the checks' names
+/// and statuses, its bits summed over the ranks (each sum 0 or the rank count when they agree).
+fn verdicts_agree(comm: &dyn Communicator, checks: &[Check]) -> Result<bool> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for c in checks {
+        (c.name, c.status.word()).hash(&mut h);
+    }
+    let digest = h.finish() as u32;
+    let bits: Vec<f32> = (0..32).map(|b| ((digest >> b) & 1) as f32).collect();
+    let device = comm.device().unwrap_or(Device::Cpu);
+    let sums = comm
+        .all_reduce_sum(&Tensor::new(bits.as_slice(), &device)?)?
+        .to_vec1::<f32>()?;
+    let n = comm.size() as f32;
+    Ok(sums.iter().all(|&s| s == 0.0 || s == n))
+}
+
+/// One rank's share of [`examine_ranks`]: the groups of [`examine`] on its shard, the ranks
+/// checking after each that they still agree.
 fn examine_rank(
     dir: &Path,
     opts: &DoctorOptions,
     comm: Arc<dyn Communicator>,
-    reference: &std::result::Result<Qwen36Model, String>,
+    reference: &SharedReference,
     tp: usize,
 ) -> Result<Report> {
     let mut report = Report {
@@ -245,17 +330,65 @@ fn examine_rank(
     let (checks, loaded) = checkpoint_checks_with(dir, opts, Some(comm.clone()));
     report.checks.extend(checks);
     // Every rank learns whether all loaded (one that failed must not leave the others waiting
-    // in their first reduction).
+    // in their first reduction; its own failed check is in its report).
     let all = comm.barrier(loaded.is_some());
-    let (Some(generator), Ok(())) = (loaded, all) else {
-        return Ok(report);
+    let generator = match (loaded, all) {
+        (Some(g), Ok(())) => g,
+        (None, _) => return Ok(report),
+        (Some(_), Err(e)) => {
+            report.checks.push(
+                check(TP, "every rank loaded", Status::Fail, e.to_string()).advise(
+                    "a rank could not load its shard: the ranks' agreement below names its failed check",
+                ),
+            );
+            return Ok(report);
+        }
     };
-    report.checks.extend(convention_checks(dir));
-    let prompt = probe_prompt(generator.model().config().vocab_size, 80);
-    report
-        .checks
-        .extend(numerics_or_skip(generator.model(), reference, &prompt));
-    run_checks(&mut report, &generator, &prompt, opts);
+    let model = generator.model();
+    let prompt = probe_prompt(model.config().vocab_size, 80);
+    let groups: [&dyn Fn() -> Vec<Check>; 5] = [
+        &|| convention_checks(dir),
+        &|| reference.numerics(dir, opts, model, &prompt),
+        &|| speculation_checks(model, generator.mtp_head(), &prompt[..16], opts.generate_tokens),
+        &|| {
+            engine_checks(
+                model,
+                model,
+                generator.mtp_head(),
+                &prompt[..16],
+                opts.generate_tokens,
+            )
+        },
+        &|| generation_checks(&generator, opts.generate_tokens),
+    ];
+    for group in groups {
+        let checks = group();
+        let errored = checks.iter().any(is_error);
+        report.checks.extend(checks);
+        if errored {
+            // Ends every rank's pending and later reductions: the others' groups end with an
+            // error too, none waiting for this rank.
+            comm.abort();
+            return Ok(report);
+        }
+        let stopped = match verdicts_agree(comm.as_ref(), &report.checks) {
+            Ok(true) => continue,
+            Ok(false) => "the ranks' verdicts parted in the group above".to_string(),
+            Err(e) => format!("another rank's checks failed with an error: {e}"),
+        };
+        report.checks.push(
+            check(
+                TP,
+                "ranks in step",
+                Status::Fail,
+                format!("{stopped}; the ranks stopped there"),
+            )
+            .advise(
+                "the ranks must compute the same logits: see the checks above and the ranks' agreement below",
+            ),
+        );
+        return Ok(report);
+    }
     Ok(report)
 }
 
@@ -1245,7 +1378,14 @@ pub fn generation_checks(generator: &Generator, n: usize) -> Vec<Check> {
                         found.push(format!("prompt {i}: {d}"));
                     }
                 }
-                Err(e) => failed.push(format!("prompt {i} failed: {e}")),
+                Err(e) => {
+                    failed.push(format!("prompt {i} failed: {e}"));
+                    // A tensor-parallel rank goes no further: the others may wait in a
+                    // reduction of this generation ([`examine_ranks`] ends the group).
+                    if generator.model().communicator().is_some() {
+                        break;
+                    }
+                }
             }
         }
         let name = if label == "greedy" {
@@ -1324,8 +1464,43 @@ mod tests {
         ] {
             let apart = ranks_agree(&[same.clone(), detail.clone(), other]);
             assert_eq!(apart.status, Status::Fail, "{apart:?}");
-            assert!(apart.detail.contains("[2]"), "{apart:?}");
+            assert!(apart.detail.starts_with("rank 2: "), "{apart:?}");
             assert!(!apart.advice.is_empty());
         }
+        // The first check that differs is named with its status and detail.
+        let failing = ranks_agree(&[same.clone(), report(vec![a(), b(Status::Fail)])]);
+        assert_eq!(failing.detail, "rank 1: g / b: FAIL (y)");
+        let short = ranks_agree(&[same.clone(), report(vec![a()])]);
+        assert_eq!(short.detail, "rank 1: fewer checks than rank 0");
+    }
+
+    /// Ranks whose verdicts so far are equal agree (details may differ); a rank with another
+    /// status or another check makes every rank see the parting.
+    #[test]
+    fn the_ranks_see_whether_their_verdicts_agree() {
+        let verdicts = |rank: usize, status: Status| match rank {
+            0 => vec![
+                check("g", "a", Status::Pass, "x"),
+                check("g", "b", Status::Warn, "y"),
+            ],
+            _ => vec![
+                check("g", "a", Status::Pass, "other"),
+                check("g", "b", status, "z"),
+            ],
+        };
+        for (status, want) in [(Status::Warn, true), (Status::Fail, false), (Status::Pass, false)] {
+            let seen = qwen36_model::run_ranks(qwen36_model::LocalComm::group(3).unwrap(), |comm| {
+                verdicts_agree(comm.as_ref(), &verdicts(comm.rank(), status)).unwrap()
+            })
+            .unwrap();
+            assert_eq!(seen, vec![want; 3], "{status:?}");
+        }
+        let fewer = qwen36_model::run_ranks(qwen36_model::LocalComm::group(2).unwrap(), |comm| {
+            let mut checks = verdicts(0, Status::Warn);
+            checks.truncate(2 - comm.rank());
+            verdicts_agree(comm.as_ref(), &checks).unwrap()
+        })
+        .unwrap();
+        assert_eq!(fewer, vec![false; 2]);
     }
 }

@@ -136,38 +136,78 @@ fn a_tensor_parallel_deployment_passes_and_its_ranks_agree() {
     assert!(report.checks.len() >= 13);
 }
 
+/// A communicator that changes some of its rank's reductions: the model's (more than 32
+/// elements: the barriers' flags and the doctor's 32-bit verdict digests pass) on the ranks in
+/// `ranks`, from the `after`-th on: scaled by `scale`, or failing with an error when `scale` is
+/// `None`.
+#[derive(Debug)]
+struct Skewed {
+    inner: Arc<dyn Communicator>,
+    ranks: Vec<usize>,
+    after: usize,
+    scale: Option<f64>,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Communicator for Skewed {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&self, x: &Tensor) -> qwen36::model::Result<Tensor> {
+        let hit = x.elem_count() > 32
+            && self.ranks.contains(&self.rank())
+            && self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= self.after;
+        match (hit, self.scale) {
+            (true, None) => Err(qwen36::model::Error::Comm("a reduction failed (injected)".into())),
+            (true, Some(f)) => Ok((self.inner.all_reduce_sum(x)? * f)?),
+            (false, _) => self.inner.all_reduce_sum(x),
+        }
+    }
+    fn abort(&self) {
+        self.inner.abort()
+    }
+}
+
+fn skewed(ranks: &[usize], after: usize, scale: Option<f64>) -> Vec<Arc<dyn Communicator>> {
+    LocalComm::group(2)
+        .unwrap()
+        .into_iter()
+        .map(|inner| {
+            Arc::new(Skewed {
+                inner,
+                ranks: ranks.to_vec(),
+                after,
+                scale,
+                calls: Default::default(),
+            }) as Arc<dyn Communicator>
+        })
+        .collect()
+}
+
 /// Ranks whose reductions all give 1.5 times the sum (a sum that counts parts wrongly, alike on
 /// every rank): the layers leave the reference at the first layer, and the ranks still agree.
 #[test]
 fn a_reduction_that_miscounts_is_found_at_the_first_layer() {
-    #[derive(Debug)]
-    struct Miscounting(Arc<dyn Communicator>);
-    impl Communicator for Miscounting {
-        fn rank(&self) -> usize {
-            self.0.rank()
-        }
-        fn size(&self) -> usize {
-            self.0.size()
-        }
-        fn all_reduce_sum(&self, x: &Tensor) -> qwen36::model::Result<Tensor> {
-            let sum = self.0.all_reduce_sum(x)?;
-            // (One-element sums are the barriers' flags.)
-            Ok(if x.elem_count() > 1 { (sum * 1.5)? } else { sum })
-        }
-        fn abort(&self) {
-            self.0.abort()
-        }
-    }
-    let comms: Vec<Arc<dyn Communicator>> = LocalComm::group(2)
-        .unwrap()
-        .into_iter()
-        .map(|c| Arc::new(Miscounting(c)) as Arc<dyn Communicator>)
-        .collect();
-    let report = examine_ranks(&bundled_dir(), &options(), comms).unwrap();
+    let report = examine_ranks(&bundled_dir(), &options(), skewed(&[0, 1], 0, Some(1.5))).unwrap();
     let layers = failed(&report.checks, "layers against the CPU f32 reference");
     assert_eq!(layers.status, Status::Fail, "{}", report.render());
     assert!(layers.detail.starts_with("layer 0 "), "{layers:?}");
     assert_eq!(failed(&report.checks, "ranks agree").status, Status::Pass);
+}
+
+/// A reduction failing on rank 1 alone in the middle of the numerics: the doctor ends (rank 1
+/// stops the group for both; neither waits for the other) with the error in the report.
+#[test]
+fn a_rank_failing_inside_a_group_stops_every_rank() {
+    let report = examine_ranks(&bundled_dir(), &options(), skewed(&[1], 5, None)).unwrap();
+    let render = report.render();
+    assert!(report.failed(), "{render}");
+    let run = failed(&report.checks, "run");
+    assert_eq!((run.group, run.status), ("numerics", Status::Fail), "{render}");
+    assert!(report.checks.iter().all(|c| c.group != "speculation"), "{render}");
 }
 
 fn model(dir: &Path, fault: Option<Fault>) -> Qwen36Model {
