@@ -133,6 +133,14 @@ pub(crate) fn run(
     mut leader: Option<Leader>,
 ) {
     engine.lockstep = leader.is_some();
+    // However the thread ends, the clients watching its steps learn that no more will come.
+    struct EndWatches<'a>(&'a Mutex<Shared>);
+    impl Drop for EndWatches<'_> {
+        fn drop(&mut self) {
+            lock(self.0).watchers.clear();
+        }
+    }
+    let _end = EndWatches(shared);
     let mut open = true;
     let mut steps = 0;
     loop {
@@ -278,9 +286,14 @@ impl EngineClient {
 
     /// Every step's statistics from now on, each sent as the engine thread finishes the step
     /// (for benchmarks and monitoring: the receiver keeps what is not read; drop it to stop).
+    /// The channel closes when the engine thread ends.
     pub fn step_stats(&self) -> flume::Receiver<StepStats> {
         let (tx, rx) = flume::unbounded();
-        lock(&self.shared).watchers.push(tx);
+        let mut shared = lock(&self.shared);
+        // (An engine that has ended takes no watcher: the channel is closed at once.)
+        if shared.status == EngineStatus::Running {
+            shared.watchers.push(tx);
+        }
         rx
     }
 
@@ -387,8 +400,13 @@ mod tests {
                 }
             }
         }
+        // (The dropped watcher went at the first step.)
+        assert_eq!(lock(&client.shared).watchers.len(), 1);
         client.shutdown();
         let steps: Vec<StepStats> = watch.drain().collect();
+        // The engine's end closes the channel, and a later watch is closed at once.
+        assert!(watch.recv().is_err());
+        assert!(client.step_stats().recv().is_err());
         assert_eq!(steps.len() as u64, client.steps());
         assert_eq!(steps.iter().map(|s| s.generated).sum::<usize>(), tokens);
         assert_eq!(tokens, 18);
@@ -399,7 +417,6 @@ mod tests {
             );
         }
         assert!(steps.iter().all(|s| s.wall > std::time::Duration::ZERO));
-        assert_eq!(lock(&client.shared).watchers.len(), 1);
     }
 
     /// The client's load follows the engine: requests running and waiting while they run,

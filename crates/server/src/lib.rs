@@ -79,7 +79,7 @@ pub struct Service {
     defaults: SamplingParams,
     context: usize,
     cfg: ServerConfig,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Service {
@@ -115,6 +115,15 @@ impl Service {
         context: usize,
         cfg: ServerConfig,
     ) -> Self {
+        let metrics = Arc::new(Metrics::default());
+        // Each engine step into the metrics, on a thread of its own (it ends with the engine).
+        let (steps, m) = (engine.step_stats(), metrics.clone());
+        let watching = std::thread::Builder::new()
+            .name("qwen36-step-metrics".into())
+            .spawn(move || steps.iter().for_each(|s| m.step(&s)));
+        if let Err(e) = watching {
+            tracing::warn!("no engine step metrics: {e}");
+        }
         Self {
             engine,
             tokenizer,
@@ -123,7 +132,7 @@ impl Service {
             defaults,
             context,
             cfg,
-            metrics: Metrics::default(),
+            metrics,
         }
     }
 

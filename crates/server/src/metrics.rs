@@ -6,9 +6,9 @@ use std::fmt::Write;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use qwen36::engine::{EngineLoad, EngineStatus, Usage};
+use qwen36::engine::{EngineLoad, EngineStatus, StepStats, Usage};
 
-/// A cumulative histogram of seconds.
+/// A cumulative histogram (of seconds, or of counts).
 #[derive(Debug)]
 struct Histogram {
     bounds: &'static [f64],
@@ -56,6 +56,12 @@ const TPOT_BOUNDS: &[f64] = &[
 const E2E_BOUNDS: &[f64] = &[
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
+const STEP_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+];
+const STEP_TOKEN_BOUNDS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+];
 
 #[derive(Debug)]
 struct Inner {
@@ -73,6 +79,11 @@ struct Inner {
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
+    /// Each engine step's wall time, its tokens (prefill chunks and decode tokens) and its
+    /// sequences.
+    step: Histogram,
+    step_tokens: Histogram,
+    step_sequences: Histogram,
 }
 
 /// The server's metrics (shared by every handler).
@@ -93,6 +104,9 @@ impl Default for Metrics {
             ttft: Histogram::new(TTFT_BOUNDS),
             tpot: Histogram::new(TPOT_BOUNDS),
             e2e: Histogram::new(E2E_BOUNDS),
+            step: Histogram::new(STEP_BOUNDS),
+            step_tokens: Histogram::new(STEP_TOKEN_BOUNDS),
+            step_sequences: Histogram::new(STEP_TOKEN_BOUNDS),
         }))
     }
 }
@@ -137,6 +151,18 @@ impl Metrics {
                 }
                 m.e2e.observe(times.total.as_secs_f64());
             }
+        });
+    }
+
+    /// One engine step that ran a forward (a step with nothing to run is not counted).
+    pub fn step(&self, s: &StepStats) {
+        if s.sequences == 0 {
+            return;
+        }
+        self.with(|m| {
+            m.step.observe(s.wall.as_secs_f64());
+            m.step_tokens.observe(s.tokens as f64);
+            m.step_sequences.observe(s.sequences as f64);
         });
     }
 
@@ -206,6 +232,9 @@ impl Metrics {
             m.ttft.render(&mut out, "qwen36_time_to_first_token_seconds", "From a request's arrival to its first token.");
             m.tpot.render(&mut out, "qwen36_time_per_output_token_seconds", "Mean time between a choice's tokens after the first.");
             m.e2e.render(&mut out, "qwen36_e2e_request_latency_seconds", "From a request's arrival to a choice's end.");
+            m.step.render(&mut out, "qwen36_engine_step_seconds", "Wall time of each engine step that ran a forward.");
+            m.step_tokens.render(&mut out, "qwen36_engine_step_tokens", "Tokens of each engine step (prefill chunks and decode tokens).");
+            m.step_sequences.render(&mut out, "qwen36_engine_step_sequences", "Sequences in each engine step.");
         });
         gauge(
             &mut out,
@@ -394,6 +423,34 @@ mod tests {
             "qwen36_http_responses_total{route=\"chat\",status=\"200\"} 1",
             "qwen36_engine_steps_total 3",
             "qwen36_engine_up 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+    /// Steps that ran a forward add their wall time, tokens and sequences; an empty step adds
+    /// nothing.
+    #[test]
+    fn steps_fill_their_histograms() {
+        let m = Metrics::default();
+        let step = |sequences, tokens, ms| StepStats {
+            sequences,
+            tokens,
+            wall: Duration::from_millis(ms),
+            ..StepStats::default()
+        };
+        m.step(&step(3, 700, 40));
+        m.step(&step(16, 16, 15));
+        m.step(&step(0, 0, 2));
+        let text = m.render(EngineLoad::default(), &EngineStatus::Running, 3);
+        for line in [
+            "qwen36_engine_step_seconds_count 2",
+            "qwen36_engine_step_seconds_sum 0.055",
+            "qwen36_engine_step_seconds_bucket{le=\"0.02\"} 1",
+            "qwen36_engine_step_tokens_sum 716",
+            "qwen36_engine_step_tokens_bucket{le=\"16\"} 1",
+            "qwen36_engine_step_tokens_bucket{le=\"1024\"} 2",
+            "qwen36_engine_step_sequences_sum 19",
+            "qwen36_engine_step_sequences_bucket{le=\"4\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -1150,6 +1150,9 @@ async fn a_load_of_200_requests_is_accounted_for() {
     assert_eq!(m["qwen36_choices_finished_total{reason=\"error\"}"], 0.0);
     assert_eq!(m["qwen36_generation_tokens_total"], tokens as f64);
     assert_eq!(m["qwen36_time_to_first_token_seconds_count"], 200.0);
+    // The engine's steps reach the metrics (on their own thread, as each step ends).
+    assert!(m["qwen36_engine_step_seconds_count"] > 0.0);
+    assert!(m["qwen36_engine_step_tokens_sum"] >= m["qwen36_engine_step_seconds_count"]);
     assert_eq!(
         m["qwen36_http_responses_total{route=\"chat\",status=\"200\"}"]
             + m["qwen36_http_responses_total{route=\"completions\",status=\"200\"}"],
