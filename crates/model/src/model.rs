@@ -933,15 +933,46 @@ pub(crate) fn logits_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
 }
 
 /// The argmax of [`logits_of`] over the last dim, u32, on the device (ties to the lowest index;
-/// under the head's kernel policy).
+/// under the head's kernel policy), taken on the logits in the activation dtype: widening to
+/// f32 is exact and keeps their order, so the ids are the same without the cast's pass.
 pub(crate) fn greedy_of(head: &Linear, hidden: &Tensor) -> Result<Tensor> {
-    let logits = logits_of(head, hidden)?;
+    let logits = head.forward(hidden)?;
     Ok(qwen36_kernels::argmax::argmax_last_dim(&logits, head.policy())?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Greedy ids taken on bf16 logits are the argmax of the f32 logits, ties (two equal rows of
+    /// the head, so equal logits) to the lowest index.
+    #[test]
+    fn greedy_ids_on_half_logits_equal_those_on_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = qwen36_testutil::randn(711, 0.5, (64, 16), &dev)?;
+        // Rows 9 and 30 both four times the first row 30: equal logits that win, tied to 9.
+        let big = (w.narrow(0, 30, 1)? * 4.0)?;
+        let w = Tensor::cat(
+            &[
+                &w.narrow(0, 0, 9)?,
+                &big,
+                &w.narrow(0, 10, 20)?,
+                &big,
+                &w.narrow(0, 31, 33)?,
+            ],
+            0,
+        )?;
+        let head = Linear::new(w.to_dtype(DType::BF16)?, None);
+        let hidden = qwen36_testutil::randn(712, 1.0, (5, 16), &dev)?.to_dtype(DType::BF16)?;
+        let got = greedy_of(&head, &hidden)?.to_vec1::<u32>()?;
+        let want = logits_of(&head, &hidden)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1::<u32>()?;
+        assert_eq!(got, want);
+        assert!(got.contains(&9), "{got:?}");
+        assert!(!got.contains(&30), "{got:?}");
+        Ok(())
+    }
 
     /// The MLP's residual block is `x + forward(norm(x))`: on the CPU the same ops, equal bits.
     #[test]
