@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use clap::Parser;
 use qwen36::engine::{
-    Engine, EngineClient, EngineConfig, EngineStatus, Event, Request, RequestHandle, Speculation, StepStats,
+    Engine, EngineConfig, EngineStatus, Event, Request, RequestHandle, Speculation, StepStats,
 };
 use qwen36::model::{Communicator, MtpHead};
 use qwen36::{Config, Qwen36Model};
@@ -119,6 +119,13 @@ struct Timing {
     turn: usize,
 }
 
+/// A request in flight: its handle, or (through an engine's client) its submit, which the engine
+/// answers between two steps.
+enum Submitted {
+    Running(RequestHandle),
+    Submitting(tokio::task::JoinHandle<qwen36::engine::Result<RequestHandle>>),
+}
+
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
     if let Some(url) = &args.url {
@@ -159,12 +166,16 @@ fn main() -> anyhow_like::Result<()> {
         let mut load = Load::new(&args, conc, n, cfg.vocab_size);
         let start = Instant::now();
         while !load.done() {
-            load.fill(|reqs| reqs.into_iter().map(|r| engine.submit(r)).collect())?;
+            load.fill(|reqs| {
+                reqs.into_iter()
+                    .map(|r| Ok(Submitted::Running(engine.submit(r)?)))
+                    .collect()
+            })?;
             let t0 = Instant::now();
             let stats = engine.step()?;
             device.synchronize()?;
             load.stepped(&stats, t0.elapsed());
-            load.drain();
+            load.drain(None);
         }
         load.report(args.input_len, start.elapsed(), &cost, copy_bw, peak_gb(&device));
         report_turns(&load.timings, engine.prefix_stats());
@@ -271,8 +282,8 @@ struct Load {
     next_id: Box<dyn FnMut() -> u32>,
     /// Prompts ready to go: (turn, prompt); a finished turn queues its conversation's next.
     ready: VecDeque<(usize, Vec<u32>)>,
-    /// (timing index, handle, the conversation so far).
-    live: Vec<(usize, RequestHandle, Vec<u32>)>,
+    /// (timing index, the request, the conversation so far).
+    live: Vec<(usize, Submitted, Vec<u32>)>,
     timings: Vec<Timing>,
     /// Decode-only steps (no prefill chunk in them): their count, summed wall time (ms) and
     /// batch, and their forward, sampling, drafting and committing time (ms).
@@ -317,7 +328,7 @@ impl Load {
     /// Submits ready prompts (through `submit`, all at once) until `conc` are in flight.
     fn fill(
         &mut self,
-        submit: impl FnOnce(Vec<Request>) -> qwen36::engine::Result<Vec<RequestHandle>>,
+        submit: impl FnOnce(Vec<Request>) -> qwen36::engine::Result<Vec<Submitted>>,
     ) -> qwen36::engine::Result<()> {
         let free = self.conc.saturating_sub(self.live.len()).min(self.ready.len());
         if free == 0 {
@@ -363,12 +374,32 @@ impl Load {
     }
 
     /// Takes the requests' events: tokens timed now, a finished turn queueing its
-    /// conversation's next.
-    fn drain(&mut self) {
+    /// conversation's next; submits the engine has answered become running requests (`rt`: the
+    /// runtime their tasks run on).
+    fn drain(&mut self, rt: Option<&tokio::runtime::Runtime>) {
         let now = Instant::now();
         let (timings, ready, next_id) = (&mut self.timings, &mut self.ready, &mut self.next_id);
         let (turns, turn_len) = (self.turns, self.turn_len);
-        self.live.retain_mut(|(i, h, history)| {
+        self.live.retain_mut(|(i, slot, history)| {
+            if let (Submitted::Submitting(task), Some(rt)) = (&mut *slot, rt) {
+                if !task.is_finished() {
+                    return true;
+                }
+                match rt.block_on(task) {
+                    Ok(Ok(h)) => *slot = Submitted::Running(h),
+                    Ok(Err(e)) => {
+                        eprintln!("request {i} refused: {e}");
+                        return false;
+                    }
+                    Err(e) => {
+                        eprintln!("request {i}'s submit failed: {e}");
+                        return false;
+                    }
+                }
+            }
+            let Submitted::Running(h) = slot else {
+                return true;
+            };
             let t = &mut timings[*i];
             for e in h.drain() {
                 match e {
@@ -437,10 +468,9 @@ struct Rank {
 }
 
 /// `--tp N`: each rank loads its shard once (on a thread of its own); each run spawns the
-/// ranks' engines in lockstep and drives them through their client, submitting each batch of
-/// prompts at once and timing tokens when the client reads them after a step's statistics
-/// (a token may be stamped a step late while a submit waits for the engine to take it: TTFT
-/// and TPOT here are as a server's client sees them, throughput exact).
+/// ranks' engines in lockstep and drives them through their client: prompts submitted from
+/// tasks (the loop never waits for the engine to take them), tokens timed as the client reads
+/// them after each step's statistics arrive.
 fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
     if args.run.model.is_none() && !args.run.cuda {
         // (candle's CPU generator cannot be seeded: the replicated weights would differ.)
@@ -505,7 +535,16 @@ fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
         let mut load = Load::new(args, conc, n, cfg.vocab_size);
         let start = Instant::now();
         while !load.done() {
-            load.fill(|reqs| runtime.block_on(submit_all(&client, reqs)))?;
+            // (The submits run on the runtime; the engine answers them between two steps.)
+            load.fill(|reqs| {
+                Ok(reqs
+                    .into_iter()
+                    .map(|r| {
+                        let client = client.clone();
+                        Submitted::Submitting(runtime.spawn(async move { client.submit_async(r).await }))
+                    })
+                    .collect())
+            })?;
             // The next step's end (the requests in flight keep the engine stepping).
             let stats = loop {
                 match steps.recv_timeout(Duration::from_secs(1)) {
@@ -517,7 +556,7 @@ fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
             for s in std::iter::once(stats).chain(steps.try_iter()) {
                 load.stepped(&s, s.wall);
             }
-            load.drain();
+            load.drain(Some(&runtime));
         }
         let elapsed = start.elapsed();
         // The last steps' statistics may come after their requests' last events: the engine
@@ -531,26 +570,6 @@ fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
         report_turns(&load.timings, None);
     }
     Ok(())
-}
-
-/// Submits `reqs` to the engine thread at once (each waits only for the engine to take it
-/// between two steps, not for the others).
-async fn submit_all(client: &EngineClient, reqs: Vec<Request>) -> qwen36::engine::Result<Vec<RequestHandle>> {
-    let tasks: Vec<_> = reqs
-        .into_iter()
-        .map(|r| {
-            let client = client.clone();
-            tokio::spawn(async move { client.submit_async(r).await })
-        })
-        .collect();
-    let mut handles = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        handles.push(
-            t.await
-                .map_err(|e| qwen36::engine::Error::Request(e.to_string()))??,
-        );
-    }
-    Ok(handles)
 }
 
 /// TTFT by turn (first turns against later ones) and the prefix cache's hit rate.
