@@ -402,6 +402,21 @@ async fn streamed_text_equals_the_whole() {
             assert_eq!(parsed[0]["choices"][0]["delta"]["role"], "assistant");
             assert_eq!(parsed[0]["object"], "chat.completion.chunk");
         }
+        // Without token ids every chunk between the first and the finishing one carries text:
+        // a token that settles nothing (a tag, text held back as the start of a stop string: a
+        // newline and indentation here) sends no chunk of its own.
+        body["return_token_ids"] = json!(false);
+        body["stop"] = json!(["\n    QQQ", " QQQ"]);
+        let parsed = chunks(&server.stream(path, &body).await);
+        for c in &parsed[1..parsed.len() - 2] {
+            let choice = &c["choices"][0];
+            let says = |v: &Value| v.as_str().is_some_and(|t| !t.is_empty());
+            let carries = says(&choice["text"])
+                || says(&choice["delta"]["content"])
+                || says(&choice["delta"]["reasoning_content"])
+                || choice["delta"]["tool_calls"].is_array();
+            assert!(carries, "{path}: a chunk with nothing in it: {c}");
+        }
     }
     server.stop().await;
 }
