@@ -356,6 +356,22 @@ mod tests {
         whole
     }
 
+    /// Output waits only while it may still become the opening `<think>`: a start that cannot
+    /// (or a `<think>` already whole) settles at once, not at the end.
+    #[test]
+    fn the_start_waits_only_for_what_may_open_a_think_block() {
+        let mut p = OutputParser::new(true, false, None, "c");
+        assert_eq!(p.push("<thi"), Delta::default());
+        let d = p.push("nk>\nhm");
+        assert_eq!((d.reasoning.as_str(), d.content.as_str()), ("hm", ""));
+        let mut p = OutputParser::new(true, false, None, "c");
+        let d = p.push("Hello");
+        assert_eq!((d.reasoning.as_str(), d.content.as_str()), ("", "Hello"));
+        let mut p = OutputParser::new(true, false, None, "c");
+        assert_eq!(p.push("<thi").content, "");
+        assert_eq!(p.push("s").content, "<this");
+    }
+
     #[test]
     fn reasoning_then_content_whether_think_opens_in_the_prompt_or_the_output() {
         let d = parse_all_ways(
