@@ -523,6 +523,7 @@ fn checkpoint_checks_with(
         device: opts.device.clone(),
         ..LoadOptions::default()
     };
+    let sharded = comm.is_some();
     let loaded = match comm {
         Some(comm) => Generator::load_shard(dir, load, comm),
         None => Generator::load(dir, load),
@@ -538,9 +539,14 @@ fn checkpoint_checks_with(
             g
         }
         Err(e) => {
-            out.push(check(G, "weights", Status::Fail, e.to_string()).advise(
-                "the named tensor is missing, misshapen or not finite: re-download or re-convert the checkpoint (a missing layer's tensors usually mean layer_types does not match it)",
-            ));
+            // (A config field that does not split over the ranks: the rank count is wrong, not
+            // the checkpoint.)
+            let split = sharded && matches!(&e, crate::Error::Model(qwen36_model::Error::Config { .. }));
+            out.push(check(G, "weights", Status::Fail, e.to_string()).advise(if split {
+                "choose a tensor-parallel rank count that divides the named field (its heads split over the ranks)"
+            } else {
+                "the named tensor is missing, misshapen or not finite: re-download or re-convert the checkpoint (a missing layer's tensors usually mean layer_types does not match it)"
+            }));
             return (out, None);
         }
     };

@@ -136,6 +136,18 @@ fn a_tensor_parallel_deployment_passes_and_its_ranks_agree() {
     assert!(report.checks.len() >= 13);
 }
 
+/// A rank count that does not divide the heads: every rank's load fails naming the field, and
+/// the advice is about the rank count, not the checkpoint.
+#[test]
+fn a_rank_count_that_does_not_split_the_heads_is_named() {
+    let report = examine_ranks(&bundled_dir(), &options(), LocalComm::group(3).unwrap()).unwrap();
+    let weights = failed(&report.checks, "weights");
+    assert_eq!(weights.status, Status::Fail);
+    assert!(weights.detail.contains("num_attention_heads"), "{weights:?}");
+    assert!(weights.advice.contains("rank count"), "{weights:?}");
+    assert_eq!(failed(&report.checks, "ranks agree").status, Status::Pass);
+}
+
 /// A communicator that changes some of its rank's reductions: the model's (more than 32
 /// elements: the barriers' flags and the doctor's 32-bit verdict digests pass) on the ranks in
 /// `ranks`, from the `after`-th on: scaled by `scale`, or failing with an error when `scale` is
