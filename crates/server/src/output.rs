@@ -480,6 +480,9 @@ mod tests {
         assert_eq!(held_prefix("abc", TOOL), 0);
         assert_eq!(held_prefix("<tool_call", TOOL), 10);
         assert_eq!(held_prefix("é<", TOOL), 1);
+        // Ends that start inside a character are skipped, not sliced.
+        assert_eq!(held_prefix("aé", TOOL), 0);
+        assert_eq!(held_prefix("a\u{1F600}", THINK_END), 0);
         // While streaming, text that cannot begin a tag goes out at once.
         let mut p = OutputParser::new(true, true, Some(weather()), "c");
         assert_eq!(p.push("abc</th").reasoning, "abc");
