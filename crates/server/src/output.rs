@@ -471,6 +471,9 @@ mod tests {
         assert_eq!(byte_level_bytes("\u{C3}\u{A9}").unwrap(), "é".as_bytes());
         assert_eq!(byte_level_bytes("<|im_end|>"), Some(b"<|im_end|>".to_vec()));
         assert_eq!(byte_level_bytes("日"), None);
+        // A raw space or newline is outside the map too (it writes them as U+0120 and U+010A).
+        assert_eq!(byte_level_bytes("a b"), None);
+        assert_eq!(byte_level_bytes("\n"), None);
     }
 
     #[test]
