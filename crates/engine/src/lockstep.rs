@@ -251,3 +251,52 @@ impl Engine {
         Ok(EngineClient::new(context, commands_tx, shared, leader_thread))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EngineConfig, EngineStatus, Event};
+
+    /// Rank `comm`'s engine over its shard of the bundled model; its first step panics when
+    /// `panics`.
+    fn rank_engine(comm: Arc<dyn Communicator>, panics: bool) -> Result<Engine> {
+        let opts = qwen36_model::LoadOptions::default();
+        let model = qwen36_model::Qwen36Model::load_shard(qwen36_testutil::bundled_dir(), opts, comm)?;
+        let mut engine = Engine::new(
+            model,
+            EngineConfig {
+                max_seqs: 2,
+                ..Default::default()
+            },
+        )?;
+        engine.panic_next_step = panics;
+        Ok(engine)
+    }
+
+    /// A rank whose step panics, the first or another, fails every request and ends the group:
+    /// the others, waiting in a reduction for it, are released (the client's shutdown joins every
+    /// rank's thread, so one left waiting would hang the test), and the client says it failed.
+    #[test]
+    fn a_rank_panicking_in_a_step_ends_the_group_without_a_hang() {
+        for bad in [0, 1] {
+            let comms = qwen36_model::LocalComm::group(2).unwrap();
+            let client = Engine::spawn_ranks(comms, move |comm| {
+                let panics = comm.rank() == bad;
+                rank_engine(comm, panics)
+            })
+            .unwrap();
+            let h = client.submit(crate::Request::greedy(vec![1, 2, 3], 8)).unwrap();
+            let last = std::iter::from_fn(|| h.recv()).last();
+            assert!(
+                matches!(&last, Some(Event::Failed { .. })),
+                "rank {bad}: {last:?}"
+            );
+            client.shutdown();
+            let status = client.status();
+            assert!(
+                matches!(&status, EngineStatus::Failed(_)),
+                "rank {bad}: {status:?}"
+            );
+        }
+    }
+}
