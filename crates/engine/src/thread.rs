@@ -373,6 +373,33 @@ mod tests {
         assert_eq!(client.load(), EngineLoad::default());
     }
 
+    /// A step that fails (a device error: here a state copy) fails the requests it held, and the
+    /// engine thread goes on: a later request runs to its end and the client says it runs (only
+    /// a rank of a tensor-parallel group ends the engine on an error).
+    #[test]
+    fn a_failing_step_fails_its_requests_and_the_engine_goes_on() {
+        let mut engine = crate::engine::bundled_engine(EngineConfig {
+            prefix_snapshots: 4,
+            ..Default::default()
+        });
+        // Two whole blocks and more: the prefill keeps a snapshot of its last block boundary.
+        let prompt: Vec<u32> = (1..=2 * EngineConfig::default().block_size as u32 + 3).collect();
+        let failing = engine.submit(crate::Request::greedy(prompt, 4)).unwrap();
+        engine.fail_next_copy = true;
+        let client = engine.spawn();
+        let last = std::iter::from_fn(|| failing.recv()).last();
+        assert!(
+            matches!(&last, Some(Event::Failed { error }) if error.contains("injected")),
+            "{last:?}"
+        );
+        let later = client.submit(crate::Request::greedy(vec![1, 2, 3], 4)).unwrap();
+        let last = std::iter::from_fn(|| later.recv()).last();
+        assert!(matches!(&last, Some(Event::Finished { .. })), "{last:?}");
+        assert_eq!(client.status(), EngineStatus::Running);
+        client.shutdown();
+        assert_eq!(client.status(), EngineStatus::Stopped);
+    }
+
     /// A watching client gets every step's statistics from then on, one per step: their
     /// generated tokens are the requests' tokens, and each step's wall time covers its parts. A
     /// watcher that is dropped stops only its own.
