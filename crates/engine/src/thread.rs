@@ -446,16 +446,22 @@ mod tests {
         assert!(steps.iter().all(|s| s.wall > std::time::Duration::ZERO));
     }
 
-    /// The client's load follows the engine: requests running and waiting while they run,
-    /// nothing once they end; the step count grows; a shut-down engine says so.
+    /// The client's context is the engine's; its load follows the engine: requests running and
+    /// waiting while they run, nothing once they end; the step count grows; a shut-down engine
+    /// says so.
     #[test]
     fn the_client_reports_load_steps_and_status() {
         let cfg = EngineConfig {
             max_seqs: 1,
             ..Default::default()
         };
-        let client = crate::engine::bundled_engine(cfg).spawn();
+        let engine = crate::engine::bundled_engine(cfg);
+        let context = engine.context();
+        let client = engine.spawn();
         assert_eq!(client.status(), EngineStatus::Running);
+        // The engine's context, read without a round trip to its thread.
+        assert!(context > 0);
+        assert_eq!(client.context(), context);
         let idle = client.load();
         assert_eq!(
             (idle.waiting, idle.running, idle.slots_used, idle.slots),
