@@ -166,15 +166,9 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
     let Some(generator) = loaded else {
         return Ok(report);
     };
-    report.checks.extend(convention_checks(dir));
-    let reference = reference_model(dir, generator.model().config(), opts).map_err(|e| e.to_string());
-    let prompt = probe_prompt(generator.model().config().vocab_size, 80);
-    report
-        .checks
-        .extend(numerics_or_skip(generator.model(), &reference, &prompt));
-    // (The f32 copy is not needed past the numerics: freed before the engines allocate pools.)
-    drop(reference);
-    run_checks(&mut report, &generator, &prompt, opts);
+    // (One user: the f32 copy is freed after the numerics, before the engines allocate pools.)
+    let reference = SharedReference::new(1);
+    run_groups(&mut report, dir, opts, &generator, &reference, |_, _| true);
     Ok(report)
 }
 
@@ -191,11 +185,7 @@ pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Commun
         return Err(qwen36_model::Error::Input("doctor: a tensor-parallel group of no ranks".into()).into());
     }
     let tp = comms.len();
-    let reference = SharedReference {
-        model: std::sync::Mutex::new(None),
-        users: std::sync::atomic::AtomicUsize::new(0),
-        ranks: tp,
-    };
+    let reference = SharedReference::new(tp);
     let reports = qwen36_model::run_ranks(comms, |comm| {
         let rank_opts = DoctorOptions {
             device: comm.device().unwrap_or_else(|| opts.device.clone()),
@@ -210,7 +200,8 @@ pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Commun
     Ok(report)
 }
 
-/// The CPU f32 reference the ranks of [`examine_ranks`] share.
+/// The CPU f32 reference of the numerics, loaded when first needed and freed once each of its
+/// users (one, or the ranks of [`examine_ranks`]) has run its numerics against it.
 struct SharedReference {
     model: std::sync::Mutex<Option<std::result::Result<Qwen36Model, String>>>,
     /// Ranks that have run their numerics against it.
@@ -219,6 +210,14 @@ struct SharedReference {
 }
 
 impl SharedReference {
+    fn new(ranks: usize) -> Self {
+        Self {
+            model: std::sync::Mutex::new(None),
+            users: std::sync::atomic::AtomicUsize::new(0),
+            ranks,
+        }
+    }
+
     /// The numerics group of one rank against the reference (loaded by the first rank here).
     fn numerics(&self, dir: &Path, opts: &DoctorOptions, model: &Qwen36Model, prompt: &[u32]) -> Vec<Check> {
         let reference = {
@@ -344,6 +343,45 @@ fn examine_rank(
             return Ok(report);
         }
     };
+    run_groups(
+        &mut report,
+        dir,
+        opts,
+        &generator,
+        reference,
+        |report, errored| {
+            if errored {
+                // Ends every rank's pending and later reductions: the others' groups end with an
+                // error too, none waiting for this rank.
+                comm.abort();
+                return false;
+            }
+            let stopped = match verdicts_agree(comm.as_ref(), &report.checks) {
+                Ok(true) => return true,
+                Ok(false) => "the ranks' verdicts parted in the group above".to_string(),
+                Err(e) => format!("another rank's checks failed with an error: {e}"),
+            };
+            report.checks.push(
+            check(TP, "ranks in step", Status::Fail, format!("{stopped}; the ranks stopped there"))
+                .advise("the ranks must compute the same logits: see the checks above and the ranks' agreement below"),
+        );
+            false
+        },
+    );
+    Ok(report)
+}
+
+/// The groups after the checkpoint, in order (conventions, numerics, speculation, engine,
+/// generation) on `generator`'s model; after each, `go_on(report, errored)` says whether to run
+/// the next (`errored`: a check of the group records an error, not a verdict).
+fn run_groups(
+    report: &mut Report,
+    dir: &Path,
+    opts: &DoctorOptions,
+    generator: &Generator,
+    reference: &SharedReference,
+    mut go_on: impl FnMut(&mut Report, bool) -> bool,
+) {
     let model = generator.model();
     let prompt = probe_prompt(model.config().vocab_size, 80);
     let groups: [&dyn Fn() -> Vec<Check>; 5] = [
@@ -359,37 +397,16 @@ fn examine_rank(
                 opts.generate_tokens,
             )
         },
-        &|| generation_checks(&generator, opts.generate_tokens),
+        &|| generation_checks(generator, opts.generate_tokens),
     ];
     for group in groups {
         let checks = group();
         let errored = checks.iter().any(is_error);
         report.checks.extend(checks);
-        if errored {
-            // Ends every rank's pending and later reductions: the others' groups end with an
-            // error too, none waiting for this rank.
-            comm.abort();
-            return Ok(report);
+        if !go_on(report, errored) {
+            return;
         }
-        let stopped = match verdicts_agree(comm.as_ref(), &report.checks) {
-            Ok(true) => continue,
-            Ok(false) => "the ranks' verdicts parted in the group above".to_string(),
-            Err(e) => format!("another rank's checks failed with an error: {e}"),
-        };
-        report.checks.push(
-            check(
-                TP,
-                "ranks in step",
-                Status::Fail,
-                format!("{stopped}; the ranks stopped there"),
-            )
-            .advise(
-                "the ranks must compute the same logits: see the checks above and the ranks' agreement below",
-            ),
-        );
-        return Ok(report);
     }
-    Ok(report)
 }
 
 /// Refuses options out of range.
@@ -420,27 +437,6 @@ fn numerics_or_skip(
         )
         .advise("run on a machine with the memory for the f32 model, or pass --reference-layers N")],
     }
-}
-
-/// The groups after the numerics: speculation, the engine, generation.
-fn run_checks(report: &mut Report, generator: &Generator, prompt: &[u32], opts: &DoctorOptions) {
-    let model = generator.model();
-    report.checks.extend(speculation_checks(
-        model,
-        generator.mtp_head(),
-        &prompt[..16],
-        opts.generate_tokens,
-    ));
-    report.checks.extend(engine_checks(
-        model,
-        model,
-        generator.mtp_head(),
-        &prompt[..16],
-        opts.generate_tokens,
-    ));
-    report
-        .checks
-        .extend(generation_checks(generator, opts.generate_tokens));
 }
 
 /// Deterministic probe ids below `vocab` (a fixed xorshift stream).
