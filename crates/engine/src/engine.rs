@@ -352,7 +352,14 @@ impl Engine {
             panic!("a panic injected by a test");
         }
         let context = self.context();
-        check_prompt(&req.prompt, self.model.config().vocab_size)?;
+        let vocab = self.model.config().vocab_size;
+        check_prompt(&req.prompt, vocab)?;
+        // (An id past the vocabulary can never be sampled: a stop that silently never fires.)
+        if let Some(&id) = req.stop_ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::Request(format!(
+                "stop token {id} is outside the vocabulary of {vocab}"
+            )));
+        }
         if req.max_tokens == Some(0) {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }

@@ -19,12 +19,76 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// `max_tokens` of a completion that gives none (OpenAI's default).
 pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
-/// A prompt: text, or token ids (`/v1/completions`).
+/// A prompt: text, or token ids (`/v1/completions`); or a list of either, as OpenAI's batched
+/// form, served when it holds one prompt ([`Prompt::single`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+    /// Anything else: refused by [`Prompt::single`] with the forms it may take.
+    Other(Value),
+}
+
+impl Prompt {
+    /// The one prompt this is: text or ids, a one-element list of them unwrapped; several
+    /// prompts (one request per prompt, here) and other JSON are errors naming `prompt`.
+    pub fn single(&self) -> Result<Prompt, ApiError> {
+        let several = |n: usize| {
+            Err(ApiError::bad_request(format!(
+                "prompt: {n} prompts given; this server takes one per request (send one request each)"
+            ))
+            .param("prompt"))
+        };
+        match self {
+            Prompt::Text(_) | Prompt::Ids(_) => Ok(self.clone()),
+            Prompt::Texts(v) if v.len() == 1 => Ok(Prompt::Text(v[0].clone())),
+            Prompt::IdLists(v) if v.len() == 1 => Ok(Prompt::Ids(v[0].clone())),
+            Prompt::Texts(v) => several(v.len()),
+            Prompt::IdLists(v) => several(v.len()),
+            Prompt::Other(v) => Err(ApiError::bad_request(format!(
+                "prompt {}: expected a text or a list of token ids (0..2^32)",
+                short(v)
+            ))
+            .param("prompt")),
+        }
+    }
+}
+
+/// `v` as JSON, cut to about 60 bytes for an error message.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(60) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s,
+    }
+}
+
+/// A field's default when it is absent or `null` (OpenAI marks most fields nullable, and
+/// clients send unset ones as `null`).
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Option::<T>::deserialize(d).map(Option::unwrap_or_default)
+}
+
+/// `seed`: any 64-bit integer, signed (as OpenAI's and vLLM's) or not; a negative one is taken
+/// as its two's complement bits.
+fn any_seed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    match (n.as_u64(), n.as_i64()) {
+        (Some(u), _) => Ok(Some(u)),
+        (None, Some(i)) => Ok(Some(i as u64)),
+        _ => Err(serde::de::Error::custom(format!(
+            "seed {n}: expected a 64-bit integer"
+        ))),
+    }
 }
 
 /// `stop`: one string or several.
@@ -47,7 +111,7 @@ impl Stop {
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub include_usage: bool,
 }
 
@@ -70,10 +134,10 @@ pub struct GenerateRequest {
     /// `false`: only the first tool call of the output is returned (default `true`).
     pub parallel_tool_calls: Option<bool>,
     /// Chat template kwargs (`enable_thinking` for Qwen3.6).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub chat_template_kwargs: Map<String, Value>,
     /// Return the prompt's and the completion's token ids (vLLM's extension; completions).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub return_token_ids: bool,
     pub model: Option<String>,
     pub max_tokens: Option<usize>,
@@ -88,15 +152,16 @@ pub struct GenerateRequest {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     /// Makes sampling reproducible; without it every request draws a seed of its own.
+    #[serde(default, deserialize_with = "any_seed")]
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     /// Extra stop token ids (vLLM's extension), besides the model's end-of-turn ids.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub stop_token_ids: Vec<u32>,
     /// Do not stop at the model's end-of-turn ids (vLLM's extension; benchmarks use it).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<usize>,

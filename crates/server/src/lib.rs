@@ -188,11 +188,23 @@ impl Service {
         let logprobs = req.logprobs(chat)?;
         let stop_strings = req.stop_strings()?;
         let tools = req.tool_parsing()?;
-        if tools && !chat {
+        if !chat && req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(
                 ApiError::bad_request("tools: tool calls are parsed on /v1/chat/completions only")
                     .param("tools"),
             );
+        }
+        // Fields this endpoint would ignore are named instead (as OpenAI answers them).
+        if req.stream_options.is_some() && !req.stream {
+            return Err(
+                ApiError::bad_request("stream_options: only with stream: true").param("stream_options")
+            );
+        }
+        if !chat && req.top_logprobs.is_some() {
+            return Err(ApiError::bad_request(
+                "top_logprobs: chat only (/v1/completions takes logprobs: N alternatives)",
+            )
+            .param("top_logprobs"));
         }
         if req.return_token_ids && n > 1 {
             return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
@@ -204,7 +216,11 @@ impl Service {
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
         let max_tokens = match endpoint {
-            Endpoint::Completions => Some(req.max_tokens.unwrap_or(api::DEFAULT_COMPLETION_TOKENS)),
+            Endpoint::Completions => Some(
+                req.max_tokens
+                    .or(req.max_completion_tokens)
+                    .unwrap_or(api::DEFAULT_COMPLETION_TOKENS),
+            ),
             Endpoint::Chat => req.max_completion_tokens.or(req.max_tokens),
         };
         let d = &self.defaults;
@@ -286,12 +302,14 @@ impl Service {
     /// The prompt's ids, and whether the model starts inside an open `<think>` block.
     fn prompt(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<u32>, bool), ApiError> {
         match endpoint {
-            Endpoint::Completions => match &req.prompt {
-                Some(Prompt::Text(text)) => Ok((self.encode(text)?, false)),
-                Some(Prompt::Ids(ids)) => Ok((ids.clone(), false)),
-                None => Err(
-                    ApiError::bad_request("prompt: a text or a list of token ids is needed").param("prompt"),
-                ),
+            Endpoint::Completions => match req.prompt.as_ref().map(Prompt::single).transpose()? {
+                Some(Prompt::Text(text)) => Ok((self.encode(&text)?, false)),
+                Some(Prompt::Ids(ids)) => Ok((ids, false)),
+                // (`single` gives text or ids only.)
+                Some(_) | None => Err(ApiError::bad_request(
+                    "prompt: a text or a list of token ids is needed",
+                )
+                .param("prompt")),
             },
             Endpoint::Chat => {
                 let text = self.render(req)?;
@@ -353,7 +371,7 @@ impl Service {
         let messages: Vec<Value> = messages
             .iter()
             .cloned()
-            .map(|m| Value::Object(with_object_arguments(m)))
+            .map(|m| Value::Object(with_object_arguments(developer_as_system(m))))
             .collect();
         template
             .render_json(&messages, req.tools.as_deref(), true, &req.chat_template_kwargs)
@@ -425,8 +443,16 @@ fn with_object_arguments(mut message: Map<String, Value>) -> Map<String, Value> 
     message
 }
 
-/// The roles a chat message may have.
-const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+/// The roles a chat message may have (`developer`: OpenAI's newer name of `system`).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// A `developer` message as the `system` one it stands for (the chat template knows only that).
+fn developer_as_system(mut message: Map<String, Value>) -> Map<String, Value> {
+    if message.get("role").and_then(Value::as_str) == Some("developer") {
+        message.insert("role".into(), Value::from("system"));
+    }
+    message
+}
 
 /// Which endpoint a request came to (its object names and the shape of its choices).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -969,6 +995,15 @@ fn same_key(given: &[u8], key: &[u8]) -> bool {
     given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
+/// The token of an `Authorization: Bearer TOKEN` header value (the scheme's case is free, as
+/// RFC 9110 says).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim_start_matches(' '))
+}
+
 /// Lets a `/v1` request through only with the API key (when one is set), before its body is
 /// read.
 async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request, next: Next) -> Response {
@@ -977,7 +1012,7 @@ async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request,
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(bearer_token);
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
             drain(req.into_body(), svc.cfg.max_body_bytes.saturating_mul(16)).await;
             return ApiError::new(

@@ -819,6 +819,28 @@ async fn bad_requests_get_error_objects() {
             "chat/completions only",
             Some("tools"),
         ),
+        // Fields the endpoint would otherwise ignore without a word.
+        (
+            c,
+            r#"{"prompt": [1], "stream_options": {"include_usage": true}}"#.into(),
+            ok,
+            400,
+            "only with stream",
+            Some("stream_options"),
+        ),
+        (c, r#"{"prompt": [1], "top_logprobs": 2}"#.into(), ok, 400, "chat only", Some("top_logprobs")),
+        (
+            c,
+            r#"{"prompt": [1], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}"#.into(),
+            ok,
+            400,
+            "chat/completions only",
+            Some("tools"),
+        ),
+        (c, r#"{"prompt": [1], "stop_token_ids": [4096]}"#.into(), ok, 400, "stop token 4096", None),
+        (c, r#"{"prompt": ["a", "b"]}"#.into(), ok, 400, "2 prompts", Some("prompt")),
+        (c, r#"{"prompt": [1, "x"]}"#.into(), ok, 400, "a text or a list of token ids", Some("prompt")),
+        (c, r#"{"prompt": [1], "seed": 1.5}"#.into(), ok, 400, "seed 1.5", None),
         (chat, r#"{"messages": []}"#.into(), ok, 400, "at least one", Some("messages")),
         (chat, r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), ok, 400, "wizard", Some("messages")),
         (chat, r#"{"messages": [{"content": "hi"}]}"#.into(), ok, 400, "role", Some("messages")),
@@ -901,6 +923,21 @@ async fn bad_requests_get_error_objects() {
     let body = r#"{"prompt": [1, 1, 2], "max_tokens": 4, "temperature": 1, "top_p": 0.5, "repetition_penalty": 1e-40}"#;
     let r = send(c, body.into(), ok).await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
+    // The scheme's case is free (RFC 9110): `bearer KEY` is let in, `Basic KEY` is not.
+    for (auth, status) in [
+        ("bearer sesame", 200),
+        ("BEARER  sesame", 200),
+        ("Basic sesame", 401),
+    ] {
+        let r = client
+            .post(format!("{}{c}", server.url))
+            .header("authorization", auth)
+            .json(&json!({"prompt": [1, 2], "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{auth}");
+    }
     // Still answering, with the key.
     let r = send(c, r#"{"prompt": [1, 2], "max_tokens": 2}"#.into(), ok)
         .await
@@ -922,9 +959,70 @@ async fn bad_requests_get_error_objects() {
     let m = server.metrics().await;
     assert_eq!(
         m["qwen36_http_responses_total{route=\"completions\",status=\"401\"}"],
-        5.0
+        6.0
     );
     assert_eq!(m["qwen36_engine_up"], 1.0);
+    server.stop().await;
+}
+
+/// Forms that OpenAI clients send are served as their plain equivalents: `null` for an unset
+/// field, a prompt in a one-element list, a negative seed (its two's complement bits), a
+/// `developer` message (OpenAI's newer `system`), and `max_completion_tokens` on completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_forms_equal_their_plain_equivalents() {
+    let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let c = "/v1/completions";
+    let answer = |r: (u16, Value)| {
+        assert_eq!(r.0, 200, "{}", r.1);
+        let choice = &r.1["choices"][0];
+        let text = choice["text"].as_str().or(choice["message"]["content"].as_str());
+        // (Not `cached_tokens`: a repeated prompt hits the prefix cache.)
+        let usage = &r.1["usage"];
+        (
+            text.unwrap().to_string(),
+            usage["prompt_tokens"].clone(),
+            usage["completion_tokens"].clone(),
+        )
+    };
+    let plain = answer(
+        server
+            .post(
+                c,
+                &json!({"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}),
+            )
+            .await,
+    );
+    let nulls = json!({
+        "prompt": ["def f(x):"], "max_completion_tokens": 6, "temperature": 0, "stream": null,
+        "stream_options": null, "stop_token_ids": null, "ignore_eos": null, "return_token_ids": null,
+        "chat_template_kwargs": null, "seed": null, "n": null, "stop": null, "logprobs": null,
+    });
+    assert_eq!(answer(server.post(c, &nulls).await), plain);
+    let ids = answer(
+        server
+            .post(
+                c,
+                &json!({"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}),
+            )
+            .await,
+    );
+    let listed = json!({"prompt": [[5, 6, 7]], "max_tokens": 6, "temperature": 0});
+    assert_eq!(answer(server.post(c, &listed).await), ids);
+    let sampled =
+        |seed: Value| json!({"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 1, "seed": seed});
+    assert_eq!(
+        answer(server.post(c, &sampled(json!(-1))).await),
+        answer(server.post(c, &sampled(json!(u64::MAX))).await)
+    );
+    let chat = |role: &str| {
+        json!({"messages": [{"role": role, "content": "Answer briefly."}, {"role": "user", "content": "hi"}],
+               "max_tokens": 6, "temperature": 0})
+    };
+    let system = answer(server.post("/v1/chat/completions", &chat("system")).await);
+    assert_eq!(
+        answer(server.post("/v1/chat/completions", &chat("developer")).await),
+        system
+    );
     server.stop().await;
 }
 
