@@ -690,7 +690,8 @@ async fn reasoning_and_tool_calls() {
     server.stop().await;
 }
 
-/// A client that goes away mid-stream cancels its request: its sequence is gone from
+/// A client that goes away mid-stream, or while it waits for a whole response, cancels its
+/// request: its sequence is gone from
 /// `/metrics` within a second and counted as aborted, and a request queued behind it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_frees_its_slot() {
@@ -699,42 +700,109 @@ async fn a_client_that_disconnects_frees_its_slot() {
         ..EngineConfig::default()
     };
     let (server, _) = Server::start(cfg, ServerConfig::default()).await;
-    let long = json!({ "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": true, "stream": true });
-    let mut r = reqwest::Client::new()
-        .post(format!("{}/v1/completions", server.url))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.chunk().await.unwrap().is_some(), "the long request streams");
-    // The engine publishes its load after the step that sent the chunk: wait for it.
-    let shown = Instant::now();
-    let mut m = server.metrics().await;
-    while m["qwen36_requests_running"] != 1.0 && shown.elapsed() < Duration::from_secs(5) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        m = server.metrics().await;
-    }
-    assert_eq!(m["qwen36_requests_running"], 1.0);
-    assert_eq!(m["qwen36_choices_finished_total{reason=\"abort\"}"], 0.0);
-    drop(r);
-    let gone = Instant::now();
-    loop {
-        let m = server.metrics().await;
-        if m["qwen36_requests_running"] == 0.0 && m["qwen36_choices_finished_total{reason=\"abort\"}"] == 1.0
-        {
-            break;
+    // Streamed, and whole (the client leaves while the server still waits for the end).
+    for (left, stream) in [(1.0, true), (2.0, false)] {
+        let long = json!({ "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": true, "stream": stream });
+        let url = format!("{}/v1/completions", server.url);
+        let client = tokio::spawn(async move {
+            let mut r = reqwest::Client::new().post(url).json(&long).send().await.unwrap();
+            while r.chunk().await.unwrap().is_some() {}
+        });
+        // The engine publishes its load after its first step: wait for it.
+        let shown = Instant::now();
+        let mut m = server.metrics().await;
+        while m["qwen36_requests_running"] != 1.0 && shown.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            m = server.metrics().await;
         }
+        assert_eq!(m["qwen36_requests_running"], 1.0, "stream: {stream}");
+        assert_eq!(m["qwen36_choices_finished_total{reason=\"abort\"}"], left - 1.0);
+        client.abort();
         assert!(
-            gone.elapsed() < Duration::from_secs(1),
-            "still running {:?} after the client left",
-            gone.elapsed()
+            client.await.unwrap_err().is_cancelled(),
+            "the client was still waiting"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let gone = Instant::now();
+        loop {
+            let m = server.metrics().await;
+            if m["qwen36_requests_running"] == 0.0
+                && m["qwen36_choices_finished_total{reason=\"abort\"}"] == left
+            {
+                break;
+            }
+            assert!(
+                gone.elapsed() < Duration::from_secs(1),
+                "stream: {stream}: still running {:?} after the client left",
+                gone.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
     let (status, _) = server
         .post("/v1/completions", &json!({ "prompt": [4, 5], "max_tokens": 2 }))
         .await;
     assert_eq!(status, 200);
+    server.stop().await;
+}
+
+/// A request the engine fails (here its text cannot be decoded at its fourth piece) answers 500
+/// with the engine's error when whole, and an error object then `[DONE]` after the chunks it
+/// had when streamed; both count as `error`, their sequences leave, and the server goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_engine_fails_gets_an_error_and_the_server_goes_on() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let fail_at = Arc::new(AtomicUsize::new(usize::MAX));
+    let (c, f) = (calls.clone(), fail_at.clone());
+    let failing: Arc<dyn Detokenize> = Arc::new(move |ids: &[u32]| -> Result<String, String> {
+        if c.fetch_add(1, Ordering::SeqCst) == f.load(Ordering::SeqCst) {
+            return Err("an injected failure".into());
+        }
+        Ok("x".repeat(ids.len()))
+    });
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start_with(cfg, ServerConfig::default(), Some(failing)).await;
+    let path = "/v1/completions";
+    let body =
+        |stream: bool| json!({"prompt": [1, 2, 3], "max_tokens": 20, "ignore_eos": true, "stream": stream});
+    let arm = || fail_at.store(calls.load(Ordering::SeqCst) + 3, Ordering::SeqCst);
+    arm();
+    let (status, whole) = server.post(path, &body(false)).await;
+    assert_eq!(status, 500, "{whole}");
+    let message = whole["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("detokenizing failed: an injected failure"),
+        "{message}"
+    );
+    assert_eq!(whole["error"]["type"], "server_error");
+    arm();
+    let events = server.stream(path, &body(true)).await;
+    let n = events.len();
+    assert_eq!(events[n - 1], "[DONE]");
+    let error: Value = serde_json::from_str(&events[n - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("an injected failure"),
+        "{error}"
+    );
+    assert_eq!(
+        streamed_text(&events[..n - 2]),
+        "xxx",
+        "the chunks before the failure"
+    );
+    server.wait_for_idle().await;
+    let m = server.metrics().await;
+    assert_eq!(m["qwen36_choices_finished_total{reason=\"error\"}"], 2.0);
+    fail_at.store(usize::MAX, Ordering::SeqCst);
+    let (status, ok) = server.post(path, &body(false)).await;
+    assert_eq!(
+        (status, ok["choices"][0]["text"].as_str()),
+        (200, Some("x".repeat(20).as_str()))
+    );
     server.stop().await;
 }
 
