@@ -7,6 +7,10 @@ use serde_json::{Map, Value};
 
 use crate::{Error, Result};
 
+/// The most decoder (or MTP) layers a config may declare: far above any model of the family,
+/// low enough that a corrupt count is refused before anything is sized by it.
+const MAX_LAYERS: usize = 4096;
+
 /// Kind of a decoder layer's token mixer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerType {
@@ -158,7 +162,24 @@ impl Config {
         let hidden_size = f.usize_or("hidden_size", Some(4096))?;
         let num_attention_heads = f.usize_or("num_attention_heads", Some(16))?;
         let num_hidden_layers = f.usize_or("num_hidden_layers", Some(32))?;
+        // (Checked before the layer list is built from it.)
+        if num_hidden_layers == 0 || num_hidden_layers > MAX_LAYERS {
+            return Err(f.err(
+                "num_hidden_layers",
+                format!("must be positive and at most {MAX_LAYERS}, found {num_hidden_layers}"),
+            ));
+        }
         let head_dim = f.usize_or("head_dim", Some(256))?;
+        // A mixture-of-experts model of the family (`qwen3_5_moe`) has experts in place of the
+        // dense MLP this model reads: refused by name, not as a missing MLP tensor.
+        for key in ["num_experts", "num_local_experts"] {
+            if f.get(key).and_then(Value::as_u64).is_some_and(|n| n > 0) {
+                return Err(f.err(
+                    key,
+                    "mixture-of-experts models are not supported (dense MLPs only)",
+                ));
+            }
+        }
 
         let layer_types = match f.get("layer_types") {
             Some(Value::Array(list)) => list
@@ -201,21 +222,26 @@ impl Config {
             ));
         }
 
-        // RoPE: `rope_parameters` (transformers 5), else legacy top-level fields.
-        let rope = match f.get("rope_parameters").or_else(|| f.get("rope_scaling")) {
-            Some(Value::Object(r)) => Some(r),
-            Some(v) => return Err(f.err("rope_parameters", format!("expected an object, found {v}"))),
-            None => None,
-        };
-        let rf = rope.map(|obj| Fields {
-            obj,
-            prefix: if nested {
-                "text_config.rope_parameters."
-            } else {
-                "rope_parameters."
-            },
-        });
-        if let Some(rf) = &rf {
+        // RoPE: `rope_parameters` (transformers 5), else `rope_scaling` (legacy) with the
+        // top-level fields. Only the default RoPE is supported: a scaling type in either key is
+        // refused (one read and the other ignored would change positions past the training
+        // context without a word).
+        let mut rope = None;
+        for key in ["rope_parameters", "rope_scaling"] {
+            let obj = match f.get(key) {
+                Some(Value::Object(r)) => r,
+                None | Some(Value::Null) => continue,
+                Some(v) => return Err(f.err(key, format!("expected an object, found {v}"))),
+            };
+            let rf = Fields {
+                obj,
+                prefix: match (nested, key) {
+                    (true, "rope_parameters") => "text_config.rope_parameters.",
+                    (true, _) => "text_config.rope_scaling.",
+                    (false, "rope_parameters") => "rope_parameters.",
+                    (false, _) => "rope_scaling.",
+                },
+            };
             let kind = rf
                 .str_opt("rope_type")?
                 .or(rf.str_opt("type")?)
@@ -226,7 +252,9 @@ impl Config {
                     format!("{kind:?} is not supported (only \"default\")"),
                 ));
             }
+            rope = rope.or(Some(rf));
         }
+        let rf = rope;
         let rope_theta = match &rf {
             Some(rf) if rf.get("rope_theta").is_some() => rf.f64_or("rope_theta", 10_000.0)?,
             _ => f.f64_or("rope_theta", 10_000.0)?,
@@ -237,10 +265,11 @@ impl Config {
             }
             _ => f.f64_or("partial_rotary_factor", 0.25)?,
         };
-        if !(rope_theta > 0.0 && rope_theta.is_finite()) {
+        // (The frequencies are computed in f32: a larger θ would be inf there.)
+        if !(rope_theta > 0.0 && rope_theta <= f32::MAX as f64) {
             return Err(f.err(
                 "rope_theta",
-                format!("must be finite and positive, found {rope_theta}"),
+                format!("must be positive and finite in f32, found {rope_theta}"),
             ));
         }
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
@@ -375,8 +404,21 @@ impl Config {
                 format!("gives rotary dim {rd}; it must be even and positive"),
             ));
         }
-        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
-            return Err(f.err("rms_norm_eps", "must be positive"));
+        // (An ε of 1 or more would swamp the mean square of any normalised activation.)
+        if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+            return Err(f.err(
+                "rms_norm_eps",
+                format!("must be in (0, 1), found {}", self.rms_norm_eps),
+            ));
+        }
+        if self.mtp_num_hidden_layers > MAX_LAYERS {
+            return Err(f.err(
+                "mtp_num_hidden_layers",
+                format!(
+                    "must be at most {MAX_LAYERS}, found {}",
+                    self.mtp_num_hidden_layers
+                ),
+            ));
         }
         Ok(())
     }

@@ -61,6 +61,9 @@ pub enum Error {
     /// A tensor holds NaN or infinity.
     #[error("tensor {0} contains NaN or infinite values")]
     NonFinite(String),
+    /// A tensor's finite values overflow the activation dtype (beyond ±65504 in f16).
+    #[error("tensor {name} holds values beyond the range of {dtype:?}: load the model in bf16 or f32")]
+    OutOfRange { name: String, dtype: DType },
     /// The activation dtype is not one of f32, bf16, f16.
     #[error("unsupported activation dtype {0:?} (use f32, bf16 or f16)")]
     Dtype(DType),

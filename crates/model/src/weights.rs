@@ -84,9 +84,9 @@ impl Weights {
     /// Opens the safetensors files of `dir` (index first, else `model.safetensors`).
     pub fn open(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
-        let files = checkpoint_files(dir)?;
-        if files.len() > 1 {
-            each_tensor_once(&files)?;
+        let (files, index) = checkpoint_files(dir)?;
+        if let Some(index) = &index {
+            check_index(&files, index)?;
         }
         // SAFETY: the files are mapped read-only; like every mmap-based loader we rely on no other
         // process truncating them while the model is alive (documented in candle's MmapedSafetensors).
@@ -214,7 +214,7 @@ impl Weights {
             });
         }
         float_stored(name, view.dtype())?;
-        let t = match self.part_of(name) {
+        let stored = match self.part_of(name) {
             Some((split, shard)) => {
                 let (n, keep) = split.ranges(shard);
                 let mut full = shape.to_vec();
@@ -237,7 +237,7 @@ impl Weights {
                 let part = safetensors::tensor::TensorView::new(view.dtype(), shape.to_vec(), &bytes)
                     .map_err(|e| Error::Candle(candle_core::Error::Msg(format!("{name}: {e}"))))?;
                 self.count_loaded(bytes.len());
-                part.load(&self.opts.device)?.to_dtype(dtype)?
+                part.load(&self.opts.device)?
             }
             None => {
                 if view.shape() != shape {
@@ -248,11 +248,21 @@ impl Weights {
                     });
                 }
                 self.count_loaded(view.data().len());
-                view.load(&self.opts.device)?.to_dtype(dtype)?
+                view.load(&self.opts.device)?
             }
         };
-        if self.opts.check_finite && !t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite() {
-            // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
+        let t = stored.to_dtype(dtype)?;
+        // A NaN or ±inf anywhere makes the sum non-finite; finite weights cannot overflow f32 here.
+        let finite = |t: &Tensor| -> Result<bool> {
+            Ok(t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?.is_finite())
+        };
+        if self.opts.check_finite && !finite(&t)? {
+            if finite(&stored)? {
+                return Err(Error::OutOfRange {
+                    name: name.to_string(),
+                    dtype,
+                });
+            }
             return Err(Error::NonFinite(name.to_string()));
         }
         Ok(t)
@@ -351,7 +361,8 @@ impl Weights {
             let view = safetensors::tensor::TensorView::new(dtype, shape, bytes)
                 .map_err(|e| Error::Candle(candle_core::Error::Msg(format!("{name}: {e}"))))?;
             self.count_loaded(bytes.len());
-            Ok(view.load(&self.opts.device)?)
+            view.load(&self.opts.device)
+                .map_err(|e| Error::Candle(candle_core::Error::Msg(format!("{name}: {e}"))))
         };
         let q = load(view.dtype(), shape.to_vec(), &bytes, &wname)?;
         let sname = format!("{name}.weight_scale_inv");
@@ -359,6 +370,7 @@ impl Weights {
             name: wname.clone(),
             msg: format!("is float8 e4m3 but {sname} (its block scales) is missing"),
         })?;
+        float_stored(&sname, sview.dtype())?;
         let want = [full[0].div_ceil(block[0]), full[1].div_ceil(block[1])];
         if sview.shape() != want {
             return Err(Error::TensorShape {
@@ -377,6 +389,11 @@ impl Weights {
                 load(sview.dtype(), local, &sbytes, &sname)?
             }
             None => load(sview.dtype(), sview.shape().to_vec(), sview.data(), &sname)?,
+        };
+        // (f32, bf16 and f16 scales are read as they are; f64 ones as f32.)
+        let scale = match scale.dtype() {
+            DType::F64 => scale.to_dtype(DType::F32)?,
+            _ => scale,
         };
         if !scale
             .to_dtype(DType::F32)?
@@ -478,8 +495,16 @@ fn random_tensor(name: &str, shape: &[usize], dtype: DType, std: f64, dev: &Devi
     Ok(t)
 }
 
-/// Refuses a tensor stored in two shards (the mapped view would take one of them silently).
-fn each_tensor_once(files: &[PathBuf]) -> Result<()> {
+/// A sharded checkpoint's index: its path, and the file it names for each tensor.
+struct Index {
+    path: PathBuf,
+    map: std::collections::BTreeMap<String, String>,
+}
+
+/// Checks the files' headers against the index: every tensor in exactly one file, the one the
+/// index names (a tensor stored twice, or elsewhere or nowhere, means shards of two checkpoints
+/// or a damaged download; the mapped view would silently take whichever it finds).
+fn check_index(files: &[PathBuf], index: &Index) -> Result<()> {
     let mut seen: std::collections::HashMap<String, usize> = Default::default();
     for (i, file) in files.iter().enumerate() {
         // SAFETY: read-only mapping of a checkpoint file, as in `Weights::open`; only the header
@@ -496,11 +521,24 @@ fn each_tensor_once(files: &[PathBuf]) -> Result<()> {
             seen.insert(name, i);
         }
     }
+    for (tensor, named) in &index.map {
+        let held = seen.get(tensor).map(|&i| &files[i]);
+        if held.and_then(|f| f.file_name()) != Some(std::ffi::OsStr::new(named)) {
+            return Err(Error::Config {
+                field: format!("{}: weight_map.{tensor}", index.path.display()),
+                msg: match held {
+                    Some(f) => format!("names {named}, but the tensor is in {}", f.display()),
+                    None => format!("names {named}, but no file of the checkpoint holds it"),
+                },
+            });
+        }
+    }
     Ok(())
 }
 
-/// The weight files of a checkpoint directory, each checked to exist.
-fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The weight files of a checkpoint directory, each checked to exist, and its index if it has
+/// one.
+fn checkpoint_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>)> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|source| Error::Io {
@@ -518,23 +556,34 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 field: format!("{}: weight_map", index.display()),
                 msg: "missing or not an object".into(),
             })?;
-        let mut names = BTreeSet::new();
+        let mut named = std::collections::BTreeMap::new();
         for (tensor, file) in map {
-            let file = file.as_str().ok_or_else(|| Error::Config {
-                field: format!("{}: weight_map.{tensor}", index.display()),
-                msg: "expected a file name".into(),
-            })?;
-            names.insert(file.to_string());
+            // A file of this directory: a plain name (no path that leads out of it).
+            let file = file
+                .as_str()
+                .filter(|f| Path::new(f).file_name() == Some(std::ffi::OsStr::new(f)))
+                .ok_or_else(|| Error::Config {
+                    field: format!("{}: weight_map.{tensor}", index.display()),
+                    msg: format!("expected a file name in the checkpoint's directory, found {file}"),
+                })?;
+            named.insert(tensor.clone(), file.to_string());
         }
+        let names: BTreeSet<&String> = named.values().collect();
         let files: Vec<PathBuf> = names.into_iter().map(|n| dir.join(n)).collect();
         if let Some(missing) = files.iter().find(|p| !p.exists()) {
             return Err(Error::MissingFile(missing.clone()));
         }
-        return Ok(files);
+        return Ok((
+            files,
+            Some(Index {
+                path: index,
+                map: named,
+            }),
+        ));
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return Ok(vec![single]);
+        return Ok((vec![single], None));
     }
     Err(Error::MissingFile(
         dir.join("model.safetensors (or model.safetensors.index.json)"),

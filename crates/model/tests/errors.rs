@@ -183,3 +183,138 @@ fn unsupported_dtype_is_refused() {
     .unwrap_err();
     assert!(matches!(e, Error::Dtype(DType::U8)), "{e}");
 }
+
+/// The config's message for `edit` applied to fixture `name`'s config.
+fn config_error(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let dir = copy_fixture(name);
+    edit_config(dir.path(), edit);
+    match qwen36_model::Config::from_file(dir.path().join("config.json")) {
+        Ok(_) => panic!("the config was taken"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Config values that would size something absurd before any check, or change the model's
+/// math without a word (a RoPE scaling beside the default one, a mixture of experts, an ε or
+/// θ out of range), are refused naming the field; a `rope_scaling: null` is no scaling.
+#[test]
+fn config_values_out_of_range_or_ignored_are_named() {
+    let unset = |key: &'static str| {
+        move |c: &mut serde_json::Value| {
+            c.as_object_mut().unwrap().remove(key);
+        }
+    };
+    type Case<'a> = (
+        Box<dyn FnOnce(&mut serde_json::Value) + 'a>,
+        &'static [&'static str],
+    );
+    let cases: Vec<Case> = vec![
+        (
+            Box::new(|c| c["num_hidden_layers"] = 0.into()),
+            &["num_hidden_layers", "found 0"],
+        ),
+        (
+            Box::new(|c| {
+                unset("layer_types")(c);
+                c["num_hidden_layers"] = u64::MAX.into();
+            }),
+            &["num_hidden_layers", "at most 4096"],
+        ),
+        (
+            Box::new(|c| c["mtp_num_hidden_layers"] = 100_000.into()),
+            &["mtp_num_hidden_layers"],
+        ),
+        (
+            Box::new(|c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+            &["rope_scaling.rope_type", "yarn"],
+        ),
+        (
+            Box::new(|c| c["rope_parameters"]["rope_theta"] = 1e39.into()),
+            &["rope_theta", "f32"],
+        ),
+        (
+            Box::new(|c| c["rms_norm_eps"] = 2.0.into()),
+            &["rms_norm_eps", "(0, 1)"],
+        ),
+        (
+            Box::new(|c| c["num_experts"] = 8.into()),
+            &["num_experts", "mixture-of-experts"],
+        ),
+    ];
+    for (edit, says) in cases {
+        let e = config_error("tiny-flat", edit);
+        for s in says {
+            assert!(e.contains(s), "{e:?} should say {s:?}");
+        }
+    }
+    let e = config_error("tiny-nested", |c| {
+        c["text_config"]["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0})
+    });
+    assert!(e.contains("text_config.rope_scaling.rope_type"), "{e}");
+    let dir = copy_fixture("tiny-flat");
+    edit_config(dir.path(), |c| c["rope_scaling"] = serde_json::Value::Null);
+    qwen36_model::Config::from_file(dir.path().join("config.json")).unwrap();
+}
+
+/// A sharded checkpoint's index must say where each tensor is: a tensor the index places in
+/// another file or in none, and a file name that leads out of the directory, are named.
+#[test]
+fn an_index_that_misplaces_a_tensor_is_named() {
+    let name = "model.language_model.layers.0.linear_attn.A_log";
+    let index = "model.safetensors.index.json";
+    let edit_index = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let dir = copy_fixture("tiny-nested");
+        let path = dir.path().join(index);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(v["weight_map"].as_object_mut().unwrap());
+        std::fs::write(&path, v.to_string()).unwrap();
+        load_dir(dir.path()).unwrap_err().to_string()
+    };
+    let e = edit_index(&|m| {
+        m.insert(name.into(), "model-00005-of-00010.safetensors".into());
+    });
+    assert!(
+        e.contains(&format!("weight_map.{name}"))
+            && e.contains("names model-00005-of-00010.safetensors")
+            && e.contains("model-00002-of-00010.safetensors"),
+        "{e}"
+    );
+    let e = edit_index(&|m| {
+        m.insert(
+            "model.language_model.layers.0.ghost".into(),
+            "model-00001-of-00010.safetensors".into(),
+        );
+    });
+    assert!(
+        e.contains("layers.0.ghost") && e.contains("no file of the checkpoint holds it"),
+        "{e}"
+    );
+    let e = edit_index(&|m| {
+        m.insert(name.into(), "../model-00002-of-00010.safetensors".into());
+    });
+    assert!(
+        e.contains(&format!("weight_map.{name}")) && e.contains("expected a file name"),
+        "{e}"
+    );
+}
+
+/// Finite weights that overflow f16 (beyond ±65504) are named as such, not as NaN; the same
+/// checkpoint loads in bf16.
+#[test]
+fn weights_beyond_f16_are_named() {
+    let dir = copy_fixture("tiny-flat");
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    edit_tensors(dir.path(), "model.safetensors", |m| {
+        let t = &m[name];
+        let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[5] = 1e5;
+        m.insert(name.into(), Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap());
+    });
+    let e = Qwen36Model::load(dir.path(), load_options(DType::F16)).unwrap_err();
+    assert!(
+        matches!(&e, Error::OutOfRange { name: n, dtype: DType::F16 } if n == name),
+        "{e}"
+    );
+    Qwen36Model::load(dir.path(), load_options(DType::BF16)).unwrap();
+}

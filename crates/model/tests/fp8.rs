@@ -222,6 +222,16 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
             &["down_proj.weight_scale_inv"],
         ),
         (
+            "integer scale",
+            Box::new(|d| {
+                edit_tensors(d, "model.safetensors", |m| {
+                    let s = m[&format!("{Q}.weight_scale_inv")].to_dtype(DType::I64).unwrap();
+                    m.insert(format!("{Q}.weight_scale_inv"), s);
+                })
+            }),
+            &["down_proj.weight_scale_inv", "I64"],
+        ),
+        (
             "NaN weight",
             Box::new(|d| {
                 edit_tensors(d, "model.safetensors", |m| {
@@ -254,6 +264,30 @@ fn malformed_fp8_checkpoints_are_typed_errors() {
             assert!(e.contains(s), "{what}: {e:?} should say {s:?}");
         }
     }
+}
+
+/// Block scales stored in f64 (the format says f32; some converters write doubles) read as
+/// their f32 values: the same logits as the checkpoint with f32 scales.
+#[test]
+fn f64_block_scales_read_as_f32() {
+    let dir = copy_fixture(FP8);
+    edit_tensors(dir.path(), "model.safetensors", |m| {
+        let name = format!("{Q}.weight_scale_inv");
+        let s = m[&name].to_dtype(DType::F64).unwrap();
+        m.insert(name, s);
+    });
+    let ids = ids_tensor(&ids_of(&fixture_reference(FP8)["prompt0.ids"]));
+    let run = |m: &Qwen36Model| {
+        let mut cache = m.new_cache(1).unwrap();
+        m.forward(&ids, &mut cache)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let doubles = Qwen36Model::load(dir.path(), load_options(DType::F32)).unwrap();
+    assert_eq!(run(&doubles), run(&load(FP8, DType::F32)));
 }
 
 /// On sm_90 an FP8 model with Qwen's 128×128 blocks runs its FP8 layers of many rows (a prefill)

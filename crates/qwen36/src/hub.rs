@@ -60,6 +60,17 @@ pub fn resolve_model_in(model: &str, cache: &Path) -> Result<PathBuf> {
             ),
         ));
     }
+    // A revision's path parts stay inside `refs` (branch names may hold `/`, never `..`).
+    if revision.is_empty()
+        || revision
+            .split(['/', '\\'])
+            .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        return Err(not_found(
+            model,
+            &format!("revision {revision:?} is not a branch, tag or commit name"),
+        ));
+    }
     let snapshots = repo.join("snapshots");
     // A revision is a ref (branch or tag) whose file holds a commit, or a commit itself.
     let commit = match std::fs::read_to_string(repo.join("refs").join(revision)) {
@@ -67,7 +78,8 @@ pub fn resolve_model_in(model: &str, cache: &Path) -> Result<PathBuf> {
         Err(_) => revision.to_string(),
     };
     let dir = snapshots.join(&commit);
-    if dir.is_dir() && !commit.is_empty() && !commit.contains(['/', '\\']) {
+    let plain = !matches!(commit.as_str(), "" | "." | "..") && !commit.contains(['/', '\\']);
+    if plain && dir.is_dir() {
         return Ok(dir);
     }
     let available: Vec<String> = std::fs::read_dir(&snapshots)
@@ -145,6 +157,27 @@ mod tests {
         );
         assert!(err("no-such-dir").contains("not a Hugging Face model id"));
         assert!(err("Qwen/../x").contains("not a Hugging Face model id"));
+        // A revision leading out of `refs` or `snapshots` (`..` is the repository itself).
+        for bad in [
+            "Qwen/Qwen3.6-27B@..",
+            "Qwen/Qwen3.6-27B@.",
+            "Qwen/Qwen3.6-27B@../refs/main",
+            "Qwen/Qwen3.6-27B@",
+        ] {
+            assert!(
+                err(bad).contains("not a branch, tag or commit name"),
+                "{bad}: {}",
+                err(bad)
+            );
+        }
+        // A ref file whose commit is `..`.
+        let refs = root.join("models--Qwen--Qwen3.6-27B/refs");
+        std::fs::write(refs.join("up"), "..\n").unwrap();
+        assert!(
+            err("Qwen/Qwen3.6-27B@up").contains("is not in"),
+            "{}",
+            err("Qwen/Qwen3.6-27B@up")
+        );
         std::fs::remove_dir_all(root).unwrap();
     }
 }
