@@ -33,13 +33,13 @@ struct Args {
     #[command(flatten)]
     run: ModelArgs,
     /// Prompt lengths; decode and MTP rows run at each of these contexts.
-    #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768")]
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192,32768", value_parser = load::at_least_one)]
     prefill: Vec<usize>,
     /// Decode steps timed per context.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = load::at_least_one)]
     decode_steps: usize,
     /// MTP cycles timed per k (k = 1..=max_k, at the first prefill length's context).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = load::at_least_one)]
     mtp_cycles: usize,
     #[arg(long, default_value_t = 4)]
     max_k: usize,
@@ -56,7 +56,7 @@ struct Args {
     /// Tensor parallelism over N ranks: threads on the CPU, with --cuda one GPU each over NCCL
     /// (a build with --features nccl). Rows then time one rank's step, and their limits count
     /// that rank's bytes (its shard plus the replicated embedding, norms and lm_head).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = load::at_least_one)]
     tp: usize,
 }
 
@@ -111,6 +111,21 @@ fn main() -> anyhow_like::Result<()> {
         .map_err(Into::into)
 }
 
+/// The most positions a run reaches: each prompt, its eager (and on CUDA graphed) decode steps
+/// and first token, and after the first prompt the MTP rows' cycles (each k's cycles, plus
+/// one untimed, commit k + 1 tokens; eager and on CUDA graphed).
+fn positions_used(args: &Args) -> usize {
+    let modes = if args.run.cuda { 2 } else { 1 };
+    let per_cycle: usize = (1..=args.max_k).map(|k| k + 1).sum();
+    let mtp = modes * (args.mtp_cycles + 1) * per_cycle;
+    args.prefill
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| t + modes * args.decode_steps + 1 + if i == 0 { mtp } else { 0 })
+        .max()
+        .unwrap_or(0)
+}
+
 /// The benchmark on one device, or on one tensor-parallel rank (`comm`; only rank 0 prints).
 fn bench(
     args: &Args,
@@ -127,8 +142,7 @@ fn bench(
         all?;
     }
     let (device, dtype, mut cfg, weights) = ready?;
-    let max_ctx =
-        args.prefill.iter().max().copied().unwrap_or(0) + args.decode_steps + 5 * args.mtp_cycles * 2;
+    let max_ctx = positions_used(args);
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(max_ctx);
 
     let (copy_bw, gemm_rate) = (copy_bandwidth(&device, dtype)?, gemm_rate(&device, dtype)?);

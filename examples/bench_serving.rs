@@ -48,19 +48,19 @@ struct Args {
     #[command(flatten)]
     run: ModelArgs,
     /// Prompt tokens per request.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = load::at_least_one)]
     input_len: usize,
     /// Generated tokens per request.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = load::at_least_one)]
     output_len: usize,
     /// Requests in flight at most; one run per value.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16", value_parser = load::at_least_one)]
     concurrency: Vec<usize>,
     /// Requests per run (default: 4 × concurrency, at least 4).
-    #[arg(long)]
+    #[arg(long, value_parser = load::at_least_one)]
     num_prompts: Option<usize>,
     /// Tokens per engine step (prefill chunks and decode tokens together).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = load::at_least_one)]
     step_tokens: usize,
     /// MTP drafts per verify (0: plain decoding).
     #[arg(long, default_value_t = 0)]
@@ -70,7 +70,7 @@ struct Args {
     draft_vocab: Option<usize>,
     /// Timing mode: accept draft j with probability rates[j] instead of checking it (for random
     /// weights; the published Qwen3.6-27B MTP rates at k = 3 are 0.963,0.804,0.640).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = load::probability)]
     accept_rates: Option<Vec<f64>>,
     /// Always draft `--mtp` tokens (default: the engine picks 0..=k per round from the measured
     /// costs and acceptance).
@@ -90,7 +90,7 @@ struct Args {
     /// Conversations of this many turns: each later turn resends the last prompt and its answer
     /// with `--turn-len` new tokens (the first prompt has `--input-len`); TTFT is reported per
     /// turn, with the prefix cache's hit rate.
-    #[arg(long, visible_alias = "multi-turn", default_value_t = 1)]
+    #[arg(long, visible_alias = "multi-turn", default_value_t = 1, value_parser = load::at_least_one)]
     turns: usize,
     /// New tokens per later turn.
     #[arg(long, default_value_t = 100)]
@@ -105,7 +105,7 @@ struct Args {
     /// a build with --features nccl): the engine's ranks step in lockstep on threads of their
     /// own, driven through their client as a server drives them. The step limit then counts one
     /// rank's bytes (its shard plus the replicated embedding, norms and lm_head).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = load::at_least_one)]
     tp: usize,
 }
 
@@ -128,11 +128,9 @@ enum Submitted {
 
 fn main() -> anyhow_like::Result<()> {
     let args = Args::parse();
+    check(&args)?;
     if let Some(url) = &args.url {
         return over_http(&args, url);
-    }
-    if args.turns == 0 || args.shared_prefix > args.input_len {
-        return Err("--turns must be at least 1 and --shared-prefix at most --input-len".into());
     }
     if args.tp > 1 {
         return over_ranks(&args);
@@ -175,7 +173,7 @@ fn main() -> anyhow_like::Result<()> {
             let stats = engine.step()?;
             device.synchronize()?;
             load.stepped(&stats, t0.elapsed());
-            load.drain(None);
+            load.drain(None)?;
         }
         load.report(args.input_len, start.elapsed(), &cost, copy_bw, peak_gb(&device));
         report_turns(&load.timings, engine.prefix_stats());
@@ -375,9 +373,11 @@ impl Load {
 
     /// Takes the requests' events: tokens timed now, a finished turn queueing its
     /// conversation's next; submits the engine has answered become running requests (`rt`: the
-    /// runtime their tasks run on).
-    fn drain(&mut self, rt: Option<&tokio::runtime::Runtime>) {
+    /// runtime their tasks run on). A refused submit ends the run with its error, as the
+    /// in-process submit does.
+    fn drain(&mut self, rt: Option<&tokio::runtime::Runtime>) -> anyhow_like::Result<()> {
         let now = Instant::now();
+        let mut refused = None;
         let (timings, ready, next_id) = (&mut self.timings, &mut self.ready, &mut self.next_id);
         let (turns, turn_len) = (self.turns, self.turn_len);
         self.live.retain_mut(|(i, slot, history)| {
@@ -388,11 +388,11 @@ impl Load {
                 match rt.block_on(task) {
                     Ok(Ok(h)) => *slot = Submitted::Running(h),
                     Ok(Err(e)) => {
-                        eprintln!("request {i} refused: {e}");
+                        refused.get_or_insert(format!("request {i} refused: {e}"));
                         return false;
                     }
                     Err(e) => {
-                        eprintln!("request {i}'s submit failed: {e}");
+                        refused.get_or_insert(format!("request {i}'s submit failed: {e}"));
                         return false;
                     }
                 }
@@ -424,6 +424,10 @@ impl Load {
             }
             true
         });
+        match refused {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     /// The run's row: throughput, latencies, the mean decode step against the bytes it must
@@ -545,18 +549,24 @@ fn over_ranks(args: &Args) -> anyhow_like::Result<()> {
                     })
                     .collect())
             })?;
-            // The next step's end (the requests in flight keep the engine stepping).
+            // The next step's end (the requests in flight keep the engine stepping; a refused
+            // submit ends the run here, where no step would come).
             let stats = loop {
                 match steps.recv_timeout(Duration::from_secs(1)) {
-                    Ok(stats) => break stats,
-                    Err(_) if client.status() == EngineStatus::Running => continue,
+                    Ok(stats) => break Some(stats),
+                    Err(_) if client.status() == EngineStatus::Running => {
+                        load.drain(Some(&runtime))?;
+                        if load.live.is_empty() {
+                            break None;
+                        }
+                    }
                     Err(_) => return Err(format!("the engine ended: {:?}", client.status()).into()),
                 }
             };
-            for s in std::iter::once(stats).chain(steps.try_iter()) {
+            for s in stats.into_iter().chain(steps.try_iter()) {
                 load.stepped(&s, s.wall);
             }
-            load.drain(Some(&runtime));
+            load.drain(Some(&runtime))?;
         }
         let elapsed = start.elapsed();
         // The last steps' statistics may come after their requests' last events: the engine
@@ -689,15 +699,46 @@ async fn one_over_http(
     Ok(t)
 }
 
+/// Refuses flags this combination would ignore, naming them.
+fn check(args: &Args) -> Result<(), String> {
+    if args.shared_prefix > args.input_len {
+        return Err("--shared-prefix must be at most --input-len".into());
+    }
+    if args.url.is_some() {
+        // The server's flags set its engine; over HTTP only the load is this run's.
+        let engine_flags = [
+            ("--mtp", args.mtp > 0),
+            ("--tp", args.tp > 1),
+            ("--eager", args.eager),
+            ("--fp8", args.run.fp8),
+            ("--cuda", args.run.cuda),
+            ("--layers", args.run.layers.is_some()),
+        ];
+        if let Some((flag, _)) = engine_flags.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} sets the engine: give it to the server (with --url this run only offers the load)"
+            ));
+        }
+        if args.turns > 1 || args.shared_prefix > 0 {
+            return Err("--turns and --shared-prefix run in process only (not with --url)".into());
+        }
+    }
+    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k || args.accept_rates.is_some()) {
+        return Err(
+            "--draft-vocab, --fixed-k and --accept-rates shape speculative decoding: give --mtp K too".into(),
+        );
+    }
+    Ok(())
+}
+
 /// The `--url` mode: the same offered load through a running server, over HTTP with streaming.
 fn over_http(args: &Args, url: &str) -> anyhow_like::Result<()> {
-    if args.turns > 1 || args.shared_prefix > 0 {
-        return Err("--turns and --shared-prefix run in process only (not with --url)".into());
-    }
-    // Only the vocabulary is needed, for the random prompts: the config's (default Qwen3.6-27B).
-    let cfg = match &args.run.config {
-        Some(path) => qwen36::Config::from_file(path)?,
-        None => qwen36::Config::from_json(&serde_json::from_str(hw::QWEN36_27B)?)?,
+    // Only the vocabulary is needed, for the random prompts: that of the served model's
+    // checkpoint (`--model`) or config (`--config`), else Qwen3.6-27B's.
+    let cfg = match (&args.run.model, &args.run.config) {
+        (Some(model), _) => qwen36::Config::from_file(qwen36::resolve_model(model)?.join("config.json"))?,
+        (None, Some(path)) => qwen36::Config::from_file(path)?,
+        (None, None) => qwen36::Config::from_json(&serde_json::from_str(hw::QWEN36_27B)?)?,
     };
     let runtime = tokio::runtime::Runtime::new()?;
     println!(

@@ -41,7 +41,7 @@ struct Args {
     /// Check a tensor-parallel deployment: the model sharded over this many ranks (threads on
     /// the CPU, with --cuda one GPU each over NCCL in a build with --features nccl), every check
     /// run on the ranks together, and whether they agree.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = load::at_least_one)]
     tp: usize,
 }
 

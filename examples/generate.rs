@@ -87,7 +87,7 @@ struct Args {
     /// Tensor parallelism: shard the model over this many ranks (threads of this process, each
     /// holding its part of every layer): on the CPU, or with --cuda one GPU each over NCCL (a
     /// build with --features nccl).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = load::at_least_one)]
     tp: usize,
 }
 
@@ -100,7 +100,25 @@ fn main() {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Refuses flags this combination would ignore, naming them.
+fn check(args: &Args) -> Result<(), String> {
+    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k) {
+        return Err("--draft-vocab and --fixed-k shape speculative decoding: give --mtp K too".into());
+    }
+    if args.draft_vocab.is_some() && args.drafter != "mtp" {
+        return Err("--draft-vocab applies to the mtp drafter".into());
+    }
+    if args.no_think && !args.chat {
+        return Err("--no-think applies with --chat".into());
+    }
+    if args.chat && args.prompt.is_none() {
+        return Err("--chat wraps --prompt TEXT in the chat template (not --prompt-ids)".into());
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<(), BoxError> {
+    check(&args)?;
     let dtype = load::dtype(&args.dtype)?;
     // (Ranks over NCCL each compute on their own GPU.)
     let device = load::device(args.cuda && args.tp <= 1)?;

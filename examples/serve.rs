@@ -53,21 +53,21 @@ struct Args {
     #[arg(long)]
     cuda: bool,
     /// Sequences running at once (GDN state slots).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = load::at_least_one)]
     max_seqs: usize,
     /// State slots for the prefix cache's GDN snapshots (each one sequence's state; 0 turns the
     /// prefix cache off).
     #[arg(long, default_value_t = 8)]
     prefix_snapshots: usize,
-    /// Requests that may wait for a slot (503 past them).
+    /// Requests that may wait beyond the free slots (503 past them; 0: none wait).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Bytes for the state slots and KV blocks, in GiB (default: enough KV for every slot to hold
     /// min(context, 16384) positions).
-    #[arg(long)]
+    #[arg(long, value_parser = load::gib)]
     memory_gib: Option<f64>,
     /// The most tokens one forward runs (prefill chunks and decode tokens together).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = load::at_least_one)]
     step_tokens: usize,
     /// Speculative drafts per verify (0: off): the checkpoint's MTP head, or prompt lookup with
     /// `--drafter ngram`. The tokens are the same either way.
@@ -91,7 +91,7 @@ struct Args {
     eager: bool,
     /// Benchmarks only: accept draft j with probability rates[j] instead of checking it (with
     /// random weights, to time MTP at a real head's acceptance; the tokens then mean nothing).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = load::probability)]
     accept_rates: Option<Vec<f64>>,
     /// Always draft `--mtp` tokens (default: 0..=k per round, chosen from measured costs).
     #[arg(long)]
@@ -99,7 +99,7 @@ struct Args {
     /// Tensor parallelism: one engine per rank over its shard of the model, stepping together
     /// (threads on the CPU, or with --cuda one GPU each over NCCL in a build with --features
     /// nccl). `--memory-gib` is then per rank.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = load::at_least_one)]
     tp: usize,
 }
 
@@ -217,7 +217,7 @@ fn build(
         if let Some(sp) = &speculation {
             bytes = bytes.with_stash(model.config(), opts.dtype, sp.k() + 1);
         }
-        let slots = args.max_seqs + args.prefix_snapshots;
+        let slots = args.max_seqs.saturating_add(args.prefix_snapshots);
         let sizes = PoolSizes::from_budget(bytes, (gib * (1u64 << 30) as f64) as u64, slots)?;
         cfg.kv_blocks = Some(sizes.blocks);
         tracing::info!(
@@ -252,7 +252,25 @@ fn build(
     Ok((engine, parts))
 }
 
+/// Refuses flags this combination would ignore, naming them.
+fn check(args: &Args) -> Result<(), String> {
+    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k || args.accept_rates.is_some()) {
+        return Err(
+            "--draft-vocab, --fixed-k and --accept-rates shape speculative decoding: give --mtp K too".into(),
+        );
+    }
+    if args.draft_vocab.is_some() && args.drafter != "mtp" {
+        return Err("--draft-vocab applies to the mtp drafter".into());
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<(), BoxError> {
+    check(&args)?;
+    // The address first: a port in use is found before the model loads.
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = std::net::TcpListener::bind(&addr).map_err(|e| format!("listening on {addr}: {e}"))?;
+    listener.set_nonblocking(true)?;
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -325,8 +343,9 @@ fn run(args: Args) -> Result<(), BoxError> {
     let service = Arc::new(service);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr).await?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        // (The bound address: with --port 0 the system chose the port.)
+        let addr = listener.local_addr()?;
         tracing::info!("serving on http://{addr} (OpenAI API under /v1; /health, /metrics)");
         qwen36_server::serve(listener, service, shutdown_signal()).await
     })?;

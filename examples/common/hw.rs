@@ -28,7 +28,7 @@ pub struct ModelArgs {
     #[arg(long, conflicts_with = "config")]
     pub model: Option<String>,
     /// Keep only the first N decoder layers (quick runs; the results then describe that model).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::load::at_least_one)]
     pub layers: Option<usize>,
     /// Activation and weight dtype: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]

@@ -84,3 +84,33 @@ pub fn tp_group(
 pub fn rank_device(comm: &dyn qwen36::model::Communicator, device: &Device) -> Device {
     comm.device().unwrap_or_else(|| device.clone())
 }
+
+/// A count flag's value: a whole number of at least 1 (for clap's `value_parser`).
+#[allow(dead_code)] // (not every example has such a flag)
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A `--memory-gib` value: a finite, positive number of GiB.
+#[allow(dead_code)]
+pub fn gib(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
+        Ok(g) => Err(format!("{g} GiB: expected a positive, finite size")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A `--accept-rates` value: a probability in [0, 1].
+#[allow(dead_code)]
+pub fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        Ok(p) => Err(format!("{p}: expected a probability in [0, 1]")),
+        Err(e) => Err(e.to_string()),
+    }
+}

@@ -39,7 +39,8 @@ pub struct EngineConfig {
     pub kv_blocks: Option<usize>,
     /// Positions per KV block.
     pub block_size: usize,
-    /// Requests that may wait for a slot; a submit beyond them is refused.
+    /// Requests that may wait beyond the free slots (those the next step admits); a submit
+    /// beyond them is refused. 0: only as many as there are free slots.
     pub max_queue: usize,
     /// The most tokens one forward runs (prefill chunks and decode tokens together).
     pub step_tokens: usize,
@@ -202,11 +203,27 @@ impl Engine {
                 ),
             });
         }
+        if let Some(rates) = &cfg.timing_accept_rates {
+            if rates.is_empty() || !rates.iter().all(|r| (0.0..=1.0).contains(r)) {
+                return Err(Error::Request(format!(
+                    "timing acceptance rates must be probabilities in [0, 1], found {rates:?}"
+                )));
+            }
+        }
         let blocks = cfg
             .kv_blocks
             .unwrap_or_else(|| cfg.max_seqs * context.min(DEFAULT_POSITIONS).div_ceil(cfg.block_size.max(1)));
         // Running sequences' slots, then the prefix cache's snapshots.
-        let slots = cfg.max_seqs + cfg.prefix_snapshots;
+        let slots = cfg
+            .max_seqs
+            .checked_add(cfg.prefix_snapshots)
+            .ok_or_else(|| Error::Size {
+                pool: "engine",
+                msg: format!(
+                    "max_seqs {} + prefix_snapshots {} slots",
+                    cfg.max_seqs, cfg.prefix_snapshots
+                ),
+            })?;
         let sched = Scheduler {
             waiting: Default::default(),
             running: Vec::new(),
@@ -352,17 +369,7 @@ impl Engine {
             panic!("a panic injected by a test");
         }
         let context = self.context();
-        let vocab = self.model.config().vocab_size;
-        check_prompt(&req.prompt, vocab)?;
-        // (An id past the vocabulary can never be sampled: a stop that silently never fires.)
-        if let Some(&id) = req.stop_ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::Request(format!(
-                "stop token {id} is outside the vocabulary of {vocab}"
-            )));
-        }
-        if req.max_tokens == Some(0) {
-            return Err(Error::Request("max_tokens must be at least 1".into()));
-        }
+        check_request(&req, self.model.config().vocab_size)?;
         // The last generated token is never run, so a sequence holds prompt + max_tokens − 1.
         let positions = req.prompt.len().saturating_add(req.max_tokens.unwrap_or(1)) - 1;
         let pool = self.sched.blocks.capacity() * self.sched.blocks.block_size();
@@ -372,13 +379,6 @@ impl Engine {
                 context,
                 pool,
             });
-        }
-        if let Some(spec) = &req.speculation {
-            spec.check().map_err(Error::Request)?;
-        }
-        if let Some(d) = &req.degeneration {
-            d.validate()
-                .map_err(|e| Error::Request(format!("degeneration: {e}")))?;
         }
         if matches!(req.speculation, Some(Speculation::Mtp { .. })) && self.mtp.is_none() {
             return Err(Error::Request(
@@ -390,7 +390,9 @@ impl Engine {
                 "stop strings need a detokenizer (Engine::with_detokenizer)".into(),
             ));
         }
-        if self.sched.waiting.len() >= self.cfg.max_queue {
+        // (Requests the next step admits into free slots wait only until then.)
+        let free = self.cfg.max_seqs.saturating_sub(self.sched.running.len());
+        if self.sched.waiting.len() >= self.cfg.max_queue.saturating_add(free) {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
         let sampler = Sampler::new(req.sampling).map_err(|e| Error::Request(e.to_string()))?;
@@ -1252,13 +1254,14 @@ fn agree(model: &Qwen36Model, what: &str, print: u64) -> Result<()> {
     Ok(())
 }
 
-/// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
-/// `rates[j]` while all before it passed; the next token is the target's argmax there.
+/// The longest sequence an engine of `cfg` over `model` takes.
 fn context_of(model: &Qwen36Model, cfg: &EngineConfig) -> usize {
     let model_len = model.config().max_position_embeddings;
     cfg.max_model_len.map_or(model_len, |m| m.min(model_len))
 }
 
+/// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` passes with probability
+/// `rates[j]` while all before it passed; the next token is the target's argmax there.
 fn timed_acceptance(rates: &[f64], drafts: &[u32], argmax: &[u32], sampler: &mut Sampler) -> Acceptance {
     let step = sampler.next_step();
     let rate = |j: usize| rates.get(j).or(rates.last()).copied().unwrap_or(0.0);
@@ -1435,6 +1438,32 @@ fn emit(
         reason = Some(StopReason::Cancelled);
     }
     Ok((n, reason))
+}
+
+/// A request's own checks (the rest depend on the engine's pools and heads): its prompt
+/// ([`check_prompt`]), its stop ids within `vocab` (one past it could never fire), `max_tokens`
+/// at least 1, and its sampling, speculation and degeneration settings.
+pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
+    check_prompt(&req.prompt, vocab)?;
+    if let Some(&id) = req.stop_ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::Request(format!(
+            "stop token {id} is outside the vocabulary of {vocab}"
+        )));
+    }
+    if req.max_tokens == Some(0) {
+        return Err(Error::Request("max_tokens must be at least 1".into()));
+    }
+    req.sampling
+        .validate()
+        .map_err(|e| Error::Request(e.to_string()))?;
+    if let Some(spec) = &req.speculation {
+        spec.check().map_err(Error::Request)?;
+    }
+    if let Some(d) = &req.degeneration {
+        d.validate()
+            .map_err(|e| Error::Request(format!("degeneration: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A prompt's own checks (the rest depend on the engine): not empty, every id within `vocab`.

@@ -24,7 +24,9 @@ mod sizes;
 pub mod spec;
 mod thread;
 
-pub use engine::{check_prompt, Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS};
+pub use engine::{
+    check_prompt, check_request, Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS,
+};
 pub use error::{Error, Result};
 pub use pool::{BlockId, BlockPool, BlockTable, SlotId, SlotPool};
 pub use prefix::{PrefixCache, PrefixHit, PrefixStats};

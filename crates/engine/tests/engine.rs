@@ -414,7 +414,10 @@ fn bad_requests_are_typed_errors() {
             ..
         }
     ));
-    engine.submit(Request::greedy(vec![1], 2)).unwrap();
+    // Four wait: two for the two free slots, two beyond them; a fifth is refused.
+    for _ in 0..3 {
+        engine.submit(Request::greedy(vec![1], 2)).unwrap();
+    }
     assert!(matches!(
         err(&mut engine, Request::greedy(vec![1], 2)),
         Error::QueueFull(2)
@@ -429,6 +432,45 @@ fn bad_requests_are_typed_errors() {
     .is_err());
     engine.run_to_completion().unwrap();
     assert_eq!(engine.pool_use(), (0, 0));
+    // Timing rates that are no probabilities (percentages, NaN, none), and slot counts past
+    // usize, are refused when the engine is made.
+    for rates in [vec![96.0, 80.0], vec![f64::NAN], vec![]] {
+        let cfg = EngineConfig {
+            timing_accept_rates: Some(rates.clone()),
+            ..Default::default()
+        };
+        let e = Engine::new(bundled(), cfg).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("[0, 1]"), "{rates:?}: {e}");
+    }
+    let cfg = EngineConfig {
+        prefix_snapshots: usize::MAX,
+        ..Default::default()
+    };
+    assert!(Engine::new(bundled(), cfg).is_err());
+    // No queue beyond the free slots: as many requests as slots are taken.
+    let cfg = EngineConfig {
+        max_seqs: 2,
+        max_queue: 0,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(bundled(), cfg).unwrap();
+    // (Handles kept: dropping one cancels its request.)
+    let _running = [
+        engine.submit(Request::greedy(vec![1], 8)).unwrap(),
+        engine.submit(Request::greedy(vec![2], 8)).unwrap(),
+    ];
+    assert!(matches!(
+        err(&mut engine, Request::greedy(vec![3], 2)),
+        Error::QueueFull(0)
+    ));
+    engine.step().unwrap();
+    assert_eq!(engine.pending(), 2, "both run");
+    assert!(matches!(
+        err(&mut engine, Request::greedy(vec![3], 2)),
+        Error::QueueFull(0)
+    ));
+    engine.run_to_completion().unwrap();
+    engine.submit(Request::greedy(vec![3], 2)).unwrap();
 }
 
 #[test]

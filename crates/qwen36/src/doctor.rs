@@ -168,7 +168,7 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
     };
     // (One user: the f32 copy is freed after the numerics, before the engines allocate pools.)
     let reference = SharedReference::new(1);
-    run_groups(&mut report, dir, opts, &generator, &reference, |_, _| true);
+    run_groups(&mut report, dir, opts, &generator, &reference, |_, _| true)?;
     Ok(report)
 }
 
@@ -367,13 +367,14 @@ fn examine_rank(
         );
             false
         },
-    );
+    )?;
     Ok(report)
 }
 
 /// The groups after the checkpoint, in order (conventions, numerics, speculation, engine,
 /// generation) on `generator`'s model; after each, `go_on(report, errored)` says whether to run
-/// the next (`errored`: a check of the group records an error, not a verdict).
+/// the next (`errored`: a check of the group records an error, not a verdict). Refuses
+/// `generate_tokens` past what the model's context holds after the probe.
 fn run_groups(
     report: &mut Report,
     dir: &Path,
@@ -381,8 +382,19 @@ fn run_groups(
     generator: &Generator,
     reference: &SharedReference,
     mut go_on: impl FnMut(&mut Report, bool) -> bool,
-) {
+) -> Result<()> {
     let model = generator.model();
+    // (The speculation and engine checks run 16 probe tokens, the tokens asked for and up to
+    // MAX_CHECK_DRAFTS drafts; a model's context is the same on every rank.)
+    let context = model.config().max_position_embeddings;
+    let room = context.saturating_sub(16 + MAX_CHECK_DRAFTS);
+    if opts.generate_tokens > room {
+        return Err(qwen36_model::Error::Input(format!(
+            "doctor: {} tokens to generate do not fit the model's context of {context} after the probe (at most {room})",
+            opts.generate_tokens
+        ))
+        .into());
+    }
     let prompt = probe_prompt(model.config().vocab_size, 80);
     let groups: [&dyn Fn() -> Vec<Check>; 5] = [
         &|| convention_checks(dir),
@@ -404,10 +416,14 @@ fn run_groups(
         let errored = checks.iter().any(is_error);
         report.checks.extend(checks);
         if !go_on(report, errored) {
-            return;
+            break;
         }
     }
+    Ok(())
 }
+
+/// The most drafts a check verifies at once (the rollback check's 4 tokens; MTP at k = 3).
+const MAX_CHECK_DRAFTS: usize = 4;
 
 /// Refuses options out of range.
 fn check_options(opts: &DoctorOptions) -> Result<()> {

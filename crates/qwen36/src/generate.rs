@@ -482,14 +482,25 @@ impl Generator {
         let adaptive_k = opts
             .speculative
             .map(|s| !s.fixed_k && self.model.communicator().is_none());
-        // The prompt's checks hold for any max_new_tokens, 0 included (the engine makes them
-        // for the others too).
-        qwen36_engine::check_prompt(prompt, self.model.config().vocab_size)?;
         // The context caps the output (a sequence holds prompt + max_tokens − 1 positions); a
         // prompt that leaves no room is refused before any pool is made for it.
         let context = self.model.config().max_position_embeddings;
         let room = (context + 1).saturating_sub(prompt.len());
         let max_tokens = opts.max_new_tokens.max(1).min(room.max(1));
+        let request = Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            max_tokens: Some(max_tokens),
+            stop_ids: stop_ids.clone(),
+            stop_strings: opts.stop_strings.clone(),
+            logprobs: false,
+            speculation,
+            degeneration: Some(opts.degeneration),
+            stop_on_degeneration: opts.stop_on_degeneration,
+        };
+        // The request's checks hold for any max_new_tokens, 0 included (the engine makes them
+        // again for the others).
+        qwen36_engine::check_request(&request, self.model.config().vocab_size)?;
         let positions = prompt.len() + max_tokens - 1;
         if positions > context {
             return Err(qwen36_engine::Error::TooLong {
@@ -511,17 +522,6 @@ impl Generator {
                 degeneration: None,
             });
         }
-        let request = Request {
-            prompt: prompt.to_vec(),
-            sampling,
-            max_tokens: Some(max_tokens),
-            stop_ids: stop_ids.clone(),
-            stop_strings: opts.stop_strings.clone(),
-            logprobs: false,
-            speculation,
-            degeneration: Some(opts.degeneration),
-            stop_on_degeneration: opts.stop_on_degeneration,
-        };
         let mut engine = self.engine_for(positions, draft_vocab, adaptive_k)?;
         let t0 = Instant::now();
         let handle = match engine.submit(request) {

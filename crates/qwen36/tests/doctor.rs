@@ -69,6 +69,14 @@ fn options_out_of_range_are_refused() {
             "{e}"
         );
     }
+    // More tokens than the context holds after the probe: refused naming the context, not
+    // reported as the model failing (the bundled model's context is 4096).
+    let long = DoctorOptions {
+        generate_tokens: 5000,
+        ..options()
+    };
+    let e = examine(&bundled_dir(), &long).unwrap_err().to_string();
+    assert!(e.contains("context of 4096") && e.contains("at most 4076"), "{e}");
 }
 
 /// Stop ids are checked without a tokenizer too (it ran only with one): none at all is a

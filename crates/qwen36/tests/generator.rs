@@ -231,6 +231,22 @@ fn the_context_caps_generation() {
             "{e}"
         );
     }
+    // A request of no tokens gets every check a longer one gets: sampling, stop ids.
+    let nan = GenerateOptions {
+        sampling: Some(SamplingParams {
+            temperature: f32::NAN,
+            ..SamplingParams::greedy()
+        }),
+        ..opts(0)
+    };
+    let far = GenerateOptions {
+        stop_token_ids: Some(vec![u32::MAX]),
+        ..opts(0)
+    };
+    for (o, says) in [(nan, "temperature"), (far, "stop token")] {
+        let e = g.generate(&prompt, &o, |_| {}).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    }
     assert!(g.generate(&prompt, &opts(0), |_| {}).unwrap().tokens.is_empty());
     // Stop strings need text: without a tokenizer they are refused, not ignored.
     let e = g
