@@ -111,9 +111,9 @@ fn main() -> anyhow_like::Result<()> {
         .map_err(Into::into)
 }
 
-/// The most positions a run reaches: each prompt, its eager (and on CUDA graphed) decode steps
-/// and first token, and after the first prompt the MTP rows' cycles (each k's cycles, plus
-/// one untimed, commit k + 1 tokens; eager and on CUDA graphed).
+/// The most positions a run reaches: each prompt, its eager (and on CUDA graphed) decode
+/// loops (each two warm-up steps and the timed ones), and after the first prompt the MTP rows'
+/// cycles (each k's cycles, plus one untimed, commit k + 1 tokens; eager and on CUDA graphed).
 fn positions_used(args: &Args) -> usize {
     let modes = if args.run.cuda { 2 } else { 1 };
     let per_cycle: usize = (1..=args.max_k).map(|k| k + 1).sum();
@@ -121,7 +121,7 @@ fn positions_used(args: &Args) -> usize {
     args.prefill
         .iter()
         .enumerate()
-        .map(|(i, &t)| t + modes * args.decode_steps + 1 + if i == 0 { mtp } else { 0 })
+        .map(|(i, &t)| t + modes * (args.decode_steps + 2) + if i == 0 { mtp } else { 0 })
         .max()
         .unwrap_or(0)
 }

@@ -59,7 +59,8 @@ struct Args {
     /// prefix cache off).
     #[arg(long, default_value_t = 8)]
     prefix_snapshots: usize,
-    /// Requests that may wait beyond the free slots (503 past them; 0: none wait).
+    /// Requests that may wait beyond the free slots (503 past them; 0: only as many as there are
+    /// free slots).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Bytes for the state slots and KV blocks, in GiB (default: enough KV for every slot to hold
@@ -267,10 +268,10 @@ fn check(args: &Args) -> Result<(), String> {
 
 fn run(args: Args) -> Result<(), BoxError> {
     check(&args)?;
-    // The address first: a port in use is found before the model loads.
+    // The address first: a port in use is found before the model loads (the probe is closed
+    // again, so that no client connects to a server still loading).
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = std::net::TcpListener::bind(&addr).map_err(|e| format!("listening on {addr}: {e}"))?;
-    listener.set_nonblocking(true)?;
+    drop(std::net::TcpListener::bind(&addr).map_err(|e| format!("listening on {addr}: {e}"))?);
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -343,7 +344,9 @@ fn run(args: Args) -> Result<(), BoxError> {
     let service = Arc::new(service);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("listening on {addr}: {e}")))?;
         // (The bound address: with --port 0 the system chose the port.)
         let addr = listener.local_addr()?;
         tracing::info!("serving on http://{addr} (OpenAI API under /v1; /health, /metrics)");

@@ -31,7 +31,7 @@ pub enum Error {
         pool: usize,
     },
     /// The waiting queue is full.
-    #[error("the queue is full ({0} requests wait); retry later")]
+    #[error("the queue is full ({0} requests may wait beyond the free slots); retry later")]
     QueueFull(usize),
     /// The engine has shut down and takes no more requests.
     #[error("the engine has shut down")]

@@ -246,7 +246,9 @@ impl Config {
                 .str_opt("rope_type")?
                 .or(rf.str_opt("type")?)
                 .unwrap_or("default");
-            if kind != "default" {
+            // (Multimodal RoPE is the plain one for text, whose three position ids are equal:
+            // transformers reads "mrope" as "default" too.)
+            if kind != "default" && kind != "mrope" {
                 return Err(rf.err(
                     "rope_type",
                     format!("{kind:?} is not supported (only \"default\")"),

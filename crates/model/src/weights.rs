@@ -84,9 +84,9 @@ impl Weights {
     /// Opens the safetensors files of `dir` (index first, else `model.safetensors`).
     pub fn open(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
-        let (files, index) = checkpoint_files(dir)?;
-        if let Some(index) = &index {
-            check_index(&files, index)?;
+        let files = checkpoint_files(dir)?;
+        if files.len() > 1 {
+            each_tensor_once(&files)?;
         }
         // SAFETY: the files are mapped read-only; like every mmap-based loader we rely on no other
         // process truncating them while the model is alive (documented in candle's MmapedSafetensors).
@@ -495,16 +495,10 @@ fn random_tensor(name: &str, shape: &[usize], dtype: DType, std: f64, dev: &Devi
     Ok(t)
 }
 
-/// A sharded checkpoint's index: its path, and the file it names for each tensor.
-struct Index {
-    path: PathBuf,
-    map: std::collections::BTreeMap<String, String>,
-}
-
-/// Checks the files' headers against the index: every tensor in exactly one file, the one the
-/// index names (a tensor stored twice, or elsewhere or nowhere, means shards of two checkpoints
-/// or a damaged download; the mapped view would silently take whichever it finds).
-fn check_index(files: &[PathBuf], index: &Index) -> Result<()> {
+/// Refuses a tensor stored in two shards (the mapped view would take one of them silently).
+/// (Where the index places each tensor is not checked: tensors are found by the files' own
+/// headers, and published indexes list tensors no shard holds, e.g. an MTP head left out.)
+fn each_tensor_once(files: &[PathBuf]) -> Result<()> {
     let mut seen: std::collections::HashMap<String, usize> = Default::default();
     for (i, file) in files.iter().enumerate() {
         // SAFETY: read-only mapping of a checkpoint file, as in `Weights::open`; only the header
@@ -521,24 +515,11 @@ fn check_index(files: &[PathBuf], index: &Index) -> Result<()> {
             seen.insert(name, i);
         }
     }
-    for (tensor, named) in &index.map {
-        let held = seen.get(tensor).map(|&i| &files[i]);
-        if held.and_then(|f| f.file_name()) != Some(std::ffi::OsStr::new(named)) {
-            return Err(Error::Config {
-                field: format!("{}: weight_map.{tensor}", index.path.display()),
-                msg: match held {
-                    Some(f) => format!("names {named}, but the tensor is in {}", f.display()),
-                    None => format!("names {named}, but no file of the checkpoint holds it"),
-                },
-            });
-        }
-    }
     Ok(())
 }
 
-/// The weight files of a checkpoint directory, each checked to exist, and its index if it has
-/// one.
-fn checkpoint_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>)> {
+/// The weight files of a checkpoint directory, each checked to exist.
+fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|source| Error::Io {
@@ -556,7 +537,7 @@ fn checkpoint_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>)> {
                 field: format!("{}: weight_map", index.display()),
                 msg: "missing or not an object".into(),
             })?;
-        let mut named = std::collections::BTreeMap::new();
+        let mut names = BTreeSet::new();
         for (tensor, file) in map {
             // A file of this directory: a plain name (no path that leads out of it).
             let file = file
@@ -566,24 +547,17 @@ fn checkpoint_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>)> {
                     field: format!("{}: weight_map.{tensor}", index.display()),
                     msg: format!("expected a file name in the checkpoint's directory, found {file}"),
                 })?;
-            named.insert(tensor.clone(), file.to_string());
+            names.insert(file.to_string());
         }
-        let names: BTreeSet<&String> = named.values().collect();
         let files: Vec<PathBuf> = names.into_iter().map(|n| dir.join(n)).collect();
         if let Some(missing) = files.iter().find(|p| !p.exists()) {
             return Err(Error::MissingFile(missing.clone()));
         }
-        return Ok((
-            files,
-            Some(Index {
-                path: index,
-                map: named,
-            }),
-        ));
+        return Ok(files);
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return Ok((vec![single], None));
+        return Ok(vec![single]);
     }
     Err(Error::MissingFile(
         dir.join("model.safetensors (or model.safetensors.index.json)"),

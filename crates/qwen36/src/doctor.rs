@@ -152,9 +152,10 @@ impl Default for DoctorOptions {
 }
 
 /// Every check on the model in `dir`. Fails only on options out of range (no tokens to generate,
-/// a reference of no layers); a model that does not load is a failed check in the report.
+/// or more than the model's context holds; a reference of no layers); a model that does not
+/// load is a failed check in the report.
 pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
-    check_options(opts)?;
+    check_options(dir, opts)?;
     let mut report = Report {
         model: dir.display().to_string(),
         device: format!("{:?}", opts.device),
@@ -168,7 +169,7 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
     };
     // (One user: the f32 copy is freed after the numerics, before the engines allocate pools.)
     let reference = SharedReference::new(1);
-    run_groups(&mut report, dir, opts, &generator, &reference, |_, _| true)?;
+    run_groups(&mut report, dir, opts, &generator, &reference, |_, _| true);
     Ok(report)
 }
 
@@ -180,7 +181,7 @@ pub fn examine(dir: &Path, opts: &DoctorOptions) -> Result<Report> {
 /// for all (none waits in a reduction for it), and the ranks stop there. Returns the first rank's
 /// report, closed by a check that every rank reached the same verdicts.
 pub fn examine_ranks(dir: &Path, opts: &DoctorOptions, comms: Vec<Arc<dyn Communicator>>) -> Result<Report> {
-    check_options(opts)?;
+    check_options(dir, opts)?;
     if comms.is_empty() {
         return Err(qwen36_model::Error::Input("doctor: a tensor-parallel group of no ranks".into()).into());
     }
@@ -367,14 +368,13 @@ fn examine_rank(
         );
             false
         },
-    )?;
+    );
     Ok(report)
 }
 
 /// The groups after the checkpoint, in order (conventions, numerics, speculation, engine,
 /// generation) on `generator`'s model; after each, `go_on(report, errored)` says whether to run
-/// the next (`errored`: a check of the group records an error, not a verdict). Refuses
-/// `generate_tokens` past what the model's context holds after the probe.
+/// the next (`errored`: a check of the group records an error, not a verdict).
 fn run_groups(
     report: &mut Report,
     dir: &Path,
@@ -382,19 +382,8 @@ fn run_groups(
     generator: &Generator,
     reference: &SharedReference,
     mut go_on: impl FnMut(&mut Report, bool) -> bool,
-) -> Result<()> {
+) {
     let model = generator.model();
-    // (The speculation and engine checks run 16 probe tokens, the tokens asked for and up to
-    // MAX_CHECK_DRAFTS drafts; a model's context is the same on every rank.)
-    let context = model.config().max_position_embeddings;
-    let room = context.saturating_sub(16 + MAX_CHECK_DRAFTS);
-    if opts.generate_tokens > room {
-        return Err(qwen36_model::Error::Input(format!(
-            "doctor: {} tokens to generate do not fit the model's context of {context} after the probe (at most {room})",
-            opts.generate_tokens
-        ))
-        .into());
-    }
     let prompt = probe_prompt(model.config().vocab_size, 80);
     let groups: [&dyn Fn() -> Vec<Check>; 5] = [
         &|| convention_checks(dir),
@@ -416,23 +405,36 @@ fn run_groups(
         let errored = checks.iter().any(is_error);
         report.checks.extend(checks);
         if !go_on(report, errored) {
-            break;
+            return;
         }
     }
-    Ok(())
 }
 
 /// The most drafts a check verifies at once (the rollback check's 4 tokens; MTP at k = 3).
 const MAX_CHECK_DRAFTS: usize = 4;
 
-/// Refuses options out of range.
-fn check_options(opts: &DoctorOptions) -> Result<()> {
+/// Refuses options out of range, before any loading: among them more tokens than the context
+/// of the model in `dir` holds after the probe (the speculation and engine checks run 16 probe
+/// tokens, the tokens asked for and up to [`MAX_CHECK_DRAFTS`] drafts). A config that does not
+/// parse is left to the checkpoint checks to report.
+fn check_options(dir: &Path, opts: &DoctorOptions) -> Result<()> {
     if opts.generate_tokens == 0 || opts.reference_layers == Some(0) {
         return Err(qwen36_model::Error::Input(format!(
             "doctor: generate_tokens ({}) and reference_layers ({:?}) must be at least 1",
             opts.generate_tokens, opts.reference_layers
         ))
         .into());
+    }
+    if let Ok(cfg) = Config::from_file(dir.join("config.json")) {
+        let context = cfg.max_position_embeddings;
+        let room = context.saturating_sub(16 + MAX_CHECK_DRAFTS);
+        if opts.generate_tokens > room {
+            return Err(qwen36_model::Error::Input(format!(
+                "doctor: {} tokens to generate do not fit the model's context of {context} after the probe (at most {room})",
+                opts.generate_tokens
+            ))
+            .into());
+        }
     }
     Ok(())
 }

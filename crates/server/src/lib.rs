@@ -200,7 +200,7 @@ impl Service {
                 ApiError::bad_request("stream_options: only with stream: true").param("stream_options")
             );
         }
-        if !chat && req.top_logprobs.is_some() {
+        if !chat && req.top_logprobs.is_some_and(|k| k > 0) {
             return Err(ApiError::bad_request(
                 "top_logprobs: chat only (/v1/completions takes logprobs: N alternatives)",
             )
