@@ -236,6 +236,9 @@ fn config_values_out_of_range_or_ignored_are_named() {
             Box::new(|c| c["rms_norm_eps"] = 2.0.into()),
             &["rms_norm_eps", "(0, 1)"],
         ),
+        // (The bounds themselves: ε of 0 and of 1 are out.)
+        (Box::new(|c| c["rms_norm_eps"] = 0.0.into()), &["rms_norm_eps"]),
+        (Box::new(|c| c["rms_norm_eps"] = 1.0.into()), &["rms_norm_eps"]),
         (
             Box::new(|c| c["num_experts"] = 8.into()),
             &["num_experts", "mixture-of-experts"],
@@ -254,6 +257,14 @@ fn config_values_out_of_range_or_ignored_are_named() {
     let dir = copy_fixture("tiny-flat");
     edit_config(dir.path(), |c| c["rope_scaling"] = serde_json::Value::Null);
     qwen36_model::Config::from_file(dir.path().join("config.json")).unwrap();
+    edit_config(dir.path(), |c| {
+        c.as_object_mut().unwrap().remove("layer_types");
+        c["num_hidden_layers"] = 4096.into();
+        c["mtp_num_hidden_layers"] = 4096.into();
+        c["num_experts"] = 0.into();
+    });
+    let cfg = qwen36_model::Config::from_file(dir.path().join("config.json")).unwrap();
+    assert_eq!((cfg.num_hidden_layers, cfg.mtp_num_hidden_layers), (4096, 4096));
     // Multimodal RoPE (Qwen2-VL's legacy form) is the plain one for text.
     edit_config(dir.path(), |c| {
         c["rope_scaling"] = serde_json::json!({"type": "mrope", "mrope_section": [2, 1, 1]})
