@@ -1035,7 +1035,8 @@ async fn bad_requests_get_error_objects() {
 
 /// Forms that OpenAI clients send are served as their plain equivalents: `null` for an unset
 /// field, a prompt in a one-element list, a negative seed (its two's complement bits), a
-/// `developer` message (OpenAI's newer `system`), and `max_completion_tokens` on completions.
+/// `developer` message (OpenAI's newer `system`), `max_completion_tokens` and a zero
+/// `top_logprobs` on completions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_forms_equal_their_plain_equivalents() {
     let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
@@ -1076,6 +1077,9 @@ async fn openai_forms_equal_their_plain_equivalents() {
     );
     let listed = json!({"prompt": [[5, 6, 7]], "max_tokens": 6, "temperature": 0});
     assert_eq!(answer(server.post(c, &listed).await), ids);
+    // (A chat field at its neutral value on completions: no alternatives asked for.)
+    let neutral = json!({"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "top_logprobs": 0});
+    assert_eq!(answer(server.post(c, &neutral).await), ids);
     let sampled =
         |seed: Value| json!({"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 1, "seed": seed});
     assert_eq!(
