@@ -838,6 +838,8 @@ async fn bad_requests_get_error_objects() {
     // whole instead of a reset connection.
     let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat((1 << 20) - 20));
     let many_stops = format!(r#"{{"prompt": [1], "stop": {}}}"#, json!(vec!["x"; 17]));
+    // (A prompt of another shape is quoted, cut after 60 characters.)
+    let long_prompt_says = format!(r#"prompt [1,"{}…: expected"#, "x".repeat(56));
     // (path, body, key, status, the message says, param)
     let cases: Vec<Case> = vec![
         (c, r#"{"prompt": [1, 2]}"#.into(), None, 401, "API key", None),
@@ -907,7 +909,16 @@ async fn bad_requests_get_error_objects() {
         ),
         (c, r#"{"prompt": [1], "stop_token_ids": [4096]}"#.into(), ok, 400, "stop token 4096", None),
         (c, r#"{"prompt": ["a", "b"]}"#.into(), ok, 400, "2 prompts", Some("prompt")),
-        (c, r#"{"prompt": [1, "x"]}"#.into(), ok, 400, "a text or a list of token ids", Some("prompt")),
+        (c, r#"{"prompt": [[1, 2], [3]]}"#.into(), ok, 400, "2 prompts", Some("prompt")),
+        (c, r#"{"prompt": [1, "x"]}"#.into(), ok, 400, r#"prompt [1,"x"]: expected a text or a list of token ids"#, Some("prompt")),
+        (
+            c,
+            format!(r#"{{"prompt": [1, "{}"]}}"#, "x".repeat(100)),
+            ok,
+            400,
+            &long_prompt_says,
+            Some("prompt"),
+        ),
         (c, r#"{"prompt": [1], "seed": 1.5}"#.into(), ok, 400, "seed 1.5", None),
         (chat, r#"{"messages": []}"#.into(), ok, 400, "at least one", Some("messages")),
         (chat, r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.into(), ok, 400, "wizard", Some("messages")),
