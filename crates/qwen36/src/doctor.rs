@@ -425,16 +425,21 @@ fn check_options(dir: &Path, opts: &DoctorOptions) -> Result<()> {
         ))
         .into());
     }
-    if let Ok(cfg) = Config::from_file(dir.join("config.json")) {
-        let context = cfg.max_position_embeddings;
-        let room = context.saturating_sub(16 + MAX_CHECK_DRAFTS);
-        if opts.generate_tokens > room {
-            return Err(qwen36_model::Error::Input(format!(
-                "doctor: {} tokens to generate do not fit the model's context of {context} after the probe (at most {room})",
-                opts.generate_tokens
-            ))
-            .into());
-        }
+    match Config::from_file(dir.join("config.json")) {
+        Ok(cfg) => tokens_fit(opts.generate_tokens, cfg.max_position_embeddings),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Refuses `tokens` to generate past what a `context` holds after the probe's 16 tokens and
+/// [`MAX_CHECK_DRAFTS`] drafts.
+fn tokens_fit(tokens: usize, context: usize) -> Result<()> {
+    let room = context.saturating_sub(16 + MAX_CHECK_DRAFTS);
+    if tokens > room {
+        return Err(qwen36_model::Error::Input(format!(
+            "doctor: {tokens} tokens to generate do not fit the model's context of {context} after the probe (at most {room})"
+        ))
+        .into());
     }
     Ok(())
 }
@@ -1458,6 +1463,16 @@ mod tests {
             assert_eq!(rel_err(&t, &r).unwrap(), f32::INFINITY, "{bad}");
             assert_eq!(rel_err(&r, &t).unwrap(), f32::INFINITY, "{bad}");
         }
+    }
+
+    /// The tokens asked for fit a context up to the last position the probe and the drafts
+    /// leave, and a tiny context refuses any.
+    #[test]
+    fn tokens_fit_the_context_after_the_probe() {
+        assert!(tokens_fit(4076, 4096).is_ok());
+        let e = tokens_fit(4077, 4096).unwrap_err().to_string();
+        assert!(e.contains("at most 4076"), "{e}");
+        assert!(tokens_fit(1, 20).is_err());
     }
 
     /// Ranks agree when every report lists the same checks with the same statuses (details may
