@@ -189,11 +189,8 @@ impl ChatTemplate {
                 "chat_template: `{key}` is set by the renderer and cannot be passed as a template kwarg"
             )));
         }
-        let mut ctx: Vec<(Arc<str>, minijinja::Value)> = Vec::new();
-        let mut set = |key: &str, value: minijinja::Value| match ctx.iter_mut().find(|(k, _)| &**k == key) {
-            Some(slot) => slot.1 = value,
-            None => ctx.push((key.into(), value)),
-        };
+        let mut ctx = JsonMap::default();
+        let mut set = |key: &str, value: minijinja::Value| ctx.set(key, value);
         set("messages", to_jinja_seq(messages));
         set("tools", tools.map_or(minijinja::Value::from(()), to_jinja_seq));
         set("documents", minijinja::Value::from(()));
@@ -207,7 +204,7 @@ impl ChatTemplate {
         for (key, value) in extra {
             set(key, to_jinja(value));
         }
-        let ctx = minijinja::Value::from_object(JsonMap(ctx));
+        let ctx = minijinja::Value::from_object(ctx);
 
         let err = |e: minijinja::Error| self.template_error(e);
         let mut env = environment().map_err(err)?;
@@ -385,9 +382,27 @@ fn strftime(format: &str, secs: i64, micros: u32) -> String {
     out
 }
 
-/// A JSON object as a minijinja map that keeps its key order (minijinja's own maps sort keys).
-#[derive(Debug)]
-struct JsonMap(Vec<(Arc<str>, minijinja::Value)>);
+/// A JSON object as a minijinja map that keeps its key order (minijinja's own maps sort keys),
+/// its keys indexed so that a lookup does not scan them (a client's object may have many).
+#[derive(Debug, Default)]
+struct JsonMap {
+    entries: Vec<(Arc<str>, minijinja::Value)>,
+    index: std::collections::HashMap<Arc<str>, usize>,
+}
+
+impl JsonMap {
+    /// Sets `key` (in place if it is there, else at the end).
+    fn set(&mut self, key: &str, value: minijinja::Value) {
+        match self.index.get(key) {
+            Some(&i) => self.entries[i].1 = value,
+            None => {
+                let key: Arc<str> = key.into();
+                self.index.insert(key.clone(), self.entries.len());
+                self.entries.push((key, value));
+            }
+        }
+    }
+}
 
 impl Object for JsonMap {
     fn repr(self: &Arc<Self>) -> ObjectRepr {
@@ -395,13 +410,13 @@ impl Object for JsonMap {
     }
 
     fn get_value(self: &Arc<Self>, key: &minijinja::Value) -> Option<minijinja::Value> {
-        let key = key.as_str()?;
-        self.0.iter().find(|(k, _)| &**k == key).map(|(_, v)| v.clone())
+        let &i = self.index.get(key.as_str()?)?;
+        Some(self.entries[i].1.clone())
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
         Enumerator::Values(
-            self.0
+            self.entries
                 .iter()
                 .map(|(k, _)| minijinja::Value::from(k.clone()))
                 .collect(),
@@ -409,7 +424,7 @@ impl Object for JsonMap {
     }
 
     fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
-        Some(self.0.len())
+        Some(self.entries.len())
     }
 }
 
@@ -425,11 +440,13 @@ fn to_jinja(v: &Value) -> minijinja::Value {
         },
         Value::String(s) => minijinja::Value::from(s.as_str()),
         Value::Array(items) => to_jinja_seq(items),
-        Value::Object(map) => minijinja::Value::from_object(JsonMap(
-            map.iter()
-                .map(|(k, v)| (Arc::from(k.as_str()), to_jinja(v)))
-                .collect(),
-        )),
+        Value::Object(map) => {
+            let mut m = JsonMap::default();
+            for (k, v) in map {
+                m.set(k, to_jinja(v));
+            }
+            minijinja::Value::from_object(m)
+        }
     }
 }
 

@@ -133,6 +133,11 @@ pub struct GenerateRequest {
     pub tool_choice: Option<Value>,
     /// `false`: only the first tool call of the output is returned (default `true`).
     pub parallel_tool_calls: Option<bool>,
+    /// End the prompt with the template's generation prompt (vLLM's extension; default `true`,
+    /// `false` with `continue_final_message`).
+    pub add_generation_prompt: Option<bool>,
+    /// Continue the final (assistant) message instead of starting a new one (vLLM's extension).
+    pub continue_final_message: Option<bool>,
     /// Chat template kwargs (`enable_thinking` for Qwen3.6).
     #[serde(default, deserialize_with = "null_as_default")]
     pub chat_template_kwargs: Map<String, Value>,

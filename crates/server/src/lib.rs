@@ -206,6 +206,12 @@ impl Service {
             )
             .param("top_logprobs"));
         }
+        if !chat && (req.add_generation_prompt.is_some() || req.continue_final_message.is_some()) {
+            return Err(ApiError::bad_request(
+                "add_generation_prompt and continue_final_message: chat only (/v1/chat/completions)",
+            )
+            .param("continue_final_message"));
+        }
         if req.return_token_ids && n > 1 {
             return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
         }
@@ -373,9 +379,51 @@ impl Service {
             .cloned()
             .map(|m| Value::Object(with_object_arguments(developer_as_system(m))))
             .collect();
-        template
-            .render_json(&messages, req.tools.as_deref(), true, &req.chat_template_kwargs)
-            .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))
+        // vLLM's extensions: an open final message to continue (a prefilled answer), without
+        // the generation prompt, which it leaves out unless asked for.
+        let continued = req.continue_final_message.unwrap_or(false);
+        let generation_prompt = req.add_generation_prompt.unwrap_or(!continued);
+        if continued && generation_prompt {
+            return Err(ApiError::bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+            )
+            .param("continue_final_message"));
+        }
+        let text = template
+            .render_json(
+                &messages,
+                req.tools.as_deref(),
+                generation_prompt,
+                &req.chat_template_kwargs,
+            )
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?;
+        if !continued {
+            return Ok(text);
+        }
+        // The rendered prompt ends where the final message's content does (transformers' rule:
+        // its last occurrence, else that of its trimmed form).
+        let last = messages.last().and_then(|m| m.get("content"));
+        let content = match last {
+            Some(Value::String(c)) => c.clone(),
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .rev()
+                .find_map(|p| p.get("text").and_then(Value::as_str))
+                .unwrap_or_default()
+                .to_string(),
+            _ => String::new(),
+        };
+        let cut = [content.as_str(), content.trim()]
+            .into_iter()
+            .filter(|c| !c.is_empty())
+            .find_map(|c| text.rfind(c).map(|i| i + c.len()));
+        match cut {
+            Some(end) => Ok(text[..end].to_string()),
+            None => Err(ApiError::bad_request(
+                "continue_final_message: the final message needs text content the template renders",
+            )
+            .param("messages")),
+        }
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -420,7 +468,7 @@ fn generation_prompt(prompt: &str) -> &str {
 
 /// An assistant message whose tool calls give `function.arguments` as a JSON text (as OpenAI
 /// clients send them) with the arguments as an object, which chat templates iterate (vLLM does
-/// the same); arguments that are not a JSON object stay as they are.
+/// the same); `null` or empty arguments as `{}`; others that are not a JSON object stay as they are.
 fn with_object_arguments(mut message: Map<String, Value>) -> Map<String, Value> {
     if let Some(Value::Array(calls)) = message.get_mut("tool_calls") {
         for call in calls {
@@ -431,7 +479,11 @@ fn with_object_arguments(mut message: Map<String, Value>) -> Map<String, Value> 
             };
             let args = call.pointer_mut(path);
             if let Some(a) = args {
-                if let Some(obj) = a
+                // (No arguments, `null` or an empty text, are an empty object, as vLLM reads them.)
+                let empty = a.is_null() || a.as_str().is_some_and(|t| t.trim().is_empty());
+                if empty {
+                    *a = Value::Object(Map::new());
+                } else if let Some(obj) = a
                     .as_str()
                     .and_then(|t| serde_json::from_str::<Map<String, Value>>(t).ok())
                 {
@@ -1162,12 +1214,16 @@ mod tests {
         assert_eq!(generation_prompt("no turns"), "no turns");
     }
 
-    /// Tool-call arguments sent as JSON text reach the template as objects; other text stays.
+    /// Tool-call arguments sent as JSON text reach the template as objects, none (`null`, an
+    /// empty or blank text) as an empty one; other text stays.
     #[test]
     fn string_tool_arguments_become_objects() {
         let m = json!({"role": "assistant", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}},
             {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+            {"type": "function", "function": {"name": "h", "arguments": ""}},
+            {"type": "function", "function": {"name": "i", "arguments": null}},
+            {"type": "function", "function": {"name": "j", "arguments": " "}},
         ]});
         let out = with_object_arguments(m.as_object().unwrap().clone());
         assert_eq!(
@@ -1175,6 +1231,9 @@ mod tests {
             json!({"city": "Paris"})
         );
         assert_eq!(out["tool_calls"][1]["function"]["arguments"], "not json");
+        for i in 2..5 {
+            assert_eq!(out["tool_calls"][i]["function"]["arguments"], json!({}), "{i}");
+        }
     }
 
     #[test]

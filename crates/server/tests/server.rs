@@ -1109,6 +1109,61 @@ async fn openai_forms_equal_their_plain_equivalents() {
     server.stop().await;
 }
 
+/// A prefilled answer is continued (`continue_final_message`, vLLM's extension): the prompt is
+/// the template's rendering cut after the final message's content, with no generation prompt;
+/// `add_generation_prompt: false` alone leaves that prompt out; both true is a 400, and either
+/// on completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_message_is_continued() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let chat = "/v1/chat/completions";
+    let messages = json!([{"role": "user", "content": "Write a function."}, {"role": "assistant", "content": "def add(a, b):"}]);
+    let template = generator.chat_template().unwrap();
+    let none = serde_json::Map::new();
+    let rendered = |add: bool| {
+        template
+            .render_json(messages.as_array().unwrap(), None, add, &none)
+            .unwrap()
+    };
+    let prompt_tokens = |text: &str| json!(generator.encode(text).unwrap().len());
+    let full = rendered(false);
+    let cut = &full[..full.rfind("def add(a, b):").unwrap() + "def add(a, b):".len()];
+    assert!(cut.len() < full.len(), "the template closes the turn: {full:?}");
+    let body = |extra: Value| {
+        let mut b = json!({"messages": messages, "max_tokens": 4, "temperature": 0});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let (status, r) = server
+        .post(chat, &body(json!({"continue_final_message": true})))
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens(cut));
+    let (status, r) = server
+        .post(chat, &body(json!({"add_generation_prompt": false})))
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens(&full));
+    let (status, r) = server.post(chat, &body(json!({})).clone()).await;
+    assert_eq!(
+        r["usage"]["prompt_tokens"],
+        prompt_tokens(&rendered(true)),
+        "{status}"
+    );
+    let both = body(json!({"continue_final_message": true, "add_generation_prompt": true}));
+    let (status, r) = server.post(chat, &both).await;
+    assert_eq!(
+        (status, r["error"]["param"].as_str()),
+        (400, Some("continue_final_message"))
+    );
+    let on_completions = json!({"prompt": [1, 2], "max_tokens": 2, "continue_final_message": true});
+    let (status, _) = server.post("/v1/completions", &on_completions).await;
+    assert_eq!(status, 400);
+    server.stop().await;
+}
+
 /// A small deterministic generator for the fuzz loop (xorshift64*).
 struct Rng(u64);
 
