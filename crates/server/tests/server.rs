@@ -1141,12 +1141,18 @@ async fn a_final_message_is_continued() {
         .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens(cut));
+    // The same final message as text parts: continued after its last text part.
+    let mut parts = body(json!({"continue_final_message": true}));
+    parts["messages"][1]["content"] = json!([{"type": "text", "text": "def add(a, b):"}]);
+    let (status, r) = server.post(chat, &parts).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens(cut));
     let (status, r) = server
         .post(chat, &body(json!({"add_generation_prompt": false})))
         .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens(&full));
-    let (status, r) = server.post(chat, &body(json!({})).clone()).await;
+    let (status, r) = server.post(chat, &body(json!({}))).await;
     assert_eq!(
         r["usage"]["prompt_tokens"],
         prompt_tokens(&rendered(true)),
