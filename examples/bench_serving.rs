@@ -723,12 +723,13 @@ fn check(args: &Args) -> Result<(), String> {
             return Err("--turns and --shared-prefix run in process only (not with --url)".into());
         }
     }
-    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k || args.accept_rates.is_some()) {
-        return Err(
-            "--draft-vocab, --fixed-k and --accept-rates shape speculative decoding: give --mtp K too".into(),
-        );
-    }
-    Ok(())
+    let draft_vocab = args.draft_vocab.is_some();
+    let given = [
+        ("--draft-vocab", draft_vocab),
+        ("--fixed-k", args.fixed_k),
+        ("--accept-rates", args.accept_rates.is_some()),
+    ];
+    load::check_speculation(args.mtp, "mtp", draft_vocab, &given)
 }
 
 /// The `--url` mode: the same offered load through a running server, over HTTP with streaming.

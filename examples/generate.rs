@@ -102,12 +102,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Refuses flags this combination would ignore, naming them.
 fn check(args: &Args) -> Result<(), String> {
-    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k) {
-        return Err("--draft-vocab and --fixed-k shape speculative decoding: give --mtp K too".into());
-    }
-    if args.draft_vocab.is_some() && args.drafter != "mtp" {
-        return Err("--draft-vocab applies to the mtp drafter".into());
-    }
+    let draft_vocab = args.draft_vocab.is_some();
+    let given = [("--draft-vocab", draft_vocab), ("--fixed-k", args.fixed_k)];
+    load::check_speculation(args.mtp, &args.drafter, draft_vocab, &given)?;
     if args.no_think && !args.chat {
         return Err("--no-think applies with --chat".into());
     }

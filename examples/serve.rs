@@ -255,15 +255,13 @@ fn build(
 
 /// Refuses flags this combination would ignore, naming them.
 fn check(args: &Args) -> Result<(), String> {
-    if args.mtp == 0 && (args.draft_vocab.is_some() || args.fixed_k || args.accept_rates.is_some()) {
-        return Err(
-            "--draft-vocab, --fixed-k and --accept-rates shape speculative decoding: give --mtp K too".into(),
-        );
-    }
-    if args.draft_vocab.is_some() && args.drafter != "mtp" {
-        return Err("--draft-vocab applies to the mtp drafter".into());
-    }
-    Ok(())
+    let draft_vocab = args.draft_vocab.is_some();
+    let given = [
+        ("--draft-vocab", draft_vocab),
+        ("--fixed-k", args.fixed_k),
+        ("--accept-rates", args.accept_rates.is_some()),
+    ];
+    load::check_speculation(args.mtp, &args.drafter, draft_vocab, &given)
 }
 
 fn run(args: Args) -> Result<(), BoxError> {

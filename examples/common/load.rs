@@ -114,3 +114,29 @@ pub fn probability(s: &str) -> Result<f64, String> {
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// Refuses the speculation flags a run would ignore: any of `given` (flag, set) without
+/// `--mtp K`, and `--draft-vocab` with a drafter other than mtp.
+#[allow(dead_code)]
+pub fn check_speculation(
+    mtp: usize,
+    drafter: &str,
+    draft_vocab: bool,
+    given: &[(&str, bool)],
+) -> Result<(), String> {
+    let set: Vec<&str> = given
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(flag, _)| *flag)
+        .collect();
+    if mtp == 0 && !set.is_empty() {
+        return Err(format!(
+            "{} shape speculative decoding: give --mtp K too",
+            set.join(", ")
+        ));
+    }
+    if draft_vocab && drafter != "mtp" {
+        return Err("--draft-vocab applies to the mtp drafter".into());
+    }
+    Ok(())
+}
