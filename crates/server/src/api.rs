@@ -32,10 +32,17 @@ pub enum Prompt {
     Other(Value),
 }
 
+/// The one prompt of a request: its text or its token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnePrompt<'a> {
+    Text(&'a str),
+    Ids(&'a [u32]),
+}
+
 impl Prompt {
     /// The one prompt this is: text or ids, a one-element list of them unwrapped; several
     /// prompts (one request per prompt, here) and other JSON are errors naming `prompt`.
-    pub fn single(&self) -> Result<Prompt, ApiError> {
+    pub fn single(&self) -> Result<OnePrompt<'_>, ApiError> {
         let several = |n: usize| {
             Err(ApiError::bad_request(format!(
                 "prompt: {n} prompts given; this server takes one per request (send one request each)"
@@ -43,9 +50,10 @@ impl Prompt {
             .param("prompt"))
         };
         match self {
-            Prompt::Text(_) | Prompt::Ids(_) => Ok(self.clone()),
-            Prompt::Texts(v) if v.len() == 1 => Ok(Prompt::Text(v[0].clone())),
-            Prompt::IdLists(v) if v.len() == 1 => Ok(Prompt::Ids(v[0].clone())),
+            Prompt::Text(t) => Ok(OnePrompt::Text(t)),
+            Prompt::Ids(ids) => Ok(OnePrompt::Ids(ids)),
+            Prompt::Texts(v) if v.len() == 1 => Ok(OnePrompt::Text(&v[0])),
+            Prompt::IdLists(v) if v.len() == 1 => Ok(OnePrompt::Ids(&v[0])),
             Prompt::Texts(v) => several(v.len()),
             Prompt::IdLists(v) => several(v.len()),
             Prompt::Other(v) => Err(ApiError::bad_request(format!(
@@ -241,6 +249,37 @@ impl GenerateRequest {
         }
         if self.functions.is_some() || self.function_call.is_some() {
             return refuse("functions", "the legacy functions API (use tools)");
+        }
+        Ok(())
+    }
+
+    /// Refuses the fields the endpoint (`chat` or completions) would ignore, naming each, as
+    /// OpenAI answers them.
+    pub fn check_endpoint(&self, chat: bool) -> Result<(), ApiError> {
+        let refuse = |param: &str, msg: &str| Err(ApiError::bad_request(msg).param(param));
+        if self.stream_options.is_some() && !self.stream {
+            return refuse("stream_options", "stream_options: only with stream: true");
+        }
+        if chat {
+            return Ok(());
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return refuse(
+                "tools",
+                "tools: tool calls are parsed on /v1/chat/completions only",
+            );
+        }
+        if self.top_logprobs.is_some_and(|k| k > 0) {
+            return refuse(
+                "top_logprobs",
+                "top_logprobs: chat only (/v1/completions takes logprobs: N alternatives)",
+            );
+        }
+        if self.add_generation_prompt.is_some() || self.continue_final_message.is_some() {
+            return refuse(
+                "continue_final_message",
+                "add_generation_prompt and continue_final_message: chat only (/v1/chat/completions)",
+            );
         }
         Ok(())
     }

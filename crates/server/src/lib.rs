@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-pub use api::{ApiError, GenerateRequest, Logprobs, Prompt, Stop, StreamOptions};
+pub use api::{ApiError, GenerateRequest, Logprobs, OnePrompt, Prompt, Stop, StreamOptions};
 pub use metrics::Metrics;
 pub use output::{parse_tool_call, Delta, OutputParser, ToolCall};
 
@@ -188,30 +188,7 @@ impl Service {
         let logprobs = req.logprobs(chat)?;
         let stop_strings = req.stop_strings()?;
         let tools = req.tool_parsing()?;
-        if !chat && req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(
-                ApiError::bad_request("tools: tool calls are parsed on /v1/chat/completions only")
-                    .param("tools"),
-            );
-        }
-        // Fields this endpoint would ignore are named instead (as OpenAI answers them).
-        if req.stream_options.is_some() && !req.stream {
-            return Err(
-                ApiError::bad_request("stream_options: only with stream: true").param("stream_options")
-            );
-        }
-        if !chat && req.top_logprobs.is_some_and(|k| k > 0) {
-            return Err(ApiError::bad_request(
-                "top_logprobs: chat only (/v1/completions takes logprobs: N alternatives)",
-            )
-            .param("top_logprobs"));
-        }
-        if !chat && (req.add_generation_prompt.is_some() || req.continue_final_message.is_some()) {
-            return Err(ApiError::bad_request(
-                "add_generation_prompt and continue_final_message: chat only (/v1/chat/completions)",
-            )
-            .param("continue_final_message"));
-        }
+        req.check_endpoint(chat)?;
         if req.return_token_ids && n > 1 {
             return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
         }
@@ -309,13 +286,11 @@ impl Service {
     fn prompt(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<u32>, bool), ApiError> {
         match endpoint {
             Endpoint::Completions => match req.prompt.as_ref().map(Prompt::single).transpose()? {
-                Some(Prompt::Text(text)) => Ok((self.encode(&text)?, false)),
-                Some(Prompt::Ids(ids)) => Ok((ids, false)),
-                // (`single` gives text or ids only.)
-                Some(_) | None => Err(ApiError::bad_request(
-                    "prompt: a text or a list of token ids is needed",
-                )
-                .param("prompt")),
+                Some(OnePrompt::Text(text)) => Ok((self.encode(text)?, false)),
+                Some(OnePrompt::Ids(ids)) => Ok((ids.to_vec(), false)),
+                None => Err(
+                    ApiError::bad_request("prompt: a text or a list of token ids is needed").param("prompt"),
+                ),
             },
             Endpoint::Chat => {
                 let text = self.render(req)?;
