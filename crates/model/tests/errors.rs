@@ -52,16 +52,22 @@ fn integer_tensor_is_named() {
     );
 }
 
-#[test]
-fn nan_in_weights_is_refused() {
+/// A copy of tiny-flat whose tensor `name` holds `value` at one element.
+fn tiny_flat_with_value(name: &str, value: f32) -> tempfile::TempDir {
     let dir = copy_fixture("tiny-flat");
-    let name = "model.layers.1.self_attn.k_proj.weight";
     edit_tensors(dir.path(), "model.safetensors", |m| {
         let t = &m[name];
         let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        v[5] = f32::NAN;
+        v[5] = value;
         m.insert(name.into(), Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap());
     });
+    dir
+}
+
+#[test]
+fn nan_in_weights_is_refused() {
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    let dir = tiny_flat_with_value(name, f32::NAN);
     let e = load_dir(dir.path()).unwrap_err();
     assert!(matches!(&e, Error::NonFinite(n) if n == name), "{e}");
 }
@@ -309,14 +315,8 @@ fn an_index_names_files_of_its_directory() {
 /// checkpoint loads in bf16.
 #[test]
 fn weights_beyond_f16_are_named() {
-    let dir = copy_fixture("tiny-flat");
     let name = "model.layers.1.self_attn.k_proj.weight";
-    edit_tensors(dir.path(), "model.safetensors", |m| {
-        let t = &m[name];
-        let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        v[5] = 1e5;
-        m.insert(name.into(), Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap());
-    });
+    let dir = tiny_flat_with_value(name, 1e5);
     let e = Qwen36Model::load(dir.path(), load_options(DType::F16)).unwrap_err();
     assert!(
         matches!(&e, Error::OutOfRange { name: n, dtype: DType::F16 } if n == name),
