@@ -52,7 +52,13 @@ pub struct ChatTemplate {
     path: PathBuf,
     /// Named special tokens of the tokenizer config, visible to the template as transformers does.
     special_tokens: Vec<(String, String)>,
+    /// The template compiled once, when it is read: a syntax error is found at load, not at the
+    /// first chat request, and a request renders without parsing.
+    env: Arc<Environment<'static>>,
 }
+
+/// The name of the one template in a [`ChatTemplate`]'s environment.
+const NAME: &str = "chat_template";
 
 /// Named special tokens of a tokenizer config: (name, token).
 type SpecialTokens = Vec<(String, String)>;
@@ -98,11 +104,9 @@ impl ChatTemplate {
     /// Reads `chat_template` from a tokenizer_config.json; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
         let (source, special_tokens) = read_tokenizer_config(path)?;
-        Ok(source.map(|source| Self {
-            source,
-            path: path.to_path_buf(),
-            special_tokens,
-        }))
+        source
+            .map(|source| Self::compile(source, path.to_path_buf(), special_tokens))
+            .transpose()
     }
 
     /// The template of a checkpoint directory: `chat_template.jinja` where it exists (where
@@ -121,17 +125,24 @@ impl ChatTemplate {
                 path: jinja.clone(),
                 msg: e.to_string(),
             })?;
-            return Ok(Some(Self {
-                source,
-                path: jinja,
-                special_tokens,
-            }));
+            return Self::compile(source, jinja, special_tokens).map(Some);
         }
-        Ok(source.map(|source| Self {
+        source
+            .map(|source| Self::compile(source, config, special_tokens))
+            .transpose()
+    }
+
+    /// Compiles `source`; a syntax error names the file `path` and the line.
+    fn compile(source: String, path: PathBuf, special_tokens: SpecialTokens) -> Result<Self> {
+        let err = |e: minijinja::Error| template_error(&path, e);
+        let mut env = environment().map_err(err)?;
+        env.add_template_owned(NAME, source.clone()).map_err(err)?;
+        Ok(Self {
             source,
-            path: config,
+            path,
             special_tokens,
-        }))
+            env: Arc::new(env),
+        })
     }
 
     /// The file the template was read from.
@@ -145,12 +156,9 @@ impl ChatTemplate {
     }
 
     /// The same tokenizer config with another template source, like transformers'
-    /// `apply_chat_template(chat_template=...)`.
-    pub fn with_source(&self, source: impl Into<String>) -> Self {
-        Self {
-            source: source.into(),
-            ..self.clone()
-        }
+    /// `apply_chat_template(chat_template=...)`; an error where `source` does not compile.
+    pub fn with_source(&self, source: impl Into<String>) -> Result<Self> {
+        Self::compile(source.into(), self.path.clone(), self.special_tokens.clone())
     }
 
     /// Renders `messages`; `add_generation_prompt` opens the assistant turn, `enable_thinking =
@@ -206,12 +214,10 @@ impl ChatTemplate {
         }
         let ctx = minijinja::Value::from_object(ctx);
 
-        let err = |e: minijinja::Error| self.template_error(e);
-        let mut env = environment().map_err(err)?;
-        env.add_template("chat_template", &self.source).map_err(err)?;
-        env.get_template("chat_template")
+        self.env
+            .get_template(NAME)
             .and_then(|t| t.render(ctx))
-            .map_err(err)
+            .map_err(|e| template_error(&self.path, e))
     }
 
     fn error(&self, msg: String) -> Error {
@@ -220,19 +226,24 @@ impl ChatTemplate {
             msg,
         }
     }
+}
 
-    /// Maps a minijinja error; one from the template's `raise_exception` carries its message.
-    fn template_error(&self, e: minijinja::Error) -> Error {
-        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-        while let Some(cur) = src {
-            if let Some(raised) = cur.downcast_ref::<Raised>() {
-                let line = e.line().map(|l| format!(" (line {l})")).unwrap_or_default();
-                return self.error(format!("chat_template raised an exception: {}{line}", raised.0));
-            }
-            src = cur.source();
+/// Maps a minijinja error of the template read from `path`; one from the template's
+/// `raise_exception` carries its message.
+fn template_error(path: &Path, e: minijinja::Error) -> Error {
+    let error = |msg| Error::File {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(cur) = src {
+        if let Some(raised) = cur.downcast_ref::<Raised>() {
+            let line = e.line().map(|l| format!(" (line {l})")).unwrap_or_default();
+            return error(format!("chat_template raised an exception: {}{line}", raised.0));
         }
-        self.error(format!("chat_template: {e}"))
+        src = cur.source();
     }
+    error(format!("chat_template: {e}"))
 }
 
 /// A minijinja environment configured like transformers' `_compile_jinja_template`.

@@ -253,16 +253,7 @@ impl Generator {
     fn load_with(dir: &Path, opts: LoadOptions, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
         let dir = dir.to_path_buf();
         let full = qwen36_model::Config::from_file(dir.join("config.json"))?;
-        let (cfg, weights) = match comm {
-            Some(comm) => qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full)?,
-            None => (full, qwen36_model::Weights::open(&dir, opts)?),
-        };
-        let mtp_head = if MtpHead::present(&weights) {
-            Some(MtpHead::load(&cfg, &weights)?)
-        } else {
-            None
-        };
-        let model = Qwen36Model::from_weights(cfg, &weights)?;
+        // The small files first: a mistake in one is found before the weights load.
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.exists() {
             Some(Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
@@ -279,7 +270,7 @@ impl Generator {
         } else {
             GenerationConfig::default()
         };
-        let vocab = model.config().vocab_size;
+        let vocab = full.vocab_size;
         if let Some(id) = generation_config
             .eos_token_ids
             .iter()
@@ -290,6 +281,16 @@ impl Generator {
                 msg: format!("eos_token_id {id} is past the vocabulary ({vocab} ids): generation would never stop there"),
             });
         }
+        let (cfg, weights) = match comm {
+            Some(comm) => qwen36_model::Weights::open(&dir, opts)?.sharded(comm, &full)?,
+            None => (full, qwen36_model::Weights::open(&dir, opts)?),
+        };
+        let mtp_head = if MtpHead::present(&weights) {
+            Some(MtpHead::load(&cfg, &weights)?)
+        } else {
+            None
+        };
+        let model = Qwen36Model::from_weights(cfg, &weights)?;
         Ok(Self {
             model,
             mtp_head,

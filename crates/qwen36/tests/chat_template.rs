@@ -90,7 +90,8 @@ fn renders_like_transformers() {
         let template = case
             .template
             .as_ref()
-            .map_or_else(|| base.clone(), |s| base.with_source(s.as_str()));
+            .map_or_else(|| Ok(base.clone()), |s| base.with_source(s.as_str()))
+            .expect("the fixture's templates compile");
         let got = template.render_json(
             &case.messages,
             case.tools.as_deref(),
@@ -212,7 +213,7 @@ fn plain_render_matches_json_render() {
 #[test]
 fn plain_chats_render_as_the_previous_template() {
     let template = bundled();
-    let previous = template.with_source(PLAIN_TEMPLATE);
+    let previous = template.with_source(PLAIN_TEMPLATE).unwrap();
     for (case, msgs, thinking) in plain_cases() {
         for gen in [false, true] {
             let got = template.render(&msgs, gen, thinking).expect("renders");
@@ -278,5 +279,33 @@ fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
     write_config(serde_json::json!([{"name": "tool_use", "template": "TOOLS"}]));
     let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
     assert!(e.contains("default"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A template that does not compile is refused when it is read, naming its file and line (it
+/// used to pass the load and fail every chat request), from either file and as an override.
+#[test]
+fn a_template_that_does_not_compile_is_refused_when_read() {
+    let dir = std::env::temp_dir().join(format!("qwen36-badtemplate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = "line one\nline two\n{{ messages[0]['content'] ) }}\nline four";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": broken }).to_string(),
+    )
+    .unwrap();
+    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("syntax error") && e.contains(":3"),
+        "{e}"
+    );
+    std::fs::write(dir.join("chat_template.jinja"), "{{ messages[0]['content'] ").unwrap();
+    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("chat_template.jinja") && e.contains("syntax error"),
+        "{e}"
+    );
+    let e = bundled().with_source(broken).unwrap_err().to_string();
+    assert!(e.contains("syntax error"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
