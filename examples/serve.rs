@@ -84,6 +84,9 @@ struct Args {
     /// mtp or ngram.
     #[arg(long, default_value = "mtp")]
     drafter: String,
+    /// A Jinja chat template file to use instead of the checkpoint's.
+    #[arg(long, conflicts_with = "config")]
+    chat_template: Option<std::path::PathBuf>,
     /// Leave `<think>…</think>` in the content instead of `reasoning_content`.
     #[arg(long)]
     no_reasoning_parser: bool,
@@ -162,10 +165,7 @@ fn build(
         None => {
             let dir = load::model_dir(args.model.as_deref())?;
             tracing::info!("loading {}", dir.display());
-            let generator = match comm {
-                Some(c) => Generator::load_shard(&dir, opts.clone(), c)?,
-                None => Generator::load(&dir, opts.clone())?,
-            };
+            let generator = Generator::load_with(&dir, opts.clone(), comm, args.chat_template.as_deref())?;
             let name = dir
                 .canonicalize()
                 .ok()

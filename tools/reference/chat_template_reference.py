@@ -153,6 +153,18 @@ PYTHON_VALUES_TEMPLATE = (
     "{{ 'xxhixx'.strip('x') }} {{ '\\n\\nhi\\n'.lstrip('\\n') }}|{{ 'a b'.split() }} {{ 'x'.join(['1', '2']) }}\n"
     "{% for m in messages %}{{ loop.index0 }}{{ loop.revindex }}{{ loop.previtem is defined }}{{ loop.nextitem is defined }} {% endfor %}\n"
 )
+# transformers' `{% generation %}` block (assistant masks for training) renders its body as is,
+# whitespace control on its tags included.
+GENERATION_TEMPLATE = """{% for m in messages %}
+{{ m.role }}:
+{% if m.role == 'assistant' %}
+    {%- generation -%}
+ [{{ m.content }}] 
+    {%- endgeneration %}
+{% else %}
+  {% generation %}{{ m.content }}{% endgeneration %}
+{% endif %}
+{% endfor %}"""
 RAISE_TEMPLATE = "{{ 'before' }}{{ raise_exception('Bad \"input\": ' ~ messages[0].role) }}"
 
 
@@ -275,6 +287,14 @@ CASES = [
         PYTHON_VALUES_TEMPLATE,
     ),
     case("env_raise_exception", [{"role": "user", "content": "x"}], None, False, {}, RAISE_TEMPLATE),
+    case(
+        "env_generation_block",
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}],
+        None,
+        False,
+        {},
+        GENERATION_TEMPLATE,
+    ),
 ]
 
 

@@ -113,14 +113,20 @@ impl ChatTemplate {
     /// newer transformers save it), else tokenizer_config.json's `chat_template`; the special
     /// tokens from tokenizer_config.json. `Ok(None)` when neither holds one.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        Self::from_dir_with(dir, None)
+    }
+
+    /// [`Self::from_dir`], or with `file` the template of that Jinja file instead of the
+    /// directory's (which is then not compiled), with the directory's special tokens.
+    pub fn from_dir_with(dir: &Path, file: Option<&Path>) -> Result<Option<Self>> {
         let config = dir.join("tokenizer_config.json");
         let (source, special_tokens) = if config.exists() {
             read_tokenizer_config(&config)?
         } else {
             (None, Vec::new())
         };
-        let jinja = dir.join("chat_template.jinja");
-        if jinja.exists() {
+        let jinja = file.map_or_else(|| dir.join("chat_template.jinja"), Path::to_path_buf);
+        if file.is_some() || jinja.exists() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::File {
                 path: jinja.clone(),
                 msg: e.to_string(),
@@ -136,7 +142,8 @@ impl ChatTemplate {
     fn compile(source: String, path: PathBuf, special_tokens: SpecialTokens) -> Result<Self> {
         let err = |e: minijinja::Error| template_error(&path, e);
         let mut env = environment().map_err(err)?;
-        env.add_template_owned(NAME, source.clone()).map_err(err)?;
+        env.add_template_owned(NAME, with_generation_blocks_as_ifs(&source))
+            .map_err(err)?;
         Ok(Self {
             source,
             path,
@@ -226,6 +233,43 @@ impl ChatTemplate {
             msg,
         }
     }
+}
+
+/// transformers' `{% generation %}…{% endgeneration %}` block (its `AssistantTracker`
+/// extension, which marks assistant tokens for training masks and renders the body unchanged)
+/// as `{% if true %}…{% endif %}`, which minijinja knows, with the tags' whitespace control.
+fn with_generation_blocks_as_ifs(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let (before, tag) = rest.split_at(start);
+        out.push_str(before);
+        let body = &tag[2..];
+        let control = body.starts_with(['-', '+']) as usize;
+        let word = body[control..].trim_start();
+        let skipped = body.len() - control - word.len();
+        let replacement = [("endgeneration", "endif"), ("generation", "if true")]
+            .into_iter()
+            .find(|(name, _)| {
+                word.strip_prefix(name).is_some_and(|after| {
+                    let after = after.trim_start();
+                    after.starts_with("%}") || after.starts_with("-%}") || after.starts_with("+%}")
+                })
+            });
+        match replacement {
+            Some((name, with)) => {
+                out.push_str(&tag[..2 + control + skipped]);
+                out.push_str(with);
+                rest = &body[control + skipped + name.len()..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = body;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Maps a minijinja error of the template read from `path`; one from the template's
@@ -845,6 +889,35 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `{% generation %}` tags in every spelling become an `if` with the same whitespace
+    /// control; other tags and text are left alone.
+    #[test]
+    fn generation_blocks_read_as_ifs() {
+        let cases = [
+            (
+                "{% generation %}a{% endgeneration %}",
+                "{% if true %}a{% endif %}",
+            ),
+            ("{%generation%}a{%endgeneration%}", "{%if true%}a{%endif%}"),
+            (
+                "x {%- generation -%} a {%+  endgeneration\n%}",
+                "x {%- if true -%} a {%+  endif\n%}",
+            ),
+            (
+                "{% generation_id %}{% if generation %}",
+                "{% generation_id %}{% if generation %}",
+            ),
+            (
+                "{{ '{%' }} generation %} {% raw",
+                "{{ '{%' }} generation %} {% raw",
+            ),
+            ("no tags {", "no tags {"),
+        ];
+        for (source, want) in cases {
+            assert_eq!(with_generation_blocks_as_ifs(source), want, "{source}");
+        }
+    }
 
     #[test]
     fn python_float_str() {

@@ -240,17 +240,25 @@ const PREFILL_CHUNK: usize = 8192;
 impl Generator {
     /// Loads the model in `dir`, plus `tokenizer.json` and `generation_config.json` when present.
     pub fn load(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
-        Self::load_with(dir.as_ref(), opts, None)
+        Self::load_with(dir.as_ref(), opts, None, None)
     }
 
     /// [`Self::load`] as rank `comm.rank()` of a tensor-parallel group: its shard of the model
     /// and of the MTP head ([`Qwen36Model::load_shard`]). Every rank generates the same calls in
     /// step (give every rank the same sampling seed); their outputs are equal.
     pub fn load_shard(dir: impl AsRef<Path>, opts: LoadOptions, comm: Arc<dyn Communicator>) -> Result<Self> {
-        Self::load_with(dir.as_ref(), opts, Some(comm))
+        Self::load_with(dir.as_ref(), opts, Some(comm), None)
     }
 
-    fn load_with(dir: &Path, opts: LoadOptions, comm: Option<Arc<dyn Communicator>>) -> Result<Self> {
+    /// [`Self::load`], or [`Self::load_shard`] with `comm`; with `chat_template`, the Jinja file
+    /// used instead of the checkpoint's template (which is then not read: a checkpoint whose own
+    /// template does not compile can still be served).
+    pub fn load_with(
+        dir: &Path,
+        opts: LoadOptions,
+        comm: Option<Arc<dyn Communicator>>,
+        chat_template: Option<&Path>,
+    ) -> Result<Self> {
         let dir = dir.to_path_buf();
         let full = qwen36_model::Config::from_file(dir.join("config.json"))?;
         // The small files first: a mistake in one is found before the weights load.
@@ -263,7 +271,7 @@ impl Generator {
         } else {
             None
         };
-        let chat_template = ChatTemplate::from_dir(&dir)?;
+        let chat_template = ChatTemplate::from_dir_with(&dir, chat_template)?;
         let gc_path = dir.join("generation_config.json");
         let generation_config = if gc_path.exists() {
             GenerationConfig::from_file(&gc_path)?

@@ -440,6 +440,50 @@ fn a_generation_config_stop_id_past_the_vocabulary_is_refused() {
     );
 }
 
+/// A checkpoint whose chat template does not compile is refused at load naming the file and
+/// line; a template file given at load replaces it (the checkpoint's is then not read) and
+/// renders with the checkpoint's special tokens.
+#[test]
+fn a_template_file_replaces_a_checkpoint_template_that_does_not_compile() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "tokenizer_config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let config = std::fs::read_to_string(bundled_dir().join("tokenizer_config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    config["chat_template"] = "{% for m in messages %}\n{{ m.content }} {% if %}".into();
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let opts = qwen36::model::LoadOptions::default;
+    let Err(e) = Generator::load(dir.path(), opts()) else {
+        panic!("loaded a template that does not compile");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("syntax error") && e.contains(":2"),
+        "{e}"
+    );
+    let file = dir.path().join("mine.jinja");
+    std::fs::write(
+        &file,
+        "{{ eos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}",
+    )
+    .unwrap();
+    let g = Generator::load_with(dir.path(), opts(), None, Some(&file)).unwrap();
+    let eos = config["eos_token"].as_str().unwrap();
+    let text = g
+        .apply_chat_template(&[qwen36::ChatMessage::new("user", "hi")], true)
+        .unwrap();
+    assert_eq!(text, format!("{eos}[hi]"));
+    let missing = dir.path().join("missing.jinja");
+    let Err(e) = Generator::load_with(dir.path(), opts(), None, Some(&missing)) else {
+        panic!("loaded a template file that does not exist");
+    };
+    assert!(e.to_string().contains("missing.jinja"), "{e}");
+}
+
 /// Batch invariance in half precision (issue 22), through the product's path with its default
 /// kernels: the `Generator`'s MTP speculation (k = 1..3 in every round, the engine's paged pools
 /// and graphs) gives plain greedy's 400 tokens in bf16 and f16 on the bundled model, whose drafts
