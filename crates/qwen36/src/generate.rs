@@ -251,8 +251,8 @@ impl Generator {
     }
 
     /// [`Self::load`], or [`Self::load_shard`] with `comm`; with `chat_template`, the Jinja file
-    /// used instead of the checkpoint's template (which is then not read: a checkpoint whose own
-    /// template does not compile can still be served).
+    /// used instead of the checkpoint's template (which is then not compiled: a checkpoint whose
+    /// own template does not compile can still be served).
     pub fn load_with(
         dir: &Path,
         opts: LoadOptions,
