@@ -6,7 +6,7 @@ Run from the repository root with a Python that has transformers (torch is not n
 
 It loads the tokenizer of models/qwen36-tiny, renders each case below with `tokenize=False`
 (the bundled `chat_template`, or the case's own `template` for cases that probe the Jinja
-environment itself) and writes crates/qwen36/tests/fixtures/chat_templates.json: a list of
+environment itself, or its named templates in place of the tokenizer's) and writes crates/qwen36/tests/fixtures/chat_templates.json: a list of
 {name, messages, tools, add_generation_prompt, kwargs, template?, rendered | error + error_type},
 checked byte for byte by crates/qwen36/tests/chat_template.rs.
 """
@@ -165,6 +165,14 @@ GENERATION_TEMPLATE = """{% for m in messages %}
   {% generation %}{{ m.content }}{% endgeneration %}
 {% endif %}
 {% endfor %}"""
+# Named templates (a tokenizer_config list, or additional_chat_templates/*.jinja): a request
+# with tools renders `tool_use` where there is one, else `default`.
+NAMED_TEMPLATES = {
+    "default": "D:{% for m in messages %}{{ m.content }};{% endfor %}{{ tools | length if tools else 'none' }}",
+    "tool_use": "T:{{ tools | length }}:{% for t in tools %}{{ t.function.name }},{% endfor %}{{ messages[-1].content }}",
+    "rag": "R",
+}
+TOOL_USE_ONLY = {"tool_use": NAMED_TEMPLATES["tool_use"], "rag": "R"}
 RAISE_TEMPLATE = "{{ 'before' }}{{ raise_exception('Bad \"input\": ' ~ messages[0].role) }}"
 
 
@@ -295,6 +303,11 @@ CASES = [
         {},
         GENERATION_TEMPLATE,
     ),
+    case("named_default", [{"role": "user", "content": "hi"}], None, False, {}, NAMED_TEMPLATES),
+    case("named_tool_use", [{"role": "user", "content": "hi"}], TOOLS, False, {}, NAMED_TEMPLATES),
+    case("named_empty_tools", [{"role": "user", "content": "hi"}], [], False, {}, NAMED_TEMPLATES),
+    case("named_tool_use_only", [{"role": "user", "content": "hi"}], TOOLS, False, {}, TOOL_USE_ONLY),
+    case("named_tool_use_only_without_tools", [{"role": "user", "content": "hi"}], None, False, {}, TOOL_USE_ONLY),
 ]
 
 
@@ -303,18 +316,25 @@ def main():
     out = []
     for c in CASES:
         rec = dict(c)
+        # A dict of named templates stands for the tokenizer's own (as a list in
+        # tokenizer_config.json); a string is passed as the `chat_template` argument.
+        template, own = c.get("template"), tok.chat_template
+        if isinstance(template, dict):
+            tok.chat_template, template = template, None
         try:
             rec["rendered"] = tok.apply_chat_template(
                 c["messages"],
                 tools=c["tools"],
                 add_generation_prompt=c["add_generation_prompt"],
                 tokenize=False,
-                chat_template=c.get("template"),
+                chat_template=template,
                 **c["kwargs"],
             )
         except Exception as e:  # noqa: BLE001 - the error itself is the fixture
             rec["error"] = str(e)
             rec["error_type"] = type(e).__name__
+        finally:
+            tok.chat_template = own
         out.append(rec)
         print(f"{c['name']}: {'error: ' + rec['error'] if 'error' in rec else repr(rec['rendered'][:60])}", file=sys.stderr)
     os.makedirs(os.path.dirname(OUT), exist_ok=True)

@@ -45,27 +45,35 @@ const SPECIAL_TOKENS: [&str; 7] = [
 /// Template variables set by the renderer itself, which `extra` may not override.
 const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 
-/// A model's chat template (Qwen's is ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n`).
+/// A model's chat template (Qwen's is ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n`),
+/// or its named templates as transformers picks them: `tool_use` for a request with tools where
+/// the model has one, else `default`.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
-    source: String,
-    path: PathBuf,
+    /// The templates a request can render (`default`, `tool_use`): name, file, source.
+    templates: Vec<(String, PathBuf, String)>,
+    /// Every template name the model has, `default` and `tool_use` among them or not.
+    names: Vec<String>,
     /// Named special tokens of the tokenizer config, visible to the template as transformers does.
     special_tokens: Vec<(String, String)>,
-    /// The template compiled once, when it is read: a syntax error is found at load, not at the
-    /// first chat request, and a request renders without parsing.
+    /// The templates compiled once, when they are read, under their names: a syntax error is
+    /// found at load, not at the first chat request, and a request renders without parsing.
     env: Arc<Environment<'static>>,
 }
 
-/// The name of the one template in a [`ChatTemplate`]'s environment.
-const NAME: &str = "chat_template";
+/// The names of the templates a request can pick ([`ChatTemplate`]).
+const DEFAULT: &str = "default";
+const TOOL_USE: &str = "tool_use";
 
 /// Named special tokens of a tokenizer config: (name, token).
 type SpecialTokens = Vec<(String, String)>;
 
-/// A tokenizer_config.json's `chat_template` (a string, or the one named "default" of a list
-/// of named templates) and its named special tokens.
-fn read_tokenizer_config(path: &Path) -> Result<(Option<String>, SpecialTokens)> {
+/// Named templates: (name, the file holding it, source).
+type Named = Vec<(String, PathBuf, String)>;
+
+/// A tokenizer_config.json's `chat_template` (a string: the `default` one, or a list of named
+/// templates) and its named special tokens.
+fn read_tokenizer_config(path: &Path) -> Result<(Named, SpecialTokens)> {
     let err = |msg: String| Error::File {
         path: path.to_path_buf(),
         msg,
@@ -81,91 +89,177 @@ fn read_tokenizer_config(path: &Path) -> Result<(Option<String>, SpecialTokens)>
             Some((name.to_string(), s.to_string()))
         })
         .collect();
-    let source = match v.get("chat_template") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Array(list)) => Some(
-            list.iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str())
-                .ok_or_else(|| err("chat_template: a list without a \"default\" template".into()))?
-                .to_string(),
-        ),
+    let named = |name: &str, source: &str| (name.to_string(), path.to_path_buf(), source.to_string());
+    let templates = match v.get("chat_template") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![named(DEFAULT, s)],
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|t| match (t.get("name"), t.get("template")) {
+                (Some(Value::String(name)), Some(Value::String(source))) => Ok(named(name, source)),
+                _ => Err(err(format!(
+                    "chat_template: a list entry is not {{\"name\": string, \"template\": string}}: {t}"
+                ))),
+            })
+            .collect::<Result<_>>()?,
         Some(other) => {
             return Err(err(format!(
                 "chat_template: expected a string or a list of {{name, template}}, found {other}"
             )))
         }
     };
-    Ok((source, special_tokens))
+    Ok((templates, special_tokens))
+}
+
+/// The named templates of a checkpoint directory's files, where it has any: `chat_template.jinja`
+/// (`default`) and `additional_chat_templates/NAME.jinja`, as newer transformers save them.
+fn read_template_files(dir: &Path) -> Result<Named> {
+    let read = |name: &str, path: PathBuf| {
+        std::fs::read_to_string(&path)
+            .map(|source| (name.to_string(), path.clone(), source))
+            .map_err(|e| Error::File {
+                path,
+                msg: e.to_string(),
+            })
+    };
+    let mut out = Vec::new();
+    let default = dir.join("chat_template.jinja");
+    if default.exists() {
+        out.push(read(DEFAULT, default)?);
+    }
+    let extra = dir.join("additional_chat_templates");
+    if extra.is_dir() {
+        let entries = std::fs::read_dir(&extra).map_err(|e| Error::File {
+            path: extra.clone(),
+            msg: e.to_string(),
+        })?;
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| Some(e.ok()?.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
+            .collect();
+        files.sort();
+        for path in files {
+            let name = path
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            out.push(read(&name, path)?);
+        }
+    }
+    Ok(out)
 }
 
 impl ChatTemplate {
     /// Reads `chat_template` from a tokenizer_config.json; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
-        let (source, special_tokens) = read_tokenizer_config(path)?;
-        source
-            .map(|source| Self::compile(source, path.to_path_buf(), special_tokens))
-            .transpose()
+        let (templates, special_tokens) = read_tokenizer_config(path)?;
+        Self::compile(templates, special_tokens)
     }
 
-    /// The template of a checkpoint directory: `chat_template.jinja` where it exists (where
-    /// newer transformers save it), else tokenizer_config.json's `chat_template`; the special
-    /// tokens from tokenizer_config.json. `Ok(None)` when neither holds one.
+    /// The templates of a checkpoint directory: `chat_template.jinja` and
+    /// `additional_chat_templates/*.jinja` where any exists (where newer transformers save
+    /// them), else tokenizer_config.json's `chat_template`; the special tokens from
+    /// tokenizer_config.json. `Ok(None)` when none holds one.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         Self::from_dir_with(dir, None)
     }
 
     /// [`Self::from_dir`], or with `file` the template of that Jinja file instead of the
-    /// directory's (which is then not compiled), with the directory's special tokens.
+    /// directory's (which are then not compiled), with the directory's special tokens.
     pub fn from_dir_with(dir: &Path, file: Option<&Path>) -> Result<Option<Self>> {
         let config = dir.join("tokenizer_config.json");
-        let (source, special_tokens) = if config.exists() {
+        let (in_config, special_tokens) = if config.exists() {
             read_tokenizer_config(&config)?
         } else {
-            (None, Vec::new())
+            (Vec::new(), Vec::new())
         };
-        let jinja = file.map_or_else(|| dir.join("chat_template.jinja"), Path::to_path_buf);
-        if file.is_some() || jinja.exists() {
-            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::File {
-                path: jinja.clone(),
-                msg: e.to_string(),
-            })?;
-            return Self::compile(source, jinja, special_tokens).map(Some);
-        }
-        source
-            .map(|source| Self::compile(source, config, special_tokens))
-            .transpose()
+        let templates = match file {
+            Some(file) => {
+                let source = std::fs::read_to_string(file).map_err(|e| Error::File {
+                    path: file.to_path_buf(),
+                    msg: e.to_string(),
+                })?;
+                vec![(DEFAULT.to_string(), file.to_path_buf(), source)]
+            }
+            None => Some(read_template_files(dir)?)
+                .filter(|files| !files.is_empty())
+                .unwrap_or(in_config),
+        };
+        Self::compile(templates, special_tokens)
     }
 
-    /// Compiles `source`; a syntax error names the file `path` and the line.
-    fn compile(source: String, path: PathBuf, special_tokens: SpecialTokens) -> Result<Self> {
-        let err = |e: minijinja::Error| template_error(&path, e);
-        let mut env = environment().map_err(err)?;
-        env.add_template_owned(NAME, with_generation_blocks_as_ifs(&source))
-            .map_err(err)?;
-        Ok(Self {
-            source,
-            path,
+    /// Compiles the `default` and `tool_use` templates of `templates` (`None` when there are
+    /// none at all); a syntax error names the file and the line.
+    fn compile(templates: Named, special_tokens: SpecialTokens) -> Result<Option<Self>> {
+        let Some((_, first_path, _)) = templates.first() else {
+            return Ok(None);
+        };
+        let names: Vec<String> = templates.iter().map(|(n, _, _)| n.clone()).collect();
+        let mut usable: Named = templates
+            .iter()
+            .filter(|(n, _, _)| n == DEFAULT || n == TOOL_USE)
+            .cloned()
+            .collect();
+        usable.sort_by_key(|(n, _, _)| n != DEFAULT);
+        if usable.is_empty() {
+            return Err(Error::File {
+                path: first_path.clone(),
+                msg: format!("chat_template: no \"{DEFAULT}\" or \"{TOOL_USE}\" template among {names:?}"),
+            });
+        }
+        let mut env = environment().map_err(|e| template_error(first_path, e))?;
+        for (name, path, source) in &usable {
+            env.add_template_owned(name.clone(), with_generation_blocks_as_ifs(source))
+                .map_err(|e| template_error(path, e))?;
+        }
+        Ok(Some(Self {
+            templates: usable,
+            names,
             special_tokens,
             env: Arc::new(env),
-        })
+        }))
     }
 
-    /// The file the template was read from.
+    /// The template a request renders: `tool_use` for one with `tools` where the model has it,
+    /// else `default` (transformers' `get_chat_template`).
+    fn pick(&self, tools: bool) -> Result<&(String, PathBuf, String)> {
+        let find = |name: &str| self.templates.iter().find(|(n, _, _)| n == name);
+        tools
+            .then(|| find(TOOL_USE))
+            .flatten()
+            .or_else(|| find(DEFAULT))
+            .ok_or_else(|| {
+                // transformers' message, names as a sorted Python list.
+                let mut names: Vec<String> = self.names.iter().map(|n| format!("'{n}'")).collect();
+                names.sort();
+                Error::File {
+                    path: self.path().to_path_buf(),
+                    msg: format!(
+                        "chat_template: This model has multiple chat templates with no default specified! \
+                         Please either pass a chat template or the name of the template you wish to use to \
+                         the `chat_template` argument. Available template names are [{}].",
+                        names.join(", ")
+                    ),
+                }
+            })
+    }
+
+    /// The file the `default` template (else the `tool_use` one) was read from.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.templates[0].1
     }
 
-    /// The Jinja source of the template.
+    /// The Jinja source of the `default` template (else of the `tool_use` one).
     pub fn source(&self) -> &str {
-        &self.source
+        &self.templates[0].2
     }
 
     /// The same tokenizer config with another template source, like transformers'
     /// `apply_chat_template(chat_template=...)`; an error where `source` does not compile.
     pub fn with_source(&self, source: impl Into<String>) -> Result<Self> {
-        Self::compile(source.into(), self.path.clone(), self.special_tokens.clone())
+        let template = (DEFAULT.to_string(), self.path().to_path_buf(), source.into());
+        Self::compile(vec![template], self.special_tokens.clone()).map(|t| t.expect("one template"))
     }
 
     /// Renders `messages`; `add_generation_prompt` opens the assistant turn, `enable_thinking =
@@ -199,10 +293,14 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &Map<String, Value>,
     ) -> Result<String> {
+        let (name, path, _) = self.pick(tools.is_some())?;
         if let Some(key) = extra.keys().find(|k| RESERVED.contains(&k.as_str())) {
-            return Err(self.error(format!(
-                "chat_template: `{key}` is set by the renderer and cannot be passed as a template kwarg"
-            )));
+            return Err(Error::File {
+                path: path.clone(),
+                msg: format!(
+                    "chat_template: `{key}` is set by the renderer and cannot be passed as a template kwarg"
+                ),
+            });
         }
         let mut ctx = JsonMap::default();
         let mut set = |key: &str, value: minijinja::Value| ctx.set(key, value);
@@ -222,16 +320,9 @@ impl ChatTemplate {
         let ctx = minijinja::Value::from_object(ctx);
 
         self.env
-            .get_template(NAME)
+            .get_template(name)
             .and_then(|t| t.render(ctx))
-            .map_err(|e| template_error(&self.path, e))
-    }
-
-    fn error(&self, msg: String) -> Error {
-        Error::File {
-            path: self.path.clone(),
-            msg,
-        }
+            .map_err(|e| template_error(path, e))
     }
 }
 

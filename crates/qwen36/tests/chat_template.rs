@@ -22,7 +22,8 @@ struct Case {
     tools: Option<Vec<Value>>,
     add_generation_prompt: bool,
     kwargs: Map<String, Value>,
-    template: Option<String>,
+    /// The case's own template (a string), or named ones in place of the tokenizer's (an object).
+    template: Option<Value>,
     expected: Result<String, String>,
 }
 
@@ -39,7 +40,7 @@ fn cases() -> Vec<Case> {
                 .as_bool()
                 .expect("add_generation_prompt"),
             kwargs: c["kwargs"].as_object().cloned().unwrap_or_default(),
-            template: c.get("template").and_then(Value::as_str).map(str::to_string),
+            template: c.get("template").cloned(),
             expected: match (&c.get("rendered"), &c.get("error")) {
                 (Some(Value::String(s)), _) => Ok(s.clone()),
                 (_, Some(Value::String(e))) => Err(e.clone()),
@@ -80,18 +81,37 @@ fn first_difference(got: &str, want: &str, want_label: &str) -> String {
     )
 }
 
+/// The bundled tokenizer config with `named` as its list of named templates, read back.
+fn named_templates(dir: &std::path::Path, named: &Map<String, Value>) -> ChatTemplate {
+    let path = qwen36_testutil::bundled_dir().join("tokenizer_config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    config["chat_template"] = named
+        .iter()
+        .map(|(name, template)| serde_json::json!({"name": name, "template": template}))
+        .collect();
+    let path = dir.join("tokenizer_config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    ChatTemplate::from_tokenizer_config(&path)
+        .expect("the fixture's templates compile")
+        .expect("a template")
+}
+
 #[test]
 fn renders_like_transformers() {
     let base = bundled();
     let cases = cases();
     assert!(cases.len() >= 10, "only {} fixture cases", cases.len());
     let mut failures = Vec::new();
+    let dir = tempfile::tempdir().unwrap();
     for case in &cases {
-        let template = case
-            .template
-            .as_ref()
-            .map_or_else(|| Ok(base.clone()), |s| base.with_source(s.as_str()))
-            .expect("the fixture's templates compile");
+        let template = match &case.template {
+            None => base.clone(),
+            Some(Value::String(s)) => base
+                .with_source(s.as_str())
+                .expect("the fixture's templates compile"),
+            Some(Value::Object(named)) => named_templates(dir.path(), named),
+            Some(other) => panic!("{}: template {other}", case.name),
+        };
         let got = template.render_json(
             &case.messages,
             case.tools.as_deref(),
@@ -276,9 +296,55 @@ fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
         e.contains("tokenizer_config.json") && e.contains("chat_template"),
         "{e}"
     );
+    // Named templates without `default`: `tool_use` serves requests with tools (others fail
+    // as transformers does); without either, the list is refused when read.
     write_config(serde_json::json!([{"name": "tool_use", "template": "TOOLS"}]));
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    let user = [serde_json::json!({"role": "user", "content": "hi"})];
+    let tool = [serde_json::json!({"type": "function", "function": {"name": "f"}})];
+    assert_eq!(
+        t.render_json(&user, Some(&tool), false, &Map::new()).unwrap(),
+        "TOOLS"
+    );
+    let e = t
+        .render_json(&user, None, false, &Map::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no default specified") && e.contains("['tool_use']"),
+        "{e}"
+    );
+    write_config(serde_json::json!([{"name": "rag", "template": "RAG"}]));
     let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
-    assert!(e.contains("default"), "{e}");
+    assert!(e.contains("default") && e.contains("rag"), "{e}");
+    write_config(serde_json::json!([{"name": "default"}]));
+    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("list entry"), "{e}");
+    // The files as newer transformers save named templates: they replace the config's list.
+    write_config(serde_json::json!([{"name": "default", "template": "CONFIG"}]));
+    std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();
+    std::fs::write(dir.join("additional_chat_templates/tool_use.jinja"), "FILE TOOLS").unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), "FILE DEFAULT").unwrap();
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    assert_eq!(
+        t.render_json(&user, Some(&tool), false, &Map::new()).unwrap(),
+        "FILE TOOLS"
+    );
+    assert_eq!(
+        t.render_json(&user, None, false, &Map::new()).unwrap(),
+        "FILE DEFAULT"
+    );
+    assert!(t.path().ends_with("chat_template.jinja"));
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    let e = t
+        .render_json(&user, None, false, &Map::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tool_use.jinja") && e.contains("no default specified"),
+        "{e}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 
