@@ -1441,13 +1441,24 @@ fn emit(
 }
 
 /// A request's own checks (the rest depend on the engine's pools and heads): its prompt
-/// ([`check_prompt`]), its stop ids within `vocab` (one past it could never fire), `max_tokens`
-/// at least 1, and its sampling, speculation and degeneration settings.
+/// ([`check_prompt`]), its stop and logit-bias ids within `vocab` (one past it could never
+/// fire or bias nothing), `max_tokens` at least 1, and its sampling, speculation and
+/// degeneration settings.
 pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     check_prompt(&req.prompt, vocab)?;
     if let Some(&id) = req.stop_ids.iter().find(|&&id| id as usize >= vocab) {
         return Err(Error::Request(format!(
             "stop token {id} is outside the vocabulary of {vocab}"
+        )));
+    }
+    if let Some(&(id, _)) = req
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|&&(id, _)| id as usize >= vocab)
+    {
+        return Err(Error::Request(format!(
+            "logit_bias: token {id} is outside the vocabulary of {vocab}"
         )));
     }
     if req.max_tokens == Some(0) {

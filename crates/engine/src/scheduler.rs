@@ -98,14 +98,9 @@ impl Sequence {
     }
 
     /// Whether sampling needs the full logits rows: not for plain greedy decoding (no
-    /// penalties, no log-probabilities), which takes the argmax.
+    /// penalties or biases, no log-probabilities), which takes the argmax.
     pub fn needs_logits(&self) -> bool {
-        let p = self.sampler.params();
-        let plain = p.is_greedy()
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0;
-        self.logprobs || !plain
+        self.logprobs || !self.sampler.params().is_plain_greedy()
     }
 
     /// Whether it drafts with the MTP head (and so feeds it pairs).

@@ -339,6 +339,11 @@ fn bad_requests_are_typed_errors() {
     let mut hot = Request::greedy(vec![1], 4);
     hot.sampling.temperature = -1.0;
     assert!(matches!(err(&mut engine, hot), Error::Request(m) if m.contains("temperature")));
+    let mut biased = Request::greedy(vec![1], 4);
+    biased.sampling.logit_bias = vec![(3, 1.0), (vocab, 1.0)];
+    assert!(
+        matches!(err(&mut engine, biased), Error::Request(m) if m.contains(&format!("logit_bias: token {vocab}")))
+    );
     // Draft counts, n-gram lengths and loop periods that would overflow, hang or exhaust memory
     // (they once panicked the engine thread at submit or in a step).
     let with = |speculation, degeneration| Request {

@@ -23,6 +23,9 @@ pub struct SamplingParams {
     pub seed: u64,
     /// Return this many top log-probabilities per step (of the raw model distribution).
     pub top_logprobs: usize,
+    /// Added to these token ids' logits before the penalties (OpenAI's `logit_bias`, each in
+    /// [-100, 100]); empty = off.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -37,6 +40,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -50,6 +54,15 @@ impl SamplingParams {
     /// True when decoding takes the argmax.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// True when the token is the argmax of the raw logits: greedy without penalties or biases.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.logit_bias.is_empty()
     }
 
     /// Checks every parameter's range.
@@ -85,6 +98,14 @@ impl SamplingParams {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(name, v, "must be in [-2, 2]");
             }
+        }
+        // OpenAI's range.
+        if let Some(&(_, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad("logit_bias", b, "each bias must be in [-100, 100]");
         }
         Ok(())
     }

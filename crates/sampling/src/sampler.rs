@@ -97,10 +97,19 @@ impl Sampler {
         rng::uniform(self.params.seed, row as u64, step, lane)
     }
 
-    /// Penalised logits: repetition over `prompt ∪ output`, presence/frequency over `output`.
+    /// Penalised logits: the logit biases first (as vLLM applies them), then the repetition
+    /// penalty over `prompt ∪ output`, presence/frequency over `output`.
     pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
         let p = &self.params;
         let mut l = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(x) = l.get_mut(t as usize) {
+                // A finite logit stays finite; -inf (a masked id) stays masked.
+                if x.is_finite() {
+                    *x = (*x + b).clamp(f32::MIN, f32::MAX);
+                }
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let mut seen = vec![false; l.len()];
             for &t in prompt.iter().chain(output) {

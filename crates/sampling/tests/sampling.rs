@@ -55,6 +55,37 @@ fn repetition_presence_and_frequency_penalties() {
     assert_eq!(l, vec![2.0, -8.0, 1.0, -0.25]);
 }
 
+/// Logit biases are added before the penalties (vLLM's order), masked ids stay masked, ids past
+/// the row are ignored, and a bias outside [-100, 100] is refused.
+#[test]
+fn logit_biases_come_before_the_penalties() {
+    let s = sampler(SamplingParams {
+        repetition_penalty: 2.0,
+        presence_penalty: 0.5,
+        temperature: 1.0,
+        logit_bias: vec![(0, 2.0), (1, -100.0), (3, 1.0), (4, 7.0), (9, 1.0)],
+        ..Default::default()
+    });
+    let l = s.penalised(&[4.0, 3.0, 1.0, -1.0, f32::NEG_INFINITY], &[0], &[1]);
+    // 0: (4 + 2) / 2 (prompt); 1: (3 − 100) · 2 − 0.5 (output); 2: untouched; 3: −1 + 1;
+    // 4: masked; 9: past the row.
+    assert_eq!(l, vec![3.0, -194.5, 1.0, 0.0, f32::NEG_INFINITY]);
+    let greedy = |bias: Vec<(u32, f32)>| SamplingParams {
+        logit_bias: bias,
+        ..Default::default()
+    };
+    assert!(greedy(vec![]).is_plain_greedy());
+    assert!(!greedy(vec![(0, 0.5)]).is_plain_greedy());
+    assert!(greedy(vec![(0, 100.0), (1, -100.0)]).validate().is_ok());
+    for bad in [100.5, -101.0, f32::NAN] {
+        let e = greedy(vec![(0, 1.0), (2, bad)])
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("logit_bias"), "{e}");
+    }
+}
+
 /// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them
 /// to ±inf (whose differences are NaN, which once left no candidate and a panic in top-p/min-p):
 /// the distribution stays a distribution, the boosted seen tokens share it, and a masked (-inf)

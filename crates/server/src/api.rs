@@ -126,7 +126,7 @@ pub struct StreamOptions {
 /// The body of `POST /v1/completions` (which needs `prompt`) and `POST /v1/chat/completions`
 /// (which needs `messages`): one struct without flattening, so that a field of the wrong type is
 /// named in the error. Fields the server does not know are ignored, as OpenAI-compatible servers
-/// do; fields it knows but cannot honour (`echo`, `logit_bias`, a JSON `response_format`, ...)
+/// do; fields it knows but cannot honour (`echo`, a JSON `response_format`, ...)
 /// are refused by [`GenerateRequest::check_supported`].
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct GenerateRequest {
@@ -229,9 +229,6 @@ impl GenerateRequest {
         }
         if let Some(b) = self.best_of.filter(|&b| b != self.n.unwrap_or(1)) {
             return refuse("best_of", &format!("best_of = {b} (other than n)"));
-        }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return refuse("logit_bias", "a logit bias");
         }
         match &self.response_format {
             None | Some(Value::Null) => {}
@@ -340,6 +337,27 @@ impl GenerateRequest {
                 )),
             }
         }
+    }
+
+    /// OpenAI's `logit_bias` (`{"token id": bias}`, each bias in [-100, 100]) by token id.
+    pub fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let bad = |msg: String| Err(ApiError::bad_request(msg).param("logit_bias"));
+        let mut out = Vec::new();
+        for (key, value) in self.logit_bias.iter().flatten() {
+            let Ok(id) = key.parse::<u32>() else {
+                return bad(format!("logit_bias: key {key:?} is not a token id"));
+            };
+            match value.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => out.push((id, b as f32)),
+                _ => {
+                    return bad(format!(
+                        "logit_bias[{key:?}] = {value}: a bias must be a number in [-100, 100]"
+                    ))
+                }
+            }
+        }
+        out.sort_by_key(|&(id, _)| id);
+        Ok(out)
     }
 
     /// The stop strings, bounded in count and length.

@@ -230,6 +230,7 @@ impl Service {
             frequency_penalty: req.frequency_penalty.unwrap_or(d.frequency_penalty),
             seed,
             top_logprobs: logprobs.top(),
+            logit_bias: req.logit_bias()?,
         };
         let mut stop_ids = if req.ignore_eos {
             Vec::new()

@@ -291,6 +291,19 @@ async fn completions_equal_the_generator_alone_and_at_once() {
         )
         .await;
     assert_eq!(d["choices"][0]["token_ids"], json!(penalised));
+    // A logit bias of -100 bans the plain greedy run's first token; +100 forces a token.
+    let biased = |bias: Value| {
+        json!({ "prompt": looping, "max_tokens": 10, "temperature": 0, "repetition_penalty": 1,
+                "return_token_ids": true, "logit_bias": bias })
+    };
+    let (_, d) = server
+        .post("/v1/completions", &biased(json!({ plain[0].to_string(): -100 })))
+        .await;
+    assert_ne!(d["choices"][0]["token_ids"][0], json!(plain[0]), "{d}");
+    let (_, d) = server
+        .post("/v1/completions", &biased(json!({ "7": 100, "8": -5.5 })))
+        .await;
+    assert_eq!(d["choices"][0]["token_ids"], json!([7u32; 10].to_vec()), "{d}");
 
     // Six requests at once, each against itself alone.
     let prompts: Vec<Vec<u32>> = (0..6u32).map(|i| vec![10 + i, 200 + 7 * i, 31, 5 + i]).collect();
@@ -872,7 +885,10 @@ async fn bad_requests_get_error_objects() {
         (c, big, ok, 413, "length limit", None),
         (c, r#"{"prompt": [1], "echo": true}"#.into(), ok, 400, "echo", Some("echo")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
-        (c, r#"{"prompt": [1], "logit_bias": {"5": 10}}"#.into(), ok, 400, "logit bias", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "logit_bias": {"x": 10}}"#.into(), ok, 400, "not a token id", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "logit_bias": {"5": 101}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "logit_bias": {"5": "1"}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "logit_bias": {"4096": 1}}"#.into(), ok, 400, "logit_bias: token 4096", None),
         (c, r#"{"prompt": [1], "suffix": "x"}"#.into(), ok, 400, "suffix", Some("suffix")),
         (c, r#"{"prompt": [1], "logprobs": 21}"#.into(), ok, 400, "at most 20", Some("logprobs")),
         (c, r#"{"prompt": [1], "logprobs": true}"#.into(), ok, 400, "number of alternatives", Some("logprobs")),
