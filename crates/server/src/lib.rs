@@ -170,19 +170,7 @@ impl Service {
     async fn prepare(self: &Arc<Self>, endpoint: Endpoint, req: GenerateRequest) -> Result<Job, ApiError> {
         let arrived = Instant::now();
         req.check_supported()?;
-        if let Some(model) = &req.model {
-            if model != &self.cfg.model_id {
-                return Err(ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "model {model:?} is not served here; this server serves {:?}",
-                        self.cfg.model_id
-                    ),
-                )
-                .param("model")
-                .code("model_not_found"));
-            }
-        }
+        self.check_model(req.model.as_deref())?;
         let chat = endpoint == Endpoint::Chat;
         let n = req.choices()?;
         let logprobs = req.logprobs(chat)?;
@@ -281,6 +269,22 @@ impl Service {
             return_token_ids: req.return_token_ids,
             arrived,
         })
+    }
+
+    /// Refuses a request naming another model than the one served.
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(model) if model != self.cfg.model_id => Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "model {model:?} is not served here; this server serves {:?}",
+                    self.cfg.model_id
+                ),
+            )
+            .param("model")
+            .code("model_not_found")),
+            _ => Ok(()),
+        }
     }
 
     /// The prompt's ids, and whether the model starts inside an open `<think>` block.
@@ -974,15 +978,26 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
 /// The server's routes over `service`.
 pub fn router(service: Arc<Service>) -> Router {
     let limit = service.cfg.max_body_bytes;
-    let v1 = Router::new()
-        .route("/models", get(models))
-        .route("/completions", post(completions))
-        .route("/chat/completions", post(chat_completions))
-        .route_layer(middleware::from_fn_with_state(service.clone(), take_body))
-        .route_layer(middleware::from_fn_with_state(service.clone(), authorize));
+    let checked = |routes: Router<Arc<Service>>| {
+        routes
+            .route_layer(middleware::from_fn_with_state(service.clone(), take_body))
+            .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
+    };
+    let v1 = checked(
+        Router::new()
+            .route("/models", get(models))
+            .route("/completions", post(completions))
+            .route("/chat/completions", post(chat_completions)),
+    );
+    let tokens = checked(
+        Router::new()
+            .route("/tokenize", post(tokenize))
+            .route("/detokenize", post(detokenize)),
+    );
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .merge(tokens)
         .nest("/v1", v1)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .method_not_allowed_fallback(|| async {
@@ -1169,6 +1184,59 @@ async fn chat_completions(
     let Json(req) = body?;
     let job = svc.prepare(Endpoint::Chat, req).await?;
     run(svc, job).await
+}
+
+/// vLLM's `/tokenize`: the ids a completion (`prompt`) or chat (`messages`, with its template
+/// options) request of the same body would run.
+async fn tokenize(
+    State(svc): State<Arc<Service>>,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(req) = body?;
+    svc.check_model(req.model.as_deref())?;
+    let endpoint = match req.messages {
+        Some(_) => Endpoint::Chat,
+        None => Endpoint::Completions,
+    };
+    req.check_endpoint(endpoint == Endpoint::Chat)?;
+    let s = svc.clone();
+    let (ids, _) = tokio::task::spawn_blocking(move || s.prompt(endpoint, &req))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    Ok(Json(json!({
+        "count": ids.len(),
+        "max_model_len": svc.context,
+        "tokens": ids,
+    })))
+}
+
+/// The body of vLLM's `/detokenize`.
+#[derive(Debug, serde::Deserialize)]
+struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// vLLM's `/detokenize`: the text of `tokens` (special tokens kept).
+async fn detokenize(
+    State(svc): State<Arc<Service>>,
+    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(req) = body?;
+    svc.check_model(req.model.as_deref())?;
+    let t = svc.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this server has no tokenizer to detokenize with").param("tokens")
+    })?;
+    if let Some(id) = req.tokens.iter().find(|&&id| t.id_to_token(id).is_none()) {
+        return Err(
+            ApiError::bad_request(format!("tokens: {id} is not a token of the tokenizer")).param("tokens"),
+        );
+    }
+    let text = t
+        .decode(&req.tokens, false)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))?;
+    Ok(Json(json!({ "prompt": text })))
 }
 
 #[cfg(test)]

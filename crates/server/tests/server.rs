@@ -885,6 +885,12 @@ async fn bad_requests_get_error_objects() {
         (c, big, ok, 413, "length limit", None),
         (c, r#"{"prompt": [1], "echo": true}"#.into(), ok, 400, "echo", Some("echo")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
+        ("/tokenize", r#"{"prompt": "hi"}"#.into(), None, 401, "API key", None),
+        ("/tokenize", r#"{"prompt": "hi", "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
+        ("/tokenize", r#"{"messages": []}"#.into(), ok, 400, "at least one message", Some("messages")),
+        ("/tokenize", r#"{"max_tokens": 3}"#.into(), ok, 400, "a text or a list of token ids", Some("prompt")),
+        ("/detokenize", r#"{"tokens": [1, 99999]}"#.into(), ok, 400, "99999 is not a token", Some("tokens")),
+        ("/detokenize", r#"{"tokens": "hi"}"#.into(), ok, 400, "tokens", None),
         (c, r#"{"prompt": [1], "logit_bias": {"x": 10}}"#.into(), ok, 400, "not a token id", Some("logit_bias")),
         (c, r#"{"prompt": [1], "logit_bias": {"5": 101}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
         (c, r#"{"prompt": [1], "logit_bias": {"5": "1"}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
@@ -1057,6 +1063,48 @@ async fn bad_requests_get_error_objects() {
         6.0
     );
     assert_eq!(m["qwen36_engine_up"], 1.0);
+    server.stop().await;
+}
+
+/// vLLM's `/tokenize` gives the ids a completion or chat request of the same body runs (its
+/// count is the request's `prompt_tokens`), and `/detokenize` turns them back into the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_gives_the_ids_a_request_runs() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let text = "def fibonacci(n):";
+    let (status, t) = server.post("/tokenize", &json!({ "prompt": text })).await;
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["tokens"], json!(generator.encode(text).unwrap()));
+    assert_eq!(t["count"], t["tokens"].as_array().unwrap().len());
+    let (_, d) = server
+        .post("/v1/completions", &json!({ "prompt": text, "max_tokens": 1 }))
+        .await;
+    assert_eq!(t["count"], d["usage"]["prompt_tokens"]);
+    assert!(t["max_model_len"].as_u64().unwrap() > 0);
+    let (_, back) = server
+        .post("/detokenize", &json!({ "tokens": t["tokens"] }))
+        .await;
+    assert_eq!(back["prompt"], text);
+    // A chat: the template's rendering with the request's options, as a chat request runs it.
+    let chat = json!({
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"enable_thinking": false},
+    });
+    let (_, t) = server.post("/tokenize", &chat).await;
+    let rendered = generator
+        .chat_template()
+        .unwrap()
+        .render(&[qwen36::ChatMessage::new("user", "hi")], true, false)
+        .unwrap();
+    assert_eq!(t["tokens"], json!(generator.encode(&rendered).unwrap()));
+    let mut asked = chat.clone();
+    asked["max_tokens"] = json!(1);
+    let (_, d) = server.post("/v1/chat/completions", &asked).await;
+    assert_eq!(t["count"], d["usage"]["prompt_tokens"], "{d}");
+    let (_, back) = server
+        .post("/detokenize", &json!({ "tokens": t["tokens"] }))
+        .await;
+    assert_eq!(back["prompt"], rendered);
     server.stop().await;
 }
 
