@@ -302,14 +302,13 @@ fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
     let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
     let user = [serde_json::json!({"role": "user", "content": "hi"})];
     let tool = [serde_json::json!({"type": "function", "function": {"name": "f"}})];
-    assert_eq!(
-        t.render_json(&user, Some(&tool), false, &Map::new()).unwrap(),
-        "TOOLS"
-    );
-    let e = t
-        .render_json(&user, None, false, &Map::new())
-        .unwrap_err()
-        .to_string();
+    // Renders `t` for one user message, with a tool or without.
+    let render = |t: &ChatTemplate, tools: bool| {
+        t.render_json(&user, tools.then_some(&tool[..]), false, &Map::new())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(render(&t, true).unwrap(), "TOOLS");
+    let e = render(&t, false).unwrap_err();
     assert!(
         e.contains("no default specified") && e.contains("['tool_use']"),
         "{e}"
@@ -326,21 +325,12 @@ fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
     std::fs::write(dir.join("additional_chat_templates/tool_use.jinja"), "FILE TOOLS").unwrap();
     std::fs::write(dir.join("chat_template.jinja"), "FILE DEFAULT").unwrap();
     let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
-    assert_eq!(
-        t.render_json(&user, Some(&tool), false, &Map::new()).unwrap(),
-        "FILE TOOLS"
-    );
-    assert_eq!(
-        t.render_json(&user, None, false, &Map::new()).unwrap(),
-        "FILE DEFAULT"
-    );
+    assert_eq!(render(&t, true).unwrap(), "FILE TOOLS");
+    assert_eq!(render(&t, false).unwrap(), "FILE DEFAULT");
     assert!(t.path().ends_with("chat_template.jinja"));
     std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
     let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
-    let e = t
-        .render_json(&user, None, false, &Map::new())
-        .unwrap_err()
-        .to_string();
+    let e = render(&t, false).unwrap_err();
     assert!(
         e.contains("tool_use.jinja") && e.contains("no default specified"),
         "{e}"

@@ -414,17 +414,23 @@ fn generation_config_reads_its_fields() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The bundled model's files but `file`, linked into a fresh directory.
+fn bundled_without(file: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != file {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    dir
+}
+
 /// A generation_config.json stop id past the vocabulary is refused by name (generation never
 /// stopped at the end of a turn).
 #[test]
 fn a_generation_config_stop_id_past_the_vocabulary_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "generation_config.json" {
-            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-        }
-    }
+    let dir = bundled_without("generation_config.json");
     std::fs::write(
         dir.path().join("generation_config.json"),
         r#"{"eos_token_id": [2, 300000]}"#,
@@ -441,17 +447,11 @@ fn a_generation_config_stop_id_past_the_vocabulary_is_refused() {
 }
 
 /// A checkpoint whose chat template does not compile is refused at load naming the file and
-/// line; a template file given at load replaces it (the checkpoint's is then not read) and
+/// line; a template file given at load replaces it (the checkpoint's is then not compiled) and
 /// renders with the checkpoint's special tokens.
 #[test]
 fn a_template_file_replaces_a_checkpoint_template_that_does_not_compile() {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "tokenizer_config.json" {
-            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-        }
-    }
+    let dir = bundled_without("tokenizer_config.json");
     let config = std::fs::read_to_string(bundled_dir().join("tokenizer_config.json")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
     config["chat_template"] = "{% for m in messages %}\n{{ m.content }} {% if %}".into();
