@@ -1105,6 +1105,19 @@ async fn tokenize_gives_the_ids_a_request_runs() {
         .post("/detokenize", &json!({ "tokens": t["tokens"] }))
         .await;
     assert_eq!(back["prompt"], rendered);
+    // With tools (a chat's field) and the served model's name.
+    let mut asked = chat.clone();
+    asked["tools"] = json!([weather_tool()]);
+    asked["model"] = json!(ServerConfig::default().model_id);
+    let (status, t) = server.post("/tokenize", &asked).await;
+    assert_eq!(status, 200, "{t}");
+    asked["max_tokens"] = json!(1);
+    let (_, d) = server.post("/v1/chat/completions", &asked).await;
+    assert_eq!(t["count"], d["usage"]["prompt_tokens"], "{d}");
+    assert!(
+        t["count"].as_u64() > Some(rendered.len() as u64 / 8),
+        "the tools are rendered: {t}"
+    );
     server.stop().await;
 }
 
