@@ -43,7 +43,7 @@ struct Args {
     /// The model name clients give (default: the directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on every /v1 request.
+    /// Require `Authorization: Bearer KEY` on every /v1, /tokenize and /detokenize request.
     #[arg(long)]
     api_key: Option<String>,
     /// f32, bf16 or f16.

@@ -52,6 +52,8 @@ const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_p
 pub struct ChatTemplate {
     /// The templates a request can render (`default`, `tool_use`): name, file, source.
     templates: Vec<(String, PathBuf, String)>,
+    /// The file and source of the `default` template, else of the first one.
+    shown: (PathBuf, String),
     /// Every template name the model has, `default` and `tool_use` among them or not.
     names: Vec<String>,
     /// Named special tokens of the tokenizer config, visible to the template as transformers does.
@@ -72,8 +74,9 @@ type SpecialTokens = Vec<(String, String)>;
 type Named = Vec<(String, PathBuf, String)>;
 
 /// A tokenizer_config.json's `chat_template` (a string: the `default` one, or a list of named
-/// templates) and its named special tokens.
-fn read_tokenizer_config(path: &Path) -> Result<(Named, SpecialTokens)> {
+/// templates; a malformed one is an error of its own, which a template given instead makes
+/// moot) and its named special tokens.
+fn read_tokenizer_config(path: &Path) -> Result<(Result<Named>, SpecialTokens)> {
     let err = |msg: String| Error::File {
         path: path.to_path_buf(),
         msg,
@@ -91,8 +94,8 @@ fn read_tokenizer_config(path: &Path) -> Result<(Named, SpecialTokens)> {
         .collect();
     let named = |name: &str, source: &str| (name.to_string(), path.to_path_buf(), source.to_string());
     let templates = match v.get("chat_template") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![named(DEFAULT, s)],
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![named(DEFAULT, s)]),
         Some(Value::Array(list)) => list
             .iter()
             .map(|t| match (t.get("name"), t.get("template")) {
@@ -101,12 +104,10 @@ fn read_tokenizer_config(path: &Path) -> Result<(Named, SpecialTokens)> {
                     "chat_template: a list entry is not {{\"name\": string, \"template\": string}}: {t}"
                 ))),
             })
-            .collect::<Result<_>>()?,
-        Some(other) => {
-            return Err(err(format!(
-                "chat_template: expected a string or a list of {{name, template}}, found {other}"
-            )))
-        }
+            .collect(),
+        Some(other) => Err(err(format!(
+            "chat_template: expected a string or a list of {{name, template}}, found {other}"
+        ))),
     };
     Ok((templates, special_tokens))
 }
@@ -154,7 +155,7 @@ impl ChatTemplate {
     /// Reads `chat_template` from a tokenizer_config.json; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
         let (templates, special_tokens) = read_tokenizer_config(path)?;
-        Self::compile(templates, special_tokens)
+        Self::compile(templates?, special_tokens)
     }
 
     /// The templates of a checkpoint directory: `chat_template.jinja` and
@@ -166,13 +167,14 @@ impl ChatTemplate {
     }
 
     /// [`Self::from_dir`], or with `file` the template of that Jinja file instead of the
-    /// directory's (which are then not compiled), with the directory's special tokens.
+    /// directory's (which are then neither compiled nor required to be well formed), with the
+    /// directory's special tokens.
     pub fn from_dir_with(dir: &Path, file: Option<&Path>) -> Result<Option<Self>> {
         let config = dir.join("tokenizer_config.json");
         let (in_config, special_tokens) = if config.exists() {
             read_tokenizer_config(&config)?
         } else {
-            (Vec::new(), Vec::new())
+            (Ok(Vec::new()), Vec::new())
         };
         let templates = match file {
             Some(file) => {
@@ -182,39 +184,45 @@ impl ChatTemplate {
                 })?;
                 vec![(DEFAULT.to_string(), file.to_path_buf(), source)]
             }
-            None => Some(read_template_files(dir)?)
-                .filter(|files| !files.is_empty())
-                .unwrap_or(in_config),
+            None => match read_template_files(dir)? {
+                files if files.is_empty() => in_config?,
+                files => files,
+            },
         };
         Self::compile(templates, special_tokens)
     }
 
     /// Compiles the `default` and `tool_use` templates of `templates` (`None` when there are
-    /// none at all); a syntax error names the file and the line.
+    /// none at all; of two of one name, the last, as transformers keeps); a syntax error names
+    /// the file and the line. Others are never rendered, and with neither every request fails
+    /// as in transformers.
     fn compile(templates: Named, special_tokens: SpecialTokens) -> Result<Option<Self>> {
-        let Some((_, first_path, _)) = templates.first() else {
-            return Ok(None);
-        };
-        let names: Vec<String> = templates.iter().map(|(n, _, _)| n.clone()).collect();
-        let mut usable: Named = templates
+        let mut named: Named = Vec::with_capacity(templates.len());
+        for t in templates {
+            match named.iter_mut().find(|(n, _, _)| *n == t.0) {
+                Some(seen) => *seen = t,
+                None => named.push(t),
+            }
+        }
+        let names: Vec<String> = named.iter().map(|(n, _, _)| n.clone()).collect();
+        let mut usable: Named = named
             .iter()
             .filter(|(n, _, _)| n == DEFAULT || n == TOOL_USE)
             .cloned()
             .collect();
         usable.sort_by_key(|(n, _, _)| n != DEFAULT);
-        if usable.is_empty() {
-            return Err(Error::File {
-                path: first_path.clone(),
-                msg: format!("chat_template: no \"{DEFAULT}\" or \"{TOOL_USE}\" template among {names:?}"),
-            });
-        }
-        let mut env = environment().map_err(|e| template_error(first_path, e))?;
+        let Some((_, path, source)) = usable.first().or(named.first()) else {
+            return Ok(None);
+        };
+        let shown = (path.clone(), source.clone());
+        let mut env = environment().map_err(|e| template_error(path, e))?;
         for (name, path, source) in &usable {
             env.add_template_owned(name.clone(), with_generation_blocks_as_ifs(source))
                 .map_err(|e| template_error(path, e))?;
         }
         Ok(Some(Self {
             templates: usable,
+            shown,
             names,
             special_tokens,
             env: Arc::new(env),
@@ -245,14 +253,14 @@ impl ChatTemplate {
             })
     }
 
-    /// The file the `default` template (else the `tool_use` one) was read from.
+    /// The file the `default` template (else the `tool_use` one, else the first) was read from.
     pub fn path(&self) -> &Path {
-        &self.templates[0].1
+        &self.shown.0
     }
 
-    /// The Jinja source of the `default` template (else of the `tool_use` one).
+    /// The Jinja source of the `default` template (else of the `tool_use` one, else the first).
     pub fn source(&self) -> &str {
-        &self.templates[0].2
+        &self.shown.1
     }
 
     /// The same tokenizer config with another template source, like transformers'

@@ -557,6 +557,13 @@ fn checkpoint_checks_with(
             ));
             g
         }
+        // The tokenizer, the chat template or generation_config.json, read before the weights.
+        Err(e @ (crate::Error::File { .. } | crate::Error::Tokenizer { .. })) => {
+            out.push(check(G, "tokenizer and templates", Status::Fail, e.to_string()).advise(
+                "fix the named file (a chat template that does not compile can be replaced: serve --chat-template FILE); the weights were not read",
+            ));
+            return (out, None);
+        }
         Err(e) => {
             // (A config field that does not split over the ranks: the rank count is wrong, not
             // the checkpoint.)

@@ -313,12 +313,32 @@ fn a_directory_template_comes_from_the_jinja_file_or_the_config() {
         e.contains("no default specified") && e.contains("['tool_use']"),
         "{e}"
     );
-    write_config(serde_json::json!([{"name": "rag", "template": "RAG"}]));
-    let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
-    assert!(e.contains("default") && e.contains("rag"), "{e}");
+    // Neither: every request fails (the template is never rendered, so it need not compile);
+    // of two of one name, the last.
+    write_config(serde_json::json!([{"name": "rag", "template": "{% if %}"}]));
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    for tools in [false, true] {
+        let e = render(&t, tools).unwrap_err();
+        assert!(e.contains("no default specified") && e.contains("['rag']"), "{e}");
+    }
+    write_config(serde_json::json!([
+        {"name": "default", "template": "FIRST"},
+        {"name": "default", "template": "LAST"}
+    ]));
+    let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    assert_eq!(
+        (render(&t, false).unwrap().as_str(), t.source()),
+        ("LAST", "LAST")
+    );
+    // A malformed list is an error, unless a template file is given instead.
     write_config(serde_json::json!([{"name": "default"}]));
     let e = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
     assert!(e.contains("list entry"), "{e}");
+    let file = dir.join("given.jinja");
+    std::fs::write(&file, "GIVEN").unwrap();
+    let t = ChatTemplate::from_dir_with(&dir, Some(&file)).unwrap().unwrap();
+    assert_eq!(render(&t, true).unwrap(), "GIVEN");
+    std::fs::remove_file(file).unwrap();
     // The files as newer transformers save named templates: they replace the config's list.
     write_config(serde_json::json!([{"name": "default", "template": "CONFIG"}]));
     std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();

@@ -79,6 +79,31 @@ fn options_out_of_range_are_refused() {
     assert!(e.contains("context of 4096") && e.contains("at most 4076"), "{e}");
 }
 
+/// A chat template that does not compile is named as such (with the way around it), not as
+/// the weights failing: the generator reads the small files first.
+#[test]
+fn a_template_that_does_not_compile_is_not_called_a_weights_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(bundled_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "tokenizer_config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": "{% if %}"}"#,
+    )
+    .unwrap();
+    let (checks, generator) = qwen36::doctor::checkpoint_checks(dir.path(), &options());
+    assert!(generator.is_none());
+    let c = failed(&checks, "tokenizer and templates");
+    assert_eq!(c.status, Status::Fail);
+    assert!(c.detail.contains("syntax error"), "{c:?}");
+    assert!(c.advice.contains("--chat-template"), "{c:?}");
+    assert!(checks.iter().all(|c| c.name != "weights"), "{checks:#?}");
+}
+
 /// Stop ids are checked without a tokenizer too (it ran only with one): none at all is a
 /// warning, ids within the vocabulary pass.
 #[test]

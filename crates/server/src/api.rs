@@ -183,10 +183,11 @@ pub struct GenerateRequest {
     pub logprobs: Option<Value>,
     /// Chat: alternatives per token (needs `logprobs: true`).
     pub top_logprobs: Option<usize>,
+    /// OpenAI's `{"token id": bias}` ([`Self::logit_bias`]).
+    pub logit_bias: Option<Map<String, Value>>,
     /// Known but not served: refused when set to anything but their neutral value.
     pub echo: Option<bool>,
     pub best_of: Option<usize>,
-    pub logit_bias: Option<Map<String, Value>>,
     pub response_format: Option<Value>,
     pub suffix: Option<String>,
     pub functions: Option<Value>,
@@ -357,6 +358,10 @@ impl GenerateRequest {
             }
         }
         out.sort_by_key(|&(id, _)| id);
+        // ("5" and "05" are one id: two biases would add past the range.)
+        if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+            return bad(format!("logit_bias: token {} is given twice", w[0].0));
+        }
         Ok(out)
     }
 

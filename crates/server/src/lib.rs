@@ -46,7 +46,8 @@ use metrics::ChoiceTimes;
 pub struct ServerConfig {
     /// The name `/v1/models` lists and responses carry.
     pub model_id: String,
-    /// When set, every `/v1/*` request needs `Authorization: Bearer KEY` (401 otherwise).
+    /// When set, every `/v1/*`, `/tokenize` and `/detokenize` request needs `Authorization:
+    /// Bearer KEY` (401 otherwise).
     pub api_key: Option<String>,
     /// Speculative decoding for every request (the tokens are the same either way).
     pub speculation: Option<Speculation>,
@@ -1047,7 +1048,7 @@ fn bearer_token(value: &str) -> Option<&str> {
         .then_some(token.trim_start_matches(' '))
 }
 
-/// Lets a `/v1` request through only with the API key (when one is set), before its body is
+/// Lets a `/v1` or (de)tokenize request through only with the API key (when one is set), before its body is
 /// read.
 async fn authorize(State(svc): State<Arc<Service>>, req: axum::extract::Request, next: Next) -> Response {
     if let Some(key) = &svc.cfg.api_key {
@@ -1122,6 +1123,8 @@ async fn count_responses(
         Some("/v1/completions") => "completions",
         Some("/v1/chat/completions") => "chat",
         Some("/v1/models") => "models",
+        Some("/tokenize") => "tokenize",
+        Some("/detokenize") => "detokenize",
         Some("/health") => "health",
         Some("/metrics") => "metrics",
         _ => "other",

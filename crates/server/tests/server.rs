@@ -892,6 +892,7 @@ async fn bad_requests_get_error_objects() {
         ("/detokenize", r#"{"tokens": [1, 99999]}"#.into(), ok, 400, "99999 is not a token", Some("tokens")),
         ("/detokenize", r#"{"tokens": "hi"}"#.into(), ok, 400, "tokens", None),
         (c, r#"{"prompt": [1], "logit_bias": {"x": 10}}"#.into(), ok, 400, "not a token id", Some("logit_bias")),
+        (c, r#"{"prompt": [1], "logit_bias": {"5": 60, "05": 60}}"#.into(), ok, 400, "token 5 is given twice", Some("logit_bias")),
         (c, r#"{"prompt": [1], "logit_bias": {"5": 101}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
         (c, r#"{"prompt": [1], "logit_bias": {"5": "1"}}"#.into(), ok, 400, "[-100, 100]", Some("logit_bias")),
         (c, r#"{"prompt": [1], "logit_bias": {"4096": 1}}"#.into(), ok, 400, "logit_bias: token 4096", None),
@@ -1091,6 +1092,7 @@ async fn tokenize_gives_the_ids_a_request_runs() {
         "chat_template_kwargs": {"enable_thinking": false},
     });
     let (_, t) = server.post("/tokenize", &chat).await;
+    let without_tools = t["count"].as_u64().unwrap();
     let rendered = generator
         .chat_template()
         .unwrap()
@@ -1115,7 +1117,7 @@ async fn tokenize_gives_the_ids_a_request_runs() {
     let (_, d) = server.post("/v1/chat/completions", &asked).await;
     assert_eq!(t["count"], d["usage"]["prompt_tokens"], "{d}");
     assert!(
-        t["count"].as_u64() > Some(rendered.len() as u64 / 8),
+        t["count"].as_u64() > Some(without_tools + 50),
         "the tools are rendered: {t}"
     );
     server.stop().await;
