@@ -773,6 +773,45 @@ fn greedy_with_penalties_applies_them() {
     );
 }
 
+/// Logit biases (one banning a token of the plain greedy run, one raising another) give the
+/// sampler's own run on the plain model, with and without drafts (MTP, n-gram), in one batch.
+#[test]
+fn greedy_with_logit_biases_applies_them_with_drafts_too() {
+    let mut rng = Rng::new(55);
+    let (model, head) = model_helpers::load_bundled();
+    let prompts: Vec<Vec<u32>> = (0..2).map(|_| echo_prompt(&model, &mut rng, 18)).collect();
+    let plain = solo(&model, &prompts[0], 24).0;
+    let biases = [vec![(plain[3], -100.0)], vec![(plain[5], -3.0), (17, 6.5)]];
+    let mut want = Vec::new();
+    for (prompt, bias) in prompts.iter().zip(&biases) {
+        let mut r = Request::greedy(prompt.clone(), 24);
+        r.sampling.logit_bias = bias.clone();
+        want.push(solo_sampled(&model, &r));
+    }
+    assert_ne!(
+        want[0], plain,
+        "the ban must change the greedy run for the test to mean anything"
+    );
+    assert_ne!(want[1], solo(&model, &prompts[1], 24).0);
+    for spec in [None, Some(Speculation::ngram(3)), Some(Speculation::Mtp { k: 3 })] {
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), mtp_config()).unwrap();
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .zip(&biases)
+            .map(|(prompt, bias)| {
+                let mut r = Request::greedy(prompt.clone(), 24);
+                r.sampling.logit_bias = bias.clone();
+                r.speculation = spec;
+                engine.submit(r).unwrap()
+            })
+            .collect();
+        engine.run_to_completion().unwrap();
+        for (h, want) in handles.iter().zip(&want) {
+            assert_eq!(&collect(h).ids, want, "{spec:?}");
+        }
+    }
+}
+
 /// When the step's token budget cannot hold every sequence's drafts, every decoding sequence
 /// still gets its token each step: drafts take only what the decode tokens leave.
 #[test]
