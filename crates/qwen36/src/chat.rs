@@ -336,7 +336,8 @@ impl ChatTemplate {
 
 /// transformers' `{% generation %}…{% endgeneration %}` block (its `AssistantTracker`
 /// extension, which marks assistant tokens for training masks and renders the body unchanged)
-/// as `{% if true %}…{% endif %}`, which minijinja knows, with the tags' whitespace control.
+/// as `{% if true %}…{% endif %}`, which minijinja knows, with the tags' whitespace control
+/// (raw blocks left as they are).
 fn with_generation_blocks_as_ifs(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
@@ -347,14 +348,26 @@ fn with_generation_blocks_as_ifs(source: &str) -> String {
         let control = body.starts_with(['-', '+']) as usize;
         let word = body[control..].trim_start();
         let skipped = body.len() - control - word.len();
+        let is = |name: &str| {
+            word.strip_prefix(name).is_some_and(|after| {
+                let after = after.trim_start();
+                after.starts_with("%}") || after.starts_with("-%}") || after.starts_with("+%}")
+            })
+        };
+        if is("raw") {
+            // A raw block's text is kept as it is, up to the end of its `endraw` tag.
+            let end = body
+                .find("endraw")
+                .and_then(|i| body[i..].find("%}").map(|j| i + j + 2))
+                .unwrap_or(body.len());
+            out.push_str("{%");
+            out.push_str(&body[..end]);
+            rest = &body[end..];
+            continue;
+        }
         let replacement = [("endgeneration", "endif"), ("generation", "if true")]
             .into_iter()
-            .find(|(name, _)| {
-                word.strip_prefix(name).is_some_and(|after| {
-                    let after = after.trim_start();
-                    after.starts_with("%}") || after.starts_with("-%}") || after.starts_with("+%}")
-                })
-            });
+            .find(|(name, _)| is(name));
         match replacement {
             Some((name, with)) => {
                 out.push_str(&tag[..2 + control + skipped]);
@@ -1012,6 +1025,11 @@ mod tests {
                 "{{ '{%' }} generation %} {% raw",
             ),
             ("no tags {", "no tags {"),
+            (
+                "{% raw %}{% generation %}{%- endraw %}{% generation %}",
+                "{% raw %}{% generation %}{%- endraw %}{% if true %}",
+            ),
+            ("{%raw%}{% generation %}", "{%raw%}{% generation %}"),
         ];
         for (source, want) in cases {
             assert_eq!(with_generation_blocks_as_ifs(source), want, "{source}");
