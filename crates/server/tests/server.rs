@@ -1120,6 +1120,11 @@ async fn tokenize_gives_the_ids_a_request_runs() {
         t["count"].as_u64() > Some(without_tools + 50),
         "the tools are rendered: {t}"
     );
+    // Counted by route: three answers of /tokenize, two of /detokenize.
+    let m = server.metrics().await;
+    let answered =
+        |route: &str| m[&format!("qwen36_http_responses_total{{route=\"{route}\",status=\"200\"}}")];
+    assert_eq!((answered("tokenize"), answered("detokenize")), (3.0, 2.0));
     server.stop().await;
 }
 
