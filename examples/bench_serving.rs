@@ -420,6 +420,8 @@ impl Load {
                         eprintln!("request {i} failed: {error}");
                         return false;
                     }
+                    // (Not asked for.)
+                    Event::Prompt { .. } => {}
                 }
             }
             true

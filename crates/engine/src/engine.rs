@@ -11,7 +11,9 @@ use qwen36_model::{
     BatchPending, BatchStepper, DraftVocab, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk,
 };
 use qwen36_mtp::NgramDrafter;
-use qwen36_sampling::{accept_greedy, Acceptance, Detokenize, RepetitionDetector, Sampler, TextStream};
+use qwen36_sampling::{
+    accept_greedy, Acceptance, Detokenize, RepetitionDetector, Sampled, Sampler, TextStream,
+};
 use rayon::prelude::*;
 
 use crate::scheduler::{note_mtp, Scheduler, Sequence};
@@ -370,8 +372,13 @@ impl Engine {
         }
         let context = self.context();
         check_request(&req, self.model.config().vocab_size)?;
-        // The last generated token is never run, so a sequence holds prompt + max_tokens − 1.
-        let positions = req.prompt.len().saturating_add(req.max_tokens.unwrap_or(1)) - 1;
+        // The last generated token is never run, so a sequence holds prompt + max_tokens − 1
+        // (its whole prompt when it generates nothing).
+        let positions = req
+            .prompt
+            .len()
+            .saturating_add(req.max_tokens.unwrap_or(1).max(1))
+            - 1;
         let pool = self.sched.blocks.capacity() * self.sched.blocks.block_size();
         if positions > context.min(pool) {
             return Err(Error::TooLong {
@@ -412,6 +419,8 @@ impl Engine {
                 .as_ref()
                 .map(|_| TextStream::new(&req.stop_strings)),
             logprobs: req.logprobs,
+            prompt_logprobs: req.prompt_logprobs,
+            prompt_lps: req.prompt_logprobs.map(|_| Vec::new()),
             events: tx,
             cancel: cancel.clone(),
             slot: None,
@@ -569,7 +578,7 @@ impl Engine {
                 let s = &self.sched.running[p.index];
                 if batch.chunks()[c].verify {
                     rows
-                } else if s.pending() == p.tokens {
+                } else if s.pending() == p.tokens && s.max_tokens != Some(0) {
                     rows.end - 1..rows.end
                 } else {
                     rows.end..rows.end
@@ -588,6 +597,29 @@ impl Engine {
                 return Err(e);
             }
         };
+        // Prompt log-probabilities: per chunk, the rows of its prompt positions not read before.
+        let mut prompt_lps = Vec::with_capacity(plan.len());
+        for (c, p) in plan.iter().enumerate() {
+            let s = &self.sched.running[p.index];
+            let start = batch.chunks()[c].start;
+            let lps = match s.prompt_rows_left() {
+                Some(left) if left.end > start && left.start < start + p.tokens => {
+                    let positions = left.start.max(start)..left.end.min(start + p.tokens);
+                    let targets = &s.prompt[positions.start + 1..positions.end + 1];
+                    let first = batch.rows(c).start + positions.start - start;
+                    let top = s.prompt_logprobs.unwrap_or(0);
+                    match self.prompt_logprobs(&hidden, first, targets, top) {
+                        Ok(lps) => lps,
+                        Err(e) => {
+                            self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
+                            return Err(e);
+                        }
+                    }
+                }
+                _ => Vec::new(),
+            };
+            prompt_lps.push(lps);
+        }
         stats.forward = started.elapsed();
         // Each sequence's sample or acceptance, in parallel (each touches only its own sampler).
         let sampling = Instant::now();
@@ -617,13 +649,26 @@ impl Engine {
         // Per chunk: the position it started at, when it generated tokens (its sequence decodes).
         let mut decoded = vec![None; plan.len()];
         let context = self.context();
-        for (c, (p, decision)) in plan.iter().zip(decisions).enumerate() {
+        for (c, ((p, decision), lps)) in plan.iter().zip(decisions).zip(prompt_lps).enumerate() {
             let s = &mut self.sched.running[p.index];
             let mtp = matches!(s.speculation, Some(Speculation::Mtp { .. }));
             let start = batch.chunks()[c].start;
+            if let Some(read) = s.prompt_lps.as_mut() {
+                read.extend(lps);
+                // All read: they go out before any token (a client gone is noticed by `emit`).
+                if read.len() + 1 == s.prompt.len() {
+                    let logprobs = s.prompt_lps.take().unwrap_or_default();
+                    let _ = s.events.send(Event::Prompt { logprobs });
+                }
+            }
             let (fresh, rows) = match decision {
                 Decision::Prefilled => {
                     s.computed += p.tokens;
+                    // A request for the prompt alone ends once it has run.
+                    if s.max_tokens == Some(0) && s.computed == s.len() {
+                        done.push((p.index, Ok(StopReason::MaxTokens)));
+                        continue;
+                    }
                     if mtp {
                         feeds.push((p.index, start, batch.rows(c), false));
                     }
@@ -1196,6 +1241,31 @@ impl Engine {
         Ok((per_read, out.pending, out.hidden))
     }
 
+    /// The log-probabilities of `targets` under the logits of `hidden`'s rows from `first` on
+    /// (row `first + i` predicts `targets[i]`), with `top` alternatives each: the logits of
+    /// [`PROMPT_ROWS`] rows at a time, as f32 on the host (the same `log_softmax` as the
+    /// output's log-probabilities).
+    fn prompt_logprobs(
+        &self,
+        hidden: &Tensor,
+        first: usize,
+        targets: &[u32],
+        top: usize,
+    ) -> Result<Vec<Sampled>> {
+        let mut out = Vec::with_capacity(targets.len());
+        for (g, group) in targets.chunks(PROMPT_ROWS).enumerate() {
+            let rows = hidden.narrow(0, first + g * PROMPT_ROWS, group.len())?;
+            let logits = self.model.logits(&rows)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            out.par_extend(
+                logits
+                    .into_par_iter()
+                    .zip(group)
+                    .map(|(row, &t)| qwen36_sampling::logprobs_of(&row, t, top)),
+            );
+        }
+        Ok(out)
+    }
+
     /// Ends every waiting and running request with `Failed` naming `e`, freeing what they hold
     /// (after an error no request can go on from).
     pub(crate) fn fail_all(&mut self, e: &Error) {
@@ -1346,6 +1416,10 @@ fn argmax_of(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
 }
 
+/// Prompt rows whose logits are made at once for prompt log-probabilities (their f32 copy is
+/// `PROMPT_ROWS × vocab × 4` bytes: 64 MB for Qwen3.6's 248k vocabulary).
+const PROMPT_ROWS: usize = 64;
+
 /// Pairs for the MTP head: a running sequence's index, the first position, the rows of the
 /// forward's hidden states holding them, and whether the sequence has finished.
 type Feed = (usize, usize, Range<usize>, bool);
@@ -1442,7 +1516,7 @@ fn emit(
 
 /// A request's own checks (the rest depend on the engine's pools and heads): its prompt
 /// ([`check_prompt`]), its stop and logit-bias ids within `vocab` (one past it could never
-/// fire or bias nothing), `max_tokens` at least 1, and its sampling, speculation and
+/// fire or bias nothing), `max_tokens` at least 1 (or 0 with `prompt_logprobs`), and its sampling, speculation and
 /// degeneration settings.
 pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     check_prompt(&req.prompt, vocab)?;
@@ -1461,8 +1535,10 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
             "logit_bias: token {id} is outside the vocabulary of {vocab}"
         )));
     }
-    if req.max_tokens == Some(0) {
-        return Err(Error::Request("max_tokens must be at least 1".into()));
+    if req.max_tokens == Some(0) && req.prompt_logprobs.is_none() {
+        return Err(Error::Request(
+            "max_tokens must be at least 1 (0 only with prompt_logprobs)".into(),
+        ));
     }
     req.sampling
         .validate()

@@ -14,7 +14,8 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// How tokens are drawn; its seed makes the request reproducible whatever else runs.
     pub sampling: SamplingParams,
-    /// Upper bound on generated tokens; `None`: until a stop id or the context is full.
+    /// Upper bound on generated tokens; `None`: until a stop id or the context is full. `0`
+    /// (with `prompt_logprobs`) runs the prompt alone.
     pub max_tokens: Option<usize>,
     /// Generation stops after any of these ids (the id is the last token sent).
     pub stop_ids: Vec<u32>,
@@ -23,6 +24,10 @@ pub struct Request {
     pub stop_strings: Vec<String>,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
+    /// Send each prompt token's log-probability given the tokens before it, with this many
+    /// alternatives, in an [`Event::Prompt`] before any token (`None`: not asked). The whole
+    /// prompt then runs: the prefix cache serves only positions whose rows were read already.
+    pub prompt_logprobs: Option<usize>,
     /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
     pub speculation: Option<Speculation>,
     /// Watch the output for degeneration (loops, entropy collapse; reported in [`Usage`]) with
@@ -94,6 +99,7 @@ impl Request {
             stop_ids: Vec::new(),
             stop_strings: Vec::new(),
             logprobs: false,
+            prompt_logprobs: None,
             speculation: None,
             degeneration: None,
             stop_on_degeneration: false,
@@ -136,9 +142,14 @@ pub struct Usage {
     pub degeneration: Option<Degeneration>,
 }
 
-/// What a request's handle receives, in order: tokens, then exactly one `Finished` or `Failed`.
+/// What a request's handle receives, in order: its prompt's log-probabilities (when asked),
+/// tokens, then exactly one `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The log-probability of each prompt token but the first (which has no context) under the
+    /// raw distribution after the tokens before it: `logprobs[i]` is `prompt[i + 1]`'s
+    /// ([`Request::prompt_logprobs`]).
+    Prompt { logprobs: Vec<Sampled> },
     /// New tokens (one per decode step; several when a speculative verify accepts drafts).
     Token {
         ids: Vec<u32>,

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use qwen36_sampling::{RepetitionDetector, Sampler, TextStream};
+use qwen36_sampling::{RepetitionDetector, Sampled, Sampler, TextStream};
 
 use crate::{
     BlockPool, BlockTable, Error, Event, PrefixCache, Result, SlotId, SlotPool, Speculation, StopReason,
@@ -30,6 +30,11 @@ pub(crate) struct Sequence {
     /// The output's text as it streams, with the stop strings (when the engine detokenizes).
     pub text: Option<TextStream>,
     pub logprobs: bool,
+    /// Alternatives per prompt token when the request asked for prompt log-probabilities.
+    pub prompt_logprobs: Option<usize>,
+    /// The prompt log-probabilities read so far (`[i]` is `prompt[i + 1]`'s), until they are
+    /// sent; `None` when not asked or sent. Kept through preemptions.
+    pub prompt_lps: Option<Vec<Sampled>>,
     pub events: flume::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub slot: Option<SlotId>,
@@ -101,6 +106,13 @@ impl Sequence {
     /// penalties or biases, no log-probabilities), which takes the argmax.
     pub fn needs_logits(&self) -> bool {
         self.logprobs || !self.sampler.params().is_plain_greedy()
+    }
+
+    /// The prompt positions whose rows still give prompt log-probabilities (row `i` gives
+    /// `prompt[i + 1]`'s), when it has any left to read.
+    pub fn prompt_rows_left(&self) -> Option<Range<usize>> {
+        let read = self.prompt_lps.as_ref()?.len();
+        Some(read..self.prompt.len() - 1)
     }
 
     /// Whether it drafts with the MTP head (and so feeds it pairs).
@@ -345,7 +357,10 @@ impl Scheduler {
         let mut snapshot = None;
         s.cached = 0;
         let mtp = s.drafts_with_mtp();
-        if let Some(hit) = prefix.lookup(&tokens, mtp, &mut self.blocks, &mut self.slots)? {
+        // Positions whose prompt log-probabilities are still to read must run: a hit ends at the
+        // first of them.
+        let usable = s.prompt_rows_left().map_or(tokens.len(), |r| r.start + 1);
+        if let Some(hit) = prefix.lookup(&tokens[..usable], mtp, &mut self.blocks, &mut self.slots)? {
             s.table = BlockTable::shared(hit.blocks);
             s.computed = hit.positions;
             s.cached = hit.positions;

@@ -29,6 +29,9 @@ struct Totals {
     cancels: usize,
     drafted: usize,
     accepted: usize,
+    prompt_logprobs: usize,
+    /// Requests for prompt log-probabilities that were preempted.
+    prompts_preempted: usize,
 }
 
 /// A prompt in which the model's own continuation recurs: random ids, the model's greedy
@@ -67,8 +70,10 @@ fn check_random(
                 true => (0..len).map(|_| rng.below(vocab) as u32).collect(),
             };
             let mut req = Request::greedy(prompt, rng.range(1, 20));
-            // Half of them read full logits rows, half only the device's argmax.
+            // Half of them read full logits rows, half only the device's argmax; some read
+            // their prompt's too.
             req.logprobs = rng.chance(0.5);
+            req.prompt_logprobs = rng.chance(0.3).then(|| rng.below(4));
             if !speculate.is_empty() && rng.chance(0.8) {
                 req.speculation = Some(speculate[rng.below(speculate.len())]);
             }
@@ -107,6 +112,27 @@ fn check_random(
         let max = p.req.max_tokens.unwrap();
         let (want, rows) = solo(&model, &p.req.prompt, max);
         assert_eq!(usage.prompt_tokens, p.req.prompt.len());
+        // The engine's logits are within 1e-5 of the solo run's (CUDA: 1e-4, see
+        // model/tests/batch.rs), relative to the row's largest logit.
+        let rel = if qwen36_testutil::test_device().is_cuda() {
+            1e-4
+        } else {
+            1e-5
+        };
+        match (&o.prompt, p.req.prompt_logprobs, &reason) {
+            (Some(got), Some(top), _) => {
+                totals.prompt_logprobs += 1;
+                totals.prompts_preempted += usize::from(usage.preemptions > 0);
+                let what = format!("request {i}'s prompt");
+                common::check_prompt_logprobs(&model, &p.req.prompt, got, top, rel, &what);
+            }
+            (None, Some(_), StopReason::Cancelled) | (None, None, _) => {}
+            _ => panic!(
+                "request {i}: prompt log-probabilities asked {:?}, got {:?}",
+                p.req.prompt_logprobs,
+                o.prompt.is_some()
+            ),
+        }
         assert_eq!(usage.completion_tokens, o.ids.len());
         match reason {
             StopReason::MaxTokens => assert_eq!(o.ids, want, "request {i}: tokens differ from its solo run"),
@@ -121,14 +147,7 @@ fn check_random(
             }
             r => panic!("request {i} ended with {r:?}"),
         }
-        // The engine's logits are within 1e-5 of the solo run's (CUDA: 1e-4, see
-        // model/tests/batch.rs), relative to the row's largest logit; a log-probability moves by
-        // at most twice a logit's change.
-        let rel = if qwen36_testutil::test_device().is_cuda() {
-            1e-4
-        } else {
-            1e-5
-        };
+        // A log-probability moves by at most twice a logit's change.
         for (t, (&lp, row)) in o.logprobs.iter().zip(&rows).enumerate() {
             let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             let err = (lp - log_softmax_at(row, want[t] as usize)).abs();
@@ -158,6 +177,10 @@ fn random_requests_equal_their_solo_runs() {
     let mut engine = Engine::new(bundled(), cfg).unwrap();
     let totals = check_random(&mut engine, 3, 12, 300, &[]);
     assert!(totals.cancels > 0, "the request set was meant to cancel some");
+    assert!(
+        totals.prompt_logprobs > 0,
+        "the request set was meant to read some prompts"
+    );
 }
 
 /// KV blocks for about two sequences: the newest is preempted and recomputed, and every result
@@ -172,10 +195,14 @@ fn preemption_keeps_every_result() {
         ..Default::default()
     };
     let mut engine = Engine::new(bundled(), cfg).unwrap();
-    let totals = check_random(&mut engine, 5, 8, 40, &[]);
+    let totals = check_random(&mut engine, 8, 8, 40, &[]);
     assert!(
         totals.preemptions > 0,
         "the pool was meant to be too small for every sequence at once"
+    );
+    assert!(
+        totals.prompts_preempted > 0,
+        "the request set was meant to preempt some that read their prompts"
     );
 }
 
@@ -538,6 +565,49 @@ fn mtp_speculation_equals_plain_greedy() {
         t.accepted > 0 && t.accepted < t.drafted,
         "drafts must be accepted and rejected: {t:?}"
     );
+}
+
+/// `max_tokens` 0 with prompt log-probabilities runs the prompt alone (in chunks, MTP set or
+/// not, beside a decoding request): its log-probabilities (none for a one-token prompt), no
+/// token, `MaxTokens`, and the pools empty after.
+#[test]
+fn a_prompt_alone_ends_after_its_logprobs() {
+    let (model, head) = model_helpers::load_bundled();
+    let cfg = EngineConfig {
+        step_tokens: 8,
+        ..mtp_config()
+    };
+    let mut engine = Engine::with_mtp_head(model.clone(), head, cfg).unwrap();
+    let rel = if qwen36_testutil::test_device().is_cuda() {
+        1e-4
+    } else {
+        1e-5
+    };
+    let long: Vec<u32> = (0..21).map(|i| 7 + 13 * i).collect();
+    for (prompt, speculation) in [
+        (vec![5], None),
+        (vec![5, 9, 11, 300], Some(Speculation::Mtp { k: 2 })),
+        (long, None),
+    ] {
+        let beside = engine.submit(Request::greedy(vec![3, 4], 6)).unwrap();
+        let mut req = Request::greedy(prompt.clone(), 0);
+        req.prompt_logprobs = Some(1);
+        req.speculation = speculation;
+        let h = engine.submit(req).unwrap();
+        engine.run_to_completion().unwrap();
+        let o = collect(&h);
+        let (reason, usage) = o.end.expect("it ended");
+        assert_eq!(
+            (reason, usage.completion_tokens, o.ids.len()),
+            (StopReason::MaxTokens, 0, 0)
+        );
+        assert_eq!(usage.prompt_tokens, prompt.len());
+        let got = o.prompt.expect("prompt log-probabilities");
+        let what = format!("a prompt of {}", prompt.len());
+        common::check_prompt_logprobs(&model, &prompt, &got, 1, rel, &what);
+        assert_eq!(collect(&beside).ids, solo(&model, &[3, 4], 6).0);
+        assert_eq!(engine.pool_use(), (0, 0));
+    }
 }
 
 /// MTP drafts from a draft vocabulary (the first half of the ids): still the plain greedy

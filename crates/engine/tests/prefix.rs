@@ -397,6 +397,7 @@ fn concurrent(cfg: EngineConfig, seed: u64, n: usize) -> (usize, qwen36_engine::
                     Event::Token { ids, .. } => live[i].3.extend(ids),
                     Event::Finished { reason, usage } => end = Some((reason, usage)),
                     Event::Failed { error } => panic!("request failed: {error}"),
+                    Event::Prompt { .. } => panic!("prompt log-probabilities not asked for"),
                 }
             }
             match end {
@@ -524,4 +525,43 @@ fn recomputed_cached_blocks_give_way_to_their_sequence() {
     let (reason, usage) = o.end.expect("ended");
     assert_eq!((reason, usage.cached_tokens), (StopReason::MaxTokens, 0));
     assert_eq!(o.ids, solo(&model, &second, 15).0);
+}
+
+/// A request for its prompt's log-probabilities reads the row of every prompt position, so a
+/// cached prefix of its prompt is not served: its log-probabilities are a cold forward's, and
+/// the same prompt without them hits the cache it warmed.
+#[test]
+fn prompt_logprobs_run_the_whole_prompt() {
+    let mut engine = Engine::new(bundled(), turns_config()).unwrap();
+    let model = engine.model().clone();
+    let vocab = model.config().vocab_size;
+    let mut rng = Rng::new(23);
+    let first = random_ids(&mut rng, vocab, 30);
+    let h = engine.submit(Request::greedy(first.clone(), 5)).unwrap();
+    engine.run_to_completion().unwrap();
+    let out = collect(&h).ids;
+    let prompt = [first, out, random_ids(&mut rng, vocab, 4)].concat();
+    let mut req = Request::greedy(prompt.clone(), 0);
+    req.prompt_logprobs = Some(2);
+    let h = engine.submit(req.clone()).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    let (reason, usage) = o.end.expect("it ended");
+    assert_eq!(
+        (reason, usage.completion_tokens, o.ids.len()),
+        (StopReason::MaxTokens, 0, 0)
+    );
+    assert_eq!(usage.cached_tokens, 0, "a cached prefix skips rows it reads");
+    let rel = if qwen36_testutil::test_device().is_cuda() {
+        1e-4
+    } else {
+        1e-5
+    };
+    let got = o.prompt.expect("prompt log-probabilities");
+    common::check_prompt_logprobs(&model, &prompt, &got, 2, rel, "the cached prompt");
+    // Without them, the same prompt (and one token more) hits what both requests kept.
+    let again = engine.submit(Request::greedy(prompt.clone(), 1)).unwrap();
+    engine.run_to_completion().unwrap();
+    let (_, usage) = collect(&again).end.expect("it ended");
+    assert_eq!(usage.cached_tokens, 32, "the prompt's last block boundary");
 }

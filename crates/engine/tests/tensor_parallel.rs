@@ -79,6 +79,7 @@ fn wait_for(h: &RequestHandle) -> (Vec<u32>, StopReason) {
             Some(Event::Token { ids, .. }) => out.extend(ids),
             Some(Event::Finished { reason, .. }) => return (out, reason),
             Some(Event::Failed { error }) => panic!("request failed: {error}"),
+            Some(Event::Prompt { .. }) => panic!("prompt log-probabilities not asked for"),
             None => panic!("the request's events ended without a last one"),
         }
     }

@@ -1209,6 +1209,8 @@ fn engine_runs(
                     }
                     Event::Finished { usage: u, .. } => usage = Some(u),
                     Event::Failed { error } => return Err(crate::Error::Generation(error)),
+                    // (Not asked for.)
+                    Event::Prompt { .. } => {}
                 }
             }
             Ok((steps, usage.unwrap_or_default()))

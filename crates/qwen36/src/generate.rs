@@ -503,6 +503,7 @@ impl Generator {
             stop_ids: stop_ids.clone(),
             stop_strings: opts.stop_strings.clone(),
             logprobs: false,
+            prompt_logprobs: None,
             speculation,
             degeneration: Some(opts.degeneration),
             stop_on_degeneration: opts.stop_on_degeneration,
@@ -571,6 +572,8 @@ impl Generator {
                     }
                     Event::Finished { reason, usage } => end = Some(Ok((reason, usage))),
                     Event::Failed { error } => end = Some(Err(error)),
+                    // (Not asked for.)
+                    Event::Prompt { .. } => {}
                 }
             }
             // (A failed step failed the request too: the step's error is the typed one.)

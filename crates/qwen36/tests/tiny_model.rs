@@ -234,6 +234,7 @@ fn engine_text_equals_the_generators() {
                 }
                 Event::Finished { reason, .. } => end = Some(reason),
                 Event::Failed { error } => panic!("{error}"),
+                Event::Prompt { .. } => panic!("prompt log-probabilities not asked for"),
             }
         }
         (ids, text, end)

@@ -73,6 +73,30 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
 }
 
+/// `token`'s log-probability under the raw distribution of `logits` (`log_softmax`, no
+/// penalties or temperature), with the `top` most likely tokens, most likely first (lower id
+/// first on ties).
+pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
+    let lp = log_softmax(logits);
+    let mut top_logprobs = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+        let n = top.min(idx.len());
+        let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+        if n < idx.len() {
+            idx.select_nth_unstable_by(n - 1, cmp);
+            idx.truncate(n);
+        }
+        idx.sort_unstable_by(cmp);
+        top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
+    }
+    Sampled {
+        token,
+        logprob: lp[token as usize],
+        top_logprobs,
+    }
+}
+
 impl Sampler {
     /// A sampler; checks the parameters.
     pub fn new(params: SamplingParams) -> Result<Self> {
@@ -239,24 +263,7 @@ impl Sampler {
     /// `token`'s log-probability under the raw distribution of `logits`, with the
     /// `top_logprobs` most likely tokens (for a token chosen elsewhere, e.g. an accepted draft).
     pub fn logprobs(&self, logits: &[f32], token: u32) -> Sampled {
-        let lp = log_softmax(logits);
-        let mut top_logprobs = Vec::new();
-        if self.params.top_logprobs > 0 {
-            let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
-            let n = self.params.top_logprobs.min(idx.len());
-            let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
-            if n < idx.len() {
-                idx.select_nth_unstable_by(n - 1, cmp);
-                idx.truncate(n);
-            }
-            idx.sort_unstable_by(cmp);
-            top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
-        }
-        Sampled {
-            token,
-            logprob: lp[token as usize],
-            top_logprobs,
-        }
+        logprobs_of(logits, token, self.params.top_logprobs)
     }
 
     /// Speculative acceptance coupled to plain sampling: the token at each verified position is

@@ -5,6 +5,7 @@
 
 use qwen36_engine::{Event, RequestHandle, StopReason, Usage};
 use qwen36_model::Qwen36Model;
+use qwen36_sampling::Sampled;
 use qwen36_testutil::ids_tensor;
 
 #[path = "../../../testutil/include/model.rs"]
@@ -32,9 +33,10 @@ pub fn solo(model: &Qwen36Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec
     }
 }
 
-/// Everything a handle received: the ids, their text, the per-token log-probabilities, and how
-/// it ended.
+/// Everything a handle received: the prompt's log-probabilities, the ids, their text, the
+/// per-token log-probabilities, and how it ended.
 pub struct Outcome {
+    pub prompt: Option<Vec<Sampled>>,
     pub ids: Vec<u32>,
     pub text: String,
     pub logprobs: Vec<f32>,
@@ -43,6 +45,7 @@ pub struct Outcome {
 
 pub fn collect(h: &RequestHandle) -> Outcome {
     let mut o = Outcome {
+        prompt: None,
         ids: Vec::new(),
         text: String::new(),
         logprobs: Vec::new(),
@@ -51,6 +54,13 @@ pub fn collect(h: &RequestHandle) -> Outcome {
     for e in h.drain() {
         assert!(o.end.is_none(), "an event after the request ended: {e:?}");
         match e {
+            Event::Prompt { logprobs } => {
+                assert!(
+                    o.prompt.is_none() && o.ids.is_empty(),
+                    "prompt log-probabilities twice or late"
+                );
+                o.prompt = Some(logprobs);
+            }
             Event::Token { ids, text, logprobs } => {
                 o.ids.extend(&ids);
                 o.text.push_str(&text);
@@ -62,4 +72,71 @@ pub fn collect(h: &RequestHandle) -> Outcome {
         }
     }
     o
+}
+
+/// `log_softmax(row)` in f64, as f32.
+pub fn log_softmax(row: &[f32]) -> Vec<f32> {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m as f64 + row.iter().map(|&l| ((l - m) as f64).exp()).sum::<f64>().ln();
+    row.iter().map(|&l| (l as f64 - lse) as f32).collect()
+}
+
+/// Checks prompt log-probabilities against one forward of the whole prompt through a `Cache`
+/// (every position's logits): `got[i]` is `prompt[i + 1]`'s log-probability within `2·rel` of
+/// the row's largest logit (a log-probability moves by at most twice a logit's change), with
+/// `top` alternatives in descending order, each within that tolerance, none below a token left
+/// out by more than it.
+pub fn check_prompt_logprobs(
+    model: &Qwen36Model,
+    prompt: &[u32],
+    got: &[Sampled],
+    top: usize,
+    rel: f32,
+    what: &str,
+) {
+    assert_eq!(
+        got.len(),
+        prompt.len() - 1,
+        "{what}: one per prompt token but the first"
+    );
+    let mut cache = model.new_cache(1).unwrap();
+    let rows = model
+        .forward(&ids_tensor(prompt), &mut cache)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    for (i, s) in got.iter().enumerate() {
+        let scale = rows[i].iter().fold(0f32, |m, v| m.max(v.abs()));
+        let tol = 2.0 * rel * scale;
+        let want = log_softmax(&rows[i]);
+        assert_eq!(s.token, prompt[i + 1], "{what}: position {i}'s token");
+        let err = (s.logprob - want[s.token as usize]).abs();
+        assert!(err <= tol, "{what}: position {i}: log-probability off by {err:e}");
+        assert_eq!(s.top_logprobs.len(), top, "{what}: position {i}'s alternatives");
+        for (j, &(t, lp)) in s.top_logprobs.iter().enumerate() {
+            let err = (lp - want[t as usize]).abs();
+            assert!(
+                err <= tol,
+                "{what}: position {i}, alternative {j}: off by {err:e}"
+            );
+            if j > 0 {
+                assert!(
+                    lp <= s.top_logprobs[j - 1].1,
+                    "{what}: position {i}: not descending"
+                );
+            }
+        }
+        if let Some(&(_, last)) = s.top_logprobs.last() {
+            let best_left_out = (0..want.len() as u32)
+                .filter(|t| !s.top_logprobs.iter().any(|a| a.0 == *t))
+                .map(|t| want[t as usize])
+                .fold(f32::NEG_INFINITY, f32::max);
+            assert!(
+                best_left_out <= last + tol,
+                "{what}: position {i}: a likelier token left out"
+            );
+        }
+    }
 }
