@@ -126,7 +126,7 @@ pub struct StreamOptions {
 /// The body of `POST /v1/completions` (which needs `prompt`) and `POST /v1/chat/completions`
 /// (which needs `messages`): one struct without flattening, so that a field of the wrong type is
 /// named in the error. Fields the server does not know are ignored, as OpenAI-compatible servers
-/// do; fields it knows but cannot honour (`echo`, a JSON `response_format`, ...)
+/// do; fields it knows but cannot honour (a JSON `response_format`, `best_of`, ...)
 /// are refused by [`GenerateRequest::check_supported`].
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct GenerateRequest {
@@ -185,8 +185,11 @@ pub struct GenerateRequest {
     pub top_logprobs: Option<usize>,
     /// OpenAI's `{"token id": bias}` ([`Self::logit_bias`]).
     pub logit_bias: Option<Map<String, Value>>,
-    /// Known but not served: refused when set to anything but their neutral value.
+    /// Completions: the text starts with the prompt (and the log-probabilities with the
+    /// prompt's, the first token's null); with `max_tokens: 0`, the prompt alone (lm-eval's
+    /// loglikelihood requests).
     pub echo: Option<bool>,
+    /// Known but not served: refused when set to anything but their neutral value.
     pub best_of: Option<usize>,
     pub response_format: Option<Value>,
     pub suffix: Option<String>,
@@ -225,9 +228,6 @@ impl GenerateRequest {
                     .param(param),
             )
         };
-        if self.echo == Some(true) {
-            return refuse("echo", "echoing the prompt");
-        }
         if let Some(b) = self.best_of.filter(|&b| b != self.n.unwrap_or(1)) {
             return refuse("best_of", &format!("best_of = {b} (other than n)"));
         }
@@ -259,6 +259,9 @@ impl GenerateRequest {
             return refuse("stream_options", "stream_options: only with stream: true");
         }
         if chat {
+            if self.echo == Some(true) {
+                return refuse("echo", "echo: completions only (/v1/completions)");
+            }
             return Ok(());
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {

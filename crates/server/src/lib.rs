@@ -195,6 +195,28 @@ impl Service {
             ),
             Endpoint::Chat => req.max_completion_tokens.or(req.max_tokens),
         };
+        let echo = req.echo == Some(true);
+        if max_tokens == Some(0) && !echo {
+            return Err(ApiError::bad_request(
+                "max_tokens = 0: only with echo: true on /v1/completions (the prompt alone, with its log-probabilities)",
+            )
+            .param("max_tokens"));
+        }
+        // The echoed prompt's text: as given, or its ids decoded.
+        let echo = match (echo, req.prompt.as_ref().map(Prompt::single).transpose()?) {
+            (false, _) | (true, None) => None,
+            (true, Some(OnePrompt::Text(text))) => Some(text.to_string()),
+            (true, Some(OnePrompt::Ids(_))) => Some(match &self.tokenizer {
+                Some(t) => t.decode(&prompt, false).map_err(|e| {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}"))
+                })?,
+                None => String::new(),
+            }),
+        };
+        // An echo reads the prompt's log-probabilities when they are asked for, and when the
+        // prompt alone is run (which needs a reason to run).
+        let prompt_logprobs =
+            (echo.is_some() && (logprobs.on() || max_tokens == Some(0))).then(|| logprobs.top());
         let d = &self.defaults;
         // vLLM's convention: -1 or 0 turns it off; other negatives are mistakes.
         let top_k = match req.top_k {
@@ -239,6 +261,7 @@ impl Service {
                 stop_ids: stop_ids.clone(),
                 stop_strings: stop_strings.clone(),
                 logprobs: logprobs.on(),
+                prompt_logprobs,
                 speculation: self.cfg.speculation,
                 degeneration: None,
                 stop_on_degeneration: false,
@@ -268,6 +291,7 @@ impl Service {
             include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
             logprobs,
             return_token_ids: req.return_token_ids,
+            echo,
             arrived,
         })
     }
@@ -527,6 +551,8 @@ struct Job {
     include_usage: bool,
     logprobs: Logprobs,
     return_token_ids: bool,
+    /// Completions' `echo`: the prompt's text, which each choice's text starts with.
+    echo: Option<String>,
     arrived: Instant,
 }
 
@@ -537,6 +563,8 @@ struct Choice {
     /// Everything parsed so far (for a whole response).
     message: Delta,
     ids: Vec<u32>,
+    /// The prompt's log-probabilities (`echo`), from its second token on.
+    prompt_logprobs: Vec<Sampled>,
     logprobs: Vec<Sampled>,
     /// Log-probabilities not yet sent in a chunk.
     unsent_logprobs: Vec<Sampled>,
@@ -572,6 +600,7 @@ impl Choice {
             ),
             message: Delta::default(),
             ids: Vec::new(),
+            prompt_logprobs: Vec::new(),
             logprobs: Vec::new(),
             unsent_logprobs: Vec::new(),
             text_offset: 0,
@@ -588,6 +617,11 @@ impl Choice {
     fn apply(&mut self, event: Option<Event>, since: Instant) -> Update {
         let mut up = Update::default();
         match event {
+            // (Before any token.)
+            Some(Event::Prompt { logprobs }) => {
+                self.unsent_logprobs.extend(logprobs.iter().cloned());
+                self.prompt_logprobs = logprobs;
+            }
             Some(Event::Token { ids, text, logprobs }) => {
                 if !ids.is_empty() && self.first_token.is_none() {
                     self.first_token = Some(since.elapsed());
@@ -674,7 +708,7 @@ fn forward(handles: Vec<RequestHandle>) -> mpsc::UnboundedReceiver<(usize, Optio
                 tokio::select! {
                     _ = tx.closed() => return,
                     e = h.recv_async() => {
-                        let last = !matches!(e, Some(Event::Token { .. }));
+                        let last = matches!(e, None | Some(Event::Finished { .. } | Event::Failed { .. }));
                         if tx.send((i, e)).is_err() || last {
                             return;
                         }
@@ -725,9 +759,16 @@ fn tool_calls_json(calls: &[ToolCall], first_index: usize) -> Value {
 
 impl Job {
     /// The log-probabilities object of `lps` (chat's `{"content": [...]}` or completions'
-    /// token arrays), or null when none were asked for.
-    fn logprobs_json(&self, svc: &Service, lps: &[Sampled], text_offset: &mut usize) -> Value {
-        if !self.logprobs.on() || lps.is_empty() {
+    /// token arrays, after `lead`: an echoed prompt's first token, whose entries are null), or
+    /// null when none were asked for.
+    fn logprobs_json(
+        &self,
+        svc: &Service,
+        lead: Option<u32>,
+        lps: &[Sampled],
+        text_offset: &mut usize,
+    ) -> Value {
+        if !self.logprobs.on() || (lps.is_empty() && lead.is_none()) {
             return Value::Null;
         }
         match self.endpoint {
@@ -747,7 +788,8 @@ impl Job {
                 json!({ "content": content })
             }
             Endpoint::Completions => {
-                let tokens: Vec<String> = lps.iter().map(|s| svc.token_text(s.token).0).collect();
+                let ids = lead.into_iter().chain(lps.iter().map(|s| s.token));
+                let tokens: Vec<String> = ids.map(|t| svc.token_text(t).0).collect();
                 // Offsets count from the completion's start, across chunks.
                 let offsets: Vec<usize> = tokens
                     .iter()
@@ -757,20 +799,25 @@ impl Job {
                         o
                     })
                     .collect();
-                let top: Vec<Value> = lps
-                    .iter()
-                    .map(|s| {
+                let nulls = || lead.map(|_| Value::Null);
+                let top: Vec<Value> = nulls()
+                    .into_iter()
+                    .chain(lps.iter().map(|s| {
                         let m: Map<String, Value> = s
                             .top_logprobs
                             .iter()
                             .map(|&(t, lp)| (svc.token_text(t).0, json!(lp)))
                             .collect();
                         Value::Object(m)
-                    })
+                    }))
+                    .collect();
+                let token_logprobs: Vec<Value> = nulls()
+                    .into_iter()
+                    .chain(lps.iter().map(|s| json!(s.logprob)))
                     .collect();
                 json!({
                     "tokens": tokens,
-                    "token_logprobs": lps.iter().map(|s| s.logprob).collect::<Vec<_>>(),
+                    "token_logprobs": token_logprobs,
                     "top_logprobs": top,
                     "text_offset": offsets,
                 })
@@ -801,10 +848,14 @@ impl Job {
             return None;
         }
         let unsent = std::mem::take(&mut choice.unsent_logprobs);
-        let logprobs = self.logprobs_json(svc, &unsent, &mut choice.text_offset);
+        // An echo goes first: the prompt's text and first token.
+        let echo = self.echo.as_deref().filter(|_| first);
+        let lead = echo.map(|_| self.prompt[0]);
+        let logprobs = self.logprobs_json(svc, lead, &unsent, &mut choice.text_offset);
         let mut body = match self.endpoint {
             Endpoint::Completions => {
-                json!({ "index": index, "text": d.content, "logprobs": logprobs, "finish_reason": up.finish })
+                let text = format!("{}{}", echo.unwrap_or(""), d.content);
+                json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": up.finish })
             }
             Endpoint::Chat => {
                 let mut delta = Map::new();
@@ -844,11 +895,14 @@ impl Job {
             .iter()
             .enumerate()
             .map(|(index, c)| {
-                let logprobs = self.logprobs_json(svc, &c.logprobs, &mut 0);
+                let lead = self.echo.as_ref().map(|_| self.prompt[0]);
+                let lps = [&c.prompt_logprobs[..], &c.logprobs].concat();
+                let logprobs = self.logprobs_json(svc, lead, &lps, &mut 0);
                 let m = &c.message;
                 let mut choice = match self.endpoint {
                     Endpoint::Completions => {
-                        json!({ "index": index, "text": m.content, "logprobs": logprobs, "finish_reason": c.finish })
+                        let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), m.content);
+                        json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish })
                     }
                     Endpoint::Chat => {
                         let mut message = json!({ "role": "assistant", "content": m.content });

@@ -582,6 +582,126 @@ async fn choices_seeds_and_logprobs() {
     server.stop().await;
 }
 
+/// `echo`: the text starts with the prompt's and the log-probabilities with the prompt's tokens
+/// (the first one's null), equal to the engine's prompt log-probabilities, then the
+/// completion's as without echo; `max_tokens: 0` returns the prompt alone (lm-eval's
+/// loglikelihood request); streamed, the chunks add up to the whole response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_returns_the_prompt_and_its_logprobs() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let text = "def main():\n    print(";
+    let prompt = generator.encode(text).unwrap();
+    let mut engine = Engine::new(generator.model().clone(), EngineConfig::default()).unwrap();
+    let mut req = Request::greedy(prompt.clone(), 0);
+    req.prompt_logprobs = Some(2);
+    let h = engine.submit(req).unwrap();
+    engine.run_to_completion().unwrap();
+    let want = h
+        .drain()
+        .into_iter()
+        .find_map(|e| match e {
+            Event::Prompt { logprobs } => Some(logprobs),
+            _ => None,
+        })
+        .expect("the prompt's log-probabilities");
+    assert_eq!(want.len() + 1, prompt.len());
+    let alone = json!({ "prompt": text, "echo": true, "max_tokens": 0, "logprobs": 2, "temperature": 0 });
+    let (status, v) = server.post("/v1/completions", &alone).await;
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], text);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    let lp = &choice["logprobs"];
+    let tokens: Vec<String> = prompt
+        .iter()
+        .map(|&t| generator.tokenizer().unwrap().decode(&[t], false).unwrap())
+        .collect();
+    assert_eq!(lp["tokens"], json!(tokens));
+    assert_eq!(
+        (&lp["token_logprobs"][0], &lp["top_logprobs"][0]),
+        (&Value::Null, &Value::Null)
+    );
+    for (i, s) in want.iter().enumerate() {
+        assert_eq!(
+            lp["token_logprobs"][i + 1].as_f64().unwrap() as f32,
+            s.logprob,
+            "token {}",
+            i + 1
+        );
+        let top = lp["top_logprobs"][i + 1].as_object().unwrap();
+        assert_eq!(top.len(), 2);
+        for (t, l) in &s.top_logprobs {
+            let key = generator.tokenizer().unwrap().decode(&[*t], false).unwrap();
+            assert_eq!(top[&key].as_f64().unwrap() as f32, *l);
+        }
+    }
+    // Token ids echo as their text; without logprobs the prompt is still echoed.
+    let (_, ids) = server
+        .post(
+            "/v1/completions",
+            &json!({ "prompt": prompt, "echo": true, "max_tokens": 0 }),
+        )
+        .await;
+    assert_eq!(ids["choices"][0]["text"], text);
+    assert_eq!(ids["choices"][0]["logprobs"], Value::Null);
+    // With a completion: the echo, then what the request gives without it.
+    let with = json!({ "prompt": text, "echo": true, "max_tokens": 5, "logprobs": 2, "temperature": 0 });
+    let (_, e) = server.post("/v1/completions", &with).await;
+    let mut without = with.clone();
+    without["echo"] = json!(false);
+    let (_, plain) = server.post("/v1/completions", &without).await;
+    let completion = plain["choices"][0]["text"].as_str().unwrap();
+    assert!(!completion.is_empty());
+    assert_eq!(
+        e["choices"][0]["text"].as_str().unwrap(),
+        format!("{text}{completion}")
+    );
+    let elp = &e["choices"][0]["logprobs"];
+    let n = prompt.len();
+    assert_eq!(
+        elp["token_logprobs"].as_array().unwrap()[..n],
+        lp["token_logprobs"].as_array().unwrap()[..]
+    );
+    assert_eq!(
+        elp["token_logprobs"].as_array().unwrap()[n..],
+        plain["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()[..]
+    );
+    assert_eq!(
+        elp["top_logprobs"].as_array().unwrap()[n..],
+        plain["choices"][0]["logprobs"]["top_logprobs"]
+            .as_array()
+            .unwrap()[..]
+    );
+    // The offsets run over the echoed prompt's tokens, then the completion's.
+    let texts = elp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().chars().count());
+    let offsets: Vec<usize> = texts
+        .scan(0, |at, len| Some(std::mem::replace(at, *at + len)))
+        .collect();
+    assert_eq!(elp["text_offset"], json!(offsets));
+    // Streamed: the chunks add up to the whole.
+    let mut streamed = with.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/completions", &streamed).await;
+    assert_eq!(streamed_text(&events), e["choices"][0]["text"].as_str().unwrap());
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        let parts: Vec<Value> = chunks(&events)
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"][key].as_array().cloned())
+            .flatten()
+            .collect();
+        assert_eq!(Value::Array(parts), elp[key], "{key}");
+    }
+    server.stop().await;
+}
+
 /// Chat output is split into `reasoning_content`, `content` and `tool_calls` (JSON and XML
 /// forms, arguments typed by the tool's schema), with `finish_reason: "tool_calls"`; streamed,
 /// the deltas add up to the whole message; with `parallel_tool_calls: false` the first call
@@ -883,7 +1003,8 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "n": 2, "return_token_ids": true}"#.into(), ok, 400, "one choice", Some("n")),
         (c, r#"{"prompt": [1], "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
         (c, big, ok, 413, "length limit", None),
-        (c, r#"{"prompt": [1], "echo": true}"#.into(), ok, 400, "echo", Some("echo")),
+        (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "echo": true}"#.into(), ok, 400, "echo: completions only", Some("echo")),
+        (c, r#"{"prompt": [1], "max_tokens": 0}"#.into(), ok, 400, "only with echo", Some("max_tokens")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
         ("/tokenize", r#"{"prompt": "hi"}"#.into(), None, 401, "API key", None),
         ("/tokenize", r#"{"prompt": "hi", "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
