@@ -44,6 +44,13 @@ check(len(ids.choices[0].logprobs.tokens) == ids.usage.completion_tokens,
       "completions: token-id prompt and logprobs")
 two = client.completions.create(n=2, **args)
 check([c.index for c in two.choices] == [0, 1], "completions: n = 2")
+# lm-eval's loglikelihood request: the prompt alone, echoed with its log-probabilities.
+ll = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=0, echo=True,
+                               logprobs=1, temperature=0)
+lps = ll.choices[0].logprobs
+check(ll.choices[0].text == "def fibonacci(n):" and lps.token_logprobs[0] is None
+      and len(lps.tokens) == ll.usage.prompt_tokens and all(x < 0 for x in lps.token_logprobs[1:]),
+      "completions: echo with max_tokens 0 (loglikelihood)")
 
 # Chat, thinking on and off: streamed content equals the whole, usage in the last chunk.
 for thinking in (True, False):
