@@ -403,6 +403,14 @@ impl Engine {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
         let sampler = Sampler::new(req.sampling).map_err(|e| Error::Request(e.to_string()))?;
+        let constraint = match &req.constraint {
+            Some(spec) => Some(
+                spec.0
+                    .start()
+                    .map_err(|e| Error::Request(format!("output constraint: {e}")))?,
+            ),
+            None => None,
+        };
         let (tx, rx) = flume::unbounded();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = self.next_id;
@@ -421,6 +429,7 @@ impl Engine {
             logprobs: req.logprobs,
             prompt_logprobs: req.prompt_logprobs,
             prompt_lps: req.prompt_logprobs.map(|_| Vec::new()),
+            constraint,
             events: tx,
             cancel: cancel.clone(),
             slot: None,
@@ -718,6 +727,12 @@ impl Engine {
                 }
             };
             stats.generated += n;
+            if let Some(c) = s.constraint.as_deref_mut() {
+                if let Err(e) = c.consume(&fresh[..n]) {
+                    done.push((p.index, Err(format!("output constraint: {e}"))));
+                    continue;
+                }
+            }
             let first_row = batch.rows(c).start;
             match reason {
                 // The pairs of the positions this forward committed.
@@ -1372,7 +1387,7 @@ fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> 
         (Read::Ids(ids), _) if ids.is_empty() => Decision::Prefilled,
         (Read::Rows(rows), _) if rows.is_empty() => Decision::Prefilled,
         (read, true) => {
-            let drafts = std::mem::take(&mut s.drafts);
+            let mut drafts = std::mem::take(&mut s.drafts);
             let (acc, rows) = match (read, rates) {
                 (Read::Ids(ids), Some(r)) => {
                     (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), Vec::new())
@@ -1385,12 +1400,27 @@ fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> 
                     let ids: Vec<u32> = rows.iter().map(|row| argmax_of(row)).collect();
                     (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), rows)
                 }
-                (Read::Rows(rows), None) => (
-                    s.sampler
-                        .accept_coupled(&drafts, &rows, &s.prompt, &s.output)
-                        .map_err(|e| e.to_string()),
-                    rows,
-                ),
+                (Read::Rows(rows), None) => {
+                    // Under a constraint, acceptance reads the masked rows (the emitted
+                    // log-probabilities stay the raw rows').
+                    let masked = match s.constraint.as_deref_mut() {
+                        Some(c) => match crate::constraint::masked_rows(c, &drafts, &rows) {
+                            Ok(m) => {
+                                drafts.truncate(m.len() - 1);
+                                Some(m)
+                            }
+                            Err(e) => return fail(&e),
+                        },
+                        None => None,
+                    };
+                    let read = masked.as_ref().unwrap_or(&rows);
+                    (
+                        s.sampler
+                            .accept_coupled(&drafts, read, &s.prompt, &s.output)
+                            .map_err(|e| e.to_string()),
+                        rows,
+                    )
+                }
             };
             match acc {
                 Ok(acc) => Decision::Verified(acc, drafts, rows),
@@ -1400,9 +1430,17 @@ fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> 
         (Read::Ids(ids), false) => Decision::Sampled(ids[0], Vec::new()),
         // The RNG step of a token is its output index, as in speculative acceptance.
         (Read::Rows(rows), false) => {
+            let masked = match s.constraint.as_deref_mut() {
+                Some(c) => match crate::constraint::masked(c, &rows[0]) {
+                    Ok(m) => Some(m),
+                    Err(e) => return fail(&e),
+                },
+                None => None,
+            };
+            let row = masked.as_deref().unwrap_or(&rows[0]);
             match s
                 .sampler
-                .sample_at(&rows[0], &s.prompt, &s.output, 0, s.output.len() as u64)
+                .sample_at(row, &s.prompt, &s.output, 0, s.output.len() as u64)
             {
                 Ok(t) => Decision::Sampled(t.token, rows),
                 Err(e) => fail(&e),

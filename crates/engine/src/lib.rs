@@ -13,6 +13,7 @@
 //! KV blocks, both refcounted so that the prefix cache can share them, sized from a memory
 //! budget ([`PoolSizes`]). See docs/ARCHITECTURE.md.
 
+mod constraint;
 mod engine;
 mod error;
 mod lockstep;
@@ -24,6 +25,7 @@ mod sizes;
 pub mod spec;
 mod thread;
 
+pub use constraint::{Constraint, ConstraintSpec, OutputConstraint};
 pub use engine::{
     check_prompt, check_request, Engine, EngineConfig, EngineLoad, StepStats, DEFAULT_POSITIONS,
 };

@@ -7,6 +7,8 @@ use std::time::Duration;
 use qwen36_mtp::SpecStats;
 use qwen36_sampling::{Degeneration, DegenerationConfig, Sampled, SamplingParams};
 
+use crate::OutputConstraint;
+
 /// One generation request, in token ids.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
@@ -28,6 +30,9 @@ pub struct Request {
     /// alternatives, in an [`Event::Prompt`] before any token (`None`: not asked). The whole
     /// prompt then runs: the prefix cache serves only positions whose rows were read already.
     pub prompt_logprobs: Option<usize>,
+    /// What the output must match (structured output): tokens it does not allow are masked
+    /// before sampling and before a verify's acceptance.
+    pub constraint: Option<OutputConstraint>,
     /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
     pub speculation: Option<Speculation>,
     /// Watch the output for degeneration (loops, entropy collapse; reported in [`Usage`]) with
@@ -100,6 +105,7 @@ impl Request {
             stop_strings: Vec::new(),
             logprobs: false,
             prompt_logprobs: None,
+            constraint: None,
             speculation: None,
             degeneration: None,
             stop_on_degeneration: false,

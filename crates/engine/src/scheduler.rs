@@ -14,7 +14,8 @@ use std::sync::Arc;
 use qwen36_sampling::{RepetitionDetector, Sampled, Sampler, TextStream};
 
 use crate::{
-    BlockPool, BlockTable, Error, Event, PrefixCache, Result, SlotId, SlotPool, Speculation, StopReason,
+    BlockPool, BlockTable, Constraint, Error, Event, PrefixCache, Result, SlotId, SlotPool, Speculation,
+    StopReason,
 };
 use qwen36_mtp::SpecStats;
 
@@ -35,6 +36,8 @@ pub(crate) struct Sequence {
     /// The prompt log-probabilities read so far (`[i]` is `prompt[i + 1]`'s), until they are
     /// sent; `None` when not asked or sent. Kept through preemptions.
     pub prompt_lps: Option<Vec<Sampled>>,
+    /// What its output must match (it follows the tokens emitted).
+    pub constraint: Option<Box<dyn Constraint>>,
     pub events: flume::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub slot: Option<SlotId>,
@@ -103,9 +106,9 @@ impl Sequence {
     }
 
     /// Whether sampling needs the full logits rows: not for plain greedy decoding (no
-    /// penalties or biases, no log-probabilities), which takes the argmax.
+    /// penalties or biases, no log-probabilities, no constraint), which takes the argmax.
     pub fn needs_logits(&self) -> bool {
-        self.logprobs || !self.sampler.params().is_plain_greedy()
+        self.logprobs || !self.sampler.params().is_plain_greedy() || self.constraint.is_some()
     }
 
     /// The prompt positions whose rows still give prompt log-probabilities (row `i` gives

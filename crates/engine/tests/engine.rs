@@ -8,9 +8,11 @@ mod common;
 use common::{bundled, collect, model_helpers, solo, Outcome};
 
 use candle_core::DType;
+use std::sync::Arc;
+
 use qwen36_engine::{
-    Engine, EngineConfig, Error, Event, Request, RequestHandle, SpecCosts, Speculation, StopReason,
-    MAX_DRAFTS, MAX_LOOP_PERIOD, MAX_NGRAM,
+    Constraint, ConstraintSpec, Engine, EngineConfig, Error, Event, OutputConstraint, Request, RequestHandle,
+    SpecCosts, Speculation, StopReason, MAX_DRAFTS, MAX_LOOP_PERIOD, MAX_NGRAM,
 };
 use qwen36_model::Qwen36Model;
 use qwen36_sampling::{DegenerationConfig, SamplingParams};
@@ -751,18 +753,203 @@ fn adaptive_k_follows_the_costs_and_stays_lossless() {
 /// Plain sampling alone through a `Cache`, as `Generator` does it: `Sampler::sample` after the
 /// whole prompt, one token per forward.
 fn solo_sampled(model: &Qwen36Model, req: &Request) -> Vec<u32> {
+    solo_masked(model, req, |_, _| true)
+}
+
+/// [`solo_sampled`] with every token that `allowed(output, token)` refuses masked (−∞) first.
+fn solo_masked(model: &Qwen36Model, req: &Request, allowed: impl Fn(&[u32], u32) -> bool) -> Vec<u32> {
     let mut sampler = qwen36_sampling::Sampler::new(req.sampling.clone()).unwrap();
     let mut cache = model.new_cache(1).unwrap();
     let mut logits = model.forward_last(&ids_tensor(&req.prompt), &mut cache).unwrap();
     let mut out = Vec::new();
     loop {
-        let row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let mut row = logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        for (t, l) in row.iter_mut().enumerate() {
+            if !allowed(&out, t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         let t = sampler.sample(&row, &req.prompt, &out).unwrap().token;
         out.push(t);
         if out.len() == req.max_tokens.unwrap() {
             return out;
         }
         logits = model.forward_last(&ids_tensor(&[t]), &mut cache).unwrap();
+    }
+}
+
+/// The tests' output rule: token `t` may follow `out` unless `t + len + last` is a multiple of 3
+/// (a rule of the output's length and last token, so a constraint that follows the wrong
+/// tokens, or forgets the wrong ones, masks the wrong rows).
+fn thirds(out: &[u32], t: u32) -> bool {
+    (t as usize + out.len() + out.last().map_or(0, |&l| l as usize)) % 3 != 0
+}
+
+/// [`thirds`] as a [`Constraint`], failing once it has followed `fail_at` tokens (when set):
+/// with an error, or (`silent`) by masking every token.
+#[derive(Debug, Default)]
+struct Thirds {
+    out: Vec<u32>,
+    fail_at: Option<usize>,
+    silent: bool,
+}
+
+impl Constraint for Thirds {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let failing = self.fail_at == Some(self.out.len());
+        if failing && !self.silent {
+            return Err(format!("no match after {} tokens", self.out.len()));
+        }
+        for (t, l) in logits.iter_mut().enumerate() {
+            if failing || !thirds(&self.out, t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
+        self.out.extend(tokens);
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) -> Result<(), String> {
+        let keep = self.out.len().checked_sub(n).ok_or("rolled back too far")?;
+        self.out.truncate(keep);
+        Ok(())
+    }
+}
+
+#[derive(Debug, Default)]
+struct ThirdsSpec {
+    fail_at: Option<usize>,
+    silent: bool,
+    /// `start` fails.
+    refuse: bool,
+}
+
+impl ConstraintSpec for ThirdsSpec {
+    fn start(&self) -> Result<Box<dyn Constraint>, String> {
+        if self.refuse {
+            return Err("a schema it cannot compile".into());
+        }
+        Ok(Box::new(Thirds {
+            out: Vec::new(),
+            fail_at: self.fail_at,
+            silent: self.silent,
+        }))
+    }
+}
+
+fn thirds_constraint(fail_at: Option<usize>) -> OutputConstraint {
+    OutputConstraint(Arc::new(ThirdsSpec {
+        fail_at,
+        ..Default::default()
+    }))
+}
+
+/// Constrained requests, greedy and sampled, plain and drafting (MTP, prompt lookup), batched
+/// with unconstrained ones: each gives the tokens of its solo run with the refused tokens
+/// masked, and drafts are accepted and rejected (a verify masks each row after the drafts
+/// before it, then forgets them).
+#[test]
+fn constrained_requests_equal_their_masked_solo_runs() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(41);
+    let kinds = [
+        None,
+        Some(Speculation::Mtp { k: 3 }),
+        Some(Speculation::ngram(3)),
+        Some(Speculation::Mtp { k: 1 }),
+    ];
+    let reqs: Vec<Request> = (0..10)
+        .map(|i| {
+            let prompt = echo_prompt(&model, &mut rng, 10 + 4 * i);
+            let mut r = match i % 2 {
+                0 => Request::greedy(prompt, 24),
+                _ => sampled(prompt, 90 + i as u64),
+            };
+            r.speculation = kinds[i % kinds.len()];
+            r.constraint = (i % 5 != 4).then(|| thirds_constraint(None));
+            r
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| match r.constraint {
+            Some(_) => solo_masked(&model, r, thirds),
+            None => solo_sampled(&model, r),
+        })
+        .collect();
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        step_tokens: 30,
+        ..mtp_config()
+    };
+    let mut engine = Engine::with_mtp_head(model.clone(), head, cfg).unwrap();
+    let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    engine.run_to_completion().unwrap();
+    let (mut drafted, mut accepted) = (0, 0);
+    for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
+        let o = collect(h);
+        assert_eq!(&o.ids, want, "request {i}");
+        if reqs[i].constraint.is_some() {
+            let u = o.end.unwrap().1;
+            (drafted, accepted) = (drafted + u.speculation.drafted, accepted + u.speculation.accepted);
+        }
+    }
+    assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");
+    assert_eq!(engine.pool_use(), (0, 0));
+}
+
+/// A constraint that cannot start is refused at submit; one that fails mid-output (or masks
+/// every token) fails its request alone, with its message, and frees what it held.
+#[test]
+fn a_failing_constraint_fails_its_request_alone() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut engine = Engine::with_mtp_head(model.clone(), head, mtp_config()).unwrap();
+    let mut refused = Request::greedy(vec![5, 6], 4);
+    refused.constraint = Some(OutputConstraint(Arc::new(ThirdsSpec {
+        refuse: true,
+        ..Default::default()
+    })));
+    assert!(matches!(
+        engine.submit(refused),
+        Err(Error::Request(m)) if m == "output constraint: a schema it cannot compile"
+    ));
+    for (silent, says) in [
+        (false, "output constraint: no match after 3 tokens"),
+        (true, "output constraint: no token is allowed"),
+    ] {
+        let mut failing = Request::greedy(vec![5, 6, 7], 12);
+        failing.constraint = Some(OutputConstraint(Arc::new(ThirdsSpec {
+            fail_at: Some(3),
+            silent,
+            refuse: false,
+        })));
+        failing.speculation = Some(Speculation::Mtp { k: 2 });
+        let beside = Request::greedy(vec![8, 9], 12);
+        let (f, b) = (
+            engine.submit(failing).unwrap(),
+            engine.submit(beside.clone()).unwrap(),
+        );
+        engine.run_to_completion().unwrap();
+        let events = f.drain();
+        let sent: usize = events
+            .iter()
+            .map(|e| match e {
+                Event::Token { ids, .. } => ids.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(sent, 3, "the tokens before the constraint failed");
+        assert!(
+            matches!(events.last(), Some(Event::Failed { error }) if error == says),
+            "{:?}",
+            events.last()
+        );
+        assert_eq!(collect(&b).ids, solo(&model, &beside.prompt, 12).0);
+        assert_eq!(engine.pool_use(), (0, 0));
     }
 }
 

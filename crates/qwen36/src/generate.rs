@@ -504,6 +504,7 @@ impl Generator {
             stop_strings: opts.stop_strings.clone(),
             logprobs: false,
             prompt_logprobs: None,
+            constraint: None,
             speculation,
             degeneration: Some(opts.degeneration),
             stop_on_degeneration: opts.stop_on_degeneration,

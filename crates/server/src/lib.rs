@@ -262,6 +262,7 @@ impl Service {
                 stop_strings: stop_strings.clone(),
                 logprobs: logprobs.on(),
                 prompt_logprobs,
+                constraint: None,
                 speculation: self.cfg.speculation,
                 degeneration: None,
                 stop_on_degeneration: false,
