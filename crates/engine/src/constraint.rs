@@ -48,7 +48,11 @@ pub(crate) fn masked(c: &mut dyn Constraint, row: &[f32]) -> Result<Vec<f32>, St
 /// draft (its masked row cannot give it), so they are never read. A mask that fails after tried
 /// drafts ends the rows there (verifying fewer drafts): plain decoding meets that failure only
 /// if those drafts are its tokens, and then at its next mask.
-pub(crate) fn masked_rows(c: &mut dyn Constraint, drafts: &[u32], rows: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+pub(crate) fn masked_rows(
+    c: &mut dyn Constraint,
+    drafts: &[u32],
+    rows: &[Vec<f32>],
+) -> Result<Vec<Vec<f32>>, String> {
     let mut out = Vec::with_capacity(rows.len());
     let mut tried = 0;
     let mut masking = || -> Result<(), String> {

@@ -3,6 +3,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use llguidance::api::TopLevelGrammar;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
@@ -126,8 +127,8 @@ pub struct StreamOptions {
 /// The body of `POST /v1/completions` (which needs `prompt`) and `POST /v1/chat/completions`
 /// (which needs `messages`): one struct without flattening, so that a field of the wrong type is
 /// named in the error. Fields the server does not know are ignored, as OpenAI-compatible servers
-/// do; fields it knows but cannot honour (a JSON `response_format`, `best_of`, ...)
-/// are refused by [`GenerateRequest::check_supported`].
+/// do; fields it knows but cannot honour (`best_of`, `suffix`, ...) are refused by
+/// [`GenerateRequest::check_supported`].
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct GenerateRequest {
     /// `/v1/completions`: text or token ids.
@@ -189,9 +190,15 @@ pub struct GenerateRequest {
     /// prompt's, the first token's null); with `max_tokens: 0`, the prompt alone (lm-eval's
     /// loglikelihood requests).
     pub echo: Option<bool>,
+    /// Structured output: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+    /// {"schema": ...}}` ([`Self::grammar`]).
+    pub response_format: Option<Value>,
+    /// vLLM's structured-output extensions: a JSON schema, a regex, or a list of choices.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
     /// Known but not served: refused when set to anything but their neutral value.
     pub best_of: Option<usize>,
-    pub response_format: Option<Value>,
     pub suffix: Option<String>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -230,17 +237,6 @@ impl GenerateRequest {
         };
         if let Some(b) = self.best_of.filter(|&b| b != self.n.unwrap_or(1)) {
             return refuse("best_of", &format!("best_of = {b} (other than n)"));
-        }
-        match &self.response_format {
-            None | Some(Value::Null) => {}
-            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(f) => {
-                let kind = f.get("type").and_then(Value::as_str).unwrap_or("?");
-                return refuse(
-                    "response_format",
-                    &format!("response_format {kind:?} (structured output)"),
-                );
-            }
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix", "a suffix (fill-in-the-middle)");
@@ -395,6 +391,82 @@ impl GenerateRequest {
         Ok(stops)
     }
 
+    /// The grammar the output must match, if any, with the field that asked for it:
+    /// `response_format`'s JSON object or schema, or one of vLLM's `guided_json`, `guided_regex`,
+    /// `guided_choice` (at most one of them).
+    pub fn grammar(&self) -> Result<Option<(&'static str, TopLevelGrammar)>, ApiError> {
+        let bad = |param: &str, msg: String| Err(ApiError::bad_request(msg).param(param));
+        let mut found: Vec<(&'static str, TopLevelGrammar)> = Vec::new();
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                Some("json_object") => {
+                    found.push(("response_format", json_grammar(json!({"type": "object"}))))
+                }
+                Some("json_schema") => match f.pointer("/json_schema/schema") {
+                    Some(schema) if schema.is_object() || schema.is_boolean() => {
+                        found.push(("response_format", json_grammar(schema.clone())))
+                    }
+                    _ => {
+                        return bad(
+                            "response_format",
+                            "response_format json_schema: needs {\"json_schema\": {\"schema\": {...}}}"
+                                .into(),
+                        )
+                    }
+                },
+                other => {
+                    return bad(
+                        "response_format",
+                        format!(
+                            "response_format type {}: expected \"text\", \"json_object\" or \"json_schema\"",
+                            other.map_or("missing".into(), |t| format!("{t:?}"))
+                        ),
+                    )
+                }
+            },
+        }
+        if let Some(schema) = self.guided_json.as_ref().filter(|s| !s.is_null()) {
+            // (A schema may come as its JSON text.)
+            let schema = match schema {
+                Value::String(text) => match serde_json::from_str::<Value>(text) {
+                    Ok(v) => v,
+                    Err(e) => return bad("guided_json", format!("guided_json: not JSON: {e}")),
+                },
+                v => v.clone(),
+            };
+            found.push(("guided_json", json_grammar(schema)));
+        }
+        if let Some(rx) = &self.guided_regex {
+            found.push(("guided_regex", TopLevelGrammar::from_regex(rx)));
+        }
+        if let Some(choices) = &self.guided_choice {
+            if choices.is_empty() {
+                return bad("guided_choice", "guided_choice: at least one choice".into());
+            }
+            let alternatives: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
+            found.push((
+                "guided_choice",
+                TopLevelGrammar::from_regex(&alternatives.join("|")),
+            ));
+        }
+        match found.len() {
+            0 => Ok(None),
+            1 => Ok(found.pop()),
+            _ => {
+                let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
+                bad(
+                    names[1],
+                    format!(
+                        "{}: one structured-output constraint per request",
+                        names.join(" and ")
+                    ),
+                )
+            }
+        }
+    }
+
     /// The number of choices.
     pub fn choices(&self) -> Result<usize, ApiError> {
         match self.n.unwrap_or(1) {
@@ -492,4 +564,28 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
         };
         Self::new(status, r.body_text())
     }
+}
+
+/// The grammar of JSON matching `schema`, written as Python's `json.dumps` writes it (`", "`
+/// and `": "` between items, no other whitespace: a weak or unsure model may otherwise write
+/// spaces until `max_tokens`), unless the schema sets llguidance's own `x-guidance` options.
+fn json_grammar(mut schema: Value) -> TopLevelGrammar {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": " }),
+        );
+    }
+    TopLevelGrammar::from_json_schema(schema)
+}
+
+/// `text` as a regex matching it literally.
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }

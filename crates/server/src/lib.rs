@@ -9,6 +9,7 @@
 //! blocks are freed at the engine's next step.
 
 mod api;
+mod guided;
 mod metrics;
 mod output;
 
@@ -25,8 +26,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use qwen36::engine::{
-    EngineClient, EngineStatus, Error as EngineError, Event, Request, RequestHandle, Speculation, StopReason,
-    Usage,
+    EngineClient, EngineStatus, Error as EngineError, Event, OutputConstraint, Request, RequestHandle,
+    Speculation, StopReason, Usage,
 };
 use qwen36::sampling::Sampled;
 use qwen36::{ChatTemplate, Generator, SamplingParams};
@@ -81,6 +82,9 @@ pub struct Service {
     context: usize,
     cfg: ServerConfig,
     metrics: Arc<Metrics>,
+    /// The grammar compiler over the tokenizer's vocabulary, built by the first request for
+    /// structured output.
+    guidance: std::sync::OnceLock<Result<guided::Guidance, String>>,
 }
 
 impl std::fmt::Debug for Service {
@@ -134,7 +138,36 @@ impl Service {
             context,
             cfg,
             metrics,
+            guidance: std::sync::OnceLock::new(),
         }
+    }
+
+    /// `grammar` (asked for by field `param`) compiled for each choice's constraint; `thinking`:
+    /// the output opens inside a `<think>` block, constrained after it closes.
+    fn compile(
+        &self,
+        param: &str,
+        grammar: llguidance::api::TopLevelGrammar,
+        thinking: bool,
+    ) -> Result<OutputConstraint, ApiError> {
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad_request(format!("{param}: structured output needs the model's tokenizer"))
+                .param(param)
+        })?;
+        let guidance = self
+            .guidance
+            .get_or_init(|| guided::Guidance::new(tokenizer, &self.stop_ids))
+            .as_ref()
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("structured output: {e}"),
+                )
+            })?;
+        let think_end = thinking.then(|| tokenizer.token_to_id("</think>")).flatten();
+        guidance
+            .compile(grammar, think_end)
+            .map_err(|e| ApiError::bad_request(format!("{param}: {e}")).param(param))
     }
 
     /// The engine's client (to shut it down after the server).
@@ -187,6 +220,16 @@ impl Service {
         let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+        let constraint = match req.grammar()? {
+            None => None,
+            Some((param, grammar)) => {
+                let svc = self.clone();
+                let compiled = tokio::task::spawn_blocking(move || svc.compile(param, grammar, thinking))
+                    .await
+                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+                Some(compiled)
+            }
+        };
         let max_tokens = match endpoint {
             Endpoint::Completions => Some(
                 req.max_tokens
@@ -262,7 +305,7 @@ impl Service {
                 stop_strings: stop_strings.clone(),
                 logprobs: logprobs.on(),
                 prompt_logprobs,
-                constraint: None,
+                constraint: constraint.clone(),
                 speculation: self.cfg.speculation,
                 degeneration: None,
                 stop_on_degeneration: false,

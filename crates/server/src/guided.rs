@@ -1,0 +1,240 @@
+//! Structured output: a request's JSON schema, regex or choice list compiled by llguidance into
+//! an engine [`Constraint`] that masks, at each position, the tokens the output may not take.
+//! A chat that opens with a `<think>` block is constrained from the token that closes it.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory, TokenParser};
+use qwen36::engine::{Constraint, ConstraintSpec, OutputConstraint};
+
+/// The tokenizer's vocabulary as llguidance reads it (built once: a trie of every token's
+/// bytes), and the grammar compiler over it.
+pub struct Guidance {
+    factory: ParserFactory,
+}
+
+impl std::fmt::Debug for Guidance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guidance").finish_non_exhaustive()
+    }
+}
+
+/// The tokenizer behind a trie of its tokens' bytes (what llguidance asks of a tokenizer).
+struct TokenizerBytes {
+    trie: TokTrie,
+    tokenizer: qwen36::Tokenizer,
+}
+
+impl TokenizerEnv for TokenizerBytes {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        let text = String::from_utf8_lossy(s);
+        self.tokenizer
+            .encode(text.as_ref(), false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    }
+}
+
+impl Guidance {
+    /// The compiler for `tokenizer`'s vocabulary, whose end is any of `eos` (the model's stop
+    /// ids: a finished grammar allows only them).
+    pub fn new(tokenizer: &qwen36::Tokenizer, eos: &[u32]) -> Result<Self, String> {
+        let json = tokenizer
+            .to_string(false)
+            .map_err(|e| format!("tokenizer: {e}"))?;
+        let json: serde_json::Value = serde_json::from_str(&json).map_err(|e| format!("tokenizer: {e}"))?;
+        let words =
+            llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| format!("tokenizer: {e}"))?;
+        let Some(&first) = eos.first() else {
+            return Err("structured output needs the model's end-of-turn id".into());
+        };
+        let info = TokRxInfo::new(words.len() as u32, first);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
+        let env: TokEnv = Arc::new(TokenizerBytes {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Self { factory })
+    }
+
+    /// `grammar` compiled into the spec of each choice's constraint; `think_end`: the output
+    /// opens inside a `<think>` block and is constrained after this id (which closes it).
+    pub fn compile(
+        &self,
+        grammar: TopLevelGrammar,
+        think_end: Option<u32>,
+    ) -> Result<OutputConstraint, String> {
+        let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
+        Ok(OutputConstraint(Arc::new(Spec { parser, think_end })))
+    }
+}
+
+/// A compiled grammar: each request's constraint starts from a copy of its parser.
+struct Spec {
+    parser: TokenParser,
+    think_end: Option<u32>,
+}
+
+impl std::fmt::Debug for Spec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spec")
+            .field("think_end", &self.think_end)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConstraintSpec for Spec {
+    fn start(&self) -> Result<Box<dyn Constraint>, String> {
+        Ok(Box::new(Guided {
+            matcher: Matcher::new(Ok(self.parser.deep_clone())),
+            think_end: self.think_end,
+            open: self.think_end.is_some(),
+            history: Vec::new(),
+        }))
+    }
+}
+
+/// What one followed token was to the grammar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Inside the think block (not constrained).
+    Thinking,
+    /// The id that closed the think block.
+    Closed,
+    /// Fed to the matcher.
+    Fed,
+    /// After the grammar had finished (the end-of-turn id it allows then).
+    Finished,
+}
+
+/// One output's constraint: the matcher follows the tokens after the think block (or all).
+struct Guided {
+    matcher: Matcher,
+    think_end: Option<u32>,
+    /// The think block is open: no token is masked.
+    open: bool,
+    history: Vec<Step>,
+}
+
+impl std::fmt::Debug for Guided {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guided")
+            .field("open", &self.open)
+            .field("followed", &self.history.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Constraint for Guided {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        if self.open {
+            return Ok(());
+        }
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let known = allowed.len();
+        for (t, l) in logits.iter_mut().enumerate() {
+            if t >= known || !allowed.is_allowed(t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
+        for &t in tokens {
+            let step = if self.open {
+                match Some(t) == self.think_end {
+                    true => Step::Closed,
+                    false => Step::Thinking,
+                }
+            } else if self.matcher.is_stopped() {
+                Step::Finished
+            } else {
+                self.matcher.consume_token(t).map_err(|e| e.to_string())?;
+                Step::Fed
+            };
+            self.open &= step != Step::Closed;
+            self.history.push(step);
+        }
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) -> Result<(), String> {
+        let start = self
+            .history
+            .len()
+            .checked_sub(n)
+            .ok_or_else(|| format!("rollback of {n} tokens after {}", self.history.len()))?;
+        let gone = self.history.split_off(start);
+        let fed = gone.iter().filter(|&&s| s == Step::Fed).count();
+        if fed > 0 {
+            self.matcher.rollback(fed).map_err(|e| e.to_string())?;
+        }
+        // (The think block's end was among them: it is open again.)
+        self.open |= gone.contains(&Step::Closed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The think block is not constrained; the grammar starts after the id that closes it
+    /// (allowing only prefixes of its words, then only the end-of-turn id); a rollback across
+    /// that id opens the block again, and one past the start is an error.
+    #[test]
+    fn the_grammar_starts_after_the_think_block() {
+        let dir = qwen36_testutil::bundled_dir();
+        let tokenizer = qwen36::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let end = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let think_end = tokenizer.token_to_id("</think>").unwrap();
+        let g = Guidance::new(&tokenizer, &[end]).unwrap();
+        let spec = g
+            .compile(TopLevelGrammar::from_regex("yes|no"), Some(think_end))
+            .unwrap();
+        let mut c = spec.0.start().unwrap();
+        let vocab = tokenizer.get_vocab_size(true);
+        let allowed = |c: &mut Box<dyn Constraint>| -> Vec<u32> {
+            let mut row = vec![0f32; vocab + 3];
+            c.mask(&mut row).unwrap();
+            (0..row.len() as u32)
+                .filter(|&t| row[t as usize] == 0.0)
+                .collect()
+        };
+        assert_eq!(allowed(&mut c).len(), vocab + 3, "inside the think block");
+        let thought = tokenizer.encode("hmm, yes", false).unwrap().get_ids().to_vec();
+        c.consume(&thought).unwrap();
+        assert_eq!(allowed(&mut c).len(), vocab + 3, "inside the think block");
+        c.consume(&[think_end]).unwrap();
+        let first = allowed(&mut c);
+        assert!(!first.is_empty());
+        for &t in &first {
+            let text = tokenizer.decode(&[t], false).unwrap();
+            assert!(
+                !text.is_empty() && ("yes".starts_with(&text) || "no".starts_with(&text)),
+                "{text:?}"
+            );
+        }
+        let yes = tokenizer.encode("yes", false).unwrap().get_ids().to_vec();
+        c.consume(&yes).unwrap();
+        assert_eq!(allowed(&mut c), vec![end], "a finished grammar allows its end");
+        c.consume(&[end]).unwrap();
+        c.rollback(1 + yes.len()).unwrap();
+        assert_eq!(allowed(&mut c), first, "the tokens tried are forgotten");
+        c.rollback(1).unwrap();
+        assert_eq!(allowed(&mut c).len(), vocab + 3, "the think block is open again");
+        c.consume(&[think_end]).unwrap();
+        assert_eq!(allowed(&mut c), first);
+        let followed = thought.len() + 1;
+        assert!(c.rollback(followed + 1).is_err());
+    }
+}
