@@ -392,6 +392,12 @@ impl Engine {
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
             ));
         }
+        if req.constraint.is_some() && self.cfg.timing_accept_rates.is_some() {
+            return Err(Error::Request(
+                "output constraints need real acceptance (this engine times drafts: timing_accept_rates)"
+                    .into(),
+            ));
+        }
         if !req.stop_strings.is_empty() && self.detokenizer.is_none() {
             return Err(Error::Request(
                 "stop strings need a detokenizer (Engine::with_detokenizer)".into(),

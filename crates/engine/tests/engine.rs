@@ -589,7 +589,8 @@ fn a_prompt_alone_ends_after_its_logprobs() {
     for (prompt, speculation) in [
         (vec![5], None),
         (vec![5, 9, 11, 300], Some(Speculation::Mtp { k: 2 })),
-        (long, None),
+        (long.clone(), None),
+        (long, Some(Speculation::Mtp { k: 2 })),
     ] {
         let beside = engine.submit(Request::greedy(vec![3, 4], 6)).unwrap();
         let mut req = Request::greedy(prompt.clone(), 0);
@@ -704,6 +705,15 @@ fn timing_accept_rates_set_the_acceptance() {
             );
         }
     }
+    // Drafts accepted by a draw could break an output constraint: refused.
+    let cfg = EngineConfig {
+        timing_accept_rates: Some(vec![1.0]),
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), cfg).unwrap();
+    let mut req = Request::greedy(vec![1, 2], 4);
+    req.constraint = Some(thirds_constraint(None));
+    assert!(matches!(engine.submit(req), Err(Error::Request(m)) if m.contains("timing_accept_rates")));
 }
 
 /// With costs given, the engine's choice of k: drafts that cost more than they save fall to

@@ -32,12 +32,15 @@ impl TokenizerEnv for TokenizerBytes {
         &self.trie
     }
 
+    /// The tokenizer's ids for text; bytes that are not UTF-8 (part of a character) by the
+    /// trie's greedy match, never as a replacement character.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
-        let text = String::from_utf8_lossy(s);
-        self.tokenizer
-            .encode(text.as_ref(), false)
-            .map(|e| e.get_ids().to_vec())
-            .unwrap_or_default()
+        self.trie.tokenize_with_greedy_fallback(s, |text| {
+            self.tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        })
     }
 }
 
@@ -73,13 +76,16 @@ impl Guidance {
         think_end: Option<u32>,
     ) -> Result<OutputConstraint, String> {
         let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
-        Ok(OutputConstraint(Arc::new(Spec { parser, think_end })))
+        Ok(OutputConstraint(Arc::new(Spec {
+            parser: Arc::new(parser),
+            think_end,
+        })))
     }
 }
 
 /// A compiled grammar: each request's constraint starts from a copy of its parser.
 struct Spec {
-    parser: TokenParser,
+    parser: Arc<TokenParser>,
     think_end: Option<u32>,
 }
 
@@ -93,12 +99,7 @@ impl std::fmt::Debug for Spec {
 
 impl ConstraintSpec for Spec {
     fn start(&self) -> Result<Box<dyn Constraint>, String> {
-        Ok(Box::new(Guided {
-            matcher: Matcher::new(Ok(self.parser.deep_clone())),
-            think_end: self.think_end,
-            open: self.think_end.is_some(),
-            history: Vec::new(),
-        }))
+        Ok(Box::new(Guided::new(self.parser.clone(), self.think_end)))
     }
 }
 
@@ -118,10 +119,27 @@ enum Step {
 /// One output's constraint: the matcher follows the tokens after the think block (or all).
 struct Guided {
     matcher: Matcher,
+    /// The compiled grammar, to start the matcher again after an error.
+    parser: Arc<TokenParser>,
     think_end: Option<u32>,
     /// The think block is open: no token is masked.
     open: bool,
     history: Vec<Step>,
+    /// The tokens fed to the matcher.
+    fed: Vec<u32>,
+}
+
+impl Guided {
+    fn new(parser: Arc<TokenParser>, think_end: Option<u32>) -> Self {
+        Self {
+            matcher: Matcher::new(Ok(parser.deep_clone())),
+            parser,
+            think_end,
+            open: think_end.is_some(),
+            history: Vec::new(),
+            fed: Vec::new(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Guided {
@@ -155,10 +173,13 @@ impl Constraint for Guided {
                     true => Step::Closed,
                     false => Step::Thinking,
                 }
+            } else if let Some(e) = self.matcher.get_error() {
+                return Err(e);
             } else if self.matcher.is_stopped() {
                 Step::Finished
             } else {
                 self.matcher.consume_token(t).map_err(|e| e.to_string())?;
+                self.fed.push(t);
                 Step::Fed
             };
             self.open &= step != Step::Closed;
@@ -175,7 +196,15 @@ impl Constraint for Guided {
             .ok_or_else(|| format!("rollback of {n} tokens after {}", self.history.len()))?;
         let gone = self.history.split_off(start);
         let fed = gone.iter().filter(|&&s| s == Step::Fed).count();
-        if fed > 0 {
+        self.fed.truncate(self.fed.len() - fed);
+        if self.matcher.is_error() {
+            // A mask that failed after tried drafts leaves the matcher in its error state, which
+            // takes no rollback: it starts again and follows the tokens kept.
+            self.matcher = Matcher::new(Ok(self.parser.deep_clone()));
+            self.matcher
+                .consume_tokens(&self.fed)
+                .map_err(|e| e.to_string())?;
+        } else if fed > 0 {
             self.matcher.rollback(fed).map_err(|e| e.to_string())?;
         }
         // (The think block's end was among them: it is open again.)
@@ -236,5 +265,37 @@ mod tests {
         assert_eq!(allowed(&mut c), first);
         let followed = thought.len() + 1;
         assert!(c.rollback(followed + 1).is_err());
+    }
+
+    /// A matcher left in its error state (a mask that failed after tried drafts) starts again
+    /// on rollback, following the tokens kept: its masks are those before the tried ones; a
+    /// token followed in the error state is refused.
+    #[test]
+    fn a_rollback_recovers_from_an_error() {
+        let dir = qwen36_testutil::bundled_dir();
+        let tokenizer = qwen36::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let end = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let g = Guidance::new(&tokenizer, &[end]).unwrap();
+        let grammar = TopLevelGrammar::from_regex("[a-z]+ [0-9]+");
+        let mut c = Guided::new(Arc::new(g.factory.create_parser(grammar).unwrap()), None);
+        let mask = |c: &mut Guided| {
+            let mut row = vec![0f32; tokenizer.get_vocab_size(true)];
+            c.mask(&mut row).unwrap();
+            row
+        };
+        let word = tokenizer.encode("abc", false).unwrap().get_ids().to_vec();
+        c.consume(&word).unwrap();
+        let before = mask(&mut c);
+        let tried = tokenizer.encode(" 1", false).unwrap().get_ids().to_vec();
+        c.consume(&tried).unwrap();
+        c.matcher.test_trigger_lexer_error().ok();
+        assert!(c.matcher.is_error());
+        assert!(
+            c.consume(&word).is_err(),
+            "no token is followed in the error state"
+        );
+        c.rollback(tried.len()).unwrap();
+        assert!(!c.matcher.is_error());
+        assert_eq!(mask(&mut c), before);
     }
 }

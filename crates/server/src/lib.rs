@@ -222,6 +222,13 @@ impl Service {
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
         let constraint = match req.grammar()? {
             None => None,
+            // (A finished grammar allows only the end-of-turn ids: they must end the request.)
+            Some((param, _)) if req.ignore_eos => {
+                return Err(ApiError::bad_request(format!(
+                    "ignore_eos: not with {param} (a finished grammar ends at the end-of-turn id)"
+                ))
+                .param("ignore_eos"))
+            }
             Some((param, grammar)) => {
                 let svc = self.clone();
                 let compiled = tokio::task::spawn_blocking(move || svc.compile(param, grammar, thinking))
@@ -240,10 +247,13 @@ impl Service {
         };
         let echo = req.echo == Some(true);
         if max_tokens == Some(0) && !echo {
-            return Err(ApiError::bad_request(
-                "max_tokens = 0: only with echo: true on /v1/completions (the prompt alone, with its log-probabilities)",
-            )
-            .param("max_tokens"));
+            let msg = match endpoint {
+                Endpoint::Chat => "max_tokens = 0: a chat completion needs at least one token",
+                Endpoint::Completions => {
+                    "max_tokens = 0: only with echo: true (the prompt alone, with its log-probabilities)"
+                }
+            };
+            return Err(ApiError::bad_request(msg).param("max_tokens"));
         }
         // The echoed prompt's text: as given, or its ids decoded.
         let echo = match (echo, req.prompt.as_ref().map(Prompt::single).transpose()?) {

@@ -735,6 +735,12 @@ async fn structured_output_matches_its_schema() {
             chat(json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})),
         ),
         ("/v1/chat/completions", chat(json!({"type": "json_object"}))),
+        // Sampled: the drafts' acceptance is coupled to the plain draw.
+        (
+            "/v1/completions",
+            json!({ "prompt": "def f(x):", "max_tokens": 40, "temperature": 0.9, "seed": 7,
+                    "guided_regex": "[a-z]+( [a-z]+){0,5}\\." }),
+        ),
     ];
     for (i, (path, body)) in cases.iter().enumerate() {
         let (status, v) = plain.post(path, body).await;
@@ -750,6 +756,14 @@ async fn structured_output_matches_its_schema() {
         match i {
             0 => assert!(choices.contains(&text), "{text:?}"),
             2 if c["finish_reason"] == "length" => {}
+            3 => {
+                let words = text.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
+                let ok = |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase());
+                assert!(
+                    words.split(' ').all(ok) && words.split(' ').count() <= 6,
+                    "{text:?}"
+                );
+            }
             _ => {
                 let out: Value =
                     serde_json::from_str(text).unwrap_or_else(|e| panic!("case {i}: {e}: {text:?}"));
@@ -777,6 +791,8 @@ async fn structured_output_matches_its_schema() {
             "case {i}"
         );
     }
+    let drafted = drafting.metrics().await["qwen36_spec_draft_tokens_total"];
+    assert!(drafted > 0.0, "the drafting server verified no drafts");
     let c = "/v1/completions";
     let bad = [
         (
@@ -796,6 +812,11 @@ async fn structured_output_matches_its_schema() {
             json!({"guided_regex": "a", "guided_choice": ["b"]}),
             "guided_choice",
             "one structured-output constraint",
+        ),
+        (
+            json!({"guided_regex": "a", "ignore_eos": true}),
+            "ignore_eos",
+            "not with guided_regex",
         ),
     ];
     for (extra, param, says) in bad {
@@ -1115,6 +1136,7 @@ async fn bad_requests_get_error_objects() {
         (c, big, ok, 413, "length limit", None),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "echo": true}"#.into(), ok, 400, "echo: completions only", Some("echo")),
         (c, r#"{"prompt": [1], "max_tokens": 0}"#.into(), ok, 400, "only with echo", Some("max_tokens")),
+        (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}"#.into(), ok, 400, "at least one token", Some("max_tokens")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
         ("/tokenize", r#"{"prompt": "hi"}"#.into(), None, 401, "API key", None),
         ("/tokenize", r#"{"prompt": "hi", "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
