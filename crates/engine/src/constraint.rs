@@ -84,3 +84,26 @@ pub(crate) fn masked_rows(
     };
     done.and(forgotten).map(|()| out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Never;
+
+    impl ConstraintSpec for Never {
+        fn start(&self) -> Result<Box<dyn Constraint>, String> {
+            Err("never".into())
+        }
+    }
+
+    /// Two requests' constraints are equal when they share one spec, not when their specs are
+    /// alike.
+    #[test]
+    fn constraints_are_equal_by_their_spec() {
+        let a = OutputConstraint(Arc::new(Never));
+        assert_eq!(a, a.clone());
+        assert_ne!(a, OutputConstraint(Arc::new(Never)));
+    }
+}

@@ -593,19 +593,7 @@ fn a_prompt_alone_ends_after_its_logprobs() {
         (long, Some(Speculation::Mtp { k: 2 })),
     ] {
         let beside = engine.submit(Request::greedy(vec![3, 4], 6)).unwrap();
-        let mut req = Request::greedy(prompt.clone(), 0);
-        req.prompt_logprobs = Some(1);
-        req.speculation = speculation;
-        let h = engine.submit(req).unwrap();
-        engine.run_to_completion().unwrap();
-        let o = collect(&h);
-        let (reason, usage) = o.end.expect("it ended");
-        assert_eq!(
-            (reason, usage.completion_tokens, o.ids.len()),
-            (StopReason::MaxTokens, 0, 0)
-        );
-        assert_eq!(usage.prompt_tokens, prompt.len());
-        let got = o.prompt.expect("prompt log-probabilities");
+        let (got, _) = common::prompt_alone(&mut engine, &prompt, 1, speculation);
         let what = format!("a prompt of {}", prompt.len());
         common::check_prompt_logprobs(&model, &prompt, &got, 1, rel, &what);
         assert_eq!(collect(&beside).ids, solo(&model, &[3, 4], 6).0);

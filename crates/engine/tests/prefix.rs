@@ -541,23 +541,13 @@ fn prompt_logprobs_run_the_whole_prompt() {
     engine.run_to_completion().unwrap();
     let out = collect(&h).ids;
     let prompt = [first, out, random_ids(&mut rng, vocab, 4)].concat();
-    let mut req = Request::greedy(prompt.clone(), 0);
-    req.prompt_logprobs = Some(2);
-    let h = engine.submit(req.clone()).unwrap();
-    engine.run_to_completion().unwrap();
-    let o = collect(&h);
-    let (reason, usage) = o.end.expect("it ended");
-    assert_eq!(
-        (reason, usage.completion_tokens, o.ids.len()),
-        (StopReason::MaxTokens, 0, 0)
-    );
+    let (got, usage) = common::prompt_alone(&mut engine, &prompt, 2, None);
     assert_eq!(usage.cached_tokens, 0, "a cached prefix skips rows it reads");
     let rel = if qwen36_testutil::test_device().is_cuda() {
         1e-4
     } else {
         1e-5
     };
-    let got = o.prompt.expect("prompt log-probabilities");
     common::check_prompt_logprobs(&model, &prompt, &got, 2, rel, "the cached prompt");
     // Without them, the same prompt (and one token more) hits what both requests kept.
     let again = engine.submit(Request::greedy(prompt.clone(), 1)).unwrap();

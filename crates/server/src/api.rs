@@ -204,6 +204,19 @@ pub struct GenerateRequest {
     pub function_call: Option<Value>,
 }
 
+/// How a request asked for tool calls ([`GenerateRequest::tool_choice`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// No tools, or `"none"`: tool calls stay text.
+    Off,
+    /// Parsed from the output when the model writes them.
+    Auto,
+    /// At least one call, of any tool (forced).
+    Required,
+    /// A call of this tool (forced).
+    Named(String),
+}
+
 /// How a request asked for log-probabilities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logprobs {
@@ -281,11 +294,12 @@ impl GenerateRequest {
         Ok(())
     }
 
-    /// Whether tool calls are parsed from the output: tools given and `tool_choice` not
-    /// `"none"`. `"required"` and a named function would need constrained decoding: refused.
-    pub fn tool_parsing(&self) -> Result<bool, ApiError> {
-        let tools = self.tools.as_ref().is_some_and(|t| !t.is_empty());
-        for (i, t) in self.tools.iter().flatten().enumerate() {
+    /// How tool calls are asked for: parsed from the output when tools are given and
+    /// `tool_choice` is not `"none"`; `"required"` and a named function are forced by a grammar
+    /// ([`Self::tool_grammar`]).
+    pub fn tool_choice(&self) -> Result<ToolChoice, ApiError> {
+        let tools = self.tools.as_deref().unwrap_or(&[]);
+        for (i, t) in tools.iter().enumerate() {
             if t.pointer("/function/name").and_then(Value::as_str).is_none() {
                 return Err(ApiError::bad_request(format!(
                     "tools[{i}]: a tool needs {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
@@ -293,15 +307,77 @@ impl GenerateRequest {
                 .param("tools"));
             }
         }
+        let bad = |msg: String| Err(ApiError::bad_request(msg).param("tool_choice"));
+        let given = !tools.is_empty();
+        let offered = |name: &str| {
+            tools
+                .iter()
+                .any(|t| t.pointer("/function/name") == Some(&json!(name)))
+        };
         match &self.tool_choice {
-            None | Some(Value::Null) => Ok(tools),
-            Some(Value::String(s)) if s == "auto" => Ok(tools),
-            Some(Value::String(s)) if s == "none" => Ok(false),
-            Some(other) => Err(ApiError::bad_request(format!(
-                "tool_choice {other}: only \"auto\" and \"none\" are supported (forcing a call needs constrained decoding)"
-            ))
-            .param("tool_choice")),
+            None | Some(Value::Null) => Ok(if given { ToolChoice::Auto } else { ToolChoice::Off }),
+            Some(Value::String(s)) if s == "auto" => Ok(if given { ToolChoice::Auto } else { ToolChoice::Off }),
+            Some(Value::String(s)) if s == "none" => Ok(ToolChoice::Off),
+            Some(Value::String(s)) if s == "required" => match given {
+                true => Ok(ToolChoice::Required),
+                false => bad("tool_choice \"required\": no tools are given".into()),
+            },
+            Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+                Some(name) if v.get("type") == Some(&json!("function")) && offered(name) => {
+                    Ok(ToolChoice::Named(name.to_string()))
+                }
+                Some(name) if v.get("type") == Some(&json!("function")) => {
+                    bad(format!("tool_choice names {name:?}, which is not among the tools"))
+                }
+                _ => bad(format!(
+                    "tool_choice {v}: expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                )),
+            },
         }
+    }
+
+    /// The grammar that forces tool calls (`tool_choice` `"required"` or a named function):
+    /// `<tool_call>` blocks holding `{"name": ..., "arguments": ...}` with each tool's parameter
+    /// schema (the JSON form the output parser reads), one of them with `parallel_tool_calls:
+    /// false`, else one or more.
+    pub fn tool_grammar(&self, choice: &ToolChoice) -> Option<TopLevelGrammar> {
+        let only = match choice {
+            ToolChoice::Off | ToolChoice::Auto => return None,
+            ToolChoice::Required => None,
+            ToolChoice::Named(name) => Some(name.as_str()),
+        };
+        let calls: Vec<Value> = self
+            .tools
+            .iter()
+            .flatten()
+            .filter_map(|t| {
+                let name = t.pointer("/function/name")?.as_str()?;
+                if only.is_some_and(|o| o != name) {
+                    return None;
+                }
+                let params = t
+                    .pointer("/function/parameters")
+                    .filter(|p| p.is_object())
+                    .cloned()
+                    .unwrap_or_else(|| json!({"type": "object"}));
+                Some(
+                    json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                            "required": ["name", "arguments"], "additionalProperties": false}),
+                )
+            })
+            .collect();
+        let schema = match calls.len() {
+            1 => calls.into_iter().next().unwrap_or_default(),
+            _ => json!({ "anyOf": calls }),
+        };
+        let json = json_grammar_schema(schema);
+        let more = if self.parallel_tool_calls == Some(false) {
+            ""
+        } else {
+            " (\"\\n\" call)*"
+        };
+        let lark = format!("start: call{more}\ncall: \"<tool_call>\\n\" %json {json} \"\\n</tool_call>\"\n");
+        Some(TopLevelGrammar::from_lark(lark))
     }
 
     /// The log-probabilities asked for: chat's `logprobs: bool` + `top_logprobs`, or
@@ -569,13 +645,18 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
 /// The grammar of JSON matching `schema`, written as Python's `json.dumps` writes it (`", "`
 /// and `": "` between items, no other whitespace: a weak or unsure model may otherwise write
 /// spaces until `max_tokens`), unless the schema sets llguidance's own `x-guidance` options.
-fn json_grammar(mut schema: Value) -> TopLevelGrammar {
+fn json_grammar(schema: Value) -> TopLevelGrammar {
+    TopLevelGrammar::from_json_schema(json_grammar_schema(schema))
+}
+
+/// `schema` with [`json_grammar`]'s options (unless it sets its own).
+fn json_grammar_schema(mut schema: Value) -> Value {
     if let Some(o) = schema.as_object_mut() {
         o.entry("x-guidance").or_insert_with(
             || json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": " }),
         );
     }
-    TopLevelGrammar::from_json_schema(schema)
+    schema
 }
 
 /// `text` as a regex matching it literally.

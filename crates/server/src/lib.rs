@@ -36,7 +36,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-pub use api::{ApiError, GenerateRequest, Logprobs, OnePrompt, Prompt, Stop, StreamOptions};
+pub use api::{ApiError, GenerateRequest, Logprobs, OnePrompt, Prompt, Stop, StreamOptions, ToolChoice};
 pub use metrics::Metrics;
 pub use output::{parse_tool_call, Delta, OutputParser, ToolCall};
 
@@ -209,7 +209,8 @@ impl Service {
         let n = req.choices()?;
         let logprobs = req.logprobs(chat)?;
         let stop_strings = req.stop_strings()?;
-        let tools = req.tool_parsing()?;
+        let tool_choice = req.tool_choice()?;
+        let tools = tool_choice != ToolChoice::Off;
         req.check_endpoint(chat)?;
         if req.return_token_ids && n > 1 {
             return Err(ApiError::bad_request("return_token_ids takes one choice (n = 1)").param("n"));
@@ -220,7 +221,17 @@ impl Service {
         let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-        let constraint = match req.grammar()? {
+        let grammar = match (req.grammar()?, req.tool_grammar(&tool_choice)) {
+            (Some((param, _)), Some(_)) => {
+                return Err(ApiError::bad_request(format!(
+                    "tool_choice: a forced tool call and {param} at once"
+                ))
+                .param("tool_choice"))
+            }
+            (None, Some(forced)) => Some(("tool_choice", forced)),
+            (asked, None) => asked,
+        };
+        let constraint = match grammar {
             None => None,
             // (A finished grammar allows only the end-of-turn ids: they must end the request.)
             Some((param, _)) if req.ignore_eos => {

@@ -833,6 +833,74 @@ async fn structured_output_matches_its_schema() {
     drafting.stop().await;
 }
 
+/// `tool_choice` `"required"` or a named function forces `<tool_call>` blocks whose arguments
+/// match the tool's parameters (`finish_reason: "tool_calls"`), one with
+/// `parallel_tool_calls: false`; a thinking chat calls after its `</think>`; a name not among the
+/// tools, `"required"` without tools, and a forced call beside a `response_format` are 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_tool_calls_match_their_tool() {
+    let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let unit = json!({"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+        "additionalProperties": false}}});
+    let path = "/v1/chat/completions";
+    let body = |choice: Value, thinking: bool| {
+        json!({ "messages": [{"role": "user", "content": "Use Celsius."}], "max_tokens": 200,
+                "temperature": 0, "tools": [weather_tool(), unit.clone()], "tool_choice": choice,
+                "parallel_tool_calls": false,
+                "chat_template_kwargs": {"enable_thinking": thinking} })
+    };
+    let named = json!({"type": "function", "function": {"name": "set_unit"}});
+    for (choice, thinking) in [(named.clone(), false), (named, true), (json!("required"), false)] {
+        let (status, v) = server.post(path, &body(choice.clone(), thinking)).await;
+        assert_eq!(status, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(
+            c["finish_reason"], "tool_calls",
+            "{choice} (thinking {thinking}): {v}"
+        );
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        let name = calls[0]["function"]["name"].as_str().unwrap();
+        let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        match name {
+            "set_unit" => assert!(
+                args == json!({"unit": "c"}) || args == json!({"unit": "f"}),
+                "{args}"
+            ),
+            _ => {
+                assert_eq!(name, "get_weather", "{v}");
+                assert!(choice == json!("required") && args["city"].is_string(), "{v}");
+            }
+        }
+    }
+    let bad = [
+        (
+            body(json!({"type": "function", "function": {"name": "nope"}}), false),
+            "\"nope\", which is not among the tools",
+        ),
+        (
+            json!({ "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required" }),
+            "no tools are given",
+        ),
+        (
+            {
+                let mut b = body(json!("required"), false);
+                b["response_format"] = json!({"type": "json_object"});
+                b
+            },
+            "a forced tool call and response_format",
+        ),
+    ];
+    for (b, says) in bad {
+        let (status, v) = server.post(path, &b).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "tool_choice", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
+    }
+    server.stop().await;
+}
+
 /// Chat output is split into `reasoning_content`, `content` and `tool_calls` (JSON and XML
 /// forms, arguments typed by the tool's schema), with `finish_reason: "tool_calls"`; streamed,
 /// the deltas add up to the whole message; with `parallel_tool_calls: false` the first call
@@ -1226,10 +1294,10 @@ async fn bad_requests_get_error_objects() {
         ),
         (
             chat,
-            r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}"#.into(),
+            r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}"#.into(),
             ok,
             400,
-            "tool_choice",
+            "tool_choice \"any\": expected",
             Some("tool_choice"),
         ),
         (

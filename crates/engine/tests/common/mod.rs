@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use qwen36_engine::{Event, RequestHandle, StopReason, Usage};
+use qwen36_engine::{Engine, Event, Request, RequestHandle, Speculation, StopReason, Usage};
 use qwen36_model::Qwen36Model;
 use qwen36_sampling::Sampled;
 use qwen36_testutil::ids_tensor;
@@ -139,4 +139,28 @@ pub fn check_prompt_logprobs(
             );
         }
     }
+}
+
+/// Runs `prompt` alone through `engine` for its log-probabilities (`max_tokens` 0, `top`
+/// alternatives, drafting with `speculation`): they and the usage, once checked that the
+/// request ended at `MaxTokens` without a token.
+pub fn prompt_alone(
+    engine: &mut Engine,
+    prompt: &[u32],
+    top: usize,
+    speculation: Option<Speculation>,
+) -> (Vec<Sampled>, Usage) {
+    let mut req = Request::greedy(prompt.to_vec(), 0);
+    req.prompt_logprobs = Some(top);
+    req.speculation = speculation;
+    let h = engine.submit(req).unwrap();
+    engine.run_to_completion().unwrap();
+    let o = collect(&h);
+    let (reason, usage) = o.end.expect("it ended");
+    assert_eq!(
+        (reason, usage.completion_tokens, o.ids.len()),
+        (StopReason::MaxTokens, 0, 0)
+    );
+    assert_eq!(usage.prompt_tokens, prompt.len());
+    (o.prompt.expect("prompt log-probabilities"), usage)
 }
