@@ -84,6 +84,26 @@ content = lp.choices[0].logprobs.content
 check(len(content) == lp.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content),
       "chat: logprobs with top_logprobs")
 
+# Structured output and a forced tool call, as the client sends them.
+schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+so = client.chat.completions.create(
+    model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=40,
+    temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+check(json.loads(so.choices[0].message.content)["answer"] in ("yes", "no"),
+      "chat: response_format json_schema")
+unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}
+forced = client.chat.completions.create(
+    model=MODEL, messages=[{"role": "user", "content": "Use Celsius."}], max_tokens=60,
+    temperature=0, tools=[unit], tool_choice={"type": "function", "function": {"name": "set_unit"}},
+    parallel_tool_calls=False,
+    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+call = forced.choices[0].message.tool_calls[0].function
+check(forced.choices[0].finish_reason == "tool_calls" and call.name == "set_unit"
+      and json.loads(call.arguments)["unit"] in ("c", "f"), "chat: a forced tool call")
+
 # Bad input: the client's error type with the server's message.
 try:
     client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
