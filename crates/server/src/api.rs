@@ -138,7 +138,8 @@ pub struct GenerateRequest {
     pub messages: Option<Vec<Map<String, Value>>>,
     /// Tool schemas for the chat template; the output's tool calls are parsed against them.
     pub tools: Option<Vec<Value>>,
-    /// `"auto"` (the default) or `"none"` (tool calls are not parsed).
+    /// `"auto"` (the default), `"none"` (tool calls are not parsed), `"required"` or
+    /// `{"type": "function", "function": {"name": ...}}` (a call forced: [`Self::tool_grammar`]).
     pub tool_choice: Option<Value>,
     /// `false`: only the first tool call of the output is returned (default `true`).
     pub parallel_tool_calls: Option<bool>,
@@ -338,45 +339,58 @@ impl GenerateRequest {
 
     /// The grammar that forces tool calls (`tool_choice` `"required"` or a named function):
     /// `<tool_call>` blocks holding `{"name": ..., "arguments": ...}` with each tool's parameter
-    /// schema (the JSON form the output parser reads), one of them with `parallel_tool_calls:
-    /// false`, else one or more.
+    /// schema (the JSON form the output parser reads; the arguments always an object), one for a
+    /// named function or with `parallel_tool_calls: false`, else one or more. Keywords
+    /// llguidance cannot enforce are read leniently, as the model reads them with `"auto"`.
     pub fn tool_grammar(&self, choice: &ToolChoice) -> Option<TopLevelGrammar> {
         let only = match choice {
             ToolChoice::Off | ToolChoice::Auto => return None,
             ToolChoice::Required => None,
             ToolChoice::Named(name) => Some(name.as_str()),
         };
-        let calls: Vec<Value> = self
+        let chosen: Vec<&Value> = self
             .tools
             .iter()
             .flatten()
-            .filter_map(|t| {
-                let name = t.pointer("/function/name")?.as_str()?;
-                if only.is_some_and(|o| o != name) {
-                    return None;
-                }
-                let params = t
-                    .pointer("/function/parameters")
-                    .filter(|p| p.is_object())
-                    .cloned()
-                    .unwrap_or_else(|| json!({"type": "object"}));
-                Some(
-                    json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                            "required": ["name", "arguments"], "additionalProperties": false}),
-                )
+            .filter(|t| only.is_none_or(|o| t.pointer("/function/name") == Some(&json!(o))))
+            .collect();
+        let calls: Vec<Value> = chosen
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let name = t.pointer("/function/name").cloned().unwrap_or_default();
+                // (Its `#` references resolve against the whole grammar's schema: they get the
+                // path to its arguments.)
+                let at = match chosen.len() {
+                    1 => "#/properties/arguments".to_string(),
+                    _ => format!("#/anyOf/{i}/properties/arguments"),
+                };
+                let params = match t.pointer("/function/parameters") {
+                    Some(Value::Object(p)) => {
+                        let mut p = Value::Object(p.clone());
+                        rebase_refs(&mut p, &at);
+                        if let Some(o) = p.as_object_mut() {
+                            o.entry("type").or_insert_with(|| json!("object"));
+                        }
+                        p
+                    }
+                    // No parameters: an empty object.
+                    _ => json!({"type": "object", "properties": {}, "additionalProperties": false}),
+                };
+                json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                       "required": ["name", "arguments"], "additionalProperties": false})
             })
             .collect();
-        let schema = match calls.len() {
+        let mut schema = match calls.len() {
             1 => calls.into_iter().next().unwrap_or_default(),
             _ => json!({ "anyOf": calls }),
         };
-        let json = json_grammar_schema(schema);
-        let more = if self.parallel_tool_calls == Some(false) {
-            ""
-        } else {
-            " (\"\\n\" call)*"
-        };
-        let lark = format!("start: call{more}\ncall: \"<tool_call>\\n\" %json {json} \"\\n</tool_call>\"\n");
+        schema["x-guidance"] = json!({ "whitespace_flexible": false, "item_separator": ", ",
+                                       "key_separator": ": ", "lenient": true });
+        let one = self.parallel_tool_calls == Some(false) || only.is_some();
+        let more = if one { "" } else { " (\"\\n\" call)*" };
+        let lark =
+            format!("start: call{more}\ncall: \"<tool_call>\\n\" %json {schema} \"\\n</tool_call>\"\n");
         Some(TopLevelGrammar::from_lark(lark))
     }
 
@@ -657,6 +671,23 @@ fn json_grammar_schema(mut schema: Value) -> Value {
         );
     }
     schema
+}
+
+/// Every `$ref` in `schema` that points into its own document (`#...`) pointed into it at
+/// `at` instead (the schema is nested there in a larger one).
+fn rebase_refs(schema: &mut Value, at: &str) {
+    match schema {
+        Value::Object(o) => {
+            for (k, v) in o.iter_mut() {
+                match (k.as_str(), v) {
+                    ("$ref", Value::String(r)) if r.starts_with('#') => *r = format!("{at}{}", &r[1..]),
+                    (_, v) => rebase_refs(v, at),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|v| rebase_refs(v, at)),
+        _ => {}
+    }
 }
 
 /// `text` as a regex matching it literally.
