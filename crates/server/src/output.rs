@@ -184,7 +184,14 @@ impl OutputParser {
                 }
             }
             State::Tool => {
-                let Some(i) = self.buf.find(TOOL_END) else {
+                // A JSON body ends where its value ends: a `</tool_call>` inside one of its
+                // strings is text (a value still arriving waits for the rest).
+                let from = match json_end(&self.buf) {
+                    JsonEnd::At(at) => at,
+                    JsonEnd::Incomplete if !end => return false,
+                    JsonEnd::Incomplete | JsonEnd::NotJson => 0,
+                };
+                let Some(i) = self.buf[from..].find(TOOL_END).map(|i| i + from) else {
                     return false;
                 };
                 let block: String = self.buf.drain(..i + TOOL_END.len()).collect();
@@ -209,6 +216,30 @@ impl OutputParser {
                 true
             }
         }
+    }
+}
+
+/// Where a tool call's JSON body ends.
+enum JsonEnd {
+    /// The byte after its value.
+    At(usize),
+    /// Its value has not ended yet.
+    Incomplete,
+    /// It does not open a JSON object (the XML form), or is not JSON.
+    NotJson,
+}
+
+/// Where the JSON object that `body` opens (after whitespace) ends.
+fn json_end(body: &str) -> JsonEnd {
+    let value = body.trim_start();
+    if !value.starts_with('{') {
+        return JsonEnd::NotJson;
+    }
+    let mut values = serde_json::Deserializer::from_str(value).into_iter::<serde::de::IgnoredAny>();
+    match values.next() {
+        Some(Ok(_)) => JsonEnd::At(body.len() - value.len() + values.byte_offset()),
+        Some(Err(e)) if e.is_eof() => JsonEnd::Incomplete,
+        _ => JsonEnd::NotJson,
     }
 }
 
@@ -412,6 +443,17 @@ mod tests {
         ));
         assert!(!OutputParser::prompt_is_thinking("<|im_start|>assistant\n"));
         assert!(OutputParser::prompt_is_thinking("<think>a</think> x <think>"));
+    }
+
+    /// A `</tool_call>` inside a JSON body's string is text: the call ends after the value (in
+    /// every split into pieces, the value arriving in parts).
+    #[test]
+    fn a_closing_tag_inside_a_json_string_is_text() {
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a</tool_call>b\"}}\n</tool_call>";
+        let d = parse_all_ways(|| OutputParser::new(true, false, Some(weather()), "call"), text);
+        assert_eq!((d.content.as_str(), d.tool_calls.len()), ("", 1), "{d:?}");
+        let args: Value = serde_json::from_str(&d.tool_calls[0].arguments).unwrap();
+        assert_eq!(args["city"], "a</tool_call>b");
     }
 
     #[test]
