@@ -98,6 +98,74 @@ mod tests {
         }
     }
 
+    /// Allows only even tokens; fails to mask once it has followed `fail_at` tokens.
+    #[derive(Debug, Default)]
+    struct Evens {
+        followed: Vec<u32>,
+        fail_at: Option<usize>,
+    }
+
+    impl Constraint for Evens {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+            if self.fail_at == Some(self.followed.len()) {
+                return Err("stuck".into());
+            }
+            for l in logits.iter_mut().skip(1).step_by(2) {
+                *l = f32::NEG_INFINITY;
+            }
+            Ok(())
+        }
+
+        fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
+            self.followed.extend(tokens);
+            Ok(())
+        }
+
+        fn rollback(&mut self, n: usize) -> Result<(), String> {
+            let keep = self.followed.len().checked_sub(n).ok_or("too far")?;
+            self.followed.truncate(keep);
+            Ok(())
+        }
+    }
+
+    const ODD: f32 = f32::NEG_INFINITY;
+
+    /// Row `j` is masked after the drafts before it; rows past a refused draft stay as they
+    /// are; a mask failing after tried drafts ends the rows there; the tried drafts are
+    /// forgotten either way; a failure at the first row is an error.
+    #[test]
+    fn a_verifys_rows_are_masked_after_the_drafts_before_them() {
+        let rows = vec![vec![1.0, 2.0, 3.0, 4.0]; 4];
+        let masked = vec![1.0, ODD, 3.0, ODD];
+        let mut c = Evens::default();
+        // Drafts 2 (allowed), 3 (refused), 0: the row after the refused one is left.
+        let out = masked_rows(&mut c, &[2, 3, 0], &rows).unwrap();
+        assert_eq!(
+            out,
+            vec![masked.clone(), masked.clone(), rows[2].clone(), rows[3].clone()]
+        );
+        assert!(c.followed.is_empty(), "tried drafts forgotten");
+        let mut c = Evens {
+            fail_at: Some(2),
+            ..Default::default()
+        };
+        let out = masked_rows(&mut c, &[0, 2, 4], &rows).unwrap();
+        assert_eq!(
+            out,
+            vec![masked.clone(), masked.clone()],
+            "rows up to the failing mask"
+        );
+        assert!(c.followed.is_empty(), "tried drafts forgotten");
+        let mut c = Evens {
+            fail_at: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            masked_rows(&mut c, &[0], &rows[..2]),
+            Err("output constraint: stuck".to_string())
+        );
+    }
+
     /// Two requests' constraints are equal when they share one spec, not when their specs are
     /// alike.
     #[test]
