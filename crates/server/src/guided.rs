@@ -15,12 +15,6 @@ pub struct Guidance {
     factory: ParserFactory,
 }
 
-impl std::fmt::Debug for Guidance {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Guidance").finish_non_exhaustive()
-    }
-}
-
 /// The tokenizer behind a trie of its tokens' bytes (what llguidance asks of a tokenizer).
 struct TokenizerBytes {
     trie: TokTrie,
