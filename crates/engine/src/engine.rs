@@ -617,9 +617,13 @@ impl Engine {
         for (c, p) in plan.iter().enumerate() {
             let s = &self.sched.running[p.index];
             let start = batch.chunks()[c].start;
-            let lps = match s.prompt_rows_left() {
-                Some(left) if left.end > start && left.start < start + p.tokens => {
-                    let positions = left.start.max(start)..left.end.min(start + p.tokens);
+            // (The positions of this chunk whose rows are still to read.)
+            let positions = s
+                .prompt_rows_left()
+                .map(|left| left.start.max(start)..left.end.min(start + p.tokens))
+                .filter(|positions| !positions.is_empty());
+            let lps = match positions {
+                Some(positions) => {
                     let targets = &s.prompt[positions.start + 1..positions.end + 1];
                     let first = batch.rows(c).start + positions.start - start;
                     let top = s.prompt_logprobs.unwrap_or(0);
@@ -631,7 +635,7 @@ impl Engine {
                         }
                     }
                 }
-                _ => Vec::new(),
+                None => Vec::new(),
             };
             prompt_lps.push(lps);
         }
