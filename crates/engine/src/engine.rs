@@ -607,10 +607,7 @@ impl Engine {
             .collect();
         let (logits, pending, hidden) = match self.forward(&batch, &reads, &full) {
             Ok(l) => l,
-            Err(e) => {
-                self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
-                return Err(e);
-            }
+            Err(e) => return self.fail_step(&plan, e),
         };
         // Prompt log-probabilities: per chunk, the rows of its prompt positions not read before.
         let mut prompt_lps = Vec::with_capacity(plan.len());
@@ -629,10 +626,7 @@ impl Engine {
                     let top = s.prompt_logprobs.unwrap_or(0);
                     match self.prompt_logprobs(&hidden, first, targets, top) {
                         Ok(lps) => lps,
-                        Err(e) => {
-                            self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
-                            return Err(e);
-                        }
+                        Err(e) => return self.fail_step(&plan, e),
                     }
                 }
                 None => Vec::new(),
@@ -768,9 +762,7 @@ impl Engine {
             let pending = pending.as_ref().expect("a verify leaves its commits pending");
             if let Err(e) = self.cache.commit_many(pending, &commits) {
                 // The states are not the accepted ones: no sequence of the step can go on.
-                let e = Error::from(e);
-                self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
-                return Err(e);
+                return self.fail_step(&plan, Error::from(e));
             }
             stats.committing = committing.elapsed();
         }
@@ -1302,6 +1294,13 @@ impl Engine {
             let _ = s.events.send(Event::Failed { error: e.to_string() });
             let _ = s.release(&mut self.sched.slots, &mut self.sched.blocks);
         }
+    }
+
+    /// A step that cannot go on: every sequence of its `plan` fails with `e`, which is returned
+    /// (a bookkeeping error while freeing them first).
+    fn fail_step(&mut self, plan: &[crate::scheduler::Scheduled], e: Error) -> Result<StepStats> {
+        self.fail_running(&plan.iter().map(|p| p.index).collect::<Vec<_>>(), &e)?;
+        Err(e)
     }
 
     /// Ends the running sequences at `indices` with `Failed`, freeing what they hold: each is

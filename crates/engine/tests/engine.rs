@@ -19,9 +19,7 @@ use qwen36_sampling::{DegenerationConfig, SamplingParams};
 use qwen36_testutil::{ids_tensor, Rng};
 
 fn log_softmax_at(row: &[f32], i: usize) -> f32 {
-    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m as f64 + row.iter().map(|&l| ((l - m) as f64).exp()).sum::<f64>().ln();
-    (row[i] as f64 - lse) as f32
+    common::log_softmax(row)[i]
 }
 
 /// What a random request set went through.

@@ -385,8 +385,7 @@ impl GenerateRequest {
             1 => calls.into_iter().next().unwrap_or_default(),
             _ => json!({ "anyOf": calls }),
         };
-        schema["x-guidance"] = json!({ "whitespace_flexible": false, "item_separator": ", ",
-                                       "key_separator": ": ", "lenient": true });
+        schema["x-guidance"] = json_options(true);
         let one = self.parallel_tool_calls == Some(false) || only.is_some();
         let more = if one { "" } else { " (\"\\n\" call)*" };
         let lark =
@@ -659,18 +658,17 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
 /// The grammar of JSON matching `schema`, written as Python's `json.dumps` writes it (`", "`
 /// and `": "` between items, no other whitespace: a weak or unsure model may otherwise write
 /// spaces until `max_tokens`), unless the schema sets llguidance's own `x-guidance` options.
-fn json_grammar(schema: Value) -> TopLevelGrammar {
-    TopLevelGrammar::from_json_schema(json_grammar_schema(schema))
+fn json_grammar(mut schema: Value) -> TopLevelGrammar {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| json_options(false));
+    }
+    TopLevelGrammar::from_json_schema(schema)
 }
 
-/// `schema` with [`json_grammar`]'s options (unless it sets its own).
-fn json_grammar_schema(mut schema: Value) -> Value {
-    if let Some(o) = schema.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(
-            || json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": " }),
-        );
-    }
-    schema
+/// llguidance's JSON options: written as `json.dumps` writes it; `lenient`: keywords it cannot
+/// enforce are ignored rather than refused.
+fn json_options(lenient: bool) -> Value {
+    json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": lenient })
 }
 
 /// Every `$ref` in `schema` that points into its own document (`#...`) pointed into it at
