@@ -286,7 +286,13 @@ def save(args, model, head, tok, tcfg, tf_version):
                "transformers_version": tf_version}
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump(gen_cfg, f, indent=2)
-    tok.save(os.path.join(args.out, "tokenizer.json"))
+    # The trainer registers every added token as special; `<think>`/`</think>` are plain text, as in
+    # Qwen's own tokenizer (decoding with skip_special_tokens keeps them, so reasoning can be parsed).
+    tok_json = json.loads(tok.to_str())
+    for t in tok_json["added_tokens"]:
+        t["special"] = t["content"].startswith("<|")
+    with open(os.path.join(args.out, "tokenizer.json"), "w") as f:
+        json.dump(tok_json, f, indent=2, ensure_ascii=False)
     added = {str(tok.token_to_id(s)): {"content": s, "special": s.startswith("<|"), "lstrip": False,
                                        "rstrip": False, "normalized": False, "single_word": False} for s in SPECIAL}
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "bos_token": None,
