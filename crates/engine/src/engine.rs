@@ -408,7 +408,10 @@ impl Engine {
         if self.sched.waiting.len() >= self.cfg.max_queue.saturating_add(free) {
             return Err(Error::QueueFull(self.cfg.max_queue));
         }
-        let sampler = Sampler::new(req.sampling).map_err(|e| Error::Request(e.to_string()))?;
+        let min_tokens = req.sampling.min_tokens;
+        let sampler = Sampler::new(req.sampling)
+            .map_err(|e| Error::Request(e.to_string()))?
+            .with_end_ids(&req.stop_ids);
         let constraint = match &req.constraint {
             Some(spec) => Some(
                 spec.0
@@ -423,15 +426,17 @@ impl Engine {
         self.next_id += 1;
         self.sched.wait(Sequence {
             id,
+            priority: req.priority,
             prompt: req.prompt,
             output: Vec::new(),
             sampler,
             max_tokens: req.max_tokens,
             stop_ids: req.stop_ids,
-            text: self
-                .detokenizer
-                .as_ref()
-                .map(|_| TextStream::new(&req.stop_strings)),
+            text: self.detokenizer.as_ref().map(|_| {
+                TextStream::new(&req.stop_strings)
+                    .min_tokens(min_tokens)
+                    .keep_stop_strings(req.keep_stop_strings)
+            }),
             logprobs: req.logprobs,
             prompt_logprobs: req.prompt_logprobs,
             prompt_lps: req.prompt_logprobs.map(|_| Vec::new()),
@@ -1513,6 +1518,7 @@ fn emit(
     for (j, &t) in fresh.iter().enumerate() {
         s.output.push(t);
         sent.push(t);
+        // (The first `min_tokens` tokens are never stop ids: the sampler masks them.)
         if s.stop_ids.contains(&t) {
             reason = Some(StopReason::StopToken(t));
         } else if let (Some(stream), Some(d)) = (s.text.as_mut(), detokenizer) {
@@ -1563,8 +1569,8 @@ fn emit(
 
 /// A request's own checks (the rest depend on the engine's pools and heads): its prompt
 /// ([`check_prompt`]), its stop and logit-bias ids within `vocab` (one past it could never
-/// fire or bias nothing), `max_tokens` at least 1 (or 0 with `prompt_logprobs`), and its sampling, speculation and
-/// degeneration settings.
+/// fire or bias nothing), `max_tokens` at least 1 (or 0 with `prompt_logprobs`) and not under
+/// `min_tokens`, and its sampling, speculation and degeneration settings.
 pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     check_prompt(&req.prompt, vocab)?;
     if let Some(&id) = req.stop_ids.iter().find(|&&id| id as usize >= vocab) {
@@ -1580,6 +1586,12 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     {
         return Err(Error::Request(format!(
             "logit_bias: token {id} is outside the vocabulary of {vocab}"
+        )));
+    }
+    if let Some(max) = req.max_tokens.filter(|&m| req.sampling.min_tokens > m) {
+        return Err(Error::Request(format!(
+            "min_tokens {} is over max_tokens {max}",
+            req.sampling.min_tokens
         )));
     }
     if req.max_tokens == Some(0) && req.prompt_logprobs.is_none() {

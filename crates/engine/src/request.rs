@@ -22,8 +22,11 @@ pub struct Request {
     /// Generation stops after any of these ids (the id is the last token sent).
     pub stop_ids: Vec<u32>,
     /// Generation stops once the text contains any of these (it ends where the match starts;
-    /// needs [`crate::Engine::with_detokenizer`]).
+    /// needs [`crate::Engine::with_detokenizer`]). Neither they nor the stop ids end the output
+    /// before `sampling.min_tokens` tokens (the stop ids are masked until then).
     pub stop_strings: Vec<String>,
+    /// The text ends after a matched stop string rather than where it starts.
+    pub keep_stop_strings: bool,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
     /// Send each prompt token's log-probability given the tokens before it, with this many
@@ -35,6 +38,10 @@ pub struct Request {
     pub constraint: Option<OutputConstraint>,
     /// Speculative decoding (`None`: one token per step). The tokens are the same either way.
     pub speculation: Option<Speculation>,
+    /// Scheduling priority, lower first (vLLM's convention; 0 by default): a waiting request
+    /// is admitted before those of a higher value, and when the pool runs out the running
+    /// request of the highest value is preempted first. Ties go by arrival.
+    pub priority: i32,
     /// Watch the output for degeneration (loops, entropy collapse; reported in [`Usage`]) with
     /// this config; `None` does not watch.
     pub degeneration: Option<DegenerationConfig>,
@@ -103,10 +110,12 @@ impl Request {
             max_tokens: Some(max_tokens),
             stop_ids: Vec::new(),
             stop_strings: Vec::new(),
+            keep_stop_strings: false,
             logprobs: false,
             prompt_logprobs: None,
             constraint: None,
             speculation: None,
+            priority: 0,
             degeneration: None,
             stop_on_degeneration: false,
         }

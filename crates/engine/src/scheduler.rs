@@ -1,9 +1,10 @@
 //! Continuous batching: which sequences run in the next forward and how many tokens each.
 //!
-//! FCFS: running sequences first (decode tokens and the rest of their prompts, oldest first),
-//! then waiting ones while a slot, KV blocks and the step's token budget allow; a prompt longer
-//! than the budget runs in chunks over several steps, beside everyone's decode tokens. When KV
-//! blocks run out the newest running sequence is preempted: its slot and blocks are freed and it
+//! By priority, then first come first served: running sequences first (decode tokens and the
+//! rest of their prompts, in that order), then waiting ones while a slot, KV blocks and the
+//! step's token budget allow; a prompt longer than the budget runs in chunks over several steps,
+//! beside everyone's decode tokens. When KV blocks run out the last running sequence in that
+//! order (the newest of the lowest priority) is preempted: its slot and blocks are freed and it
 //! waits again, to be recomputed from its prompt and the tokens it already has.
 
 use std::collections::VecDeque;
@@ -23,6 +24,8 @@ use qwen36_mtp::SpecStats;
 #[derive(Debug)]
 pub(crate) struct Sequence {
     pub id: u64,
+    /// [`crate::Request::priority`].
+    pub priority: i32,
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,
     pub sampler: Sampler,
@@ -76,6 +79,11 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
+    /// The scheduling order: priority (lower first), then age.
+    pub fn order(&self) -> (i32, u64) {
+        (self.priority, self.id)
+    }
+
     /// Prompt and generated tokens.
     pub fn len(&self) -> usize {
         self.prompt.len() + self.output.len()
@@ -180,9 +188,9 @@ pub(crate) type Plan = Vec<Scheduled>;
 /// The queues and the pools' bookkeeping.
 #[derive(Debug)]
 pub(crate) struct Scheduler {
-    /// Waiting sequences, oldest (smallest id) first.
+    /// Waiting sequences in [`Sequence::order`].
     pub waiting: VecDeque<Sequence>,
-    /// Running sequences (holding a slot), oldest first after each `schedule`.
+    /// Running sequences (holding a slot), in [`Sequence::order`] after each `schedule`.
     pub running: Vec<Sequence>,
     pub slots: SlotPool,
     pub blocks: BlockPool,
@@ -218,8 +226,8 @@ impl Scheduler {
                 released?;
             }
         }
-        self.running.sort_by_key(|s| s.id);
-        // Every running sequence's pending tokens first (oldest first), then drafts from what
+        self.running.sort_by_key(Sequence::order);
+        // Every running sequence's pending tokens first (in order), then drafts from what
         // the budget leaves, so that drafts never starve another sequence's decode token.
         let mut budget = self.step_tokens;
         let mut counts: Vec<usize> = self
@@ -270,7 +278,7 @@ impl Scheduler {
                     budget += 1;
                 }
                 Err(Error::Exhausted { .. }) => {
-                    // Preempt the newest (possibly this one) and try again.
+                    // Preempt the last in order (possibly this one) and try again.
                     let newest = self.running.len() - 1;
                     let mut victim = self.running.remove(newest);
                     budget += counts.remove(newest);
@@ -412,9 +420,9 @@ impl Scheduler {
         Ok(prefix.evict(blocks, slots, &mut self.blocks, &mut self.slots)? > 0)
     }
 
-    /// Queues `s` by age (preempted sequences go before younger ones).
+    /// Queues `s` in order (a preempted sequence goes before younger ones of its priority).
     pub fn wait(&mut self, s: Sequence) {
-        let at = self.waiting.partition_point(|w| w.id < s.id);
+        let at = self.waiting.partition_point(|w| w.order() < s.order());
         self.waiting.insert(at, s);
     }
 }

@@ -206,6 +206,77 @@ fn preemption_keeps_every_result() {
     );
 }
 
+/// Priorities order admission (lower first, ties by arrival; a later request of a lower value
+/// goes before those waiting, without preempting the running one) and preemption (the running
+/// request of the highest value goes first, whatever its age), and change no request's tokens.
+#[test]
+fn priorities_order_admission_and_preemption() {
+    let model = bundled();
+    let request = |i: u32, priority: i32, n: usize| Request {
+        priority,
+        ..Request::greedy((1 + i..11 + i).collect(), n)
+    };
+    // One at a time: the order in which they finish is the order they ran in.
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), cfg).unwrap();
+    let mut handles = vec![
+        engine.submit(request(0, 0, 3)).unwrap(),
+        engine.submit(request(1, 5, 3)).unwrap(),
+    ];
+    engine.step().unwrap();
+    for (i, p) in [(2, -1), (3, 0), (4, -1)] {
+        handles.push(engine.submit(request(i, p, 3)).unwrap());
+    }
+    let (mut finished, mut ids) = (Vec::new(), vec![Vec::new(); handles.len()]);
+    while engine.pending() > 0 {
+        engine.step().unwrap();
+        for (i, h) in handles.iter().enumerate() {
+            for e in h.drain() {
+                match e {
+                    Event::Token { ids: t, .. } => ids[i].extend(t),
+                    Event::Finished { .. } => finished.push(i),
+                    e => panic!("request {i}: {e:?}"),
+                }
+            }
+        }
+    }
+    assert_eq!(finished, [0, 2, 4, 3, 1]);
+    for (i, ids) in ids.iter().enumerate() {
+        assert_eq!(
+            ids,
+            &solo(&model, &request(i as u32, 0, 3).prompt, 3).0,
+            "request {i}"
+        );
+    }
+
+    // Blocks for one of the two to the end: the older one, of the higher value, is preempted.
+    let cfg = EngineConfig {
+        max_seqs: 2,
+        kv_blocks: Some(8),
+        block_size: 8,
+        step_tokens: 64,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), cfg).unwrap();
+    let reqs = [request(7, 1, 30), request(8, 0, 30)];
+    let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    engine.run_to_completion().unwrap();
+    let preemptions: Vec<usize> = handles
+        .iter()
+        .zip(&reqs)
+        .map(|(h, r)| {
+            let o = collect(h);
+            assert_eq!(o.ids, solo(&model, &r.prompt, 30).0);
+            o.end.unwrap().1.preemptions
+        })
+        .collect();
+    assert!(preemptions[0] > 0 && preemptions[1] == 0, "{preemptions:?}");
+    assert_eq!(engine.pool_use(), (0, 0));
+}
+
 /// Greedy speculative decoding with prompt-lookup drafts, batched with plain requests: every
 /// request's tokens are its plain solo greedy run's.
 #[test]
@@ -1065,6 +1136,81 @@ fn greedy_with_logit_biases_applies_them_with_drafts_too() {
     }
 }
 
+/// `min_tokens` keeps the stop ids out of the output's first tokens, then the first stop id
+/// ends it: the tokens of a solo run with the stop ids masked that long, cut at its first stop
+/// id after them; greedy and sampled, plain and drafting (a draft of a stop id too early is
+/// refused). `min_tokens` over `max_tokens` is refused.
+#[test]
+fn min_tokens_keeps_the_stop_ids_out_until_then() {
+    const MIN: usize = 9;
+    let mut rng = Rng::new(67);
+    let (model, head) = model_helpers::load_bundled();
+    let mut reqs = Vec::new();
+    for i in 0..6 {
+        let prompt = echo_prompt(&model, &mut rng, 14 + 2 * i);
+        // The ids the greedy run writes most (without min_tokens it would stop early).
+        let plain = solo(&model, &prompt, 40).0;
+        let count = |t: &u32| plain.iter().filter(|&u| u == t).count();
+        let mut by_count = plain.clone();
+        by_count.sort_by_key(|t| (std::cmp::Reverse(count(t)), *t));
+        by_count.dedup();
+        let mut r = match i % 2 {
+            0 => Request::greedy(prompt, 40),
+            _ => Request {
+                max_tokens: Some(40),
+                ..sampled(prompt, 80 + i as u64)
+            },
+        };
+        r.stop_ids = by_count[..2].to_vec();
+        r.sampling.min_tokens = MIN;
+        reqs.push(r);
+    }
+    let want: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut alone = r.clone();
+            alone.sampling.min_tokens = 0;
+            let stops = r.stop_ids.clone();
+            let out = solo_masked(&model, &alone, |out, t| out.len() >= MIN || !stops.contains(&t));
+            match out[MIN..].iter().position(|t| stops.contains(t)) {
+                Some(p) => out[..=MIN + p].to_vec(),
+                None => out,
+            }
+        })
+        .collect();
+    let stopped = want.iter().filter(|w| w.len() < 40).count();
+    assert!(stopped >= 3, "only {stopped} of the runs stop at a stop id");
+    for spec in [None, Some(Speculation::ngram(3)), Some(Speculation::Mtp { k: 3 })] {
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), mtp_config()).unwrap();
+        let handles: Vec<RequestHandle> = reqs
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.speculation = spec;
+                engine.submit(r).unwrap()
+            })
+            .collect();
+        engine.run_to_completion().unwrap();
+        for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
+            let o = collect(h);
+            assert_eq!(&o.ids, want, "request {i}, {spec:?}");
+            let reason = match want.len() {
+                40 => StopReason::MaxTokens,
+                _ => StopReason::StopToken(want[want.len() - 1]),
+            };
+            assert_eq!(o.end.unwrap().0, reason, "request {i}, {spec:?}");
+        }
+    }
+    let mut engine = Engine::new(model, EngineConfig::default()).unwrap();
+    let mut over = Request::greedy(vec![1, 2, 3], 4);
+    over.sampling.min_tokens = 5;
+    let e = engine.submit(over).unwrap_err();
+    assert!(
+        matches!(&e, Error::Request(m) if m.contains("min_tokens 5 is over max_tokens 4")),
+        "{e}"
+    );
+}
+
 /// When the step's token budget cannot hold every sequence's drafts, every decoding sequence
 /// still gets its token each step: drafts take only what the decode tokens leave.
 #[test]
@@ -1132,7 +1278,7 @@ fn text_streams_and_stop_strings_end_requests() {
         .unwrap()
         .with_detokenizer(std::sync::Arc::new(test_decode));
     let mut rng = Rng::new(41);
-    let mut checked_stops = 0;
+    let (mut checked_stops, mut checked_later) = (0, 0);
     for round in 0..6 {
         let prompt: Vec<u32> = (0..rng.range(2, 30)).map(|_| rng.below(vocab) as u32).collect();
         let (ids, _) = solo(&model, &prompt, 24);
@@ -1155,16 +1301,63 @@ fn text_streams_and_stop_strings_end_requests() {
             r.stop_strings = vec!["never-there".into(), stop.clone()];
             engine.submit(r).unwrap()
         });
+        // The first token after which the text holds the stop string.
+        let first_stop = stop.as_ref().map(|stop| {
+            (1..=ids.len())
+                .find(|&n| test_decode(&ids[..n]).unwrap().contains(stop))
+                .expect("the stop string is in the text")
+        });
+        // The text's most frequent letter as a stop string, kept, and ignored until past the
+        // token that first writes it (min_tokens).
+        let letter = ('a'..='z').max_by_key(|&c| (text.matches(c).count(), std::cmp::Reverse(c)));
+        let later = letter.filter(|&c| text.contains(c)).map(|c| {
+            let stop = c.to_string();
+            let n = (1..=ids.len())
+                .find(|&n| test_decode(&ids[..n]).unwrap().contains(c))
+                .unwrap();
+            (stop, n)
+        });
+        let h_later = later.as_ref().map(|(stop, n)| {
+            let n = *n;
+            let mut r = Request::greedy(prompt.clone(), 24);
+            r.stop_strings = vec![stop.clone()];
+            r.keep_stop_strings = true;
+            r.sampling.min_tokens = n;
+            if round % 3 == 2 {
+                r.speculation = Some(Speculation::ngram(3));
+            }
+            engine.submit(r).unwrap()
+        });
         engine.run_to_completion().unwrap();
         let o = collect(&h_whole);
         assert_eq!(o.ids, ids, "round {round}");
         assert_eq!(o.text, text, "round {round}: the events' text");
         assert_eq!(o.end.map(|e| e.0), Some(StopReason::MaxTokens));
-        if let (Some(stop), Some(h)) = (stop, h_stop) {
-            // The first token after which the text holds the stop string.
-            let n = (1..=ids.len())
-                .find(|&n| test_decode(&ids[..n]).unwrap().contains(&stop))
-                .expect("the stop string is in the text");
+        if let (Some((stop, n)), Some(later)) = (later, h_later) {
+            // A match ending past the first n tokens' text, from the first token that completes
+            // one; else the whole output.
+            let quiet = test_decode(&ids[..n]).unwrap().len();
+            let ends = |m: usize| {
+                let t = test_decode(&ids[..m]).unwrap();
+                let mut starts = t.char_indices().map(|(i, _)| i);
+                let found = starts.find(|&i| t[i..].starts_with(stop.as_str()) && i + stop.len() > quiet);
+                found.map(|i| t[..i + stop.len()].to_string())
+            };
+            let o = collect(&later);
+            match (n + 1..=ids.len()).find_map(|m| ends(m).map(|t| (m, t))) {
+                Some((m, kept)) => {
+                    assert_eq!(o.ids, ids[..m], "round {round}: min_tokens {n}");
+                    assert_eq!(o.text, kept, "round {round}: the stop string kept");
+                    assert_eq!(o.end.map(|e| e.0), Some(StopReason::StopString(0)));
+                    checked_later += 1;
+                }
+                None => {
+                    assert_eq!(o.ids, ids, "round {round}: min_tokens {n}");
+                    assert_eq!(o.text, text, "round {round}");
+                }
+            }
+        }
+        if let (Some(stop), Some(h), Some(n)) = (stop, h_stop, first_stop) {
             let o = collect(&h);
             assert_eq!(o.ids, ids[..n], "round {round}: stops on the completing token");
             let full = test_decode(&ids[..n]).unwrap();
@@ -1174,8 +1367,8 @@ fn text_streams_and_stop_strings_end_requests() {
         }
     }
     assert!(
-        checked_stops >= 3,
-        "only {checked_stops} rounds had a stop string to check"
+        checked_stops >= 3 && checked_later >= 2,
+        "only {checked_stops} rounds had a stop string to check, {checked_later} a later one"
     );
     assert_eq!(engine.pool_use(), (0, 0));
 }

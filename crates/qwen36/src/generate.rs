@@ -502,10 +502,12 @@ impl Generator {
             max_tokens: Some(max_tokens),
             stop_ids: stop_ids.clone(),
             stop_strings: opts.stop_strings.clone(),
+            keep_stop_strings: false,
             logprobs: false,
             prompt_logprobs: None,
             constraint: None,
             speculation,
+            priority: 0,
             degeneration: Some(opts.degeneration),
             stop_on_degeneration: opts.stop_on_degeneration,
         };

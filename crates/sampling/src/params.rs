@@ -26,6 +26,9 @@ pub struct SamplingParams {
     /// Added to these token ids' logits before the penalties (OpenAI's `logit_bias`, each in
     /// [-100, 100]); empty = off.
     pub logit_bias: Vec<(u32, f32)>,
+    /// The output's first `min_tokens` tokens are never one of the sampler's end ids
+    /// ([`crate::Sampler::with_end_ids`]: a request's stop ids; vLLM's `min_tokens`); 0 = off.
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -41,6 +44,7 @@ impl Default for SamplingParams {
             seed: 0,
             top_logprobs: 0,
             logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -56,9 +60,11 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
-    /// True when the token is the argmax of the raw logits: greedy without penalties or biases.
+    /// True when the token is the argmax of the raw logits: greedy without penalties, biases or
+    /// a minimum length.
     pub fn is_plain_greedy(&self) -> bool {
         self.is_greedy()
+            && self.min_tokens == 0
             && self.repetition_penalty == 1.0
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0

@@ -20,6 +20,8 @@ pub struct Sampled {
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
+    /// Masked while the output is shorter than `params.min_tokens`.
+    end_ids: Vec<u32>,
     step: u64,
 }
 
@@ -101,7 +103,17 @@ impl Sampler {
     /// A sampler; checks the parameters.
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
-        Ok(Self { params, step: 0 })
+        Ok(Self {
+            params,
+            end_ids: Vec::new(),
+            step: 0,
+        })
+    }
+
+    /// The ids kept out of the output's first `min_tokens` tokens (a request's stop ids).
+    pub fn with_end_ids(mut self, ids: &[u32]) -> Self {
+        self.end_ids = ids.to_vec();
+        self
     }
 
     /// The parameters.
@@ -121,11 +133,19 @@ impl Sampler {
         rng::uniform(self.params.seed, row as u64, step, lane)
     }
 
-    /// Penalised logits: the logit biases first (as vLLM applies them), then the repetition
-    /// penalty over `prompt ∪ output`, presence/frequency over `output`.
+    /// Penalised logits: the end ids masked while `output` is shorter than `min_tokens`, the
+    /// logit biases (as vLLM applies them), then the repetition penalty over `prompt ∪ output`,
+    /// presence/frequency over `output`.
     pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
         let p = &self.params;
         let mut l = logits.to_vec();
+        if output.len() < p.min_tokens {
+            for &t in &self.end_ids {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
         for &(t, b) in &p.logit_bias {
             if let Some(x) = l.get_mut(t as usize) {
                 // A finite logit stays finite; -inf (a masked id) stays masked.

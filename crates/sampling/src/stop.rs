@@ -5,6 +5,8 @@
 pub struct StopMatch {
     /// Byte offset in the text where the stop string starts (the output ends there).
     pub start: usize,
+    /// Byte offset just past the stop string (where the output ends when it is kept).
+    pub end: usize,
     /// Which stop string matched.
     pub index: usize,
 }
@@ -39,11 +41,29 @@ impl StopStrings {
 
     /// The earliest match in `text` (ties: the first listed string).
     pub fn find(&self, text: &str) -> Option<StopMatch> {
+        self.find_ending_after(text, 0)
+    }
+
+    /// The earliest match in `text` that ends past byte `after` (ties: the first listed string):
+    /// matches within `text[..after]` are ignored.
+    pub fn find_ending_after(&self, text: &str, after: usize) -> Option<StopMatch> {
         self.strings
             .iter()
             .filter_map(|(index, s)| {
-                text.find(s.as_str())
-                    .map(|start| StopMatch { start, index: *index })
+                // (Matches may overlap: each start is tried, not only non-overlapping ones.)
+                let mut from = 0;
+                while let Some(i) = text[from..].find(s.as_str()) {
+                    let start = from + i;
+                    if start + s.len() > after {
+                        return Some(StopMatch {
+                            start,
+                            end: start + s.len(),
+                            index: *index,
+                        });
+                    }
+                    from = start + text[start..].chars().next().map_or(1, char::len_utf8);
+                }
+                None
             })
             .min_by_key(|m| (m.start, m.index))
     }

@@ -32,6 +32,12 @@ pub struct TextStream {
     settled_bytes: usize,
     emitted: usize,
     stopped_by: Option<usize>,
+    /// Stop strings are not looked for until the output has more tokens than this.
+    min_tokens: usize,
+    /// Bytes of the text of the first `min_tokens` tokens: a match ending within them is ignored.
+    quiet: usize,
+    /// The text ends after a matched stop string rather than before it.
+    keep_stop: bool,
 }
 
 /// The largest char boundary of `s` at or below `i`.
@@ -55,7 +61,24 @@ impl TextStream {
             settled_bytes: 0,
             emitted: 0,
             stopped_by: None,
+            min_tokens: 0,
+            quiet: 0,
+            keep_stop: false,
         }
+    }
+
+    /// Ignores stop strings until the output has more than `min_tokens` tokens (vLLM's
+    /// `min_tokens`): only a match ending in a later token's text stops it.
+    pub fn min_tokens(mut self, min_tokens: usize) -> Self {
+        self.min_tokens = min_tokens;
+        self
+    }
+
+    /// Ends the text after a matched stop string, not before it (vLLM's
+    /// `include_stop_str_in_output`).
+    pub fn keep_stop_strings(mut self, keep: bool) -> Self {
+        self.keep_stop = keep;
+        self
     }
 
     /// Adds a token; returns the newly printable text and whether generation may go on (false
@@ -71,10 +94,19 @@ impl TextStream {
             self.settled_bytes = t.len();
         }
         let mut go_on = true;
+        if self.tokens.len() <= self.min_tokens {
+            self.quiet = t.len();
+        }
         // Only text that could contain a new match: the stop length back from the last emission.
         let from = floor_boundary(t, self.emitted.saturating_sub(self.stop_len));
-        if let Some(m) = self.stops.find(&t[from..]) {
-            t.truncate(from + m.start);
+        let found = match self.tokens.len() > self.min_tokens {
+            true => self
+                .stops
+                .find_ending_after(&t[from..], self.quiet.saturating_sub(from)),
+            false => None,
+        };
+        if let Some(m) = found {
+            t.truncate(from + if self.keep_stop { m.end } else { m.start });
             self.settled_bytes = self.settled_bytes.min(t.len());
             self.stopped_by = Some(m.index);
             go_on = false;
@@ -137,8 +169,19 @@ mod tests {
     }
 
     fn run(tokens: &[u32], stops: &[&str]) -> (Vec<String>, bool, TextStream) {
+        run_with(tokens, stops, 0, false)
+    }
+
+    fn run_with(
+        tokens: &[u32],
+        stops: &[&str],
+        min_tokens: usize,
+        keep: bool,
+    ) -> (Vec<String>, bool, TextStream) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut s = TextStream::new(&stops);
+        let mut s = TextStream::new(&stops)
+            .min_tokens(min_tokens)
+            .keep_stop_strings(keep);
         let mut pieces = Vec::new();
         for &t in tokens {
             let (piece, go_on) = s.push(t, &decode).unwrap();
@@ -183,6 +226,34 @@ mod tests {
         let (_, go_on, s4) = run(&[0, 1, 2], &["", "lo "]);
         assert!(!go_on);
         assert_eq!(s4.stopped_by(), Some(1));
+    }
+
+    /// With `min_tokens`, a match within the first tokens' text is ignored, one ending in a later
+    /// token's text (even if it starts earlier) stops; a kept stop string ends the text.
+    #[test]
+    fn min_tokens_delays_stop_strings_and_kept_ones_end_the_text() {
+        let (_, go_on, s) = run_with(&[0, 1, 2, 3], &["lo"], 2, false);
+        assert!(go_on);
+        assert_eq!(s.text(), "Hello world");
+        let (_, go_on, s) = run_with(&[0, 1, 2, 3], &["lo"], 1, false);
+        assert!(!go_on);
+        assert_eq!(s.text(), "Hel");
+        let (_, go_on, s) = run_with(&[0, 1, 2, 3], &["o w"], 2, false);
+        assert!(!go_on);
+        assert_eq!(s.text(), "Hell");
+        let (pieces, go_on, s) = run_with(&[0, 1, 2, 3], &["lo "], 0, true);
+        assert!(!go_on);
+        assert_eq!(pieces, ["He", "llo "]);
+        assert_eq!(s.text(), "Hello ");
+        assert_eq!(s.stopped_by(), Some(0));
+        // Overlapping matches: the first one ending past the quiet text is found.
+        let stops = StopStrings::new(["aa"]);
+        let m = stops.find_ending_after("aaa", 2).unwrap();
+        assert_eq!((m.start, m.end), (1, 3));
+        assert_eq!(stops.find_ending_after("aaé", 2), None);
+        assert_eq!(stops.find_ending_after("éaa", 0).map(|m| m.end), Some(4));
+        let wide = StopStrings::new(["éé"]).find_ending_after("ééé", 4).unwrap();
+        assert_eq!((wide.start, wide.end), (2, 6));
     }
 
     /// A stop string at the very start of the text, split across tokens, is found; a text that

@@ -86,6 +86,38 @@ fn logit_biases_come_before_the_penalties() {
     }
 }
 
+/// `min_tokens` masks the end ids while the output is shorter (ids past the row ignored), and
+/// not once it has that many tokens; in a verify, each row by the output and drafts before it.
+#[test]
+fn min_tokens_masks_the_end_ids_until_the_output_is_long_enough() {
+    let params = SamplingParams {
+        min_tokens: 2,
+        ..Default::default()
+    };
+    assert!(!params.is_plain_greedy());
+    let s = sampler(params).with_end_ids(&[1, 3, 9]);
+    let row = [1.0, 5.0, 2.0, 4.0];
+    let masked = vec![1.0, f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY];
+    assert_eq!(s.penalised(&row, &[1, 3], &[]), masked);
+    assert_eq!(s.penalised(&row, &[], &[0]), masked);
+    assert_eq!(s.penalised(&row, &[], &[0, 0]), row.to_vec());
+    // After one output token, row 0 (length 1) refuses the end id 1, row 1 (length 2) takes it.
+    let rows = vec![row.to_vec(); 3];
+    let a = s.accept_coupled(&[1], &rows[..2], &[], &[0]).unwrap();
+    assert_eq!(a, Acceptance { accepted: 0, next: 2 });
+    let a = s.accept_coupled(&[2, 1], &rows, &[], &[0]).unwrap();
+    assert_eq!(a, Acceptance { accepted: 2, next: 1 });
+    // Without end ids nothing is masked.
+    assert_eq!(
+        sampler(SamplingParams {
+            min_tokens: 2,
+            ..Default::default()
+        })
+        .penalised(&row, &[], &[]),
+        row
+    );
+}
+
 /// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them
 /// to ±inf (whose differences are NaN, which once left no candidate and a panic in top-p/min-p):
 /// the distribution stays a distribution, the boosted seen tokens share it, and a masked (-inf)

@@ -176,6 +176,17 @@ pub struct GenerateRequest {
     /// Do not stop at the model's end-of-turn ids (vLLM's extension; benchmarks use it).
     #[serde(default, deserialize_with = "null_as_default")]
     pub ignore_eos: bool,
+    /// The output's first `min_tokens` tokens are never an end-of-turn or stop id, and no stop
+    /// string ends it there (vLLM's extension).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub min_tokens: usize,
+    /// The text keeps the stop string that ended it (vLLM's extension).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub include_stop_str_in_output: bool,
+    /// Scheduling priority, lower first (vLLM's extension; default 0): it is admitted before
+    /// requests of a higher value and preempted after them.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub priority: i32,
     #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,

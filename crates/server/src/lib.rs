@@ -234,11 +234,16 @@ impl Service {
         let constraint = match grammar {
             None => None,
             // (A finished grammar allows only the end-of-turn ids: they must end the request.)
-            Some((param, _)) if req.ignore_eos => {
+            Some((param, _)) if req.ignore_eos || req.min_tokens > 0 => {
+                let field = if req.ignore_eos {
+                    "ignore_eos"
+                } else {
+                    "min_tokens"
+                };
                 return Err(ApiError::bad_request(format!(
-                    "ignore_eos: not with {param} (a finished grammar ends at the end-of-turn id)"
+                    "{field}: not with {param} (a finished grammar ends at the end-of-turn id)"
                 ))
-                .param("ignore_eos"))
+                .param(field));
             }
             Some((param, grammar)) => {
                 let svc = self.clone();
@@ -256,6 +261,13 @@ impl Service {
             ),
             Endpoint::Chat => req.max_completion_tokens.or(req.max_tokens),
         };
+        if let Some(max) = max_tokens.filter(|&m| req.min_tokens > m) {
+            return Err(ApiError::bad_request(format!(
+                "min_tokens = {} is over max_tokens = {max}",
+                req.min_tokens
+            ))
+            .param("min_tokens"));
+        }
         let echo = req.echo == Some(true);
         if max_tokens == Some(0) && !echo {
             let msg = match endpoint {
@@ -306,6 +318,7 @@ impl Service {
             seed,
             top_logprobs: logprobs.top(),
             logit_bias: req.logit_bias()?,
+            min_tokens: req.min_tokens,
         };
         let mut stop_ids = if req.ignore_eos {
             Vec::new()
@@ -324,10 +337,12 @@ impl Service {
                 max_tokens,
                 stop_ids: stop_ids.clone(),
                 stop_strings: stop_strings.clone(),
+                keep_stop_strings: req.include_stop_str_in_output,
                 logprobs: logprobs.on(),
                 prompt_logprobs,
                 constraint: constraint.clone(),
                 speculation: self.cfg.speculation,
+                priority: req.priority,
                 degeneration: None,
                 stop_on_degeneration: false,
             })

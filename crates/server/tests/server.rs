@@ -1101,6 +1101,53 @@ async fn a_client_that_disconnects_frees_its_slot() {
     server.stop().await;
 }
 
+/// Waits (up to 5 s) until the metric `name` reads `value`; returns the metrics then.
+async fn until(server: &Server, name: &str, value: f64) -> std::collections::HashMap<String, f64> {
+    let start = Instant::now();
+    loop {
+        let m = server.metrics().await;
+        if m[name] == value || start.elapsed() > Duration::from_secs(5) {
+            assert_eq!(m[name], value, "{name}");
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// vLLM's `priority`: behind a running request, a later request of a lower value runs before
+/// an earlier one of the default 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_priority_value_runs_first() {
+    let cfg = EngineConfig {
+        max_seqs: 1,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start(cfg, ServerConfig::default()).await;
+    let url = format!("{}/v1/completions", server.url);
+    let send = |body: Value| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let r = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status().as_u16(), 200);
+            let _: Value = r.json().await.unwrap();
+            Instant::now()
+        })
+    };
+    let long = send(json!({ "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": true }));
+    until(&server, "qwen36_requests_running", 1.0).await;
+    let normal = send(json!({ "prompt": [4, 5], "max_tokens": 4, "ignore_eos": true }));
+    until(&server, "qwen36_requests_waiting", 1.0).await;
+    let urgent = send(json!({ "prompt": [6, 7], "max_tokens": 4, "ignore_eos": true, "priority": -1 }));
+    let m = until(&server, "qwen36_requests_waiting", 2.0).await;
+    assert_eq!(
+        m["qwen36_requests_running"], 1.0,
+        "both queued behind the long one"
+    );
+    let (long, normal, urgent) = (long.await.unwrap(), normal.await.unwrap(), urgent.await.unwrap());
+    assert!(long < urgent && urgent < normal, "the urgent request ran second");
+    server.stop().await;
+}
+
 /// A request the engine fails (here its text cannot be decoded at its fourth piece) answers 500
 /// with the engine's error when whole, and an error object then `[DONE]` after the chunks it
 /// had when streamed; both count as `error`, their sequences leave, and the server goes on.
@@ -1246,6 +1293,10 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "logprobs": true}"#.into(), ok, 400, "number of alternatives", Some("logprobs")),
         (c, many_stops, ok, 400, "at most 16", Some("stop")),
         (c, r#"{"prompt": [1], "stop": [""]}"#.into(), ok, 400, "0 bytes", Some("stop")),
+        (c, r#"{"prompt": [1], "max_tokens": 3, "min_tokens": 4}"#.into(), ok, 400, "min_tokens = 4 is over max_tokens = 3", Some("min_tokens")),
+        (c, r#"{"prompt": [1], "min_tokens": 2, "guided_regex": "a+"}"#.into(), ok, 400, "min_tokens: not with guided_regex", Some("min_tokens")),
+        (c, r#"{"prompt": [1], "min_tokens": -1}"#.into(), ok, 400, "min_tokens", None),
+        (c, r#"{"prompt": [1], "priority": 1.5}"#.into(), ok, 400, "priority", None),
         (c, r#"{"prompt": [1], "top_p": 0}"#.into(), ok, 400, "top_p", None),
         (c, r#"{"prompt": [1], "presence_penalty": -3e38}"#.into(), ok, 400, "presence_penalty", None),
         (c, r#"{"prompt": [1], "top_k": -2}"#.into(), ok, 400, "top_k = -2", Some("top_k")),
@@ -1535,6 +1586,58 @@ async fn openai_forms_equal_their_plain_equivalents() {
         answer(server.post("/v1/chat/completions", &chat("developer")).await),
         system
     );
+    server.stop().await;
+}
+
+/// vLLM's `min_tokens` runs a request past the end-of-turn id it would stop at (none among its
+/// first tokens, which start as the plain run's), then it stops at one; `include_stop_str_in_output`
+/// ends the text after the stop string instead of before it, streamed or whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_tokens_and_kept_stop_strings() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let c = "/v1/completions";
+    let ids_of =
+        |v: &Value| -> Vec<u32> { serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap() };
+    let prompt =
+        "<|im_start|>user\nWrite a Python function `add`: Return a + b.<|im_end|>\n<|im_start|>assistant\n";
+    let body = json!({ "prompt": prompt, "max_tokens": 200, "temperature": 0, "return_token_ids": true });
+    let (status, plain) = server.post(c, &body).await;
+    assert_eq!(status, 200, "{plain}");
+    assert_eq!(plain["choices"][0]["finish_reason"], "stop");
+    let plain = ids_of(&plain);
+    let ends = generator.default_stop_ids();
+    assert!(ends.contains(plain.last().unwrap()));
+    let k = plain.len();
+    let mut longer = body.clone();
+    longer["min_tokens"] = json!(k + 5);
+    let (status, v) = server.post(c, &longer).await;
+    assert_eq!(status, 200, "{v}");
+    let out = ids_of(&v);
+    assert!(
+        out.len() > k + 5 || v["choices"][0]["finish_reason"] == "length",
+        "{v}"
+    );
+    assert!(!out[..k + 5].iter().any(|t| ends.contains(t)), "{v}");
+    assert_eq!(out[..k - 1], plain[..k - 1]);
+    if v["choices"][0]["finish_reason"] == "stop" {
+        assert!(ends.contains(out.last().unwrap()), "{v}");
+    }
+
+    let body = json!({ "prompt": "def f(x):", "max_tokens": 24, "temperature": 0 });
+    let (_, whole) = server.post(c, &body).await;
+    let text = whole["choices"][0]["text"].as_str().unwrap();
+    let stop: String = text.chars().skip(6).take(3).collect();
+    let at = text.find(&stop).unwrap();
+    for (keep, want) in [(false, &text[..at]), (true, &text[..at + stop.len()])] {
+        let mut b = body.clone();
+        b["stop"] = json!([stop]);
+        b["include_stop_str_in_output"] = json!(keep);
+        let (_, v) = server.post(c, &b).await;
+        assert_eq!(v["choices"][0]["text"], want, "keep {keep}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "keep {keep}");
+        b["stream"] = json!(true);
+        assert_eq!(streamed_text(&server.stream(c, &b).await), want, "keep {keep}");
+    }
     server.stop().await;
 }
 
