@@ -373,16 +373,14 @@ impl Engine {
         let context = self.context();
         check_request(&req, self.model.config().vocab_size)?;
         // The last generated token is never run, so a sequence holds prompt + max_tokens − 1
-        // (its whole prompt when it generates nothing).
-        let positions = req
-            .prompt
-            .len()
-            .saturating_add(req.max_tokens.unwrap_or(1).max(1))
-            - 1;
+        // (its whole prompt when it generates nothing); without max_tokens, at least
+        // min_tokens.
+        let least = req.max_tokens.unwrap_or(1).max(req.sampling.min_tokens);
+        let positions = req.prompt.len().saturating_add(least.max(1)) - 1;
         let pool = self.sched.blocks.capacity() * self.sched.blocks.block_size();
         if positions > context.min(pool) {
             return Err(Error::TooLong {
-                needed: req.prompt.len().saturating_add(req.max_tokens.unwrap_or(1)),
+                needed: req.prompt.len().saturating_add(least),
                 context,
                 pool,
             });
@@ -392,9 +390,10 @@ impl Engine {
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
             ));
         }
-        if req.constraint.is_some() && self.cfg.timing_accept_rates.is_some() {
+        if (req.constraint.is_some() || req.sampling.min_tokens > 0) && self.cfg.timing_accept_rates.is_some()
+        {
             return Err(Error::Request(
-                "output constraints need real acceptance (this engine times drafts: timing_accept_rates)"
+                "output constraints and min_tokens need real acceptance (this engine times drafts: timing_accept_rates)"
                     .into(),
             ));
         }
@@ -1519,14 +1518,19 @@ fn emit(
         s.output.push(t);
         sent.push(t);
         // (The first `min_tokens` tokens are never stop ids: the sampler masks them.)
-        if s.stop_ids.contains(&t) {
+        let stop_id = s.stop_ids.contains(&t);
+        if stop_id {
             reason = Some(StopReason::StopToken(t));
-        } else if let (Some(stream), Some(d)) = (s.text.as_mut(), detokenizer) {
+        }
+        // A stop id's text is kept only with the stop strings (vLLM's
+        // include_stop_str_in_output).
+        let stream = s.text.as_mut().filter(|st| !stop_id || st.keeps_stop_strings());
+        if let (Some(stream), Some(d)) = (stream, detokenizer) {
             let (piece, go_on) = stream
                 .push(t, d.0.as_ref())
                 .map_err(|e| format!("detokenizing failed: {e}"))?;
             text.push_str(&piece);
-            if !go_on {
+            if !go_on && reason.is_none() {
                 reason = Some(StopReason::StopString(stream.stopped_by().unwrap_or(0)));
             }
         }
@@ -1593,6 +1597,12 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
             "min_tokens {} is over max_tokens {max}",
             req.sampling.min_tokens
         )));
+    }
+    // (A finished grammar allows only the stop ids, which min_tokens masks.)
+    if req.constraint.is_some() && req.sampling.min_tokens > 0 && !req.stop_ids.is_empty() {
+        return Err(Error::Request(
+            "min_tokens with an output constraint: a finished constraint ends at a stop id".into(),
+        ));
     }
     if req.max_tokens == Some(0) && req.prompt_logprobs.is_none() {
         return Err(Error::Request(

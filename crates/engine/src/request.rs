@@ -25,7 +25,8 @@ pub struct Request {
     /// needs [`crate::Engine::with_detokenizer`]). Neither they nor the stop ids end the output
     /// before `sampling.min_tokens` tokens (the stop ids are masked until then).
     pub stop_strings: Vec<String>,
-    /// The text ends after a matched stop string rather than where it starts.
+    /// The text ends after a matched stop string rather than where it starts, and a stop id's
+    /// text (when it has any) is kept.
     pub keep_stop_strings: bool,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,

@@ -771,6 +771,10 @@ fn timing_accept_rates_set_the_acceptance() {
     let mut req = Request::greedy(vec![1, 2], 4);
     req.constraint = Some(thirds_constraint(None));
     assert!(matches!(engine.submit(req), Err(Error::Request(m)) if m.contains("timing_accept_rates")));
+    // So could drafts of a stop id before min_tokens.
+    let mut req = Request::greedy(vec![1, 2], 4);
+    req.sampling.min_tokens = 2;
+    assert!(matches!(engine.submit(req), Err(Error::Request(m)) if m.contains("timing_accept_rates")));
 }
 
 /// With costs given, the engine's choice of k: drafts that cost more than they save fall to
@@ -1209,6 +1213,30 @@ fn min_tokens_keeps_the_stop_ids_out_until_then() {
         matches!(&e, Error::Request(m) if m.contains("min_tokens 5 is over max_tokens 4")),
         "{e}"
     );
+    // Without max_tokens the sequence needs min_tokens positions.
+    let context = engine.context();
+    for (min, fits) in [(context - 2, true), (context - 1, false)] {
+        let mut long = Request::greedy(vec![1, 2, 3], 1);
+        long.max_tokens = None;
+        long.sampling.min_tokens = min;
+        match engine.submit(long) {
+            Ok(h) => assert!(fits, "min_tokens {min}: request {}", h.id()),
+            Err(e) => assert!(
+                !fits && matches!(e, Error::TooLong { needed, .. } if needed == 3 + min),
+                "{e}"
+            ),
+        }
+    }
+    // A finished constraint allows only the stop ids, which min_tokens would mask.
+    let mut constrained = Request::greedy(vec![1, 2, 3], 4);
+    constrained.sampling.min_tokens = 2;
+    constrained.stop_ids = vec![2];
+    constrained.constraint = Some(thirds_constraint(None));
+    let e = engine.submit(constrained).unwrap_err();
+    assert!(
+        matches!(&e, Error::Request(m) if m.contains("min_tokens with an output constraint")),
+        "{e}"
+    );
 }
 
 /// When the step's token budget cannot hold every sequence's drafts, every decoding sequence
@@ -1328,7 +1356,24 @@ fn text_streams_and_stop_strings_end_requests() {
             }
             engine.submit(r).unwrap()
         });
+        // A stop id (one not written before it) whose text is kept, or not.
+        let at = (2..ids.len()).find(|&i| !ids[..i].contains(&ids[i])).unwrap();
+        let h_ids = [false, true].map(|keep| {
+            let mut r = Request::greedy(prompt.clone(), 24);
+            r.stop_ids = vec![ids[at]];
+            r.keep_stop_strings = keep;
+            engine.submit(r).unwrap()
+        });
         engine.run_to_completion().unwrap();
+        for (h, end) in h_ids.iter().zip([at, at + 1]) {
+            let o = collect(h);
+            assert_eq!(o.ids, ids[..=at], "round {round}");
+            assert_eq!(
+                o.text,
+                test_decode(&ids[..end]).unwrap(),
+                "round {round}: the stop id's text"
+            );
+        }
         let o = collect(&h_whole);
         assert_eq!(o.ids, ids, "round {round}");
         assert_eq!(o.text, text, "round {round}: the events' text");
@@ -1336,7 +1381,8 @@ fn text_streams_and_stop_strings_end_requests() {
         if let (Some((stop, n)), Some(later)) = (later, h_later) {
             // A match ending past the first n tokens' text, from the first token that completes
             // one; else the whole output.
-            let quiet = test_decode(&ids[..n]).unwrap().len();
+            // (A character the first n tokens leave unfinished is a later token's text.)
+            let quiet = test_decode(&ids[..n]).unwrap().trim_end_matches('\u{FFFD}').len();
             let ends = |m: usize| {
                 let t = test_decode(&ids[..m]).unwrap();
                 let mut starts = t.char_indices().map(|(i, _)| i);

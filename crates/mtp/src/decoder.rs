@@ -105,8 +105,9 @@ impl<'m> SpeculativeDecoder<'m> {
         let max_ctx = model.config().max_position_embeddings;
         let mut stats = SpecStats::default();
         self.session.reset()?;
-        // Each generation samples from its seed's start, as a fresh decoder would.
-        self.sampler = Sampler::new(self.sampler.params().clone())?;
+        // Each generation samples from its seed's start, as a fresh decoder would; its stop ids
+        // are kept out of the first `min_tokens`.
+        self.sampler = Sampler::new(self.sampler.params().clone())?.with_end_ids(&cfg.stop_token_ids);
         let Session { cache, stepper } = &mut self.session;
         drafter.reset();
 

@@ -34,7 +34,8 @@ pub struct TextStream {
     stopped_by: Option<usize>,
     /// Stop strings are not looked for until the output has more tokens than this.
     min_tokens: usize,
-    /// Bytes of the text of the first `min_tokens` tokens: a match ending within them is ignored.
+    /// Bytes of the settled text of the first `min_tokens` tokens (a character they leave
+    /// unfinished is not in it): a match ending within them is ignored.
     quiet: usize,
     /// The text ends after a matched stop string rather than before it.
     keep_stop: bool,
@@ -95,7 +96,7 @@ impl TextStream {
         }
         let mut go_on = true;
         if self.tokens.len() <= self.min_tokens {
-            self.quiet = t.len();
+            self.quiet = self.settled_bytes;
         }
         // Only text that could contain a new match: the stop length back from the last emission.
         let from = floor_boundary(t, self.emitted.saturating_sub(self.stop_len));
@@ -143,6 +144,11 @@ impl TextStream {
     /// The text, consuming the stream.
     pub fn into_text(self) -> String {
         self.text
+    }
+
+    /// Whether a matched stop string stays in the text ([`Self::keep_stop_strings`]).
+    pub fn keeps_stop_strings(&self) -> bool {
+        self.keep_stop
     }
 
     /// Which stop string matched, once one did.
@@ -254,6 +260,10 @@ mod tests {
         assert_eq!(stops.find_ending_after("éaa", 0).map(|m| m.end), Some(4));
         let wide = StopStrings::new(["éé"]).find_ending_after("ééé", 4).unwrap();
         assert_eq!((wide.start, wide.end), (2, 6));
+        // A character the first tokens leave unfinished is the next token's text.
+        let (_, go_on, s) = run_with(&[0, 4, 5], &["€"], 2, false);
+        assert!(!go_on);
+        assert_eq!(s.text(), "Hel");
     }
 
     /// A stop string at the very start of the text, split across tokens, is found; a text that

@@ -1017,6 +1017,14 @@ async fn reasoning_and_tool_calls() {
     assert_eq!(streamed[0]["function"], calls[0]["function"]);
     assert_eq!(streamed[0]["index"], 0);
 
+    // tool_choice "auto" is the default.
+    let mut auto = body.clone();
+    auto["tool_choice"] = json!("auto");
+    let (_, v) = server.post("/v1/chat/completions", &auto).await;
+    let auto_calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    let names = |c: &[Value]| c.iter().map(|c| c["function"].clone()).collect::<Vec<_>>();
+    assert_eq!(names(auto_calls), names(calls), "{v}");
+
     // tool_choice "none": no parsing, the blocks are content; the reasoning is still split.
     let mut none = body.clone();
     none["tool_choice"] = json!("none");
@@ -1135,7 +1143,8 @@ async fn a_lower_priority_value_runs_first() {
     };
     let long = send(json!({ "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": true }));
     until(&server, "qwen36_requests_running", 1.0).await;
-    let normal = send(json!({ "prompt": [4, 5], "max_tokens": 4, "ignore_eos": true }));
+    // (Long enough that the urgent request's response arrives well before it ends.)
+    let normal = send(json!({ "prompt": [4, 5], "max_tokens": 64, "ignore_eos": true }));
     until(&server, "qwen36_requests_waiting", 1.0).await;
     let urgent = send(json!({ "prompt": [6, 7], "max_tokens": 4, "ignore_eos": true, "priority": -1 }));
     let m = until(&server, "qwen36_requests_waiting", 2.0).await;
@@ -1377,6 +1386,14 @@ async fn bad_requests_get_error_objects() {
         ),
         (
             chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "tool", "function": {"name": "f"}}}"#.into(),
+            ok,
+            400,
+            "expected \"auto\", \"none\", \"required\" or",
+            Some("tool_choice"),
+        ),
+        (
+            chat,
             r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}"#.into(),
             ok,
             400,
@@ -1591,7 +1608,8 @@ async fn openai_forms_equal_their_plain_equivalents() {
 
 /// vLLM's `min_tokens` runs a request past the end-of-turn id it would stop at (none among its
 /// first tokens, which start as the plain run's), then it stops at one; `include_stop_str_in_output`
-/// ends the text after the stop string instead of before it, streamed or whole.
+/// ends the text after the stop string instead of before it, streamed or whole, and keeps the
+/// text of a stop id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_tokens_and_kept_stop_strings() {
     let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
@@ -1626,6 +1644,26 @@ async fn min_tokens_and_kept_stop_strings() {
     let body = json!({ "prompt": "def f(x):", "max_tokens": 24, "temperature": 0 });
     let (_, whole) = server.post(c, &body).await;
     let text = whole["choices"][0]["text"].as_str().unwrap();
+    let mut with_ids = body.clone();
+    with_ids["return_token_ids"] = json!(true);
+    let ids = ids_of(&server.post(c, &with_ids).await.1);
+    // A token not written before it stops the output there.
+    let at = (2..ids.len()).find(|&i| !ids[..i].contains(&ids[i])).unwrap();
+    let tokenizer = generator.tokenizer().unwrap();
+    let decode = |ids: &[u32]| tokenizer.decode(ids, true).unwrap();
+    assert_eq!(decode(&ids), text);
+    for (keep, want) in [(false, decode(&ids[..at])), (true, decode(&ids[..=at]))] {
+        assert_ne!(decode(&ids[..at]), decode(&ids[..=at]));
+        let mut b = body.clone();
+        b["stop_token_ids"] = json!([ids[at]]);
+        b["include_stop_str_in_output"] = json!(keep);
+        let (_, v) = server.post(c, &b).await;
+        assert_eq!(
+            v["choices"][0]["text"],
+            want.as_str(),
+            "keep {keep}: the stop id's text"
+        );
+    }
     let stop: String = text.chars().skip(6).take(3).collect();
     let at = text.find(&stop).unwrap();
     for (keep, want) in [(false, &text[..at]), (true, &text[..at + stop.len()])] {
