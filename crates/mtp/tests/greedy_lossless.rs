@@ -263,6 +263,28 @@ fn the_first_token_can_end_generation() {
     );
 }
 
+/// With `min_tokens` the decoder keeps its stop ids out of the first tokens: the first token,
+/// which ends a plain run, is masked there, and the run goes on.
+#[test]
+fn min_tokens_masks_the_stop_ids() {
+    let (model, head, p) = load_with_prompt("tiny-flat", "prompt0.ids", 20);
+    let first = plain_greedy(&model, &p, 1)[0];
+    let params = SamplingParams {
+        min_tokens: 3,
+        ..SamplingParams::greedy()
+    };
+    let mut dec = SpeculativeDecoder::new(&model, params).unwrap();
+    let mut mtp = MtpDrafter::new(&model, &head);
+    let cfg = SpecConfig {
+        k: 2,
+        max_new_tokens: 12,
+        stop_token_ids: vec![first],
+    };
+    let out = dec.generate(&mut mtp, &p, &cfg, |_| true).unwrap();
+    assert!(!out.tokens[..3].contains(&first), "{:?}", out.tokens);
+    assert_ne!(out.tokens.len(), 1);
+}
+
 /// Batch invariance in bf16 (issue 22): with every linear layer's rows through one kernel
 /// whatever their count (`SkinnyPath::Uniform`) and decode attention cutting each row's keys by
 /// its own position, MTP speculation (k = 1..3) gives plain greedy's tokens in bf16 too, 500
