@@ -283,9 +283,7 @@ impl Service {
             (false, _) | (true, None) => None,
             (true, Some(OnePrompt::Text(text))) => Some(text.to_string()),
             (true, Some(OnePrompt::Ids(_))) => Some(match &self.tokenizer {
-                Some(t) => t.decode(&prompt, false).map_err(|e| {
-                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}"))
-                })?,
+                Some(t) => decode_all(t, &prompt)?,
                 None => String::new(),
             }),
         };
@@ -1370,10 +1368,13 @@ async fn detokenize(
             ApiError::bad_request(format!("tokens: {id} is not a token of the tokenizer")).param("tokens"),
         );
     }
-    let text = t
-        .decode(&req.tokens, false)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))?;
-    Ok(Json(json!({ "prompt": text })))
+    Ok(Json(json!({ "prompt": decode_all(t, &req.tokens)? })))
+}
+
+/// The text of `ids`, special tokens included (an echoed or detokenized prompt).
+fn decode_all(t: &qwen36::Tokenizer, ids: &[u32]) -> Result<String, ApiError> {
+    t.decode(ids, false)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))
 }
 
 #[cfg(test)]
