@@ -229,6 +229,28 @@ pub enum ToolChoice {
     Named(String),
 }
 
+/// How the chat template teaches the model to write a tool call (what a forced call is made
+/// to look like: [`GenerateRequest::tool_grammar`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallForm {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen2.5 and Qwen3's
+    /// templates, the bundled model's).
+    Json,
+    /// `<tool_call>\n<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n</function>\n</tool_call>`
+    /// (Qwen3.5 and Qwen3.6's templates).
+    Xml,
+}
+
+impl ToolCallForm {
+    /// The form a chat template's source teaches (XML when it writes `<function=`).
+    pub fn of_template(source: &str) -> Self {
+        match source.contains("<function=") {
+            true => Self::Xml,
+            false => Self::Json,
+        }
+    }
+}
+
 /// How a request asked for log-probabilities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logprobs {
@@ -349,11 +371,12 @@ impl GenerateRequest {
     }
 
     /// The grammar that forces tool calls (`tool_choice` `"required"` or a named function):
-    /// `<tool_call>` blocks holding `{"name": ..., "arguments": ...}` with each tool's parameter
-    /// schema (the JSON form the output parser reads; the arguments always an object), one for a
-    /// named function or with `parallel_tool_calls: false`, else one or more. Keywords
-    /// llguidance cannot enforce are read leniently, as the model reads them with `"auto"`.
-    pub fn tool_grammar(&self, choice: &ToolChoice) -> Option<TopLevelGrammar> {
+    /// `<tool_call>` blocks in the template's `form`, one for a named function or with
+    /// `parallel_tool_calls: false`, else one or more. The JSON form holds `{"name": ...,
+    /// "arguments": ...}` with each tool's parameter schema (the arguments always an object);
+    /// the XML form [`xml_call`]'s parameters. Keywords llguidance cannot enforce are read
+    /// leniently, as the model reads them with `"auto"`.
+    pub fn tool_grammar(&self, choice: &ToolChoice, form: ToolCallForm) -> Option<TopLevelGrammar> {
         let only = match choice {
             ToolChoice::Off | ToolChoice::Auto => return None,
             ToolChoice::Required => None,
@@ -365,6 +388,16 @@ impl GenerateRequest {
             .flatten()
             .filter(|t| only.is_none_or(|o| t.pointer("/function/name") == Some(&json!(o))))
             .collect();
+        let one = self.parallel_tool_calls == Some(false) || only.is_some();
+        let more = if one { "" } else { " (\"\\n\" call)*" };
+        if form == ToolCallForm::Xml {
+            let calls: Vec<String> = (0..chosen.len()).map(|i| format!("call{i}")).collect();
+            let mut lark = format!("start: call{more}\ncall: {}\n", calls.join(" | "));
+            for (i, t) in chosen.iter().enumerate() {
+                lark += &xml_call(i, t);
+            }
+            return Some(TopLevelGrammar::from_lark(lark));
+        }
         let calls: Vec<Value> = chosen
             .iter()
             .enumerate()
@@ -397,8 +430,6 @@ impl GenerateRequest {
             _ => json!({ "anyOf": calls }),
         };
         schema["x-guidance"] = json_options(true);
-        let one = self.parallel_tool_calls == Some(false) || only.is_some();
-        let more = if one { "" } else { " (\"\\n\" call)*" };
         let lark =
             format!("start: call{more}\ncall: \"<tool_call>\\n\" %json {schema} \"\\n</tool_call>\"\n");
         Some(TopLevelGrammar::from_lark(lark))
@@ -699,6 +730,90 @@ fn rebase_refs(schema: &mut Value, at: &str) {
     }
 }
 
+/// The lark rules `call{i}` (and its parameters' rules) of one call of `tool` in the XML form:
+/// its parameters in the schema's order, the required ones always there, each value in the
+/// form the output parser reads back as the parameter's type: enums as their values' text,
+/// integers, numbers, booleans and null as JSON writes them, objects and arrays as JSON
+/// matching their schema, anything else as free text up to `\n</parameter>`.
+fn xml_call(i: usize, tool: &Value) -> String {
+    let name = tool
+        .pointer("/function/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let params = tool.pointer("/function/parameters").cloned().unwrap_or_default();
+    let required: Vec<&str> = match params.get("required") {
+        Some(Value::Array(r)) => r.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let close = lark_string("\n</parameter>\n");
+    let mut rules = String::new();
+    let mut body = vec![lark_string(&format!("<tool_call>\n<function={name}>\n"))];
+    let props = params.get("properties").and_then(Value::as_object);
+    for (j, (pname, schema)) in props.into_iter().flatten().enumerate() {
+        let open = lark_string(&format!("<parameter={pname}>\n"));
+        let value = match xml_value(schema, &params) {
+            Some(v) => format!("{v} {close}"),
+            None => {
+                // Free text, lazily up to the closing tag (which it then includes).
+                rules += &format!("text{i}_{j}[suffix={close}]: /(?s:.*)/\n");
+                format!("text{i}_{j}")
+            }
+        };
+        rules += &format!("param{i}_{j}: {open} {value}\n");
+        let optional = if required.contains(&pname.as_str()) {
+            ""
+        } else {
+            "?"
+        };
+        body.push(format!("param{i}_{j}{optional}"));
+    }
+    body.push(lark_string("</function>\n</tool_call>"));
+    rules + &format!("call{i}: {}\n", body.join(" "))
+}
+
+/// The lark expression of an XML parameter's value of `schema` (a property of `params`,
+/// whose `$defs` its references name), or `None` for free text.
+fn xml_value(schema: &Value, params: &Value) -> Option<String> {
+    // (A reference into the parameters' own definitions, as Pydantic writes enums, is read
+    // through.)
+    let local = schema
+        .get("$ref")
+        .and_then(Value::as_str)
+        .and_then(|r| r.strip_prefix('#'));
+    let resolved = local.and_then(|r| params.pointer(r)).unwrap_or(schema);
+    if let Some(Value::Array(values)) = resolved.get("enum") {
+        let texts: Vec<String> = values
+            .iter()
+            .map(|v| lark_string(&v.as_str().map_or_else(|| v.to_string(), str::to_string)))
+            .collect();
+        return (!texts.is_empty()).then(|| format!("({})", texts.join(" | ")));
+    }
+    match resolved.get("type").and_then(Value::as_str) {
+        Some("integer") => Some("/-?(0|[1-9][0-9]*)/".into()),
+        Some("number") => Some(r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/".into()),
+        Some("boolean") => Some(r#"("true" | "false")"#.into()),
+        Some("null") => Some(r#""null""#.into()),
+        Some("object" | "array") => {
+            let mut nested = schema.clone();
+            if let Some(o) = nested.as_object_mut() {
+                for defs in ["$defs", "definitions"] {
+                    if let Some(d) = params.get(defs) {
+                        o.entry(defs).or_insert_with(|| d.clone());
+                    }
+                }
+                o.insert("x-guidance".into(), json_options(true));
+            }
+            Some(format!("%json {nested}"))
+        }
+        _ => None,
+    }
+}
+
+/// `text` as a lark string literal.
+fn lark_string(text: &str) -> String {
+    Value::String(text.to_string()).to_string()
+}
+
 /// `text` as a regex matching it literally.
 fn regex_escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -709,4 +824,104 @@ fn regex_escape(text: &str) -> String {
         out.push(c);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::guided::Guidance;
+
+    /// Whether `grammar` lets the bundled tokenizer's ids of `text` through, one by one, and
+    /// then the end of the turn.
+    fn accepts(grammar: TopLevelGrammar, text: &str) -> bool {
+        let dir = qwen36_testutil::bundled_dir();
+        let tokenizer = qwen36::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let end = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let spec = Guidance::new(&tokenizer, &[end])
+            .unwrap()
+            .compile(grammar, None)
+            .unwrap();
+        let mut c = spec.0.start().unwrap();
+        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+        for t in ids.into_iter().chain([end]) {
+            let mut row = vec![0f32; tokenizer.get_vocab_size(true)];
+            if c.mask(&mut row).is_err() || row[t as usize] == f32::NEG_INFINITY {
+                return false;
+            }
+            c.consume(&[t]).unwrap();
+        }
+        true
+    }
+
+    /// A forced call in the XML form: parameters in the schema's order, the required ones
+    /// there and the optional ones not needed, values of their type (an enum's text, a
+    /// `$ref`'d enum, an integer, JSON for an array), free text of several lines up to the
+    /// closing tag; the JSON form, a missing required parameter, a value of another type or
+    /// an unknown parameter are refused. One call for a named function, several with
+    /// `"required"`.
+    #[test]
+    fn forced_calls_in_the_xml_form() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "required": ["city"], "$defs": {"Unit": {"enum": ["c", "f"]}},
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                               "unit": {"$ref": "#/$defs/Unit"},
+                               "hours": {"type": "array", "items": {"type": "integer"}}}}}},
+            {"type": "function", "function": {"name": "ping"}},
+        ]);
+        let req = |choice: Value| GenerateRequest {
+            tools: serde_json::from_value(tools.clone()).unwrap(),
+            tool_choice: Some(choice),
+            ..Default::default()
+        };
+        let named = req(json!({"type": "function", "function": {"name": "get_weather"}}));
+        let grammar = || {
+            named
+                .tool_grammar(&named.tool_choice().unwrap(), ToolCallForm::Xml)
+                .unwrap()
+        };
+        let call =
+            |params: &str| format!("<tool_call>\n<function=get_weather>\n{params}</function>\n</tool_call>");
+        let p = |name: &str, value: &str| format!("<parameter={name}>\n{value}\n</parameter>\n");
+        let good = [
+            call(&p("city", "San José\nby the lake")),
+            call(&(p("city", "Zürich") + &p("days", "3") + &p("unit", "f") + &p("hours", "[6, 18]"))),
+            call(&(p("city", "Bern") + &p("unit", "c"))),
+        ];
+        for text in &good {
+            assert!(accepts(grammar(), text), "{text}");
+        }
+        let bad = [
+            r#"<tool_call>
+{"name": "get_weather", "arguments": {"city": "Bern"}}
+</tool_call>"#
+                .to_string(),
+            call(&p("days", "3")),
+            call(&(p("city", "Bern") + &p("days", "three"))),
+            call(&(p("city", "Bern") + &p("unit", "kelvin"))),
+            call(&(p("unit", "c") + &p("city", "Bern"))),
+            call(&(p("city", "Bern") + &p("wind", "yes"))),
+            call(&p("city", "Bern")) + "\n" + &call(&p("city", "Basel")),
+        ];
+        for text in &bad {
+            assert!(!accepts(grammar(), text), "{text}");
+        }
+        let required = req(json!("required"));
+        let any = || {
+            required
+                .tool_grammar(&ToolChoice::Required, ToolCallForm::Xml)
+                .unwrap()
+        };
+        let ping = "<tool_call>\n<function=ping>\n</function>\n</tool_call>";
+        assert!(accepts(any(), &format!("{}\n{ping}", good[0])));
+        assert!(!accepts(
+            any(),
+            "<tool_call>\n<function=pong>\n</function>\n</tool_call>"
+        ));
+        assert_eq!(ToolCallForm::of_template("x <function=f> y"), ToolCallForm::Xml);
+        assert_eq!(
+            ToolCallForm::of_template("<tool_call>{\"name\""),
+            ToolCallForm::Json
+        );
+    }
 }

@@ -36,7 +36,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-pub use api::{ApiError, GenerateRequest, Logprobs, OnePrompt, Prompt, Stop, StreamOptions, ToolChoice};
+pub use api::{
+    ApiError, GenerateRequest, Logprobs, OnePrompt, Prompt, Stop, StreamOptions, ToolCallForm, ToolChoice,
+};
 pub use metrics::Metrics;
 pub use output::{parse_tool_call, Delta, OutputParser, ToolCall};
 
@@ -221,7 +223,11 @@ impl Service {
         let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-        let grammar = match (req.grammar()?, req.tool_grammar(&tool_choice)) {
+        let form = self
+            .template
+            .as_ref()
+            .map_or(ToolCallForm::Json, |t| ToolCallForm::of_template(t.source()));
+        let grammar = match (req.grammar()?, req.tool_grammar(&tool_choice, form)) {
             (Some((param, _)), Some(_)) => {
                 return Err(ApiError::bad_request(format!(
                     "tool_choice: a forced tool call and {param} at once"

@@ -78,11 +78,32 @@ impl Server {
         cfg: ServerConfig,
         detokenizer: Option<Arc<dyn Detokenize>>,
     ) -> (Self, Generator) {
+        Self::start_full(engine_cfg, cfg, detokenizer, |s| s.to_string()).await
+    }
+
+    /// [`Self::start_with`], the bundled chat template's source edited by `template`.
+    async fn start_full(
+        engine_cfg: EngineConfig,
+        cfg: ServerConfig,
+        detokenizer: Option<Arc<dyn Detokenize>>,
+        template: impl Fn(&str) -> String,
+    ) -> (Self, Generator) {
         let generator = Generator::load(qwen36_testutil::bundled_dir(), LoadOptions::default()).unwrap();
         let engine = Engine::new(generator.model().clone(), engine_cfg)
             .unwrap()
             .with_detokenizer(detokenizer.unwrap_or_else(|| generator.detokenizer().unwrap()));
-        let service = Arc::new(Service::new(&generator, engine.spawn(), cfg));
+        let bundled = generator.chat_template().unwrap();
+        let client = engine.spawn();
+        let context = client.context();
+        let service = Arc::new(Service::from_parts(
+            client,
+            generator.tokenizer().cloned(),
+            Some(bundled.with_source(template(bundled.source())).unwrap()),
+            generator.default_stop_ids(),
+            generator.generation_config().sampling.clone().unwrap_or_default(),
+            context,
+            cfg,
+        ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -834,14 +855,14 @@ async fn structured_output_matches_its_schema() {
 }
 
 /// `tool_choice` `"required"` or a named function forces `<tool_call>` blocks whose arguments
-/// match the tool's parameters (`finish_reason: "tool_calls"`): one call for a named function
-/// (without `parallel_tool_calls: false`), `$defs` references resolved, no parameters an empty
-/// object; a chat inside its think block calls after `</think>` (forced first by a logit bias:
+/// match the tool's parameters (`finish_reason: "tool_calls"`), in the form the chat template
+/// teaches (JSON, or Qwen3.6's XML in a template edited to teach it: numbers, booleans and a
+/// JSON array read back typed): one call for a named function (without
+/// `parallel_tool_calls: false`), `$defs` references resolved, no parameters an empty object; a chat inside its think block calls after `</think>` (forced first by a logit bias:
 /// were the grammar applied inside the block, it would mask `</think>`); a name not among the tools, `"required"` without tools and a forced call beside a
 /// `response_format` are 400s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_tool_calls_match_their_tool() {
-    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
     let unit = json!({"type": "function", "function": {"name": "set_unit", "parameters": {
         "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
         "additionalProperties": false}}});
@@ -850,79 +871,124 @@ async fn forced_tool_calls_match_their_tool() {
         "properties": {"mode": {"$ref": "#/$defs/Mode"}}, "required": ["mode"],
         "additionalProperties": false}}});
     let ping = json!({"type": "function", "function": {"name": "ping"}});
+    let limits = json!({"type": "function", "function": {"name": "set_limits", "parameters": {
+        "type": "object", "properties": {"max": {"type": "number"}, "strict": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+        "required": ["max", "strict", "tags"]}}});
     let path = "/v1/chat/completions";
     let user = json!([{"role": "user", "content": "Use Celsius."}]);
     let body = |tools: Value, choice: Value| {
         json!({ "messages": user, "max_tokens": 200, "temperature": 0, "tools": tools,
-                "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": false} })
+                "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": false},
+                "logprobs": true })
     };
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
-    let all = json!([weather_tool(), unit, mode, ping]);
-    let think_end = generator.tokenizer().unwrap().token_to_id("</think>").unwrap();
-    let mut thinking = body(all.clone(), named("set_unit"));
-    thinking["messages"] = json!([{"role": "user", "content": "Use Celsius."},
-                                  {"role": "assistant", "content": "<think>\nCelsius, so"}]);
-    thinking["continue_final_message"] = json!(true);
-    thinking["add_generation_prompt"] = json!(false);
-    thinking["logit_bias"] = json!({ think_end.to_string(): 100 });
-    thinking["logprobs"] = json!(true);
-    let mut required = body(json!([mode, unit]), json!("required"));
-    required["parallel_tool_calls"] = json!(false);
-    let cases = [
-        (body(all.clone(), named("set_unit")), vec!["set_unit"]),
-        (body(all.clone(), named("set_mode")), vec!["set_mode"]),
-        (body(all.clone(), named("ping")), vec!["ping"]),
-        (thinking, vec!["set_unit"]),
-        (required, vec!["set_mode", "set_unit"]),
-    ];
-    for (i, (b, names)) in cases.into_iter().enumerate() {
-        let (status, v) = server.post(path, &b).await;
-        assert_eq!(status, 200, "case {i}: {v}");
-        let c = &v["choices"][0];
-        if i == 3 {
-            // The bias forces `</think>` first: the grammar does not mask it inside the block.
-            let first = &c["logprobs"]["content"][0]["token"];
-            assert_eq!(first, "</think>", "case {i}: {v}");
-        }
-        assert_eq!(c["finish_reason"], "tool_calls", "case {i}: {v}");
-        let calls = c["message"]["tool_calls"].as_array().unwrap();
-        assert_eq!(calls.len(), 1, "case {i}: {v}");
-        let f = &calls[0]["function"];
-        let args: Value = serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap();
-        let name = f["name"].as_str().unwrap();
-        assert!(names.contains(&name), "case {i}: {v}");
-        let fine = match name {
-            "set_unit" => args == json!({"unit": "c"}) || args == json!({"unit": "f"}),
-            "set_mode" => args == json!({"mode": "on"}) || args == json!({"mode": "off"}),
-            _ => args == json!({}),
+    let all = json!([weather_tool(), unit, mode, ping, limits]);
+    // The bundled template teaches the JSON form; one edited to teach Qwen3.6's XML form.
+    let json_form = r#"{"name": "<function name>", "arguments": {"<parameter>": <value>}}"#;
+    let xml_form = r"<function=NAME>\n<parameter=PARAMETER>\nvalue\n</parameter>\n</function>";
+    for xml in [false, true] {
+        let edit = |s: &str| {
+            assert!(s.contains(json_form));
+            match xml {
+                true => s.replace(json_form, xml_form),
+                false => s.to_string(),
+            }
         };
-        assert!(fine, "case {i}: {args}");
+        let (server, generator) =
+            Server::start_full(EngineConfig::default(), ServerConfig::default(), None, edit).await;
+        let think_end = generator.tokenizer().unwrap().token_to_id("</think>").unwrap();
+        let mut thinking = body(all.clone(), named("set_unit"));
+        thinking["messages"] = json!([{"role": "user", "content": "Use Celsius."},
+                                      {"role": "assistant", "content": "<think>\nCelsius, so"}]);
+        thinking["continue_final_message"] = json!(true);
+        thinking["add_generation_prompt"] = json!(false);
+        thinking["logit_bias"] = json!({ think_end.to_string(): 100 });
+        let mut required = body(json!([mode, unit]), json!("required"));
+        required["parallel_tool_calls"] = json!(false);
+        let cases = [
+            (body(all.clone(), named("set_unit")), vec!["set_unit"]),
+            (body(all.clone(), named("set_mode")), vec!["set_mode"]),
+            (body(all.clone(), named("ping")), vec!["ping"]),
+            (thinking, vec!["set_unit"]),
+            (required, vec!["set_mode", "set_unit"]),
+            (body(all.clone(), named("set_limits")), vec!["set_limits"]),
+        ];
+        for (i, (b, names)) in cases.into_iter().enumerate() {
+            let (status, v) = server.post(path, &b).await;
+            assert_eq!(status, 200, "xml {xml}, case {i}: {v}");
+            let c = &v["choices"][0];
+            let tokens: Vec<&str> = c["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["token"].as_str().unwrap())
+                .collect();
+            let mut text = tokens.concat();
+            if i == 3 {
+                // The bias forces `</think>` first: the grammar does not mask it inside the block.
+                assert_eq!(tokens[0], "</think>", "case {i}: {v}");
+                text = text["</think>".len()..].to_string();
+            }
+            let opening = if xml {
+                "<tool_call>\n<function="
+            } else {
+                "<tool_call>\n{\"name\": "
+            };
+            assert!(
+                text.starts_with(opening),
+                "xml {xml}, case {i}: the template's form: {text:?}"
+            );
+            assert_eq!(c["finish_reason"], "tool_calls", "xml {xml}, case {i}: {v}");
+            let calls = c["message"]["tool_calls"].as_array().unwrap();
+            assert_eq!(calls.len(), 1, "xml {xml}, case {i}: {v}");
+            let f = &calls[0]["function"];
+            let args: Value = serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap();
+            let name = f["name"].as_str().unwrap();
+            assert!(names.contains(&name), "xml {xml}, case {i}: {v}");
+            let fine = match name {
+                "set_unit" => args == json!({"unit": "c"}) || args == json!({"unit": "f"}),
+                "set_mode" => args == json!({"mode": "on"}) || args == json!({"mode": "off"}),
+                "set_limits" => {
+                    let tags = args["tags"].as_array();
+                    args["max"].is_number()
+                        && args["strict"].is_boolean()
+                        && tags.is_some_and(|t| t.len() <= 2 && t.iter().all(|t| t == "a" || t == "b"))
+                }
+                _ => args == json!({}),
+            };
+            assert!(fine, "xml {xml}, case {i}: {args}");
+        }
+        if xml {
+            server.stop().await;
+            continue;
+        }
+        let bad = [
+            (
+                body(all.clone(), named("nope")),
+                "\"nope\", which is not among the tools",
+            ),
+            (
+                json!({ "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required" }),
+                "no tools are given",
+            ),
+            (
+                {
+                    let mut b = body(all.clone(), json!("required"));
+                    b["response_format"] = json!({"type": "json_object"});
+                    b
+                },
+                "a forced tool call and response_format",
+            ),
+        ];
+        for (b, says) in bad {
+            let (status, v) = server.post(path, &b).await;
+            assert_eq!(status, 400, "{v}");
+            assert_eq!(v["error"]["param"], "tool_choice", "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
+        }
+        server.stop().await;
     }
-    let bad = [
-        (
-            body(all.clone(), named("nope")),
-            "\"nope\", which is not among the tools",
-        ),
-        (
-            json!({ "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required" }),
-            "no tools are given",
-        ),
-        (
-            {
-                let mut b = body(all.clone(), json!("required"));
-                b["response_format"] = json!({"type": "json_object"});
-                b
-            },
-            "a forced tool call and response_format",
-        ),
-    ];
-    for (b, says) in bad {
-        let (status, v) = server.post(path, &b).await;
-        assert_eq!(status, 400, "{v}");
-        assert_eq!(v["error"]["param"], "tool_choice", "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
-    }
-    server.stop().await;
 }
 
 /// Chat output is split into `reasoning_content`, `content` and `tool_calls` (JSON and XML
