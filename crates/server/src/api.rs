@@ -774,13 +774,7 @@ fn xml_call(i: usize, tool: &Value) -> String {
 /// The lark expression of an XML parameter's value of `schema` (a property of `params`,
 /// whose `$defs` its references name), or `None` for free text.
 fn xml_value(schema: &Value, params: &Value) -> Option<String> {
-    // (A reference into the parameters' own definitions, as Pydantic writes enums, is read
-    // through.)
-    let local = schema
-        .get("$ref")
-        .and_then(Value::as_str)
-        .and_then(|r| r.strip_prefix('#'));
-    let resolved = local.and_then(|r| params.pointer(r)).unwrap_or(schema);
+    let resolved = crate::output::read_through_ref(schema, params);
     if let Some(Value::Array(values)) = resolved.get("enum") {
         let texts: Vec<String> = values
             .iter()

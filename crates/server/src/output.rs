@@ -327,13 +327,22 @@ pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> 
 
 /// The JSON schema type of parameter `param` of tool `name`, if the tools declare one.
 fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
-    tools
+    let params = tools
         .iter()
         .find(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))?
-        .pointer("/function/parameters/properties")?
-        .get(param)?
-        .get("type")?
-        .as_str()
+        .pointer("/function/parameters")?;
+    let schema = params.get("properties")?.get(param)?;
+    read_through_ref(schema, params).get("type")?.as_str()
+}
+
+/// The schema a local `$ref` in `schema` names in `root` (the tool's parameters, whose
+/// `$defs` Pydantic's references name), else `schema` itself.
+pub(crate) fn read_through_ref<'a>(schema: &'a Value, root: &'a Value) -> &'a Value {
+    let local = schema
+        .get("$ref")
+        .and_then(Value::as_str)
+        .and_then(|r| r.strip_prefix('#'));
+    local.and_then(|r| root.pointer(r)).unwrap_or(schema)
 }
 
 /// An XML parameter's text as the type its schema declares (a string when it declares none,
@@ -356,7 +365,9 @@ mod tests {
         vec![
             json!({"type": "function", "function": {"name": "get_weather", "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+                               "at": {"$ref": "#/$defs/Place"}},
+                "$defs": {"Place": {"type": "object"}}
             }}}),
         ]
     }
@@ -458,7 +469,7 @@ mod tests {
 
     #[test]
     fn json_and_xml_tool_calls_with_typed_arguments() {
-        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"days\": 2}}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>";
+        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"days\": 2}}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=note>\n42\n</parameter>\n<parameter=at>\n{\"x\": 1}\n</parameter>\n</function>\n</tool_call>";
         let d = parse_all_ways(|| OutputParser::new(true, false, Some(weather()), "call"), text);
         assert_eq!(d.content, "Let me check.\n");
         assert_eq!(d.tool_calls.len(), 2);
@@ -468,10 +479,10 @@ mod tests {
         let a0: Value = serde_json::from_str(&d.tool_calls[0].arguments).unwrap();
         assert_eq!(a0, json!({"city": "Zürich", "days": 2}));
         let a1: Value = serde_json::from_str(&d.tool_calls[1].arguments).unwrap();
-        // Typed by the schema; an undeclared parameter stays a string.
+        // Typed by the schema (through a `$ref`); an undeclared parameter stays a string.
         assert_eq!(
             a1,
-            json!({"city": "San José", "days": 3, "metric": true, "note": "42"})
+            json!({"city": "San José", "days": 3, "metric": true, "note": "42", "at": {"x": 1}})
         );
     }
 
