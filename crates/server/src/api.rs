@@ -1,6 +1,7 @@
 //! The OpenAI request bodies the server reads, their checks, and the error object it answers
 //! with.
 
+use crate::output::{enum_text, XmlParam};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use llguidance::api::TopLevelGrammar;
@@ -772,22 +773,16 @@ fn xml_call(i: usize, tool: &Value) -> String {
 }
 
 /// The lark expression of an XML parameter's value of `schema` (a property of `params`,
-/// whose `$defs` its references name), or `None` for free text.
+/// whose `$defs` its references name), or `None` for free text: written as
+/// [`XmlParam`] reads it back.
 fn xml_value(schema: &Value, params: &Value) -> Option<String> {
-    let resolved = crate::output::read_through_ref(schema, params);
-    if let Some(Value::Array(values)) = resolved.get("enum") {
-        let texts: Vec<String> = values
-            .iter()
-            .map(|v| lark_string(&v.as_str().map_or_else(|| v.to_string(), str::to_string)))
-            .collect();
-        return (!texts.is_empty()).then(|| format!("({})", texts.join(" | ")));
-    }
-    match resolved.get("type").and_then(Value::as_str) {
-        Some("integer") => Some("/-?(0|[1-9][0-9]*)/".into()),
-        Some("number") => Some(r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/".into()),
-        Some("boolean") => Some(r#"("true" | "false")"#.into()),
-        Some("null") => Some(r#""null""#.into()),
-        Some("object" | "array") => {
+    match XmlParam::of(schema, params) {
+        XmlParam::Text => None,
+        XmlParam::Enum(values) => {
+            let texts: Vec<String> = values.iter().map(|v| lark_string(&enum_text(v))).collect();
+            Some(format!("({})", texts.join(" | ")))
+        }
+        XmlParam::Json => {
             let mut nested = schema.clone();
             if let Some(o) = nested.as_object_mut() {
                 for defs in ["$defs", "definitions"] {
@@ -799,13 +794,14 @@ fn xml_value(schema: &Value, params: &Value) -> Option<String> {
             }
             Some(format!("%json {nested}"))
         }
-        _ => None,
     }
 }
 
-/// `text` as a lark string literal.
+/// `text` as a lark string literal (JSON's, with DEL escaped too: lark's strings refuse it raw).
 fn lark_string(text: &str) -> String {
-    Value::String(text.to_string()).to_string()
+    Value::String(text.to_string())
+        .to_string()
+        .replace('\u{7f}', "\\u007f")
 }
 
 /// `text` as a regex matching it literally.
@@ -857,10 +853,15 @@ mod tests {
     fn forced_calls_in_the_xml_form() {
         let tools = json!([
             {"type": "function", "function": {"name": "get_weather", "parameters": {
-                "type": "object", "required": ["city"], "$defs": {"Unit": {"enum": ["c", "f"]}},
+                "type": "object", "required": ["city"],
+                "$defs": {"Unit": {"enum": ["c", "f\u{7f}"]},
+                          "Place": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
                 "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                "unit": {"$ref": "#/$defs/Unit"},
-                               "hours": {"type": "array", "items": {"type": "integer"}}}}}},
+                               "hours": {"type": "array", "items": {"type": "integer"}},
+                               "near": {"$ref": "#/$defs/Place"},
+                               "max": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                               "kind": {"const": "city"}}}}},
             {"type": "function", "function": {"name": "ping"}},
         ]);
         let req = |choice: Value| GenerateRequest {
@@ -879,11 +880,24 @@ mod tests {
         let p = |name: &str, value: &str| format!("<parameter={name}>\n{value}\n</parameter>\n");
         let good = [
             call(&p("city", "San José\nby the lake")),
-            call(&(p("city", "Zürich") + &p("days", "3") + &p("unit", "f") + &p("hours", "[6, 18]"))),
-            call(&(p("city", "Bern") + &p("unit", "c"))),
+            call(&(p("city", "Zürich") + &p("days", "3") + &p("unit", "f\u{7f}") + &p("hours", "[6, 18]"))),
+            call(&(p("city", "Bern") + &p("unit", "c") + &p("near", r#"{"x": -2}"#) + &p("max", "null"))),
+            call(&(p("city", "Bern") + &p("max", "2.5") + &p("kind", "city"))),
         ];
-        for text in &good {
+        let typed = [
+            json!({"city": "San José\nby the lake"}),
+            json!({"city": "Zürich", "days": 3, "unit": "f\u{7f}", "hours": [6, 18]}),
+            json!({"city": "Bern", "unit": "c", "near": {"x": -2}, "max": null}),
+            json!({"city": "Bern", "max": 2.5, "kind": "city"}),
+        ];
+        let listed = named.tools.clone().unwrap();
+        for (text, want) in good.iter().zip(typed) {
             assert!(accepts(grammar(), text), "{text}");
+            // The output parser reads each value back as its type.
+            let body = &text["<tool_call>\n".len()..text.len() - "\n</tool_call>".len()];
+            let (name, args) = crate::output::parse_tool_call(body, &listed).unwrap();
+            assert_eq!(name, "get_weather");
+            assert_eq!(serde_json::from_str::<Value>(&args).unwrap(), want, "{text}");
         }
         let bad = [
             r#"<tool_call>
@@ -895,6 +909,10 @@ mod tests {
             call(&(p("city", "Bern") + &p("unit", "kelvin"))),
             call(&(p("unit", "c") + &p("city", "Bern"))),
             call(&(p("city", "Bern") + &p("wind", "yes"))),
+            call(&(p("city", "Bern") + &p("near", r#"{"y": 1}"#))),
+            call(&(p("city", "Bern") + &p("max", "many"))),
+            call(&(p("city", "Bern") + &p("kind", "town"))),
+            call(&(p("city", "Bern") + &p("hours", "6, 18"))),
             call(&p("city", "Bern")) + "\n" + &call(&p("city", "Basel")),
         ];
         for text in &bad {
@@ -912,6 +930,24 @@ mod tests {
             any(),
             "<tool_call>\n<function=pong>\n</function>\n</tool_call>"
         ));
+        // The JSON form resolves a reference inside an `anyOf` too.
+        let optional = GenerateRequest {
+            tools: serde_json::from_value(json!([{"type": "function", "function": {"name": "set",
+                "parameters": {"$defs": {"Mode": {"enum": ["on", "off"]}}, "required": ["mode"],
+                               "properties": {"mode": {"anyOf": [{"$ref": "#/$defs/Mode"}, {"type": "null"}]}}}}}]))
+            .unwrap(),
+            ..Default::default()
+        };
+        let json_call =
+            |args: &str| format!("<tool_call>\n{{\"name\": \"set\", \"arguments\": {args}}}\n</tool_call>");
+        let json_grammar = || {
+            optional
+                .tool_grammar(&ToolChoice::Named("set".into()), ToolCallForm::Json)
+                .unwrap()
+        };
+        assert!(accepts(json_grammar(), &json_call(r#"{"mode": "on"}"#)));
+        assert!(accepts(json_grammar(), &json_call(r#"{"mode": null}"#)));
+        assert!(!accepts(json_grammar(), &json_call(r#"{"mode": "up"}"#)));
         assert_eq!(ToolCallForm::of_template("x <function=f> y"), ToolCallForm::Xml);
         assert_eq!(
             ToolCallForm::of_template("<tool_call>{\"name\""),

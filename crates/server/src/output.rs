@@ -316,23 +316,91 @@ pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> 
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
         let pname = pname.trim();
-        args.insert(
-            pname.to_string(),
-            typed_value(value, param_type(tools, &name, pname)),
-        );
+        args.insert(pname.to_string(), xml_param(tools, &name, pname).read(value));
         rest = next;
     }
     Some((name, Value::Object(args).to_string()))
 }
 
-/// The JSON schema type of parameter `param` of tool `name`, if the tools declare one.
-fn param_type<'a>(tools: &'a [Value], name: &str, param: &str) -> Option<&'a str> {
+/// How parameter `param` of tool `name` is written in the XML form (a string when the tools do
+/// not declare it).
+fn xml_param<'a>(tools: &'a [Value], name: &str, param: &str) -> XmlParam<'a> {
     let params = tools
         .iter()
-        .find(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))?
-        .pointer("/function/parameters")?;
-    let schema = params.get("properties")?.get(param)?;
-    read_through_ref(schema, params).get("type")?.as_str()
+        .find(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+        .and_then(|t| t.pointer("/function/parameters"));
+    match params.and_then(|p| Some((p, p.get("properties")?.get(param)?))) {
+        Some((params, schema)) => XmlParam::of(schema, params),
+        None => XmlParam::Text,
+    }
+}
+
+/// How an XML parameter's value is written and read back, by its schema: the forced grammar
+/// writes it so and the parser reads it so.
+#[derive(Debug, PartialEq)]
+pub(crate) enum XmlParam<'a> {
+    /// Free text: a string, or a schema that allows one or does not say.
+    Text,
+    /// One of these values (an `enum`, a `const`), written as a string's own text or another
+    /// value's JSON.
+    Enum(&'a [Value]),
+    /// JSON matching the schema (none of its types a string).
+    Json,
+}
+
+impl<'a> XmlParam<'a> {
+    /// The parameter of `schema`, a property of `params` (whose definitions its local `$ref`s
+    /// name).
+    pub(crate) fn of(schema: &'a Value, params: &'a Value) -> Self {
+        let s = read_through_ref(schema, params);
+        if let Some(Value::Array(values)) = s
+            .get("enum")
+            .filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
+        {
+            return Self::Enum(values);
+        }
+        if let Some(c) = s.get("const") {
+            return Self::Enum(std::slice::from_ref(c));
+        }
+        match json_types(s, params) {
+            Some(types) if !types.is_empty() && !types.contains(&"string") => Self::Json,
+            _ => Self::Text,
+        }
+    }
+
+    /// A value's text (between the newlines around it) read back: the enum value it writes,
+    /// the JSON it is, else the text itself.
+    fn read(&self, text: &str) -> Value {
+        let found = match self {
+            Self::Text => None,
+            Self::Enum(values) => values.iter().find(|v| enum_text(v) == text.trim()).cloned(),
+            Self::Json => serde_json::from_str(text.trim()).ok(),
+        };
+        found.unwrap_or_else(|| Value::String(text.to_string()))
+    }
+}
+
+/// An enum value's text in the XML form: a string's own, else its JSON.
+pub(crate) fn enum_text(v: &Value) -> String {
+    v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+/// The JSON types `schema` allows (its `type`, or every `anyOf`/`oneOf` alternative's), `None`
+/// when it does not say.
+fn json_types<'a>(schema: &'a Value, params: &'a Value) -> Option<Vec<&'a str>> {
+    match schema.get("type") {
+        Some(Value::String(t)) => Some(vec![t.as_str()]),
+        Some(Value::Array(types)) => types.iter().map(Value::as_str).collect(),
+        Some(_) => None,
+        None => {
+            let alternatives = schema.get("anyOf").or_else(|| schema.get("oneOf"))?.as_array()?;
+            let mut all = Vec::new();
+            for a in alternatives {
+                all.extend(json_types(read_through_ref(a, params), params)?);
+            }
+            Some(all)
+        }
+    }
 }
 
 /// The schema a local `$ref` in `schema` names in `root` (the tool's parameters, whose
@@ -343,17 +411,6 @@ pub(crate) fn read_through_ref<'a>(schema: &'a Value, root: &'a Value) -> &'a Va
         .and_then(Value::as_str)
         .and_then(|r| r.strip_prefix('#'));
     local.and_then(|r| root.pointer(r)).unwrap_or(schema)
-}
-
-/// An XML parameter's text as the type its schema declares (a string when it declares none,
-/// or when the text is not of that type).
-fn typed_value(text: &str, ty: Option<&str>) -> Value {
-    match ty {
-        Some("integer" | "number" | "boolean" | "array" | "object" | "null") => {
-            serde_json::from_str(text.trim()).unwrap_or_else(|_| Value::String(text.to_string()))
-        }
-        _ => Value::String(text.to_string()),
-    }
 }
 
 #[cfg(test)]
@@ -484,6 +541,51 @@ mod tests {
             a1,
             json!({"city": "San José", "days": 3, "metric": true, "note": "42", "at": {"x": 1}})
         );
+    }
+
+    /// XML parameters by their schema: free text where a string is allowed or nothing is said,
+    /// JSON where no type is a string (type lists and `anyOf` alternatives, through `$ref`s),
+    /// enums and consts read back as their own values.
+    #[test]
+    fn xml_parameters_are_read_by_their_schema() {
+        let params = json!({"$defs": {"N": {"type": "integer"}}});
+        let kind = |schema: Value, text: &str| {
+            let p = XmlParam::of(&schema, &params);
+            let read = p.read(text);
+            (matches!(p, XmlParam::Text), matches!(p, XmlParam::Json), read)
+        };
+        let text = |t: &str| (true, false, json!(t));
+        let json_of = |v: Value| (false, true, v);
+        assert_eq!(kind(json!({"type": "string"}), "3"), text("3"));
+        assert_eq!(kind(json!({}), "3"), text("3"));
+        assert_eq!(kind(json!({"type": ["string", "null"]}), "null"), text("null"));
+        assert_eq!(
+            kind(json!({"anyOf": [{"type": "string"}, {"type": "null"}]}), "1"),
+            text("1")
+        );
+        assert_eq!(
+            kind(json!({"anyOf": [{"$ref": "#/$defs/N"}, {}]}), "1"),
+            text("1")
+        );
+        assert_eq!(
+            kind(json!({"type": ["integer", "null"]}), " 3 "),
+            json_of(json!(3))
+        );
+        assert_eq!(
+            kind(
+                json!({"oneOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}),
+                "null"
+            ),
+            json_of(json!(null))
+        );
+        assert_eq!(kind(json!({"type": "integer"}), "three"), json_of(json!("three")));
+        let e = json!({"enum": [1, "a", true]});
+        assert_eq!(XmlParam::of(&e, &params).read("1"), json!(1));
+        assert_eq!(XmlParam::of(&e, &params).read("a"), json!("a"));
+        assert_eq!(XmlParam::of(&e, &params).read("true"), json!(true));
+        assert_eq!(XmlParam::of(&e, &params).read("b"), json!("b"));
+        assert_eq!(XmlParam::of(&json!({"enum": []}), &params), XmlParam::Text);
+        assert_eq!(XmlParam::of(&json!({"const": 2}), &params).read("2"), json!(2));
     }
 
     #[test]
