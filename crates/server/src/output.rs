@@ -588,6 +588,15 @@ mod tests {
         assert_eq!(XmlParam::of(&json!({"const": 2}), &params).read("2"), json!(2));
     }
 
+    /// A body that opens a JSON object but is not one is text from its `</tool_call>` on, as
+    /// soon as that arrives (not held to the end of the output).
+    #[test]
+    fn a_malformed_json_body_is_text_at_once() {
+        let mut p = OutputParser::new(false, false, Some(weather()), "c");
+        let text = "<tool_call>{\"name\": x}</tool_call> after";
+        assert_eq!(p.push(text).content, text);
+    }
+
     #[test]
     fn blocks_that_are_not_calls_stay_content() {
         let tools = Some(weather());
