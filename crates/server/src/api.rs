@@ -948,6 +948,21 @@ mod tests {
         assert!(accepts(json_grammar(), &json_call(r#"{"mode": "on"}"#)));
         assert!(accepts(json_grammar(), &json_call(r#"{"mode": null}"#)));
         assert!(!accepts(json_grammar(), &json_call(r#"{"mode": "up"}"#)));
+        // A reference by `$id` (not into the document) is left as it is.
+        let by_id = GenerateRequest {
+            tools: serde_json::from_value(json!([{"type": "function", "function": {"name": "set",
+                "parameters": {"$defs": {"Mode": {"$id": "urn:mode", "enum": ["on", "off"]}},
+                               "required": ["mode"], "properties": {"mode": {"$ref": "urn:mode"}}}}}]))
+            .unwrap(),
+            ..Default::default()
+        };
+        let id_grammar = || {
+            by_id
+                .tool_grammar(&ToolChoice::Named("set".into()), ToolCallForm::Json)
+                .unwrap()
+        };
+        assert!(accepts(id_grammar(), &json_call(r#"{"mode": "off"}"#)));
+        assert!(!accepts(id_grammar(), &json_call(r#"{"mode": "up"}"#)));
         assert_eq!(ToolCallForm::of_template("x <function=f> y"), ToolCallForm::Xml);
         assert_eq!(
             ToolCallForm::of_template("<tool_call>{\"name\""),
