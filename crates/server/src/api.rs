@@ -375,7 +375,7 @@ impl GenerateRequest {
     /// `<tool_call>` blocks in the template's `form`, one for a named function or with
     /// `parallel_tool_calls: false`, else one or more. The JSON form holds `{"name": ...,
     /// "arguments": ...}` with each tool's parameter schema (the arguments always an object);
-    /// the XML form [`xml_call`]'s parameters. Keywords llguidance cannot enforce are read
+    /// the XML form each tool's parameters (`xml_call`). Keywords llguidance cannot enforce are read
     /// leniently, as the model reads them with `"auto"`.
     pub fn tool_grammar(&self, choice: &ToolChoice, form: ToolCallForm) -> Option<TopLevelGrammar> {
         let only = match choice {
