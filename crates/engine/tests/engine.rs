@@ -1213,6 +1213,9 @@ fn min_tokens_keeps_the_stop_ids_out_until_then() {
         matches!(&e, Error::Request(m) if m.contains("min_tokens 5 is over max_tokens 4")),
         "{e}"
     );
+    let mut equal = Request::greedy(vec![1, 2, 3], 4);
+    equal.sampling.min_tokens = 4;
+    assert!(engine.submit(equal).is_ok(), "min_tokens may equal max_tokens");
     // Without max_tokens the sequence needs min_tokens positions.
     let context = engine.context();
     for (min, fits) in [(context - 2, true), (context - 1, false)] {
@@ -1232,7 +1235,12 @@ fn min_tokens_keeps_the_stop_ids_out_until_then() {
     constrained.sampling.min_tokens = 2;
     constrained.stop_ids = vec![2];
     constrained.constraint = Some(thirds_constraint(None));
-    let e = engine.submit(constrained).unwrap_err();
+    let e = engine.submit(constrained.clone()).unwrap_err();
+    constrained.sampling.min_tokens = 0;
+    assert!(
+        engine.submit(constrained).is_ok(),
+        "a constraint with stop ids alone is served"
+    );
     assert!(
         matches!(&e, Error::Request(m) if m.contains("min_tokens with an output constraint")),
         "{e}"
