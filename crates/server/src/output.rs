@@ -185,11 +185,17 @@ impl OutputParser {
             }
             State::Tool => {
                 // A JSON body ends where its value ends: a `</tool_call>` inside one of its
-                // strings is text (a value still arriving waits for the rest).
+                // strings is text (a value still arriving waits for the rest); an XML body
+                // after the `</function>` that `</tool_call>` follows.
                 let from = match json_end(&self.buf) {
                     JsonEnd::At(at) => at,
                     JsonEnd::Incomplete if !end => return false,
-                    JsonEnd::Incomplete | JsonEnd::NotJson => 0,
+                    JsonEnd::Incomplete => 0,
+                    JsonEnd::NotJson => match xml_end(&self.buf) {
+                        Some(at) => at,
+                        None if !end => return false,
+                        None => 0,
+                    },
                 };
                 let Some(i) = self.buf[from..].find(TOOL_END).map(|i| i + from) else {
                     return false;
@@ -227,6 +233,17 @@ enum JsonEnd {
     Incomplete,
     /// It does not open a JSON object (the XML form), or is not JSON.
     NotJson,
+}
+
+/// Where an XML body (`<function=…`) ends: after its first `</function>` that `</tool_call>`
+/// follows (a value may hold either tag as text); `None` while none has; 0 for another body.
+fn xml_end(body: &str) -> Option<usize> {
+    if !body.trim_start().starts_with("<function=") {
+        return Some(0);
+    }
+    body.match_indices("</function>")
+        .map(|(i, tag)| i + tag.len())
+        .find(|&e| body[e..].trim_start().starts_with(TOOL_END))
 }
 
 /// Where the JSON object that `body` opens (after whitespace) ends.
@@ -306,7 +323,7 @@ pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> 
     let mut args = Map::new();
     while let Some(start) = rest.find("<parameter=") {
         let (pname, after) = rest[start + "<parameter=".len()..].split_once('>')?;
-        let (value, next) = match after.find("</parameter>") {
+        let (value, next) = match value_end(after) {
             Some(e) => (&after[..e], &after[e + "</parameter>".len()..]),
             None => match after.find("<parameter=") {
                 Some(e) => (&after[..e], &after[e..]),
@@ -320,6 +337,21 @@ pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> 
         rest = next;
     }
     Some((name, Value::Object(args).to_string()))
+}
+
+/// Where an XML parameter's value ends in `after` (the text after its `<parameter=P>`): at the
+/// first `</parameter>` that the next parameter or the function's end follows (a value may
+/// hold the tag as text), else at the first.
+fn value_end(after: &str) -> Option<usize> {
+    const CLOSE: &str = "</parameter>";
+    let mut closes = after.match_indices(CLOSE).map(|(i, _)| i).peekable();
+    let first = closes.peek().copied();
+    closes
+        .find(|&i| {
+            let next = after[i + CLOSE.len()..].trim_start();
+            next.is_empty() || next.starts_with("<parameter=") || next.starts_with("</function>")
+        })
+        .or(first)
 }
 
 /// How parameter `param` of tool `name` is written in the XML form (a string when the tools do
@@ -586,6 +618,23 @@ mod tests {
         assert_eq!(XmlParam::of(&e, &params).read("b"), json!("b"));
         assert_eq!(XmlParam::of(&json!({"enum": []}), &params), XmlParam::Text);
         assert_eq!(XmlParam::of(&json!({"const": 2}), &params).read("2"), json!(2));
+    }
+
+    /// A value (free text in a forced call) may hold `</parameter>` and `</tool_call>` as text:
+    /// it ends at the closing tag that the next parameter or the function's end follows, the
+    /// block after the `</function>` that `</tool_call>` follows.
+    #[test]
+    fn closing_tags_inside_an_xml_value_are_text() {
+        let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\na</parameter>b</tool_call>c\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\nDone.";
+        let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), text);
+        assert_eq!(d.content, "Done.");
+        assert_eq!(d.tool_calls.len(), 1);
+        let args: Value = serde_json::from_str(&d.tool_calls[0].arguments).unwrap();
+        assert_eq!(args, json!({"city": "a</parameter>b</tool_call>c", "days": 3}));
+        // Without `</function>` the block still ends at the output's end.
+        let open = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</tool_call>";
+        let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), open);
+        assert_eq!(d.tool_calls.len(), 1, "{d:?}");
     }
 
     /// A body that opens a JSON object but is not one is text from its `</tool_call>` on, as
