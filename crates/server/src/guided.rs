@@ -2,7 +2,7 @@
 //! an engine [`Constraint`] that masks, at each position, the tokens the output may not take.
 //! A chat that opens with a `<think>` block is constrained from the token that closes it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
@@ -13,7 +13,13 @@ use qwen36::engine::{Constraint, ConstraintSpec, OutputConstraint};
 /// bytes), and the grammar compiler over it.
 pub struct Guidance {
     factory: ParserFactory,
+    /// The grammars compiled last, by their JSON, the latest last: a server's requests repeat
+    /// their tools and schemas, and compiling a schema takes milliseconds.
+    compiled: Mutex<Vec<(String, Arc<TokenParser>)>>,
 }
+
+/// How many compiled grammars [`Guidance`] keeps.
+const COMPILED_KEPT: usize = 32;
 
 /// The tokenizer behind a trie of its tokens' bytes (what llguidance asks of a tokenizer).
 struct TokenizerBytes {
@@ -59,7 +65,10 @@ impl Guidance {
         });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
-        Ok(Self { factory })
+        Ok(Self {
+            factory,
+            compiled: Mutex::new(Vec::new()),
+        })
     }
 
     /// `grammar` compiled into the spec of each choice's constraint; `think_end`: the output
@@ -69,11 +78,38 @@ impl Guidance {
         grammar: TopLevelGrammar,
         think_end: Option<u32>,
     ) -> Result<OutputConstraint, String> {
-        let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
         Ok(OutputConstraint(Arc::new(Spec {
-            parser: Arc::new(parser),
+            parser: self.parser(grammar)?,
             think_end,
         })))
+    }
+
+    /// `grammar`'s parser: the one compiled before for the same grammar, else a new one (kept,
+    /// in place of the one used longest ago when [`COMPILED_KEPT`] are). A request starts from
+    /// a copy of it, so one parser serves them all.
+    fn parser(&self, grammar: TopLevelGrammar) -> Result<Arc<TokenParser>, String> {
+        let key = serde_json::to_string(&grammar).map_err(|e| e.to_string())?;
+        let kept = || self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
+        {
+            let mut kept = kept();
+            if let Some(i) = kept.iter().position(|(k, _)| *k == key) {
+                let hit = kept.remove(i);
+                let parser = hit.1.clone();
+                kept.push(hit);
+                return Ok(parser);
+            }
+        }
+        let parser = Arc::new(self.factory.create_parser(grammar).map_err(|e| e.to_string())?);
+        let mut kept = kept();
+        // (Another request may have compiled it meanwhile: one copy is kept.)
+        if let Some((_, earlier)) = kept.iter().find(|(k, _)| *k == key) {
+            return Ok(earlier.clone());
+        }
+        if kept.len() >= COMPILED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((key, parser.clone()));
+        Ok(parser)
     }
 }
 
@@ -259,6 +295,40 @@ mod tests {
         assert_eq!(allowed(&mut c), first);
         let followed = thought.len() + 1;
         assert!(c.rollback(followed + 1).is_err());
+    }
+
+    /// A grammar compiled again is the parser compiled before, which a request's constraint
+    /// only copies (one that followed tokens leaves it as it was); another grammar, or the same
+    /// one after [`COMPILED_KEPT`] others used since, is compiled anew.
+    #[test]
+    fn compiled_grammars_are_kept() {
+        let dir = qwen36_testutil::bundled_dir();
+        let tokenizer = qwen36::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let end = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let g = Guidance::new(&tokenizer, &[end]).unwrap();
+        let rx = |r: &str| g.parser(TopLevelGrammar::from_regex(r)).unwrap();
+        let (a, b) = (rx("yes|no"), rx("[0-9]+"));
+        assert!(!Arc::ptr_eq(&a, &b));
+        let mask = |c: &mut Box<dyn Constraint>| {
+            let mut row = vec![0f32; tokenizer.get_vocab_size(true)];
+            c.mask(&mut row).unwrap();
+            row
+        };
+        let spec = g.compile(TopLevelGrammar::from_regex("yes|no"), None).unwrap();
+        let mut first = spec.0.start().unwrap();
+        let fresh = mask(&mut first);
+        first
+            .consume(tokenizer.encode("yes", false).unwrap().get_ids())
+            .unwrap();
+        assert_ne!(mask(&mut first), fresh);
+        let again = g.compile(TopLevelGrammar::from_regex("yes|no"), None).unwrap();
+        assert_eq!(mask(&mut again.0.start().unwrap()), fresh);
+        assert!(Arc::ptr_eq(&a, &rx("yes|no")), "the latest used is now yes|no");
+        for i in 0..COMPILED_KEPT - 1 {
+            rx(&format!("x{{{i}}}"));
+        }
+        assert!(Arc::ptr_eq(&a, &rx("yes|no")));
+        assert!(!Arc::ptr_eq(&b, &rx("[0-9]+")), "used longest ago: compiled anew");
     }
 
     /// A matcher left in its error state (a mask that failed after tried drafts) starts again

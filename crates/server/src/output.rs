@@ -385,18 +385,13 @@ impl<'a> XmlParam<'a> {
     /// name).
     pub(crate) fn of(schema: &'a Value, params: &'a Value) -> Self {
         let s = read_through_ref(schema, params);
-        if let Some(Value::Array(values)) = s
-            .get("enum")
-            .filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
-        {
-            return Self::Enum(values);
-        }
-        if let Some(c) = s.get("const") {
-            return Self::Enum(std::slice::from_ref(c));
-        }
-        match json_types(s, params) {
-            Some(types) if !types.is_empty() && !types.contains(&"string") => Self::Json,
-            _ => Self::Text,
+        match (s.get("enum"), s.get("const")) {
+            (Some(Value::Array(values)), _) if !values.is_empty() => Self::Enum(values),
+            (_, Some(c)) => Self::Enum(std::slice::from_ref(c)),
+            _ => match json_types(s, params) {
+                Some(types) if !types.is_empty() && !types.contains(&"string") => Self::Json,
+                _ => Self::Text,
+            },
         }
     }
 
