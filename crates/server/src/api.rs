@@ -1,7 +1,7 @@
 //! The OpenAI request bodies the server reads, their checks, and the error object it answers
 //! with.
 
-use crate::output::{enum_text, XmlParam};
+use crate::output::{enum_text, python_text, XmlParam};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use llguidance::api::TopLevelGrammar;
@@ -779,10 +779,18 @@ fn xml_value(schema: &Value, params: &Value) -> Option<String> {
     match XmlParam::of(schema, params) {
         XmlParam::Text => None,
         XmlParam::Enum(values) => {
-            let texts: Vec<String> = values.iter().map(|v| lark_string(&enum_text(v))).collect();
+            let mut texts: Vec<String> = values.iter().map(|v| lark_string(&enum_text(v))).collect();
+            texts.extend(values.iter().filter_map(python_text).map(lark_string));
             Some(format!("({})", texts.join(" | ")))
         }
-        XmlParam::Json => {
+        XmlParam::Json(types) => {
+            // A boolean or null may be written as the chat template writes it too (`True`).
+            let python: String = [Value::Bool(true), Value::Bool(false), Value::Null]
+                .iter()
+                .filter(|v| types.contains(&if v.is_null() { "null" } else { "boolean" }))
+                .filter_map(python_text)
+                .map(|t| format!(" | {}", lark_string(t)))
+                .collect();
             let mut nested = schema.clone();
             if let Some(o) = nested.as_object_mut() {
                 for defs in ["$defs", "definitions"] {
@@ -792,7 +800,7 @@ fn xml_value(schema: &Value, params: &Value) -> Option<String> {
                 }
                 o.insert("x-guidance".into(), json_options(true));
             }
-            Some(format!("%json {nested}"))
+            Some(format!("(%json {nested}{python})"))
         }
     }
 }
@@ -861,7 +869,8 @@ mod tests {
                                "hours": {"type": "array", "items": {"type": "integer"}},
                                "near": {"$ref": "#/$defs/Place"},
                                "max": {"anyOf": [{"type": "number"}, {"type": "null"}]},
-                               "kind": {"const": "city"}}}}},
+                               "kind": {"const": "city"}, "alert": {"type": "boolean"},
+                               "flag": {"enum": [false, null]}}}}},
             {"type": "function", "function": {"name": "ping"}},
         ]);
         let req = |choice: Value| GenerateRequest {
@@ -883,12 +892,19 @@ mod tests {
             call(&(p("city", "Zürich") + &p("days", "3") + &p("unit", "f\u{7f}") + &p("hours", "[6, 18]"))),
             call(&(p("city", "Bern") + &p("unit", "c") + &p("near", r#"{"x": -2}"#) + &p("max", "null"))),
             call(&(p("city", "Bern") + &p("max", "2.5") + &p("kind", "city"))),
+            // A boolean or null as the chat template writes it (Python's `str()`) or as JSON.
+            call(&(p("city", "Bern") + &p("max", "None") + &p("alert", "True") + &p("flag", "False"))),
+            call(&(p("city", "Bern") + &p("alert", "false") + &p("flag", "None"))),
+            call(&(p("city", "Bern") + &p("flag", "null"))),
         ];
         let typed = [
             json!({"city": "San José\nby the lake"}),
             json!({"city": "Zürich", "days": 3, "unit": "f\u{7f}", "hours": [6, 18]}),
             json!({"city": "Bern", "unit": "c", "near": {"x": -2}, "max": null}),
             json!({"city": "Bern", "max": 2.5, "kind": "city"}),
+            json!({"city": "Bern", "max": null, "alert": true, "flag": false}),
+            json!({"city": "Bern", "alert": false, "flag": null}),
+            json!({"city": "Bern", "flag": null}),
         ];
         let listed = named.tools.clone().unwrap();
         for (text, want) in good.iter().zip(typed) {
@@ -913,6 +929,10 @@ mod tests {
             call(&(p("city", "Bern") + &p("max", "many"))),
             call(&(p("city", "Bern") + &p("kind", "town"))),
             call(&(p("city", "Bern") + &p("hours", "6, 18"))),
+            call(&(p("city", "Bern") + &p("days", "None"))),
+            call(&(p("city", "Bern") + &p("alert", "TRUE"))),
+            call(&(p("city", "Bern") + &p("alert", "None"))),
+            call(&(p("city", "Bern") + &p("flag", "True"))),
             call(&p("city", "Bern")) + "\n" + &call(&p("city", "Basel")),
         ];
         for text in &bad {

@@ -374,10 +374,11 @@ pub(crate) enum XmlParam<'a> {
     /// Free text: a string, or a schema that allows one or does not say.
     Text,
     /// One of these values (an `enum`, a `const`), written as a string's own text or another
-    /// value's JSON.
+    /// value's JSON (or its Python text, [`python_text`]).
     Enum(&'a [Value]),
-    /// JSON matching the schema (none of its types a string).
-    Json,
+    /// JSON matching the schema, whose types (none a string) these are; a boolean or null also
+    /// as its Python text.
+    Json(Vec<&'a str>),
 }
 
 impl<'a> XmlParam<'a> {
@@ -389,19 +390,27 @@ impl<'a> XmlParam<'a> {
             (Some(Value::Array(values)), _) if !values.is_empty() => Self::Enum(values),
             (_, Some(c)) => Self::Enum(std::slice::from_ref(c)),
             _ => match json_types(s, params) {
-                Some(types) if !types.is_empty() && !types.contains(&"string") => Self::Json,
+                Some(types) if !types.is_empty() && !types.contains(&"string") => Self::Json(types),
                 _ => Self::Text,
             },
         }
     }
 
     /// A value's text (between the newlines around it) read back: the enum value it writes,
-    /// the JSON it is, else the text itself.
+    /// the JSON it is (or the boolean or null whose Python text it is), else the text itself.
     fn read(&self, text: &str) -> Value {
+        let t = text.trim();
         let found = match self {
             Self::Text => None,
-            Self::Enum(values) => values.iter().find(|v| enum_text(v) == text.trim()).cloned(),
-            Self::Json => serde_json::from_str(text.trim()).ok(),
+            Self::Enum(values) => values
+                .iter()
+                .find(|v| enum_text(v) == t || python_text(v) == Some(t))
+                .cloned(),
+            Self::Json(_) => serde_json::from_str(t).ok().or_else(|| {
+                [Value::Bool(true), Value::Bool(false), Value::Null]
+                    .into_iter()
+                    .find(|v| python_text(v) == Some(t))
+            }),
         };
         found.unwrap_or_else(|| Value::String(text.to_string()))
     }
@@ -410,6 +419,17 @@ impl<'a> XmlParam<'a> {
 /// An enum value's text in the XML form: a string's own, else its JSON.
 pub(crate) fn enum_text(v: &Value) -> String {
     v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+/// A boolean's or null's text as Qwen's chat templates write a parameter in the XML form
+/// (Jinja's `string` filter: Python's `str()`), so the model has seen it in its history.
+pub(crate) fn python_text(v: &Value) -> Option<&'static str> {
+    match v {
+        Value::Bool(true) => Some("True"),
+        Value::Bool(false) => Some("False"),
+        Value::Null => Some("None"),
+        _ => None,
+    }
 }
 
 /// The JSON types `schema` allows (its `type`, or every `anyOf`/`oneOf` alternative's), `None`
@@ -579,7 +599,7 @@ mod tests {
         let kind = |schema: Value, text: &str| {
             let p = XmlParam::of(&schema, &params);
             let read = p.read(text);
-            (matches!(p, XmlParam::Text), matches!(p, XmlParam::Json), read)
+            (matches!(p, XmlParam::Text), matches!(p, XmlParam::Json(_)), read)
         };
         let text = |t: &str| (true, false, json!(t));
         let json_of = |v: Value| (false, true, v);
@@ -610,7 +630,18 @@ mod tests {
         assert_eq!(XmlParam::of(&e, &params).read("1"), json!(1));
         assert_eq!(XmlParam::of(&e, &params).read("a"), json!("a"));
         assert_eq!(XmlParam::of(&e, &params).read("true"), json!(true));
+        assert_eq!(XmlParam::of(&e, &params).read("True"), json!(true));
         assert_eq!(XmlParam::of(&e, &params).read("b"), json!("b"));
+        assert_eq!(XmlParam::of(&e, &params).read("False"), json!("False"));
+        let maybe = json!({"type": ["boolean", "null"]});
+        for (t, v) in [
+            ("True", json!(true)),
+            ("False", json!(false)),
+            ("None", json!(null)),
+        ] {
+            assert_eq!(kind(maybe.clone(), t), json_of(v));
+        }
+        assert_eq!(kind(maybe, "TRUE"), json_of(json!("TRUE")));
         assert_eq!(XmlParam::of(&json!({"enum": []}), &params), XmlParam::Text);
         assert_eq!(XmlParam::of(&json!({"const": 2}), &params).read("2"), json!(2));
     }
