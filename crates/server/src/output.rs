@@ -109,7 +109,7 @@ impl OutputParser {
     }
 
     /// The parts of whatever is still held, at the end of the output: an unclosed tool call
-    /// block is content, as written.
+    /// block is a call when its body is a whole one, else content, as written.
     pub fn finish(&mut self) -> Delta {
         let mut delta = Delta::default();
         while self.step(&mut delta, true) {}
@@ -197,31 +197,42 @@ impl OutputParser {
                         None => 0,
                     },
                 };
+                let tools = self.tools.as_deref().unwrap_or(&[]);
                 let Some(i) = self.buf[from..].find(TOOL_END).map(|i| i + from) else {
-                    return false;
+                    // The output ends inside the block (a `</tool_call>` stop string cut it,
+                    // say): a body that is a whole call is one, as vLLM reads it.
+                    let Some(call) = end.then(|| parse_tool_call(&self.buf, tools)).flatten() else {
+                        return false;
+                    };
+                    self.buf.clear();
+                    self.push_call(delta, call);
+                    return true;
                 };
                 let block: String = self.buf.drain(..i + TOOL_END.len()).collect();
-                let body = &block[..i];
-                match parse_tool_call(body, self.tools.as_deref().unwrap_or(&[])) {
-                    Some((name, arguments)) => {
-                        delta.tool_calls.push(ToolCall {
-                            id: format!("{}-{}", self.id_prefix, self.calls),
-                            name,
-                            arguments,
-                        });
-                        self.calls += 1;
-                        self.strip_newlines = true;
-                    }
+                match parse_tool_call(&block[..i], tools) {
+                    Some(call) => self.push_call(delta, call),
                     // Not a call this parser can read: the text as the model wrote it.
                     None => {
                         delta.content.push_str(TOOL);
                         delta.content.push_str(&block);
+                        self.state = State::Content;
                     }
                 }
-                self.state = State::Content;
                 true
             }
         }
+    }
+
+    /// A call read from a block (its name and arguments) into `delta`; the content follows.
+    fn push_call(&mut self, delta: &mut Delta, (name, arguments): (String, String)) {
+        delta.tool_calls.push(ToolCall {
+            id: format!("{}-{}", self.id_prefix, self.calls),
+            name,
+            arguments,
+        });
+        self.calls += 1;
+        self.strip_newlines = true;
+        self.state = State::Content;
     }
 }
 
@@ -657,6 +668,16 @@ mod tests {
         assert_eq!(d.tool_calls.len(), 1);
         let args: Value = serde_json::from_str(&d.tool_calls[0].arguments).unwrap();
         assert_eq!(args, json!({"city": "a</parameter>b</tool_call>c", "days": 3}));
+        // A block the output ends in (a `</tool_call>` stop string cut it) is a call when its
+        // body is whole, in either form.
+        for cut in [
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 3}}\n",
+        ] {
+            let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), cut);
+            assert_eq!((d.content.as_str(), d.tool_calls.len()), ("", 1), "{cut}");
+            assert_eq!(d.tool_calls[0].arguments, r#"{"days":3}"#);
+        }
         // Without `</function>` the block still ends at the output's end.
         let open = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</tool_call>";
         let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), open);

@@ -906,6 +906,9 @@ async fn forced_tool_calls_match_their_tool() {
         thinking["logit_bias"] = json!({ think_end.to_string(): 100 });
         let mut required = body(json!([mode, unit]), json!("required"));
         required["parallel_tool_calls"] = json!(false);
+        // A `</tool_call>` stop string ends the output inside the block: still the call.
+        let mut cut = body(all.clone(), named("set_mode"));
+        cut["stop"] = json!(["</tool_call>"]);
         let cases = [
             (body(all.clone(), named("set_unit")), vec!["set_unit"]),
             (body(all.clone(), named("set_mode")), vec!["set_mode"]),
@@ -913,6 +916,7 @@ async fn forced_tool_calls_match_their_tool() {
             (thinking, vec!["set_unit"]),
             (required, vec!["set_mode", "set_unit"]),
             (body(all.clone(), named("set_limits")), vec!["set_limits"]),
+            (cut, vec!["set_mode"]),
         ];
         for (i, (b, names)) in cases.into_iter().enumerate() {
             let (status, v) = server.post(path, &b).await;
