@@ -1,7 +1,7 @@
 //! The OpenAI request bodies the server reads, their checks, and the error object it answers
 //! with.
 
-use crate::output::{enum_text, python_text, XmlParam};
+use crate::output::{enum_text, python_text, python_values, XmlParam};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use llguidance::api::TopLevelGrammar;
@@ -780,15 +780,17 @@ fn xml_value(schema: &Value, params: &Value) -> Option<String> {
         XmlParam::Text => None,
         XmlParam::Enum(values) => {
             let mut texts: Vec<String> = values.iter().map(|v| lark_string(&enum_text(v))).collect();
-            texts.extend(values.iter().filter_map(python_text).map(lark_string));
+            for t in values.iter().filter_map(python_text).map(lark_string) {
+                if !texts.contains(&t) {
+                    texts.push(t);
+                }
+            }
             Some(format!("({})", texts.join(" | ")))
         }
         XmlParam::Json(types) => {
             // A boolean or null may be written as the chat template writes it too (`True`).
-            let python: String = [Value::Bool(true), Value::Bool(false), Value::Null]
-                .iter()
-                .filter(|v| types.contains(&if v.is_null() { "null" } else { "boolean" }))
-                .filter_map(python_text)
+            let python: String = python_values(&types)
+                .filter_map(|v| python_text(&v))
                 .map(|t| format!(" | {}", lark_string(t)))
                 .collect();
             let mut nested = schema.clone();

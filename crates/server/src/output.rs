@@ -200,8 +200,10 @@ impl OutputParser {
                 let tools = self.tools.as_deref().unwrap_or(&[]);
                 let Some(i) = self.buf[from..].find(TOOL_END).map(|i| i + from) else {
                     // The output ends inside the block (a `</tool_call>` stop string cut it,
-                    // say): a body that is a whole call is one, as vLLM reads it.
-                    let Some(call) = end.then(|| parse_tool_call(&self.buf, tools)).flatten() else {
+                    // say): a body that is a whole call is one (whole JSON, or one function
+                    // closed by its `</function>`).
+                    let whole = end && whole_body(&self.buf);
+                    let Some(call) = whole.then(|| parse_tool_call(&self.buf, tools)).flatten() else {
                         return false;
                     };
                     self.buf.clear();
@@ -244,6 +246,15 @@ enum JsonEnd {
     Incomplete,
     /// It does not open a JSON object (the XML form), or is not JSON.
     NotJson,
+}
+
+/// Whether `body`, a block's text without its `</tool_call>`, is a whole call: JSON (which
+/// [`parse_tool_call`] reads only whole), or one XML function that its `</function>` ends (not
+/// one cut short, nor two run together).
+fn whole_body(body: &str) -> bool {
+    let body = body.trim();
+    !body.starts_with("<function=")
+        || (body.ends_with("</function>") && body.matches("<function=").count() == 1)
 }
 
 /// Where an XML body (`<function=…`) ends: after its first `</function>` that `</tool_call>`
@@ -413,15 +424,15 @@ impl<'a> XmlParam<'a> {
         let t = text.trim();
         let found = match self {
             Self::Text => None,
+            // (A value's own text first: `True` is the string of `["True", true]`.)
             Self::Enum(values) => values
                 .iter()
-                .find(|v| enum_text(v) == t || python_text(v) == Some(t))
+                .find(|v| enum_text(v) == t)
+                .or_else(|| values.iter().find(|v| python_text(v) == Some(t)))
                 .cloned(),
-            Self::Json(_) => serde_json::from_str(t).ok().or_else(|| {
-                [Value::Bool(true), Value::Bool(false), Value::Null]
-                    .into_iter()
-                    .find(|v| python_text(v) == Some(t))
-            }),
+            Self::Json(types) => serde_json::from_str(t)
+                .ok()
+                .or_else(|| python_values(types).find(|v| python_text(v) == Some(t))),
         };
         found.unwrap_or_else(|| Value::String(text.to_string()))
     }
@@ -430,6 +441,13 @@ impl<'a> XmlParam<'a> {
 /// An enum value's text in the XML form: a string's own, else its JSON.
 pub(crate) fn enum_text(v: &Value) -> String {
     v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+/// The values of `types` (JSON type names) that have a Python text: the booleans, null.
+pub(crate) fn python_values<'t>(types: &'t [&str]) -> impl Iterator<Item = Value> + 't {
+    [Value::Bool(true), Value::Bool(false), Value::Null]
+        .into_iter()
+        .filter(|v| types.contains(&if v.is_null() { "null" } else { "boolean" }))
 }
 
 /// A boolean's or null's text as Qwen's chat templates write a parameter in the XML form
@@ -653,6 +671,10 @@ mod tests {
             assert_eq!(kind(maybe.clone(), t), json_of(v));
         }
         assert_eq!(kind(maybe, "TRUE"), json_of(json!("TRUE")));
+        assert_eq!(kind(json!({"type": "integer"}), "None"), json_of(json!("None")));
+        let both = json!({"enum": [true, "True"]});
+        assert_eq!(XmlParam::of(&both, &params).read("True"), json!("True"));
+        assert_eq!(XmlParam::of(&both, &params).read("true"), json!(true));
         assert_eq!(XmlParam::of(&json!({"enum": []}), &params), XmlParam::Text);
         assert_eq!(XmlParam::of(&json!({"const": 2}), &params).read("2"), json!(2));
     }
@@ -677,6 +699,17 @@ mod tests {
             let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), cut);
             assert_eq!((d.content.as_str(), d.tool_calls.len()), ("", 1), "{cut}");
             assert_eq!(d.tool_calls[0].arguments, r#"{"days":3}"#);
+        }
+        // Not when the body is cut short (by `max_tokens`, or a stop string inside a value) or
+        // holds two functions: text, as written.
+        for cut in [
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n36",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\ns = \"",
+            "<tool_call>\n<function=get_weather>\n</function>\n<tool_call>\n<function=get_weather>\n</function>\n",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 3}",
+        ] {
+            let d = parse_all_ways(|| OutputParser::new(false, false, Some(weather()), "c"), cut);
+            assert_eq!((d.content.as_str(), d.tool_calls.len()), (cut, 0), "{cut}");
         }
         // Without `</function>` the block still ends at the output's end.
         let open = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</tool_call>";
