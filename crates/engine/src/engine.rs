@@ -1572,8 +1572,8 @@ fn emit(
 }
 
 /// A request's own checks (the rest depend on the engine's pools and heads): its prompt
-/// ([`check_prompt`]), its stop and logit-bias ids within `vocab` (one past it could never
-/// fire or bias nothing), `max_tokens` at least 1 (or 0 with `prompt_logprobs`) and not under
+/// ([`check_prompt`]), its stop, logit-bias and allowed ids within `vocab` (one past it could
+/// never fire, bias or be drawn), some allowed id left while `min_tokens` masks the stop ids, `max_tokens` at least 1 (or 0 with `prompt_logprobs`) and not under
 /// `min_tokens`, and its sampling, speculation and degeneration settings.
 pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     check_prompt(&req.prompt, vocab)?;
@@ -1591,6 +1591,21 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
         return Err(Error::Request(format!(
             "logit_bias: token {id} is outside the vocabulary of {vocab}"
         )));
+    }
+    let allowed = &req.sampling.allowed_ids;
+    if let Some(&id) = allowed.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::Request(format!(
+            "allowed_token_ids: token {id} is outside the vocabulary of {vocab}"
+        )));
+    }
+    // (min_tokens masks the stop ids: none of the allowed ids would be left.)
+    if !allowed.is_empty()
+        && req.sampling.min_tokens > 0
+        && allowed.iter().all(|id| req.stop_ids.contains(id))
+    {
+        return Err(Error::Request(
+            "allowed_token_ids: only stop ids, which min_tokens masks".into(),
+        ));
     }
     if let Some(max) = req.max_tokens.filter(|&m| req.sampling.min_tokens > m) {
         return Err(Error::Request(format!(

@@ -442,6 +442,24 @@ fn bad_requests_are_typed_errors() {
     assert!(
         matches!(err(&mut engine, biased), Error::Request(m) if m.contains(&format!("logit_bias: token {vocab}")))
     );
+    let mut allowed = Request::greedy(vec![1], 4);
+    allowed.sampling.allowed_ids = vec![3, vocab];
+    assert!(
+        matches!(err(&mut engine, allowed), Error::Request(m) if m.contains(&format!("allowed_token_ids: token {vocab}")))
+    );
+    let mut only_stops = Request::greedy(vec![1], 4);
+    only_stops.stop_ids = vec![2, 3];
+    only_stops.sampling.allowed_ids = vec![3];
+    only_stops.sampling.min_tokens = 1;
+    assert!(matches!(err(&mut engine, only_stops.clone()), Error::Request(m) if m.contains("only stop ids")));
+    // One allowed id besides the stop ids, or no min_tokens, leaves a token to draw.
+    for (allowed, min_tokens) in [(vec![3, 4], 1), (vec![3], 0)] {
+        let mut r = only_stops.clone();
+        r.sampling.allowed_ids = allowed;
+        r.sampling.min_tokens = min_tokens;
+        engine.submit(r).unwrap().cancel();
+    }
+    engine.run_to_completion().unwrap();
     // Draft counts, n-gram lengths and loop periods that would overflow, hang or exhaust memory
     // (they once panicked the engine thread at submit or in a step).
     let with = |speculation, degeneration| Request {

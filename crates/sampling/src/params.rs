@@ -29,6 +29,9 @@ pub struct SamplingParams {
     /// The output's first `min_tokens` tokens are never one of the sampler's end ids
     /// ([`crate::Sampler::with_end_ids`]: a request's stop ids; vLLM's `min_tokens`); 0 = off.
     pub min_tokens: usize,
+    /// Only these ids may be drawn (vLLM's `allowed_token_ids`), every other one masked before
+    /// the biases; empty = all.
+    pub allowed_ids: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +48,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            allowed_ids: Vec::new(),
         }
     }
 }
@@ -60,8 +64,8 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
-    /// True when the token is the argmax of the raw logits: greedy without penalties, biases or
-    /// a minimum length.
+    /// True when the token is the argmax of the raw logits: greedy without penalties, biases,
+    /// a minimum length or allowed ids.
     pub fn is_plain_greedy(&self) -> bool {
         self.is_greedy()
             && self.min_tokens == 0
@@ -69,6 +73,7 @@ impl SamplingParams {
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
             && self.logit_bias.is_empty()
+            && self.allowed_ids.is_empty()
     }
 
     /// Checks every parameter's range.

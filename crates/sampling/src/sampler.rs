@@ -133,12 +133,25 @@ impl Sampler {
         rng::uniform(self.params.seed, row as u64, step, lane)
     }
 
-    /// Penalised logits: the end ids masked while `output` is shorter than `min_tokens`, the
-    /// logit biases (as vLLM applies them), then the repetition penalty over `prompt ∪ output`,
-    /// presence/frequency over `output`.
+    /// Penalised logits: every id outside `allowed_ids` (when given) masked, the end ids masked
+    /// while `output` is shorter than `min_tokens`, the logit biases (as vLLM applies them),
+    /// then the repetition penalty over `prompt ∪ output`, presence/frequency over `output`.
     pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
         let p = &self.params;
         let mut l = logits.to_vec();
+        if !p.allowed_ids.is_empty() {
+            let mut allowed = vec![false; l.len()];
+            for &t in &p.allowed_ids {
+                if let Some(a) = allowed.get_mut(t as usize) {
+                    *a = true;
+                }
+            }
+            for (x, a) in l.iter_mut().zip(allowed) {
+                if !a {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
         if output.len() < p.min_tokens {
             for &t in &self.end_ids {
                 if let Some(x) = l.get_mut(t as usize) {

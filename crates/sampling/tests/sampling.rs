@@ -118,6 +118,35 @@ fn min_tokens_masks_the_end_ids_until_the_output_is_long_enough() {
     );
 }
 
+/// `allowed_ids` masks every other id before the biases (so a bias cannot bring one back; an id
+/// past the row is ignored), and a sampled or greedy draw takes an allowed id.
+#[test]
+fn allowed_ids_mask_every_other_id() {
+    let params = SamplingParams {
+        allowed_ids: vec![0, 2, 7],
+        logit_bias: vec![(1, 100.0), (2, 1.0)],
+        ..Default::default()
+    };
+    assert!(!params.is_plain_greedy());
+    let s = sampler(params.clone());
+    let row = [1.0, 5.0, 2.0, 4.0];
+    let n = f32::NEG_INFINITY;
+    assert_eq!(s.penalised(&row, &[], &[]), vec![1.0, n, 3.0, n]);
+    let probs = s.probs(&row, &[], &[], 0).unwrap();
+    assert_eq!((probs[1], probs[3]), (0.0, 0.0));
+    for temperature in [0.0, 1.0] {
+        let mut s = sampler(SamplingParams {
+            temperature,
+            seed: 3,
+            ..params.clone()
+        });
+        for _ in 0..16 {
+            let t = s.sample(&row, &[], &[]).unwrap().token;
+            assert!(t == 0 || t == 2, "{t}");
+        }
+    }
+}
+
 /// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them
 /// to ±inf (whose differences are NaN, which once left no candidate and a panic in top-p/min-p):
 /// the distribution stays a distribution, the boosted seen tokens share it, and a masked (-inf)

@@ -123,6 +123,9 @@ impl Stop {
 pub struct StreamOptions {
     #[serde(default, deserialize_with = "null_as_default")]
     pub include_usage: bool,
+    /// vLLM's usage in every chunk: not served (refused when `true`).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub continuous_usage_stats: bool,
 }
 
 /// The body of `POST /v1/completions` (which needs `prompt`) and `POST /v1/chat/completions`
@@ -210,11 +213,26 @@ pub struct GenerateRequest {
     pub guided_json: Option<Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
+    /// vLLM's newer structured-output field: `{"json": schema}`, `{"regex": ...}`, `{"choice":
+    /// [...]}` or `{"json_object": true}`, as the `guided_*` fields.
+    pub structured_outputs: Option<Map<String, Value>>,
+    /// Only these token ids may be generated (vLLM's extension).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub allowed_token_ids: Vec<u32>,
+    /// Keep only the prompt's last N tokens, `-1` the last `max_model_len` (vLLM's extension).
+    pub truncate_prompt_tokens: Option<i64>,
     /// Known but not served: refused when set to anything but their neutral value.
     pub best_of: Option<usize>,
     pub suffix: Option<String>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub bad_words: Option<Vec<String>>,
+    pub prompt_logprobs: Option<Value>,
+    pub chat_template: Option<Value>,
+    pub use_beam_search: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub return_tokens_as_token_ids: Option<bool>,
 }
 
 /// How a request asked for tool calls ([`GenerateRequest::tool_choice`]).
@@ -292,7 +310,75 @@ impl GenerateRequest {
         if self.functions.is_some() || self.function_call.is_some() {
             return refuse("functions", "the legacy functions API (use tools)");
         }
+        if self.guided_grammar.as_ref().is_some_and(|g| !g.is_null()) {
+            return refuse(
+                "guided_grammar",
+                "a grammar (use guided_json, guided_regex or guided_choice)",
+            );
+        }
+        if self.bad_words.as_ref().is_some_and(|w| !w.is_empty()) {
+            return refuse("bad_words", "bad_words");
+        }
+        if self.prompt_logprobs.as_ref().is_some_and(|p| !p.is_null()) {
+            return refuse(
+                "prompt_logprobs",
+                "prompt_logprobs (/v1/completions with echo: true and logprobs gives them)",
+            );
+        }
+        if self.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
+            return refuse(
+                "chat_template",
+                "a chat template per request (the server's is set at its start)",
+            );
+        }
+        if self.use_beam_search == Some(true) {
+            return refuse("use_beam_search", "beam search");
+        }
+        if self.skip_special_tokens == Some(false) {
+            return refuse(
+                "skip_special_tokens",
+                "special tokens in the text (skip_special_tokens: false)",
+            );
+        }
+        if self.return_tokens_as_token_ids == Some(true) {
+            return refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids");
+        }
+        if self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.continuous_usage_stats)
+        {
+            return refuse("stream_options", "continuous_usage_stats (usage in every chunk)");
+        }
         Ok(())
+    }
+
+    /// The prompt's ids after `truncate_prompt_tokens` (its last N, `-1` the last `context`),
+    /// and whether any were cut.
+    pub fn truncate_prompt(&self, prompt: Vec<u32>, context: usize) -> Result<(Vec<u32>, bool), ApiError> {
+        let keep = match self.truncate_prompt_tokens {
+            None => return Ok((prompt, false)),
+            Some(-1) => context,
+            Some(k) if k >= 1 && k as u64 <= context as u64 => k as usize,
+            Some(k) => {
+                return Err(ApiError::bad_request(format!(
+                    "truncate_prompt_tokens = {k}: expected -1 (max_model_len) or 1..={context}"
+                ))
+                .param("truncate_prompt_tokens"))
+            }
+        };
+        match prompt.len().checked_sub(keep) {
+            Some(cut) if cut > 0 => Ok((prompt[cut..].to_vec(), true)),
+            _ => Ok((prompt, false)),
+        }
+    }
+
+    /// `allowed_token_ids`, sorted and each once.
+    pub fn allowed_ids(&self) -> Vec<u32> {
+        let mut ids = self.allowed_token_ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Refuses the fields the endpoint (`chat` or completions) would ignore, naming each, as
@@ -559,29 +645,95 @@ impl GenerateRequest {
                 }
             },
         }
-        if let Some(schema) = self.guided_json.as_ref().filter(|s| !s.is_null()) {
+        // vLLM's `structured_outputs` keys, read as the `guided_*` fields are.
+        let mut structured: [Option<Value>; 3] = [None, None, None];
+        for (key, value) in self.structured_outputs.iter().flatten() {
+            match (key.as_str(), value) {
+                (_, Value::Null) | ("json_object", Value::Bool(false)) => {}
+                ("json", v) => structured[0] = Some(v.clone()),
+                ("regex", v) => structured[1] = Some(v.clone()),
+                ("choice", v) => structured[2] = Some(v.clone()),
+                ("json_object", Value::Bool(true)) => {
+                    found.push(("structured_outputs", json_grammar(json!({"type": "object"}))))
+                }
+                // Options of vLLM's grammar backends, which change no valid output's meaning.
+                (
+                    "disable_fallback"
+                    | "disable_any_whitespace"
+                    | "disable_additional_properties"
+                    | "whitespace_pattern"
+                    | "backend",
+                    _,
+                ) => {}
+                (other, _) => {
+                    return bad(
+                        "structured_outputs",
+                        format!(
+                            "structured_outputs.{other}: not supported (json, regex, choice or json_object)"
+                        ),
+                    )
+                }
+            }
+        }
+        let text = |param: &str, v: &Value| match v {
+            Value::String(s) => Ok(s.clone()),
+            _ => Err(ApiError::bad_request(format!("{param}: expected a string")).param(param)),
+        };
+        let schemas = [
+            ("guided_json", self.guided_json.clone()),
+            ("structured_outputs", structured[0].take()),
+        ];
+        for (param, schema) in schemas {
+            let Some(schema) = schema.filter(|s| !s.is_null()) else {
+                continue;
+            };
             // (A schema may come as its JSON text.)
             let schema = match schema {
-                Value::String(text) => match serde_json::from_str::<Value>(text) {
+                Value::String(text) => match serde_json::from_str::<Value>(&text) {
                     Ok(v) => v,
-                    Err(e) => return bad("guided_json", format!("guided_json: not JSON: {e}")),
+                    Err(e) => return bad(param, format!("{param}: not JSON: {e}")),
                 },
-                v => v.clone(),
+                v => v,
             };
-            found.push(("guided_json", json_grammar(schema)));
+            found.push((param, json_grammar(schema)));
         }
-        if let Some(rx) = &self.guided_regex {
-            found.push(("guided_regex", TopLevelGrammar::from_regex(rx)));
+        let regexes = [
+            ("guided_regex", self.guided_regex.clone()),
+            (
+                "structured_outputs",
+                structured[1]
+                    .take()
+                    .map(|v| text("structured_outputs", &v))
+                    .transpose()?,
+            ),
+        ];
+        for (param, rx) in regexes {
+            if let Some(rx) = rx {
+                found.push((param, TopLevelGrammar::from_regex(&rx)));
+            }
         }
-        if let Some(choices) = &self.guided_choice {
+        let choice_lists = [
+            ("guided_choice", self.guided_choice.clone()),
+            (
+                "structured_outputs",
+                match structured[2].take() {
+                    None => None,
+                    Some(v) => Some(serde_json::from_value::<Vec<String>>(v).map_err(|_| {
+                        ApiError::bad_request("structured_outputs.choice: expected a list of strings")
+                            .param("structured_outputs")
+                    })?),
+                },
+            ),
+        ];
+        for (param, choices) in choice_lists {
+            let Some(choices) = choices else {
+                continue;
+            };
             if choices.is_empty() {
-                return bad("guided_choice", "guided_choice: at least one choice".into());
+                return bad(param, format!("{param}: at least one choice"));
             }
             let alternatives: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
-            found.push((
-                "guided_choice",
-                TopLevelGrammar::from_regex(&alternatives.join("|")),
-            ));
+            found.push((param, TopLevelGrammar::from_regex(&alternatives.join("|"))));
         }
         match found.len() {
             0 => Ok(None),

@@ -223,6 +223,7 @@ impl Service {
         let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+        let (prompt, truncated) = req.truncate_prompt(prompt, self.context)?;
         let form = self
             .template
             .as_ref()
@@ -284,11 +285,11 @@ impl Service {
             };
             return Err(ApiError::bad_request(msg).param("max_tokens"));
         }
-        // The echoed prompt's text: as given, or its ids decoded.
+        // The echoed prompt's text: as given, or its (kept) ids decoded.
         let echo = match (echo, req.prompt.as_ref().map(Prompt::single).transpose()?) {
             (false, _) | (true, None) => None,
-            (true, Some(OnePrompt::Text(text))) => Some(text.to_string()),
-            (true, Some(OnePrompt::Ids(_))) => Some(match &self.tokenizer {
+            (true, Some(OnePrompt::Text(text))) if !truncated => Some(text.to_string()),
+            (true, Some(_)) => Some(match &self.tokenizer {
                 Some(t) => decode_all(t, &prompt)?,
                 None => String::new(),
             }),
@@ -323,6 +324,7 @@ impl Service {
             top_logprobs: logprobs.top(),
             logit_bias: req.logit_bias()?,
             min_tokens: req.min_tokens,
+            allowed_ids: req.allowed_ids(),
         };
         let mut stop_ids = if req.ignore_eos {
             Vec::new()
@@ -1135,6 +1137,9 @@ pub fn router(service: Arc<Service>) -> Router {
     );
     Router::new()
         .route("/health", get(health))
+        // vLLM's liveness probe for load balancers (SageMaker's `/ping`), as `/health`.
+        .route("/ping", get(health).post(health))
+        .route("/version", get(version))
         .route("/metrics", get(metrics_text))
         .merge(tokens)
         .nest("/v1", v1)
@@ -1270,6 +1275,11 @@ async fn count_responses(
     let response = next.run(req).await;
     svc.metrics.response(route, response.status().as_u16());
     response
+}
+
+/// `{"version": ...}`: this server's crate version (vLLM's `/version`).
+async fn version() -> Response {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") })).into_response()
 }
 
 async fn health(State(svc): State<Arc<Service>>) -> Response {

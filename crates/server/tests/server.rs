@@ -812,6 +812,27 @@ async fn structured_output_matches_its_schema() {
             "case {i}"
         );
     }
+    // vLLM's newer `structured_outputs` field gives what the older fields give.
+    for (i, key, older) in [
+        (0, "choice", "guided_choice"),
+        (3, "regex", "guided_regex"),
+        (1, "json", "response_format"),
+        (2, "json_object", "response_format"),
+    ] {
+        let (path, body) = &cases[i];
+        let mut newer = body.clone();
+        let old = newer.as_object_mut().unwrap().remove(older).unwrap();
+        let value = match key {
+            "json" => old["json_schema"]["schema"].clone(),
+            "json_object" => json!(true),
+            _ => old,
+        };
+        newer["structured_outputs"] = json!({ key: value, "disable_any_whitespace": false });
+        let (_, a) = plain.post(path, body).await;
+        let (status, b) = plain.post(path, &newer).await;
+        assert_eq!(status, 200, "{key}: {b}");
+        assert_eq!(a["choices"][0], b["choices"][0], "{key}");
+    }
     let drafted = drafting.metrics().await["qwen36_spec_draft_tokens_total"];
     assert!(drafted > 0.0, "the drafting server verified no drafts");
     let c = "/v1/completions";
@@ -838,6 +859,31 @@ async fn structured_output_matches_its_schema() {
             json!({"guided_regex": "a", "ignore_eos": true}),
             "ignore_eos",
             "not with guided_regex",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "root ::= \"a\""}}),
+            "structured_outputs",
+            "structured_outputs.grammar: not supported",
+        ),
+        (
+            json!({"structured_outputs": {"choice": "a"}}),
+            "structured_outputs",
+            "a list of strings",
+        ),
+        (
+            json!({"structured_outputs": {"regex": 3}}),
+            "structured_outputs",
+            "expected a string",
+        ),
+        (
+            json!({"structured_outputs": {"choice": []}}),
+            "structured_outputs",
+            "at least one",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}),
+            "guided_choice",
+            "one structured-output constraint",
         ),
     ];
     for (extra, param, says) in bad {
@@ -1356,6 +1402,18 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "max_tokens": 0}"#.into(), ok, 400, "only with echo", Some("max_tokens")),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}"#.into(), ok, 400, "at least one token", Some("max_tokens")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
+        // vLLM's fields this server does not serve: refused, not ignored.
+        (c, r#"{"prompt": [1], "guided_grammar": "root ::= \"a\""}"#.into(), ok, 400, "guided_grammar: a grammar", Some("guided_grammar")),
+        (c, r#"{"prompt": [1], "bad_words": ["x"]}"#.into(), ok, 400, "bad_words", Some("bad_words")),
+        (c, r#"{"prompt": [1], "prompt_logprobs": 1}"#.into(), ok, 400, "echo: true", Some("prompt_logprobs")),
+        (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "a chat template per request", Some("chat_template")),
+        (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
+        (c, r#"{"prompt": [1], "skip_special_tokens": false}"#.into(), ok, 400, "special tokens", Some("skip_special_tokens")),
+        (c, r#"{"prompt": [1], "return_tokens_as_token_ids": true}"#.into(), ok, 400, "return_tokens_as_token_ids", Some("return_tokens_as_token_ids")),
+        (c, r#"{"prompt": [1], "stream": true, "stream_options": {"continuous_usage_stats": true}}"#.into(), ok, 400, "continuous_usage_stats", Some("stream_options")),
+        (c, r#"{"prompt": [1], "truncate_prompt_tokens": 0}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
+        (c, r#"{"prompt": [1], "truncate_prompt_tokens": 99999999}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
+        (c, r#"{"prompt": [1], "allowed_token_ids": [3, 99999]}"#.into(), ok, 400, "allowed_token_ids: token 99999", None),
         ("/tokenize", r#"{"prompt": "hi"}"#.into(), None, 401, "API key", None),
         ("/tokenize", r#"{"prompt": "hi", "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
         ("/tokenize", r#"{"messages": []}"#.into(), ok, 400, "at least one message", Some("messages")),
@@ -1645,6 +1703,38 @@ async fn openai_forms_equal_their_plain_equivalents() {
         "chat_template_kwargs": null, "seed": null, "n": null, "stop": null, "logprobs": null,
     });
     assert_eq!(answer(server.post(c, &nulls).await), plain);
+    // vLLM's fields at their neutral values (those not served are refused otherwise).
+    let neutral = json!({
+        "prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "skip_special_tokens": true,
+        "use_beam_search": false, "bad_words": [], "prompt_logprobs": null, "allowed_token_ids": [],
+        "return_tokens_as_token_ids": false, "guided_grammar": null, "chat_template": null,
+        "structured_outputs": {}, "truncate_prompt_tokens": null,
+    });
+    assert_eq!(answer(server.post(c, &neutral).await), plain);
+    // `truncate_prompt_tokens`: the prompt's last N ids (-1: the context, which keeps them all).
+    let long: Vec<u32> = (10..40).collect();
+    let truncated =
+        |k: Value| json!({"prompt": long, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": k});
+    let last = |n: usize| json!({"prompt": long[long.len() - n..], "max_tokens": 6, "temperature": 0});
+    let kept = answer(server.post(c, &truncated(json!(7))).await);
+    assert_eq!(kept, answer(server.post(c, &last(7)).await));
+    assert_eq!(kept.1, json!(7));
+    assert_eq!(
+        answer(server.post(c, &truncated(json!(-1))).await),
+        answer(server.post(c, &last(long.len())).await)
+    );
+    assert_eq!(
+        answer(server.post(c, &truncated(json!(100))).await),
+        answer(server.post(c, &last(long.len())).await)
+    );
+    // An echo of a truncated prompt is the kept ids' text.
+    let mut echoed = truncated(json!(7));
+    echoed["echo"] = json!(true);
+    let (_, e) = server.post(c, &echoed).await;
+    let mut kept_echo = last(7);
+    kept_echo["echo"] = json!(true);
+    let (_, k) = server.post(c, &kept_echo).await;
+    assert_eq!(e["choices"][0]["text"], k["choices"][0]["text"]);
     let ids = answer(
         server
             .post(
@@ -1674,6 +1764,51 @@ async fn openai_forms_equal_their_plain_equivalents() {
         system
     );
     server.stop().await;
+}
+
+/// vLLM's `allowed_token_ids` keeps every generated id among them (greedy and sampled, plain
+/// and with prompt-lookup drafts, which stay lossless); `/ping` answers as `/health` does and
+/// `/version` names the version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_token_ids_and_probes() {
+    let spec_cfg = ServerConfig {
+        speculation: Some(Speculation::ngram(3)),
+        ..ServerConfig::default()
+    };
+    let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let (drafting, _) = Server::start(EngineConfig::default(), spec_cfg).await;
+    let c = "/v1/completions";
+    let allowed = [11u32, 12, 13, 220, 279];
+    for temperature in [0.0, 1.0] {
+        let body = json!({"prompt": "def f(x):", "max_tokens": 24, "temperature": temperature,
+                          "seed": 5, "allowed_token_ids": [279, 11, 12, 13, 220, 12],
+                          "return_token_ids": true});
+        let (status, v) = server.post(c, &body).await;
+        assert_eq!(status, 200, "{v}");
+        let ids: Vec<u32> = serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap();
+        assert_eq!(ids.len(), 24, "{v}");
+        assert!(ids.iter().all(|t| allowed.contains(t)), "{ids:?}");
+        let (_, d) = drafting.post(c, &body).await;
+        assert_eq!(d["choices"][0], v["choices"][0], "drafts change nothing");
+    }
+    let client = reqwest::Client::new();
+    for path in ["/ping", "/health"] {
+        let r = client.get(format!("{}{path}", server.url)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    let r = client.post(format!("{}/ping", server.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = client
+        .get(format!("{}/version", server.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    server.stop().await;
+    drafting.stop().await;
 }
 
 /// vLLM's `min_tokens` runs a request past the end-of-turn id it would stop at (none among its
