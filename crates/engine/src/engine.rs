@@ -390,10 +390,11 @@ impl Engine {
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
             ));
         }
-        if (req.constraint.is_some() || req.sampling.min_tokens > 0) && self.cfg.timing_accept_rates.is_some()
-        {
+        let masked =
+            req.constraint.is_some() || req.sampling.min_tokens > 0 || !req.sampling.allowed_ids.is_empty();
+        if masked && self.cfg.timing_accept_rates.is_some() {
             return Err(Error::Request(
-                "output constraints and min_tokens need real acceptance (this engine times drafts: timing_accept_rates)"
+                "output constraints, min_tokens and allowed ids need real acceptance (this engine times drafts: timing_accept_rates)"
                     .into(),
             ));
         }
@@ -1573,7 +1574,8 @@ fn emit(
 
 /// A request's own checks (the rest depend on the engine's pools and heads): its prompt
 /// ([`check_prompt`]), its stop, logit-bias and allowed ids within `vocab` (one past it could
-/// never fire, bias or be drawn), some allowed id left while `min_tokens` masks the stop ids, `max_tokens` at least 1 (or 0 with `prompt_logprobs`) and not under
+/// never fire, bias or be drawn), some allowed id left while `min_tokens` masks the stop ids
+/// and a stop id among them beside a constraint, `max_tokens` at least 1 (or 0 with `prompt_logprobs`) and not under
 /// `min_tokens`, and its sampling, speculation and degeneration settings.
 pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     check_prompt(&req.prompt, vocab)?;
@@ -1597,6 +1599,14 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
         return Err(Error::Request(format!(
             "allowed_token_ids: token {id} is outside the vocabulary of {vocab}"
         )));
+    }
+    // (A finished constraint allows only the stop ids: one must be allowed.)
+    if !allowed.is_empty() && req.constraint.is_some() && !allowed.iter().any(|id| req.stop_ids.contains(id))
+    {
+        return Err(Error::Request(
+            "allowed_token_ids with an output constraint: a finished constraint ends at a stop id, which none of them is"
+                .into(),
+        ));
     }
     // (min_tokens masks the stop ids: none of the allowed ids would be left.)
     if !allowed.is_empty()

@@ -793,6 +793,10 @@ fn timing_accept_rates_set_the_acceptance() {
     let mut req = Request::greedy(vec![1, 2], 4);
     req.sampling.min_tokens = 2;
     assert!(matches!(engine.submit(req), Err(Error::Request(m)) if m.contains("timing_accept_rates")));
+    // Or of an id not allowed.
+    let mut req = Request::greedy(vec![1, 2], 4);
+    req.sampling.allowed_ids = vec![3, 4];
+    assert!(matches!(engine.submit(req), Err(Error::Request(m)) if m.contains("timing_accept_rates")));
 }
 
 /// With costs given, the engine's choice of k: drafts that cost more than they save fall to
@@ -1263,6 +1267,18 @@ fn min_tokens_keeps_the_stop_ids_out_until_then() {
         matches!(&e, Error::Request(m) if m.contains("min_tokens with an output constraint")),
         "{e}"
     );
+    // So allowed ids beside a constraint must hold a stop id.
+    let mut allowed = Request::greedy(vec![1, 2, 3], 4);
+    allowed.stop_ids = vec![2];
+    allowed.constraint = Some(thirds_constraint(None));
+    allowed.sampling.allowed_ids = vec![3, 4];
+    let e = engine.submit(allowed.clone()).unwrap_err();
+    assert!(
+        matches!(&e, Error::Request(m) if m.contains("allowed_token_ids with an output constraint")),
+        "{e}"
+    );
+    allowed.sampling.allowed_ids = vec![2, 3, 4];
+    assert!(engine.submit(allowed).is_ok());
 }
 
 /// When the step's token budget cannot hold every sequence's drafts, every decoding sequence

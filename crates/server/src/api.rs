@@ -656,15 +656,10 @@ impl GenerateRequest {
                 ("json_object", Value::Bool(true)) => {
                     found.push(("structured_outputs", json_grammar(json!({"type": "object"}))))
                 }
-                // Options of vLLM's grammar backends, which change no valid output's meaning.
-                (
-                    "disable_fallback"
-                    | "disable_any_whitespace"
-                    | "disable_additional_properties"
-                    | "whitespace_pattern"
-                    | "backend",
-                    _,
-                ) => {}
+                // Options of vLLM's grammar backends and whitespace, which change no output's
+                // meaning (what the schema allows stays allowed and nothing else is).
+                ("disable_fallback" | "disable_any_whitespace" | "_backend" | "_backend_was_auto", _)
+                | ("disable_additional_properties", Value::Bool(false)) => {}
                 (other, _) => {
                     return bad(
                         "structured_outputs",
@@ -1011,6 +1006,28 @@ mod tests {
     /// closing tag; the JSON form, a missing required parameter, a value of another type or
     /// an unknown parameter are refused. One call for a named function, several with
     /// `"required"`.
+    /// `truncate_prompt_tokens`: the last N ids (all when fewer), `-1` the last `context`; 0,
+    /// other negatives and more than the context refused.
+    #[test]
+    fn prompts_are_truncated_from_the_left() {
+        let req = |k: Option<i64>| GenerateRequest {
+            truncate_prompt_tokens: k,
+            ..Default::default()
+        };
+        let prompt: Vec<u32> = (0..10).collect();
+        let cut = |k, context| req(k).truncate_prompt(prompt.clone(), context);
+        assert_eq!(cut(None, 4).unwrap(), (prompt.clone(), false));
+        assert_eq!(cut(Some(3), 8).unwrap(), (vec![7, 8, 9], true));
+        assert_eq!(cut(Some(-1), 8).unwrap(), ((2..10).collect(), true));
+        assert_eq!(cut(Some(-1), 10).unwrap(), (prompt.clone(), false));
+        assert_eq!(cut(Some(8), 8).unwrap(), ((2..10).collect(), true));
+        assert_eq!(cut(Some(10), 12).unwrap(), (prompt.clone(), false));
+        for k in [0, -2, 9, i64::MIN, i64::MAX] {
+            let e = cut(Some(k), 8).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("truncate_prompt_tokens"), "{k}");
+        }
+    }
+
     #[test]
     fn forced_calls_in_the_xml_form() {
         let tools = json!([

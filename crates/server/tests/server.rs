@@ -827,7 +827,8 @@ async fn structured_output_matches_its_schema() {
             "json_object" => json!(true),
             _ => old,
         };
-        newer["structured_outputs"] = json!({ key: value, "disable_any_whitespace": false });
+        newer["structured_outputs"] =
+            json!({ key: value, "disable_any_whitespace": false, "disable_additional_properties": false });
         let (_, a) = plain.post(path, body).await;
         let (status, b) = plain.post(path, &newer).await;
         assert_eq!(status, 200, "{key}: {b}");
@@ -864,6 +865,11 @@ async fn structured_output_matches_its_schema() {
             json!({"structured_outputs": {"grammar": "root ::= \"a\""}}),
             "structured_outputs",
             "structured_outputs.grammar: not supported",
+        ),
+        (
+            json!({"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": true}}),
+            "structured_outputs",
+            "structured_outputs.disable_additional_properties: not supported",
         ),
         (
             json!({"structured_outputs": {"choice": "a"}}),
@@ -1735,6 +1741,23 @@ async fn openai_forms_equal_their_plain_equivalents() {
     kept_echo["echo"] = json!(true);
     let (_, k) = server.post(c, &kept_echo).await;
     assert_eq!(e["choices"][0]["text"], k["choices"][0]["text"]);
+    // A text prompt's too: the kept ids' text, not the text given.
+    let text = json!({"prompt": "def f(x): return x + 1", "max_tokens": 1, "temperature": 0,
+                      "echo": true, "truncate_prompt_tokens": 2, "return_token_ids": true});
+    let (_, t) = server.post(c, &text).await;
+    let prompt_ids: Vec<u32> = serde_json::from_value(t["choices"][0]["prompt_token_ids"].clone()).unwrap();
+    assert_eq!(prompt_ids.len(), 2, "{t}");
+    let (_, by_ids) = server
+        .post(
+            c,
+            &json!({"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "echo": true}),
+        )
+        .await;
+    assert_eq!(t["choices"][0]["text"], by_ids["choices"][0]["text"]);
+    assert!(
+        !t["choices"][0]["text"].as_str().unwrap().starts_with("def"),
+        "{t}"
+    );
     let ids = answer(
         server
             .post(
