@@ -646,13 +646,13 @@ impl GenerateRequest {
             },
         }
         // vLLM's `structured_outputs` keys, read as the `guided_*` fields are.
-        let mut structured: [Option<Value>; 3] = [None, None, None];
+        let (mut json, mut regex, mut choice) = (None, None, None);
         for (key, value) in self.structured_outputs.iter().flatten() {
             match (key.as_str(), value) {
                 (_, Value::Null) | ("json_object", Value::Bool(false)) => {}
-                ("json", v) => structured[0] = Some(v.clone()),
-                ("regex", v) => structured[1] = Some(v.clone()),
-                ("choice", v) => structured[2] = Some(v.clone()),
+                ("json", v) => json = Some(v.clone()),
+                ("regex", v) => regex = Some(v.clone()),
+                ("choice", v) => choice = Some(v.clone()),
                 ("json_object", Value::Bool(true)) => {
                     found.push(("structured_outputs", json_grammar(json!({"type": "object"}))))
                 }
@@ -676,7 +676,7 @@ impl GenerateRequest {
         };
         let schemas = [
             ("guided_json", self.guided_json.clone()),
-            ("structured_outputs", structured[0].take()),
+            ("structured_outputs", json),
         ];
         for (param, schema) in schemas {
             let Some(schema) = schema.filter(|s| !s.is_null()) else {
@@ -696,10 +696,7 @@ impl GenerateRequest {
             ("guided_regex", self.guided_regex.clone()),
             (
                 "structured_outputs",
-                structured[1]
-                    .take()
-                    .map(|v| text("structured_outputs", &v))
-                    .transpose()?,
+                regex.map(|v| text("structured_outputs", &v)).transpose()?,
             ),
         ];
         for (param, rx) in regexes {
@@ -711,7 +708,7 @@ impl GenerateRequest {
             ("guided_choice", self.guided_choice.clone()),
             (
                 "structured_outputs",
-                match structured[2].take() {
+                match choice {
                     None => None,
                     Some(v) => Some(serde_json::from_value::<Vec<String>>(v).map_err(|_| {
                         ApiError::bad_request("structured_outputs.choice: expected a list of strings")
