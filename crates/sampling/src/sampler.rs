@@ -138,20 +138,19 @@ impl Sampler {
     /// then the repetition penalty over `prompt ∪ output`, presence/frequency over `output`.
     pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
         let p = &self.params;
-        let mut l = logits.to_vec();
-        if !p.allowed_ids.is_empty() {
-            let mut allowed = vec![false; l.len()];
-            for &t in &p.allowed_ids {
-                if let Some(a) = allowed.get_mut(t as usize) {
-                    *a = true;
+        let mut l = match p.allowed_ids.is_empty() {
+            true => logits.to_vec(),
+            // Every id masked, then the allowed ones' logits put back.
+            false => {
+                let mut l = vec![f32::NEG_INFINITY; logits.len()];
+                for &t in &p.allowed_ids {
+                    if let (Some(x), Some(&v)) = (l.get_mut(t as usize), logits.get(t as usize)) {
+                        *x = v;
+                    }
                 }
+                l
             }
-            for (x, a) in l.iter_mut().zip(allowed) {
-                if !a {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-        }
+        };
         if output.len() < p.min_tokens {
             for &t in &self.end_ids {
                 if let Some(x) = l.get_mut(t as usize) {

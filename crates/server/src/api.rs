@@ -310,45 +310,54 @@ impl GenerateRequest {
         if self.functions.is_some() || self.function_call.is_some() {
             return refuse("functions", "the legacy functions API (use tools)");
         }
-        if self.guided_grammar.as_ref().is_some_and(|g| !g.is_null()) {
-            return refuse(
+        // vLLM's fields this server does not serve, when set to anything but their neutral value.
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        let unserved = [
+            (
+                set(&self.guided_grammar),
                 "guided_grammar",
                 "a grammar (use guided_json, guided_regex or guided_choice)",
-            );
-        }
-        if self.bad_words.as_ref().is_some_and(|w| !w.is_empty()) {
-            return refuse("bad_words", "bad_words");
-        }
-        if self.prompt_logprobs.as_ref().is_some_and(|p| !p.is_null()) {
-            return refuse(
+            ),
+            (
+                self.bad_words.as_ref().is_some_and(|w| !w.is_empty()),
+                "bad_words",
+                "bad_words",
+            ),
+            (
+                set(&self.prompt_logprobs),
                 "prompt_logprobs",
                 "prompt_logprobs (/v1/completions with echo: true and logprobs gives them)",
-            );
-        }
-        if self.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
-            return refuse(
+            ),
+            (
+                set(&self.chat_template),
                 "chat_template",
                 "a chat template per request (the server's is set at its start)",
-            );
-        }
-        if self.use_beam_search == Some(true) {
-            return refuse("use_beam_search", "beam search");
-        }
-        if self.skip_special_tokens == Some(false) {
-            return refuse(
+            ),
+            (
+                self.use_beam_search == Some(true),
+                "use_beam_search",
+                "beam search",
+            ),
+            (
+                self.skip_special_tokens == Some(false),
                 "skip_special_tokens",
                 "special tokens in the text (skip_special_tokens: false)",
-            );
-        }
-        if self.return_tokens_as_token_ids == Some(true) {
-            return refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids");
-        }
-        if self
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.continuous_usage_stats)
-        {
-            return refuse("stream_options", "continuous_usage_stats (usage in every chunk)");
+            ),
+            (
+                self.return_tokens_as_token_ids == Some(true),
+                "return_tokens_as_token_ids",
+                "return_tokens_as_token_ids",
+            ),
+            (
+                self.stream_options
+                    .as_ref()
+                    .is_some_and(|o| o.continuous_usage_stats),
+                "stream_options",
+                "continuous_usage_stats (usage in every chunk)",
+            ),
+        ];
+        if let Some(&(_, param, what)) = unserved.iter().find(|u| u.0) {
+            return refuse(param, what);
         }
         Ok(())
     }
