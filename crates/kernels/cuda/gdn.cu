@@ -7,15 +7,18 @@
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 constexpr int BV = GDN_BV;  // state columns per block (one per lane)
-constexpr int NW = GDN_WARPS;  // warps per block; warp w holds rows w, w+NW, ...
+constexpr int NW = GDN_WARPS;  // warps per block, and row groups per state column
 constexpr int MAXDK = GDN_MAX_DK;
 
 // Tokens staged in shared memory at a time by the recurrent kernel.
 constexpr int TB = 8;
 
 // Gated delta rule, one token at a time (decode, speculative verify, and prefill until the chunked
-// kernel lands). Block = (batch b, value head hv, tile of BV state columns); thread (w, lane) keeps
-// column j = tile*BV + lane of rows r = w + NW*i (i < ROWS) in registers.
+// kernel lands). Block = (batch b, value head hv, tile of BV state columns); thread t keeps column
+// j = tile*BV + t / NW of rows r = t % NW + NW*i (i < ROWS) in registers, so a column's NW threads
+// are neighbouring lanes of one warp and a token's sums over the rows are warp shuffles, with no
+// barrier in the token loop (the partial sums are added in row-group order, as a block-wide
+// reduction over NW warps holding rows w + NW*i would add them).
 //   S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T (scale q)
 // FUSED: q, k are raw (L2-normalised here, eps), ga/gb are the a/b projections (g and beta computed
 // here from a_log, dt_bias); otherwise q, k are normalised and ga = g, gb = beta.
@@ -64,21 +67,20 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                               float* __restrict__ s_all, int in_place, int T, int Hk, int Hv, int dk, int dv,
                               float scale, float eps, int sb, const unsigned* __restrict__ replay,
                               float* __restrict__ stash, int tmax, int stash_new) {
+    static_assert(BV == 32, "a block's NW warps are its BV columns' NW row groups");
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int j = tile * BV + lane;
+    // This thread's column c of the tile and row group g; its column's row groups are lanes
+    // base .. base + NW - 1.
+    const int c = threadIdx.x / NW, g = threadIdx.x % NW, base = lane - g;
+    const int j = tile * BV + c;
     const bool col_ok = j < dv;
+    // Staged q and k rows are scaled once staged (L2 norm, attention scale), v is this tile's.
     __shared__ float sq[TB][MAXDK], sk[TB][MAXDK], sv[TB][BV];
     // Per staged token: decay exp(g), beta, and the q and k scales (L2 norm, attention scale).
     __shared__ float coef[TB][4];
-    // Partial sums of S^T k and S^T q across the NW warps. red_m alternates between two buffers
-    // by token: a token's writes then never meet the previous token's reads (a warp writes
-    // buffer t & 1 again at token t + 2, after every warp passed token t + 1's first barrier,
-    // which each reaches only after its reads of token t), so a replayed token, which forms no
-    // output, needs one barrier; a new token's second barrier orders red_o for warp 0.
-    __shared__ float red_m[2][NW][BV], red_o[NW][BV];
 
     float s[ROWS];
     // The state's row: sb (the sequence's slot; -1: none, start from zeros and keep nothing).
@@ -88,7 +90,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     const float* init = in_place ? s_final : s0;
 #pragma unroll
     for (int i = 0; i < ROWS; i++) {
-        const int r = w + NW * i;
+        const int r = g + NW * i;
         s[i] = (init != nullptr && sb >= 0 && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
     }
     // Deferred commits: P stashed tokens run first (no outputs), then the T new ones.
@@ -101,10 +103,18 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         if (col_ok && sb >= 0) {
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = w + NW * i;
+                const int r = g + NW * i;
                 if (r < dk) s_final[head + (long)r * dv + j] = s[i];
             }
         }
+    };
+    // The sum over the column's row groups of x, in group order from 0 (every lane of the
+    // warp takes part; each of a column's lanes gets the sum).
+    auto column_sum = [&](float x) {
+        float t = 0.f;
+#pragma unroll
+        for (int y = 0; y < NW; y++) t += __shfl_sync(0xffffffffu, x, base + y);
+        return t;
     };
     const int total = P + T;
     // One group of nt staged tokens from combined token t0 (all replayed or all new).
@@ -160,6 +170,13 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
             }
         }
         __syncthreads();
+        // The staged rows scaled once, for every thread's products below.
+        for (int e = threadIdx.x; e < nt * dk; e += blockDim.x) {
+            const int tt = e / dk, r = e % dk;
+            sq[tt][r] *= coef[tt][2];
+            sk[tt][r] *= coef[tt][3];
+        }
+        __syncthreads();
         // A verify keeps its new tokens' records (after this group's reads of older ones).
         if (deferred && stash_new) {
             for (int e = threadIdx.x; e < nt * rec; e += blockDim.x) {
@@ -167,7 +184,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                 if (gt < P) continue;
                 float val;
                 if (x < dk)
-                    val = sk[tt][x] * coef[tt][3];
+                    val = sk[tt][x];
                 else if (x < dk + BV)
                     val = sv[tt][x - dk];
                 else
@@ -177,60 +194,46 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         }
         for (int tt = 0; tt < nt; tt++) {
             const int gt = t0 + tt;
-            const float decay = coef[tt][0], beta = coef[tt][1], iq = coef[tt][2], ik = coef[tt][3];
+            const float decay = coef[tt][0], beta = coef[tt][1];
             float m = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = w + NW * i;
+                const int r = g + NW * i;
                 if (r < dk) {
                     s[i] *= decay;
-                    m += s[i] * (sk[tt][r] * ik);
+                    m += s[i] * sk[tt][r];
                 }
             }
-            float(&rm)[NW][BV] = red_m[gt & 1];
-            rm[w][lane] = m;
-            __syncthreads();
-            float mt = 0.f;
-#pragma unroll
-            for (int x = 0; x < NW; x++) mt += rm[x][lane];
-            const float delta = beta * (sv[tt][lane] - mt);
+            const float delta = beta * (sv[tt][c] - column_sum(m));
             if (gt < P) {
                 // A replayed token: the state's update alone, the same operations as below.
 #pragma unroll
                 for (int i = 0; i < ROWS; i++) {
-                    const int r = w + NW * i;
-                    if (r < dk) s[i] += (sk[tt][r] * ik) * delta;
+                    const int r = g + NW * i;
+                    if (r < dk) s[i] += sk[tt][r] * delta;
                 }
                 continue;
             }
             float o = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = w + NW * i;
+                const int r = g + NW * i;
                 if (r < dk) {
-                    s[i] += (sk[tt][r] * ik) * delta;
-                    o += s[i] * (sq[tt][r] * iq);
+                    s[i] += sk[tt][r] * delta;
+                    o += s[i] * sq[tt][r];
                 }
             }
-            red_o[w][lane] = o;
-            __syncthreads();
+            const float ot = column_sum(o);
             const long bt = (long)b * T + gt - P;
-            if (w == 0 && col_ok) {
-                float ot = 0.f;
-#pragma unroll
-                for (int x = 0; x < NW; x++) ot += red_o[x][lane];
-                out[(bt * Hv + hv) * dv + j] = ot;
-            }
+            if (g == 0 && col_ok) out[(bt * Hv + hv) * dv + j] = ot;
             if (s_all != nullptr && col_ok) {
-                const long base = (bt * Hv + hv) * (long)dk * dv;
+                const long base_all = (bt * Hv + hv) * (long)dk * dv;
 #pragma unroll
                 for (int i = 0; i < ROWS; i++) {
-                    const int r = w + NW * i;
-                    if (r < dk) s_all[base + (long)r * dv + j] = s[i];
+                    const int r = g + NW * i;
+                    if (r < dk) s_all[base_all + (long)r * dv + j] = s[i];
                 }
             }
-            // Warp 0 reads red_o before the next token's writes: they follow that token's first
-            // barrier, which warp 0 reaches only after this read.
         }
         __syncthreads();  // before the next group overwrites the staged inputs
     };
