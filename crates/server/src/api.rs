@@ -21,8 +21,8 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// `max_tokens` of a completion that gives none (OpenAI's default).
 pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
-/// A prompt: text, or token ids (`/v1/completions`); or a list of either, as OpenAI's batched
-/// form, served when it holds one prompt ([`Prompt::single`]).
+/// A prompt: text, or token ids (`/v1/completions`); or a list of either, OpenAI's batched
+/// form, each prompt its own request whose choices the response lists in order.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
@@ -30,39 +30,45 @@ pub enum Prompt {
     Ids(Vec<u32>),
     Texts(Vec<String>),
     IdLists(Vec<Vec<u32>>),
-    /// Anything else: refused by [`Prompt::single`] with the forms it may take.
+    /// Anything else: refused by [`Prompt::each`] with the forms it may take.
     Other(Value),
 }
 
-/// The one prompt of a request: its text or its token ids.
+/// One prompt of a request: its text or its token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnePrompt<'a> {
     Text(&'a str),
     Ids(&'a [u32]),
 }
 
+/// The most prompts one `/v1/completions` request may batch.
+pub const MAX_PROMPTS: usize = 256;
+
 impl Prompt {
-    /// The one prompt this is: text or ids, a one-element list of them unwrapped; several
-    /// prompts (one request per prompt, here) and other JSON are errors naming `prompt`.
-    pub fn single(&self) -> Result<OnePrompt<'_>, ApiError> {
-        let several = |n: usize| {
-            Err(ApiError::bad_request(format!(
-                "prompt: {n} prompts given; this server takes one per request (send one request each)"
-            ))
-            .param("prompt"))
+    /// The prompts this holds, in order: one for a text or an id list, each element of a list
+    /// of them; an empty list, more than [`MAX_PROMPTS`] and other JSON are errors naming
+    /// `prompt`.
+    pub fn each(&self) -> Result<Vec<OnePrompt<'_>>, ApiError> {
+        let list: Vec<OnePrompt<'_>> = match self {
+            Prompt::Text(t) => vec![OnePrompt::Text(t)],
+            Prompt::Ids(ids) => vec![OnePrompt::Ids(ids)],
+            Prompt::Texts(v) => v.iter().map(|t| OnePrompt::Text(t)).collect(),
+            Prompt::IdLists(v) => v.iter().map(|ids| OnePrompt::Ids(ids)).collect(),
+            Prompt::Other(v) => {
+                return Err(ApiError::bad_request(format!(
+                    "prompt {}: expected a text, a list of token ids (0..2^32), or a list of either",
+                    short(v)
+                ))
+                .param("prompt"))
+            }
         };
-        match self {
-            Prompt::Text(t) => Ok(OnePrompt::Text(t)),
-            Prompt::Ids(ids) => Ok(OnePrompt::Ids(ids)),
-            Prompt::Texts(v) if v.len() == 1 => Ok(OnePrompt::Text(&v[0])),
-            Prompt::IdLists(v) if v.len() == 1 => Ok(OnePrompt::Ids(&v[0])),
-            Prompt::Texts(v) => several(v.len()),
-            Prompt::IdLists(v) => several(v.len()),
-            Prompt::Other(v) => Err(ApiError::bad_request(format!(
-                "prompt {}: expected a text or a list of token ids (0..2^32)",
-                short(v)
+        match list.len() {
+            0 => Err(ApiError::bad_request("prompt: an empty list of prompts").param("prompt")),
+            n if n > MAX_PROMPTS => Err(ApiError::bad_request(format!(
+                "prompt: {n} prompts; one request takes at most {MAX_PROMPTS}"
             ))
             .param("prompt")),
+            _ => Ok(list),
         }
     }
 }

@@ -220,10 +220,21 @@ impl Service {
         let svc = self.clone();
         let req = Arc::new(req);
         let r = req.clone();
-        let (prompt, thinking) = tokio::task::spawn_blocking(move || svc.prompt(endpoint, &r))
+        let (prompts, thinking) = tokio::task::spawn_blocking(move || svc.prompts(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-        let (prompt, truncated) = req.truncate_prompt(prompt, self.context)?;
+        if prompts.len() * n > api::MAX_PROMPTS {
+            return Err(ApiError::bad_request(format!(
+                "n = {n} choices of {} prompts: one request makes at most {} (prompts × n)",
+                prompts.len(),
+                api::MAX_PROMPTS
+            ))
+            .param("n"));
+        }
+        let prompts = prompts
+            .into_iter()
+            .map(|p| req.truncate_prompt(p, self.context))
+            .collect::<Result<Vec<_>, _>>()?;
         let form = self
             .template
             .as_ref()
@@ -285,19 +296,29 @@ impl Service {
             };
             return Err(ApiError::bad_request(msg).param("max_tokens"));
         }
-        // The echoed prompt's text: as given, or its (kept) ids decoded.
-        let echo = match (echo, req.prompt.as_ref().map(Prompt::single).transpose()?) {
-            (false, _) | (true, None) => None,
-            (true, Some(OnePrompt::Text(text))) if !truncated => Some(text.to_string()),
-            (true, Some(_)) => Some(match &self.tokenizer {
-                Some(t) => decode_all(t, &prompt)?,
-                None => String::new(),
-            }),
+        // Each prompt with its echoed text: as given, or its (kept) ids decoded.
+        let given = match (echo, &req.prompt) {
+            (true, Some(p)) => p.each()?,
+            _ => Vec::new(),
         };
+        let prompts = prompts
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ids, truncated))| {
+                let echo = match given.get(i) {
+                    None => None,
+                    Some(OnePrompt::Text(text)) if !truncated => Some(text.to_string()),
+                    Some(_) => Some(match &self.tokenizer {
+                        Some(t) => decode_all(t, &ids)?,
+                        None => String::new(),
+                    }),
+                };
+                Ok(JobPrompt { ids, echo })
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
         // An echo reads the prompt's log-probabilities when they are asked for, and when the
         // prompt alone is run (which needs a reason to run).
-        let prompt_logprobs =
-            (echo.is_some() && (logprobs.on() || max_tokens == Some(0))).then(|| logprobs.top());
+        let prompt_logprobs = (echo && (logprobs.on() || max_tokens == Some(0))).then(|| logprobs.top());
         let d = &self.defaults;
         // vLLM's convention: -1 or 0 turns it off; other negatives are mistakes.
         let top_k = match req.top_k {
@@ -332,11 +353,13 @@ impl Service {
             self.stop_ids.clone()
         };
         stop_ids.extend(&req.stop_token_ids);
-        let requests = (0..n as u64)
-            .map(|i| Request {
-                prompt: prompt.clone(),
+        // Prompt p's choice i: samples as a request of that prompt alone with seed + i would.
+        let requests = prompts
+            .iter()
+            .flat_map(|p| (0..n as u64).map(move |i| (p, i)))
+            .map(|(p, i)| Request {
+                prompt: p.ids.clone(),
                 sampling: SamplingParams {
-                    // Choice i samples as a request with seed + i would.
                     seed: seed.wrapping_add(i),
                     ..sampling.clone()
                 },
@@ -371,13 +394,13 @@ impl Service {
             },
             id,
             created: now(),
-            prompt,
+            prompts,
+            choices_per_prompt: n,
             requests,
             stream: req.stream,
             include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
             logprobs,
             return_token_ids: req.return_token_ids,
-            echo,
             arrived,
         })
     }
@@ -398,20 +421,27 @@ impl Service {
         }
     }
 
-    /// The prompt's ids, and whether the model starts inside an open `<think>` block.
-    fn prompt(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<u32>, bool), ApiError> {
+    /// The ids of each prompt (a chat's one), and whether the model starts inside an open
+    /// `<think>` block.
+    fn prompts(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
         match endpoint {
-            Endpoint::Completions => match req.prompt.as_ref().map(Prompt::single).transpose()? {
-                Some(OnePrompt::Text(text)) => Ok((self.encode(text)?, false)),
-                Some(OnePrompt::Ids(ids)) => Ok((ids.to_vec(), false)),
-                None => Err(
-                    ApiError::bad_request("prompt: a text or a list of token ids is needed").param("prompt"),
-                ),
+            Endpoint::Completions => match &req.prompt {
+                Some(p) => {
+                    let ids = p.each()?.into_iter().map(|one| match one {
+                        OnePrompt::Text(text) => self.encode(text),
+                        OnePrompt::Ids(ids) => Ok(ids.to_vec()),
+                    });
+                    Ok((ids.collect::<Result<_, _>>()?, false))
+                }
+                None => Err(ApiError::bad_request(
+                    "prompt: a text, a list of token ids, or a list of either is needed",
+                )
+                .param("prompt")),
             },
             Endpoint::Chat => {
                 let text = self.render(req)?;
                 Ok((
-                    self.encode(&text)?,
+                    vec![self.encode(&text)?],
                     OutputParser::prompt_is_thinking(generation_prompt(&text)),
                 ))
             }
@@ -525,23 +555,32 @@ impl Service {
         Ok(ids.get_ids().to_vec())
     }
 
-    /// Submits every choice of `job` (all or none: a refused one cancels the others).
+    /// Submits every choice of `job` (all or none: a refused one cancels the others); with
+    /// several prompts an error names the prompt (`prompt[i]: ...`).
     async fn submit(&self, job: &mut Job) -> Result<Vec<RequestHandle>, ApiError> {
         let mut handles = Vec::with_capacity(job.requests.len());
-        for req in std::mem::take(&mut job.requests) {
+        let several = job.prompts.len() > 1;
+        for (k, req) in std::mem::take(&mut job.requests).into_iter().enumerate() {
+            let named = |e: EngineError| {
+                if several {
+                    format!("prompt[{}]: {e}", k / job.choices_per_prompt.max(1))
+                } else {
+                    e.to_string()
+                }
+            };
             let handle = self.engine.submit_async(req).await.map_err(|e| match e {
                 EngineError::QueueFull(_) => ApiError {
                     retry_after: Some(1),
-                    ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                    ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, named(e))
                 },
                 EngineError::Stopped | EngineError::Panicked(_) => {
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, named(e))
                 }
                 EngineError::TooLong { .. } => {
-                    ApiError::bad_request(e.to_string()).code("context_length_exceeded")
+                    ApiError::bad_request(named(e)).code("context_length_exceeded")
                 }
-                EngineError::Request(_) => ApiError::bad_request(e.to_string()),
-                e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                EngineError::Request(_) => ApiError::bad_request(named(e)),
+                e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, named(e)),
             })?;
             handles.push(handle);
         }
@@ -631,15 +670,24 @@ struct Job {
     parser: ParserSpec,
     id: String,
     created: u64,
-    prompt: Vec<u32>,
+    /// The prompts (a chat's one), each with `choices_per_prompt` choices, listed in order:
+    /// choice i is prompt i / choices_per_prompt's.
+    prompts: Vec<JobPrompt>,
+    choices_per_prompt: usize,
     requests: Vec<Request>,
     stream: bool,
     include_usage: bool,
     logprobs: Logprobs,
     return_token_ids: bool,
-    /// Completions' `echo`: the prompt's text, which each choice's text starts with.
-    echo: Option<String>,
     arrived: Instant,
+}
+
+/// One prompt of a job.
+#[derive(Debug)]
+struct JobPrompt {
+    ids: Vec<u32>,
+    /// Completions' `echo`: the prompt's text, which each of its choices' text starts with.
+    echo: Option<String>,
 }
 
 /// One choice's output so far.
@@ -806,18 +854,24 @@ fn forward(handles: Vec<RequestHandle>) -> mpsc::UnboundedReceiver<(usize, Optio
     rx
 }
 
-/// The usage object of a response: the prompt once, every choice's tokens.
-fn usage_json(prompt_tokens: usize, choices: &[Choice]) -> Value {
+/// The usage object of a response: each prompt once, every choice's tokens.
+fn usage_json(job: &Job, choices: &[Choice]) -> Value {
+    let prompt_tokens = job.prompt_tokens();
     let completion: usize = choices
         .iter()
         .map(|c| c.usage.as_ref().map_or(c.ids.len(), |u| u.completion_tokens))
         .sum();
-    // Each choice is a request of its own: the most any of them was served from the cache.
-    let cached = choices
-        .iter()
-        .filter_map(|c| c.usage.as_ref().map(|u| u.cached_tokens))
-        .max()
-        .unwrap_or(0);
+    // Each choice is a request of its own: per prompt, the most any of its choices was served
+    // from the cache.
+    let cached: usize = choices
+        .chunks(job.choices_per_prompt.max(1))
+        .map(|cs| {
+            cs.iter()
+                .filter_map(|c| c.usage.as_ref().map(|u| u.cached_tokens))
+                .max()
+                .unwrap_or(0)
+        })
+        .sum();
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -911,6 +965,16 @@ impl Job {
         }
     }
 
+    /// The prompt whose choice `index` is.
+    fn prompt_of(&self, index: usize) -> &JobPrompt {
+        &self.prompts[index / self.choices_per_prompt.max(1)]
+    }
+
+    /// Prompt tokens over every prompt.
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(|p| p.ids.len()).sum()
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
             (Endpoint::Completions, _) => "text_completion",
@@ -935,8 +999,9 @@ impl Job {
         }
         let unsent = std::mem::take(&mut choice.unsent_logprobs);
         // An echo goes first: the prompt's text and first token.
-        let echo = self.echo.as_deref().filter(|_| first);
-        let lead = echo.map(|_| self.prompt[0]);
+        let prompt = self.prompt_of(index);
+        let echo = prompt.echo.as_deref().filter(|_| first);
+        let lead = echo.map(|_| prompt.ids[0]);
         let logprobs = self.logprobs_json(svc, lead, &unsent, &mut choice.text_offset);
         let mut body = match self.endpoint {
             Endpoint::Completions => {
@@ -981,13 +1046,14 @@ impl Job {
             .iter()
             .enumerate()
             .map(|(index, c)| {
-                let lead = self.echo.as_ref().map(|_| self.prompt[0]);
+                let prompt = self.prompt_of(index);
+                let lead = prompt.echo.as_ref().map(|_| prompt.ids[0]);
                 let lps = [&c.prompt_logprobs[..], &c.logprobs].concat();
                 let logprobs = self.logprobs_json(svc, lead, &lps, &mut 0);
                 let m = &c.message;
                 let mut choice = match self.endpoint {
                     Endpoint::Completions => {
-                        let text = format!("{}{}", self.echo.as_deref().unwrap_or(""), m.content);
+                        let text = format!("{}{}", prompt.echo.as_deref().unwrap_or(""), m.content);
                         json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish })
                     }
                     Endpoint::Chat => {
@@ -1007,7 +1073,7 @@ impl Job {
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.ids);
                     if self.endpoint == Endpoint::Completions {
-                        choice["prompt_token_ids"] = json!(self.prompt);
+                        choice["prompt_token_ids"] = json!(prompt.ids);
                     }
                 }
                 choice
@@ -1019,10 +1085,10 @@ impl Job {
             "created": self.created,
             "model": svc.cfg.model_id,
             "choices": list,
-            "usage": usage_json(self.prompt.len(), choices),
+            "usage": usage_json(self, choices),
         });
         if self.return_token_ids && self.endpoint == Endpoint::Chat {
-            out["prompt_token_ids"] = json!(self.prompt);
+            out["prompt_token_ids"] = json!(self.prompts[0].ids);
         }
         out
     }
@@ -1031,10 +1097,11 @@ impl Job {
 /// Submits `job` and answers: streamed, or once every choice has ended.
 async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
     let handles = svc.submit(&mut job).await?;
-    svc.metrics.admitted(job.endpoint.name(), job.prompt.len());
+    svc.metrics.admitted(job.endpoint.name(), job.prompt_tokens());
     tracing::info!(
         request = %job.id,
-        prompt_tokens = job.prompt.len(),
+        prompts = job.prompts.len(),
+        prompt_tokens = job.prompt_tokens(),
         choices = handles.len(),
         stream = job.stream,
         "submitted"
@@ -1088,7 +1155,7 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
                     "created": job.created,
                     "model": svc.cfg.model_id,
                     "choices": [],
-                    "usage": usage_json(job.prompt.len(), &choices),
+                    "usage": usage_json(&job, &choices),
                 }));
             }
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
@@ -1351,9 +1418,16 @@ async fn tokenize(
     };
     req.check_endpoint(endpoint == Endpoint::Chat)?;
     let s = svc.clone();
-    let (ids, _) = tokio::task::spawn_blocking(move || s.prompt(endpoint, &req))
+    let (mut prompts, _) = tokio::task::spawn_blocking(move || s.prompts(endpoint, &req))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    if prompts.len() != 1 {
+        return Err(
+            ApiError::bad_request(format!("prompt: {} prompts; /tokenize takes one", prompts.len()))
+                .param("prompt"),
+        );
+    }
+    let ids = prompts.remove(0);
     Ok(Json(json!({
         "count": ids.len(),
         "max_model_len": svc.context,

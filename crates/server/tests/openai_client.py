@@ -44,6 +44,12 @@ check(len(ids.choices[0].logprobs.tokens) == ids.usage.completion_tokens,
       "completions: token-id prompt and logprobs")
 two = client.completions.create(n=2, **args)
 check([c.index for c in two.choices] == [0, 1], "completions: n = 2")
+# lm-eval's batches: several prompts in one request, each answered as its own.
+batch = client.completions.create(model=MODEL, prompt=["def f(x):", "import os"], max_tokens=4,
+                                  temperature=0)
+alone = client.completions.create(model=MODEL, prompt="import os", max_tokens=4, temperature=0)
+check([c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == alone.choices[0].text,
+      "completions: a list of prompts")
 # lm-eval's loglikelihood request: the prompt alone, echoed with its log-probabilities.
 ll = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=0, echo=True,
                                logprobs=1, temperature=0)

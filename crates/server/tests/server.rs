@@ -1423,7 +1423,7 @@ async fn bad_requests_get_error_objects() {
         ("/tokenize", r#"{"prompt": "hi"}"#.into(), None, 401, "API key", None),
         ("/tokenize", r#"{"prompt": "hi", "model": "gpt-4"}"#.into(), ok, 404, "gpt-4", Some("model")),
         ("/tokenize", r#"{"messages": []}"#.into(), ok, 400, "at least one message", Some("messages")),
-        ("/tokenize", r#"{"max_tokens": 3}"#.into(), ok, 400, "a text or a list of token ids", Some("prompt")),
+        ("/tokenize", r#"{"max_tokens": 3}"#.into(), ok, 400, "a list of either is needed", Some("prompt")),
         ("/detokenize", r#"{"tokens": [1, 99999]}"#.into(), ok, 400, "99999 is not a token", Some("tokens")),
         ("/detokenize", r#"{"tokens": "hi"}"#.into(), ok, 400, "tokens", None),
         (c, r#"{"prompt": [1], "logit_bias": {"x": 10}}"#.into(), ok, 400, "not a token id", Some("logit_bias")),
@@ -1470,9 +1470,11 @@ async fn bad_requests_get_error_objects() {
             Some("tools"),
         ),
         (c, r#"{"prompt": [1], "stop_token_ids": [4096]}"#.into(), ok, 400, "stop token 4096", None),
-        (c, r#"{"prompt": ["a", "b"]}"#.into(), ok, 400, "2 prompts", Some("prompt")),
-        (c, r#"{"prompt": [[1, 2], [3]]}"#.into(), ok, 400, "2 prompts", Some("prompt")),
-        (c, r#"{"prompt": [1, "x"]}"#.into(), ok, 400, r#"prompt [1,"x"]: expected a text or a list of token ids"#, Some("prompt")),
+        (c, json!({"prompt": vec!["a"; 257]}).to_string(), ok, 400, "257 prompts; one request takes at most 256", Some("prompt")),
+        (c, json!({"prompt": vec!["a"; 100], "n": 3}).to_string(), ok, 400, "n = 3 choices of 100 prompts", Some("n")),
+        (c, r#"{"prompt": [[1, 2], []]}"#.into(), ok, 400, "prompt[1]: request: the prompt has no tokens", None),
+        ("/tokenize", r#"{"prompt": ["a", "b"]}"#.into(), ok, 400, "2 prompts; /tokenize takes one", Some("prompt")),
+        (c, r#"{"prompt": [1, "x"]}"#.into(), ok, 400, r#"prompt [1,"x"]: expected a text, a list of token ids (0..2^32), or a list of either"#, Some("prompt")),
         (
             c,
             format!(r#"{{"prompt": [1, "{}"]}}"#, "x".repeat(100)),
@@ -1786,6 +1788,89 @@ async fn openai_forms_equal_their_plain_equivalents() {
         answer(server.post("/v1/chat/completions", &chat("developer")).await),
         system
     );
+    server.stop().await;
+}
+
+/// A list of prompts (OpenAI's batched form, which lm-eval sends) answers each as a request of
+/// its own would: prompt p's choice j at index p·n + j, sampled with seed + j, echoed and with
+/// its log-probabilities and ids; the usage counts each prompt once; streamed, the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_prompts_answer_as_requests_of_their_own() {
+    let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let c = "/v1/completions";
+    let texts = ["def f(x):", "import numpy as np\n", "class A:"];
+    let body = |prompt: Value, n: usize, seed: usize| {
+        json!({"prompt": prompt, "n": n, "seed": seed, "max_tokens": 8, "temperature": 1.0,
+               "echo": true, "logprobs": 1})
+    };
+    let (status, all) = server.post(c, &body(json!(texts), 2, 7)).await;
+    assert_eq!(status, 200, "{all}");
+    let choices = all["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (p, text) in texts.iter().enumerate() {
+        for j in 0..2 {
+            let (_, one) = server.post(c, &body(json!(text), 1, 7 + j)).await;
+            let (got, want) = (&choices[p * 2 + j], &one["choices"][0]);
+            assert_eq!(got["index"], p * 2 + j);
+            assert_eq!(got["text"], want["text"], "prompt {p}, choice {j}");
+            assert!(got["text"].as_str().unwrap().starts_with(text));
+            // The same tokens; log-probabilities within the engine's batch tolerance (a batch of
+            // six rows runs the CPU's products in other blocks than one row: 1e-5 relative).
+            let (lg, lw) = (&got["logprobs"], &want["logprobs"]);
+            assert_eq!(lg["tokens"], lw["tokens"], "prompt {p}, choice {j}");
+            let close = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
+                (Some(a), Some(b)) => (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                _ => a == b,
+            };
+            let (ag, aw) = (
+                lg["token_logprobs"].as_array().unwrap(),
+                lw["token_logprobs"].as_array().unwrap(),
+            );
+            assert_eq!(ag.len(), aw.len());
+            assert!(
+                ag.iter().zip(aw).all(|(a, b)| close(a, b)),
+                "prompt {p}, choice {j}: {lg} {lw}"
+            );
+            assert_eq!(got["finish_reason"], want["finish_reason"]);
+            if j == 0 {
+                prompt_tokens += one["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+            completion_tokens += one["usage"]["completion_tokens"].as_u64().unwrap();
+        }
+    }
+    assert_eq!(all["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens));
+    assert_eq!(
+        all["usage"]["completion_tokens"].as_u64(),
+        Some(completion_tokens)
+    );
+    assert_eq!(
+        all["usage"]["total_tokens"].as_u64(),
+        Some(prompt_tokens + completion_tokens)
+    );
+    // Streamed: each index's chunks add up to its whole text.
+    let mut streamed = body(json!(texts), 2, 7);
+    streamed["stream"] = json!(true);
+    let mut by_choice = vec![String::new(); 6];
+    for chunk in chunks(&server.stream(c, &streamed).await) {
+        let choice = &chunk["choices"][0];
+        by_choice[choice["index"].as_u64().unwrap() as usize].push_str(choice["text"].as_str().unwrap());
+    }
+    let whole: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(by_choice, whole);
+    // Lists of ids, greedy: each choice its own prompt's ids and answer.
+    let ids = [vec![5u32, 6, 7], vec![8, 9]];
+    let greedy = |prompt: Value| json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": true});
+    let (status, both) = server.post(c, &greedy(json!(ids))).await;
+    assert_eq!(status, 200, "{both}");
+    for (p, prompt) in ids.iter().enumerate() {
+        let (_, one) = server.post(c, &greedy(json!(prompt))).await;
+        let got = &both["choices"][p];
+        assert_eq!(got["prompt_token_ids"], json!(prompt));
+        assert_eq!(got["token_ids"], one["choices"][0]["token_ids"]);
+        assert_eq!(got["text"], one["choices"][0]["text"]);
+    }
+    assert_eq!(both["usage"]["prompt_tokens"], 5);
     server.stop().await;
 }
 
