@@ -353,6 +353,13 @@ impl Engine {
         context_of(&self.model, &self.cfg)
     }
 
+    /// The most requests it takes at once when it has none: a slot each and the queue
+    /// ([`EngineConfig::max_seqs`] + [`EngineConfig::max_queue`]); a submit past that is refused
+    /// as [`Error::QueueFull`] until some end.
+    pub fn capacity(&self) -> usize {
+        self.cfg.max_seqs.saturating_add(self.cfg.max_queue)
+    }
+
     /// Queues a request. Refused with a typed error when it is malformed or can never fit
     /// (prompt and `max_tokens` over the model's context or the whole KV pool), or when the
     /// queue is full.

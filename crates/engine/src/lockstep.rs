@@ -190,7 +190,7 @@ impl Engine {
                         Ok(e) => e,
                         Err(e) => return drop(built.send((rank, Err(e)))),
                     };
-                    let _ = built.send((rank, Ok(engine.context())));
+                    let _ = built.send((rank, Ok((engine.context(), engine.capacity()))));
                     lock(&published).load = engine.load();
                     if let Ok(Some(leader)) = go_rx.recv() {
                         run(engine, commands, &published, Some(leader));
@@ -208,7 +208,7 @@ impl Engine {
                             Ok(e) => e,
                             Err(e) => return drop(built.send((rank, Err(e)))),
                         };
-                        let _ = built.send((rank, Ok(engine.context())));
+                        let _ = built.send((rank, Ok((engine.context(), engine.capacity()))));
                         if let Ok(None) = go_rx.recv() {
                             follow(engine, controls_rx, results, comm);
                         }
@@ -218,11 +218,11 @@ impl Engine {
             }
         }
         drop(built_tx);
-        let mut context = 0;
+        let (mut context, mut capacity) = (0, 0);
         let mut failure = None;
         for _ in &comms {
             match built_rx.recv() {
-                Ok((0, Ok(c))) => context = c,
+                Ok((0, Ok((c, cap)))) => (context, capacity) = (c, cap),
                 Ok((_, Ok(_))) => {}
                 Ok((rank, Err(e))) => {
                     failure.get_or_insert(Error::Request(format!("rank {rank}: {e}")));
@@ -248,7 +248,12 @@ impl Engine {
         for (rank, g) in go.iter().enumerate() {
             let _ = g.send(if rank == 0 { leader.take() } else { None });
         }
-        Ok(EngineClient::new(context, commands_tx, shared, leader_thread))
+        Ok(EngineClient::new(
+            (context, capacity),
+            commands_tx,
+            shared,
+            leader_thread,
+        ))
     }
 }
 

@@ -61,6 +61,8 @@ impl Shared {
 pub struct EngineClient {
     /// The engine's longest sequence ([`Engine::context`]).
     context: usize,
+    /// The most requests the engine takes at once ([`Engine::capacity`]).
+    capacity: usize,
     commands: Sender<Command>,
     shared: Arc<Mutex<Shared>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
@@ -70,26 +72,28 @@ impl Engine {
     /// Moves the engine onto a thread of its own; submit through the returned client.
     pub fn spawn(self) -> EngineClient {
         let (tx, rx) = channel();
-        let context = self.context();
+        let sizes = (self.context(), self.capacity());
         let shared = Arc::new(Mutex::new(Shared::new(self.load())));
         let published = shared.clone();
         let thread = std::thread::Builder::new()
             .name("qwen36-engine".into())
             .spawn(move || run(self, rx, &published, None))
             .expect("spawning the engine thread");
-        EngineClient::new(context, tx, shared, Some(thread))
+        EngineClient::new(sizes, tx, shared, Some(thread))
     }
 }
 
 impl EngineClient {
+    /// A client of an engine of `(context, capacity)`.
     pub(crate) fn new(
-        context: usize,
+        (context, capacity): (usize, usize),
         commands: Sender<Command>,
         shared: Arc<Mutex<Shared>>,
         thread: Option<JoinHandle<()>>,
     ) -> Self {
         Self {
             context,
+            capacity,
             commands,
             shared,
             thread: Arc::new(Mutex::new(thread)),
@@ -242,6 +246,11 @@ impl EngineClient {
     /// The longest sequence (prompt and output) its engine takes.
     pub fn context(&self) -> usize {
         self.context
+    }
+
+    /// The most requests its engine takes at once ([`Engine::capacity`]).
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     fn send_submit(&self, req: Request) -> Result<flume::Receiver<Result<RequestHandle>>> {
@@ -446,22 +455,43 @@ mod tests {
         assert!(steps.iter().all(|s| s.wall > std::time::Duration::ZERO));
     }
 
-    /// The client's context is the engine's; its load follows the engine: requests running and
-    /// waiting while they run, nothing once they end; the step count grows; a shut-down engine
-    /// says so.
+    /// An engine takes `capacity` requests before it has stepped, and refuses the next as a
+    /// full queue.
+    #[test]
+    fn capacity_is_where_submits_are_refused() {
+        let cfg = EngineConfig {
+            max_seqs: 2,
+            max_queue: 3,
+            ..Default::default()
+        };
+        let mut engine = crate::engine::bundled_engine(cfg);
+        let handles: Vec<_> = (0..engine.capacity())
+            .map(|_| engine.submit(crate::Request::greedy(vec![1, 2], 2)).unwrap())
+            .collect();
+        assert_eq!(handles.len(), 5);
+        let refused = engine.submit(crate::Request::greedy(vec![1, 2], 2));
+        assert!(matches!(refused, Err(Error::QueueFull(3))), "{refused:?}");
+    }
+
+    /// The client's context and capacity are the engine's; its load follows the engine:
+    /// requests running and waiting while they run, nothing once they end; the step count
+    /// grows; a shut-down engine says so.
     #[test]
     fn the_client_reports_load_steps_and_status() {
         let cfg = EngineConfig {
             max_seqs: 1,
+            max_queue: 3,
             ..Default::default()
         };
         let engine = crate::engine::bundled_engine(cfg);
         let context = engine.context();
+        assert_eq!(engine.capacity(), 4);
         let client = engine.spawn();
         assert_eq!(client.status(), EngineStatus::Running);
         // The engine's context, read without a round trip to its thread.
         assert!(context > 0);
         assert_eq!(client.context(), context);
+        assert_eq!(client.capacity(), 4);
         let idle = client.load();
         assert_eq!(
             (idle.waiting, idle.running, idle.slots_used, idle.slots),

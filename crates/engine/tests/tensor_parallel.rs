@@ -111,6 +111,8 @@ fn one_device_tokens(reqs: &[Request]) -> Vec<Vec<u32>> {
 fn check_ranks(comms: Vec<Arc<dyn Communicator>>, reqs: &[Request], want: &[Vec<u32>]) {
     let tp = comms.len();
     let client = Engine::spawn_ranks(comms, rank_engine).unwrap();
+    // The leader's sizes: its slots and queue.
+    assert_eq!(client.capacity(), config().max_seqs + config().max_queue);
     let watch = client.step_stats();
     let handles: Vec<_> = reqs.iter().map(|r| client.submit(r.clone()).unwrap()).collect();
     for h in [&handles[0], &handles[5]] {

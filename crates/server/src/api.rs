@@ -46,8 +46,8 @@ pub const MAX_PROMPTS: usize = 256;
 
 impl Prompt {
     /// The prompts this holds, in order: one for a text or an id list, each element of a list
-    /// of them; an empty list, more than [`MAX_PROMPTS`] and other JSON are errors naming
-    /// `prompt`.
+    /// of them; more than `MAX_PROMPTS` and other JSON are errors naming `prompt`. (An empty
+    /// list reads as an empty id list: one prompt, which the engine refuses.)
     pub fn each(&self) -> Result<Vec<OnePrompt<'_>>, ApiError> {
         let list: Vec<OnePrompt<'_>> = match self {
             Prompt::Text(t) => vec![OnePrompt::Text(t)],
@@ -63,7 +63,6 @@ impl Prompt {
             }
         };
         match list.len() {
-            0 => Err(ApiError::bad_request("prompt: an empty list of prompts").param("prompt")),
             n if n > MAX_PROMPTS => Err(ApiError::bad_request(format!(
                 "prompt: {n} prompts; one request takes at most {MAX_PROMPTS}"
             ))

@@ -223,11 +223,12 @@ impl Service {
         let (prompts, thinking) = tokio::task::spawn_blocking(move || svc.prompts(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-        if prompts.len() * n > api::MAX_PROMPTS {
+        // (More than the engine takes at once would be refused as a full queue on every retry.)
+        let most = api::MAX_PROMPTS.min(self.engine.capacity());
+        if prompts.len() * n > most {
             return Err(ApiError::bad_request(format!(
-                "n = {n} choices of {} prompts: one request makes at most {} (prompts × n)",
+                "n = {n} choices of {} prompts: one request makes at most {most} (prompts × n)",
                 prompts.len(),
-                api::MAX_PROMPTS
             ))
             .param("n"));
         }
@@ -332,7 +333,11 @@ impl Service {
             }
             Some(k) => k as usize,
         };
-        let seed = req.seed.unwrap_or_else(rand::random);
+        // Without a seed each prompt draws its own (as requests of their own would).
+        let seeds: Vec<u64> = prompts
+            .iter()
+            .map(|_| req.seed.unwrap_or_else(rand::random))
+            .collect();
         let sampling = SamplingParams {
             temperature: req.temperature.unwrap_or(d.temperature),
             top_k,
@@ -341,7 +346,7 @@ impl Service {
             repetition_penalty: req.repetition_penalty.unwrap_or(d.repetition_penalty),
             presence_penalty: req.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: req.frequency_penalty.unwrap_or(d.frequency_penalty),
-            seed,
+            seed: 0, // (each request's, below)
             top_logprobs: logprobs.top(),
             logit_bias: req.logit_bias()?,
             min_tokens: req.min_tokens,
@@ -356,8 +361,9 @@ impl Service {
         // Prompt p's choice i: samples as a request of that prompt alone with seed + i would.
         let requests = prompts
             .iter()
-            .flat_map(|p| (0..n as u64).map(move |i| (p, i)))
-            .map(|(p, i)| Request {
+            .zip(&seeds)
+            .flat_map(|(p, &seed)| (0..n as u64).map(move |i| (p, seed, i)))
+            .map(|(p, seed, i)| Request {
                 prompt: p.ids.clone(),
                 sampling: SamplingParams {
                     seed: seed.wrapping_add(i),
@@ -556,25 +562,18 @@ impl Service {
     }
 
     /// Submits every choice of `job` (all or none: a refused one cancels the others); with
-    /// several prompts an error names the prompt (`prompt[i]: ...`).
+    /// several prompts a refusal of the request names its prompt (`prompt[i]: ...`).
     async fn submit(&self, job: &mut Job) -> Result<Vec<RequestHandle>, ApiError> {
         let mut handles = Vec::with_capacity(job.requests.len());
-        let several = job.prompts.len() > 1;
         for (k, req) in std::mem::take(&mut job.requests).into_iter().enumerate() {
-            let named = |e: EngineError| {
-                if several {
-                    format!("prompt[{}]: {e}", k / job.choices_per_prompt.max(1))
-                } else {
-                    e.to_string()
-                }
-            };
+            let named = |e: EngineError| job.named(k, e.to_string());
             let handle = self.engine.submit_async(req).await.map_err(|e| match e {
                 EngineError::QueueFull(_) => ApiError {
                     retry_after: Some(1),
-                    ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, named(e))
+                    ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
                 },
                 EngineError::Stopped | EngineError::Panicked(_) => {
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, named(e))
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
                 }
                 EngineError::TooLong { .. } => {
                     ApiError::bad_request(named(e)).code("context_length_exceeded")
@@ -970,6 +969,15 @@ impl Job {
         &self.prompts[index / self.choices_per_prompt.max(1)]
     }
 
+    /// `msg` about choice `index`, naming its prompt when there are several (`prompt[i]: msg`).
+    fn named(&self, index: usize, msg: String) -> String {
+        if self.prompts.len() > 1 {
+            format!("prompt[{}]: {msg}", index / self.choices_per_prompt.max(1))
+        } else {
+            msg
+        }
+    }
+
     /// Prompt tokens over every prompt.
     fn prompt_tokens(&self) -> usize {
         self.prompts.iter().map(|p| p.ids.len()).sum()
@@ -1130,7 +1138,8 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
                 let up = choices[i].apply(event, job.arrived);
                 if let Some(error) = &choices[i].error {
                     tracker.end(i, &choices[i]);
-                    let _ = send(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.clone()).body());
+                    let error = job.named(i, error.clone());
+                    let _ = send(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error).body());
                     let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
                     return;
                 }
@@ -1175,7 +1184,10 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
             open -= 1;
         }
         if let Some(error) = &choices[i].error {
-            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.clone()));
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                job.named(i, error.clone()),
+            ));
         }
     }
     let completion: usize = choices.iter().map(|c| c.ids.len()).sum();

@@ -1848,16 +1848,40 @@ async fn several_prompts_answer_as_requests_of_their_own() {
         all["usage"]["total_tokens"].as_u64(),
         Some(prompt_tokens + completion_tokens)
     );
-    // Streamed: each index's chunks add up to its whole text.
+    // Streamed: each index's chunks add up to its whole text and tokens.
     let mut streamed = body(json!(texts), 2, 7);
     streamed["stream"] = json!(true);
     let mut by_choice = vec![String::new(); 6];
+    let mut tokens_by_choice = vec![Vec::new(); 6];
     for chunk in chunks(&server.stream(c, &streamed).await) {
         let choice = &chunk["choices"][0];
-        by_choice[choice["index"].as_u64().unwrap() as usize].push_str(choice["text"].as_str().unwrap());
+        let i = choice["index"].as_u64().unwrap() as usize;
+        by_choice[i].push_str(choice["text"].as_str().unwrap());
+        if let Some(t) = choice["logprobs"]["tokens"].as_array() {
+            tokens_by_choice[i].extend(t.iter().cloned());
+        }
     }
     let whole: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
     assert_eq!(by_choice, whole);
+    let whole_tokens: Vec<Vec<Value>> = choices
+        .iter()
+        .map(|c| c["logprobs"]["tokens"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(tokens_by_choice, whole_tokens);
+    // Without a seed each prompt draws its own, as requests of their own do.
+    let hot =
+        json!({"prompt": ["import", "import"], "max_tokens": 32, "temperature": 1.5, "ignore_eos": true});
+    let (_, h) = server.post(c, &hot).await;
+    assert_ne!(h["choices"][0]["text"], h["choices"][1]["text"], "{h}");
+    // A refused prompt is named among several (prompt p of choice p·n + j), not alone.
+    let (status, e) = server.post(c, &json!({"prompt": [[1], []], "n": 2})).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        e["error"]["message"],
+        "prompt[1]: request: the prompt has no tokens"
+    );
+    let (_, e) = server.post(c, &json!({"prompt": [[]]})).await;
+    assert_eq!(e["error"]["message"], "request: the prompt has no tokens");
     // Lists of ids, greedy: each choice its own prompt's ids and answer.
     let ids = [vec![5u32, 6, 7], vec![8, 9]];
     let greedy = |prompt: Value| json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": true});
@@ -1871,6 +1895,44 @@ async fn several_prompts_answer_as_requests_of_their_own() {
         assert_eq!(got["text"], one["choices"][0]["text"]);
     }
     assert_eq!(both["usage"]["prompt_tokens"], 5);
+    // Served from the prefix cache: each prompt's cached tokens, summed.
+    let long = [(100..150).collect::<Vec<u32>>(), (200..240).collect()];
+    let mut cached = 0;
+    for prompt in &long {
+        let once = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0});
+        server.post(c, &once).await;
+        let (_, again) = server.post(c, &once).await;
+        let hit = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(hit > 0, "{again}");
+        cached += hit;
+    }
+    let (_, both) = server
+        .post(c, &json!({"prompt": long, "max_tokens": 1, "temperature": 0}))
+        .await;
+    assert_eq!(
+        both["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(cached)
+    );
+    server.stop().await;
+    // More requests than the engine takes at once: refused, not a full queue on every retry.
+    let small = EngineConfig {
+        max_seqs: 2,
+        max_queue: 2,
+        ..EngineConfig::default()
+    };
+    let (server, _) = Server::start(small, ServerConfig::default()).await;
+    let (status, e) = server.post(c, &json!({"prompt": ["a", "b", "c"], "n": 2})).await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(
+        e["error"]["message"],
+        "n = 2 choices of 3 prompts: one request makes at most 4 (prompts × n)"
+    );
+    let (status, _) = server
+        .post(c, &json!({"prompt": ["a", "b"], "n": 2, "max_tokens": 2}))
+        .await;
+    assert_eq!(status, 200);
     server.stop().await;
 }
 
