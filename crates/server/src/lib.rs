@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -203,7 +203,12 @@ impl Service {
 
     /// Checks `req` and turns it into the engine requests of its choices (tokenizing and
     /// rendering on a blocking thread).
-    async fn prepare(self: &Arc<Self>, endpoint: Endpoint, req: GenerateRequest) -> Result<Job, ApiError> {
+    async fn prepare(
+        self: &Arc<Self>,
+        endpoint: Endpoint,
+        req: GenerateRequest,
+        request_id: Option<String>,
+    ) -> Result<Job, ApiError> {
         let arrived = Instant::now();
         req.check_supported()?;
         self.check_model(req.model.as_deref())?;
@@ -382,15 +387,16 @@ impl Service {
                 stop_on_degeneration: false,
             })
             .collect();
+        let request_id = request_id.unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
         let id = format!(
-            "{}-{:016x}",
+            "{}-{request_id}",
             match endpoint {
                 Endpoint::Completions => "cmpl",
                 Endpoint::Chat => "chatcmpl",
             },
-            rand::random::<u64>()
         );
         Ok(Job {
+            request_id,
             endpoint,
             parser: ParserSpec {
                 reasoning: chat && self.cfg.reasoning,
@@ -667,6 +673,8 @@ struct ParserSpec {
 struct Job {
     endpoint: Endpoint,
     parser: ParserSpec,
+    /// The client's `X-Request-Id`, or one drawn here: the response's header and its `id`'s end.
+    request_id: String,
     id: String,
     created: u64,
     /// The prompts (a chat's one), each with `choices_per_prompt` choices, listed in order:
@@ -1123,6 +1131,7 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
     };
     let mut events = forward(handles);
     if job.stream {
+        let request_id = job.request_id.clone();
         let (tx, rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
         tokio::spawn(async move {
             let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
@@ -1169,9 +1178,9 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
             }
             let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
         });
-        return Ok(Sse::new(UnboundedReceiverStream::new(rx))
-            .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
-            .into_response());
+        let sse = Sse::new(UnboundedReceiverStream::new(rx))
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)));
+        return Ok(with_request_id(sse.into_response(), &request_id));
     }
     let mut open = n;
     while open > 0 {
@@ -1192,7 +1201,10 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
     }
     let completion: usize = choices.iter().map(|c| c.ids.len()).sum();
     tracing::info!(request = %job.id, completion_tokens = completion, "finished");
-    Ok(Json(job.response(&svc, &choices)).into_response())
+    Ok(with_request_id(
+        Json(job.response(&svc, &choices)).into_response(),
+        &job.request_id,
+    ))
 }
 
 /// The server's routes over `service`.
@@ -1398,21 +1410,54 @@ async fn models(State(svc): State<Arc<Service>>) -> Json<Value> {
     }))
 }
 
+/// `X-Request-Id`: the id a client gives its request (vLLM's header), 1..=128 visible ASCII
+/// characters; the response's header carries it back, and its `id` ends with it.
+fn client_request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(REQUEST_ID) else {
+        return Ok(None);
+    };
+    match v.to_str() {
+        Ok(id) if (1..=128).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic()) => {
+            Ok(Some(id.to_string()))
+        }
+        _ => Err(ApiError::bad_request(
+            "X-Request-Id: expected 1 to 128 visible ASCII characters",
+        )),
+    }
+}
+
+/// The header naming a request (in and out).
+const REQUEST_ID: &str = "x-request-id";
+
+/// `response` with its request's `X-Request-Id` header.
+fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        response.headers_mut().insert(REQUEST_ID, v);
+    }
+    response
+}
+
 async fn completions(
     State(svc): State<Arc<Service>>,
+    headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let job = svc.prepare(Endpoint::Completions, req).await?;
+    let job = svc
+        .prepare(Endpoint::Completions, req, client_request_id(&headers)?)
+        .await?;
     run(svc, job).await
 }
 
 async fn chat_completions(
     State(svc): State<Arc<Service>>,
+    headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let job = svc.prepare(Endpoint::Chat, req).await?;
+    let job = svc
+        .prepare(Endpoint::Chat, req, client_request_id(&headers)?)
+        .await?;
     run(svc, job).await
 }
 

@@ -1936,6 +1936,60 @@ async fn several_prompts_answer_as_requests_of_their_own() {
     server.stop().await;
 }
 
+/// `X-Request-Id` (vLLM's header): a client's id names its response (header and `id`), whole
+/// and streamed, on both endpoints; without one the server draws an id and sends it back; a
+/// malformed one is a 400 naming the header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_go_back_in_the_header() {
+    let (server, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let send = |path: &'static str, body: Value, id: Option<&'static str>| {
+        let mut r = reqwest::Client::new()
+            .post(format!("{}{path}", server.url))
+            .json(&body);
+        if let Some(id) = id {
+            r = r.header("X-Request-Id", id);
+        }
+        r.send()
+    };
+    let completion = json!({"prompt": [1, 2, 3], "max_tokens": 2});
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    for (path, body, prefix) in [
+        ("/v1/completions", completion.clone(), "cmpl-"),
+        ("/v1/chat/completions", chat, "chatcmpl-"),
+    ] {
+        let r = send(path, body.clone(), Some("trace-42")).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-request-id"], "trace-42");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["id"], format!("{prefix}trace-42"));
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let r = send(path, streamed, Some("trace-43")).await.unwrap();
+        assert_eq!(r.headers()["x-request-id"], "trace-43");
+        let text = r.text().await.unwrap();
+        assert!(text.contains(&format!(r#""id":"{prefix}trace-43""#)), "{text}");
+        // Drawn here: the header is the id's end.
+        let r = send(path, body, None).await.unwrap();
+        let drawn = r.headers()["x-request-id"].to_str().unwrap().to_string();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["id"], format!("{prefix}{drawn}"));
+        assert_eq!(drawn.len(), 16);
+    }
+    let r = send("/v1/completions", completion, Some("two words"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("X-Request-Id:"),
+        "{v}"
+    );
+    server.stop().await;
+}
+
 /// vLLM's `allowed_token_ids` keeps every generated id among them (greedy and sampled, plain
 /// and with prompt-lookup drafts, which stay lossless); `/ping` answers as `/health` does and
 /// `/version` names the version.
