@@ -13,6 +13,8 @@ pub struct Sampled {
     pub logprob: f32,
     /// The `top_logprobs` most likely tokens of the raw distribution, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// 1 + the number of tokens more likely than `token` (vLLM's rank: 1 for the most likely).
+    pub rank: u32,
 }
 
 /// Applies [`SamplingParams`] to logits and draws tokens. Each call to [`Sampler::sample`] uses a
@@ -92,10 +94,12 @@ pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
         idx.sort_unstable_by(cmp);
         top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
     }
+    let logprob = lp[token as usize];
     Sampled {
         token,
-        logprob: lp[token as usize],
+        logprob,
         top_logprobs,
+        rank: 1 + lp.iter().filter(|&&x| x > logprob).count() as u32,
     }
 }
 
@@ -365,6 +369,14 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A token's rank counts the tokens strictly more likely than it, from 1.
+    #[test]
+    fn ranks_count_the_more_likely_tokens() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let rank = |t| logprobs_of(&logits, t, 0).rank;
+        assert_eq!([rank(1), rank(3), rank(2), rank(0)], [1, 1, 3, 4]);
+    }
 
     /// Inverse CDF over half-open intervals: index i is drawn for `u` in `[F(i − 1), F(i))`, and
     /// a zero weight never.

@@ -329,11 +329,6 @@ impl GenerateRequest {
                 "bad_words",
             ),
             (
-                set(&self.prompt_logprobs),
-                "prompt_logprobs",
-                "prompt_logprobs (/v1/completions with echo: true and logprobs gives them)",
-            ),
-            (
                 set(&self.chat_template),
                 "chat_template",
                 "a chat template per request (the server's is set at its start)",
@@ -568,6 +563,22 @@ impl GenerateRequest {
                     "logprobs {v}: expected the number of alternatives per token"
                 )),
             }
+        }
+    }
+
+    /// vLLM's `prompt_logprobs`: each prompt token's log-probability with this many
+    /// alternatives (0..=`MAX_TOP_LOGPROBS`); not streamed (as vLLM refuses it there).
+    pub fn prompt_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let bad = |msg: String| Err(ApiError::bad_request(msg).param("prompt_logprobs"));
+        match &self.prompt_logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) if self.stream => bad("prompt_logprobs: not with stream: true".into()),
+            Some(Value::Number(n)) if n.as_u64().is_some_and(|k| k <= MAX_TOP_LOGPROBS as u64) => {
+                Ok(n.as_u64().map(|k| k as usize))
+            }
+            Some(v) => bad(format!(
+                "prompt_logprobs {v}: expected the number of alternatives per prompt token, 0..={MAX_TOP_LOGPROBS}"
+            )),
         }
     }
 

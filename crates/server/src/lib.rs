@@ -323,8 +323,14 @@ impl Service {
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
         // An echo reads the prompt's log-probabilities when they are asked for, and when the
-        // prompt alone is run (which needs a reason to run).
-        let prompt_logprobs = (echo && (logprobs.on() || max_tokens == Some(0))).then(|| logprobs.top());
+        // prompt alone is run (which needs a reason to run); vLLM's `prompt_logprobs` asks for
+        // them with its own count of alternatives.
+        let echo_lps = (echo && (logprobs.on() || max_tokens == Some(0))).then(|| logprobs.top());
+        let vllm_lps = req.prompt_logprobs()?;
+        let prompt_logprobs = match (echo_lps, vllm_lps) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         let d = &self.defaults;
         // vLLM's convention: -1 or 0 turns it off; other negatives are mistakes.
         let top_k = match req.top_k {
@@ -408,6 +414,7 @@ impl Service {
             created: now(),
             prompts,
             choices_per_prompt: n,
+            prompt_logprobs: vllm_lps,
             requests,
             stream: req.stream,
             include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
@@ -681,6 +688,8 @@ struct Job {
     /// choice i is prompt i / choices_per_prompt's.
     prompts: Vec<JobPrompt>,
     choices_per_prompt: usize,
+    /// vLLM's `prompt_logprobs`: the alternatives each prompt token's entry lists.
+    prompt_logprobs: Option<usize>,
     requests: Vec<Request>,
     stream: bool,
     include_usage: bool,
@@ -887,6 +896,22 @@ fn usage_json(job: &Job, choices: &[Choice]) -> Value {
     })
 }
 
+/// vLLM's `prompt_logprobs`: `null` for the first prompt token, then per token an object by
+/// token id of `{logprob, rank, decoded_token}`: its `top` most likely ids (ranks 1..=top) and
+/// the prompt's own token (its rank).
+fn prompt_logprobs_json(svc: &Service, lps: &[Sampled], top: usize) -> Value {
+    let entry = |id: u32, lp: f32, rank: u32| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id).0 });
+    let rows = lps.iter().map(|s| {
+        let mut m = Map::new();
+        for (i, &(t, lp)) in s.top_logprobs.iter().take(top).enumerate() {
+            m.insert(t.to_string(), entry(t, lp, i as u32 + 1));
+        }
+        m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
+        Value::Object(m)
+    });
+    Value::Array(std::iter::once(Value::Null).chain(rows).collect())
+}
+
 fn tool_calls_json(calls: &[ToolCall], first_index: usize) -> Value {
     Value::Array(
         calls
@@ -918,6 +943,8 @@ impl Job {
         if !self.logprobs.on() || (lps.is_empty() && lead.is_none()) {
             return Value::Null;
         }
+        // (An echo's prompt entries may hold more alternatives, for `prompt_logprobs`.)
+        let top = self.logprobs.top();
         match self.endpoint {
             Endpoint::Chat => {
                 let entry = |id: u32, lp: f32| {
@@ -928,7 +955,12 @@ impl Job {
                     .iter()
                     .map(|s| {
                         let mut e = entry(s.token, s.logprob);
-                        e["top_logprobs"] = s.top_logprobs.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        e["top_logprobs"] = s
+                            .top_logprobs
+                            .iter()
+                            .take(top)
+                            .map(|&(t, lp)| entry(t, lp))
+                            .collect();
                         e
                     })
                     .collect();
@@ -953,6 +985,7 @@ impl Job {
                         let m: Map<String, Value> = s
                             .top_logprobs
                             .iter()
+                            .take(top)
                             .map(|&(t, lp)| (svc.token_text(t).0, json!(lp)))
                             .collect();
                         Value::Object(m)
@@ -1064,7 +1097,10 @@ impl Job {
             .map(|(index, c)| {
                 let prompt = self.prompt_of(index);
                 let lead = prompt.echo.as_ref().map(|_| prompt.ids[0]);
-                let lps = [&c.prompt_logprobs[..], &c.logprobs].concat();
+                let lps = match prompt.echo {
+                    Some(_) => [&c.prompt_logprobs[..], &c.logprobs].concat(),
+                    None => c.logprobs.clone(),
+                };
                 let logprobs = self.logprobs_json(svc, lead, &lps, &mut 0);
                 let m = &c.message;
                 let mut choice = match self.endpoint {
@@ -1086,6 +1122,9 @@ impl Job {
                         json!({ "index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish })
                     }
                 };
+                if let (Some(k), Endpoint::Completions) = (self.prompt_logprobs, self.endpoint) {
+                    choice["prompt_logprobs"] = prompt_logprobs_json(svc, &c.prompt_logprobs, k);
+                }
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.ids);
                     if self.endpoint == Endpoint::Completions {
@@ -1105,6 +1144,10 @@ impl Job {
         });
         if self.return_token_ids && self.endpoint == Endpoint::Chat {
             out["prompt_token_ids"] = json!(self.prompts[0].ids);
+        }
+        // (A chat's one prompt: its entries are the same in every choice.)
+        if let (Some(k), Endpoint::Chat, Some(c)) = (self.prompt_logprobs, self.endpoint, choices.first()) {
+            out["prompt_logprobs"] = prompt_logprobs_json(svc, &c.prompt_logprobs, k);
         }
         out
     }

@@ -1411,7 +1411,6 @@ async fn bad_requests_get_error_objects() {
         // vLLM's fields this server does not serve: refused, not ignored.
         (c, r#"{"prompt": [1], "guided_grammar": "root ::= \"a\""}"#.into(), ok, 400, "guided_grammar: a grammar", Some("guided_grammar")),
         (c, r#"{"prompt": [1], "bad_words": ["x"]}"#.into(), ok, 400, "bad_words", Some("bad_words")),
-        (c, r#"{"prompt": [1], "prompt_logprobs": 1}"#.into(), ok, 400, "echo: true", Some("prompt_logprobs")),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "a chat template per request", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
         (c, r#"{"prompt": [1], "skip_special_tokens": false}"#.into(), ok, 400, "special tokens", Some("skip_special_tokens")),
@@ -1933,6 +1932,97 @@ async fn several_prompts_answer_as_requests_of_their_own() {
         .post(c, &json!({"prompt": ["a", "b"], "n": 2, "max_tokens": 2}))
         .await;
     assert_eq!(status, 200);
+    server.stop().await;
+}
+
+/// vLLM's `prompt_logprobs`: per prompt token (the first `null`) the token's own entry, with
+/// the log-probability an echo gives it and its rank, and the k most likely ids ranked 1..=k;
+/// completions per choice, chat once; the output's `logprobs` untouched; not streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_as_vllm_gives_them() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let c = "/v1/completions";
+    let prompt = "def fibonacci(n):";
+    let ids = generator.encode(prompt).unwrap();
+    let (status, v) = server
+        .post(
+            c,
+            &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert!(choice["logprobs"].is_null(), "{v}");
+    let rows = choice["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(rows.len(), ids.len());
+    assert!(rows[0].is_null());
+    // The echo's log-probabilities of the same prompt (its first entry null too).
+    let (_, echo) = server
+        .post(
+            c,
+            &json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2}),
+        )
+        .await;
+    let echoed = &echo["choices"][0]["logprobs"];
+    for (i, row) in rows.iter().enumerate().skip(1) {
+        let row = row.as_object().unwrap();
+        let own = &row[&ids[i].to_string()];
+        let lp = own["logprob"].as_f64().unwrap();
+        assert!(
+            (lp - echoed["token_logprobs"][i].as_f64().unwrap()).abs() < 1e-4,
+            "{i}: {own}"
+        );
+        assert_eq!(own["decoded_token"], echoed["tokens"][i], "{i}");
+        let rank = own["rank"].as_u64().unwrap();
+        // Two alternatives ranked 1 and 2, the own token among them or beside them.
+        let mut ranked: Vec<(u64, f64)> = row
+            .values()
+            .map(|e| (e["rank"].as_u64().unwrap(), e["logprob"].as_f64().unwrap()))
+            .collect();
+        ranked.sort_by_key(|a| a.0);
+        assert_eq!(row.len(), if rank <= 2 { 2 } else { 3 }, "{i}: {row:?}");
+        assert_eq!((ranked[0].0, ranked[1].0), (1, 2), "{i}: {row:?}");
+        assert!(ranked[0].1 >= ranked[1].1, "{i}: {row:?}");
+        if rank > 2 {
+            assert!(ranked[1].1 >= lp, "{i}: {row:?}");
+        }
+        let best = echoed["top_logprobs"][i]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_f64().unwrap());
+        let best = best.fold(f64::NEG_INFINITY, f64::max);
+        assert!((ranked[0].1 - best).abs() < 1e-4, "{i}: {row:?}");
+        assert_eq!(rank == 1, (lp - best).abs() < 1e-6, "{i}: {row:?}");
+    }
+    // Chat: once, at the top.
+    let (status, chat) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{chat}");
+    let rows = chat["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(
+        rows.len() as u64,
+        chat["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(rows[1..].iter().all(|r| r.as_object().unwrap().len() == 1));
+    // Refused: streamed, or a count out of range.
+    for (body, says) in [
+        (
+            json!({"prompt": prompt, "stream": true, "prompt_logprobs": 1}),
+            "not with stream",
+        ),
+        (json!({"prompt": prompt, "prompt_logprobs": 21}), "0..=20"),
+        (json!({"prompt": prompt, "prompt_logprobs": -1}), "0..=20"),
+    ] {
+        let (status, e) = server.post(c, &body).await;
+        assert_eq!(status, 400, "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(says), "{e}");
+        assert_eq!(e["error"]["param"], "prompt_logprobs");
+    }
     server.stop().await;
 }
 
