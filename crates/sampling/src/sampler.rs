@@ -13,7 +13,8 @@ pub struct Sampled {
     pub logprob: f32,
     /// The `top_logprobs` most likely tokens of the raw distribution, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
-    /// 1 + the number of tokens more likely than `token` (vLLM's rank: 1 for the most likely).
+    /// `token`'s place in the raw distribution from 1, ties going to the lower id (as the
+    /// `top_logprobs` order): vLLM's rank.
     pub rank: u32,
 }
 
@@ -99,7 +100,11 @@ pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
         token,
         logprob,
         top_logprobs,
-        rank: 1 + lp.iter().filter(|&&x| x > logprob).count() as u32,
+        rank: 1 + lp
+            .iter()
+            .enumerate()
+            .filter(|&(i, &x)| x > logprob || (x == logprob && (i as u32) < token))
+            .count() as u32,
     }
 }
 
@@ -370,12 +375,18 @@ impl Sampler {
 mod tests {
     use super::*;
 
-    /// A token's rank counts the tokens strictly more likely than it, from 1.
+    /// A token's rank is its place in the `top_logprobs` order, from 1 (ties to the lower id).
     #[test]
-    fn ranks_count_the_more_likely_tokens() {
+    fn ranks_are_places_in_the_top_order() {
         let logits = [1.0f32, 3.0, 2.0, 3.0];
         let rank = |t| logprobs_of(&logits, t, 0).rank;
-        assert_eq!([rank(1), rank(3), rank(2), rank(0)], [1, 1, 3, 4]);
+        assert_eq!([rank(1), rank(3), rank(2), rank(0)], [1, 2, 3, 4]);
+        let top: Vec<u32> = logprobs_of(&logits, 0, 4)
+            .top_logprobs
+            .iter()
+            .map(|t| t.0)
+            .collect();
+        assert_eq!(top, [1, 3, 2, 0]);
     }
 
     /// Inverse CDF over half-open intervals: index i is drawn for `u` in `[F(i − 1), F(i))`, and

@@ -375,6 +375,9 @@ impl Service {
             .zip(&seeds)
             .flat_map(|(p, &seed)| (0..n as u64).map(move |i| (p, seed, i)))
             .map(|(p, seed, i)| Request {
+                // (vLLM's prompt log-probabilities are a prompt's: its first choice reads them
+                // for its siblings; an echo's are each choice's.)
+                prompt_logprobs: prompt_logprobs.filter(|_| i == 0 || echo_lps.is_some()),
                 prompt: p.ids.clone(),
                 sampling: SamplingParams {
                     seed: seed.wrapping_add(i),
@@ -385,7 +388,6 @@ impl Service {
                 stop_strings: stop_strings.clone(),
                 keep_stop_strings: req.include_stop_str_in_output,
                 logprobs: logprobs.on(),
-                prompt_logprobs,
                 constraint: constraint.clone(),
                 speculation: self.cfg.speculation,
                 priority: req.priority,
@@ -903,10 +905,10 @@ fn prompt_logprobs_json(svc: &Service, lps: &[Sampled], top: usize) -> Value {
     let entry = |id: u32, lp: f32, rank: u32| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id).0 });
     let rows = lps.iter().map(|s| {
         let mut m = Map::new();
+        m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
         for (i, &(t, lp)) in s.top_logprobs.iter().take(top).enumerate() {
             m.insert(t.to_string(), entry(t, lp, i as u32 + 1));
         }
-        m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
         Value::Object(m)
     });
     Value::Array(std::iter::once(Value::Null).chain(rows).collect())
@@ -1123,7 +1125,8 @@ impl Job {
                     }
                 };
                 if let (Some(k), Endpoint::Completions) = (self.prompt_logprobs, self.endpoint) {
-                    choice["prompt_logprobs"] = prompt_logprobs_json(svc, &c.prompt_logprobs, k);
+                    let first = &choices[index - index % self.choices_per_prompt.max(1)];
+                    choice["prompt_logprobs"] = prompt_logprobs_json(svc, &first.prompt_logprobs, k);
                 }
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.ids);
@@ -1166,7 +1169,9 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
         "submitted"
     );
     let n = handles.len();
-    let mut choices: Vec<Choice> = (0..n).map(|i| Choice::new(&job.parser, &job.id, i)).collect();
+    // Tool-call ids: drawn per response (a client's `X-Request-Id` may repeat).
+    let calls = format!("{:016x}", rand::random::<u64>());
+    let mut choices: Vec<Choice> = (0..n).map(|i| Choice::new(&job.parser, &calls, i)).collect();
     let mut tracker = Tracker {
         svc: svc.clone(),
         arrived: job.arrived,
@@ -1453,10 +1458,10 @@ async fn models(State(svc): State<Arc<Service>>) -> Json<Value> {
     }))
 }
 
-/// `X-Request-Id`: the id a client gives its request (vLLM's header), 1..=128 visible ASCII
-/// characters; the response's header carries it back, and its `id` ends with it.
+/// `X-Request-Id`: the id a client gives its request (vLLM's header), up to 128 visible ASCII
+/// characters (empty: none); the response's header carries it back, and its `id` ends with it.
 fn client_request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(v) = headers.get(REQUEST_ID) else {
+    let Some(v) = headers.get(REQUEST_ID).filter(|v| !v.is_empty()) else {
         return Ok(None);
     };
     match v.to_str() {

@@ -1995,11 +1995,45 @@ async fn prompt_logprobs_as_vllm_gives_them() {
         assert!((ranked[0].1 - best).abs() < 1e-4, "{i}: {row:?}");
         assert_eq!(rank == 1, (lp - best).abs() < 1e-6, "{i}: {row:?}");
     }
+    // A prompt's entries in each of its choices, each prompt its own.
+    let (_, two) = server
+        .post(
+            c,
+            &json!({"prompt": [prompt, "import os"], "n": 2, "max_tokens": 2, "temperature": 0,
+                    "prompt_logprobs": 2}),
+        )
+        .await;
+    let lists: Vec<&Value> = (0..4).map(|i| &two["choices"][i]["prompt_logprobs"]).collect();
+    assert_eq!(lists[0], &choice["prompt_logprobs"]);
+    assert_eq!(lists[0], lists[1]);
+    assert_eq!(lists[2], lists[3]);
+    let os = generator.encode("import os").unwrap();
+    assert_eq!(lists[2].as_array().unwrap().len(), os.len());
+    // Beside an echo's log-probabilities: each keeps its own count of alternatives; an echo
+    // alone gives no `prompt_logprobs`.
+    let (_, both) = server
+        .post(
+            c,
+            &json!({"prompt": prompt, "max_tokens": 1, "echo": true, "logprobs": 1, "prompt_logprobs": 3}),
+        )
+        .await;
+    let b = &both["choices"][0];
+    let tops = b["logprobs"]["top_logprobs"].as_array().unwrap();
+    assert!(tops[1..].iter().all(|t| t.as_object().unwrap().len() == 1), "{b}");
+    let rows = b["prompt_logprobs"].as_array().unwrap();
+    assert!(
+        rows[1..]
+            .iter()
+            .all(|r| (3..=4).contains(&r.as_object().unwrap().len())),
+        "{b}"
+    );
+    assert!(echo["choices"][0].get("prompt_logprobs").is_none(), "{echo}");
     // Chat: once, at the top.
     let (status, chat) = server
         .post(
             "/v1/chat/completions",
-            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}),
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+                    "prompt_logprobs": 0}),
         )
         .await;
     assert_eq!(status, 200, "{chat}");
@@ -2065,18 +2099,29 @@ async fn request_ids_go_back_in_the_header() {
         assert_eq!(v["id"], format!("{prefix}{drawn}"));
         assert_eq!(drawn.len(), 16);
     }
-    let r = send("/v1/completions", completion, Some("two words"))
+    // An empty one is none; a malformed one (a space, 129 characters) is refused.
+    let r = send("/v1/completions", completion.clone(), Some(""))
         .await
         .unwrap();
-    assert_eq!(r.status(), 400);
-    let v: Value = r.json().await.unwrap();
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("X-Request-Id:"),
-        "{v}"
-    );
+    assert_eq!(r.headers()["x-request-id"].len(), 16);
+    let long: &'static str = Box::leak("x".repeat(129).into_boxed_str());
+    for bad in ["two words", long] {
+        let r = send("/v1/completions", completion.clone(), Some(bad))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("X-Request-Id:"),
+            "{v}"
+        );
+    }
+    let ok: &'static str = Box::leak("x".repeat(128).into_boxed_str());
+    let r = send("/v1/completions", completion, Some(ok)).await.unwrap();
+    assert_eq!(r.headers()["x-request-id"], ok);
     server.stop().await;
 }
 
