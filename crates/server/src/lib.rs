@@ -1291,6 +1291,7 @@ pub fn router(service: Arc<Service>) -> Router {
         })
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(service.clone(), count_responses))
+        .layer(middleware::from_fn(echo_request_id))
         .with_state(service)
 }
 
@@ -1393,6 +1394,17 @@ async fn take_body(State(svc): State<Arc<Service>>, req: axum::extract::Request,
     }
     next.run(axum::extract::Request::from_parts(parts, whole.into()))
         .await
+}
+
+/// Sends a valid `X-Request-Id` a client gave back on every response, errors included (a
+/// completion's handler sets its own, drawn when none was given).
+async fn echo_request_id(req: axum::extract::Request, next: Next) -> Response {
+    let id = client_request_id(req.headers()).ok().flatten();
+    let response = next.run(req).await;
+    match id {
+        Some(id) if !response.headers().contains_key(REQUEST_ID) => with_request_id(response, &id),
+        _ => response,
+    }
 }
 
 /// Counts every response by route and status.

@@ -2119,6 +2119,18 @@ async fn request_ids_go_back_in_the_header() {
             "{v}"
         );
     }
+    // An error answers with the client's id too.
+    let r = send(
+        "/v1/completions",
+        json!({"prompt": [1], "max_tokens": "x"}),
+        Some("trace-44"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (r.status().as_u16(), &r.headers()["x-request-id"]),
+        (400, &"trace-44".parse().unwrap())
+    );
     let ok: &'static str = Box::leak("x".repeat(128).into_boxed_str());
     let r = send("/v1/completions", completion, Some(ok)).await.unwrap();
     assert_eq!(r.headers()["x-request-id"], ok);
