@@ -2037,6 +2037,8 @@ async fn prompt_logprobs_as_vllm_gives_them() {
         )
         .await;
     assert_eq!(status, 200, "{chat}");
+    // (No ids asked for: none at the top.)
+    assert!(chat.get("prompt_token_ids").is_none(), "{chat}");
     let rows = chat["prompt_logprobs"].as_array().unwrap();
     assert_eq!(
         rows.len() as u64,
