@@ -1289,7 +1289,7 @@ impl Engine {
                 logits
                     .into_par_iter()
                     .zip(group)
-                    .map(|(row, &t)| qwen36_sampling::logprobs_of(&row, t, top)),
+                    .map(|(row, &t)| qwen36_sampling::ranked_logprobs_of(&row, t, top)),
             );
         }
         Ok(out)

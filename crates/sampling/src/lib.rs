@@ -18,6 +18,6 @@ pub use accept::{accept_greedy, accept_stochastic, Acceptance};
 pub use degeneration::{entropy, Degeneration, DegenerationConfig, RepetitionDetector, MAX_LOOP_PERIOD};
 pub use error::{Error, Result};
 pub use params::SamplingParams;
-pub use sampler::{logprobs_of, Sampled, Sampler};
+pub use sampler::{logprobs_of, ranked_logprobs_of, Sampled, Sampler};
 pub use stop::{StopMatch, StopStrings};
 pub use text::{Detokenize, TextStream};

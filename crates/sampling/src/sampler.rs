@@ -14,8 +14,9 @@ pub struct Sampled {
     /// The `top_logprobs` most likely tokens of the raw distribution, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
     /// `token`'s place in the raw distribution from 1, ties going to the lower id (as the
-    /// `top_logprobs` order): vLLM's rank.
-    pub rank: u32,
+    /// `top_logprobs` order): vLLM's rank, from [`ranked_logprobs_of`] (a pass over the
+    /// vocabulary the sampling path does not pay).
+    pub rank: Option<u32>,
 }
 
 /// Applies [`SamplingParams`] to logits and draws tokens. Each call to [`Sampler::sample`] uses a
@@ -82,7 +83,26 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
 /// penalties or temperature), with the `top` most likely tokens, most likely first (lower id
 /// first on ties).
 pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
+    entry_of(&log_softmax(logits), token, top)
+}
+
+/// [`logprobs_of`] with `token`'s rank (prompt log-probabilities).
+pub fn ranked_logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
     let lp = log_softmax(logits);
+    let logprob = lp[token as usize];
+    let above = lp
+        .iter()
+        .enumerate()
+        .filter(|&(i, &x)| x > logprob || (x == logprob && (i as u32) < token))
+        .count();
+    Sampled {
+        rank: Some(1 + above as u32),
+        ..entry_of(&lp, token, top)
+    }
+}
+
+/// `token`'s entry under the log-probabilities `lp`, with the `top` most likely tokens.
+fn entry_of(lp: &[f32], token: u32, top: usize) -> Sampled {
     let mut top_logprobs = Vec::new();
     if top > 0 {
         let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
@@ -95,16 +115,11 @@ pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> Sampled {
         idx.sort_unstable_by(cmp);
         top_logprobs = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
     }
-    let logprob = lp[token as usize];
     Sampled {
         token,
-        logprob,
+        logprob: lp[token as usize],
         top_logprobs,
-        rank: 1 + lp
-            .iter()
-            .enumerate()
-            .filter(|&(i, &x)| x > logprob || (x == logprob && (i as u32) < token))
-            .count() as u32,
+        rank: None,
     }
 }
 
@@ -379,8 +394,13 @@ mod tests {
     #[test]
     fn ranks_are_places_in_the_top_order() {
         let logits = [1.0f32, 3.0, 2.0, 3.0];
-        let rank = |t| logprobs_of(&logits, t, 0).rank;
+        let rank = |t| ranked_logprobs_of(&logits, t, 0).rank.unwrap();
         assert_eq!([rank(1), rank(3), rank(2), rank(0)], [1, 2, 3, 4]);
+        assert_eq!(logprobs_of(&logits, 1, 0).rank, None);
+        assert_eq!(
+            ranked_logprobs_of(&logits, 2, 2).top_logprobs,
+            logprobs_of(&logits, 2, 2).top_logprobs
+        );
         let top: Vec<u32> = logprobs_of(&logits, 0, 4)
             .top_logprobs
             .iter()

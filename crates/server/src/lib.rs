@@ -882,7 +882,7 @@ fn usage_json(job: &Job, choices: &[Choice]) -> Value {
     // Each choice is a request of its own: per prompt, the most any of its choices was served
     // from the cache.
     let cached: usize = choices
-        .chunks(job.choices_per_prompt.max(1))
+        .chunks(job.choices_per_prompt)
         .map(|cs| {
             cs.iter()
                 .filter_map(|c| c.usage.as_ref().map(|u| u.cached_tokens))
@@ -902,12 +902,12 @@ fn usage_json(job: &Job, choices: &[Choice]) -> Value {
 /// token id of `{logprob, rank, decoded_token}`: its `top` most likely ids (ranks 1..=top) and
 /// the prompt's own token (its rank).
 fn prompt_logprobs_json(svc: &Service, lps: &[Sampled], top: usize) -> Value {
-    let entry = |id: u32, lp: f32, rank: u32| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id).0 });
+    let entry = |id: u32, lp: f32, rank: Option<u32>| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id).0 });
     let rows = lps.iter().map(|s| {
         let mut m = Map::new();
         m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
         for (i, &(t, lp)) in s.top_logprobs.iter().take(top).enumerate() {
-            m.insert(t.to_string(), entry(t, lp, i as u32 + 1));
+            m.insert(t.to_string(), entry(t, lp, Some(i as u32 + 1)));
         }
         Value::Object(m)
     });
@@ -1007,15 +1007,20 @@ impl Job {
         }
     }
 
+    /// Which prompt choice `index` is of (`choices_per_prompt` is at least 1: `n` is checked).
+    fn prompt_index(&self, index: usize) -> usize {
+        index / self.choices_per_prompt
+    }
+
     /// The prompt whose choice `index` is.
     fn prompt_of(&self, index: usize) -> &JobPrompt {
-        &self.prompts[index / self.choices_per_prompt.max(1)]
+        &self.prompts[self.prompt_index(index)]
     }
 
     /// `msg` about choice `index`, naming its prompt when there are several (`prompt[i]: msg`).
     fn named(&self, index: usize, msg: String) -> String {
         if self.prompts.len() > 1 {
-            format!("prompt[{}]: {msg}", index / self.choices_per_prompt.max(1))
+            format!("prompt[{}]: {msg}", self.prompt_index(index))
         } else {
             msg
         }
@@ -1125,7 +1130,7 @@ impl Job {
                     }
                 };
                 if let (Some(k), Endpoint::Completions) = (self.prompt_logprobs, self.endpoint) {
-                    let first = &choices[index - index % self.choices_per_prompt.max(1)];
+                    let first = &choices[self.prompt_index(index) * self.choices_per_prompt];
                     choice["prompt_logprobs"] = prompt_logprobs_json(svc, &first.prompt_logprobs, k);
                 }
                 if self.return_token_ids {

@@ -114,6 +114,17 @@ pub fn check_prompt_logprobs(
         assert_eq!(s.token, prompt[i + 1], "{what}: position {i}'s token");
         let err = (s.logprob - want[s.token as usize]).abs();
         assert!(err <= tol, "{what}: position {i}: log-probability off by {err:e}");
+        // Its rank: 1 + the tokens above it, within the tolerance of the reference's.
+        let own = want[s.token as usize];
+        let surely_above = want.iter().filter(|&&x| x > own + tol).count() as u32;
+        let maybe_above = want.iter().filter(|&&x| x >= own - tol).count() as u32 - 1;
+        let rank = s.rank.expect("prompt tokens are ranked");
+        assert!(
+            (surely_above + 1..=maybe_above + 1).contains(&rank),
+            "{what}: position {i}: rank {rank}, want {}..={}",
+            surely_above + 1,
+            maybe_above + 1
+        );
         assert_eq!(s.top_logprobs.len(), top, "{what}: position {i}'s alternatives");
         for (j, &(t, lp)) in s.top_logprobs.iter().enumerate() {
             let err = (lp - want[t as usize]).abs();
