@@ -289,6 +289,11 @@ struct Load {
     decode_ms: f64,
     decode_batch: usize,
     parts: [f64; 4],
+    /// Decode-only steps whose forward replayed a CUDA graph; MTP draft steps (of every step)
+    /// run and replayed.
+    graphed_steps: usize,
+    draft_steps: usize,
+    draft_graphed: usize,
 }
 
 impl Load {
@@ -316,6 +321,9 @@ impl Load {
             decode_ms: 0.0,
             decode_batch: 0,
             parts: [0.0; 4],
+            graphed_steps: 0,
+            draft_steps: 0,
+            draft_graphed: 0,
         }
     }
 
@@ -359,9 +367,12 @@ impl Load {
 
     /// Counts a step that took `wall` if it ran decode tokens (and verifies) only.
     fn stepped(&mut self, stats: &StepStats, wall: Duration) {
+        self.draft_steps += stats.draft_steps;
+        self.draft_graphed += stats.draft_steps_graphed;
         if stats.sequences == 0 || stats.tokens > stats.sequences * (self.mtp + 1) {
             return;
         }
+        self.graphed_steps += usize::from(stats.graphed);
         self.decode_ms += wall.as_secs_f64() * 1e3;
         self.decode_batch += stats.sequences;
         self.decode_steps += 1;
@@ -461,6 +472,10 @@ impl Load {
             self.parts[3] / steps,
             limit_bytes / copy_bw * 1e3,
             peak.map_or("-".into(), |g| format!("{g:.1}")),
+        );
+        eprintln!(
+            "concurrency {}: {} of {} decode steps and {} of {} MTP draft steps replayed CUDA graphs",
+            self.conc, self.graphed_steps, self.decode_steps, self.draft_graphed, self.draft_steps
         );
     }
 }

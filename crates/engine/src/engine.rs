@@ -106,6 +106,11 @@ pub struct StepStats {
     /// Time committing verified sequences' states (bookkeeping: the next forward applies the
     /// accepted tokens, [`qwen36_model::PagedCache::commit`]).
     pub committing: std::time::Duration,
+    /// Whether the forward replayed a recorded CUDA graph.
+    pub graphed: bool,
+    /// MTP draft steps run, and those of them that replayed a recorded CUDA graph.
+    pub draft_steps: usize,
+    pub draft_steps_graphed: usize,
     /// The whole step on the host, from its start to its return (its device work included:
     /// a step ends by reading its tokens back).
     pub wall: std::time::Duration,
@@ -617,6 +622,7 @@ impl Engine {
             .iter()
             .map(|p| self.sched.running[p.index].needs_logits())
             .collect();
+        let replays = self.runner.graph_counts().1;
         let (logits, pending, hidden) = match self.forward(&batch, &reads, &full) {
             Ok(l) => l,
             Err(e) => return self.fail_step(&plan, e),
@@ -646,6 +652,7 @@ impl Engine {
             prompt_lps.push(lps);
         }
         stats.forward = started.elapsed();
+        stats.graphed = self.runner.graph_counts().1 > replays;
         // Each sequence's sample or acceptance, in parallel (each touches only its own sampler).
         let sampling = Instant::now();
         let rates = self.cfg.timing_accept_rates.as_deref();
@@ -793,7 +800,7 @@ impl Engine {
                 .record_step(plan.len(), t, started.elapsed().as_secs_f64());
         }
         let drafting = Instant::now();
-        let drafted = self.mtp_draft(&feeds, &hidden);
+        let drafted = self.mtp_draft(&feeds, &hidden, &mut stats);
         stats.drafting = drafting.elapsed();
         if let Err(e) = drafted {
             // A lockstep rank cannot go on alone: the others may wait in a reduction it skipped.
@@ -1021,7 +1028,7 @@ impl Engine {
     /// hidden states, and whether the sequence has finished: its pairs are written now, no
     /// drafts made), all sequences in one batched pass, then chains greedy draft steps for those
     /// now decoding: their drafts for the next step's verify.
-    fn mtp_draft(&mut self, feeds: &[Feed], hidden: &Tensor) -> Result<()> {
+    fn mtp_draft(&mut self, feeds: &[Feed], hidden: &Tensor, stats: &mut StepStats) -> Result<()> {
         let context = self.context();
         let Some((head, pool, stepper)) = self.mtp.as_mut() else {
             return Ok(());
@@ -1064,13 +1071,7 @@ impl Engine {
             if s.mtp_len + held != *start || rows.is_empty() {
                 continue; // a gap in the pairs (cannot happen): no more drafts, still lossless
             }
-            let idx: Vec<u32> = rows.clone().map(|r| r as u32).collect();
-            let new = hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?;
-            let states = match unfed {
-                Some(u) => Tensor::cat(&[&u, &new], 0)?,
-                None => new,
-            };
-            let m = states.dim(0)?;
+            let m = held + rows.len();
             // (A finished sequence may have run accepted positions past its output's end.)
             let k = if !finished && decoding(s) {
                 draft_room(s, k.min(k_round), context)
@@ -1079,7 +1080,7 @@ impl Engine {
             };
             // Without drafts now, the pairs wait (the head is not run) unless many are held.
             if k == 0 && m < FEED_AT_MOST && !finished {
-                s.unfed = Some(states);
+                s.unfed = Some(held_states(hidden, unfed, rows.clone())?);
                 continue;
             }
             // The chain writes MTP positions up to start + m + k − 2; without room, fewer drafts.
@@ -1098,7 +1099,7 @@ impl Engine {
                 blocks: s.table.blocks().iter().map(|b| b.0).collect(),
                 verify: false,
             });
-            parts.push(states);
+            parts.push((unfed, rows.clone()));
             who.push((*index, k));
             fed.push(first..first + m);
         }
@@ -1114,10 +1115,27 @@ impl Engine {
         let batch = ForwardBatch::new(chunks);
         let mut in_rows: Vec<usize> = (0..parts.len()).collect();
         in_rows.sort_by_key(|&c| batch.rows(c).start);
-        let input = Tensor::cat(&in_rows.iter().map(|&c| &parts[c]).collect::<Vec<_>>(), 0)?;
+        let input = if parts.iter().all(|(unfed, _)| unfed.is_none()) {
+            // One gather of every chunk's rows of `hidden`, in the batch's row order.
+            let idx: Vec<u32> = in_rows
+                .iter()
+                .flat_map(|&c| parts[c].1.clone().map(|r| r as u32))
+                .collect();
+            hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?
+        } else {
+            let mut states = Vec::with_capacity(parts.len());
+            for &c in &in_rows {
+                let (unfed, rows) = &mut parts[c];
+                states.push(held_states(hidden, unfed.take(), rows.clone())?);
+            }
+            Tensor::cat(&states, 0)?
+        };
         let drafting = who.iter().filter(|w| w.1 > 0).count();
         let started = Instant::now();
+        let replays = stepper.graph_counts().1;
         let (last, first) = stepper.draft(head, &self.model, &input, &batch, pool, 0)?;
+        stats.draft_steps += 1;
+        stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
         // The pairs are written: the sequences' MTP K/V reaches past them (not before: after a
         // failure no block may be noted as holding pairs it lacks).
         for (&(index, _), fed) in who.iter().zip(fed) {
@@ -1186,7 +1204,10 @@ impl Engine {
                     states.index_select(&Tensor::new(order.as_slice(), states.device())?, 0)?
                 }
             };
+            let replays = stepper.graph_counts().1;
             let (picked, next) = stepper.draft(head, &self.model, &rows, &batch, pool, step)?;
+            stats.draft_steps += 1;
+            stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
             let next = next.to_vec1::<u32>()?;
             for (c, &i) in live.iter().enumerate() {
                 tokens[i] = next[c];
@@ -1230,10 +1251,13 @@ impl Engine {
             return Ok((reads, out.pending, out.hidden));
         }
         let dev = out.hidden.device();
-        let logits = self
-            .model
-            .logits(&out.hidden.index_select(&Tensor::new(rows.as_slice(), dev)?, 0)?)?;
-        let ids = qwen36_kernels::argmax::argmax_last_dim(&logits, self.model.lm_head().policy())
+        // Logits in the activation dtype: their argmax is that of the f32 logits (widening is
+        // exact), so only the rows read in full are cast.
+        let head = self.model.lm_head();
+        let logits = head
+            .forward(&out.hidden.index_select(&Tensor::new(rows.as_slice(), dev)?, 0)?)
+            .map_err(qwen36_model::Error::from)?;
+        let ids = qwen36_kernels::argmax::argmax_last_dim(&logits, head.policy())
             .map_err(qwen36_model::Error::from)?
             .to_vec1::<u32>()?;
         // The full rows of the entries that need them, in one copy.
@@ -1478,6 +1502,17 @@ fn argmax_of(row: &[f32]) -> u32 {
 /// Prompt rows whose logits are made at once for prompt log-probabilities (their f32 copy is
 /// `PROMPT_ROWS × vocab × 4` bytes: 64 MB for Qwen3.6's 248k vocabulary).
 const PROMPT_ROWS: usize = 64;
+
+/// A sequence's pairs for the MTP head: the states it held back (`unfed`), then `rows` of the
+/// forward's `hidden`.
+fn held_states(hidden: &Tensor, unfed: Option<Tensor>, rows: Range<usize>) -> Result<Tensor> {
+    let idx: Vec<u32> = rows.map(|r| r as u32).collect();
+    let new = hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?;
+    Ok(match unfed {
+        Some(u) => Tensor::cat(&[&u, &new], 0)?,
+        None => new,
+    })
+}
 
 /// Pairs for the MTP head: a running sequence's index, the first position, the rows of the
 /// forward's hidden states holding them, and whether the sequence has finished.

@@ -23,8 +23,8 @@ use candle_core::{Device, Tensor, TensorId};
 use qwen36_gdn::{GdnState, VerifyCheckpoints};
 
 use crate::attention::{AttnPart, AttnStep};
-use crate::model::{FlatGroup, FlatInputs};
-use crate::paged::PagedLayer;
+use crate::model::FlatInputs;
+use crate::paged::{Padding, PagedLayer};
 use crate::{
     BatchOutput, Cache, DraftVocab, Error, ForwardBatch, LayerCache, MtpCache, MtpHead, PagedCache,
     Qwen36Model, Result,
@@ -608,14 +608,13 @@ impl BatchGraph {
         batch: &ForwardBatch,
         cache: &mut PagedCache,
     ) -> Result<BatchOutput> {
-        let Some((seqs, len, verify)) = graphed_shape(model, batch, false) else {
+        let Some((seqs, len, verify, padding)) = graphed_shape(model, batch, false) else {
             return model.forward_batch(batch, cache);
         };
         model.check_batch(batch, cache)?;
         model.prepare_batch(batch, cache)?;
-        let key = self.key(StepKind::Target, batch, cache, (seqs, len, verify));
-        let seqs = key.seqs;
-        let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
+        let key = self.key(StepKind::Target, batch, cache, (seqs, len, verify), padding);
+        let (flat, ids) = model.padded_inputs(batch, cache, (key.seqs, len, key.width), padding)?;
         let inputs = StepInputs {
             ids,
             flat,
@@ -626,7 +625,7 @@ impl BatchGraph {
         })?;
         cache.passed(batch);
         Ok(BatchOutput {
-            hidden: outputs[0].narrow(0, 0, batch.total_rows())?,
+            hidden: batch.unpadded(&outputs[0], len, padding)?,
             pending: batch.pending(cache),
         })
     }
@@ -649,7 +648,7 @@ impl BatchGraph {
         // Feeds of several tokens fit only where the head layer keeps no GDN state.
         let any_len = head.attention_only(step);
         let shape = graphed_shape(model, batch, any_len).filter(|_| head.fits_pool(cache));
-        let Some((seqs, len, _)) = shape else {
+        let Some((seqs, len, _, padding)) = shape else {
             return crate::stepper::draft_eager(head, model, hidden, batch, cache, step, vocab);
         };
         let cfg = model.config();
@@ -665,12 +664,10 @@ impl BatchGraph {
         let kind = StepKind::Draft {
             layer: head.layer_index(step),
         };
-        let key = self.key(kind, batch, cache, (seqs, len, false));
+        let key = self.key(kind, batch, cache, (seqs, len, false), padding);
         let seqs = key.seqs;
-        let (flat, ids) = padded_inputs(model, batch, cache, seqs, key.width)?;
-        let rows = batch.total_rows();
-        let padded = Tensor::zeros((seqs * len, cfg.hidden_size), model.dtype(), &self.device)?;
-        padded.slice_set(&hidden.to_dtype(model.dtype())?, 0, 0)?;
+        let (flat, ids) = model.padded_inputs(batch, cache, (seqs, len, key.width), padding)?;
+        let padded = batch.padded(&hidden.to_dtype(model.dtype())?, seqs, len, padding)?;
         let inputs = StepInputs {
             ids,
             flat,
@@ -688,7 +685,7 @@ impl BatchGraph {
             let tokens = crate::stepper::draft_ids(model, &last, vocab)?;
             Ok(vec![last, tokens])
         })?;
-        let n = rows / len;
+        let n = batch.chunks.len();
         Ok((outputs[0].narrow(0, 0, n)?, outputs[1].narrow(0, 0, n)?))
     }
 
@@ -700,15 +697,23 @@ impl BatchGraph {
         batch: &ForwardBatch,
         cache: &PagedCache,
         shape: (usize, usize, bool),
+        padding: Padding,
     ) -> StepKey {
         self.bind(cache);
         let (seqs, len, verify) = shape;
         // A bucket past the pool's slots would pad rows that can never hold a sequence.
         let seqs = seqs.min(cache.slots).max(batch.chunks.len());
+        // Tables cover every block a row's attention reads (a verify's padding may reach past
+        // the chunk's blocks: the kernel reads entry 0 of the table's tail there).
+        let reach = |i: usize| {
+            let start = batch.padded_start(i, len, padding).unwrap_or(0);
+            (start + len).div_ceil(cache.block_size)
+        };
         let width = batch
             .chunks
             .iter()
-            .map(|c| c.blocks.len())
+            .enumerate()
+            .map(|(i, c)| c.blocks.len().max(reach(i)))
             .max()
             .unwrap_or(1)
             .max(self.table_blocks)
@@ -824,73 +829,29 @@ impl BatchGraph {
     }
 }
 
-/// `(bucket, tokens per sequence, verify)` when `batch` can replay a [`BatchGraph`]: one group
-/// (every chunk a one-token decode, or every chunk a verify of the same length; with `any_len`,
-/// for layers without GDN state, any equal length), past its first position, with the paged
-/// decode kernel, at most the largest bucket.
-fn graphed_shape(model: &Qwen36Model, batch: &ForwardBatch, any_len: bool) -> Option<(usize, usize, bool)> {
-    let first = batch.chunks.first()?;
-    let (len, verify) = (first.tokens.len(), first.verify);
-    let fits = batch.groups.len() == 1
-        && (verify || len == 1 || any_len)
-        && batch.chunks.iter().all(|c| c.start > 0)
-        && model.paged_decode(len);
-    let bucket = crate::BATCH_BUCKETS.iter().find(|&&b| b >= batch.chunks.len())?;
-    fits.then_some((*bucket, len, verify))
-}
-
-/// The flat inputs of a one-group `batch` padded to `seqs` sequences and block tables `width`
-/// wide, and its token ids `[1, seqs · len]`: padding rows take token 0 at position 0, a slot
-/// outside the pool, no KV row (`u32::MAX`, past every pool) and length 0.
-fn padded_inputs(
+/// `(bucket, rows per sequence, verify, padding)` when `batch` can replay a [`BatchGraph`]: for
+/// the target's layers, every chunk a one-token decode, or every chunk a verify (shorter ones
+/// padded after their tokens to the longest); with `any_len` (a head layer without GDN state),
+/// any feeds, padded before their tokens to the longest. Every chunk past position 0 (and past
+/// its padding), within the context, with the paged decode kernel for that many rows, at most
+/// the largest bucket of sequences.
+fn graphed_shape(
     model: &Qwen36Model,
     batch: &ForwardBatch,
-    cache: &PagedCache,
-    seqs: usize,
-    width: usize,
-) -> Result<(FlatInputs, Tensor)> {
+    any_len: bool,
+) -> Option<(usize, usize, bool, Padding)> {
     let chunks = &batch.chunks;
-    let (len, verify) = (chunks[0].tokens.len(), chunks[0].verify);
-    let mut ids = vec![0u32; seqs * len];
-    let mut positions = vec![0usize; seqs * len];
-    let mut kv_rows = vec![u32::MAX; seqs * len];
-    let mut tables = vec![0u32; seqs * width];
-    let mut lens = vec![0u32; seqs];
-    let mut slots = vec![cache.slots as u32; seqs];
-    let mut replay = vec![0u32; seqs];
-    for (i, c) in chunks.iter().enumerate() {
-        let rows = i * len..(i + 1) * len;
-        ids[rows.clone()].copy_from_slice(&c.tokens);
-        for (p, pos) in positions[rows.clone()].iter_mut().enumerate() {
-            *pos = c.start + p;
-        }
-        kv_rows[rows].copy_from_slice(&cache.position_rows(&c.blocks, c.start..c.start + len));
-        tables[i * width..i * width + c.blocks.len()].copy_from_slice(&c.blocks);
-        lens[i] = (c.start + len) as u32;
-        slots[i] = c.slot;
-        replay[i] = cache.replay[c.slot as usize];
-    }
-    let dev = model.device();
-    let (cos, sin) = model.rope().cos_sin_at(positions, model.dtype(), dev)?;
-    let flat = FlatInputs {
-        cos,
-        sin,
-        groups: vec![FlatGroup {
-            batch: seqs,
-            len,
-            verify,
-            slots: Tensor::new(slots.as_slice(), dev)?,
-            replay: Tensor::new(replay.as_slice(), dev)?,
-            host_slots: slots,
-        }],
-        kv_rows: Tensor::new(kv_rows.as_slice(), dev)?,
-        attn: vec![AttnPart::Decode {
-            batch: seqs,
-            t: len,
-            tables: Tensor::from_vec(tables, (seqs, width), dev)?,
-            lens: Tensor::new(lens.as_slice(), dev)?,
-            block_size: cache.block_size,
-        }],
-    };
-    Ok((flat, Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?))
+    let verify = chunks.first()?.verify;
+    let len = chunks.iter().map(|c| c.tokens.len()).max()?;
+    let padding = if any_len { Padding::Before } else { Padding::After };
+    let kinds = chunks.iter().all(|c| c.verify == verify) && (verify || len == 1 || any_len);
+    let context = model.config().max_position_embeddings;
+    let placed = (0..chunks.len()).all(|i| {
+        chunks[i].start > 0
+            && batch
+                .padded_start(i, len, padding)
+                .is_some_and(|f| f + len <= context)
+    });
+    let bucket = crate::BATCH_BUCKETS.iter().find(|&&b| b >= chunks.len())?;
+    (kinds && placed && model.paged_decode(len)).then_some((*bucket, len, verify, padding))
 }

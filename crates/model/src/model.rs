@@ -11,7 +11,7 @@ use qwen36_kernels::linear::{Linear, LinearWeight};
 use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
 
 use crate::attention::{AttnPart, AttnStep};
-use crate::paged::{PagedLayer, PoolShape};
+use crate::paged::{Padding, PagedLayer, PoolShape};
 use crate::{
     BatchOutput, Cache, Communicator, Config, Error, ForwardBatch, GatedAttention, LayerCache, LayerType,
     LoadOptions, PagedCache, Result, Weights,
@@ -652,6 +652,78 @@ impl Qwen36Model {
         Ok((flat, Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?))
     }
 
+    /// The flat inputs of a one-kind `batch` (all verifies, or all single tokens, or any feeds
+    /// of a layer without GDN state) padded to `seqs` sequences of `len` rows each (at least
+    /// every chunk's tokens), placed as `padding` says, and block tables `width` wide (covering
+    /// every row's position); and its token ids `[1, seqs · len]`. Padding rows of a chunk sit at
+    /// the positions next to its tokens with no KV row (`u32::MAX`, past every pool); padding
+    /// sequences take token 0 at position 0, a slot outside the pool, no KV row and length 0.
+    /// Sequence `i`'s length is its last row's position + 1.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn padded_inputs(
+        &self,
+        batch: &ForwardBatch,
+        cache: &PagedCache,
+        (seqs, len, width): (usize, usize, usize),
+        padding: Padding,
+    ) -> Result<(FlatInputs, Tensor)> {
+        let chunks = &batch.chunks;
+        let verify = chunks[0].verify;
+        let mut ids = vec![0u32; seqs * len];
+        let mut positions = vec![0usize; seqs * len];
+        let mut kv_rows = vec![u32::MAX; seqs * len];
+        let mut tables = vec![0u32; seqs * width];
+        let mut lens = vec![0u32; seqs];
+        let mut slots = vec![cache.slots as u32; seqs];
+        let mut replay = vec![0u32; seqs];
+        for (i, c) in chunks.iter().enumerate() {
+            let m = c.tokens.len();
+            let first = batch
+                .padded_start(i, len, padding)
+                .filter(|&f| {
+                    let bs = cache.block_size;
+                    m <= len
+                        && (c.start + m).div_ceil(bs) <= c.blocks.len()
+                        && c.blocks.len() <= width
+                        && (f + len).div_ceil(bs) <= width
+                })
+                .ok_or_else(|| Error::Input(format!("chunk {i} does not fit a padded step of {len} rows")))?;
+            for (p, pos) in positions[i * len..(i + 1) * len].iter_mut().enumerate() {
+                *pos = first + p;
+            }
+            let at = batch.padded_row(i, 0, len, padding);
+            ids[at..at + m].copy_from_slice(&c.tokens);
+            kv_rows[at..at + m].copy_from_slice(&cache.position_rows(&c.blocks, c.start..c.start + m));
+            tables[i * width..i * width + c.blocks.len()].copy_from_slice(&c.blocks);
+            lens[i] = (first + len) as u32;
+            slots[i] = c.slot;
+            replay[i] = cache.replay[c.slot as usize];
+        }
+        let dev = &self.device;
+        let (cos, sin) = self.rope.cos_sin_at(positions, self.dtype, dev)?;
+        let flat = FlatInputs {
+            cos,
+            sin,
+            groups: vec![FlatGroup {
+                batch: seqs,
+                len,
+                verify,
+                slots: Tensor::new(slots.as_slice(), dev)?,
+                replay: Tensor::new(replay.as_slice(), dev)?,
+                host_slots: slots,
+            }],
+            kv_rows: Tensor::new(kv_rows.as_slice(), dev)?,
+            attn: vec![AttnPart::Decode {
+                batch: seqs,
+                t: len,
+                tables: Tensor::from_vec(tables, (seqs, width), dev)?,
+                lens: Tensor::new(lens.as_slice(), dev)?,
+                block_size: cache.block_size,
+            }],
+        };
+        Ok((flat, Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?))
+    }
+
     /// Checks ids `[batch, len]` (u32) against the vocabulary, the cache and the context.
     fn check_input(&self, ids: &Tensor, cache: &Cache) -> Result<(usize, usize)> {
         let (b, t) = ids
@@ -1046,6 +1118,174 @@ mod tests {
             .sum_all()?
             .to_scalar::<f32>()?
             .is_finite());
+        Ok(())
+    }
+
+    /// The bundled model and its MTP head on the test device (f32), pools of 3 slots.
+    fn bundled_pools() -> Result<(Qwen36Model, crate::MtpHead)> {
+        let dir = qwen36_testutil::bundled_dir();
+        let opts = LoadOptions {
+            device: qwen36_testutil::test_device(),
+            ..LoadOptions::default()
+        };
+        let model = Qwen36Model::load(&dir, opts.clone())?;
+        let head = crate::MtpHead::load_dir(&dir, model.config(), opts)?;
+        Ok((model, head))
+    }
+
+    fn chunk(slot: u32, start: usize, tokens: Vec<u32>, verify: bool) -> crate::SeqChunk {
+        crate::SeqChunk {
+            slot,
+            start,
+            tokens,
+            // Slot s holds blocks s, s + 3, s + 6, ... (interleaved with the others').
+            blocks: (0..6).map(|j| 3 * j + slot).collect(),
+            verify,
+        }
+    }
+
+    /// Verifies of 3, 1 and 2 tokens run as one step of 3 rows each, padded after their tokens
+    /// (as a recorded graph runs them), give the unpadded forward's rows, and leave the pools
+    /// as it does: the decode step after the same commits gives the same rows (padding that
+    /// wrote K/V, or whose stashed tokens were replayed, would move them).
+    #[test]
+    fn verifies_padded_after_their_tokens_equal_the_unpadded_step() -> Result<()> {
+        let (model, _) = bundled_pools()?;
+        let new_pool = || model.new_paged_cache(3, 18, 4);
+        let (mut plain, mut padded) = (new_pool()?, new_pool()?);
+        let prompts: [&[u32]; 3] = [&[5, 9, 14, 2, 7], &[3, 8], &[11, 4, 6, 1]];
+        let prefill = ForwardBatch::new(
+            (0..3)
+                .map(|i| chunk(i as u32, 0, prompts[i].to_vec(), false))
+                .collect(),
+        );
+        model.forward_batch(&prefill, &mut plain)?;
+        model.forward_batch(&prefill, &mut padded)?;
+        let drafts: [&[u32]; 3] = [&[21, 30, 12], &[17], &[40, 2]];
+        let verify = ForwardBatch::new(
+            (0..3)
+                .map(|i| chunk(i as u32, prompts[i].len(), drafts[i].to_vec(), true))
+                .collect(),
+        );
+        assert_eq!(verify.groups.len(), 3, "three lengths, three groups unpadded");
+        let want = model.forward_batch(&verify, &mut plain)?;
+        model.check_batch(&verify, &padded)?;
+        model.prepare_batch(&verify, &mut padded)?;
+        let (flat, ids) = model.padded_inputs(&verify, &padded, (3, 3, 8), Padding::After)?;
+        assert_eq!(ids.dims(), [1, 9]);
+        let out = model.run_flat(&ids, &flat, &padded)?;
+        padded.passed(&verify);
+        let got = verify.unpadded(&out, 3, Padding::After)?;
+        let tol = 1e-5;
+        let err = qwen36_testutil::max_row_rel_err(&got, &want.hidden);
+        assert!(err <= tol, "verify rows: {err:e}");
+        // Keep 2 of sequence 0's tokens, 1 of 1's, 2 of 2's; then one decode step each.
+        let keeps = [(0, 2), (1, 1), (2, 2)];
+        plain.commit_many(want.pending.as_ref().expect("verifies pend"), &keeps)?;
+        let pending = verify.pending(&padded).expect("verifies pend");
+        padded.commit_many(&pending, &keeps)?;
+        let decode = ForwardBatch::new(
+            (0..3)
+                .map(|i| {
+                    chunk(
+                        i as u32,
+                        prompts[i].len() + keeps[i].1,
+                        vec![33 + i as u32],
+                        false,
+                    )
+                })
+                .collect(),
+        );
+        let want = model.forward_batch(&decode, &mut plain)?;
+        let got = model.forward_batch(&decode, &mut padded)?;
+        let err = qwen36_testutil::max_row_rel_err(&got.hidden, &want.hidden);
+        assert!(err <= tol, "the decode step after: {err:e}");
+        Ok(())
+    }
+
+    /// MTP feeds of 1, 3 and 2 pairs run as one draft step of 3 rows each, padded before their
+    /// pairs, give the unpadded step's rows (each chunk's last row is its sequence's last), and
+    /// write the same K/V: the next step's rows agree too (padding rows that wrote K/V over the
+    /// positions before a chunk would move them).
+    #[test]
+    fn draft_feeds_padded_before_their_pairs_equal_the_unpadded_step() -> Result<()> {
+        let (model, head) = bundled_pools()?;
+        let h = model.config().hidden_size;
+        let dev = model.device().clone();
+        let new_pool = || head.new_paged_cache(&model, 3, 18, 4);
+        let (mut plain, mut padded) = (new_pool()?, new_pool()?);
+        let states = |seed: u64, rows: usize| qwen36_testutil::randn(seed, 1.0, (rows, h), &dev);
+        let first = ForwardBatch::new((0..3).map(|i| chunk(i, 0, vec![4 + i, 9, 2], false)).collect());
+        let x = states(1, 9)?;
+        head.forward_batch(&model, &x, &first, &mut plain, 0)?;
+        head.forward_batch(&model, &x, &first, &mut padded, 0)?;
+        let feeds: [&[u32]; 3] = [&[7], &[12, 5, 30], &[8, 19]];
+        let mixed = ForwardBatch::new(
+            (0..3)
+                .map(|i| chunk(i, 3, feeds[i as usize].to_vec(), false))
+                .collect(),
+        );
+        let x = states(2, 6)?;
+        let want = head.forward_batch(&model, &x, &mixed, &mut plain, 0)?;
+        let (flat, ids) = model.padded_inputs(&mixed, &padded, (3, 3, 8), Padding::Before)?;
+        let xp = mixed.padded(&x, 3, 3, Padding::Before)?;
+        assert_eq!(xp.dims(), [9, h]);
+        let out = head.forward_flat(&model, &xp, &ids, &flat, &padded, 0)?;
+        let got = mixed.unpadded(&out, 3, Padding::Before)?;
+        let tol = 1e-5;
+        let err = qwen36_testutil::max_row_rel_err(&got, &want);
+        assert!(err <= tol, "feed rows: {err:e}");
+        // Each sequence's last row is its padded step's last row.
+        for i in 0..3 {
+            let last = mixed.rows(i).end - 1;
+            let err =
+                qwen36_testutil::max_row_rel_err(&out.narrow(0, 3 * i + 2, 1)?, &want.narrow(0, last, 1)?);
+            assert!(err <= tol, "sequence {i}'s last row: {err:e}");
+        }
+        let next = ForwardBatch::new(
+            (0..3)
+                .map(|i| chunk(i, 3 + feeds[i as usize].len(), vec![15], false))
+                .collect(),
+        );
+        let x = states(3, 3)?;
+        let want = head.forward_batch(&model, &x, &next, &mut plain, 0)?;
+        let got = head.forward_batch(&model, &x, &next, &mut padded, 0)?;
+        let err = qwen36_testutil::max_row_rel_err(&got, &want);
+        assert!(err <= tol, "the step after: {err:e}");
+        Ok(())
+    }
+
+    /// A padded step refuses a chunk its rows cannot place: more tokens than rows, padding
+    /// before position 0, or tables too narrow for its positions.
+    #[test]
+    fn padded_inputs_refuse_what_does_not_fit() -> Result<()> {
+        let (model, _) = bundled_pools()?;
+        let pool = model.new_paged_cache(3, 18, 4)?;
+        let batch = |start: usize, n: usize| {
+            let mut c = chunk(0, start, vec![1; n], false);
+            c.blocks.truncate(2);
+            ForwardBatch::new(vec![c])
+        };
+        let fits = |b: &ForwardBatch, len: usize, width: usize, p: Padding| {
+            model.padded_inputs(b, &pool, (1, len, width), p).is_ok()
+        };
+        assert!(fits(&batch(2, 2), 3, 8, Padding::Before));
+        assert!(
+            !fits(&batch(0, 2), 3, 8, Padding::Before),
+            "padding before position 0"
+        );
+        assert!(!fits(&batch(2, 4), 3, 8, Padding::After), "more tokens than rows");
+        // Positions 4..8 need two blocks of 4; a row of 8 more needs three.
+        assert!(fits(&batch(4, 4), 4, 2, Padding::After));
+        assert!(
+            !fits(&batch(4, 2), 5, 2, Padding::After),
+            "padding past the table"
+        );
+        assert!(!fits(&batch(4, 4), 4, 1, Padding::After), "blocks past the table");
+        assert!(
+            !fits(&batch(6, 4), 4, 4, Padding::After),
+            "tokens past the chunk's blocks"
+        );
         Ok(())
     }
 }

@@ -513,6 +513,22 @@ pub struct SeqChunk {
     pub verify: bool,
 }
 
+/// Where a chunk's tokens sit among the rows its sequence takes in a padded flat step (a
+/// recorded graph's shape: every sequence as many rows). Padding rows take token 0 and write no
+/// K/V; their outputs are never read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum Padding {
+    /// The tokens first, padding at the positions after them, which no token of the chunk
+    /// attends (causal). A verify's GDN state stays as it was before its tokens (deferred
+    /// commits), and at most its own tokens are ever accepted, so its padding leaves nothing.
+    After,
+    /// The tokens last, padding at the positions just before the chunk's start (written
+    /// already), so each sequence's last row is its last token's. For layers without GDN state
+    /// only (MTP draft steps), which padding tokens would advance.
+    Before,
+}
+
 /// The sequences of one forward, in groups that run their GDN conv and delta rule together
 /// (equal token counts and mode: every decode token of a step is one group). Rows of the
 /// output follow the groups; [`Self::rows`] says where each chunk's are.
@@ -552,6 +568,59 @@ impl ForwardBatch {
             groups,
             first_row,
             rows,
+        }
+    }
+
+    /// Rows `[batch rows, ...]` in this batch's row order laid out for a padded step of `seqs`
+    /// sequences of `len` rows (chunk `i`'s at [`Self::padded_row`]); padding rows repeat a
+    /// row of their chunk (or row 0), which nothing reads.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn padded(&self, x: &Tensor, seqs: usize, len: usize, padding: Padding) -> Result<Tensor> {
+        let mut from = vec![0u32; seqs * len];
+        for i in 0..self.chunks.len() {
+            let rows = self.rows(i);
+            from[i * len..(i + 1) * len].fill(rows.start as u32);
+            for (j, r) in rows.enumerate() {
+                from[self.padded_row(i, j, len, padding)] = r as u32;
+            }
+        }
+        if from.iter().enumerate().all(|(p, &r)| p == r as usize) && from.len() == x.dim(0)? {
+            return Ok(x.clone());
+        }
+        Ok(x.index_select(&Tensor::new(from.as_slice(), x.device())?, 0)?)
+    }
+
+    /// This batch's rows, in its row order, of a padded step's output `[seqs · len, ...]`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn unpadded(&self, out: &Tensor, len: usize, padding: Padding) -> Result<Tensor> {
+        let mut at = vec![0u32; self.rows];
+        for i in 0..self.chunks.len() {
+            for (j, r) in self.rows(i).enumerate() {
+                at[r] = self.padded_row(i, j, len, padding) as u32;
+            }
+        }
+        if at.iter().enumerate().all(|(r, &p)| p as usize == r) {
+            return Ok(out.narrow(0, 0, at.len())?);
+        }
+        Ok(out.index_select(&Tensor::new(at.as_slice(), out.device())?, 0)?)
+    }
+
+    /// The row of chunk `i`'s token `j` when every sequence takes `len` rows in chunk order
+    /// (a recorded step's padded layout; `len` at least the chunk's tokens).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn padded_row(&self, i: usize, j: usize, len: usize, padding: Padding) -> usize {
+        let pad = len - self.chunks[i].tokens.len();
+        i * len + j + if padding == Padding::Before { pad } else { 0 }
+    }
+
+    /// The position of chunk `i`'s first padded row: its start, or with [`Padding::Before`] as
+    /// many positions earlier as rows pad it (`None` when that would be before position 0).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn padded_start(&self, i: usize, len: usize, padding: Padding) -> Option<usize> {
+        let c = &self.chunks[i];
+        match padding {
+            Padding::After => Some(c.start),
+            Padding::Before => c.start.checked_sub(len - c.tokens.len()),
         }
     }
 
