@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use qwen36_model::{
-    BatchPending, BatchStepper, DraftVocab, ForwardBatch, MtpHead, PagedCache, Qwen36Model, SeqChunk,
+    BatchPending, BatchStepper, DeviceClock, DraftVocab, ForwardBatch, MtpHead, PagedCache, Qwen36Model,
+    SeqChunk,
 };
 use qwen36_mtp::NgramDrafter;
 use qwen36_sampling::{
@@ -1131,9 +1132,13 @@ impl Engine {
             Tensor::cat(&states, 0)?
         };
         let drafting = who.iter().filter(|w| w.1 > 0).count();
-        let started = Instant::now();
+        // The draft steps' times as the device ran them: a step's tokens are read back once,
+        // after the last, so that each step is issued while the one before it runs.
+        let mut clock = DeviceClock::new(self.model.device());
+        clock.mark()?;
         let replays = stepper.graph_counts().1;
         let (last, first) = stepper.draft(head, &self.model, &input, &batch, pool, 0)?;
+        clock.mark()?;
         stats.draft_steps += 1;
         stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
         // The pairs are written: the sequences' MTP K/V reaches past them (not before: after a
@@ -1158,31 +1163,34 @@ impl Engine {
         if chain.is_empty() {
             return Ok(());
         }
-        let first = first.to_vec1::<u32>()?;
-        let mut tokens: Vec<u32> = members.iter().map(|&c| first[c as usize]).collect();
-        let mut states = match members.len() == who.len() {
-            true => last,
-            false => last.index_select(&Tensor::new(members.as_slice(), last.device())?, 0)?,
+        let dev = last.device().clone();
+        let (mut states, mut tokens) = match members.len() == who.len() {
+            true => (last, first),
+            false => {
+                let m = Tensor::new(members.as_slice(), &dev)?;
+                (last.index_select(&m, 0)?, first.index_select(&m, 0)?)
+            }
         };
-        // The first step's cost as a decode round has it: a few new pairs per sequence.
-        if batch.total_rows() <= who.len() * (k_max + 1) {
-            let costs = if self.lockstep {
-                &mut self.measured
-            } else {
-                &mut self.costs
-            };
-            costs.record_draft(drafting, 0, started.elapsed().as_secs_f64());
-        }
-        for (&(index, _), &t) in chain.iter().zip(&tokens) {
-            running[index].drafts.push(t);
-        }
+        // Each step's tokens on the device, and the chain members they belong to (`live`: those
+        // still drafting; the live set only shrinks, so `states` and `tokens` follow it).
+        let mut live: Vec<usize> = (0..chain.len()).collect();
+        let mut drawn: Vec<(Vec<usize>, Tensor)> = vec![(live.clone(), tokens.clone())];
         for step in 1.. {
-            let started = Instant::now();
-            let live: Vec<usize> = (0..chain.len()).filter(|&i| chain[i].1 > step).collect();
-            if live.is_empty() {
+            let now: Vec<usize> = live.iter().copied().filter(|&i| chain[i].1 > step).collect();
+            if now.is_empty() {
                 break;
             }
-            // One token each: one group, its rows in chunk order.
+            if now.len() < live.len() {
+                let keep: Vec<u32> = (0..live.len())
+                    .filter(|&c| chain[live[c]].1 > step)
+                    .map(|c| c as u32)
+                    .collect();
+                let keep = Tensor::new(keep.as_slice(), &dev)?;
+                states = states.index_select(&keep, 0)?;
+                tokens = tokens.index_select(&keep, 0)?;
+            }
+            live = now;
+            // One token each (the last step's, on the device): one group, in chunk order.
             let chunks: Vec<SeqChunk> = live
                 .iter()
                 .map(|&i| {
@@ -1190,47 +1198,43 @@ impl Engine {
                     SeqChunk {
                         slot: s.slot.expect("a running sequence has a slot").0,
                         start: s.mtp_len + step - 1,
-                        tokens: vec![tokens[i]],
+                        tokens: vec![0],
                         blocks: s.table.blocks().iter().map(|b| b.0).collect(),
                         verify: false,
                     }
                 })
                 .collect();
             let batch = ForwardBatch::new(chunks);
-            let rows = match live.len() == chain.len() {
-                true => states.clone(),
-                false => {
-                    let order: Vec<u32> = live.iter().map(|&i| i as u32).collect();
-                    states.index_select(&Tensor::new(order.as_slice(), states.device())?, 0)?
-                }
-            };
             let replays = stepper.graph_counts().1;
-            let (picked, next) = stepper.draft(head, &self.model, &rows, &batch, pool, step)?;
+            let (picked, next) =
+                stepper.draft_from(head, &self.model, &states, &tokens, &batch, pool, step)?;
+            clock.mark()?;
             stats.draft_steps += 1;
             stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
-            let next = next.to_vec1::<u32>()?;
-            for (c, &i) in live.iter().enumerate() {
-                tokens[i] = next[c];
-                running[chain[i].0].drafts.push(next[c]);
+            drawn.push((live.clone(), next.clone()));
+            (states, tokens) = (picked, next);
+        }
+        // Every step's tokens in one read.
+        let all = Tensor::cat(&drawn.iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?.to_vec1::<u32>()?;
+        let mut at = 0;
+        for (live, _) in &drawn {
+            for &i in live {
+                running[chain[i].0].drafts.push(all[at]);
+                at += 1;
             }
-            // Every chain member's state, the live ones advanced.
-            states = if live.len() == chain.len() {
-                picked
-            } else {
-                let mut all: Vec<Tensor> = (0..chain.len())
-                    .map(|i| states.narrow(0, i, 1))
-                    .collect::<candle_core::Result<_>>()?;
-                for (c, &i) in live.iter().enumerate() {
-                    all[i] = picked.narrow(0, c, 1)?;
-                }
-                Tensor::cat(&all, 0)?
-            };
-            let costs = if self.lockstep {
-                &mut self.measured
-            } else {
-                &mut self.costs
-            };
-            costs.record_draft(live.len(), step, started.elapsed().as_secs_f64());
+        }
+        let spans = clock.spans()?;
+        let costs = if self.lockstep {
+            &mut self.measured
+        } else {
+            &mut self.costs
+        };
+        // The first step's cost as a decode round has it: a few new pairs per sequence.
+        if batch.total_rows() <= who.len() * (k_max + 1) {
+            costs.record_draft(drafting, 0, spans[0]);
+        }
+        for (step, ((live, _), &secs)) in drawn.iter().zip(&spans).enumerate().skip(1) {
+            costs.record_draft(live.len(), step, secs);
         }
         Ok(())
     }

@@ -157,14 +157,15 @@ fn fused_on_path(
 }
 
 /// The fused recurrent kernel's 64-register variants, which grids of 1024 blocks or more take
-/// (batches: here 16 sequences x 16 value heads x 4 column tiles, and dk 32 / 64 / 128 for each
-/// variant), against the CPU reference with every state kept, at the fused test's tolerances.
+/// (batches: here 16 sequences x 32 value heads x 4 column tiles, and dk 32 / 64 / 128 for each
+/// variant; more items than an H100's or H200's 132 SMs hold at once, so blocks take several),
+/// against the CPU reference with every state kept, at the fused test's tolerances.
 #[test]
 fn batched_recurrent_kernel_matches_cpu() {
     let d = gpu();
     let on = |t: &Tensor| t.to_device(&d).unwrap();
     for dk in [32, 64, 128] {
-        let x = fused_inputs(16, 3, 4, 16, dk, 128);
+        let x = fused_inputs(16, 3, 4, 32, dk, 128);
         for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 1e-4)] {
             let (qkv, a, b) = (
                 x.qkv.to_dtype(dtype).unwrap(),
@@ -1577,16 +1578,24 @@ fn pooled_in_place_states_equal_gathered_ones() {
 /// in-place kernels' outputs and leaves the slots' rows; the next pass, replaying `n` of each
 /// slot's stashed tokens, gives bit for bit what a pass from the verify's state after `n` tokens
 /// gives (so a verified token's state is a decode step's), and a replay alone leaves exactly that
-/// state; a slot past the pool (a graph's padding row) runs from zeros and writes nothing.
+/// state; a slot past the pool (a graph's padding row) runs from zeros and writes nothing. With 4
+/// value heads (48 blocks) and with 128 (1536: the batches' variant, more items than the SMs
+/// hold at once, so each block takes several and prefetches the next's state and records).
 #[test]
 fn pooled_deferred_commits_replay_exactly() {
+    for hv in [4, 128] {
+        deferred_commits_replay_exactly(hv);
+    }
+}
+
+fn deferred_commits_replay_exactly(hv: usize) {
     use qwen36_kernels::conv1d::{causal_conv1d_in_place, causal_conv1d_pooled, new_stash as conv_stash};
     use qwen36_kernels::delta_rule::{
         fused_gated_delta_rule_in_place, fused_gated_delta_rule_pooled, new_stash, replay_pooled,
     };
     use qwen36_kernels::Deferred;
     let d = gpu();
-    let (b, hk, hv, dk, dv, pool, t) = (3, 2, 4, 128, 128, 7, 4);
+    let (b, hk, dk, dv, pool, t) = (3, 2, 128, 128, 7, 4);
     let heads = GdnHeads {
         k_heads: hk,
         v_heads: hv,

@@ -644,12 +644,13 @@ impl BatchGraph {
         cache: &mut PagedCache,
         step: usize,
         vocab: Option<&DraftVocab>,
+        ids: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         // Feeds of several tokens fit only where the head layer keeps no GDN state.
         let any_len = head.attention_only(step);
         let shape = graphed_shape(model, batch, any_len).filter(|_| head.fits_pool(cache));
         let Some((seqs, len, _, padding)) = shape else {
-            return crate::stepper::draft_eager(head, model, hidden, batch, cache, step, vocab);
+            return crate::stepper::draft_eager(head, model, hidden, batch, cache, step, vocab, ids);
         };
         let cfg = model.config();
         batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
@@ -666,7 +667,15 @@ impl BatchGraph {
         };
         let key = self.key(kind, batch, cache, (seqs, len, false), padding);
         let seqs = key.seqs;
-        let (flat, ids) = model.padded_inputs(batch, cache, (seqs, len, key.width), padding)?;
+        let (flat, own) = model.padded_inputs(batch, cache, (seqs, len, key.width), padding)?;
+        // Given ids are the one-token chunks' tokens: rows 0.. of the padded ids.
+        let ids = match ids {
+            None => own,
+            Some(ids) => {
+                own.slice_set(&crate::mtp_head::one_token_ids(ids, batch)?, 1, 0)?;
+                own
+            }
+        };
         let padded = batch.padded(&hidden.to_dtype(model.dtype())?, seqs, len, padding)?;
         let inputs = StepInputs {
             ids,

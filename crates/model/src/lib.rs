@@ -33,7 +33,9 @@ pub use model::{Mlp, Qwen36Model};
 pub use mtp_head::{DraftVocab, MtpCache, MtpHead};
 pub use paged::{stash_tokens, BatchOutput, BatchPending, ForwardBatch, PagedCache, SeqChunk};
 pub use shard::Shard;
-pub use stepper::{cuda_device, BatchStepper, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS};
+pub use stepper::{
+    cuda_device, BatchStepper, DeviceClock, DraftSession, DraftStepper, Session, Stepper, BATCH_BUCKETS,
+};
 pub use weights::{LoadOptions, LoadProgress, Weights};
 
 /// Faults a test can give a model, to check that the doctor diagnoses them (feature

@@ -39,6 +39,21 @@ impl MtpHead {
     }
 }
 
+/// `ids` (u32 `[chunks]`) as the token ids `[1, chunks]` of a batch of one-token chunks (one
+/// group: its rows in chunk order); an error naming the mismatch otherwise.
+pub(crate) fn one_token_ids(ids: &Tensor, batch: &ForwardBatch) -> Result<Tensor> {
+    let n = batch.chunks().len();
+    if batch.total_rows() != n || ids.dims() != [n] || ids.dtype() != candle_core::DType::U32 {
+        return Err(Error::Input(format!(
+            "draft ids {:?} {:?} for {n} chunks of {} rows: one u32 id per one-token chunk",
+            ids.dims(),
+            ids.dtype(),
+            batch.total_rows()
+        )));
+    }
+    Ok(ids.unsqueeze(0)?)
+}
+
 /// A draft vocabulary: the token ids a draft step may propose, with their rows of lm_head. A
 /// draft step then reads `len() / vocab_size` of lm_head (2.5 GB of its 3.4 GB per step at the
 /// 27B shapes for the full vocabulary). Drafts only propose: the target verifies every token over
@@ -297,6 +312,20 @@ impl MtpHead {
         cache: &mut PagedCache,
         step: usize,
     ) -> Result<Tensor> {
+        self.forward_batch_ids(model, hidden, None, batch, cache, step)
+    }
+
+    /// [`Self::forward_batch`]; with `ids` (u32 `[chunks]` on the device), chunks of one token
+    /// each take those ids instead of their own tokens.
+    pub(crate) fn forward_batch_ids(
+        &self,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        ids: Option<&Tensor>,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<Tensor> {
         let cfg = model.config();
         batch.check(cache, cfg.vocab_size, cfg.max_position_embeddings)?;
         if cache.layers.len() != self.layers.len() || hidden.dims() != [batch.total_rows(), cfg.hidden_size] {
@@ -309,7 +338,11 @@ impl MtpHead {
                 batch.total_rows()
             )));
         }
-        let (flat, ids) = model.flat_inputs(batch, cache)?;
+        let (flat, own) = model.flat_inputs(batch, cache)?;
+        let ids = match ids {
+            None => own,
+            Some(ids) => one_token_ids(ids, batch)?,
+        };
         self.forward_flat(model, hidden, &ids, &flat, cache, step)
     }
 

@@ -205,6 +205,68 @@ impl DraftStepper {
     }
 }
 
+/// Times between marks in a device's queue of work, read once the work has run: CUDA events
+/// on a CUDA device (each span the device's own time from one mark to the next, taken without
+/// waiting for it), host instants elsewhere (where work runs as it is issued).
+pub struct DeviceClock {
+    #[cfg(feature = "cuda")]
+    stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
+    marks: Vec<Mark>,
+}
+
+enum Mark {
+    Host(std::time::Instant),
+    #[cfg(feature = "cuda")]
+    Event(candle_core::cuda_backend::cudarc::driver::CudaEvent),
+}
+
+impl DeviceClock {
+    /// A clock for the work queued on `device` (its stream, on CUDA).
+    pub fn new(device: &candle_core::Device) -> Self {
+        #[cfg(feature = "cuda")]
+        return Self {
+            stream: device.as_cuda_device().ok().map(|d| d.cuda_stream()),
+            marks: Vec::new(),
+        };
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = device;
+            Self { marks: Vec::new() }
+        }
+    }
+
+    /// Marks the point the queued work has reached.
+    pub fn mark(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = &self.stream {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+            let event = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(candle_core::Error::wrap)?;
+            self.marks.push(Mark::Event(event));
+            return Ok(());
+        }
+        self.marks.push(Mark::Host(std::time::Instant::now()));
+        Ok(())
+    }
+
+    /// Seconds from each mark to the next (waiting for the last one's work).
+    pub fn spans(&self) -> Result<Vec<f64>> {
+        self.marks
+            .windows(2)
+            .map(|w| match (&w[0], &w[1]) {
+                (Mark::Host(a), Mark::Host(b)) => Ok(b.duration_since(*a).as_secs_f64()),
+                #[cfg(feature = "cuda")]
+                (Mark::Event(a), Mark::Event(b)) => {
+                    Ok(a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64 / 1e3)
+                }
+                #[cfg(feature = "cuda")]
+                _ => unreachable!("one clock marks one way"),
+            })
+            .collect()
+    }
+}
+
 /// Sequence counts that flat decode and verify steps are recorded for; a step of fewer sequences
 /// replays the next larger one with padding rows (a slot outside the pool, no KV row, length 0:
 /// the kernels read and write nothing for them).
@@ -300,13 +362,53 @@ impl BatchStepper {
     ) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.graph.as_mut() {
-            return g.draft(head, model, hidden, batch, cache, step, self.vocab.as_ref());
+            return g.draft(head, model, hidden, batch, cache, step, self.vocab.as_ref(), None);
         }
-        draft_eager(head, model, hidden, batch, cache, step, self.vocab.as_ref())
+        draft_eager(head, model, hidden, batch, cache, step, self.vocab.as_ref(), None)
+    }
+
+    /// [`Self::draft`] of a batch of one-token chunks whose tokens are `ids` (u32 `[chunks]`,
+    /// on the device: the last step's greedy tokens) rather than the chunks' own, which are not
+    /// read: a chain of draft steps needs nothing back from the device between its steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn draft_from(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        ids: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.graph.as_mut() {
+            return g.draft(
+                head,
+                model,
+                hidden,
+                batch,
+                cache,
+                step,
+                self.vocab.as_ref(),
+                Some(ids),
+            );
+        }
+        draft_eager(
+            head,
+            model,
+            hidden,
+            batch,
+            cache,
+            step,
+            self.vocab.as_ref(),
+            Some(ids),
+        )
     }
 }
 
-/// [`BatchStepper::draft`] without graphs.
+/// [`BatchStepper::draft`] without graphs (`ids`: see [`BatchStepper::draft_from`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn draft_eager(
     head: &MtpHead,
     model: &Qwen36Model,
@@ -315,8 +417,9 @@ pub(crate) fn draft_eager(
     cache: &mut PagedCache,
     step: usize,
     vocab: Option<&DraftVocab>,
+    ids: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let out = head.forward_batch(model, hidden, batch, cache, step)?;
+    let out = head.forward_batch_ids(model, hidden, ids, batch, cache, step)?;
     let lasts: Vec<u32> = (0..batch.chunks().len())
         .map(|c| batch.rows(c).end as u32 - 1)
         .collect();

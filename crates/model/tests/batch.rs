@@ -638,7 +638,8 @@ fn stepper_steps_equal_eager_and_solo() {
 
 /// MTP draft steps through a [`BatchStepper`] (graphs on CUDA, padded to their bucket) give each
 /// chunk's last row of the head's eager forward over a second pool and its greedy token, for
-/// feeds of 1 to 4 pairs per sequence and as the number of sequences changes.
+/// feeds of 1 to 4 pairs per sequence and as the number of sequences changes; steps of one token
+/// each take their ids from the device (`draft_from`), as a chain of draft steps does.
 #[test]
 fn stepper_drafts_equal_eager() {
     drafts_equal_eager(None);
@@ -677,12 +678,15 @@ fn drafts_equal_eager(third: Option<usize>) {
     } else {
         0.0
     };
+    let mut chained = 0;
     for round in 0..12u64 {
         // The first round feeds every slot's first pairs; then a random subset, all with as many
-        // in odd rounds, each its own count in even ones (a graph pads them before their pairs).
+        // in odd rounds (one each in every fourth), each its own count in even ones (a graph
+        // pads them before their pairs).
         let n = if round == 0 { slots } else { rng.range(1, slots) };
         let lens: Vec<usize> = match round {
             0 => vec![3; n],
+            r if r % 4 == 3 => vec![1; n],
             r if r % 2 == 1 => vec![rng.range(1, 4); n],
             _ => (0..n).map(|_| rng.range(1, 4)).collect(),
         };
@@ -703,9 +707,23 @@ fn drafts_equal_eager(third: Option<usize>) {
             .to_dtype(model.dtype())
             .unwrap();
         let step = round as usize % 3;
-        let (last, tokens) = stepper
-            .draft(&head, &model, &hidden, &batch, &mut graphed, step)
-            .unwrap();
+        // One token each: as a chain step runs, its ids on the device and the chunks' own
+        // tokens placeholders (never read).
+        let (last, tokens) = if lens.iter().all(|&l| l == 1) {
+            chained += 1;
+            let ids: Vec<u32> = batch.chunks().iter().map(|c| c.tokens[0]).collect();
+            let ids = Tensor::new(ids.as_slice(), &dev).unwrap();
+            let mut blank = batch.chunks().to_vec();
+            blank.iter_mut().for_each(|c| c.tokens = vec![0]);
+            let blank = ForwardBatch::new(blank);
+            stepper
+                .draft_from(&head, &model, &hidden, &ids, &blank, &mut graphed, step)
+                .unwrap()
+        } else {
+            stepper
+                .draft(&head, &model, &hidden, &batch, &mut graphed, step)
+                .unwrap()
+        };
         // The reference: the head's forward, each chunk's last row and its argmax.
         let out = head
             .forward_batch(&model, &hidden, &batch, &mut eager, step)
@@ -734,6 +752,7 @@ fn drafts_equal_eager(third: Option<usize>) {
             *p += len;
         }
     }
+    assert!(chained >= 2, "{chained} steps of one token each");
     let (recorded, replayed) = stepper.graph_counts();
     if qwen36_testutil::test_device().is_cuda() {
         assert!(
