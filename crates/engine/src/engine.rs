@@ -1135,10 +1135,10 @@ impl Engine {
         // The draft steps' times as the device ran them: a step's tokens are read back once,
         // after the last, so that each step is issued while the one before it runs.
         let mut clock = DeviceClock::new(self.model.device());
-        clock.mark()?;
+        clock.mark();
         let replays = stepper.graph_counts().1;
         let (last, first) = stepper.draft(head, &self.model, &input, &batch, pool, 0)?;
-        clock.mark()?;
+        clock.mark();
         stats.draft_steps += 1;
         stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
         // The pairs are written: the sequences' MTP K/V reaches past them (not before: after a
@@ -1208,7 +1208,7 @@ impl Engine {
             let replays = stepper.graph_counts().1;
             let (picked, next) =
                 stepper.draft_from(head, &self.model, &states, &tokens, &batch, pool, step)?;
-            clock.mark()?;
+            clock.mark();
             stats.draft_steps += 1;
             stats.draft_steps_graphed += usize::from(stepper.graph_counts().1 > replays);
             drawn.push((live.clone(), next.clone()));
@@ -1223,18 +1223,20 @@ impl Engine {
                 at += 1;
             }
         }
-        let spans = clock.spans()?;
+        let spans = clock.spans();
         let costs = if self.lockstep {
             &mut self.measured
         } else {
             &mut self.costs
         };
         // The first step's cost as a decode round has it: a few new pairs per sequence.
-        if batch.total_rows() <= who.len() * (k_max + 1) {
-            costs.record_draft(drafting, 0, spans[0]);
+        if let Some(secs) = spans[0].filter(|_| batch.total_rows() <= who.len() * (k_max + 1)) {
+            costs.record_draft(drafting, 0, secs);
         }
-        for (step, ((live, _), &secs)) in drawn.iter().zip(&spans).enumerate().skip(1) {
-            costs.record_draft(live.len(), step, secs);
+        for (step, ((live, _), secs)) in drawn.iter().zip(&spans).enumerate().skip(1) {
+            if let Some(secs) = *secs {
+                costs.record_draft(live.len(), step, secs);
+            }
         }
         Ok(())
     }

@@ -656,6 +656,40 @@ fn mtp_speculation_equals_plain_greedy() {
     );
 }
 
+/// A request's MTP drafts do not depend on its batch: four greedy requests (k = 3, so every
+/// round chains three draft steps, and k = 2) drafted and accepted as many tokens batched as
+/// each alone. A draft step that gave one sequence's tokens to another, or a chain that pushed
+/// them out of order, would move the counts (the tokens stay lossless either way).
+#[test]
+fn mtp_drafts_are_the_same_batched_and_alone() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(41);
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| Request {
+            speculation: Some(Speculation::Mtp { k: 2 + i % 2 }),
+            ..Request::greedy(echo_prompt(&model, &mut rng, 9 + 5 * i), 24)
+        })
+        .collect();
+    let run = |reqs: &[Request]| -> Vec<(Vec<u32>, usize, usize)> {
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), mtp_config()).unwrap();
+        let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        engine.run_to_completion().unwrap();
+        handles
+            .iter()
+            .map(|h| {
+                let o = collect(h);
+                let spec = o.end.expect("every request ends").1.speculation;
+                (o.ids, spec.drafted, spec.accepted)
+            })
+            .collect()
+    };
+    let batched = run(&reqs);
+    let alone: Vec<_> = reqs.iter().map(|r| run(std::slice::from_ref(r)).remove(0)).collect();
+    assert_eq!(batched, alone);
+    let (drafted, accepted) = batched.iter().fold((0, 0), |(d, a), x| (d + x.1, a + x.2));
+    assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");
+}
+
 /// `max_tokens` 0 with prompt log-probabilities runs the prompt alone (in chunks, MTP set or
 /// not, beside a decoding request): its log-probabilities (none for a one-token prompt), no
 /// token, `MaxTokens`, and the pools empty after.

@@ -599,9 +599,10 @@ impl BatchGraph {
     }
 
     /// [`Qwen36Model::forward_batch`], replayed from a graph when every chunk decodes one token or
-    /// verifies as many as the others (none at position 0, with the paged decode kernel, at most
-    /// the largest bucket of sequences); recorded on first use of its shape. Anything else runs
-    /// eagerly. The results are the eager forward's for the same padded batch.
+    /// every chunk verifies (the shorter verifies padded after their tokens; none at position 0,
+    /// with the paged decode kernel, at most the largest bucket of sequences); recorded on first
+    /// use of its shape. Anything else runs eagerly. The results are the eager forward's for the
+    /// same padded batch.
     pub(crate) fn forward(
         &mut self,
         model: &Qwen36Model,
@@ -631,9 +632,10 @@ impl BatchGraph {
     }
 
     /// An MTP draft step over a flat batch (see [`crate::BatchStepper::draft`]), replayed from a
-    /// graph when its chunks all run as many tokens (after their first position, at most the
-    /// largest bucket); otherwise eager. Drafts over `vocab` when given (the stepper's, fixed for
-    /// its life, so a recorded graph never meets another).
+    /// graph where [`graphed_shape`] allows (shorter feeds padded before their pairs); otherwise
+    /// eager. Drafts over `vocab` when given (the stepper's, fixed for its life, so a recorded
+    /// graph never meets another); with `ids`, one-token chunks take those device ids
+    /// ([`crate::BatchStepper::draft_from`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn draft(
         &mut self,

@@ -682,8 +682,7 @@ impl Qwen36Model {
                 .padded_start(i, len, padding)
                 .filter(|&f| {
                     let bs = cache.block_size;
-                    m <= len
-                        && (c.start + m).div_ceil(bs) <= c.blocks.len()
+                    (c.start + m).div_ceil(bs) <= c.blocks.len()
                         && c.blocks.len() <= width
                         && (f + len).div_ceil(bs) <= width
                 })
@@ -1144,10 +1143,23 @@ mod tests {
         }
     }
 
+    /// Every attention layer's K and V pools of `a` and `b`, the largest difference.
+    fn kv_pools_diff(a: &PagedCache, b: &PagedCache) -> f32 {
+        let mut worst = 0f32;
+        for (x, y) in a.layers.iter().zip(&b.layers) {
+            if let (PagedLayer::Attention { k, v }, PagedLayer::Attention { k: k2, v: v2 }) = (x, y) {
+                worst = worst
+                    .max(qwen36_testutil::max_abs_diff(k, k2))
+                    .max(qwen36_testutil::max_abs_diff(v, v2));
+            }
+        }
+        worst
+    }
+
     /// Verifies of 3, 1 and 2 tokens run as one step of 3 rows each, padded after their tokens
-    /// (as a recorded graph runs them), give the unpadded forward's rows, and leave the pools
-    /// as it does: the decode step after the same commits gives the same rows (padding that
-    /// wrote K/V, or whose stashed tokens were replayed, would move them).
+    /// (as a recorded graph runs them), give the unpadded forward's rows and K/V (padding rows
+    /// write none), and leave the GDN states as it does: the decode step after the same commits
+    /// gives the same rows (padding whose stashed tokens were replayed would move them).
     #[test]
     fn verifies_padded_after_their_tokens_equal_the_unpadded_step() -> Result<()> {
         let (model, _) = bundled_pools()?;
@@ -1179,6 +1191,8 @@ mod tests {
         let tol = 1e-5;
         let err = qwen36_testutil::max_row_rel_err(&got, &want.hidden);
         assert!(err <= tol, "verify rows: {err:e}");
+        let kv = kv_pools_diff(&plain, &padded);
+        assert!(kv <= 1e-4, "K/V pools: {kv:e}");
         // Keep 2 of sequence 0's tokens, 1 of 1's, 2 of 2's; then one decode step each.
         let keeps = [(0, 2), (1, 1), (2, 2)];
         plain.commit_many(want.pending.as_ref().expect("verifies pend"), &keeps)?;
@@ -1205,8 +1219,8 @@ mod tests {
 
     /// MTP feeds of 1, 3 and 2 pairs run as one draft step of 3 rows each, padded before their
     /// pairs, give the unpadded step's rows (each chunk's last row is its sequence's last), and
-    /// write the same K/V: the next step's rows agree too (padding rows that wrote K/V over the
-    /// positions before a chunk would move them).
+    /// write the same K/V (padding rows that wrote theirs over the positions before a chunk
+    /// would move the pools and the next step's rows).
     #[test]
     fn draft_feeds_padded_before_their_pairs_equal_the_unpadded_step() -> Result<()> {
         let (model, head) = bundled_pools()?;
@@ -1235,6 +1249,8 @@ mod tests {
         let tol = 1e-5;
         let err = qwen36_testutil::max_row_rel_err(&got, &want);
         assert!(err <= tol, "feed rows: {err:e}");
+        let kv = kv_pools_diff(&plain, &padded);
+        assert!(kv <= 1e-4, "K/V pools: {kv:e}");
         // Each sequence's last row is its padded step's last row.
         for i in 0..3 {
             let last = mixed.rows(i).end - 1;
@@ -1281,7 +1297,8 @@ mod tests {
             !fits(&batch(4, 2), 5, 2, Padding::After),
             "padding past the table"
         );
-        assert!(!fits(&batch(4, 4), 4, 1, Padding::After), "blocks past the table");
+        assert!(!fits(&batch(2, 1), 1, 1, Padding::After), "blocks past the table");
+        assert!(!fits(&batch(4, 3), 2, 2, Padding::Before), "more pairs than rows");
         assert!(
             !fits(&batch(6, 4), 4, 4, Padding::After),
             "tokens past the chunk's blocks"

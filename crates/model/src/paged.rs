@@ -585,7 +585,8 @@ impl ForwardBatch {
             }
         }
         if from.iter().enumerate().all(|(p, &r)| p == r as usize) && from.len() == x.dim(0)? {
-            return Ok(x.clone());
+            // A copy all the same: a recorded graph keeps its input buffer, never the caller's.
+            return Ok(x.copy()?);
         }
         Ok(x.index_select(&Tensor::new(from.as_slice(), x.device())?, 0)?)
     }
@@ -614,13 +615,15 @@ impl ForwardBatch {
     }
 
     /// The position of chunk `i`'s first padded row: its start, or with [`Padding::Before`] as
-    /// many positions earlier as rows pad it (`None` when that would be before position 0).
+    /// many positions earlier as rows pad it (`None` when that would be before position 0, or
+    /// when the chunk has more tokens than `len` rows).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn padded_start(&self, i: usize, len: usize, padding: Padding) -> Option<usize> {
         let c = &self.chunks[i];
+        let pad = len.checked_sub(c.tokens.len())?;
         match padding {
             Padding::After => Some(c.start),
-            Padding::Before => c.start.checked_sub(len - c.tokens.len()),
+            Padding::Before => c.start.checked_sub(pad),
         }
     }
 

@@ -218,6 +218,9 @@ enum Mark {
     Host(std::time::Instant),
     #[cfg(feature = "cuda")]
     Event(candle_core::cuda_backend::cudarc::driver::CudaEvent),
+    /// An event that could not be recorded: no span ends or starts here.
+    #[cfg(feature = "cuda")]
+    Missed,
 }
 
 impl DeviceClock {
@@ -236,32 +239,28 @@ impl DeviceClock {
     }
 
     /// Marks the point the queued work has reached.
-    pub fn mark(&mut self) -> Result<()> {
+    pub fn mark(&mut self) {
         #[cfg(feature = "cuda")]
         if let Some(stream) = &self.stream {
             use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
-            let event = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(candle_core::Error::wrap)?;
-            self.marks.push(Mark::Event(event));
-            return Ok(());
+            let event = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+            self.marks.push(event.map_or(Mark::Missed, Mark::Event));
+            return;
         }
         self.marks.push(Mark::Host(std::time::Instant::now()));
-        Ok(())
     }
 
-    /// Seconds from each mark to the next (waiting for the last one's work).
-    pub fn spans(&self) -> Result<Vec<f64>> {
+    /// Seconds from each mark to the next (waiting for the last one's work); `None` for a span
+    /// the device could not time (a timing is worth no failed step).
+    pub fn spans(&self) -> Vec<Option<f64>> {
         self.marks
             .windows(2)
             .map(|w| match (&w[0], &w[1]) {
-                (Mark::Host(a), Mark::Host(b)) => Ok(b.duration_since(*a).as_secs_f64()),
+                (Mark::Host(a), Mark::Host(b)) => Some(b.duration_since(*a).as_secs_f64()),
                 #[cfg(feature = "cuda")]
-                (Mark::Event(a), Mark::Event(b)) => {
-                    Ok(a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64 / 1e3)
-                }
+                (Mark::Event(a), Mark::Event(b)) => a.elapsed_ms(b).ok().map(|ms| ms as f64 / 1e3),
                 #[cfg(feature = "cuda")]
-                _ => unreachable!("one clock marks one way"),
+                _ => None,
             })
             .collect()
     }
@@ -350,7 +349,8 @@ impl BatchStepper {
     /// pairs of `batch.rows(i)`: next ids and the rows of `hidden: [rows, hidden]`, as
     /// [`MtpHead::forward_batch`]): per chunk, in chunk order, its last row's post-norm state
     /// `[chunks, hidden]` and that row's greedy token (among the draft vocabulary's ids, when
-    /// set), u32 `[chunks]`. Replayed from a graph when every chunk runs as many tokens.
+    /// set), u32 `[chunks]`. Replayed from a graph where one fits (feeds of up to the decode
+    /// kernel's rows a sequence, the shorter padded before their pairs).
     pub fn draft(
         &mut self,
         head: &MtpHead,
@@ -360,11 +360,7 @@ impl BatchStepper {
         cache: &mut PagedCache,
         step: usize,
     ) -> Result<(Tensor, Tensor)> {
-        #[cfg(feature = "cuda")]
-        if let Some(g) = self.graph.as_mut() {
-            return g.draft(head, model, hidden, batch, cache, step, self.vocab.as_ref(), None);
-        }
-        draft_eager(head, model, hidden, batch, cache, step, self.vocab.as_ref(), None)
+        self.draft_ids(head, model, hidden, None, batch, cache, step)
     }
 
     /// [`Self::draft`] of a batch of one-token chunks whose tokens are `ids` (u32 `[chunks]`,
@@ -381,29 +377,26 @@ impl BatchStepper {
         cache: &mut PagedCache,
         step: usize,
     ) -> Result<(Tensor, Tensor)> {
+        self.draft_ids(head, model, hidden, Some(ids), batch, cache, step)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn draft_ids(
+        &mut self,
+        head: &MtpHead,
+        model: &Qwen36Model,
+        hidden: &Tensor,
+        ids: Option<&Tensor>,
+        batch: &ForwardBatch,
+        cache: &mut PagedCache,
+        step: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let vocab = self.vocab.as_ref();
         #[cfg(feature = "cuda")]
         if let Some(g) = self.graph.as_mut() {
-            return g.draft(
-                head,
-                model,
-                hidden,
-                batch,
-                cache,
-                step,
-                self.vocab.as_ref(),
-                Some(ids),
-            );
+            return g.draft(head, model, hidden, batch, cache, step, vocab, ids);
         }
-        draft_eager(
-            head,
-            model,
-            hidden,
-            batch,
-            cache,
-            step,
-            self.vocab.as_ref(),
-            Some(ids),
-        )
+        draft_eager(head, model, hidden, batch, cache, step, vocab, ids)
     }
 }
 
