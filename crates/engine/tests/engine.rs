@@ -684,7 +684,10 @@ fn mtp_drafts_are_the_same_batched_and_alone() {
             .collect()
     };
     let batched = run(&reqs);
-    let alone: Vec<_> = reqs.iter().map(|r| run(std::slice::from_ref(r)).remove(0)).collect();
+    let alone: Vec<_> = reqs
+        .iter()
+        .map(|r| run(std::slice::from_ref(r)).remove(0))
+        .collect();
     assert_eq!(batched, alone);
     let (drafted, accepted) = batched.iter().fold((0, 0), |(d, a), x| (d + x.1, a + x.2));
     assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");

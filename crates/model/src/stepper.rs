@@ -445,3 +445,24 @@ pub fn cuda_device(ordinal: usize) -> Result<candle_core::Device> {
     #[cfg(not(feature = "cuda"))]
     Ok(candle_core::Device::new_cuda(ordinal)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A clock's spans are the times between consecutive marks, one fewer than the marks; on the
+    /// CPU they are the host's (work runs as it is issued).
+    #[test]
+    fn spans_are_the_times_between_marks() {
+        let mut clock = DeviceClock::new(&candle_core::Device::Cpu);
+        assert!(clock.spans().is_empty());
+        clock.mark();
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        clock.mark();
+        clock.mark();
+        let spans = clock.spans();
+        assert_eq!(spans.len(), 2);
+        assert!(spans[0].is_some_and(|s| s >= 0.003), "{spans:?}");
+        assert!(spans[1].is_some_and(|s| s >= 0.0), "{spans:?}");
+    }
+}
