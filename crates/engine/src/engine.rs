@@ -403,11 +403,13 @@ impl Engine {
                 "MTP speculation asked for, but the engine has no MTP head (Engine::with_mtp_head)".into(),
             ));
         }
-        let masked =
-            req.constraint.is_some() || req.sampling.min_tokens > 0 || !req.sampling.allowed_ids.is_empty();
+        let masked = req.constraint.is_some()
+            || req.sampling.min_tokens > 0
+            || !req.sampling.allowed_ids.is_empty()
+            || !req.sampling.bad_words.is_empty();
         if masked && self.cfg.timing_accept_rates.is_some() {
             return Err(Error::Request(
-                "output constraints, min_tokens and allowed ids need real acceptance (this engine times drafts: timing_accept_rates)"
+                "output constraints, min_tokens, allowed ids and bad words need real acceptance (this engine times drafts: timing_accept_rates)"
                     .into(),
             ));
         }

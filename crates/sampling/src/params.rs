@@ -32,6 +32,9 @@ pub struct SamplingParams {
     /// Only these ids may be drawn (vLLM's `allowed_token_ids`), every other one masked before
     /// the biases; empty = all.
     pub allowed_ids: Vec<u32>,
+    /// Id sequences the output never contains (vLLM's `bad_words`): a sequence's last id is
+    /// masked wherever the output ends with the ids before it; empty = off.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -49,6 +52,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             allowed_ids: Vec::new(),
+            bad_words: Vec::new(),
         }
     }
 }
@@ -65,7 +69,7 @@ impl SamplingParams {
     }
 
     /// True when the token is the argmax of the raw logits: greedy without penalties, biases,
-    /// a minimum length or allowed ids.
+    /// a minimum length, allowed ids or bad words.
     pub fn is_plain_greedy(&self) -> bool {
         self.is_greedy()
             && self.min_tokens == 0
@@ -74,6 +78,7 @@ impl SamplingParams {
             && self.frequency_penalty == 0.0
             && self.logit_bias.is_empty()
             && self.allowed_ids.is_empty()
+            && self.bad_words.is_empty()
     }
 
     /// Checks every parameter's range.
@@ -117,6 +122,9 @@ impl SamplingParams {
             .find(|(_, b)| !(-100.0..=100.0).contains(b))
         {
             return bad("logit_bias", b, "each bias must be in [-100, 100]");
+        }
+        if self.bad_words.iter().any(Vec::is_empty) {
+            return bad("bad_words", 0.0, "each bad word needs at least one id");
         }
         Ok(())
     }

@@ -158,7 +158,8 @@ impl Sampler {
     }
 
     /// Penalised logits: every id outside `allowed_ids` (when given) masked, the end ids masked
-    /// while `output` is shorter than `min_tokens`, the logit biases (as vLLM applies them),
+    /// while `output` is shorter than `min_tokens`, each bad word's last id masked where
+    /// `output` ends with the ids before it, the logit biases (as vLLM applies them),
     /// then the repetition penalty over `prompt ∪ output`, presence/frequency over `output`.
     pub fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<f32> {
         let p = &self.params;
@@ -179,6 +180,15 @@ impl Sampler {
             for &t in &self.end_ids {
                 if let Some(x) = l.get_mut(t as usize) {
                     *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for word in &p.bad_words {
+            if let Some((&last, before)) = word.split_last() {
+                if output.ends_with(before) {
+                    if let Some(x) = l.get_mut(last as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
             }
         }

@@ -147,6 +147,54 @@ fn allowed_ids_mask_every_other_id() {
     }
 }
 
+/// A bad word's last id is masked where the output (not the prompt) ends with the ids before
+/// it; a one-id word always; the biases cannot bring it back; a verify's acceptance reads each
+/// row after the drafts before it.
+#[test]
+fn bad_words_mask_their_last_id_after_their_prefix() {
+    let params = SamplingParams {
+        bad_words: vec![vec![3], vec![0, 1, 2], vec![9, 9]],
+        logit_bias: vec![(3, 100.0)],
+        ..Default::default()
+    };
+    assert!(!params.is_plain_greedy());
+    let s = sampler(params.clone());
+    let row = [1.0, 2.0, 5.0, 4.0];
+    let n = f32::NEG_INFINITY;
+    assert_eq!(s.penalised(&row, &[], &[]), vec![1.0, 2.0, 5.0, n]);
+    assert_eq!(
+        s.penalised(&row, &[0, 1], &[]),
+        vec![1.0, 2.0, 5.0, n],
+        "the prompt is not read"
+    );
+    assert_eq!(s.penalised(&row, &[], &[0, 1]), vec![1.0, 2.0, n, n]);
+    assert_eq!(s.penalised(&row, &[], &[7, 0, 1]), vec![1.0, 2.0, n, n]);
+    assert_eq!(s.penalised(&row, &[], &[0, 1, 1]), vec![1.0, 2.0, 5.0, n]);
+    assert_eq!(
+        s.penalised(&row, &[], &[1]),
+        vec![1.0, 2.0, 5.0, n],
+        "the whole prefix"
+    );
+    // Greedy takes the next best; a verify of drafts [0, 1, 2] accepts two and gives 1 (the row
+    // after [0, 1] masks 2, whose logit 5 was the best: the second best, id 1, comes next).
+    let mut g = sampler(params.clone());
+    assert_eq!(g.sample(&row, &[], &[0, 1]).unwrap().token, 1);
+    let rows = vec![
+        vec![9.0, 0.0, 0.0, 0.0],
+        vec![0.0, 9.0, 0.0, 0.0],
+        vec![0.0, 2.0, 5.0, 0.0],
+    ];
+    let a = s
+        .accept_coupled(&[0, 1, 2], &[rows.clone(), vec![row.to_vec()]].concat(), &[], &[])
+        .unwrap();
+    assert_eq!(a, Acceptance { accepted: 2, next: 1 });
+    let empty = SamplingParams {
+        bad_words: vec![vec![]],
+        ..Default::default()
+    };
+    assert!(Sampler::new(empty).is_err());
+}
+
 /// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them
 /// to ±inf (whose differences are NaN, which once left no candidate and a panic in top-p/min-p):
 /// the distribution stays a distribution, the boosted seen tokens share it, and a masked (-inf)

@@ -128,7 +128,7 @@ impl Stop {
 pub struct StreamOptions {
     #[serde(default, deserialize_with = "null_as_default")]
     pub include_usage: bool,
-    /// vLLM's usage in every chunk: not served (refused when `true`).
+    /// vLLM's usage in every chunk (each choice's so far; with `include_usage`).
     #[serde(default, deserialize_with = "null_as_default")]
     pub continuous_usage_stats: bool,
 }
@@ -214,30 +214,36 @@ pub struct GenerateRequest {
     /// Structured output: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
     /// {"schema": ...}}` ([`Self::grammar`]).
     pub response_format: Option<Value>,
-    /// vLLM's structured-output extensions: a JSON schema, a regex, or a list of choices.
+    /// vLLM's structured-output extensions: a JSON schema, a regex, a list of choices, or a
+    /// grammar (llguidance's Lark, or llama.cpp's GBNF: [`crate::gbnf`]).
     pub guided_json: Option<Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<Value>,
     /// vLLM's newer structured-output field: `{"json": schema}`, `{"regex": ...}`, `{"choice":
-    /// [...]}` or `{"json_object": true}`, as the `guided_*` fields.
+    /// [...]}`, `{"grammar": ...}` or `{"json_object": true}`, as the `guided_*` fields.
     pub structured_outputs: Option<Map<String, Value>>,
+    /// Words the output never contains (vLLM's extension): their ids as a text starts with them
+    /// and inside it.
+    pub bad_words: Option<Vec<String>>,
     /// Only these token ids may be generated (vLLM's extension).
     #[serde(default, deserialize_with = "null_as_default")]
     pub allowed_token_ids: Vec<u32>,
     /// Keep only the prompt's last N tokens, `-1` the last `max_model_len` (vLLM's extension).
     pub truncate_prompt_tokens: Option<i64>,
+    /// Log-probabilities name their tokens `token_id:ID` (vLLM's extension).
+    pub return_tokens_as_token_ids: Option<bool>,
+    /// Each prompt token's log-probability with this many alternatives (vLLM's extension:
+    /// [`Self::prompt_logprobs`]).
+    pub prompt_logprobs: Option<Value>,
     /// Known but not served: refused when set to anything but their neutral value.
     pub best_of: Option<usize>,
     pub suffix: Option<String>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub bad_words: Option<Vec<String>>,
-    pub prompt_logprobs: Option<Value>,
     pub chat_template: Option<Value>,
     pub use_beam_search: Option<bool>,
     pub skip_special_tokens: Option<bool>,
-    pub return_tokens_as_token_ids: Option<bool>,
 }
 
 /// How a request asked for tool calls ([`GenerateRequest::tool_choice`]).
@@ -319,16 +325,6 @@ impl GenerateRequest {
         let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
         let unserved = [
             (
-                set(&self.guided_grammar),
-                "guided_grammar",
-                "a grammar (use guided_json, guided_regex or guided_choice)",
-            ),
-            (
-                self.bad_words.as_ref().is_some_and(|w| !w.is_empty()),
-                "bad_words",
-                "bad_words",
-            ),
-            (
                 set(&self.chat_template),
                 "chat_template",
                 "a chat template per request (the server's is set at its start)",
@@ -342,18 +338,6 @@ impl GenerateRequest {
                 self.skip_special_tokens == Some(false),
                 "skip_special_tokens",
                 "special tokens in the text (skip_special_tokens: false)",
-            ),
-            (
-                self.return_tokens_as_token_ids == Some(true),
-                "return_tokens_as_token_ids",
-                "return_tokens_as_token_ids",
-            ),
-            (
-                self.stream_options
-                    .as_ref()
-                    .is_some_and(|o| o.continuous_usage_stats),
-                "stream_options",
-                "continuous_usage_stats (usage in every chunk)",
             ),
         ];
         if let Some(&(_, param, what)) = unserved.iter().find(|u| u.0) {
@@ -671,13 +655,14 @@ impl GenerateRequest {
             },
         }
         // vLLM's `structured_outputs` keys, read as the `guided_*` fields are.
-        let (mut json, mut regex, mut choice) = (None, None, None);
+        let (mut json, mut regex, mut choice, mut grammar) = (None, None, None, None);
         for (key, value) in self.structured_outputs.iter().flatten() {
             match (key.as_str(), value) {
                 (_, Value::Null) | ("json_object", Value::Bool(false)) => {}
                 ("json", v) => json = Some(v.clone()),
                 ("regex", v) => regex = Some(v.clone()),
                 ("choice", v) => choice = Some(v.clone()),
+                ("grammar", v) => grammar = Some(v.clone()),
                 ("json_object", Value::Bool(true)) => {
                     found.push(("structured_outputs", json_grammar(json!({"type": "object"}))))
                 }
@@ -689,7 +674,7 @@ impl GenerateRequest {
                     return bad(
                         "structured_outputs",
                         format!(
-                            "structured_outputs.{other}: not supported (json, regex, choice or json_object)"
+                            "structured_outputs.{other}: not supported (json, regex, choice, grammar or json_object)"
                         ),
                     )
                 }
@@ -751,6 +736,18 @@ impl GenerateRequest {
             }
             let alternatives: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
             found.push((param, TopLevelGrammar::from_regex(&alternatives.join("|"))));
+        }
+        let grammars = [
+            ("guided_grammar", self.guided_grammar.clone()),
+            ("structured_outputs", grammar),
+        ];
+        for (param, g) in grammars {
+            let Some(g) = g.filter(|g| !g.is_null()) else {
+                continue;
+            };
+            let lark = crate::gbnf::to_lark(&text(param, &g)?)
+                .map_err(|e| ApiError::bad_request(format!("{param}: {e}")).param(param))?;
+            found.push((param, TopLevelGrammar::from_lark(lark)));
         }
         match found.len() {
             0 => Ok(None),

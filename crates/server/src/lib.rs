@@ -9,6 +9,7 @@
 //! blocks are freed at the engine's next step.
 
 mod api;
+mod gbnf;
 mod guided;
 mod metrics;
 mod output;
@@ -180,11 +181,16 @@ impl Service {
     /// The text of token `id` on its own (`token_id:ID` without a tokenizer, as vLLM writes it)
     /// and its bytes: a byte-level BPE token's own bytes (part of a character, possibly), else
     /// the text's.
-    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
-        let Some(t) = self.tokenizer.as_ref() else {
-            let text = format!("token_id:{id}");
-            let bytes = text.clone().into_bytes();
-            return (text, bytes);
+    /// A token's text and bytes for log-probabilities: `token_id:ID` when `as_id` (vLLM's
+    /// `return_tokens_as_token_ids`) or without a tokenizer.
+    fn token_text(&self, id: u32, as_id: bool) -> (String, Vec<u8>) {
+        let t = match self.tokenizer.as_ref() {
+            Some(t) if !as_id => t,
+            _ => {
+                let text = format!("token_id:{id}");
+                let bytes = text.clone().into_bytes();
+                return (text, bytes);
+            }
         };
         let text = t.decode(&[id], false).unwrap_or_default();
         let bytes = t
@@ -362,6 +368,7 @@ impl Service {
             logit_bias: req.logit_bias()?,
             min_tokens: req.min_tokens,
             allowed_ids: req.allowed_ids(),
+            bad_words: self.bad_words(&req)?,
         };
         let mut stop_ids = if req.ignore_eos {
             Vec::new()
@@ -420,8 +427,13 @@ impl Service {
             requests,
             stream: req.stream,
             include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            continuous_usage: req
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
             logprobs,
             return_token_ids: req.return_token_ids,
+            tokens_as_ids: req.return_tokens_as_token_ids == Some(true),
             arrived,
         })
     }
@@ -568,6 +580,36 @@ impl Service {
         }
     }
 
+    /// vLLM's `bad_words` as id sequences: each word's ids (leading whitespace dropped), and
+    /// those of the word after a space (the word inside a text) where they differ. (vLLM takes
+    /// the latter only when they are as many ids: with a byte-level vocabulary, where a word
+    /// after a space is often one id and alone two, it would let the word through mid-text.)
+    fn bad_words(&self, req: &GenerateRequest) -> Result<Vec<Vec<u32>>, ApiError> {
+        let mut out = Vec::new();
+        for word in req.bad_words.iter().flatten() {
+            let word = word.trim_start();
+            if word.is_empty() {
+                return Err(ApiError::bad_request("bad_words: an empty word").param("bad_words"));
+            }
+            let tokenizer = self.tokenizer().map_err(|_| {
+                ApiError::bad_request("bad_words: this server has no tokenizer").param("bad_words")
+            })?;
+            let encode = |text: &str| {
+                tokenizer
+                    .encode(text, false)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer: {e}")))
+            };
+            let alone = encode(word)?;
+            let spaced = encode(&format!(" {word}"))?;
+            if spaced != alone {
+                out.push(spaced);
+            }
+            out.push(alone);
+        }
+        Ok(out)
+    }
+
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
         let ids = self
             .tokenizer()?
@@ -695,8 +737,13 @@ struct Job {
     requests: Vec<Request>,
     stream: bool,
     include_usage: bool,
+    /// vLLM's `continuous_usage_stats` (with `include_usage`): each chunk carries its choice's
+    /// usage so far.
+    continuous_usage: bool,
     logprobs: Logprobs,
     return_token_ids: bool,
+    /// Log-probabilities name tokens `token_id:ID` (vLLM's `return_tokens_as_token_ids`).
+    tokens_as_ids: bool,
     arrived: Instant,
 }
 
@@ -902,7 +949,7 @@ fn usage_json(job: &Job, choices: &[Choice]) -> Value {
 /// token id of `{logprob, rank, decoded_token}`: its `top` most likely ids (ranks 1..=top) and
 /// the prompt's own token (its rank).
 fn prompt_logprobs_json(svc: &Service, lps: &[Sampled], top: usize) -> Value {
-    let entry = |id: u32, lp: f32, rank: Option<u32>| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id).0 });
+    let entry = |id: u32, lp: f32, rank: Option<u32>| json!({ "logprob": lp, "rank": rank, "decoded_token": svc.token_text(id, false).0 });
     let rows = lps.iter().map(|s| {
         let mut m = Map::new();
         m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
@@ -950,7 +997,7 @@ impl Job {
         match self.endpoint {
             Endpoint::Chat => {
                 let entry = |id: u32, lp: f32| {
-                    let (token, bytes) = svc.token_text(id);
+                    let (token, bytes) = svc.token_text(id, self.tokens_as_ids);
                     json!({ "token": token, "logprob": lp, "bytes": bytes })
                 };
                 let content: Vec<Value> = lps
@@ -970,7 +1017,7 @@ impl Job {
             }
             Endpoint::Completions => {
                 let ids = lead.into_iter().chain(lps.iter().map(|s| s.token));
-                let tokens: Vec<String> = ids.map(|t| svc.token_text(t).0).collect();
+                let tokens: Vec<String> = ids.map(|t| svc.token_text(t, self.tokens_as_ids).0).collect();
                 // Offsets count from the completion's start, across chunks.
                 let offsets: Vec<usize> = tokens
                     .iter()
@@ -988,7 +1035,7 @@ impl Job {
                             .top_logprobs
                             .iter()
                             .take(top)
-                            .map(|&(t, lp)| (svc.token_text(t).0, json!(lp)))
+                            .map(|&(t, lp)| (svc.token_text(t, self.tokens_as_ids).0, json!(lp)))
                             .collect();
                         Value::Object(m)
                     }))
@@ -1087,13 +1134,18 @@ impl Job {
             // the text waits, or without a tokenizer).
             body["token_ids"] = json!(up.ids);
         }
-        Some(json!({
+        let mut out = json!({
             "id": self.id,
             "object": self.object(true),
             "created": self.created,
             "model": svc.cfg.model_id,
             "choices": [body],
-        }))
+        });
+        if self.continuous_usage {
+            let (p, c) = (prompt.ids.len(), choice.ids.len());
+            out["usage"] = json!({ "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c });
+        }
+        Some(out)
     }
 
     /// The whole response once every choice has ended.

@@ -424,6 +424,23 @@ async fn streamed_text_equals_the_whole() {
         let usage = parsed.last().unwrap();
         assert_eq!(usage["choices"], json!([]));
         assert_eq!(usage["usage"], whole["usage"], "{path}");
+        assert!(parsed[..parsed.len() - 1]
+            .iter()
+            .all(|c| c.get("usage").is_none()));
+        // vLLM's continuous_usage_stats: each chunk's usage counts the ids sent so far.
+        body["stream_options"]["continuous_usage_stats"] = json!(true);
+        let continuous = chunks(&server.stream(path, &body).await);
+        assert_eq!(continuous.len(), parsed.len(), "{path}");
+        let mut sent = 0;
+        for c in &continuous[..continuous.len() - 1] {
+            sent += c["choices"][0]["token_ids"].as_array().map_or(0, Vec::len);
+            let prompt = whole["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+            let want =
+                json!({ "prompt_tokens": prompt, "completion_tokens": sent, "total_tokens": prompt + sent });
+            assert_eq!(c["usage"], want, "{path}: {c}");
+        }
+        assert_eq!(Some(sent as u64), whole["usage"]["completion_tokens"].as_u64());
+        assert_eq!(continuous.last().unwrap()["usage"], whole["usage"], "{path}");
         let finish = &parsed[parsed.len() - 2]["choices"][0]["finish_reason"];
         assert_eq!(finish, &whole["choices"][0]["finish_reason"], "{path}");
         assert!(parsed[..parsed.len() - 2]
@@ -600,6 +617,48 @@ async fn choices_seeds_and_logprobs() {
         assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
         assert_eq!(e["bytes"], json!(e["token"].as_str().unwrap().as_bytes()));
     }
+    // vLLM's return_tokens_as_token_ids: the same entries, each token named `token_id:ID`.
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let mut body = json!({ "max_tokens": 4, "temperature": 0, "return_token_ids": true });
+        if path.contains("chat") {
+            body["messages"] = json!([{"role": "user", "content": "hi"}]);
+            body["logprobs"] = json!(true);
+            body["top_logprobs"] = json!(2);
+        } else {
+            body["prompt"] = json!("hi");
+            body["logprobs"] = json!(2);
+        }
+        let (_, a) = server.post(path, &body).await;
+        body["return_tokens_as_token_ids"] = json!(true);
+        let (status, b) = server.post(path, &body).await;
+        assert_eq!(status, 200, "{b}");
+        let ids = b["choices"][0]["token_ids"].as_array().unwrap();
+        assert_eq!(ids, a["choices"][0]["token_ids"].as_array().unwrap());
+        let name = |id: &Value| format!("token_id:{id}");
+        let (la, lb) = (&a["choices"][0]["logprobs"], &b["choices"][0]["logprobs"]);
+        if path.contains("chat") {
+            let (ca, cb) = (
+                la["content"].as_array().unwrap(),
+                lb["content"].as_array().unwrap(),
+            );
+            assert_eq!(cb.len(), ids.len());
+            for ((ea, eb), id) in ca.iter().zip(cb).zip(ids) {
+                assert_eq!(eb["token"], name(id), "{eb}");
+                assert_eq!(eb["bytes"], json!(name(id).as_bytes()));
+                assert_eq!(eb["logprob"], ea["logprob"]);
+                for t in eb["top_logprobs"].as_array().unwrap() {
+                    assert!(t["token"].as_str().unwrap().starts_with("token_id:"), "{t}");
+                }
+            }
+        } else {
+            let want: Vec<String> = ids.iter().map(name).collect();
+            assert_eq!(lb["tokens"], json!(want));
+            assert_eq!(lb["token_logprobs"], la["token_logprobs"]);
+            let top = lb["top_logprobs"][0].as_object().unwrap();
+            assert_eq!(top.len(), 2);
+            assert!(top.keys().all(|k| k.starts_with("token_id:")), "{top:?}");
+        }
+    }
     server.stop().await;
 }
 
@@ -737,6 +796,9 @@ async fn structured_output_matches_its_schema() {
     };
     let (drafting, _) = Server::start(EngineConfig::default(), spec_cfg).await;
     let choices = ["yes", "no", "maybe (so)"];
+    let gbnf = "root ::= answer \" because \" reason \".\"\n# the verdict\nanswer ::=\n  \"yes\" |\n  \"no\"\nreason ::= [a-z]{1,12} (\" \" [a-z]{1,12}){0,3}\n";
+    // The same language in llguidance's Lark.
+    let lark = "start: answer \" because \" reason \".\"\nanswer: \"yes\" | \"no\"\nreason: /[a-z]{1,12}( [a-z]{1,12}){0,3}/\n";
     let schema = json!({"type": "object", "properties": {
         "answer": {"enum": ["yes", "no"]},
         "n": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -762,6 +824,11 @@ async fn structured_output_matches_its_schema() {
             json!({ "prompt": "def f(x):", "max_tokens": 40, "temperature": 0.9, "seed": 7,
                     "guided_regex": "[a-z]+( [a-z]+){0,5}\\." }),
         ),
+        // A grammar in llama.cpp's GBNF, its rules over several lines.
+        (
+            "/v1/completions",
+            json!({ "prompt": "Is it true?", "max_tokens": 80, "temperature": 0, "guided_grammar": gbnf }),
+        ),
     ];
     for (i, (path, body)) in cases.iter().enumerate() {
         let (status, v) = plain.post(path, body).await;
@@ -777,6 +844,16 @@ async fn structured_output_matches_its_schema() {
         match i {
             0 => assert!(choices.contains(&text), "{text:?}"),
             2 if c["finish_reason"] == "length" => {}
+            4 => {
+                let (answer, reason) = text.split_once(" because ").unwrap_or_else(|| panic!("{text:?}"));
+                assert!(["yes", "no"].contains(&answer), "{text:?}");
+                let words = reason.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
+                let ok = |w: &str| (1..=12).contains(&w.len()) && w.chars().all(|c| c.is_ascii_lowercase());
+                assert!(
+                    words.split(' ').all(ok) && words.split(' ').count() <= 4,
+                    "{text:?}"
+                );
+            }
             3 => {
                 let words = text.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
                 let ok = |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase());
@@ -818,6 +895,7 @@ async fn structured_output_matches_its_schema() {
         (3, "regex", "guided_regex"),
         (1, "json", "response_format"),
         (2, "json_object", "response_format"),
+        (4, "grammar", "guided_grammar"),
     ] {
         let (path, body) = &cases[i];
         let mut newer = body.clone();
@@ -834,6 +912,14 @@ async fn structured_output_matches_its_schema() {
         assert_eq!(status, 200, "{key}: {b}");
         assert_eq!(a["choices"][0], b["choices"][0], "{key}");
     }
+    // The grammar in Lark gives what it gives in GBNF.
+    let (path, body) = &cases[4];
+    let mut in_lark = body.clone();
+    in_lark["guided_grammar"] = json!(lark);
+    let (_, a) = plain.post(path, body).await;
+    let (status, b) = plain.post(path, &in_lark).await;
+    assert_eq!(status, 200, "lark: {b}");
+    assert_eq!(a["choices"][0], b["choices"][0], "lark");
     let drafted = drafting.metrics().await["qwen36_spec_draft_tokens_total"];
     assert!(drafted > 0.0, "the drafting server verified no drafts");
     let c = "/v1/completions";
@@ -862,9 +948,35 @@ async fn structured_output_matches_its_schema() {
             "not with guided_regex",
         ),
         (
-            json!({"structured_outputs": {"grammar": "root ::= \"a\""}}),
+            json!({"structured_outputs": {"grammar": "root ::= \"a"}}),
             "structured_outputs",
-            "structured_outputs.grammar: not supported",
+            "structured_outputs: GBNF: a string is not closed",
+        ),
+        (
+            json!({"guided_grammar": "a ::= \"a\""}),
+            "guided_grammar",
+            "no root rule",
+        ),
+        (
+            json!({"guided_grammar": 3}),
+            "guided_grammar",
+            "expected a string",
+        ),
+        // (Lark that llguidance refuses: named when compiled.)
+        (
+            json!({"guided_grammar": "start: undefined_rule"}),
+            "guided_grammar",
+            "guided_grammar: ",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: \"a\""}, "guided_regex": "a"}),
+            "structured_outputs",
+            "one structured-output constraint",
+        ),
+        (
+            json!({"structured_outputs": {"frobnicate": 1}}),
+            "structured_outputs",
+            "structured_outputs.frobnicate: not supported",
         ),
         (
             json!({"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": true}}),
@@ -902,6 +1014,85 @@ async fn structured_output_matches_its_schema() {
         assert_eq!(v["error"]["param"], param, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
     }
+    plain.stop().await;
+    drafting.stop().await;
+}
+
+/// vLLM's `bad_words`: the output never holds a word's ids (as a text starts with it, or after
+/// a space); before the first place it held them, it is the output without the ban, and there it
+/// differs; prompt-lookup drafts change nothing (the ban reads each verify row's own output).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_words_never_come() {
+    let (plain, _) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let spec_cfg = ServerConfig {
+        speculation: Some(Speculation::ngram(3)),
+        ..ServerConfig::default()
+    };
+    let (drafting, _) = Server::start(EngineConfig::default(), spec_cfg).await;
+    let c = "/v1/completions";
+    let ids_of = |v: &Value| -> Vec<u64> {
+        v["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let tokens = |v: Value| -> Vec<u64> {
+        v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    for temperature in [0.0, 0.8] {
+        let body = json!({ "prompt": "def fib(n):\n    \"\"\"Return the", "max_tokens": 48, "temperature": temperature,
+                           "seed": 11, "return_token_ids": true });
+        let (status, free) = plain.post(c, &body).await;
+        assert_eq!(status, 200, "{free}");
+        let free_ids = ids_of(&free);
+        // A word the output writes inside its text: a token after the first that is a space and
+        // letters.
+        let mut word = None;
+        for &id in &free_ids[1..] {
+            let (_, t) = plain.post("/detokenize", &json!({ "tokens": [id] })).await;
+            let t = t["prompt"].as_str().unwrap().to_string();
+            if t.len() > 2 && t.starts_with(' ') && t[1..].chars().all(|c| c.is_ascii_alphabetic()) {
+                word = Some(t[1..].to_string());
+                break;
+            }
+        }
+        let word = word.unwrap_or_else(|| panic!("no word in {free}"));
+        let mut banned = Vec::new();
+        for text in [word.clone(), format!(" {word}")] {
+            let (_, v) = plain.post("/tokenize", &json!({ "prompt": text })).await;
+            banned.push(tokens(v));
+        }
+        let holds = |ids: &[u64], w: &[u64]| ids.windows(w.len()).position(|s| s == w);
+        // Where the free output first ends a banned sequence.
+        let first = banned
+            .iter()
+            .filter_map(|w| holds(&free_ids, w).map(|p| p + w.len() - 1))
+            .min()
+            .unwrap();
+        let mut ban = body.clone();
+        ban["bad_words"] = json!([format!("  {word}")]);
+        let (status, v) = plain.post(c, &ban).await;
+        assert_eq!(status, 200, "{v}");
+        let ids = ids_of(&v);
+        for w in &banned {
+            assert_eq!(holds(&ids, w), None, "{word:?} {w:?} in {v}");
+        }
+        assert_eq!(ids[..first], free_ids[..first], "t {temperature}: {word:?}");
+        assert_ne!(ids.get(first), free_ids.get(first), "t {temperature}: {word:?}");
+        let (_, d) = drafting.post(c, &ban).await;
+        assert_eq!(
+            d["choices"][0], v["choices"][0],
+            "t {temperature}: drafts change nothing"
+        );
+    }
+    assert!(drafting.metrics().await["qwen36_spec_draft_tokens_total"] > 0.0);
     plain.stop().await;
     drafting.stop().await;
 }
@@ -1409,13 +1600,10 @@ async fn bad_requests_get_error_objects() {
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}"#.into(), ok, 400, "at least one token", Some("max_tokens")),
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
         // vLLM's fields this server does not serve: refused, not ignored.
-        (c, r#"{"prompt": [1], "guided_grammar": "root ::= \"a\""}"#.into(), ok, 400, "guided_grammar: a grammar", Some("guided_grammar")),
-        (c, r#"{"prompt": [1], "bad_words": ["x"]}"#.into(), ok, 400, "bad_words", Some("bad_words")),
+        (c, r#"{"prompt": [1], "bad_words": ["x", " "]}"#.into(), ok, 400, "bad_words: an empty word", Some("bad_words")),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "a chat template per request", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
         (c, r#"{"prompt": [1], "skip_special_tokens": false}"#.into(), ok, 400, "special tokens", Some("skip_special_tokens")),
-        (c, r#"{"prompt": [1], "return_tokens_as_token_ids": true}"#.into(), ok, 400, "return_tokens_as_token_ids", Some("return_tokens_as_token_ids")),
-        (c, r#"{"prompt": [1], "stream": true, "stream_options": {"continuous_usage_stats": true}}"#.into(), ok, 400, "continuous_usage_stats", Some("stream_options")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 0}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 99999999}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
         (c, r#"{"prompt": [1], "allowed_token_ids": [3, 99999]}"#.into(), ok, 400, "allowed_token_ids: token 99999", None),
