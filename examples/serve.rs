@@ -87,6 +87,11 @@ struct Args {
     /// A Jinja chat template file to use instead of the checkpoint's.
     #[arg(long, conflicts_with = "config")]
     chat_template: Option<std::path::PathBuf>,
+    /// Render a chat with the request's own `chat_template` where it gives one (vLLM's flag;
+    /// without it such a request is refused). A template runs sandboxed, but a client may make
+    /// it slow or large: trust the clients that can reach the server.
+    #[arg(long)]
+    trust_request_chat_template: bool,
     /// Leave `<think>…</think>` in the content instead of `reasoning_content`.
     #[arg(long)]
     no_reasoning_parser: bool,
@@ -327,6 +332,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         api_key: args.api_key.clone(),
         speculation: parts.speculation,
         reasoning: !args.no_reasoning_parser,
+        trust_request_chat_template: args.trust_request_chat_template,
         ..ServerConfig::default()
     };
     let context = client.context();

@@ -270,6 +270,13 @@ impl ChatTemplate {
         Self::compile(vec![template], self.special_tokens.clone()).map(|t| t.expect("one template"))
     }
 
+    /// A template of `source` alone, without a checkpoint's special tokens (a request's own:
+    /// errors name no file).
+    pub fn from_source(source: impl Into<String>) -> Result<Self> {
+        let template = (DEFAULT.to_string(), PathBuf::from("chat_template"), source.into());
+        Self::compile(vec![template], Vec::new()).map(|t| t.expect("one template"))
+    }
+
     /// Renders `messages`; `add_generation_prompt` opens the assistant turn, `enable_thinking =
     /// false` asks Qwen templates for an empty think block. Same as [`Self::render_json`].
     pub fn render(

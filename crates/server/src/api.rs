@@ -157,6 +157,9 @@ pub struct GenerateRequest {
     pub add_generation_prompt: Option<bool>,
     /// Continue the final (assistant) message instead of starting a new one (vLLM's extension).
     pub continue_final_message: Option<bool>,
+    /// A Jinja chat template for this request instead of the model's (vLLM's extension; only
+    /// where the server trusts request templates: [`crate::ServerConfig`]).
+    pub chat_template: Option<Value>,
     /// Chat template kwargs (`enable_thinking` for Qwen3.6).
     #[serde(default, deserialize_with = "null_as_default")]
     pub chat_template_kwargs: Map<String, Value>,
@@ -241,7 +244,6 @@ pub struct GenerateRequest {
     pub suffix: Option<String>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
-    pub chat_template: Option<Value>,
     pub use_beam_search: Option<bool>,
     pub skip_special_tokens: Option<bool>,
 }
@@ -322,13 +324,7 @@ impl GenerateRequest {
             return refuse("functions", "the legacy functions API (use tools)");
         }
         // vLLM's fields this server does not serve, when set to anything but their neutral value.
-        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
         let unserved = [
-            (
-                set(&self.chat_template),
-                "chat_template",
-                "a chat template per request (the server's is set at its start)",
-            ),
             (
                 self.use_beam_search == Some(true),
                 "use_beam_search",

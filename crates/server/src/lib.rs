@@ -60,6 +60,9 @@ pub struct ServerConfig {
     /// Split chat output's `<think>…</think>` into `reasoning_content` (Qwen3's reasoning
     /// parser); `false` leaves it in `content`.
     pub reasoning: bool,
+    /// Render a chat with the request's own `chat_template` where it gives one (vLLM's
+    /// `--trust-request-chat-template`); `false` refuses such a request.
+    pub trust_request_chat_template: bool,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +73,7 @@ impl Default for ServerConfig {
             speculation: None,
             max_body_bytes: 4 << 20,
             reasoning: true,
+            trust_request_chat_template: false,
         }
     }
 }
@@ -231,7 +235,7 @@ impl Service {
         let svc = self.clone();
         let req = Arc::new(req);
         let r = req.clone();
-        let (prompts, thinking) = tokio::task::spawn_blocking(move || svc.prompts(endpoint, &r))
+        let (prompts, thinking, form) = tokio::task::spawn_blocking(move || svc.prompts(endpoint, &r))
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
         // (More than the engine takes at once would be refused as a full queue on every retry.)
@@ -247,10 +251,6 @@ impl Service {
             .into_iter()
             .map(|p| req.truncate_prompt(p, self.context))
             .collect::<Result<Vec<_>, _>>()?;
-        let form = self
-            .template
-            .as_ref()
-            .map_or(ToolCallForm::Json, |t| ToolCallForm::of_template(t.source()));
         let grammar = match (req.grammar()?, req.tool_grammar(&tool_choice, form)) {
             (Some((param, _)), Some(_)) => {
                 return Err(ApiError::bad_request(format!(
@@ -454,9 +454,16 @@ impl Service {
         }
     }
 
-    /// The ids of each prompt (a chat's one), and whether the model starts inside an open
-    /// `<think>` block.
-    fn prompts(&self, endpoint: Endpoint, req: &GenerateRequest) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
+    /// The ids of each prompt (a chat's one), whether the model starts inside an open
+    /// `<think>` block, and the tool-call form of the chat template rendered.
+    fn prompts(
+        &self,
+        endpoint: Endpoint,
+        req: &GenerateRequest,
+    ) -> Result<(Vec<Vec<u32>>, bool, ToolCallForm), ApiError> {
+        let form = |t: Option<&ChatTemplate>| {
+            t.map_or(ToolCallForm::Json, |t| ToolCallForm::of_template(t.source()))
+        };
         match endpoint {
             Endpoint::Completions => match &req.prompt {
                 Some(p) => {
@@ -464,7 +471,11 @@ impl Service {
                         OnePrompt::Text(text) => self.encode(text),
                         OnePrompt::Ids(ids) => Ok(ids.to_vec()),
                     });
-                    Ok((ids.collect::<Result<_, _>>()?, false))
+                    Ok((
+                        ids.collect::<Result<_, _>>()?,
+                        false,
+                        form(self.template.as_ref()),
+                    ))
                 }
                 None => Err(ApiError::bad_request(
                     "prompt: a text, a list of token ids, or a list of either is needed",
@@ -472,17 +483,44 @@ impl Service {
                 .param("prompt")),
             },
             Endpoint::Chat => {
-                let text = self.render(req)?;
+                let own = self.request_template(req)?;
+                let template = own.as_ref().or(self.template.as_ref());
+                let text = self.render(req, template)?;
                 Ok((
                     vec![self.encode(&text)?],
                     OutputParser::prompt_is_thinking(generation_prompt(&text)),
+                    form(template),
                 ))
             }
         }
     }
 
-    /// The chat template applied to the request's messages and tools.
-    fn render(&self, req: &GenerateRequest) -> Result<String, ApiError> {
+    /// The request's own `chat_template`, compiled, where it gives one (vLLM's extension, which
+    /// the server takes only when it trusts request templates).
+    fn request_template(&self, req: &GenerateRequest) -> Result<Option<ChatTemplate>, ApiError> {
+        let bad = |msg: String| ApiError::bad_request(msg).param("chat_template");
+        let source = match &req.chat_template {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::String(s)) => s,
+            Some(_) => return Err(bad("chat_template: expected a string (a Jinja template)".into())),
+        };
+        if !self.cfg.trust_request_chat_template {
+            return Err(bad(
+                "chat_template: a template per request is taken only by a server started with \
+                 --trust-request-chat-template"
+                    .into(),
+            ));
+        }
+        ChatTemplate::from_source(source.as_str()).map(Some).map_err(|e| {
+            bad(match e {
+                qwen36::Error::File { msg, .. } => msg,
+                e => format!("chat_template: {e}"),
+            })
+        })
+    }
+
+    /// `template` applied to the request's messages and tools.
+    fn render(&self, req: &GenerateRequest, template: Option<&ChatTemplate>) -> Result<String, ApiError> {
         let messages = match &req.messages {
             Some(m) if !m.is_empty() => m,
             _ => {
@@ -524,9 +562,7 @@ impl Service {
                 }
             }
         }
-        let template = self
-            .template
-            .as_ref()
+        let template = template
             .ok_or_else(|| ApiError::bad_request("the model has no chat template: use /v1/completions"))?;
         let messages: Vec<Value> = messages
             .iter()
@@ -1592,7 +1628,7 @@ async fn tokenize(
     };
     req.check_endpoint(endpoint == Endpoint::Chat)?;
     let s = svc.clone();
-    let (mut prompts, _) = tokio::task::spawn_blocking(move || s.prompts(endpoint, &req))
+    let (mut prompts, _, _) = tokio::task::spawn_blocking(move || s.prompts(endpoint, &req))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
     if prompts.len() != 1 {

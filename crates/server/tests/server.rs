@@ -1018,6 +1018,60 @@ async fn structured_output_matches_its_schema() {
     drafting.stop().await;
 }
 
+/// vLLM's per-request `chat_template`, on a server that trusts them: the chat runs the prompt
+/// that template renders (the completion of that text, token for token), `/tokenize` renders it
+/// too, and a template that does not compile or is no string is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_chat_template_renders_where_trusted() {
+    let cfg = ServerConfig {
+        trust_request_chat_template: true,
+        ..ServerConfig::default()
+    };
+    let (server, _) = Server::start(EngineConfig::default(), cfg).await;
+    let template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}\
+                    {% if add_generation_prompt %}[answer]{% endif %}";
+    let messages =
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]);
+    let rendered = "[system] Be brief.\n[user] def f(x):\n[answer]";
+    let chat = json!({ "messages": messages, "chat_template": template, "max_tokens": 12, "temperature": 0,
+                       "return_token_ids": true, "chat_template_kwargs": {"enable_thinking": false} });
+    let (status, c) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{c}");
+    let (_, want) = server.post("/tokenize", &json!({ "prompt": rendered })).await;
+    assert_eq!(c["prompt_token_ids"], want["tokens"], "{c}");
+    let (_, t) = server
+        .post(
+            "/tokenize",
+            &json!({ "messages": messages, "chat_template": template }),
+        )
+        .await;
+    assert_eq!(t["tokens"], want["tokens"], "{t}");
+    let (_, plain) = server
+        .post(
+            "/v1/completions",
+            &json!({ "prompt": rendered, "max_tokens": 12, "temperature": 0, "return_token_ids": true }),
+        )
+        .await;
+    assert_eq!(c["choices"][0]["token_ids"], plain["choices"][0]["token_ids"]);
+    // Without one, the model's template: another prompt.
+    let mut own = chat.clone();
+    own.as_object_mut().unwrap().remove("chat_template");
+    let (_, o) = server.post("/v1/chat/completions", &own).await;
+    assert_ne!(o["prompt_token_ids"], c["prompt_token_ids"]);
+    for (bad, says) in [
+        (json!("{% if %}"), "chat_template: "),
+        (json!(3), "expected a string"),
+    ] {
+        let mut body = chat.clone();
+        body["chat_template"] = bad;
+        let (status, v) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "chat_template", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
+    }
+    server.stop().await;
+}
+
 /// vLLM's `bad_words`: the output never holds a word's ids (as a text starts with it, or after
 /// a space); before the first place it held them, it is the output without the ban, and there it
 /// differs; prompt-lookup drafts change nothing (the ban reads each verify row's own output).
@@ -1601,7 +1655,7 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
         // vLLM's fields this server does not serve: refused, not ignored.
         (c, r#"{"prompt": [1], "bad_words": ["x", " "]}"#.into(), ok, 400, "bad_words: an empty word", Some("bad_words")),
-        (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "a chat template per request", Some("chat_template")),
+        (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "--trust-request-chat-template", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
         (c, r#"{"prompt": [1], "skip_special_tokens": false}"#.into(), ok, 400, "special tokens", Some("skip_special_tokens")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 0}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
