@@ -53,12 +53,12 @@ pub fn to_lark(text: &str) -> Result<String, String> {
     Ok(out)
 }
 
-/// Whether `text` defines a rule with `::=` at the start of a line (Lark defines with `:`).
+/// Whether a line of `text` starts with a name and `::=` (Lark defines with `:`).
 fn is_gbnf(text: &str) -> bool {
     text.lines().any(|line| {
         let line = line.trim_start();
         let name_end = line.find(|c: char| !is_name_char(c)).unwrap_or(line.len());
-        name_end > 0 && line[name_end..].trim_start().starts_with("::=")
+        line[name_end..].trim_start().starts_with("::=")
     })
 }
 
@@ -312,6 +312,23 @@ Name ::= [A-Z] [a-z_]* "\"" .
     }
 
     #[test]
+    fn names_ranges_and_comments_at_the_ends() {
+        // Names with '-' and '_', a '-' ending a class, a name and a comment ending the text.
+        let gbnf = "a_b ::= [a-] json-value\njson-value ::= \"x\" # last\nroot ::= a_b";
+        let want = concat!(
+            "start: g-root\n",
+            "g-a__b: /[\\x{61}\\x{2d}]/ g-json-value\n",
+            "g-json-value: \"x\"\n",
+            "g-root: g-a__b\n",
+        );
+        assert_eq!(to_lark(gbnf).unwrap(), want);
+        assert_eq!(
+            to_lark("root ::= \"x\" # no newline").unwrap(),
+            "start: g-root\ng-root: \"x\"\n"
+        );
+    }
+
+    #[test]
     fn gbnf_escapes_and_classes() {
         let gbnf = r#"root ::= [^"\\\x00-\x1F] "\u00e9\U0001F600\t" "a"{2,3} [\]\-]"#;
         let want = concat!(
@@ -338,11 +355,15 @@ Name ::= [A-Z] [a-z_]* "\"" .
             ("root ::= []", "empty character class"),
             ("root ::= [z-a]", "reversed"),
             ("root ::= \"\\q\"", "unknown escape"),
-            ("root ::= \"\\x4\"", "2 hex digits"),
+            ("root ::= \"\\x4\"", "escape \\x needs 2 hex digits"),
             ("root ::= \"\\uD800\"", "not a character"),
             ("root ::= \"a\" {x}", "repetition"),
             ("root ::= \"a\"\nroot ::= \"b\"", "defined twice"),
-            ("\"a\"\nroot ::= \"b\"", "expected a rule"),
+            (
+                "\"a\"\nroot ::= \"b\"",
+                "expected a rule (name ::= ...), found string \"a\"",
+            ),
+            ("root ::= \"a\" : \"b\"", "unexpected character ':'"),
             ("root ::= \"a\" ; ", "unexpected character"),
         ] {
             let err = to_lark(gbnf).unwrap_err();

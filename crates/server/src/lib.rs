@@ -1539,9 +1539,9 @@ async fn health(State(svc): State<Arc<Service>>) -> Response {
 }
 
 async fn metrics_text(State(svc): State<Arc<Service>>) -> Response {
-    let text = svc
-        .metrics
-        .render(svc.engine.load(), &svc.engine.status(), svc.engine.steps());
+    let load = svc.engine.load();
+    let mut text = svc.metrics.render(load, &svc.engine.status(), svc.engine.steps());
+    text.push_str(&svc.metrics.render_vllm(load, &svc.cfg.model_id));
     let mut r = text.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,

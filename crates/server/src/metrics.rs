@@ -1,5 +1,5 @@
 //! The server's counters, gauges and latency histograms, served as Prometheus text at
-//! `GET /metrics` (names prefixed `qwen36_`).
+//! `GET /metrics` (names prefixed `qwen36_`, and the main ones again under vLLM's `vllm:` names).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -38,12 +38,25 @@ impl Histogram {
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
+        self.render_labeled(out, name, help, "");
+    }
+
+    /// The histogram with `labels` (`key="value",...`, or empty) on every sample.
+    fn render_labeled(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let (lead, set) = match labels {
+            "" => (String::new(), String::new()),
+            l => (format!("{l},"), format!("{{{l}}}")),
+        };
         for (c, b) in self.counts.iter().zip(self.bounds) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{{lead}le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+        let _ = writeln!(out, "{name}_bucket{{{lead}le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(
+            out,
+            "{name}_sum{set} {}\n{name}_count{set} {}",
+            self.sum, self.count
+        );
     }
 }
 
@@ -332,6 +345,99 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// The main metrics again under vLLM's names (`vllm:*`, labelled `model_name`), for the
+    /// dashboards, autoscalers and routers written against vLLM: the same values as the
+    /// `qwen36_*` families (finish reasons as vLLM counts them: `tool_calls` is a `stop`).
+    pub fn render_vllm(&self, load: EngineLoad, model: &str) -> String {
+        let mut out = String::new();
+        let model = model
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let labels = format!("model_name=\"{model}\"");
+        let one = |out: &mut String, kind: &str, name: &str, help: &str, v: f64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {v}"
+            );
+        };
+        one(
+            &mut out,
+            "gauge",
+            "vllm:num_requests_running",
+            "Requests running.",
+            load.running as f64,
+        );
+        one(
+            &mut out,
+            "gauge",
+            "vllm:num_requests_waiting",
+            "Requests waiting.",
+            load.waiting as f64,
+        );
+        let usage = match load.blocks {
+            0 => 0.0,
+            n => load.blocks_used as f64 / n as f64,
+        };
+        one(
+            &mut out,
+            "gauge",
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage (1 = full).",
+            usage,
+        );
+        one(
+            &mut out,
+            "gauge",
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage (1 = full; vLLM's older name).",
+            usage,
+        );
+        if let Some(p) = load.prefix {
+            one(
+                &mut out,
+                "counter",
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                p.lookup_tokens as f64,
+            );
+            one(
+                &mut out,
+                "counter",
+                "vllm:prefix_cache_hits_total",
+                "Prompt tokens served from the prefix cache.",
+                p.hit_tokens as f64,
+            );
+        }
+        self.with(|m| {
+            one(&mut out, "counter", "vllm:prompt_tokens_total", "Prompt tokens of the requests taken.", m.prompt_tokens as f64);
+            one(&mut out, "counter", "vllm:generation_tokens_total", "Tokens generated.", m.generation_tokens as f64);
+            one(&mut out, "counter", "vllm:num_preemptions_total", "Preemptions.", m.preemptions as f64);
+            one(&mut out, "counter", "vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", m.drafted as f64);
+            one(&mut out, "counter", "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", m.accepted as f64);
+            let _ = writeln!(
+                out,
+                "# HELP vllm:request_success_total Finished requests, by finish reason.\n# TYPE vllm:request_success_total counter"
+            );
+            let count = |r: &str| m.finished.get(r).copied().unwrap_or(0);
+            for (reason, v) in [
+                ("stop", count("stop") + count("tool_calls")),
+                ("length", count("length")),
+                ("abort", count("abort")),
+                ("error", count("error")),
+            ] {
+                let _ = writeln!(out, "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} {v}");
+            }
+            m.ttft.render_labeled(&mut out, "vllm:time_to_first_token_seconds", "Time to the first token.", &labels);
+            m.tpot.render_labeled(&mut out, "vllm:time_per_output_token_seconds", "Mean time per output token after the first.", &labels);
+            m.tpot.render_labeled(&mut out, "vllm:inter_token_latency_seconds", "Mean time per output token after the first (vLLM's newer name).", &labels);
+            m.e2e.render_labeled(&mut out, "vllm:e2e_request_latency_seconds", "From arrival to the end.", &labels);
+        });
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,6 +457,84 @@ mod tests {
         assert!(out.contains("x_bucket{le=\"0.1\"} 2\n"));
         assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"));
         assert!(out.contains("x_count 4\n"));
+        let mut out = String::new();
+        h.render_labeled(&mut out, "x", "help", "m=\"a\"");
+        assert!(out.contains("x_bucket{m=\"a\",le=\"0.1\"} 2\n"), "{out}");
+        assert!(out.contains("x_bucket{m=\"a\",le=\"+Inf\"} 4\n"), "{out}");
+        assert!(out.contains("x_sum{m=\"a\"} 2.65\nx_count{m=\"a\"} 4\n"), "{out}");
+    }
+
+    /// vLLM's names carry the same values, labelled with the model (quotes escaped), finish
+    /// reasons as vLLM counts them, KV usage as a fraction, prefix-cache tokens only when it is on.
+    #[test]
+    fn vllm_names_carry_the_same_values() {
+        let m = Metrics::default();
+        m.admitted("chat", 7);
+        let usage = Usage {
+            completion_tokens: 5,
+            preemptions: 2,
+            speculation: qwen36::mtp::SpecStats {
+                drafted: 4,
+                accepted: 3,
+                ..Default::default()
+            },
+            ..Usage::default()
+        };
+        let times = ChoiceTimes {
+            first_token: Some(Duration::from_millis(200)),
+            total: Duration::from_millis(600),
+        };
+        m.finished("stop", Some(&usage), times);
+        m.finished("tool_calls", Some(&usage), times);
+        m.finished("length", Some(&usage), times);
+        m.finished("abort", None, ChoiceTimes::default());
+        let load = EngineLoad {
+            running: 3,
+            waiting: 1,
+            blocks: 8,
+            blocks_used: 2,
+            ..EngineLoad::default()
+        };
+        let text = m.render_vllm(load, "q\"1");
+        let l = "model_name=\"q\\\"1\"";
+        for line in [
+            format!("vllm:num_requests_running{{{l}}} 3"),
+            format!("vllm:num_requests_waiting{{{l}}} 1"),
+            format!("vllm:kv_cache_usage_perc{{{l}}} 0.25"),
+            format!("vllm:gpu_cache_usage_perc{{{l}}} 0.25"),
+            format!("vllm:prompt_tokens_total{{{l}}} 7"),
+            format!("vllm:generation_tokens_total{{{l}}} 15"),
+            format!("vllm:num_preemptions_total{{{l}}} 6"),
+            format!("vllm:spec_decode_num_draft_tokens_total{{{l}}} 12"),
+            format!("vllm:spec_decode_num_accepted_tokens_total{{{l}}} 9"),
+            format!("vllm:request_success_total{{{l},finished_reason=\"stop\"}} 2"),
+            format!("vllm:request_success_total{{{l},finished_reason=\"length\"}} 1"),
+            format!("vllm:request_success_total{{{l},finished_reason=\"abort\"}} 1"),
+            format!("vllm:request_success_total{{{l},finished_reason=\"error\"}} 0"),
+            format!("vllm:time_to_first_token_seconds_count{{{l}}} 3"),
+            format!("vllm:time_per_output_token_seconds_bucket{{{l},le=\"0.16\"}} 3"),
+            format!("vllm:inter_token_latency_seconds_count{{{l}}} 3"),
+            format!("vllm:e2e_request_latency_seconds_count{{{l}}} 3"),
+        ] {
+            assert!(text.lines().any(|x| x == line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("prefix_cache"), "{text}");
+        let with_prefix = EngineLoad {
+            prefix: Some(qwen36::engine::PrefixStats {
+                lookup_tokens: 300,
+                hit_tokens: 240,
+                ..Default::default()
+            }),
+            ..EngineLoad::default()
+        };
+        let text = m.render_vllm(with_prefix, "q");
+        for line in [
+            "vllm:prefix_cache_queries_total{model_name=\"q\"} 300",
+            "vllm:prefix_cache_hits_total{model_name=\"q\"} 240",
+            "vllm:kv_cache_usage_perc{model_name=\"q\"} 0",
+        ] {
+            assert!(text.lines().any(|x| x == line), "missing {line:?} in\n{text}");
+        }
     }
 
     /// The prefix cache's counters and memory are shown when it is on, and only then.

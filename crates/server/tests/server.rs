@@ -2797,6 +2797,16 @@ async fn a_load_of_200_requests_is_accounted_for() {
     assert_eq!(m["qwen36_choices_finished_total{reason=\"error\"}"], 0.0);
     assert_eq!(m["qwen36_generation_tokens_total"], tokens as f64);
     assert_eq!(m["qwen36_time_to_first_token_seconds_count"], 200.0);
+    // vLLM's names (what dashboards and autoscalers written for vLLM read) say the same.
+    let vllm = |name: &str| m[&format!("vllm:{name}{{model_name=\"qwen36\"}}")];
+    assert_eq!(vllm("generation_tokens_total"), tokens as f64);
+    assert_eq!(vllm("prompt_tokens_total"), m["qwen36_prompt_tokens_total"]);
+    assert_eq!(vllm("time_to_first_token_seconds_count"), 200.0);
+    let succeeded: f64 = ["stop", "length", "abort", "error"]
+        .iter()
+        .map(|r| m[&format!("vllm:request_success_total{{model_name=\"qwen36\",finished_reason=\"{r}\"}}")])
+        .sum();
+    assert_eq!(succeeded, 200.0);
     // The engine's steps reach the metrics (on their own thread, as each step ends).
     assert!(m["qwen36_engine_step_seconds_count"] > 0.0);
     assert!(m["qwen36_engine_step_tokens_sum"] >= m["qwen36_engine_step_seconds_count"]);
