@@ -451,6 +451,7 @@ impl Engine {
                 TextStream::new(&req.stop_strings)
                     .min_tokens(min_tokens)
                     .keep_stop_strings(req.keep_stop_strings)
+                    .keep_special_tokens(req.keep_special_tokens)
             }),
             logprobs: req.logprobs,
             prompt_logprobs: req.prompt_logprobs,

@@ -28,6 +28,9 @@ pub struct Request {
     /// The text ends after a matched stop string rather than where it starts, and a stop id's
     /// text (when it has any) is kept.
     pub keep_stop_strings: bool,
+    /// The text writes special tokens out (vLLM's `skip_special_tokens: false`; needs a
+    /// detokenizer that can: [`qwen36_sampling::Detokenize::decode_special`]).
+    pub keep_special_tokens: bool,
     /// Send each token's log-probability (and `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
     /// Send each prompt token's log-probability given the tokens before it, with this many
@@ -112,6 +115,7 @@ impl Request {
             stop_ids: Vec::new(),
             stop_strings: Vec::new(),
             keep_stop_strings: false,
+            keep_special_tokens: false,
             logprobs: false,
             prompt_logprobs: None,
             constraint: None,

@@ -212,6 +212,19 @@ impl GenerationOutput {
     }
 }
 
+/// A tokenizer as an engine's detokenizer: special tokens skipped, or written out.
+struct TokenizerText(Tokenizer);
+
+impl qwen36_sampling::Detokenize for TokenizerText {
+    fn decode(&self, ids: &[u32]) -> std::result::Result<String, String> {
+        self.0.decode(ids, true).map_err(|e| e.to_string())
+    }
+
+    fn decode_special(&self, ids: &[u32]) -> std::result::Result<String, String> {
+        self.0.decode(ids, false).map_err(|e| e.to_string())
+    }
+}
+
 /// A model with its tokenizer and generation defaults, generating one sequence at a time.
 ///
 /// Each generation is one request to an [`Engine`] with one sequence slot, stepped on the
@@ -372,13 +385,11 @@ impl Generator {
         self.tok()?.decode(ids, true).map_err(|e| self.tok_err(e))
     }
 
-    /// The tokenizer's decode (special tokens skipped, as [`Self::decode`]) for an engine's
-    /// events ([`qwen36_engine::Engine::with_detokenizer`]); `None` without a tokenizer.
+    /// The tokenizer's decode (special tokens skipped, as [`Self::decode`], or written out for a
+    /// request that keeps them) for an engine's events
+    /// ([`qwen36_engine::Engine::with_detokenizer`]); `None` without a tokenizer.
     pub fn detokenizer(&self) -> Option<std::sync::Arc<dyn qwen36_sampling::Detokenize>> {
-        let tok = self.tokenizer.clone()?;
-        Some(std::sync::Arc::new(move |ids: &[u32]| {
-            tok.decode(ids, true).map_err(|e| e.to_string())
-        }))
+        Some(std::sync::Arc::new(TokenizerText(self.tokenizer.clone()?)))
     }
 
     /// The stop ids used when the options give none: generation_config's, else config.json's.
@@ -503,6 +514,7 @@ impl Generator {
             stop_ids: stop_ids.clone(),
             stop_strings: opts.stop_strings.clone(),
             keep_stop_strings: false,
+            keep_special_tokens: false,
             logprobs: false,
             prompt_logprobs: None,
             constraint: None,

@@ -8,6 +8,12 @@ use crate::StopStrings;
 pub trait Detokenize: Send + Sync {
     /// The text of `ids`; an error says why they cannot be decoded.
     fn decode(&self, ids: &[u32]) -> Result<String, String>;
+
+    /// The text of `ids` with special tokens written out (vLLM's `skip_special_tokens:
+    /// false`); [`Self::decode`]'s where a detokenizer makes no difference.
+    fn decode_special(&self, ids: &[u32]) -> Result<String, String> {
+        self.decode(ids)
+    }
 }
 
 impl<F: Fn(&[u32]) -> Result<String, String> + Send + Sync> Detokenize for F {
@@ -39,6 +45,8 @@ pub struct TextStream {
     quiet: usize,
     /// The text ends after a matched stop string rather than before it.
     keep_stop: bool,
+    /// Special tokens are written out ([`Detokenize::decode_special`]).
+    keep_special: bool,
 }
 
 /// The largest char boundary of `s` at or below `i`.
@@ -65,6 +73,7 @@ impl TextStream {
             min_tokens: 0,
             quiet: 0,
             keep_stop: false,
+            keep_special: false,
         }
     }
 
@@ -82,12 +91,22 @@ impl TextStream {
         self
     }
 
+    /// Writes special tokens out in the text (vLLM's `skip_special_tokens: false`).
+    pub fn keep_special_tokens(mut self, keep: bool) -> Self {
+        self.keep_special = keep;
+        self
+    }
+
     /// Adds a token; returns the newly printable text and whether generation may go on (false
     /// once a stop string matched: the text ends where it starts).
     pub fn push(&mut self, token: u32, decoder: &dyn Detokenize) -> Result<(String, bool), String> {
         self.tokens.push(token);
         let t = &mut self.text;
-        let tail = decoder.decode(&self.tokens[self.settled_tokens..])?;
+        let unsettled = &self.tokens[self.settled_tokens..];
+        let tail = match self.keep_special {
+            true => decoder.decode_special(unsettled)?,
+            false => decoder.decode(unsettled)?,
+        };
         t.truncate(self.settled_bytes);
         t.push_str(&tail);
         if !tail.ends_with('\u{FFFD}') {
@@ -284,5 +303,46 @@ mod tests {
     fn decode_errors_pass_through() {
         let mut s = TextStream::new(&[]);
         assert_eq!(s.push(9, &decode).unwrap_err(), "no token 9");
+    }
+
+    /// Token 9 is special: skipped by `decode`, `<|9|>` in `decode_special`.
+    struct Special;
+
+    impl Detokenize for Special {
+        fn decode(&self, ids: &[u32]) -> Result<String, String> {
+            decode(&ids.iter().copied().filter(|&i| i != 9).collect::<Vec<_>>())
+        }
+
+        fn decode_special(&self, ids: &[u32]) -> Result<String, String> {
+            let parts: Result<Vec<String>, String> = ids
+                .iter()
+                .map(|&i| if i == 9 { Ok("<|9|>".into()) } else { decode(&[i]) })
+                .collect();
+            parts.map(|p| p.concat())
+        }
+    }
+
+    /// A stream that keeps special tokens reads `decode_special`, one that does not `decode`; a
+    /// stop string may match a special token's text only where it is written out.
+    #[test]
+    fn special_tokens_are_written_out_when_kept() {
+        let stops = vec!["<|9|>".to_string()];
+        for (keep, want, go_on) in [(false, "Hello world", true), (true, "Hello ", false)] {
+            let mut s = TextStream::new(&stops).keep_special_tokens(keep);
+            let mut text = String::new();
+            let mut last = true;
+            for t in [0, 1, 9, 2, 3] {
+                let (piece, on) = s.push(t, &Special).unwrap();
+                text.push_str(&piece);
+                last = on;
+                if !on {
+                    break;
+                }
+            }
+            text.push_str(&s.finish());
+            assert_eq!((text.as_str(), last), (want, go_on), "keep {keep}");
+        }
+        // A plain function decodes special tokens as it decodes the rest.
+        assert_eq!(Detokenize::decode_special(&decode, &[0, 1]).unwrap(), "Hello ");
     }
 }

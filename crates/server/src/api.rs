@@ -234,6 +234,8 @@ pub struct GenerateRequest {
     pub allowed_token_ids: Vec<u32>,
     /// Keep only the prompt's last N tokens, `-1` the last `max_model_len` (vLLM's extension).
     pub truncate_prompt_tokens: Option<i64>,
+    /// `false`: the text writes special tokens out (vLLM's extension; default `true`).
+    pub skip_special_tokens: Option<bool>,
     /// Log-probabilities name their tokens `token_id:ID` (vLLM's extension).
     pub return_tokens_as_token_ids: Option<bool>,
     /// Each prompt token's log-probability with this many alternatives (vLLM's extension:
@@ -245,7 +247,6 @@ pub struct GenerateRequest {
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub use_beam_search: Option<bool>,
-    pub skip_special_tokens: Option<bool>,
 }
 
 /// How a request asked for tool calls ([`GenerateRequest::tool_choice`]).
@@ -324,18 +325,11 @@ impl GenerateRequest {
             return refuse("functions", "the legacy functions API (use tools)");
         }
         // vLLM's fields this server does not serve, when set to anything but their neutral value.
-        let unserved = [
-            (
-                self.use_beam_search == Some(true),
-                "use_beam_search",
-                "beam search",
-            ),
-            (
-                self.skip_special_tokens == Some(false),
-                "skip_special_tokens",
-                "special tokens in the text (skip_special_tokens: false)",
-            ),
-        ];
+        let unserved = [(
+            self.use_beam_search == Some(true),
+            "use_beam_search",
+            "beam search",
+        )];
         if let Some(&(_, param, what)) = unserved.iter().find(|u| u.0) {
             return refuse(param, what);
         }

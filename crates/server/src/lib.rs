@@ -394,6 +394,7 @@ impl Service {
                 stop_ids: stop_ids.clone(),
                 stop_strings: stop_strings.clone(),
                 keep_stop_strings: req.include_stop_str_in_output,
+                keep_special_tokens: req.skip_special_tokens == Some(false),
                 logprobs: logprobs.on(),
                 constraint: constraint.clone(),
                 speculation: self.cfg.speculation,

@@ -1072,6 +1072,53 @@ async fn a_request_chat_template_renders_where_trusted() {
     server.stop().await;
 }
 
+/// vLLM's `skip_special_tokens: false`: the same tokens, their text with the special ones
+/// written out (what `/detokenize` gives for the ids), streamed as whole; by default the text
+/// skips them (the tokenizer's decode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_tokens_are_written_out_when_asked() {
+    let (server, generator) = Server::start(EngineConfig::default(), ServerConfig::default()).await;
+    let prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n";
+    // Turns of a chat: the only ids allowed are those of the markers, a newline and a word.
+    let (_, allowed) = server
+        .post(
+            "/tokenize",
+            &json!({ "prompt": "<|im_end|>\n<|im_start|>user hi" }),
+        )
+        .await;
+    let body = json!({ "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+                       "return_token_ids": true, "allowed_token_ids": allowed["tokens"] });
+    let (status, skipped) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{skipped}");
+    let mut keep = body.clone();
+    keep["skip_special_tokens"] = json!(false);
+    let (status, kept) = server.post("/v1/completions", &keep).await;
+    assert_eq!(status, 200, "{kept}");
+    let ids = &kept["choices"][0]["token_ids"];
+    assert_eq!(ids, &skipped["choices"][0]["token_ids"]);
+    let ids: Vec<u32> = ids
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let (_, written) = server.post("/detokenize", &json!({ "tokens": ids })).await;
+    let kept_text = kept["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(kept_text, written["prompt"].as_str().unwrap());
+    let skipped_text = skipped["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(skipped_text, generator.decode(&ids).unwrap());
+    assert!(
+        kept_text.contains("<|im_") && !skipped_text.contains("<|im_"),
+        "{kept_text:?}"
+    );
+    keep["stream"] = json!(true);
+    assert_eq!(
+        streamed_text(&server.stream("/v1/completions", &keep).await),
+        kept_text
+    );
+    server.stop().await;
+}
+
 /// vLLM's `bad_words`: the output never holds a word's ids (as a text starts with it, or after
 /// a space); before the first place it held them, it is the output without the ban, and there it
 /// differs; prompt-lookup drafts change nothing (the ban reads each verify row's own output).
@@ -1657,7 +1704,6 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "bad_words": ["x", " "]}"#.into(), ok, 400, "bad_words: an empty word", Some("bad_words")),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "--trust-request-chat-template", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
-        (c, r#"{"prompt": [1], "skip_special_tokens": false}"#.into(), ok, 400, "special tokens", Some("skip_special_tokens")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 0}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 99999999}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
         (c, r#"{"prompt": [1], "allowed_token_ids": [3, 99999]}"#.into(), ok, 400, "allowed_token_ids: token 99999", None),
