@@ -44,6 +44,9 @@ pub enum OnePrompt<'a> {
 /// The most prompts one `/v1/completions` request may batch.
 pub const MAX_PROMPTS: usize = 256;
 
+/// The most `bad_words` a request may give (each is masked at every step of its output).
+pub const MAX_BAD_WORDS: usize = 256;
+
 impl Prompt {
     /// The prompts this holds, in order: one for a text or an id list, each element of a list
     /// of them; more than `MAX_PROMPTS` and other JSON are errors naming `prompt`. (An empty
@@ -376,6 +379,12 @@ impl GenerateRequest {
                 return refuse("echo", "echo: completions only (/v1/completions)");
             }
             return Ok(());
+        }
+        if self.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
+            return refuse(
+                "chat_template",
+                "chat_template: a chat's (/v1/chat/completions); a completion's prompt is not rendered",
+            );
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return refuse(

@@ -512,7 +512,12 @@ impl Service {
                     .into(),
             ));
         }
-        ChatTemplate::from_source(source.as_str()).map(Some).map_err(|e| {
+        // (With the model's special tokens, as transformers renders a template it is given.)
+        let compiled = match &self.template {
+            Some(t) => t.with_source(source.as_str()),
+            None => ChatTemplate::from_source(source.as_str()),
+        };
+        compiled.map(Some).map_err(|e| {
             bad(match e {
                 qwen36::Error::File { msg, .. } => msg,
                 e => format!("chat_template: {e}"),
@@ -622,8 +627,17 @@ impl Service {
     /// the latter only when they are as many ids: with a byte-level vocabulary, where a word
     /// after a space is often one id and alone two, it would let the word through mid-text.)
     fn bad_words(&self, req: &GenerateRequest) -> Result<Vec<Vec<u32>>, ApiError> {
-        let mut out = Vec::new();
-        for word in req.bad_words.iter().flatten() {
+        let words = req.bad_words.as_deref().unwrap_or_default();
+        if words.len() > api::MAX_BAD_WORDS {
+            return Err(ApiError::bad_request(format!(
+                "bad_words: {} words, at most {}",
+                words.len(),
+                api::MAX_BAD_WORDS
+            ))
+            .param("bad_words"));
+        }
+        let mut out: Vec<Vec<u32>> = Vec::new();
+        for word in words {
             let word = word.trim_start();
             if word.is_empty() {
                 return Err(ApiError::bad_request("bad_words: an empty word").param("bad_words"));
@@ -639,10 +653,11 @@ impl Service {
             };
             let alone = encode(word)?;
             let spaced = encode(&format!(" {word}"))?;
-            if spaced != alone {
-                out.push(spaced);
+            for ids in [alone, spaced] {
+                if !out.contains(&ids) {
+                    out.push(ids);
+                }
             }
-            out.push(alone);
         }
         Ok(out)
     }

@@ -349,6 +349,9 @@ impl Metrics {
     /// The main metrics again under vLLM's names (`vllm:*`, labelled `model_name`), for the
     /// dashboards, autoscalers and routers written against vLLM: the same values as the
     /// `qwen36_*` families (finish reasons as vLLM counts them: `tool_calls` is a `stop`).
+    /// Unlike vLLM's, generated tokens are counted as each choice ends, and the time per
+    /// output token is each request's mean (vLLM's `request_time_per_output_token_seconds`;
+    /// its per-token `inter_token_latency_seconds` is not served).
     pub fn render_vllm(&self, load: EngineLoad, model: &str) -> String {
         let mut out = String::new();
         let model = model
@@ -430,8 +433,7 @@ impl Metrics {
                 let _ = writeln!(out, "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} {v}");
             }
             m.ttft.render_labeled(&mut out, "vllm:time_to_first_token_seconds", "Time to the first token.", &labels);
-            m.tpot.render_labeled(&mut out, "vllm:time_per_output_token_seconds", "Mean time per output token after the first.", &labels);
-            m.tpot.render_labeled(&mut out, "vllm:inter_token_latency_seconds", "Mean time per output token after the first (vLLM's newer name).", &labels);
+            m.tpot.render_labeled(&mut out, "vllm:request_time_per_output_token_seconds", "A request's mean time per output token after the first.", &labels);
             m.e2e.render_labeled(&mut out, "vllm:e2e_request_latency_seconds", "From arrival to the end.", &labels);
         });
         out
@@ -512,8 +514,7 @@ mod tests {
             format!("vllm:request_success_total{{{l},finished_reason=\"abort\"}} 1"),
             format!("vllm:request_success_total{{{l},finished_reason=\"error\"}} 0"),
             format!("vllm:time_to_first_token_seconds_count{{{l}}} 3"),
-            format!("vllm:time_per_output_token_seconds_bucket{{{l},le=\"0.16\"}} 3"),
-            format!("vllm:inter_token_latency_seconds_count{{{l}}} 3"),
+            format!("vllm:request_time_per_output_token_seconds_bucket{{{l},le=\"0.16\"}} 3"),
             format!("vllm:e2e_request_latency_seconds_count{{{l}}} 3"),
         ] {
             assert!(text.lines().any(|x| x == line), "missing {line:?} in\n{text}");

@@ -1028,11 +1028,12 @@ async fn a_request_chat_template_renders_where_trusted() {
         ..ServerConfig::default()
     };
     let (server, _) = Server::start(EngineConfig::default(), cfg).await;
-    let template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}\
+    // (With the model's special tokens: its eos_token is <|im_end|>.)
+    let template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}\
                     {% if add_generation_prompt %}[answer]{% endif %}";
     let messages =
         json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]);
-    let rendered = "[system] Be brief.\n[user] def f(x):\n[answer]";
+    let rendered = "[system] Be brief.<|im_end|>\n[user] def f(x):<|im_end|>\n[answer]";
     let chat = json!({ "messages": messages, "chat_template": template, "max_tokens": 12, "temperature": 0,
                        "return_token_ids": true, "chat_template_kwargs": {"enable_thinking": false} });
     let (status, c) = server.post("/v1/chat/completions", &chat).await;
@@ -1702,7 +1703,9 @@ async fn bad_requests_get_error_objects() {
         (c, r#"{"prompt": [1], "best_of": 3}"#.into(), ok, 400, "best_of", Some("best_of")),
         // vLLM's fields this server does not serve: refused, not ignored.
         (c, r#"{"prompt": [1], "bad_words": ["x", " "]}"#.into(), ok, 400, "bad_words: an empty word", Some("bad_words")),
+        (c, format!(r#"{{"prompt": [1], "bad_words": {}}}"#, json!(vec!["x"; 257])), ok, 400, "bad_words: 257 words, at most 256", Some("bad_words")),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "--trust-request-chat-template", Some("chat_template")),
+        (c, r#"{"prompt": "hi", "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "chat_template: a chat's", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 0}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
         (c, r#"{"prompt": [1], "truncate_prompt_tokens": 99999999}"#.into(), ok, 400, "expected -1", Some("truncate_prompt_tokens")),
