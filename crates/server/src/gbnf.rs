@@ -490,7 +490,11 @@ list ::= "(" list ")" | greeting
             (r#"root ::= "ab"{2}?"#, &["", "abab"], &["ab", "ababab"]),
             (r#"root ::= "a" | "#, &["", "a"], &["aa"]),
             (r#"root ::= ( "a" | ) "b""#, &["b", "ab"], &["a"]),
-            (r#"root ::= "\x41\u00e9" [^a-z]"#, &["Aé1", "AéZ", "Aé^"], &["Aéb", "Aé"]),
+            (
+                r#"root ::= "\x41\u00e9" [^a-z]"#,
+                &["Aé1", "AéZ", "Aé^"],
+                &["Aéb", "Aé"],
+            ),
             (r#"root ::= . "x""#, &["\nx", "ax", "éx"], &["x", "axx"]),
             (
                 "a_b ::= \"1\"\njson-value ::= a_b \"2\"\nroot ::= json-value",
@@ -498,7 +502,11 @@ list ::= "(" list ")" | greeting
                 &["1", "2"],
             ),
             // (A rule made a terminal by one that comes later.)
-            ("root ::= w \"ing\"\nw ::= [a-z]*", &["singing", "ing"], &["sing1"]),
+            (
+                "root ::= w \"ing\"\nw ::= [a-z]*",
+                &["singing", "ing"],
+                &["sing1"],
+            ),
             (r#"root ::= "a"{,2} "b""#, &["b", "aab"], &["aaab"]),
             (r#"root ::= "a"{2,} "b""#, &["aab", "aaaab"], &["ab"]),
             (r#"root ::= [a-]+"#, &["a-a", "-"], &["b", ""]),
@@ -550,6 +558,7 @@ list ::= "(" list ")" | greeting
             ("root ::= \"a\" {0}", "repetition {0}"),
             ("root ::= \"a\" {,0}", "repetition {,0}"),
             ("root ::= \"a\" {3,1}", "repetition {3,1}"),
+            ("root ::= \"a\" {+1}", "repetition {+1}"),
             ("root ::= \"a\"\nroot ::= \"b\"", "defined twice"),
             (
                 "\"a\"\nroot ::= \"b\"",
