@@ -1195,6 +1195,11 @@ async fn bad_words_never_come() {
         );
     }
     assert!(drafting.metrics().await["qwen36_spec_draft_tokens_total"] > 0.0);
+    // As many words as a request may give (one more is a 400: bad_requests_get_error_objects).
+    let words: Vec<String> = (0..256).map(|i| format!("w{i}")).collect();
+    let body = json!({ "prompt": "x", "max_tokens": 2, "bad_words": words });
+    let (status, v) = plain.post(c, &body).await;
+    assert_eq!(status, 200, "{v}");
     plain.stop().await;
     drafting.stop().await;
 }
