@@ -221,7 +221,7 @@ pub struct GenerateRequest {
     /// {"schema": ...}}` ([`Self::grammar`]).
     pub response_format: Option<Value>,
     /// vLLM's structured-output extensions: a JSON schema, a regex, a list of choices, or a
-    /// grammar (llguidance's Lark, or llama.cpp's GBNF: [`crate::gbnf`]).
+    /// grammar (llguidance's Lark, or llama.cpp's GBNF, rewritten into Lark).
     pub guided_json: Option<Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
