@@ -1302,6 +1302,7 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
                 // The client is gone: dropping `events` cancels the requests.
                 let Some((i, event)) = next else { return };
                 let up = choices[i].apply(event, job.arrived);
+                svc.metrics.generated(up.ids.len());
                 if let Some(error) = &choices[i].error {
                     tracker.end(i, &choices[i]);
                     let error = job.named(i, error.clone());
@@ -1345,6 +1346,7 @@ async fn run(svc: Arc<Service>, mut job: Job) -> Result<Response, ApiError> {
             break;
         };
         let up = choices[i].apply(event, job.arrived);
+        svc.metrics.generated(up.ids.len());
         if up.finish.is_some() {
             tracker.end(i, &choices[i]);
             open -= 1;

@@ -1501,6 +1501,17 @@ async fn a_client_that_disconnects_frees_its_slot() {
         }
         assert_eq!(m["qwen36_requests_running"], 1.0, "stream: {stream}");
         assert_eq!(m["qwen36_choices_finished_total{reason=\"abort\"}"], left - 1.0);
+        // Its tokens count while it runs (the rate of a long generation shows before its end).
+        let before = m["qwen36_generation_tokens_total"];
+        while m["qwen36_generation_tokens_total"] <= before && shown.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            m = server.metrics().await;
+        }
+        assert!(m["qwen36_generation_tokens_total"] > before, "stream: {stream}");
+        assert_eq!(
+            m["vllm:generation_tokens_total{model_name=\"qwen36\"}"],
+            m["qwen36_generation_tokens_total"]
+        );
         client.abort();
         assert!(
             client.await.unwrap_err().is_cancelled(),
