@@ -460,3 +460,39 @@ impl MtpHead {
         Ok(self.norm.forward(&y)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+    use crate::paged::SeqChunk;
+
+    /// One u32 id per one-token chunk is taken as `[1, chunks]`; a chunk of two tokens, another
+    /// count of ids or another dtype is an input error.
+    #[test]
+    fn one_token_ids_take_one_u32_per_one_token_chunk() -> Result<()> {
+        let chunk = |slot: u32, tokens: Vec<u32>| SeqChunk {
+            slot,
+            start: 3,
+            tokens,
+            blocks: vec![0],
+            verify: false,
+        };
+        let two = ForwardBatch::new(vec![chunk(0, vec![5]), chunk(1, vec![6])]);
+        let ids = |n: usize, dtype: DType| Tensor::zeros(n, dtype, &Device::Cpu);
+        assert_eq!(one_token_ids(&ids(2, DType::U32)?, &two)?.dims(), [1, 2]);
+        let longer = ForwardBatch::new(vec![chunk(0, vec![5, 7])]);
+        for (ids, batch) in [
+            (ids(1, DType::U32)?, &longer),
+            (ids(3, DType::U32)?, &two),
+            (ids(2, DType::F32)?, &two),
+        ] {
+            assert!(
+                matches!(one_token_ids(&ids, batch), Err(Error::Input(_))),
+                "{ids:?}"
+            );
+        }
+        Ok(())
+    }
+}
