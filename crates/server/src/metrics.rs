@@ -473,13 +473,11 @@ mod tests {
         assert!(out.contains("x_sum{m=\"a\"} 2.65\nx_count{m=\"a\"} 4\n"), "{out}");
     }
 
-    /// vLLM's names carry the same values, labelled with the model (quotes escaped), finish
-    /// reasons as vLLM counts them, KV usage as a fraction, prefix-cache tokens only when it is on.
-    #[test]
-    fn vllm_names_carry_the_same_values() {
-        let m = Metrics::default();
-        m.admitted("chat", 7);
+    /// A choice's usage (7 prompt and 5 output tokens, 4 drafted and 3 accepted, preempted twice)
+    /// and times (first token at 200 ms, the end at 600 ms).
+    fn a_choice() -> (Usage, ChoiceTimes) {
         let usage = Usage {
+            prompt_tokens: 7,
             completion_tokens: 5,
             preemptions: 2,
             speculation: qwen36::mtp::SpecStats {
@@ -493,6 +491,16 @@ mod tests {
             first_token: Some(Duration::from_millis(200)),
             total: Duration::from_millis(600),
         };
+        (usage, times)
+    }
+
+    /// vLLM's names carry the same values, labelled with the model (quotes escaped), finish
+    /// reasons as vLLM counts them, KV usage as a fraction, prefix-cache tokens only when it is on.
+    #[test]
+    fn vllm_names_carry_the_same_values() {
+        let m = Metrics::default();
+        m.admitted("chat", 7);
+        let (usage, times) = a_choice();
         for reason in ["stop", "tool_calls", "length"] {
             m.generated(5);
             m.finished(reason, Some(&usage), times);
@@ -585,20 +593,7 @@ mod tests {
     fn a_finished_choice_counts_its_tokens_and_times() {
         let m = Metrics::default();
         m.admitted("chat", 7);
-        let usage = Usage {
-            prompt_tokens: 7,
-            completion_tokens: 5,
-            speculation: qwen36::mtp::SpecStats {
-                drafted: 4,
-                accepted: 3,
-                ..Default::default()
-            },
-            ..Usage::default()
-        };
-        let times = ChoiceTimes {
-            first_token: Some(Duration::from_millis(200)),
-            total: Duration::from_millis(600),
-        };
+        let (usage, times) = a_choice();
         m.generated(3);
         m.generated(0);
         m.generated(2);
