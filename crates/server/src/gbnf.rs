@@ -137,10 +137,7 @@ fn lark_body(body: &[Tok], name_of: &dyn Fn(&str) -> String) -> Result<String, S
             }
             t => {
                 atom = Some(out.len());
-                out.push(match t {
-                    Tok::Name(n) => name_of(n),
-                    t => t.lark(),
-                });
+                out.push(t.lark(name_of));
                 (repeated, filled) = (false, true);
             }
         }
@@ -231,10 +228,11 @@ impl Tok {
         }
     }
 
-    /// A literal, class or `.` in Lark (names are mapped by their rule, the rest is punctuation).
-    fn lark(&self) -> String {
+    /// The token in Lark, a rule's name by `name_of` (a body holds no `::=`: it is refused
+    /// before).
+    fn lark(&self, name_of: &dyn Fn(&str) -> String) -> String {
         match self {
-            Tok::Name(n) => n.clone(),
+            Tok::Name(n) => name_of(n),
             Tok::Defines => "::=".into(),
             Tok::Literal(s) => lark_string(s),
             Tok::Class(negated, ranges) => {
