@@ -126,6 +126,20 @@ impl SamplingParams {
         if self.bad_words.iter().any(Vec::is_empty) {
             return bad("bad_words", 0.0, "each bad word needs at least one id");
         }
+        // One-id bad words are masked at every step: if they cover every allowed id, no step
+        // could draw a token.
+        if !self.allowed_ids.is_empty()
+            && self
+                .allowed_ids
+                .iter()
+                .all(|&t| self.bad_words.iter().any(|w| w[..] == [t]))
+        {
+            return bad(
+                "bad_words",
+                0.0,
+                "masks every id of allowed_token_ids: no token could be drawn",
+            );
+        }
         Ok(())
     }
 }

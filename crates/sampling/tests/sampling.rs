@@ -193,6 +193,21 @@ fn bad_words_mask_their_last_id_after_their_prefix() {
         ..Default::default()
     };
     assert!(Sampler::new(empty).is_err());
+    // Allowed ids that one-id bad words all mask leave nothing to draw: refused up front; one
+    // allowed id left free, or a longer word ending in it, is fine.
+    let allowed = |allowed_ids: Vec<u32>, bad_words: Vec<Vec<u32>>| SamplingParams {
+        allowed_ids,
+        bad_words,
+        ..Default::default()
+    };
+    let e = allowed(vec![3, 1], vec![vec![1], vec![3]])
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bad_words") && e.contains("allowed_token_ids"), "{e}");
+    assert!(allowed(vec![3, 1], vec![vec![1]]).validate().is_ok());
+    assert!(allowed(vec![3], vec![vec![1, 3]]).validate().is_ok());
+    assert!(allowed(vec![], vec![vec![3]]).validate().is_ok());
 }
 
 /// A repetition penalty far from 1 saturates the penalised logits instead of overflowing them

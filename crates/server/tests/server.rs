@@ -1720,6 +1720,8 @@ async fn bad_requests_get_error_objects() {
         // vLLM's fields this server does not serve: refused, not ignored.
         (c, r#"{"prompt": [1], "bad_words": ["x", " "]}"#.into(), ok, 400, "bad_words: an empty word", Some("bad_words")),
         (c, format!(r#"{{"prompt": [1], "bad_words": {}}}"#, json!(vec!["x"; 257])), ok, 400, "bad_words: 257 words, at most 256", Some("bad_words")),
+        // "x" and " x" are the bundled vocabulary's ids 92 and 915: none left to draw.
+        (c, r#"{"prompt": [1], "allowed_token_ids": [92, 915], "bad_words": ["x"]}"#.into(), ok, 400, "masks every id of allowed_token_ids", None),
         (chat, r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "--trust-request-chat-template", Some("chat_template")),
         (c, r#"{"prompt": "hi", "chat_template": "{{ 1 }}"}"#.into(), ok, 400, "chat_template: a chat's", Some("chat_template")),
         (c, r#"{"prompt": [1], "use_beam_search": true}"#.into(), ok, 400, "beam search", Some("use_beam_search")),
