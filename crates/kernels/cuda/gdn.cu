@@ -6,19 +6,20 @@
 // torch's softplus (threshold 20).
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-constexpr int BV = GDN_BV;  // state columns per block (one per lane)
-constexpr int NW = GDN_WARPS;  // warps per block, and row groups per state column
+constexpr int BV = GDN_BV;  // state columns per block
+constexpr int NW = GDN_WARPS;  // warps per block
 constexpr int MAXDK = GDN_MAX_DK;
 
 // Tokens staged in shared memory at a time by the recurrent kernel.
 constexpr int TB = 8;
 
 // Gated delta rule, one token at a time (decode, speculative verify, and prefill until the chunked
-// kernel lands). Block = (batch b, value head hv, tile of BV state columns); thread t keeps column
-// j = tile*BV + t / NW of rows r = t % NW + NW*i (i < ROWS) in registers, so a column's NW threads
-// are neighbouring lanes of one warp and a token's sums over the rows are warp shuffles, with no
-// barrier in the token loop (the partial sums are added in row-group order, as a block-wide
-// reduction over NW warps holding rows w + NW*i would add them).
+// kernel lands). Block = (batch b, value head hv, tile of BV state columns); thread t keeps
+// columns CPT·(t / RG) .. + CPT - 1 of the tile, rows r = t % RG + RG·i (i < ROWS), in registers:
+// each staged k and q element it reads from shared memory serves its CPT columns, and a token's
+// sums over a column's rows are a butterfly of shuffles within half a warp, with no barrier in the
+// token loop (at the 27B shape on an H100, 16 sequences: a 6-token verify 104 -> 77 µs, a decode
+// step 48 -> 44 µs against one column a thread and 4 row groups, docs/BENCHMARKS.md §7).
 //   S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T (scale q)
 // FUSED: q, k are raw (L2-normalised here, eps), ga/gb are the a/b projections (g and beta computed
 // here from a_log, dt_bias); otherwise q, k are normalised and ga = g, gb = beta.
@@ -58,6 +59,9 @@ __device__ __forceinline__ int state_slot(const unsigned* slots, int pool, int b
 // tokens); otherwise it writes the state after all of them (a decode step, or T = 0: a replay
 // alone). Each block reads and writes only its own records: record j is read at combined token j
 // (< P) and rewritten at P + j, never earlier, so the reads of a pass see the previous pass's.
+constexpr int CPT = 4;                  // state columns per thread
+constexpr int RG = NW * 32 * CPT / BV;  // row groups: the threads of a column group
+static_assert(BV == 32 && RG == 16, "a tile's 8 column groups of 16 row groups: half a warp each");
 template <typename TQ, typename TG, bool FUSED, int ROWS>
 __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k, const TQ* __restrict__ v,
                               long qk_stride, long v_stride, const TG* __restrict__ ga, const TG* __restrict__ gb,
@@ -67,31 +71,41 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
                               float* __restrict__ s_all, int in_place, int T, int Hk, int Hv, int dk, int dv,
                               float scale, float eps, int sb, const unsigned* __restrict__ replay,
                               float* __restrict__ stash, int tmax, int stash_new) {
-    static_assert(BV == 32, "a block's NW warps are its BV columns' NW row groups");
     const int tiles = (dv + BV - 1) / BV;
     const int bh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     const int b = bh / Hv, hv = bh % Hv, hk = hv / (Hv / Hk);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    // This thread's column c of the tile and row group g; its column's row groups are lanes
-    // base .. base + NW - 1.
-    const int c = threadIdx.x / NW, g = threadIdx.x % NW, base = lane - g;
-    const int j = tile * BV + c;
-    const bool col_ok = j < dv;
+    // This thread's column group c of the tile (columns CPT·c ..) and row group g (rows g + RG·i).
+    const int c = threadIdx.x / RG, g = threadIdx.x % RG;
+    const int j0 = tile * BV + c * CPT;
     // Staged q and k rows are scaled once staged (L2 norm, attention scale), v is this tile's.
     __shared__ float sq[TB][MAXDK], sk[TB][MAXDK], sv[TB][BV];
     // Per staged token: decay exp(g), beta, and the q and k scales (L2 norm, attention scale).
     __shared__ float coef[TB][4];
 
-    float s[ROWS];
+    float s[ROWS][CPT];
     // The state's row: sb (the sequence's slot; -1: none, start from zeros and keep nothing).
     const long head = (long)(max(sb, 0) * Hv + hv) * dk * dv;
     // In place: the state starts in s_final. Each thread reads and later writes only its own
     // elements, so the buffers may alias (hence no __restrict__ on s0 and s_final).
     const float* init = in_place ? s_final : s0;
+    // Four whole columns in 16-byte vectors where the rows keep them aligned.
+    const bool vec = dv % 4 == 0 && j0 + 3 < dv &&
+                     ((reinterpret_cast<uintptr_t>(init) | reinterpret_cast<uintptr_t>(s_final) |
+                       reinterpret_cast<uintptr_t>(s_all)) & 15) == 0;
 #pragma unroll
     for (int i = 0; i < ROWS; i++) {
-        const int r = g + NW * i;
-        s[i] = (init != nullptr && sb >= 0 && col_ok && r < dk) ? init[head + (long)r * dv + j] : 0.f;
+        const int r = g + RG * i;
+        if (vec) {
+            const float4 v4 = (init != nullptr && sb >= 0 && r < dk)
+                                  ? *reinterpret_cast<const float4*>(init + head + (long)r * dv + j0)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+            s[i][0] = v4.x, s[i][1] = v4.y, s[i][2] = v4.z, s[i][3] = v4.w;
+            continue;
+        }
+#pragma unroll
+        for (int x = 0; x < CPT; x++)
+            s[i][x] = (init != nullptr && sb >= 0 && j0 + x < dv && r < dk) ? init[head + (long)r * dv + j0 + x] : 0.f;
     }
     // Deferred commits: P stashed tokens run first (no outputs), then the T new ones.
     const bool deferred = stash != nullptr && sb >= 0;
@@ -100,21 +114,48 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     // Record t of this block: the slot's token t, this (value head, tile).
     auto record = [&](int t) { return stash + (((long)sb * tmax + t) * Hv * tiles + hv * tiles + tile) * rec; };
     auto write_state = [&]() {
-        if (col_ok && sb >= 0) {
+        if (sb >= 0) {
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = g + NW * i;
-                if (r < dk) s_final[head + (long)r * dv + j] = s[i];
+                const int r = g + RG * i;
+                if (vec) {
+                    if (r < dk)
+                        *reinterpret_cast<float4*>(s_final + head + (long)r * dv + j0) =
+                            make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+                    continue;
+                }
+#pragma unroll
+                for (int x = 0; x < CPT; x++)
+                    if (r < dk && j0 + x < dv) s_final[head + (long)r * dv + j0 + x] = s[i][x];
             }
         }
     };
-    // The sum over the column's row groups of x, in group order from 0 (every lane of the
-    // warp takes part; each of a column's lanes gets the sum).
-    auto column_sum = [&](float x) {
-        float t = 0.f;
+    // The sums over the 16 row groups (lanes xor 8, 4, 2, 1) of each of the thread's four
+    // columns' partials p: a butterfly that halves the columns each lane carries at its first two
+    // levels, so lane g ends with column mine = 2·bit3(g) + bit2(g), the same bits in the four
+    // lanes that hold it (each level adds two values that both lanes add, in either order). Every
+    // lane of the warp takes part.
+    const int mine = 2 * ((g >> 3) & 1) + ((g >> 2) & 1);
+    auto column_sums = [&](const float (&p)[CPT]) {
+        const bool hi = g & 8, mid = g & 4;
+        const float a0 = __shfl_xor_sync(0xffffffffu, hi ? p[0] : p[2], 8);
+        const float a1 = __shfl_xor_sync(0xffffffffu, hi ? p[1] : p[3], 8);
+        const float k0 = (hi ? p[2] : p[0]) + a0, k1 = (hi ? p[3] : p[1]) + a1;
+        float z = (mid ? k1 : k0) + __shfl_xor_sync(0xffffffffu, mid ? k0 : k1, 4);
+        z += __shfl_xor_sync(0xffffffffu, z, 2);
+        z += __shfl_xor_sync(0xffffffffu, z, 1);
+        return z;
+    };
+    // Of a column_sums result z: the four columns' sums in column order, gathered from the lanes
+    // that hold the others.
+    auto all_columns = [&](float z, float (&sums)[CPT]) {
+        const float z4 = __shfl_xor_sync(0xffffffffu, z, 4), z8 = __shfl_xor_sync(0xffffffffu, z, 8),
+                    z12 = __shfl_xor_sync(0xffffffffu, z, 12);
 #pragma unroll
-        for (int y = 0; y < NW; y++) t += __shfl_sync(0xffffffffu, x, base + y);
-        return t;
+        for (int x = 0; x < CPT; x++) {  // selects, not an indexed (local-memory) store
+            const int d = x ^ mine;
+            sums[x] = d == 0 ? z : d == 1 ? z4 : d == 2 ? z8 : z12;
+        }
     };
     const int total = P + T;
     // One group of nt staged tokens from combined token t0 (all replayed or all new).
@@ -195,43 +236,71 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         for (int tt = 0; tt < nt; tt++) {
             const int gt = t0 + tt;
             const float decay = coef[tt][0], beta = coef[tt][1];
-            float m = 0.f;
+            float m[CPT];
+#pragma unroll
+            for (int x = 0; x < CPT; x++) m[x] = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = g + NW * i;
+                const int r = g + RG * i;
                 if (r < dk) {
-                    s[i] *= decay;
-                    m += s[i] * sk[tt][r];
+                    const float kr = sk[tt][r];
+#pragma unroll
+                    for (int x = 0; x < CPT; x++) {
+                        s[i][x] *= decay;
+                        m[x] += s[i][x] * kr;
+                    }
                 }
             }
-            const float delta = beta * (sv[tt][c] - column_sum(m));
+            float delta[CPT];
+            all_columns(column_sums(m), delta);  // S^T k, then delta in place
+#pragma unroll
+            for (int x = 0; x < CPT; x++) delta[x] = beta * (sv[tt][c * CPT + x] - delta[x]);
             if (gt < P) {
                 // A replayed token: the state's update alone, the same operations as below.
 #pragma unroll
                 for (int i = 0; i < ROWS; i++) {
-                    const int r = g + NW * i;
-                    if (r < dk) s[i] += sk[tt][r] * delta;
+                    const int r = g + RG * i;
+                    if (r < dk) {
+                        const float kr = sk[tt][r];
+#pragma unroll
+                        for (int x = 0; x < CPT; x++) s[i][x] += kr * delta[x];
+                    }
                 }
                 continue;
             }
-            float o = 0.f;
+            float o[CPT];
+#pragma unroll
+            for (int x = 0; x < CPT; x++) o[x] = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
-                const int r = g + NW * i;
+                const int r = g + RG * i;
                 if (r < dk) {
-                    s[i] += sk[tt][r] * delta;
-                    o += s[i] * sq[tt][r];
+                    const float kr = sk[tt][r], qr = sq[tt][r];
+#pragma unroll
+                    for (int x = 0; x < CPT; x++) {
+                        s[i][x] += kr * delta[x];
+                        o[x] += s[i][x] * qr;
+                    }
                 }
             }
-            const float ot = column_sum(o);
+            const float ot = column_sums(o);
             const long bt = (long)b * T + gt - P;
-            if (g == 0 && col_ok) out[(bt * Hv + hv) * dv + j] = ot;
-            if (s_all != nullptr && col_ok) {
+            // The first of the four lanes holding a column writes its output.
+            if ((g & 3) == 0 && j0 + mine < dv) out[(bt * Hv + hv) * dv + j0 + mine] = ot;
+            if (s_all != nullptr) {
                 const long base_all = (bt * Hv + hv) * (long)dk * dv;
 #pragma unroll
                 for (int i = 0; i < ROWS; i++) {
-                    const int r = g + NW * i;
-                    if (r < dk) s_all[base_all + (long)r * dv + j] = s[i];
+                    const int r = g + RG * i;
+                    if (vec) {
+                        if (r < dk)
+                            *reinterpret_cast<float4*>(s_all + base_all + (long)r * dv + j0) =
+                                make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+                        continue;
+                    }
+#pragma unroll
+                    for (int x = 0; x < CPT; x++)
+                        if (r < dk && j0 + x < dv) s_all[base_all + (long)r * dv + j0 + x] = s[i][x];
                 }
             }
         }
@@ -259,17 +328,18 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
         gdn_prefetch_state(in_place ? s_final : s0, Hv, dk, dv, sb);                                          \
         pdl_wait();                                                                                            \
         gdn_recurrent<TQ, TG, FUSED, ROWS>(q, k, v, qk_stride, v_stride, ga, gb, g_stride, a_log, dt_bias, s0, out,     \
-                                           s_final, s_all, in_place, T, Hk, Hv, dk, dv, scale, eps, sb, replay, \
+                                           s_final, MINB == 1 ? s_all : nullptr, in_place, T, Hk, Hv, dk, dv, \
+                                           scale, eps, sb, replay, \
                                            stash, tmax, stash_new);                                            \
     }
 
+// `NAME`_r`ROWS`: ROWS register rows per thread, dk ≤ 16·ROWS.
 #define GDN_ROWS(NAME, TQ, TG, FUSED) \
+    GDN_KERNEL(NAME##_r1, TQ, TG, FUSED, 1, 1)  \
     GDN_KERNEL(NAME##_r2, TQ, TG, FUSED, 2, 1)  \
     GDN_KERNEL(NAME##_r4, TQ, TG, FUSED, 4, 1)  \
     GDN_KERNEL(NAME##_r8, TQ, TG, FUSED, 8, 1)  \
-    GDN_KERNEL(NAME##_r16, TQ, TG, FUSED, 16, 1) \
-    GDN_KERNEL(NAME##_r32, TQ, TG, FUSED, 32, 1) \
-    GDN_KERNEL(NAME##_r64, TQ, TG, FUSED, 64, 1)
+    GDN_KERNEL(NAME##_r16, TQ, TG, FUSED, 16, 1)
 
 // Unfused: normalised f32 q/k/v, f32 g/beta (the reference op's signature).
 GDN_ROWS(gdn_recurrent_f32, float, float, false)
@@ -280,10 +350,12 @@ GDN_ROWS(gdn_fused_f16, __half, __half, true)
 // Batches (many blocks): the fused kernels held to 64 registers, so 8 blocks fit an SM instead of
 // 4 and more state loads are in flight (decode B=64 at the 27B shape: 174 -> 149 µs); one
 // sequence's 192 blocks run slower so (7.4 -> 9.7 µs), so the launcher picks these by grid size.
-#define GDN_WIDE(NAME, TQ, TG)                     \
-    GDN_KERNEL(NAME##_r8_wide, TQ, TG, true, 8, 8)   \
-    GDN_KERNEL(NAME##_r16_wide, TQ, TG, true, 16, 8) \
-    GDN_KERNEL(NAME##_r32_wide, TQ, TG, true, 32, 8)
+// They keep no per-token states (s_all is ignored, its stores compiled out to hold the registers):
+// the launcher takes the others for that.
+#define GDN_WIDE(NAME, TQ, TG)                   \
+    GDN_KERNEL(NAME##_r2_wide, TQ, TG, true, 2, 8) \
+    GDN_KERNEL(NAME##_r4_wide, TQ, TG, true, 4, 8) \
+    GDN_KERNEL(NAME##_r8_wide, TQ, TG, true, 8, 8)
 GDN_WIDE(gdn_fused_f32, float, float)
 GDN_WIDE(gdn_fused_bf16, __nv_bfloat16, __nv_bfloat16)
 GDN_WIDE(gdn_fused_f16, __half, __half)

@@ -36,9 +36,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
     // (name, batch, tokens, keep every state, the chunked path or None for the recurrent kernel)
-    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 16] = [
+    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 18] = [
         ("decode B=1", 1, 1, false, None),
         ("decode B=8", 8, 1, false, None),
+        ("decode B=16", 16, 1, false, None),
+        ("verify B=16 T=6", 16, 6, false, None),
         ("decode B=64", 64, 1, false, None),
         ("verify B=1 T=4 (keep states)", 1, 4, true, None),
         ("verify B=8 T=4 (keep states)", 8, 4, true, None),

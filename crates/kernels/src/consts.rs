@@ -8,11 +8,13 @@
 // by whoever includes the file.
 
 kernel_consts! {
-    // Delta rule (cuda/gdn.cu), token by token: state columns per block (one per lane) and warps.
+    // Delta rule (cuda/gdn.cu), token by token: state columns per block (8 groups of four, each
+    // spread over 16 row groups: half a warp) and warps.
     GDN_BV = 32;
     GDN_WARPS = 4;
     GDN_THREADS = 32 * GDN_WARPS;
-    // The largest key head dim of the recurrent kernels (64 register rows per thread of 4 warps).
+    // The largest key head dim of the recurrent kernels (16 register rows per thread, 16 row
+    // groups).
     GDN_MAX_DK = 256;
     // Chunked form: chunk length and largest key dim.
     GDN_CHUNK = 64;

@@ -48,7 +48,7 @@ pub(crate) mod consts {
     );
     const _: () = assert!(
         GDN_THREADS == 32 * GDN_WARPS && GDN_BV == 32,
-        "a lane per state column"
+        "8 groups of four state columns, each on 16 lanes"
     );
     const _: () = assert!(
         LINEAR_THREADS == NORM_THREADS,

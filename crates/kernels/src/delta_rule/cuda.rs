@@ -26,11 +26,12 @@ use crate::Result;
 /// (docs/history/BENCHMARKS-log.md, GDN kernels).
 const WIDE_MIN_BLOCKS: usize = 1024;
 
-/// Register rows per thread for a key dim: the smallest compiled variant with 4·rows ≥ dk.
+/// The recurrent kernel's register rows per thread for a key dim: the smallest compiled variant
+/// with 16·rows ≥ dk (16 row groups, cuda/gdn.cu).
 fn rows_variant(op: &'static str, dk: usize) -> Result<usize> {
-    [2usize, 4, 8, 16, 32, 64]
+    [1usize, 2, 4, 8, 16]
         .into_iter()
-        .find(|&r| 4 * r >= dk)
+        .find(|&r| 16 * r >= dk)
         .ok_or_else(|| {
             err(
                 op,
@@ -746,11 +747,12 @@ impl FusedArgs {
 
     /// The recurrent kernel's name for this dtype and key dim: for grids of at least
     /// [`WIDE_MIN_BLOCKS`] blocks (batches) and dk ≤ 128 the variant held to 64 registers, which
-    /// fits twice the blocks per SM (docs/history/BENCHMARKS-log.md, GDN kernels).
-    fn recurrent_kernel(&self, op: &'static str, d: Launch) -> Result<String> {
+    /// fits twice the blocks per SM (docs/history/BENCHMARKS-log.md, GDN kernels), unless the
+    /// call keeps every token's state (`keep_all`: that variant stores none).
+    fn recurrent_kernel(&self, op: &'static str, d: Launch, keep_all: bool) -> Result<String> {
         let rows = rows_variant(op, d.dk)?;
         let blocks = d.b * d.hv * d.dv.div_ceil(BV);
-        let wide = (8..=32).contains(&rows) && blocks >= WIDE_MIN_BLOCKS;
+        let wide = (2..=8).contains(&rows) && blocks >= WIDE_MIN_BLOCKS && !keep_all;
         Ok(format!(
             "gdn_fused_{}_r{rows}{}",
             dtype_suffix(op, self.qkv.dtype())?,
@@ -794,12 +796,12 @@ pub(crate) fn fused(
             for_float_dtype!(op, dt)
         }
         _ => {
-            let keep = Keep::fresh(
-                mode == DeltaRuleMode::Recurrent {
+            let keep_all = mode
+                == DeltaRuleMode::Recurrent {
                     keep_all_states: true,
-                },
-            );
-            let name = args.recurrent_kernel(op, d)?;
+                };
+            let keep = Keep::fresh(keep_all);
+            let name = args.recurrent_kernel(op, d, keep_all)?;
             macro_rules! go {
                 ($t:ty) => {
                     launch_recurrent::<$t>(op, name, d, inp, scale, keep, None, None, policy)
@@ -834,7 +836,7 @@ pub(crate) fn fused_in_place(
         slots: slots.as_ref(),
         rows: state.dim(0)?,
     };
-    let name = args.recurrent_kernel(op, d)?;
+    let name = args.recurrent_kernel(op, d, all_states.is_some())?;
     let scale = (d.dk as f32).powf(-0.5);
     let dt = args.qkv.dtype();
     let out = with_out_buffer::<f32, _>(op, all_states, |all| {
@@ -885,7 +887,7 @@ pub(crate) fn fused_pooled(
 ) -> Result<Tensor> {
     let op = "fused_gated_delta_rule_pooled";
     let args = FusedArgs::new(d, qkv, a, b, layer)?;
-    let name = args.recurrent_kernel(op, d)?;
+    let name = args.recurrent_kernel(op, d, false)?;
     let dt = args.qkv.dtype();
     let inp = args.inputs(d, None);
     recurrent_pooled(op, name, d, Some(inp), dt, pool, deferred, policy)
