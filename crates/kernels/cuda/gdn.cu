@@ -113,22 +113,23 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
     const int rec = dk + BV + 2;
     // Record t of this block: the slot's token t, this (value head, tile).
     auto record = [&](int t) { return stash + (((long)sb * tmax + t) * Hv * tiles + hv * tiles + tile) * rec; };
-    auto write_state = [&]() {
-        if (sb >= 0) {
+    // This thread's state elements into the [dk, dv] state at `dst`.
+    auto store_state = [&](float* dst) {
 #pragma unroll
-            for (int i = 0; i < ROWS; i++) {
-                const int r = g + RG * i;
-                if (vec) {
-                    if (r < dk)
-                        *reinterpret_cast<float4*>(s_final + head + (long)r * dv + j0) =
-                            make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
-                    continue;
-                }
-#pragma unroll
-                for (int x = 0; x < CPT; x++)
-                    if (r < dk && j0 + x < dv) s_final[head + (long)r * dv + j0 + x] = s[i][x];
+        for (int i = 0; i < ROWS; i++) {
+            const int r = g + RG * i;
+            if (vec) {
+                if (r < dk)
+                    *reinterpret_cast<float4*>(dst + (long)r * dv + j0) = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+                continue;
             }
+#pragma unroll
+            for (int x = 0; x < CPT; x++)
+                if (r < dk && j0 + x < dv) dst[(long)r * dv + j0 + x] = s[i][x];
         }
+    };
+    auto write_state = [&]() {
+        if (sb >= 0) store_state(s_final + head);
     };
     // The sums over the 16 row groups (lanes xor 8, 4, 2, 1) of each of the thread's four
     // columns' partials p: a butterfly that halves the columns each lane carries at its first two
@@ -287,22 +288,7 @@ __device__ void gdn_recurrent(const TQ* __restrict__ q, const TQ* __restrict__ k
             const long bt = (long)b * T + gt - P;
             // The first of the four lanes holding a column writes its output.
             if ((g & 3) == 0 && j0 + mine < dv) out[(bt * Hv + hv) * dv + j0 + mine] = ot;
-            if (s_all != nullptr) {
-                const long base_all = (bt * Hv + hv) * (long)dk * dv;
-#pragma unroll
-                for (int i = 0; i < ROWS; i++) {
-                    const int r = g + RG * i;
-                    if (vec) {
-                        if (r < dk)
-                            *reinterpret_cast<float4*>(s_all + base_all + (long)r * dv + j0) =
-                                make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
-                        continue;
-                    }
-#pragma unroll
-                    for (int x = 0; x < CPT; x++)
-                        if (r < dk && j0 + x < dv) s_all[base_all + (long)r * dv + j0 + x] = s[i][x];
-                }
-            }
+            if (s_all != nullptr) store_state(s_all + (bt * Hv + hv) * (long)dk * dv);
         }
         __syncthreads();  // before the next group overwrites the staged inputs
     };
