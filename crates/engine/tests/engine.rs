@@ -452,11 +452,24 @@ fn bad_requests_are_typed_errors() {
     only_stops.sampling.allowed_ids = vec![3];
     only_stops.sampling.min_tokens = 1;
     assert!(matches!(err(&mut engine, only_stops.clone()), Error::Request(m) if m.contains("only stop ids")));
-    // One allowed id besides the stop ids, or no min_tokens, leaves a token to draw.
-    for (allowed, min_tokens) in [(vec![3, 4], 1), (vec![3], 0)] {
-        let mut r = only_stops.clone();
+    // The others masked by one-id bad words: nothing left either.
+    let mut masked = only_stops.clone();
+    masked.sampling.allowed_ids = vec![3, 4];
+    masked.sampling.bad_words = vec![vec![4], vec![1, 5]];
+    assert!(matches!(err(&mut engine, masked.clone()), Error::Request(m) if m.contains("one-id bad word")));
+    // One allowed id besides the stop ids and bad words, or no min_tokens, leaves a token to
+    // draw.
+    let bad = masked.sampling.bad_words.clone();
+    for (allowed, min_tokens, bad_words) in [
+        (vec![3, 4], 1, vec![]),
+        (vec![3], 0, bad.clone()),
+        (vec![3, 4, 5], 1, bad.clone()),
+        (vec![3, 4], 0, bad),
+    ] {
+        let mut r = masked.clone();
         r.sampling.allowed_ids = allowed;
         r.sampling.min_tokens = min_tokens;
+        r.sampling.bad_words = bad_words;
         engine.submit(r).unwrap().cancel();
     }
     engine.run_to_completion().unwrap();
