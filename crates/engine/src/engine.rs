@@ -1659,21 +1659,16 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
                 .into(),
         ));
     }
-    // (min_tokens masks the stop ids: none of the allowed ids would be left.)
-    let under_min = |id: &u32| req.sampling.min_tokens > 0 && req.stop_ids.contains(id);
-    if !allowed.is_empty() && allowed.iter().all(under_min) {
+    // (min_tokens masks the stop ids, one-id bad words their ids: one allowed id must be left.
+    // Bad words alone are `SamplingParams::validate`'s, below.)
+    if req.sampling.masks_every_allowed_id(&req.stop_ids) && !req.sampling.masks_every_allowed_id(&[]) {
         return Err(Error::Request(
-            "allowed_token_ids: only stop ids, which min_tokens masks".into(),
-        ));
-    }
-    // (Nor with one-id bad words masking the rest: `SamplingParams::validate` refuses those alone.)
-    let one_id_bad = |id: &u32| req.sampling.bad_words.iter().any(|w| w[..] == [*id]);
-    if !allowed.is_empty()
-        && allowed.iter().any(under_min)
-        && allowed.iter().all(|id| under_min(id) || one_id_bad(id))
-    {
-        return Err(Error::Request(
-            "allowed_token_ids: every one is a stop id, which min_tokens masks, or a one-id bad word".into(),
+            if allowed.iter().all(|id| req.stop_ids.contains(id)) {
+                "allowed_token_ids: only stop ids, which min_tokens masks"
+            } else {
+                "allowed_token_ids: every one is a stop id, which min_tokens masks, or a one-id bad word"
+            }
+            .into(),
         ));
     }
     if let Some(max) = req.max_tokens.filter(|&m| req.sampling.min_tokens > m) {

@@ -81,6 +81,16 @@ impl SamplingParams {
             && self.bad_words.is_empty()
     }
 
+    /// True when `allowed_ids` are given and the first step masks every one of them: each is a
+    /// one-id bad word (masked at every step) or, under `min_tokens`, one of `end_ids` (the
+    /// sampler's [`crate::Sampler::with_end_ids`]). No token could then be drawn.
+    pub fn masks_every_allowed_id(&self, end_ids: &[u32]) -> bool {
+        let masked = |t: &u32| {
+            self.bad_words.iter().any(|w| w[..] == [*t]) || (self.min_tokens > 0 && end_ids.contains(t))
+        };
+        !self.allowed_ids.is_empty() && self.allowed_ids.iter().all(masked)
+    }
+
     /// Checks every parameter's range.
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: f32, msg| {
@@ -126,14 +136,7 @@ impl SamplingParams {
         if self.bad_words.iter().any(Vec::is_empty) {
             return bad("bad_words", 0.0, "each bad word needs at least one id");
         }
-        // One-id bad words are masked at every step: if they cover every allowed id, no step
-        // could draw a token.
-        if !self.allowed_ids.is_empty()
-            && self
-                .allowed_ids
-                .iter()
-                .all(|&t| self.bad_words.iter().any(|w| w[..] == [t]))
-        {
+        if self.masks_every_allowed_id(&[]) {
             return bad(
                 "bad_words",
                 0.0,
