@@ -1663,12 +1663,7 @@ pub fn check_request(req: &Request, vocab: usize) -> Result<()> {
     // Bad words alone are `SamplingParams::validate`'s, below.)
     if req.sampling.masks_every_allowed_id(&req.stop_ids) && !req.sampling.masks_every_allowed_id(&[]) {
         return Err(Error::Request(
-            if allowed.iter().all(|id| req.stop_ids.contains(id)) {
-                "allowed_token_ids: only stop ids, which min_tokens masks"
-            } else {
-                "allowed_token_ids: every one is a stop id, which min_tokens masks, or a one-id bad word"
-            }
-            .into(),
+            "allowed_token_ids: only stop ids, which min_tokens masks, or one-id bad words".into(),
         ));
     }
     if let Some(max) = req.max_tokens.filter(|&m| req.sampling.min_tokens > m) {
