@@ -12,7 +12,7 @@ use qwen36_kernels::{
         GdnHeads, GdnParams,
     },
     linear::{Linear, LinearWeight},
-    norm::{GatedRmsNorm, RmsNorm},
+    norm::{GatedRmsNorm, RmsNorm, Stream},
     Deferred, KernelPolicy,
 };
 
@@ -339,15 +339,23 @@ impl GatedDeltaNet {
     /// Runs `x: [batch, len, hidden]` from `state` and advances it. One token uses the recurrent
     /// form; several use the chunked form (like the reference). Returns `[batch, len, hidden]`.
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
-        let (y, _) = self.run(x, None, state, false)?;
-        Ok(y)
+        let (y, _) = self.run(&Stream::new(x.clone()), None, state, false)?;
+        Ok(y.x)
     }
 
     /// The pre-norm residual block around the layer: `x + forward(norm(x))` for the residual
-    /// stream `x`. The input projection normalises `x` as it reads it and the output projection
-    /// adds `x` as it writes, where the kernels allow (CUDA, one row), saving two passes.
-    pub fn forward_block(&self, x: &Tensor, norm: &RmsNorm, state: &mut GdnState) -> Result<Tensor> {
-        let (y, _) = self.run(x, Some(norm), state, false)?;
+    /// stream `x` (its normalisation taken from the stream when it comes with it), as the stream
+    /// entering the block whose norm is `next` ([`Linear::forward_add_norm`]). The input
+    /// projection normalises `x` as it reads it and the output projection adds `x` as it writes,
+    /// where the kernels allow (CUDA, one row), saving two passes.
+    pub fn forward_block(
+        &self,
+        x: &Stream,
+        norm: &RmsNorm,
+        next: Option<&RmsNorm>,
+        state: &mut GdnState,
+    ) -> Result<Stream> {
+        let (y, _) = self.run(x, Some((norm, next)), state, false)?;
         Ok(y)
     }
 
@@ -356,18 +364,19 @@ impl GatedDeltaNet {
     /// [`GdnState::commit`] can restore the state after any accepted prefix exactly, without
     /// recomputing a projection. The state is left after the last token.
     pub fn forward_verify(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, VerifyCheckpoints)> {
-        let (y, cp) = self.run(x, None, state, true)?;
-        Ok((y, cp.expect("verify keeps checkpoints")))
+        let (y, cp) = self.run(&Stream::new(x.clone()), None, state, true)?;
+        Ok((y.x, cp.expect("verify keeps checkpoints")))
     }
 
     /// [`Self::forward_verify`] as the pre-norm residual block (see [`Self::forward_block`]).
     pub fn forward_verify_block(
         &self,
-        x: &Tensor,
+        x: &Stream,
         norm: &RmsNorm,
+        next: Option<&RmsNorm>,
         state: &mut GdnState,
-    ) -> Result<(Tensor, VerifyCheckpoints)> {
-        let (y, cp) = self.run(x, Some(norm), state, true)?;
+    ) -> Result<(Stream, VerifyCheckpoints)> {
+        let (y, cp) = self.run(x, Some((norm, next)), state, true)?;
         Ok((y, cp.expect("verify keeps checkpoints")))
     }
 
@@ -375,21 +384,22 @@ impl GatedDeltaNet {
     /// each group's rows in order (a group: `batch` sequences of `len` tokens, sequence-major), the
     /// projections read all rows at once and each group's conv and delta rule run from its states
     /// (its own, or rows of pools: [`GroupState`]), as [`Self::forward_block`] (or with `verify`,
-    /// [`Self::forward_verify_block`]) runs them. Returns `[1, rows, hidden]` and, per group, its
-    /// checkpoints when it verifies.
+    /// [`Self::forward_verify_block`]) runs them. Returns `[1, rows, hidden]` (as the stream
+    /// entering the block whose norm is `next`) and, per group, its checkpoints when it verifies.
     pub fn forward_groups_block(
         &self,
-        x: &Tensor,
+        x: &Stream,
         norm: &RmsNorm,
+        next: Option<&RmsNorm>,
         groups: &mut [GdnGroup<'_>],
-    ) -> Result<(Tensor, Vec<Option<VerifyCheckpoints>>)> {
-        let (b, n, _) = self.check_input(x)?;
+    ) -> Result<(Stream, Vec<Option<VerifyCheckpoints>>)> {
+        let (b, n, _) = self.check_input(&x.x)?;
         let rows: usize = groups.iter().map(|g| g.batch * g.len).sum();
         if b != 1 || rows != n || groups.iter().any(|g| g.batch * g.len == 0) {
             return Err(Error::Input(format!(
                 "a flat batch is [1, rows, hidden] with non-empty groups covering its rows; found \
                  {:?} for groups of {rows} rows",
-                x.dims()
+                x.x.dims()
             )));
         }
         // Every group's states are checked before any is advanced: an error leaves them all as
@@ -397,17 +407,17 @@ impl GatedDeltaNet {
         for g in groups.iter() {
             match &g.state {
                 GroupState::Own(state) => {
-                    self.check_states(state.conv(), state.recurrent(), Some(g.batch), x.dtype())?
+                    self.check_states(state.conv(), state.recurrent(), Some(g.batch), x.x.dtype())?
                 }
                 GroupState::Pooled {
                     conv,
                     recurrent,
                     slots,
                     ..
-                } => self.check_pools((conv, recurrent, slots), g.batch, x.dtype())?,
+                } => self.check_pools((conv, recurrent, slots), g.batch, x.x.dtype())?,
             }
         }
-        let proj = Proj::new(self.in_proj.forward_parts(x, Some(norm))?)?;
+        let proj = self.project(x, Some(norm))?;
         let (mut outs, mut checkpoints) = (Vec::with_capacity(groups.len()), Vec::new());
         let mut row = 0;
         for g in groups.iter_mut() {
@@ -430,7 +440,7 @@ impl GatedDeltaNet {
             row += g.batch * g.len;
         }
         let out = Tensor::cat(&outs, 1)?;
-        Ok((self.finish(x, &proj, &out, Some(norm))?, checkpoints))
+        Ok((self.finish(x, &proj, &out, Some(next))?, checkpoints))
     }
 
     /// Checks states of this layer over activations of `dtype`: conv windows `[rows, conv_dim,
@@ -498,17 +508,30 @@ impl GatedDeltaNet {
     }
 
     /// The layer on `x`, or with `block` (the norm before it) the residual block around it.
+    /// With `block` (its norm, the next block's), the residual block.
     fn run(
         &self,
-        x: &Tensor,
-        block: Option<&RmsNorm>,
+        x: &Stream,
+        block: Option<(&RmsNorm, Option<&RmsNorm>)>,
         state: &mut GdnState,
         verify: bool,
-    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
-        self.check_input(x)?;
-        let proj = Proj::new(self.in_proj.forward_parts(x, block)?)?;
+    ) -> Result<(Stream, Option<VerifyCheckpoints>)> {
+        self.check_input(&x.x)?;
+        let proj = self.project(x, block.map(|(norm, _)| norm))?;
         let (out, checkpoints) = self.mix(&proj, state, verify)?;
-        Ok((self.finish(x, &proj, &out, block)?, checkpoints))
+        Ok((
+            self.finish(x, &proj, &out, block.map(|(_, next)| next))?,
+            checkpoints,
+        ))
+    }
+
+    /// The input projection of `x` (with `norm`, of `norm(x)`: the stream's own normalisation
+    /// when it has one, else normalised as the projection reads it).
+    fn project(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Proj> {
+        Proj::new(match (&x.normed, norm) {
+            (Some(normed), Some(_)) => self.in_proj.forward_parts(normed, None)?,
+            (_, norm) => self.in_proj.forward_parts(&x.x, norm)?,
+        })
     }
 
     /// The conv and the delta rule of `proj: [batch, len, qkv|z|b|a]` (the input projection's
@@ -722,17 +745,24 @@ impl GatedDeltaNet {
     }
 
     /// The gated norm of the read-out `out: [batch, len, Hv, dv]` with the z part of `proj`, and
-    /// the output projection (with `block`, adding the residual stream `x`).
-    fn finish(&self, x: &Tensor, proj: &Proj, out: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
+    /// the output projection (with `block`, adding the residual stream `x` as the stream entering
+    /// the block of the norm it holds).
+    fn finish(
+        &self,
+        x: &Stream,
+        proj: &Proj,
+        out: &Tensor,
+        block: Option<Option<&RmsNorm>>,
+    ) -> Result<Stream> {
         let c = &self.cfg;
-        let (b, t, _) = x.dims3()?;
+        let (b, t, _) = x.x.dims3()?;
         let (cd, vd) = (c.conv_dim(), c.value_dim());
         // z stays a view of the projection ([b, t, hv·dv]); the norm reads it per head.
         let z = proj.cols(cd, vd)?;
-        let y = self.norm.forward(out, &z, x.dtype())?.reshape((b, t, vd))?;
+        let y = self.norm.forward(out, &z, x.x.dtype())?.reshape((b, t, vd))?;
         Ok(match block {
-            Some(_) => self.out_proj.forward_add(&y, x)?,
-            None => self.out_proj.forward(&y)?,
+            Some(next) => self.out_proj.forward_add_norm(&y, &x.x, next)?,
+            None => Stream::new(self.out_proj.forward(&y)?),
         })
     }
 }
@@ -957,26 +987,40 @@ mod tests {
     }
 
     /// The residual block is `x + forward(norm(x))` (on the CPU the same ops, so equal bits) for
-    /// prefill, a decode step and a verify pass, and leaves the same states.
+    /// prefill, a decode step and a verify pass, and leaves the same states; a stream that comes
+    /// with its normalisation enters as that, and with a next norm the output comes with its own
+    /// (the add and the norm in one pass on the CPU).
     #[test]
     fn block_is_the_residual_around_the_normalised_layer() -> Result<()> {
         let l = layer(6);
         let dev = Device::Cpu;
         let norm = RmsNorm::zero_centred(&(qwen36_testutil::randn(103, 0.3, 24, &dev)?), 1e-6)?;
+        let next = RmsNorm::zero_centred(&(qwen36_testutil::randn(105, 0.3, 24, &dev)?), 1e-6)?;
         let x = qwen36_testutil::randn(104, 1.0, (2, 9, 24), &dev)?;
         let (mut s_block, mut s_plain) = (
             l.new_state(2, DType::F32, DType::F32)?,
             l.new_state(2, DType::F32, DType::F32)?,
         );
-        for (t0, len) in [(0, 7), (7, 1)] {
+        for (t0, len, then) in [(0, 7, None), (7, 1, Some(&next))] {
             let xs = x.narrow(1, t0, len)?;
             let want = (&xs + l.forward(&norm.forward(&xs)?, &mut s_plain)?)?;
-            let got = l.forward_block(&xs, &norm, &mut s_block)?;
-            assert_eq!(max_diff(&got, &want), 0.0, "tokens {t0}..{}", t0 + len);
+            let got = l.forward_block(&Stream::new(xs), &norm, then, &mut s_block)?;
+            assert_eq!(max_diff(&got.x, &want), 0.0, "tokens {t0}..{}", t0 + len);
+            match then {
+                Some(n) => assert_eq!(max_diff(&got.normed.expect("normed"), &n.forward(&want)?), 0.0),
+                None => assert!(got.normed.is_none()),
+            }
         }
+        // The stream's normalisation is the layer's input (here another one than norm(x)).
         let xs = x.narrow(1, 8, 1)?;
-        let (want, cp_plain) = l.forward_verify(&norm.forward(&xs)?, &mut s_plain)?;
-        let (got, cp_block) = l.forward_verify_block(&xs, &norm, &mut s_block)?;
+        let other = next.forward(&xs)?;
+        let (want, cp_plain) = l.forward_verify(&other, &mut s_plain)?;
+        let input = Stream {
+            x: xs.clone(),
+            normed: Some(other),
+        };
+        let (got, cp_block) = l.forward_verify_block(&input, &norm, None, &mut s_block)?;
+        let got = got.x;
         assert_eq!(max_diff(&got, &(&xs + want)?), 0.0, "verify");
         assert_eq!(max_diff(&cp_block.states, &cp_plain.states), 0.0);
         assert_eq!(max_diff(s_block.recurrent(), s_plain.recurrent()), 0.0);
@@ -1170,7 +1214,9 @@ mod verify_tests {
                 verify: false,
             },
         ];
-        assert!(l.forward_groups_block(&x2, &norm, &mut groups).is_err());
+        assert!(l
+            .forward_groups_block(&Stream::new(x2), &norm, None, &mut groups)
+            .is_err());
         assert_eq!((zero_parts(&s0)?, s0.seen()), ((0.0, 0.0), 0));
         Ok(())
     }
@@ -1306,7 +1352,7 @@ mod group_tests {
                 verify,
             })
             .collect();
-        let (y, cps) = l.forward_groups_block(&x, &norm, &mut groups)?;
+        let (y, cps) = l.forward_groups_block(&Stream::new(x.clone()), &norm, Some(&norm), &mut groups)?;
         assert!(
             cps.iter().all(Option::is_none),
             "pooled verifies keep no checkpoints"
@@ -1331,8 +1377,10 @@ mod group_tests {
                 verify: true,
             },
         ];
-        let (y_own, cps_own) = l.forward_groups_block(&x, &norm, &mut groups)?;
-        assert_eq!(max_diff(&y, &y_own), 0.0);
+        let (y_own, cps_own) = l.forward_groups_block(&Stream::new(x.clone()), &norm, None, &mut groups)?;
+        assert_eq!(max_diff(&y.x, &y_own.x), 0.0);
+        let normed = y.normed.expect("the next norm's pass adds the residual");
+        assert_eq!(max_diff(&normed, &norm.forward(&y_own.x)?), 0.0);
         assert_eq!(max_diff(&conv.index_select(&slots[0], 0)?, states[0].conv()), 0.0);
         assert_eq!(
             max_diff(&rec.index_select(&slots[0], 0)?, states[0].recurrent()),
@@ -1379,15 +1427,20 @@ mod group_tests {
             verify,
         };
         let e = l
-            .forward_groups_block(&x, &norm, &mut [pooled(false, None)])
+            .forward_groups_block(&Stream::new(x.clone()), &norm, None, &mut [pooled(false, None)])
             .unwrap_err();
         assert!(e.to_string().contains("prefill of 5 tokens"), "{e}");
         let e = l
-            .forward_groups_block(&x, &norm, &mut [pooled(true, None)])
+            .forward_groups_block(&Stream::new(x.clone()), &norm, None, &mut [pooled(true, None)])
             .unwrap_err();
         assert!(e.to_string().contains("needs the pool's stash"), "{e}");
         let e = l
-            .forward_groups_block(&x, &norm, &mut [pooled(true, Some(stash(&replay[1])))])
+            .forward_groups_block(
+                &Stream::new(x.clone()),
+                &norm,
+                None,
+                &mut [pooled(true, Some(stash(&replay[1])))],
+            )
             .unwrap_err();
         assert!(
             e.to_string()

@@ -1314,6 +1314,50 @@ fn normalising_projection_equals_norm_then_projection() {
     }
 }
 
+/// A residual connection closed as the stream entering the next block
+/// (`Linear::forward_add_norm`) gives the bits of `forward_add` then the next norm: rows that
+/// the tile kernel takes (it adds the residual as it writes; no normalisation comes with them)
+/// and rows through cuBLAS or the FP8 GEMM, whose residual the norm's kernel adds.
+#[test]
+fn residual_closed_into_the_next_norm_equals_the_two_steps() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    use qwen36_kernels::norm::RmsNorm;
+    let d = gpu();
+    let (k, n) = (512, 320);
+    let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(518, 0.3, n, &d).unwrap(), 1e-6).unwrap();
+    for (dt, _) in ONE_ROUNDING {
+        let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(*P);
+        let mut layers = vec![("dense", dense)];
+        if fp8_gemm_available(&d) {
+            let w8 = on_gpu(&fp8_weight(n, k, [128, 128]), &d);
+            layers.push((
+                "fp8",
+                Linear::from_weight(LinearWeight::Fp8(w8), None).with_policy(*P),
+            ));
+        }
+        for (what, layer) in &layers {
+            for rows in [1usize, 4, 16, 64] {
+                let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                let res = randn(1.0, (1, rows, n), dt).to_device(&d).unwrap();
+                let sum = layer.forward_add(&x, &res).unwrap();
+                let got = layer.forward_add_norm(&x, &res, Some(&norm)).unwrap();
+                assert_eq!(max_diff(&got.x, &sum), 0.0, "{dt:?} {what} rows {rows}: sum");
+                // One 16-bit row: the tile kernel adds the residual; 64 rows: a matmul.
+                if rows == 1 && dt != DType::F32 {
+                    assert!(got.normed.is_none(), "{dt:?} {what} rows {rows}");
+                }
+                if rows == 64 {
+                    assert!(got.normed.is_some(), "{dt:?} {what} rows {rows}");
+                }
+                if let Some(normed) = got.normed {
+                    let want = norm.forward(&sum).unwrap();
+                    assert_eq!(max_diff(&normed, &want), 0.0, "{dt:?} {what} rows {rows}: norm");
+                }
+            }
+        }
+    }
+}
+
 /// The in-place state updates (decode and verify passes of a model whose states live in fixed
 /// buffers) against the fresh-state ops on the same GPU: the recurrent kernel is the same code
 /// reading and writing one buffer, and the in-place conv kernel sums the same products in the

@@ -6,8 +6,9 @@ use qwen36_kernels::attention::{
     causal_softmax, decode_attention, decode_attention_fits, paged_decode_attention, prefill_attention,
     prefill_attention_fits, write_kv_rows, AttentionInputs, Pages,
 };
+use qwen36_kernels::norm::{RmsNorm, Stream};
 use qwen36_kernels::rope::norm_rope_heads;
-use qwen36_kernels::{linear::Linear, norm::RmsNorm, rope::RotaryEmbedding, KernelPolicy};
+use qwen36_kernels::{linear::Linear, rope::RotaryEmbedding, KernelPolicy};
 
 use crate::{Config, KvCache, Result, Weights};
 
@@ -220,22 +221,24 @@ impl GatedAttention {
     /// [`Self::forward`] with the positions of `step` (which must start at `cache.len()`).
     pub(crate) fn forward_step(&self, x: &Tensor, step: &AttnStep, cache: &mut KvCache) -> Result<Tensor> {
         let kernel = self.uses_decode_kernel(x.dim(1)?, x.dtype(), x.device());
-        self.forward_with(x, None, step, cache, kernel, SCORE_BUDGET)
+        let x = Stream::new(x.clone());
+        Ok(self.forward_with(&x, None, step, cache, kernel, SCORE_BUDGET)?.x)
     }
 
     /// The pre-norm residual block around [`Self::forward_step`]: `x + forward_step(norm(x))` for
-    /// the residual stream `x`, the norm done by the q|k|v projection as it reads `x` and the
-    /// residual added by the output projection as it writes, where the kernels allow (CUDA, one
-    /// row).
+    /// the residual stream `x` (its normalisation taken from the stream when it comes with it),
+    /// as the stream entering the block whose norm is `next`; the norm done by the q|k|v
+    /// projection as it reads `x` and the residual added by the output projection as it writes,
+    /// where the kernels allow (CUDA, one row).
     pub(crate) fn forward_step_block(
         &self,
-        x: &Tensor,
-        norm: &RmsNorm,
+        x: &Stream,
+        (norm, next): (&RmsNorm, Option<&RmsNorm>),
         step: &AttnStep,
         cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        let kernel = self.uses_decode_kernel(x.dim(1)?, x.dtype(), x.device());
-        self.forward_with(x, Some(norm), step, cache, kernel, SCORE_BUDGET)
+    ) -> Result<Stream> {
+        let kernel = self.uses_decode_kernel(x.x.dim(1)?, x.x.dtype(), x.x.device());
+        self.forward_with(x, Some((norm, next)), step, cache, kernel, SCORE_BUDGET)
     }
 
     /// The layer (with `block`, the norm before it, the residual block around it) with the
@@ -244,15 +247,15 @@ impl GatedAttention {
     /// hold at most `budget` elements.
     fn forward_with(
         &self,
-        x: &Tensor,
-        block: Option<&RmsNorm>,
+        x: &Stream,
+        block: Option<(&RmsNorm, Option<&RmsNorm>)>,
         step: &AttnStep,
         cache: &mut KvCache,
         kernel: bool,
         budget: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<Stream> {
         let start = cache.len();
-        let heads = self.project(x, block, &step.cos, &step.sin)?;
+        let heads = self.project(x, block.map(|(norm, _)| norm), &step.cos, &step.sin)?;
         let out = if kernel {
             let (kb, vb) = cache.append_at(&heads.k, &heads.v, &step.positions, &self.policy)?;
             self.attend_new(&heads, &kb, &vb, start, Some(&step.len), budget)?
@@ -260,7 +263,7 @@ impl GatedAttention {
             let (k, v) = cache.append(&heads.k, &heads.v)?; // [b, nkv, L, hd]
             self.attend_new(&heads, &k, &v, start, None, budget)?
         };
-        self.output(&out, x, block)
+        self.output(&out, x, block.map(|(_, next)| next))
     }
 
     /// The pre-norm residual block over a flat batch of several sequences (`x: [1, rows,
@@ -272,12 +275,12 @@ impl GatedAttention {
     /// the kernels a pass of its length takes alone.
     pub(crate) fn forward_paged_block(
         &self,
-        x: &Tensor,
-        norm: &RmsNorm,
+        x: &Stream,
+        (norm, next): (&RmsNorm, Option<&RmsNorm>),
         (cos, sin): (&Tensor, &Tensor),
         (kv_rows, parts): (&Tensor, &[AttnPart]),
         (k_pool, v_pool): (&Tensor, &Tensor),
-    ) -> Result<Tensor> {
+    ) -> Result<Stream> {
         let heads = self.project(x, Some(norm), cos, sin)?;
         let p = &self.policy;
         write_kv_rows(
@@ -334,8 +337,8 @@ impl GatedAttention {
                             .contiguous()?)
                     };
                     let (k, v) = (gather(k_pool)?, gather(v_pool)?);
-                    let len = if self.uses_decode_kernel(s.len, x.dtype(), x.device()) {
-                        Some(Tensor::new(&[(s.start + s.len) as u32], x.device())?)
+                    let len = if self.uses_decode_kernel(s.len, x.x.dtype(), x.x.device()) {
+                        Some(Tensor::new(&[(s.start + s.len) as u32], x.x.device())?)
                     } else {
                         None
                     };
@@ -344,7 +347,7 @@ impl GatedAttention {
                 }
             }
         }
-        self.output(&Tensor::cat(&outs, 1)?, x, Some(norm))
+        self.output(&Tensor::cat(&outs, 1)?, x, Some(next))
     }
 
     /// The output gate `[b, t, nh, hd]` as a view of the projection `proj: [b, t, width]`:
@@ -359,14 +362,16 @@ impl GatedAttention {
             .narrow(3, hd, hd)?)
     }
 
-    /// The q|k|v projection of `x: [b, t, hidden]` (with `block`, normalising `x` as it reads
-    /// it) split into heads, q and k normalised and rotated by `cos, sin: [t, rotary_dim/2]`.
-    fn project(&self, x: &Tensor, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
-        let (b, t, _) = x.dims3()?;
+    /// The q|k|v projection of `x: [b, t, hidden]` (with `block`, of `block(x)`: the stream's
+    /// own normalisation when it has one, else normalised as the projection reads it) split into
+    /// heads, q and k normalised and rotated by `cos, sin: [t, rotary_dim/2]`.
+    fn project(&self, x: &Stream, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
+        let (b, t, _) = x.x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let qkv = match block {
-            Some(norm) => self.qkv_proj.forward_normed(x, norm)?,
-            None => self.qkv_proj.forward(x)?,
+        let qkv = match (block, &x.normed) {
+            (Some(_), Some(normed)) => self.qkv_proj.forward(normed)?,
+            (Some(norm), None) => self.qkv_proj.forward_normed(&x.x, norm)?,
+            (None, _) => self.qkv_proj.forward(&x.x)?,
         };
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat; the
@@ -426,13 +431,13 @@ impl GatedAttention {
     }
 
     /// The output projection of the attention output `out: [b, t, nh, hd]` (with `block`,
-    /// adding the residual stream `x`).
-    fn output(&self, out: &Tensor, x: &Tensor, block: Option<&RmsNorm>) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+    /// adding the residual stream `x` as the stream entering the block of the norm it holds).
+    fn output(&self, out: &Tensor, x: &Stream, block: Option<Option<&RmsNorm>>) -> Result<Stream> {
+        let (b, t, _) = x.x.dims3()?;
         let out = out.reshape((b, t, self.n_heads * self.head_dim))?;
         Ok(match block {
-            Some(_) => self.o_proj.forward_add(&out, x)?,
-            None => self.o_proj.forward(&out)?,
+            Some(next) => self.o_proj.forward_add_norm(&out, &x.x, next)?,
+            None => Stream::new(self.o_proj.forward(&out)?),
         })
     }
 
@@ -533,7 +538,9 @@ mod tests {
         budget: usize,
     ) -> Result<Tensor> {
         let step = AttnStep::new(rope, cache.len(), x.dim(1)?, x.dtype(), x.device())?;
-        attn.forward_with(x, None, &step, cache, kernel, budget)
+        Ok(attn
+            .forward_with(&Stream::new(x.clone()), None, &step, cache, kernel, budget)?
+            .x)
     }
 
     /// The decode path (KV written at tensor positions, the decode attention reference over the
@@ -562,25 +569,43 @@ mod tests {
     }
 
     /// The residual block is `x + forward_step(norm(x))`, on the CPU the same ops: equal bits, for
-    /// a prefill and a decode step.
+    /// a prefill and a decode step; a stream that comes with its normalisation enters as that, and
+    /// with a next norm the output comes with its own (the add and the norm in one pass).
     #[test]
     fn block_is_the_residual_around_the_normalised_layer() -> Result<()> {
         let dev = Device::Cpu;
         let attn = attention(&dev)?;
         let rope = RotaryEmbedding::new(4, 10_000.0)?;
         let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(602, 0.3, 16, &dev)?, 1e-6)?;
+        let next = RmsNorm::zero_centred(&qwen36_testutil::randn(605, 0.3, 16, &dev)?, 1e-6)?;
         let x = qwen36_testutil::randn(603, 1.0, (2, 9, 16), &dev)?;
         let (mut a, mut b) = (KvCache::new(), KvCache::new());
-        for (t0, len) in [(0, 8), (8, 1)] {
+        for (t0, len, then) in [(0, 8, None), (8, 1, Some(&next))] {
             let xs = x.narrow(1, t0, len)?;
             let step = AttnStep::new(&rope, a.len(), len, xs.dtype(), xs.device())?;
-            let want = (&xs + attn.forward_step(&norm.forward(&xs)?, &step, &mut a)?)?;
-            let got = attn.forward_step_block(&xs, &norm, &step, &mut b)?;
+            // The second pass's input comes normalised by another norm, which it must take.
+            let input = match then {
+                None => Stream::new(xs.clone()),
+                Some(n) => Stream {
+                    x: xs.clone(),
+                    normed: Some(n.forward(&xs)?),
+                },
+            };
+            let normed = input.normed_by(&norm)?;
+            let want = (&xs + attn.forward_step(&normed, &step, &mut a)?)?;
+            let got = attn.forward_step_block(&input, (&norm, then), &step, &mut b)?;
             assert_eq!(
-                qwen36_testutil::max_abs_diff(&got, &want),
+                qwen36_testutil::max_abs_diff(&got.x, &want),
                 0.0,
                 "tokens {t0}..+{len}"
             );
+            match then {
+                Some(n) => {
+                    let normed = got.normed.expect("normed");
+                    assert_eq!(qwen36_testutil::max_abs_diff(&normed, &n.forward(&want)?), 0.0);
+                }
+                None => assert!(got.normed.is_none()),
+            }
         }
         Ok(())
     }

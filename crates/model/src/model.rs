@@ -8,7 +8,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use qwen36_gdn::{GatedDeltaNet, GdnGroup, GdnState, GdnWeights, GroupState, PoolStash, VerifyCheckpoints};
 use qwen36_kernels::linear::{Linear, LinearWeight};
-use qwen36_kernels::{norm::RmsNorm, rope::RotaryEmbedding};
+use qwen36_kernels::norm::{RmsNorm, Stream};
+use qwen36_kernels::rope::RotaryEmbedding;
 
 use crate::attention::{AttnPart, AttnStep};
 use crate::paged::{Padding, PagedLayer, PoolShape};
@@ -54,13 +55,16 @@ impl Mlp {
     }
 
     /// The pre-norm residual block around the MLP: `x + forward(norm(x))` for the residual
-    /// stream `x`. The gate|up projection normalises `x` as it reads it and the down projection
-    /// adds `x` as it writes, where the kernels allow (CUDA: one row; the residual add for a few
-    /// rows too); otherwise separate passes.
-    pub fn forward_block(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
-        Ok(self
-            .down
-            .forward_add(&self.gate_up.forward_swiglu_normed(x, norm)?, x)?)
+    /// stream `x` (its normalisation taken from the stream when it comes with it), as the stream
+    /// entering the block whose norm is `next`. The gate|up projection normalises `x` as it reads
+    /// it and the down projection adds `x` as it writes, where the kernels allow (CUDA: one row;
+    /// the residual add for a few rows too); otherwise separate passes, the add in `next`'s.
+    pub fn forward_block(&self, x: &Stream, norm: &RmsNorm, next: Option<&RmsNorm>) -> Result<Stream> {
+        let h = match &x.normed {
+            Some(normed) => self.gate_up.forward_swiglu(normed)?,
+            None => self.gate_up.forward_swiglu_normed(&x.x, norm)?,
+        };
+        Ok(self.down.forward_add_norm(&h, &x.x, next)?)
     }
 }
 
@@ -139,11 +143,22 @@ impl DecoderLayer {
         })
     }
 
-    /// A residual block's output: on a tensor-parallel rank, the sum over the ranks.
-    fn reduce(&self, r: Tensor) -> Result<Tensor> {
+    /// A residual block's output: on a tensor-parallel rank, the sum over the ranks (each rank's
+    /// is a partial sum, so it comes without a normalisation: see [`Self::norms`]).
+    fn reduce(&self, r: Stream) -> Result<Stream> {
         match &self.comm {
-            Some(c) => c.all_reduce_sum(&r),
+            Some(c) => Ok(Stream::new(c.all_reduce_sum(&r.x)?)),
             None => Ok(r),
+        }
+    }
+
+    /// The norms whose passes close this layer's residual connections (the MLP's, then `next`,
+    /// the norm after the layer), or none on a tensor-parallel rank, whose closes are partial
+    /// sums until reduced.
+    fn norms<'a>(&'a self, next: Option<&'a RmsNorm>) -> (Option<&'a RmsNorm>, Option<&'a RmsNorm>) {
+        match self.comm {
+            Some(_) => (None, None),
+            None => (Some(&self.post_norm), next),
         }
     }
 
@@ -174,31 +189,34 @@ impl DecoderLayer {
         all
     }
 
-    /// `x + mixer(norm(x))`, then `+ mlp(norm(·))`. With `verify`, a GDN layer runs token by token
-    /// and returns its per-token checkpoints.
+    /// `x + mixer(norm(x))`, then `+ mlp(norm(·))`, as the stream entering the block whose norm
+    /// is `next` (the next layer's input norm, or the final norm). With `verify`, a GDN layer runs
+    /// token by token and returns its per-token checkpoints.
     pub(crate) fn forward(
         &self,
-        x: &Tensor,
+        x: &Stream,
+        next: Option<&RmsNorm>,
         cache: &mut LayerCache,
         step: &AttnStep,
         verify: bool,
-    ) -> Result<(Tensor, Option<VerifyCheckpoints>)> {
+    ) -> Result<(Stream, Option<VerifyCheckpoints>)> {
         // r: the residual stream after the mixer's block.
         let norm = &self.input_norm;
+        let (post, next) = self.norms(next);
         let (r, checkpoints) = match (&self.mixer, cache) {
             (Mixer::Gdn(g), LayerCache::Gdn(s)) if verify => {
-                let (r, cp) = g.forward_verify_block(x, norm, s)?;
+                let (r, cp) = g.forward_verify_block(x, norm, post, s)?;
                 (r, Some(cp))
             }
-            (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward_block(x, norm, s)?, None),
+            (Mixer::Gdn(g), LayerCache::Gdn(s)) => (g.forward_block(x, norm, post, s)?, None),
             (Mixer::Attention(a), LayerCache::Attention(kv)) => {
-                (a.forward_step_block(x, norm, step, kv)?, None)
+                (a.forward_step_block(x, (norm, post), step, kv)?, None)
             }
             _ => return Err(Error::Cache("layer kinds of cache and model differ".into())),
         };
         let r = self.reduce(r)?;
         Ok((
-            self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)?,
+            self.reduce(self.mlp.forward_block(&r, &self.post_norm, next)?)?,
             checkpoints,
         ))
     }
@@ -216,8 +234,15 @@ impl DecoderLayer {
     /// commits deferred: each slot first replays its accepted tokens, a verify stashes its own),
     /// and each prefill group from its slots' states gathered (written back after); an
     /// attention layer reads and writes paged K/V.
-    pub(crate) fn forward_paged(&self, x: &Tensor, pool: &PagedLayer, flat: &FlatInputs) -> Result<Tensor> {
+    pub(crate) fn forward_paged(
+        &self,
+        x: &Stream,
+        next: Option<&RmsNorm>,
+        pool: &PagedLayer,
+        flat: &FlatInputs,
+    ) -> Result<Stream> {
         let norm = &self.input_norm;
+        let (post, next) = self.norms(next);
         let r = match (&self.mixer, pool) {
             (
                 Mixer::Gdn(g),
@@ -263,7 +288,7 @@ impl DecoderLayer {
                         verify: g.verify,
                     })
                     .collect();
-                let (r, _) = g.forward_groups_block(x, norm, &mut groups)?;
+                let (r, _) = g.forward_groups_block(x, norm, post, &mut groups)?;
                 for (g, state) in flat.groups.iter().zip(&own) {
                     let Some(state) = state else { continue };
                     for (i, &slot) in g.host_slots.iter().enumerate() {
@@ -278,7 +303,7 @@ impl DecoderLayer {
             (Mixer::Attention(a), PagedLayer::Attention { k, v }) => {
                 let rope = (&flat.cos, &flat.sin);
                 let parts = (&flat.kv_rows, flat.attn.as_slice());
-                a.forward_paged_block(x, norm, rope, parts, (k, v))?
+                a.forward_paged_block(x, (norm, post), rope, parts, (k, v))?
             }
             _ => {
                 return Err(Error::Cache(
@@ -287,7 +312,7 @@ impl DecoderLayer {
             }
         };
         let r = self.reduce(r)?;
-        self.reduce(self.mlp.forward_block(&r, &self.post_norm)?)
+        self.reduce(self.mlp.forward_block(&r, &self.post_norm, next)?)
     }
 }
 
@@ -577,11 +602,17 @@ impl Qwen36Model {
     /// The layers over flat inputs: `ids: [1, rows]` → the final-norm hidden states `[rows,
     /// hidden]`.
     pub(crate) fn run_flat(&self, ids: &Tensor, flat: &FlatInputs, cache: &PagedCache) -> Result<Tensor> {
-        let mut x = self.embed.forward(ids)?;
-        for (layer, pool) in self.layers.iter().zip(&cache.layers) {
-            x = layer.forward_paged(&x, pool, flat)?;
+        let mut x = Stream::new(self.embed.forward(ids)?);
+        for (i, (layer, pool)) in self.layers.iter().zip(&cache.layers).enumerate() {
+            x = layer.forward_paged(&x, Some(self.norm_after(i)), pool, flat)?;
         }
-        Ok(self.norm.forward(&x)?.squeeze(0)?)
+        Ok(x.normed_by(&self.norm)?.squeeze(0)?)
+    }
+
+    /// The norm that opens the block after layer `i`: the next layer's input norm, or the final
+    /// norm after the last.
+    fn norm_after(&self, i: usize) -> &RmsNorm {
+        self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm)
     }
 
     /// Checks `batch` against `cache`, the vocabulary and the context.
@@ -820,11 +851,11 @@ impl Qwen36Model {
         cache.pending = None;
         // Token ids may come from the host whatever the model's device.
         let ids = ids.to_device(&self.device)?;
-        let mut x = self.embed.forward(&ids)?;
+        let mut x = Stream::new(self.embed.forward(&ids)?);
         let step = self.attn_step(cache.seq_len, t)?;
-        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (i, (layer, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             if let Some(s) = states.as_deref_mut() {
-                s.push(x.clone());
+                s.push(x.x.clone());
             }
             #[cfg(feature = "fault-injection")]
             let stale = match (cache.fault, &*lc) {
@@ -833,7 +864,8 @@ impl Qwen36Model {
                 ),
                 _ => None,
             };
-            let (y, cp) = layer.forward(&x, lc, &step, checkpoints.is_some())?;
+            let next = Some(self.norm_after(i));
+            let (y, cp) = layer.forward(&x, next, lc, &step, checkpoints.is_some())?;
             #[cfg(feature = "fault-injection")]
             if let (Some(old), LayerCache::Gdn(s)) = (stale, &mut *lc) {
                 *s = old;
@@ -850,9 +882,9 @@ impl Qwen36Model {
         }
         cache.seq_len += t;
         if let Some(s) = states {
-            s.push(x.clone());
+            s.push(x.x.clone());
         }
-        Ok(self.norm.forward(&x)?)
+        Ok(x.normed_by(&self.norm)?)
     }
 
     /// The attention layers' shared inputs for `tokens` new positions after `start`.
@@ -938,21 +970,25 @@ impl Qwen36Model {
         let mut i = 0;
         while i < n {
             let end = (i..n).find(|&l| !graphable(l)).unwrap_or(n);
+            // (Segments pass the stream alone: a layer's output carries no normalisation past
+            // a segment's end.)
             if end == i {
-                let (y, cp) = self.layers[i].forward(&x, &mut cache.layers[i], &step, verify)?;
-                (x, i) = (y, i + 1);
+                let x_in = Stream::new(x);
+                let (y, cp) = self.layers[i].forward(&x_in, None, &mut cache.layers[i], &step, verify)?;
+                (x, i) = (y.x, i + 1);
                 checkpoints.push(cp);
                 continue;
             }
             let (y, cps) = graph.run_segment(i..end, verify, &x, cache, |x, cache| {
-                let mut x = x.clone();
+                let mut x = Stream::new(x.clone());
                 let mut cps = Vec::new();
                 for l in i..end {
-                    let (y, cp) = self.layers[l].forward(&x, &mut cache.layers[l], &step, verify)?;
+                    let next = (l + 1 < end).then(|| self.norm_after(l));
+                    let (y, cp) = self.layers[l].forward(&x, next, &mut cache.layers[l], &step, verify)?;
                     x = y;
                     cps.extend(cp);
                 }
-                Ok((x, cps))
+                Ok((x.x, cps))
             })?;
             // The segment's checkpoints are its GDN layers', in order.
             let mut cps = cps.into_iter();
@@ -1045,7 +1081,9 @@ mod tests {
         Ok(())
     }
 
-    /// The MLP's residual block is `x + forward(norm(x))`: on the CPU the same ops, equal bits.
+    /// The MLP's residual block is `x + forward(norm(x))`: on the CPU the same ops, equal bits; a
+    /// stream that comes with its normalisation enters as that, and with a next norm the output
+    /// comes with its own.
     #[test]
     fn mlp_block_is_the_residual_around_the_normalised_mlp() -> Result<()> {
         let dev = Device::Cpu;
@@ -1057,8 +1095,20 @@ mod tests {
         let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(703, 0.3, h, &dev)?, 1e-6)?;
         let x = qwen36_testutil::randn(704, 1.0, (2, 3, h), &dev)?;
         let want = (&x + mlp.forward(&norm.forward(&x)?)?)?;
-        let got = mlp.forward_block(&x, &norm)?;
-        assert_eq!(qwen36_testutil::max_abs_diff(&got, &want), 0.0);
+        let got = mlp.forward_block(&Stream::new(x.clone()), &norm, None)?;
+        assert_eq!(qwen36_testutil::max_abs_diff(&got.x, &want), 0.0);
+        assert!(got.normed.is_none());
+        let next = RmsNorm::zero_centred(&qwen36_testutil::randn(705, 0.3, h, &dev)?, 1e-6)?;
+        let other = next.forward(&x)?;
+        let want = (&x + mlp.forward(&other)?)?;
+        let input = Stream {
+            x: x.clone(),
+            normed: Some(other),
+        };
+        let got = mlp.forward_block(&input, &norm, Some(&next))?;
+        assert_eq!(qwen36_testutil::max_abs_diff(&got.x, &want), 0.0);
+        let normed = got.normed.expect("the next norm's pass adds the residual");
+        assert_eq!(qwen36_testutil::max_abs_diff(&normed, &next.forward(&want)?), 0.0);
         Ok(())
     }
 

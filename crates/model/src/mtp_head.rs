@@ -7,7 +7,7 @@
 
 use candle_core::{Module, Tensor, D};
 use qwen36_kernels::linear::Linear;
-use qwen36_kernels::norm::RmsNorm;
+use qwen36_kernels::norm::{RmsNorm, Stream};
 
 use crate::attention::AttnStep;
 use crate::model::{DecoderLayer, FlatInputs};
@@ -363,8 +363,8 @@ impl MtpHead {
             .forward(&hidden.to_dtype(e.dtype())?.unsqueeze(0)?)?;
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = self.layer_index(step);
-        let y = self.layers[i].forward_paged(&x, &cache.layers[i], flat)?;
-        Ok(self.norm.forward(&y)?.squeeze(0)?)
+        let y = self.layers[i].forward_paged(&Stream::new(x), Some(&self.norm), &cache.layers[i], flat)?;
+        Ok(y.normed_by(&self.norm)?.squeeze(0)?)
     }
 
     /// One greedy draft step: [`Self::forward`], then the post-norm state of the last position
@@ -456,8 +456,14 @@ impl MtpHead {
         let x = self.fc.forward(&Tensor::cat(&[&e, &hn], D::Minus1)?)?; // embedding first
         let i = self.layer_index(step);
         cache.kv(i)?; // a typed error, not an index panic, for a cache of another head
-        let (y, _) = self.layers[i].forward(&x, &mut cache.layers[i], attn, false)?;
-        Ok(self.norm.forward(&y)?)
+        let (y, _) = self.layers[i].forward(
+            &Stream::new(x),
+            Some(&self.norm),
+            &mut cache.layers[i],
+            attn,
+            false,
+        )?;
+        Ok(y.normed_by(&self.norm)?)
     }
 }
 

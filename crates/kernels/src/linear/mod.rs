@@ -50,7 +50,7 @@ pub fn fp8_quantize_activations(x: &Tensor, policy: &KernelPolicy) -> Result<(Te
 
 use candle_core::{Module, Tensor};
 
-use crate::norm::RmsNorm;
+use crate::norm::{RmsNorm, Stream};
 use crate::policy::SkinnyPath;
 use crate::{Error, KernelPolicy, Result};
 
@@ -159,6 +159,22 @@ impl LinearWeight {
             LinearWeight::Fp8(w) => vec![w.dims().0, w.dims().1],
         }
     }
+}
+
+/// The stream after a residual connection: `y` when it holds the residual already (`added`),
+/// else `residual + y`, normalised by `next` in the same kernel when given.
+fn add_norm(y: Tensor, added: bool, residual: &Tensor, next: Option<&RmsNorm>) -> Result<Stream> {
+    Ok(match (added, next) {
+        (true, _) => Stream::new(y),
+        (false, None) => Stream::new((residual + y)?),
+        (false, Some(norm)) => {
+            let (normed, sum) = norm.forward_residual(&y, residual)?;
+            Stream {
+                x: sum,
+                normed: Some(normed),
+            }
+        }
+    })
 }
 
 /// How a layer holds its weight.
@@ -508,27 +524,36 @@ impl Linear {
     /// `residual + self.forward(x)` (`residual` shaped like the output): a residual connection
     /// closing with this layer. On CUDA the few-row kernels add it as they write, saving a pass.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_add_norm(x, residual, None)?.x)
+    }
+
+    /// [`Self::forward_add`] as the stream entering the block whose norm is `next`: where the
+    /// residual is added by a pass of its own (the matmul path, the CPU), that pass is `next`'s
+    /// kernel, which writes the sum and its normalisation (the same bits as the add, then the
+    /// norm), so the block needs no norm pass; where the few-row kernels add the residual as they
+    /// write, or `next` is `None`, the stream comes without its normalisation.
+    pub fn forward_add_norm(&self, x: &Tensor, residual: &Tensor, next: Option<&RmsNorm>) -> Result<Stream> {
         if !self.adds_residual {
-            return self.forward(x);
+            return Ok(Stream::new(self.forward(x)?));
         }
         #[cfg(feature = "cuda")]
         if let Some((y, added)) = self.forward_tiles(x, Some(residual))? {
-            return Ok(if added { y } else { (residual + y)? });
+            return add_norm(y, added, residual, next);
         }
         #[cfg(feature = "cuda")]
         if let Some((y, added)) = self.forward_skinny(x, Some(residual), None)? {
-            return Ok(if added { y } else { (residual + y)? });
+            return add_norm(y, added, residual, next);
         }
         #[cfg(feature = "cuda")]
         if let Kind::Fp8 { w, bias: None } = &self.kind {
             if let Some(y) = self.forward_fp8_gemm(w, x)? {
-                return Ok((residual + y)?);
+                return add_norm(y, false, residual, next);
             }
             if let Some(y) = self.forward_fp8_skinny(w, x, Some(residual))? {
-                return Ok(y);
+                return Ok(Stream::new(y));
             }
         }
-        Ok((residual + self.forward(x)?)?)
+        add_norm(self.forward(x)?, false, residual, next)
     }
 
     /// Whether the CUDA tile kernel takes `x` through this dense layer: a CUDA tensor of the

@@ -72,6 +72,33 @@ impl RmsNorm {
     }
 }
 
+/// A residual stream `x: [..., hidden]` entering a pre-norm block, with `normed`, its
+/// normalisation by that block's norm, when the pass that closed the previous residual connection
+/// made it (one kernel for the add and the norm, [`crate::linear::Linear::forward_add_norm`]).
+#[derive(Debug, Clone)]
+pub struct Stream {
+    /// The residual stream.
+    pub x: Tensor,
+    /// `x` normalised by the norm of the block it enters, when already computed.
+    pub normed: Option<Tensor>,
+}
+
+impl Stream {
+    /// A stream whose normalisation is still to be computed.
+    pub fn new(x: Tensor) -> Self {
+        Self { x, normed: None }
+    }
+
+    /// `norm.forward(x)`: the normalisation made with the stream, else a pass of `norm` (which
+    /// must be the block's norm that `normed` was made with).
+    pub fn normed_by(&self, norm: &RmsNorm) -> Result<Tensor> {
+        match &self.normed {
+            Some(n) => Ok(n.clone()),
+            None => norm.forward(&self.x),
+        }
+    }
+}
+
 /// Gated RMSNorm (`Qwen3_5RMSNormGated`): `y = (w ⊙ norm(x)) ⊙ silu(z)`, plain weight, not `1 + w`.
 #[derive(Debug, Clone)]
 pub struct GatedRmsNorm {
