@@ -406,6 +406,45 @@ __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w
     }
 }
 
+// conv1d for the width K = 4 with V = 16 / sizeof(T) channels a thread: one 16-byte load of x and
+// one store of y per token (the launcher checks that x's rows, xs and C allow them). Each channel
+// runs conv_step as conv1d does, so y and st_out have its bits. Grid: x as conv1d's, y = blocks of
+// 256·V channels.
+template <typename T>
+__device__ void conv1d_vec4(const T* __restrict__ x, long xs, const T* __restrict__ w, const T* __restrict__ st,
+                            T* __restrict__ y, T* __restrict__ st_out, int B, int Tn, int C) {
+    constexpr int V = Vec16<T>::N, K = 4, H = K - 1;
+    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * V;
+    if (c0 >= C) return;
+    const int tiles = (Tn + CONV_TT - 1) / CONV_TT;
+    const long blk = blockIdx.x;
+    if (blk >= (long)B * tiles) {
+        const int b = blk - (long)B * tiles;
+        for (int e = 0; e < V; e++)
+            for (int j = 0; j < H; j++)
+                st_out[((long)b * C + c0 + e) * H + j] = from_f<T>(conv_in(x, st, b, Tn + j, c0 + e, Tn, C, H, xs));
+        return;
+    }
+    const int b = blk / tiles, t0 = (blk % tiles) * CONV_TT, t1 = min(t0 + CONV_TT, Tn);
+    float wt[V][8], win[V][8];
+#pragma unroll
+    for (int e = 0; e < V; e++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            wt[e][j] = j < K ? to_f(w[(long)(c0 + e) * K + j]) : 0.f;
+            win[e][j] = j < H ? conv_in(x, st, b, t0 + j, c0 + e, Tn, C, H, xs) : 0.f;
+        }
+#pragma unroll 4
+    for (int t = t0; t < t1; t++) {
+        const long row = (long)b * Tn + t;
+        Vec16<T> in, out;
+        in.raw = *reinterpret_cast<const uint4*>(x + row * xs + c0);
+#pragma unroll
+        for (int e = 0; e < V; e++) out.e[e] = from_f<T>(conv_step(wt[e], win[e], to_f(in.e[e]), K));
+        *reinterpret_cast<uint4*>(y + row * C + c0) = out.raw;
+    }
+}
+
 // Few tokens (decode, verify) with the state updated in place: one thread per channel (b, c) walks
 // the Tn tokens in order with its window in registers (K <= 8), reading its K-1 entries of st (the
 // state in and out) before writing them. Same y as conv1d, the same sums in the same order.
@@ -465,6 +504,11 @@ __device__ void conv1d_seq(const T* __restrict__ x, long xs, const T* __restrict
     extern "C" __global__ void NAME(const T* x, long xs, const T* w, const T* st, T* y, T* st_out, int B,     \
                                     int Tn, int C, int K) { pdl_enter();                                                  \
         conv1d<T>(x, xs, w, st, y, st_out, B, Tn, C, K);                                                     \
+    }                                                                                                         \
+    extern "C" __global__ void NAME##_vec4(const T* x, long xs, const T* w, const T* st, T* y, T* st_out,     \
+                                           int B, int Tn, int C) {                                            \
+        pdl_enter();                                                                                          \
+        conv1d_vec4<T>(x, xs, w, st, y, st_out, B, Tn, C);                                                   \
     }                                                                                                         \
     extern "C" __global__ void NAME##_in_place(const T* x, long xs, const T* w, T* y, T* st, T* win, int B,   \
                                                int Tn, int C, int K, const unsigned* slots, int pool,         \

@@ -503,6 +503,21 @@ fn conv1d_matches_cpu() {
                 "{dtype:?}: the state is a copy of raw inputs"
             );
         }
+        // Contiguous 16-byte rows take the kernel of a vector of channels a thread; the same
+        // values one element off that alignment take the one of a channel a thread: equal bits.
+        let gx = x.to_device(&d).unwrap();
+        let pad = Tensor::zeros((2, 37, 1), dtype, &d).unwrap();
+        let shifted = Tensor::cat(&[&pad, &gx, &pad], 2)
+            .unwrap()
+            .narrow(2, 1, 200)
+            .unwrap();
+        let (gw, gs) = (w.to_device(&d).unwrap(), s.to_device(&d).unwrap());
+        for state in [None, Some(&gs)] {
+            let (y_vec, st_vec) = causal_conv1d(&gx, &gw, state, P).unwrap();
+            let (y_one, st_one) = causal_conv1d(&shifted, &gw, state, P).unwrap();
+            assert_eq!(max_diff(&y_vec, &y_one), 0.0, "{dtype:?}: vector kernel y");
+            assert_eq!(max_diff(&st_vec, &st_one), 0.0, "{dtype:?}: vector kernel state");
+        }
     }
 }
 

@@ -33,6 +33,10 @@ pub(crate) fn conv1d(
     };
     let w = weight.reshape((c, k))?.to_dtype(dt)?.contiguous()?;
     let state = state.map(|s| s.to_dtype(dt)?.contiguous()).transpose()?;
+    // Qwen3.6's width 4 over 16-byte rows: a thread takes `lanes` channels, one vector a token.
+    let size = dt.size_in_bytes();
+    let lanes = 16 / size;
+    let vec = k == 4 && c % lanes == 0 && xs % lanes == 0 && (x.layout().start_offset() * size) % 16 == 0;
     macro_rules! go {
         ($t:ty) => {{
             let (xst, xl) = x.storage_and_layout();
@@ -47,7 +51,13 @@ pub(crate) fn conv1d(
             // SAFETY: uninitialised; the kernel writes every element of y and of the new state.
             let y = unsafe { dev.alloc::<$t>(b * t * c)? };
             let st_out = unsafe { dev.alloc::<$t>(b * c * (k - 1))? };
-            let func = GDN.func(&dev, &format!("conv1d_{}", dtype_suffix(op, dt)?))?;
+            let suffix = dtype_suffix(op, dt)?;
+            let name = if vec {
+                format!("conv1d_{suffix}_vec4")
+            } else {
+                format!("conv1d_{suffix}")
+            };
+            let func = GDN.func(&dev, &name)?;
             let mut lb = KernelCall::new(&dev, &func, policy);
             let null = 0u64;
             let xs64 = xs as i64;
@@ -58,23 +68,26 @@ pub(crate) fn conv1d(
             };
             lb.arg(&y).arg(&st_out);
             let dims = [b as i32, t as i32, c as i32, k as i32];
-            for v in &dims {
+            for v in &dims[..if vec { 3 } else { 4 }] {
                 lb.arg(v);
             }
+            let per_thread = if vec { lanes } else { 1 };
             let cfg = LaunchConfig {
                 grid_dim: (
                     (b * t.div_ceil(CONV_TOKENS) + b) as u32,
-                    c.div_ceil(256) as u32,
+                    c.div_ceil(256 * per_thread) as u32,
                     1,
                 ),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: arguments match `conv1d_*` in cuda/gdn.cu: x as b·t rows of c elements xs
-            // apart (the view spans exactly them), i64 xs, w [c·k], state [b·c·(k-1)] or null,
-            // fresh outputs of the sizes it writes, then i32 dims; one block row per tile of
+            // SAFETY: arguments match `conv1d_*` (or, for k = 4 without the last i32,
+            // `conv1d_*_vec4`) in cuda/gdn.cu: x as b·t rows of c elements xs apart (the view spans
+            // exactly them; for the vector kernel rows 16-byte aligned, xs and c multiples of its
+            // `lanes` channels, checked above), i64 xs, w [c·k], state [b·c·(k-1)] or null, fresh
+            // outputs of the sizes it writes, then i32 dims; one block row per tile of
             // CONV_TOKENS tokens of a sequence (y), then one per sequence (the new state), one
-            // thread per channel.
+            // thread per channel (vector kernel: per `lanes` channels).
             unsafe { lb.launch(cfg) }.w()?;
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
         }};
