@@ -407,7 +407,8 @@ __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w
 }
 
 // conv1d for the width K = 4 with V = 16 / sizeof(T) channels a thread: one 16-byte load of x and
-// one store of y per token (the launcher checks that x's rows, xs and C allow them). Each channel
+// one store of y per token, the weights and the window's inputs in vectors too (the launcher
+// checks that x's rows, xs, C and w allow them). Each channel
 // runs conv_step as conv1d does, so y and st_out have its bits. Grid: x as conv1d's, y = blocks of
 // 256·V channels.
 template <typename T>
@@ -426,13 +427,20 @@ __device__ void conv1d_vec4(const T* __restrict__ x, long xs, const T* __restric
         return;
     }
     const int b = blk / tiles, t0 = (blk % tiles) * CONV_TT, t1 = min(t0 + CONV_TT, Tn);
+    // The V channels' K weights are K vectors; a window input past the state is a vector of x.
+    Vec16<T> wv[K], xv[H];
+#pragma unroll
+    for (int q = 0; q < K; q++) wv[q].raw = reinterpret_cast<const uint4*>(w + (long)c0 * K)[q];
+#pragma unroll
+    for (int j = 0; j < H; j++)
+        if (t0 + j >= H) xv[j].raw = *reinterpret_cast<const uint4*>(x + ((long)b * Tn + t0 + j - H) * xs + c0);
     float wt[V][8], win[V][8];
 #pragma unroll
     for (int e = 0; e < V; e++)
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            wt[e][j] = j < K ? to_f(w[(long)(c0 + e) * K + j]) : 0.f;
-            win[e][j] = j < H ? conv_in(x, st, b, t0 + j, c0 + e, Tn, C, H, xs) : 0.f;
+            wt[e][j] = j < K ? to_f(wv[(e * K + j) / V].e[(e * K + j) % V]) : 0.f;
+            win[e][j] = j >= H ? 0.f : t0 + j >= H ? to_f(xv[j].e[e]) : conv_in(x, st, b, t0 + j, c0 + e, Tn, C, H, xs);
         }
 #pragma unroll 4
     for (int t = t0; t < t1; t++) {

@@ -503,10 +503,15 @@ fn conv1d_matches_cpu() {
                 "{dtype:?}: the state is a copy of raw inputs"
             );
         }
-        // Contiguous 16-byte rows take the kernel of a vector of channels a thread; the same
-        // values one element off that alignment take the one of a channel a thread: equal bits.
-        let gx = x.to_device(&d).unwrap();
-        let pad = Tensor::zeros((2, 37, 1), dtype, &d).unwrap();
+        // A prompt's contiguous 16-byte rows take the kernel of a vector of channels a thread
+        // (against the CPU, and 300 tokens: a partial tile); the same values one element off
+        // that alignment take the one of a channel a thread: equal bits.
+        let long = qwen36_testutil::randn(519, 1.0, (2, 300, 200), &cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let gx = long.to_device(&d).unwrap();
+        let pad = Tensor::zeros((2, 300, 1), dtype, &d).unwrap();
         let shifted = Tensor::cat(&[&pad, &gx, &pad], 2)
             .unwrap()
             .narrow(2, 1, 200)
@@ -517,6 +522,13 @@ fn conv1d_matches_cpu() {
             let (y_one, st_one) = causal_conv1d(&shifted, &gw, state, P).unwrap();
             assert_eq!(max_diff(&y_vec, &y_one), 0.0, "{dtype:?}: vector kernel y");
             assert_eq!(max_diff(&st_vec, &st_one), 0.0, "{dtype:?}: vector kernel state");
+            let (y, st) = causal_conv1d(&long, &w, state.map(|_| &s), P).unwrap();
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            assert!(
+                max_diff(&y, &y_vec) < tol,
+                "{dtype:?}: vector kernel against the CPU"
+            );
+            assert_eq!(max_diff(&st, &st_vec), 0.0, "{dtype:?}: vector kernel state");
         }
     }
 }
@@ -1332,15 +1344,16 @@ fn normalising_projection_equals_norm_then_projection() {
 /// A residual connection closed as the stream entering the next block
 /// (`Linear::forward_add_norm`) gives the bits of `forward_add` then the next norm: rows that
 /// the tile kernel takes (it adds the residual as it writes; no normalisation comes with them)
-/// and rows through cuBLAS or the FP8 GEMM, whose residual the norm's kernel adds.
+/// and rows through cuBLAS or the FP8 GEMM, whose residual the norm's kernel adds (outputs of
+/// 2560: the block-per-row kernel; of 320, rows a warp normalises: the two steps).
 #[test]
 fn residual_closed_into_the_next_norm_equals_the_two_steps() {
     use qwen36_kernels::linear::{Linear, LinearWeight};
     use qwen36_kernels::norm::RmsNorm;
     let d = gpu();
-    let (k, n) = (512, 320);
-    let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(518, 0.3, n, &d).unwrap(), 1e-6).unwrap();
-    for (dt, _) in ONE_ROUNDING {
+    for ((dt, _), n) in ONE_ROUNDING.into_iter().flat_map(|r| [(r, 320), (r, 2560)]) {
+        let k = 512;
+        let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(518, 0.3, n, &d).unwrap(), 1e-6).unwrap();
         let dense = Linear::new(weight(n, k, dt).to_device(&d).unwrap(), None).with_policy(*P);
         let mut layers = vec![("dense", dense)];
         if fp8_gemm_available(&d) {
@@ -1356,7 +1369,7 @@ fn residual_closed_into_the_next_norm_equals_the_two_steps() {
                 let res = randn(1.0, (1, rows, n), dt).to_device(&d).unwrap();
                 let sum = layer.forward_add(&x, &res).unwrap();
                 let got = layer.forward_add_norm(&x, &res, Some(&norm)).unwrap();
-                assert_eq!(max_diff(&got.x, &sum), 0.0, "{dt:?} {what} rows {rows}: sum");
+                assert_eq!(max_diff(&got.x, &sum), 0.0, "{dt:?} {what} {n} rows {rows}: sum");
                 // One 16-bit row: the tile kernel adds the residual; 64 rows: a matmul.
                 if rows == 1 && dt != DType::F32 {
                     assert!(got.normed.is_none(), "{dt:?} {what} rows {rows}");
@@ -1366,7 +1379,11 @@ fn residual_closed_into_the_next_norm_equals_the_two_steps() {
                 }
                 if let Some(normed) = got.normed {
                     let want = norm.forward(&sum).unwrap();
-                    assert_eq!(max_diff(&normed, &want), 0.0, "{dt:?} {what} rows {rows}: norm");
+                    assert_eq!(
+                        max_diff(&normed, &want),
+                        0.0,
+                        "{dt:?} {what} {n} rows {rows}: norm"
+                    );
                 }
             }
         }
