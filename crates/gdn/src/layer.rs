@@ -507,8 +507,8 @@ impl GatedDeltaNet {
         }
     }
 
-    /// The layer on `x`, or with `block` (the norm before it) the residual block around it.
-    /// With `block` (its norm, the next block's), the residual block.
+    /// The layer on `x`, or with `block` (its norm, the next block's) the residual block around
+    /// it, as the stream entering the next block.
     fn run(
         &self,
         x: &Stream,
@@ -1352,7 +1352,8 @@ mod group_tests {
                 verify,
             })
             .collect();
-        let (y, cps) = l.forward_groups_block(&Stream::new(x.clone()), &norm, Some(&norm), &mut groups)?;
+        let next = RmsNorm::zero_centred(&qwen36_testutil::randn(142, 0.3, 24, &dev)?, 1e-6)?;
+        let (y, cps) = l.forward_groups_block(&Stream::new(x.clone()), &norm, Some(&next), &mut groups)?;
         assert!(
             cps.iter().all(Option::is_none),
             "pooled verifies keep no checkpoints"
@@ -1380,7 +1381,7 @@ mod group_tests {
         let (y_own, cps_own) = l.forward_groups_block(&Stream::new(x.clone()), &norm, None, &mut groups)?;
         assert_eq!(max_diff(&y.x, &y_own.x), 0.0);
         let normed = y.normed.expect("the next norm's pass adds the residual");
-        assert_eq!(max_diff(&normed, &norm.forward(&y_own.x)?), 0.0);
+        assert_eq!(max_diff(&normed, &next.forward(&y_own.x)?), 0.0);
         assert_eq!(max_diff(&conv.index_select(&slots[0], 0)?, states[0].conv()), 0.0);
         assert_eq!(
             max_diff(&rec.index_select(&slots[0], 0)?, states[0].recurrent()),

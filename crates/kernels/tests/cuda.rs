@@ -504,25 +504,34 @@ fn conv1d_matches_cpu() {
             );
         }
         // A prompt's contiguous 16-byte rows take the kernel of a vector of channels a thread
-        // (against the CPU, and 300 tokens: a partial tile); the same values one element off
-        // that alignment take the one of a channel a thread: equal bits.
-        let long = qwen36_testutil::randn(519, 1.0, (2, 300, 200), &cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
+        // (against the CPU; 300 tokens: a partial tile; 4608 channels: two blocks of channels,
+        // the second partial); the same values one element off that alignment take the one of a
+        // channel a thread: equal bits.
+        let c2 = 4608;
+        let rand = |seed, std, shape: (usize, usize, usize)| {
+            qwen36_testutil::randn(seed, std, shape, &cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let (long, w2, s2) = (
+            rand(519, 1.0, (2, 300, c2)),
+            rand(520, 0.5, (c2, 1, 4)),
+            rand(521, 1.0, (2, c2, 3)),
+        );
         let gx = long.to_device(&d).unwrap();
         let pad = Tensor::zeros((2, 300, 1), dtype, &d).unwrap();
         let shifted = Tensor::cat(&[&pad, &gx, &pad], 2)
             .unwrap()
-            .narrow(2, 1, 200)
+            .narrow(2, 1, c2)
             .unwrap();
-        let (gw, gs) = (w.to_device(&d).unwrap(), s.to_device(&d).unwrap());
+        let (gw, gs) = (w2.to_device(&d).unwrap(), s2.to_device(&d).unwrap());
         for state in [None, Some(&gs)] {
             let (y_vec, st_vec) = causal_conv1d(&gx, &gw, state, P).unwrap();
             let (y_one, st_one) = causal_conv1d(&shifted, &gw, state, P).unwrap();
             assert_eq!(max_diff(&y_vec, &y_one), 0.0, "{dtype:?}: vector kernel y");
             assert_eq!(max_diff(&st_vec, &st_one), 0.0, "{dtype:?}: vector kernel state");
-            let (y, st) = causal_conv1d(&long, &w, state.map(|_| &s), P).unwrap();
+            let (y, st) = causal_conv1d(&long, &w2, state.map(|_| &s2), P).unwrap();
             let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
             assert!(
                 max_diff(&y, &y_vec) < tol,
@@ -1376,6 +1385,22 @@ fn residual_closed_into_the_next_norm_equals_the_two_steps() {
                 }
                 if rows == 64 {
                     assert!(got.normed.is_some(), "{dt:?} {what} rows {rows}");
+                }
+                // A residual off a 16-byte boundary (its kernel would not take vectors): the
+                // two steps, the same bits.
+                if rows == 64 {
+                    let flat = randn(1.0, rows * n + 1, dt).to_device(&d).unwrap();
+                    let odd = flat
+                        .narrow(0, 1, rows * n)
+                        .unwrap()
+                        .reshape((1, rows, n))
+                        .unwrap();
+                    let got = layer.forward_add_norm(&x, &odd, Some(&norm)).unwrap();
+                    let sum = layer.forward_add(&x, &odd).unwrap();
+                    assert_eq!(max_diff(&got.x, &sum), 0.0, "{dt:?} {what} {n}: off-boundary sum");
+                    let normed = got.normed.expect("a matmul's residual");
+                    let e = max_diff(&normed, &norm.forward(&sum).unwrap());
+                    assert_eq!(e, 0.0, "{dt:?} {what} {n}: off-boundary norm");
                 }
                 if let Some(normed) = got.normed {
                     let want = norm.forward(&sum).unwrap();

@@ -241,10 +241,10 @@ impl GatedAttention {
         self.forward_with(x, Some((norm, next)), step, cache, kernel, SCORE_BUDGET)
     }
 
-    /// The layer (with `block`, the norm before it, the residual block around it) with the
-    /// decode kernel over the whole KV buffer (`kernel`), else the prefill kernel where it fits
-    /// (CUDA, half types), else the matmul path with its queries split so one block's scores
-    /// hold at most `budget` elements.
+    /// The layer (with `block`, its norm and the next block's: the residual block around it, as
+    /// the stream entering the next block) with the decode kernel over the whole KV buffer
+    /// (`kernel`), else the prefill kernel where it fits (CUDA, half types), else the matmul path
+    /// with its queries split so one block's scores hold at most `budget` elements.
     fn forward_with(
         &self,
         x: &Stream,
@@ -272,7 +272,8 @@ impl GatedAttention {
     /// sequence's block table. The projections read all rows at once and every row's key and
     /// value go to its pool row (`kv_rows`, u32 `[rows]`) in one write; then each part attends:
     /// a decode group in one paged launch, any other sequence over its gathered positions with
-    /// the kernels a pass of its length takes alone.
+    /// the kernels a pass of its length takes alone. Returns the stream entering the block whose
+    /// norm is `next` ([`Linear::forward_add_norm`]).
     pub(crate) fn forward_paged_block(
         &self,
         x: &Stream,

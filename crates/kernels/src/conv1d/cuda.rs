@@ -1,5 +1,6 @@
-//! Launchers of the causal conv1d kernels in cuda/gdn.cu: the prefill kernel (tiles of
-//! `CONV_TOKENS` tokens per thread) and the few-token one that updates the state in place.
+//! Launchers of the causal conv1d kernels in cuda/gdn.cu: the prefill kernels (tiles of
+//! `CONV_TOKENS` tokens per thread, one channel or, for long prompts, 16 bytes of channels a
+//! thread) and the few-token one that updates the state in place.
 
 use candle_core::cuda::WrapErr;
 use candle_core::Tensor;
