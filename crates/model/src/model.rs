@@ -1170,6 +1170,31 @@ mod tests {
         Ok(())
     }
 
+    /// On the CPU every residual connection closes in the next block's norm pass: each layer's
+    /// output comes normalised by the norm given for after it, the bits of that norm's own pass,
+    /// and the stack's streams are those of layers run with every norm separate.
+    #[test]
+    fn layers_hand_the_next_block_its_normalised_input() -> Result<()> {
+        let cfg = Config::from_file(qwen36_testutil::bundled_dir().join("config.json"))?;
+        let model = Qwen36Model::from_weights(cfg, &Weights::random(LoadOptions::default()))?;
+        let ids = Tensor::new(&[[1u32, 2, 3, 4]], model.device())?;
+        let x0 = model.embed.forward(&ids)?;
+        let (mut fused, mut plain) = (Stream::new(x0.clone()), Stream::new(x0));
+        let (mut ca, mut cb) = (model.new_cache(1)?, model.new_cache(1)?);
+        let step = model.attn_step(0, 4)?;
+        let diff = qwen36_testutil::max_abs_diff;
+        for (i, layer) in model.layers.iter().enumerate() {
+            let next = model.norm_after(i);
+            (fused, _) = layer.forward(&fused, Some(next), &mut ca.layers[i], &step, false)?;
+            (plain, _) = layer.forward(&plain, None, &mut cb.layers[i], &step, false)?;
+            assert_eq!(diff(&fused.x, &plain.x), 0.0, "layer {i}");
+            assert!(plain.normed.is_none(), "layer {i}");
+            let normed = fused.normed.clone().expect("closed in the next norm's pass");
+            assert_eq!(diff(&normed, &next.forward(&plain.x)?), 0.0, "layer {i}");
+        }
+        Ok(())
+    }
+
     /// The bundled model and its MTP head on the test device (f32), pools of 3 slots.
     fn bundled_pools() -> Result<(Qwen36Model, crate::MtpHead)> {
         let dir = qwen36_testutil::bundled_dir();
