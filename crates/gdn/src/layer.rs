@@ -528,10 +528,8 @@ impl GatedDeltaNet {
     /// The input projection of `x` (with `norm`, of `norm(x)`: the stream's own normalisation
     /// when it has one, else normalised as the projection reads it).
     fn project(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Proj> {
-        Proj::new(match (&x.normed, norm) {
-            (Some(normed), Some(_)) => self.in_proj.forward_parts(normed, None)?,
-            (_, norm) => self.in_proj.forward_parts(&x.x, norm)?,
-        })
+        let (x, norm) = x.input(norm);
+        Proj::new(self.in_proj.forward_parts(x, norm)?)
     }
 
     /// The conv and the delta rule of `proj: [batch, len, qkv|z|b|a]` (the input projection's

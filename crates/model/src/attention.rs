@@ -369,10 +369,9 @@ impl GatedAttention {
     fn project(&self, x: &Stream, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
         let (b, t, _) = x.x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let qkv = match (block, &x.normed) {
-            (Some(_), Some(normed)) => self.qkv_proj.forward(normed)?,
-            (Some(norm), None) => self.qkv_proj.forward_normed(&x.x, norm)?,
-            (None, _) => self.qkv_proj.forward(&x.x)?,
+        let qkv = match x.input(block) {
+            (x, Some(norm)) => self.qkv_proj.forward_normed(x, norm)?,
+            (x, None) => self.qkv_proj.forward(x)?,
         };
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat; the

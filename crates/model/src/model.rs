@@ -60,9 +60,9 @@ impl Mlp {
     /// it and the down projection adds `x` as it writes, where the kernels allow (CUDA: one row;
     /// the residual add for a few rows too); otherwise separate passes, the add in `next`'s.
     pub fn forward_block(&self, x: &Stream, norm: &RmsNorm, next: Option<&RmsNorm>) -> Result<Stream> {
-        let h = match &x.normed {
-            Some(normed) => self.gate_up.forward_swiglu(normed)?,
-            None => self.gate_up.forward_swiglu_normed(&x.x, norm)?,
+        let h = match x.input(Some(norm)) {
+            (x, Some(norm)) => self.gate_up.forward_swiglu_normed(x, norm)?,
+            (x, None) => self.gate_up.forward_swiglu(x)?,
         };
         Ok(self.down.forward_add_norm(&h, &x.x, next)?)
     }

@@ -529,10 +529,10 @@ impl Linear {
 
     /// [`Self::forward_add`] as the stream entering the block whose norm is `next`: where the
     /// residual is added by a pass of its own (the matmul path, the FP8 GEMM, a layer with a
-    /// bias, the CPU), that pass is `next`'s
-    /// kernel, which writes the sum and its normalisation (the same bits as the add, then the
-    /// norm), so the block needs no norm pass; where the few-row kernels add the residual as they
-    /// write, or `next` is `None`, the stream comes without its normalisation.
+    /// bias, the CPU), that pass is `next`'s kernel, which writes the sum and its normalisation
+    /// (the same bits as the add, then the norm), so the block needs no norm pass; where the
+    /// few-row kernels add the residual as they write, or `next` is `None`, the stream comes
+    /// without its normalisation.
     pub fn forward_add_norm(&self, x: &Tensor, residual: &Tensor, next: Option<&RmsNorm>) -> Result<Stream> {
         if !self.adds_residual {
             return Ok(Stream::new(self.forward(x)?));

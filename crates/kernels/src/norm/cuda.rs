@@ -54,21 +54,6 @@ pub(crate) fn rms_norm(
             format!("scale has {} elements for rows of {d}", scale.elem_count()),
         ));
     }
-    if let Some(r) = residual {
-        // The sum's normalisation has the bits of `rms_norm(x + residual)`: where that would
-        // take another kernel (rows short enough for a warp) or the vectors here would not
-        // (x or the residual off a 16-byte boundary), the two steps.
-        let size = dt.size_in_bytes();
-        let (xc, rc) = (x.contiguous()?, r.contiguous()?);
-        let at16 = |t: &Tensor| (t.layout().start_offset() * size) % 16 == 0;
-        let short = (d * size) % 16 == 0 && d * size <= 1024;
-        let vectors = (d * size) % 16 == 0 && d * size <= NORM_THREADS * NORM_VECS * 16;
-        if short || (vectors && !(at16(&xc) && at16(&rc))) {
-            let sum = (&xc + &rc)?;
-            let (y, _) = rms_norm(&sum, None, &scale, eps, policy)?;
-            return Ok((y, Some(sum)));
-        }
-    }
     if residual.is_none() {
         // Short rows (per-head norms): a warp per row, reading a view of wider rows in place.
         let size = dt.size_in_bytes();
@@ -83,6 +68,20 @@ pub(crate) fn rms_norm(
     }
     let x = x.contiguous()?;
     let res = residual.map(|r| r.contiguous()).transpose()?;
+    if let Some(r) = &res {
+        // The sum's normalisation has the bits of `rms_norm(x + residual)`: where that would
+        // take another kernel (rows short enough for a warp) or the vectors below would not
+        // (x or the residual off a 16-byte boundary), the two steps.
+        let size = dt.size_in_bytes();
+        let at16 = |t: &Tensor| (t.layout().start_offset() * size) % 16 == 0;
+        let short = (d * size) % 16 == 0 && d * size <= 1024;
+        let vectors = (d * size) % 16 == 0 && d * size <= NORM_THREADS * NORM_VECS * 16;
+        if short || (vectors && !(at16(&x) && at16(r))) {
+            let sum = (&x + r)?;
+            let (y, _) = rms_norm(&sum, None, &scale, eps, policy)?;
+            return Ok((y, Some(sum)));
+        }
+    }
     macro_rules! go {
         ($t:ty) => {{
             let (xs, xl) = x.storage_and_layout();

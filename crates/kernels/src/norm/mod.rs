@@ -89,6 +89,16 @@ impl Stream {
         Self { x, normed: None }
     }
 
+    /// What a block's first projection reads, with the norm it must still apply: with the block's
+    /// `norm`, the normalisation made with the stream (no norm left) or `x` and `norm`; without
+    /// one (a layer outside a block), `x`.
+    pub fn input<'a>(&'a self, norm: Option<&'a RmsNorm>) -> (&'a Tensor, Option<&'a RmsNorm>) {
+        match (norm, &self.normed) {
+            (Some(_), Some(normed)) => (normed, None),
+            (norm, _) => (&self.x, norm),
+        }
+    }
+
     /// `norm.forward(x)`: the normalisation made with the stream, else a pass of `norm` (which
     /// must be the block's norm that `normed` was made with).
     pub fn normed_by(&self, norm: &RmsNorm) -> Result<Tensor> {
