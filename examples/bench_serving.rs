@@ -204,20 +204,21 @@ fn announce(args: &Args) {
     }
 }
 
-/// The warm-up engine: one sequence.
+/// The warm-up engine: one sequence, the runs' tokens per step (so that its prompt runs as one
+/// sequence's prompt runs in them).
 fn warm_config(args: &Args) -> EngineConfig {
     EngineConfig {
         max_seqs: 1,
         kv_blocks: Some(per_seq(args).div_ceil(16) + 1),
+        step_tokens: args.step_tokens.max(args.mtp + 1),
         ..Default::default()
     }
 }
 
-/// The warm-up request: a short prompt, four tokens.
+/// The warm-up request: a prompt of `--input-len` (the kernels and cuBLAS's choices for a
+/// prompt of that length are made before the runs' first one), four tokens.
 fn warm_request(args: &Args, vocab: usize) -> Request {
-    let prompt = (0..args.input_len.min(256) as u32)
-        .map(|i| i % vocab as u32)
-        .collect();
+    let prompt = (0..args.input_len as u32).map(|i| i % vocab as u32).collect();
     let mut req = Request::greedy(prompt, 4);
     if args.mtp > 0 {
         req.speculation = Some(Speculation::Mtp { k: args.mtp });
@@ -767,8 +768,10 @@ fn over_http(args: &Args, url: &str) -> anyhow_like::Result<()> {
     println!("|---|---|---|---|---|");
     let client = reqwest::Client::new();
     let (url, key, output_len) = (url.to_string(), args.api_key.clone(), args.output_len);
-    // Warm-up: one short request.
-    let warm = (0..args.input_len.min(256) as u32).collect();
+    // Warm-up: one request of `--input-len`.
+    let warm = (0..args.input_len as u32)
+        .map(|i| i % cfg.vocab_size as u32)
+        .collect();
     runtime.block_on(one_over_http(client.clone(), url.clone(), key.clone(), warm, 4))?;
     for &conc in &args.concurrency {
         let n = args.num_prompts.unwrap_or((4 * conc).max(4));

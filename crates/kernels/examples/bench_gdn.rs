@@ -36,7 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| case | time | state+io bytes | achieved | of copy bw |");
     println!("|---|---|---|---|---|");
     // (name, batch, tokens, keep every state, the chunked path or None for the recurrent kernel)
-    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 18] = [
+    let cases: [(&str, usize, usize, bool, Option<ChunkPath>); 22] = [
         ("decode B=1", 1, 1, false, None),
         ("decode B=8", 8, 1, false, None),
         ("decode B=16", 16, 1, false, None),
@@ -66,6 +66,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             32768,
             false,
             Some(ChunkPath::Auto),
+        ),
+        (
+            "prefill B=1 T=1024 (chunked, tensor cores, 64 columns, output kernel)",
+            1,
+            1024,
+            false,
+            Some(ChunkPath::TensorCores(64)),
+        ),
+        (
+            "prefill B=1 T=1024 (chunked, tensor cores, 32 columns)",
+            1,
+            1024,
+            false,
+            Some(ChunkPath::TensorCores(32)),
+        ),
+        (
+            "prefill B=2 T=1024 (chunked, default: on sm_90 tensor cores, 64 columns, outputs in the scan)",
+            2,
+            1024,
+            false,
+            Some(ChunkPath::Auto),
+        ),
+        (
+            "prefill B=2 T=1024 (chunked, tensor cores, 32 columns)",
+            2,
+            1024,
+            false,
+            Some(ChunkPath::TensorCores(32)),
         ),
         (
             "prefill B=1 T=8192 (chunked, tensor cores, 64 columns, output kernel)",
