@@ -195,9 +195,10 @@ fn bench(
         // H100). Longer prompts get none but the run's first 64 tokens (the modules): their first
         // calls are under 1%, and a warm-up just before (2048 tokens or the whole prompt) made an
         // 8192-token prefill 4-5% slower.
-        let warm_len = match t <= WARM_PREFILL {
-            true => Some(t),
-            false => (i == 0).then_some(t.min(64)),
+        let warm_len = if t <= WARM_PREFILL {
+            Some(t)
+        } else {
+            (i == 0).then_some(64)
         };
         if let Some(w) = warm_len {
             let mut warm = model.new_cache(1)?;

@@ -7,8 +7,8 @@ use candle_core::Tensor;
 
 use crate::consts::CONV_TOKENS;
 use crate::cuda::{
-    device, dtype_suffix, err, for_float_dtype, in_place, row_stride, rows_view, view, with_out_buffer, wrap,
-    KernelCall, LaunchConfig, GDN,
+    at16, device, dtype_suffix, err, for_float_dtype, in_place, row_stride, rows_view, view, with_out_buffer,
+    wrap, KernelCall, LaunchConfig, GDN,
 };
 use crate::{KernelPolicy, Result};
 
@@ -42,8 +42,12 @@ pub(crate) fn conv1d(
     // token the vector kernel took 7.4 µs against 4.0).
     let size = dt.size_in_bytes();
     let lanes = 16 / size;
-    let at16 = |t: &Tensor| (t.layout().start_offset() * size) % 16 == 0;
-    let vec = k == 4 && t >= VEC_CONV_MIN_TOKENS && c % lanes == 0 && xs % lanes == 0 && at16(&x) && at16(&w);
+    let vec = k == 4
+        && t >= VEC_CONV_MIN_TOKENS
+        && c % lanes == 0
+        && xs % lanes == 0
+        && at16(x.layout(), size)
+        && at16(w.layout(), size);
     macro_rules! go {
         ($t:ty) => {{
             let (xst, xl) = x.storage_and_layout();

@@ -113,6 +113,12 @@ pub(crate) fn view<'a, T: CudaDType>(
     elements(op, st, a..b)
 }
 
+/// Whether a layout of elements of `size` bytes starts on a 16-byte boundary (every CUDA
+/// allocation does), as the kernels' 16-byte vector loads need.
+pub(crate) fn at16(layout: &Layout, size: usize) -> bool {
+    (layout.start_offset() * size) % 16 == 0
+}
+
 /// Row stride of `t` when its leading dims collapse into rows of contiguous last-dim elements with
 /// one stride (a contiguous tensor, or a narrow of a wider projection); `None` otherwise.
 pub(crate) fn row_stride(t: &Tensor) -> Option<usize> {

@@ -2,14 +2,27 @@
 //! in registers for rows that fit), a warp per short row, and the gated norm.
 
 use candle_core::cuda::WrapErr;
-use candle_core::{DType, Layout, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::consts::{NORM_THREADS, NORM_VECS};
 use crate::cuda::{
-    device, dtype_suffix, err, for_float_dtype, row_stride, rows_view, view, wrap, KernelCall, LaunchConfig,
-    NORM,
+    at16, device, dtype_suffix, err, for_float_dtype, row_stride, rows_view, view, wrap, KernelCall,
+    LaunchConfig, NORM,
 };
 use crate::{KernelPolicy, Result};
+
+/// Whether rows of `d` elements of `size` bytes take the warp kernel (`rms_norm_warp`: at most
+/// 1024 bytes in 16-byte vectors), where their layout allows.
+fn warp_rows(d: usize, size: usize) -> bool {
+    (d * size) % 16 == 0 && d * size <= 1024
+}
+
+/// Whether rows of `d` elements of `size` bytes fit the block kernel's registers in 16-byte
+/// vectors (its vectorised path: at most NORM_THREADS · NORM_VECS vectors), where their layout
+/// allows.
+fn vector_rows(d: usize, size: usize) -> bool {
+    (d * size) % 16 == 0 && d * size <= NORM_THREADS * NORM_VECS * 16
+}
 
 fn norm_launch(rows: usize) -> LaunchConfig {
     LaunchConfig {
@@ -57,12 +70,9 @@ pub(crate) fn rms_norm(
     if residual.is_none() {
         // Short rows (per-head norms): a warp per row, reading a view of wider rows in place.
         let size = dt.size_in_bytes();
-        if let Some(rs) = row_stride(x).filter(|&rs| {
-            (d * size) % 16 == 0
-                && d * size <= 1024
-                && (rs * size) % 16 == 0
-                && (x.layout().start_offset() * size) % 16 == 0
-        }) {
+        if let Some(rs) =
+            row_stride(x).filter(|&rs| warp_rows(d, size) && (rs * size) % 16 == 0 && at16(x.layout(), size))
+        {
             return Ok((rms_norm_warp(x, rs, &scale, eps, rows, d, policy)?, None));
         }
     }
@@ -73,10 +83,8 @@ pub(crate) fn rms_norm(
         // take another kernel (rows short enough for a warp) or the vectors below would not
         // (x or the residual off a 16-byte boundary), the two steps.
         let size = dt.size_in_bytes();
-        let at16 = |t: &Tensor| (t.layout().start_offset() * size) % 16 == 0;
-        let short = (d * size) % 16 == 0 && d * size <= 1024;
-        let vectors = (d * size) % 16 == 0 && d * size <= NORM_THREADS * NORM_VECS * 16;
-        if short || (vectors && !(at16(&x) && at16(r))) {
+        let aligned = at16(x.layout(), size) && at16(r.layout(), size);
+        if warp_rows(d, size) || (vector_rows(d, size) && !aligned) {
             let sum = (&x + r)?;
             let (y, _) = rms_norm(&sum, None, &scale, eps, policy)?;
             return Ok((y, Some(sum)));
@@ -110,11 +118,8 @@ pub(crate) fn rms_norm(
             // The vectorised path: 16-byte rows (fresh buffers and contiguous views at a
             // 16-byte offset) of at most NORM_THREADS · NORM_VECS vectors (cuda/norm.cu).
             let size = dt.size_in_bytes();
-            let at16 = |l: &Layout| (l.start_offset() * size) % 16 == 0;
-            let vec = (d * size) % 16 == 0
-                && d * size <= NORM_THREADS * NORM_VECS * 16
-                && at16(xl)
-                && rs.as_ref().is_none_or(|(_, l)| at16(l));
+            let vec =
+                vector_rows(d, size) && at16(xl, size) && rs.as_ref().is_none_or(|(_, l)| at16(l, size));
             let (d32, eps32, vec32) = (d as i32, eps as f32, vec as i32);
             lb.arg(&sv).arg(&y).arg(&d32).arg(&eps32).arg(&vec32);
             if rows > 0 {
