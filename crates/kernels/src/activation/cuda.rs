@@ -3,7 +3,9 @@
 use candle_core::cuda::WrapErr;
 use candle_core::Tensor;
 
-use crate::cuda::{device, dtype_suffix, for_float_dtype, view, wrap, KernelCall, LaunchConfig, ACTIVATION};
+use crate::cuda::{
+    at16, device, dtype_suffix, for_float_dtype, view, wrap, KernelCall, LaunchConfig, ACTIVATION,
+};
 use crate::{KernelPolicy, Result};
 
 /// CUDA twin of [`super::swiglu`]: `x: [..., 2·I]` → `[..., I]`.
@@ -26,7 +28,7 @@ pub(crate) fn swiglu(x: &Tensor, policy: &KernelPolicy) -> Result<Tensor> {
             if rows * i > 0 {
                 // 16-byte steps when every gate, up and output row starts 16-byte aligned.
                 let size = dt.size_in_bytes();
-                let vec = (i * size) % 16 == 0 && (xl.start_offset() * size) % 16 == 0;
+                let vec = (i * size) % 16 == 0 && at16(xl, size);
                 let f = ACTIVATION.func(
                     &dev,
                     &format!(

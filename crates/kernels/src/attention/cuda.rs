@@ -10,8 +10,8 @@ use crate::consts::{
     FLASH_TILE, FLASH_WARPS, SOFTMAX_THREADS,
 };
 use crate::cuda::{
-    device, dtype_suffix, err, for_float_dtype, in_place, span_view, view, wrap, KernelCall, LaunchConfig,
-    ATTENTION,
+    at16, device, dtype_suffix, err, for_float_dtype, in_place, span_view, view, wrap, KernelCall,
+    LaunchConfig, ATTENTION,
 };
 use crate::{KernelPolicy, Result};
 
@@ -267,10 +267,7 @@ fn decode(
             let vv = view::<$t>(op, &vs, vl)?;
             let lv = view::<u32>(op, &ls, ll)?;
             let table_guard = paging.as_ref().map(|p| p.tables.storage_and_layout());
-            let table_view = match &table_guard {
-                Some((ts, tl)) => Some(view::<u32>(op, ts, tl)?),
-                None => None,
-            };
+            let table_view = table_guard.as_ref().map(|(ts, tl)| view::<u32>(op, ts, tl)).transpose()?;
             // The paging arguments every partial kernel takes after its own: table (or null),
             // i32 maxb, block size, pool blocks, KV heads; and the merges' length selector.
             let null_table = 0u64;
@@ -288,10 +285,7 @@ fn decode(
             let paged32 = i32::from(paging.is_some());
             let len_h = paged32 * h32;
             let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
-            let gv = match &gate_guard {
-                Some((gs, gl)) => Some(span_view::<$t>(op, gs, gl)?),
-                None => None,
-            };
+            let gv = gate_guard.as_ref().map(|(gs, gl)| span_view::<$t>(op, gs, gl)).transpose()?;
             let bh = b * h;
             // SAFETY: uninitialised scratch and output. The partial kernel writes every span below
             // the device-side length, which is all the merge reads; the merge writes every output.
@@ -449,8 +443,7 @@ pub(crate) fn causal_softmax(
             let y = unsafe { dev.alloc::<$t>(rows * keys)? };
             if rows * keys > 0 {
                 // 16-byte vectors when every row starts 16-byte aligned.
-                let vec = (keys * dt.size_in_bytes()) % 16 == 0
-                    && (xl.start_offset() * dt.size_in_bytes()) % 16 == 0;
+                let vec = (keys * dt.size_in_bytes()) % 16 == 0 && at16(xl, dt.size_in_bytes());
                 let name = format!(
                     "causal_softmax{}_{}",
                     if vec { "_vec" } else { "" },
@@ -522,10 +515,10 @@ pub(crate) fn prefill_attention(x: AttentionInputs, pos0: usize, policy: &Kernel
             let kv = span_view::<$t>(op, &ks, kl)?;
             let vv = span_view::<$t>(op, &vs, vl)?;
             let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
-            let gv = match &gate_guard {
-                Some((gs, gl)) => Some(span_view::<$t>(op, gs, gl)?),
-                None => None,
-            };
+            let gv = gate_guard
+                .as_ref()
+                .map(|(gs, gl)| span_view::<$t>(op, gs, gl))
+                .transpose()?;
             let null = 0u64;
             // SAFETY: uninitialised; the kernel writes every (row < t, head, batch) output row.
             let out = unsafe { dev.alloc::<$t>(b * t * h * d)? };

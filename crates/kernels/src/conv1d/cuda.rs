@@ -55,10 +55,7 @@ pub(crate) fn conv1d(
             let xv = rows_view::<$t>(op, &xst, xl, b * t, c, xs)?;
             let wv = view::<$t>(op, &ws, wl)?;
             let st = state.as_ref().map(|s| s.storage_and_layout());
-            let stv = match &st {
-                Some((s, l)) => Some(view::<$t>(op, s, l)?),
-                None => None,
-            };
+            let stv = st.as_ref().map(|(s, l)| view::<$t>(op, s, l)).transpose()?;
             // SAFETY: uninitialised; the kernel writes every element of y and of the new state.
             let y = unsafe { dev.alloc::<$t>(b * t * c)? };
             let st_out = unsafe { dev.alloc::<$t>(b * c * (k - 1))? };
@@ -162,10 +159,10 @@ pub(crate) fn conv1d_in_place(
                         lb.arg(v);
                     }
                     let slot_guard = slots.as_ref().map(|s| s.storage_and_layout());
-                    let slot_view = match &slot_guard {
-                        Some((ss, sl)) => Some(view::<u32>(op, ss, sl)?),
-                        None => None,
-                    };
+                    let slot_view = slot_guard
+                        .as_ref()
+                        .map(|(ss, sl)| view::<u32>(op, ss, sl))
+                        .transpose()?;
                     match &slot_view {
                         Some(sv) => lb.arg(sv),
                         None => lb.arg(&null),
@@ -256,10 +253,10 @@ pub(crate) fn conv1d_pooled(
                         }
                         _ => None,
                     };
-                    let wv = match &wg {
-                        Some((ws, wl)) => Some(view::<$t>(op, ws, wl)?),
-                        None => None,
-                    };
+                    let wv = wg
+                        .as_ref()
+                        .map(|(ws, wl)| view::<$t>(op, ws, wl))
+                        .transpose()?;
                     match &xv {
                         Some(v) => lb.arg(v),
                         None => lb.arg(&null),

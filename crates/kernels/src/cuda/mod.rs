@@ -119,6 +119,11 @@ pub(crate) fn at16(layout: &Layout, size: usize) -> bool {
     (layout.start_offset() * size) % 16 == 0
 }
 
+/// Whether a layout is contiguous and starts on a 16-byte boundary ([`at16`]).
+pub(crate) fn contiguous16(layout: &Layout, size: usize) -> bool {
+    layout.is_contiguous() && at16(layout, size)
+}
+
 /// Row stride of `t` when its leading dims collapse into rows of contiguous last-dim elements with
 /// one stride (a contiguous tensor, or a narrow of a wider projection); `None` otherwise.
 pub(crate) fn row_stride(t: &Tensor) -> Option<usize> {

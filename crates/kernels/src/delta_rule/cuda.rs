@@ -129,10 +129,7 @@ fn with_views<T: CudaDType, R>(
             Some(((as_, al), (bs, bl))) => Some((view::<f32>(op, as_, al)?, view::<f32>(op, bs, bl)?)),
             None => None,
         },
-        state: match &s0 {
-            Some((s, l)) => Some(view::<f32>(op, s, l)?),
-            None => None,
-        },
+        state: s0.as_ref().map(|(s, l)| view::<f32>(op, s, l)).transpose()?,
         null: 0,
     };
     f(&views)
@@ -250,20 +247,20 @@ fn launch_recurrent<T: CudaDType>(
         }
         let eps = 1e-6f32;
         lb.arg(&scale).arg(&eps);
-        let slot_view = match &slot_guard {
-            Some((ss, sl)) => Some(view::<u32>(op, ss, sl)?),
-            None => None,
-        };
+        let slot_view = slot_guard
+            .as_ref()
+            .map(|(ss, sl)| view::<u32>(op, ss, sl))
+            .transpose()?;
         match &slot_view {
             Some(sv) => lb.arg(sv),
             None => lb.arg(&v.null),
         };
         let rows = pool.map_or(d.b, |p| p.rows) as i32;
         lb.arg(&rows);
-        let replay_view = match &replay_guard {
-            Some((rs, rl)) => Some(view::<u32>(op, rs, rl)?),
-            None => None,
-        };
+        let replay_view = replay_guard
+            .as_ref()
+            .map(|(rs, rl)| view::<u32>(op, rs, rl))
+            .transpose()?;
         let (tmax, stash_new) = deferred
             .as_ref()
             .map_or((0, 0), |d| (d.tmax as i32, i32::from(d.verify)));

@@ -2,10 +2,10 @@
 //! `LINEAR_MAX_ROWS` rows; a residual, SwiGLU or RMSNorm fused in).
 
 use candle_core::cuda::WrapErr;
-use candle_core::{DType, Layout, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS, TILE_MAX_ROWS};
-use crate::cuda::{device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
+use crate::cuda::{contiguous16, device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
 use crate::{KernelPolicy, Result, SkinnyPath};
 
 /// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
@@ -76,10 +76,9 @@ pub(crate) fn skinny_linear(
         }
     }
     let size = dt.size_in_bytes();
-    let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
     if (k * size) % 16 != 0
-        || !aligned(x.layout())
-        || !aligned(w.layout())
+        || !contiguous16(x.layout(), size)
+        || !contiguous16(w.layout(), size)
         || res.is_some_and(|r| !r.is_contiguous())
     {
         return Ok(None);
@@ -104,10 +103,10 @@ pub(crate) fn skinny_linear(
             let xv = view::<$t>(op, &xs, xl)?;
             let wv = view::<$t>(op, &ws, wl)?;
             let res_guard = res.map(|r| r.storage_and_layout());
-            let rv = match &res_guard {
-                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
-                None => None,
-            };
+            let rv = res_guard
+                .as_ref()
+                .map(|(rs, rl)| view::<$t>(op, rs, rl))
+                .transpose()?;
             // Output columns: the SwiGLU epilogue writes one per gate/up pair.
             let out_n = if swiglu { n / 2 } else { n };
             // SAFETY: uninitialised; the kernel writes every element (each warp its `columns`
@@ -255,12 +254,11 @@ pub(crate) fn tile_linear(
             format!("residual {:?}, expected [{m}, {n}] {dt:?}", res.map(Tensor::dims)),
         ));
     }
-    let aligned = |l: &Layout| l.is_contiguous() && (l.start_offset() * 2) % 16 == 0;
     if !matches!(dt, DType::BF16 | DType::F16)
         || k % 16 != 0
         || k > i32::MAX as usize
-        || !aligned(x.layout())
-        || !aligned(w.layout())
+        || !contiguous16(x.layout(), 2)
+        || !contiguous16(w.layout(), 2)
         || res.is_some_and(|r| !r.is_contiguous())
     {
         return Ok(None);
@@ -275,10 +273,10 @@ pub(crate) fn tile_linear(
             let xv = view::<$t>(op, &xs, xl)?;
             let wv = view::<$t>(op, &ws, wl)?;
             let res_guard = res.map(|r| r.storage_and_layout());
-            let rv = match &res_guard {
-                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
-                None => None,
-            };
+            let rv = res_guard
+                .as_ref()
+                .map(|(rs, rl)| view::<$t>(op, rs, rl))
+                .transpose()?;
             // SAFETY: uninitialised; the kernel writes every element (each block its 16 columns
             // of every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
@@ -382,10 +380,9 @@ pub(crate) fn fp8_linear(
         }
     }
     let size = dt.size_in_bytes();
-    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
     if !fp8_fits(w)
-        || !aligned(x.layout(), size)
-        || !aligned(w.q().layout(), 1)
+        || !contiguous16(x.layout(), size)
+        || !contiguous16(w.q().layout(), 1)
         || res.is_some_and(|r| !r.is_contiguous())
         || !matches!(dt, DType::F32 | DType::BF16 | DType::F16)
     {
@@ -406,10 +403,10 @@ pub(crate) fn fp8_linear(
             let qv = view::<float8::F8E4M3>(op, &qs, ql)?;
             let sv = view::<f32>(op, &ss, sl)?;
             let res_guard = res.map(|r| r.storage_and_layout());
-            let rv = match &res_guard {
-                Some((rs, rl)) => Some(view::<$t>(op, rs, rl)?),
-                None => None,
-            };
+            let rv = res_guard
+                .as_ref()
+                .map(|(rs, rl)| view::<$t>(op, rs, rl))
+                .transpose()?;
             // SAFETY: uninitialised; the kernel writes every element (each warp its columns of
             // every row).
             let y = unsafe { dev.alloc::<$t>(m * n)? };
@@ -491,13 +488,12 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
             format!("x {:?} {dt:?} for a weight [{rows}, {kw}]", x.dims()),
         ));
     }
-    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
     let fits = match w {
-        SwiGluWeight::Dense(w) => aligned(w.layout(), 2) && rows <= i32::MAX as usize,
+        SwiGluWeight::Dense(w) => contiguous16(w.layout(), 2) && rows <= i32::MAX as usize,
         SwiGluWeight::Fp8(w) => {
             fp8_tensor(dt, w, policy)
                 && fp8_fits(w)
-                && aligned(w.q().layout(), 1)
+                && contiguous16(w.q().layout(), 1)
                 && rows * k <= i32::MAX as usize * 4
         }
     };
@@ -507,7 +503,7 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
         || rows % 2 != 0
         || k % 16 != 0
         || k > i32::MAX as usize
-        || !aligned(x.layout(), 2)
+        || !contiguous16(x.layout(), 2)
     {
         return Ok(None);
     }
@@ -613,7 +609,6 @@ pub(crate) fn fp8_dense_pair(
             ),
         ));
     }
-    let aligned = |l: &Layout, size: usize| l.is_contiguous() && (l.start_offset() * size) % 16 == 0;
     // (1..=8 rows: the FP8 tile kernel takes 8 warps, `fp8_tile_shape`.)
     if !(1..=LINEAR_MAX_ROWS).contains(&m)
         || !fp8_tensor(dt, w8, policy)
@@ -621,9 +616,9 @@ pub(crate) fn fp8_dense_pair(
         || !fp8_fits(w8)
         || k > i32::MAX as usize
         || n8 * k > i32::MAX as usize * 4
-        || !aligned(x.layout(), 2)
-        || !aligned(w8.q().layout(), 1)
-        || !aligned(w16.layout(), 2)
+        || !contiguous16(x.layout(), 2)
+        || !contiguous16(w8.q().layout(), 1)
+        || !contiguous16(w16.layout(), 2)
     {
         return Ok(None);
     }

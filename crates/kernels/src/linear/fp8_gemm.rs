@@ -15,7 +15,7 @@ use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{DType, Device, Tensor};
 
 use super::{Fp8Weight, FP8_ACT_GROUP};
-use crate::cuda::{device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
+use crate::cuda::{contiguous16, device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
 use crate::policy::Fp8GemmPath;
 use crate::{KernelPolicy, Result};
 
@@ -64,7 +64,7 @@ pub(crate) fn act_quant(x: &Tensor, policy: &KernelPolicy) -> Result<(Tensor, Te
     let op = "fp8_quantize_activations";
     let (m, k) = x.dims2()?;
     let dt = x.dtype();
-    let aligned = x.is_contiguous() && (x.layout().start_offset() * dt.size_in_bytes()) % 16 == 0;
+    let aligned = contiguous16(x.layout(), dt.size_in_bytes());
     if k % FP8_ACT_GROUP != 0 || !aligned || !matches!(dt, DType::BF16 | DType::F16) {
         return Err(err(
             op,
@@ -230,7 +230,7 @@ fn gemm<T: CudaDType + DeviceRepr>(
     let ordinal = stream.context().ordinal();
     let handle = handle(stream.context())?;
     // act_quant reads x in 16-byte vectors: a row view at an odd offset is copied first.
-    let x = if x.is_contiguous() && (x.layout().start_offset() * dt.size_in_bytes()) % 16 == 0 {
+    let x = if contiguous16(x.layout(), dt.size_in_bytes()) {
         x.clone()
     } else {
         x.force_contiguous()?

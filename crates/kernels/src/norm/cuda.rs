@@ -97,10 +97,7 @@ pub(crate) fn rms_norm(
             let xv = view::<$t>(op, &xs, xl)?;
             let sv = view::<f32>(op, &ss, sl)?;
             let rs = res.as_ref().map(|r| r.storage_and_layout());
-            let rv = match &rs {
-                Some((s, l)) => Some(view::<$t>(op, s, l)?),
-                None => None,
-            };
+            let rv = rs.as_ref().map(|(s, l)| view::<$t>(op, s, l)).transpose()?;
             // SAFETY: uninitialised; the kernel writes every element of y (and of sum).
             let y = unsafe { dev.alloc::<$t>(rows * d)? };
             let sum = match rv {

@@ -5,7 +5,8 @@ use candle_core::Tensor;
 
 use crate::consts::{ROPE_MAX_VECS, ROPE_WARPS};
 use crate::cuda::{
-    device, dtype_suffix, for_float_dtype, row_stride, rows_view, view, wrap, KernelCall, LaunchConfig, NORM,
+    at16, device, dtype_suffix, for_float_dtype, row_stride, rows_view, view, wrap, KernelCall, LaunchConfig,
+    NORM,
 };
 use crate::{KernelPolicy, Result};
 
@@ -33,7 +34,7 @@ pub(crate) fn norm_rope_heads(
     let fits = (head_dim * size) % 16 == 0
         && (head_stride * size) % 16 == 0
         && (xs * size) % 16 == 0
-        && (x.layout().start_offset() * size) % 16 == 0
+        && at16(x.layout(), size)
         && head_dim * size <= ROPE_MAX_VECS * 32 * 16
         && cos.dtype() == dt
         && sin.dtype() == dt;
@@ -52,10 +53,10 @@ pub(crate) fn norm_rope_heads(
             let (sst, sl) = sin.storage_and_layout();
             let (cv, sv) = (view::<$t>(op, &cst, cl)?, view::<$t>(op, &sst, sl)?);
             let scale_guard = scale.map(|s| s.storage_and_layout());
-            let scv = match &scale_guard {
-                Some((st, l)) => Some(view::<f32>(op, st, l)?),
-                None => None,
-            };
+            let scv = scale_guard
+                .as_ref()
+                .map(|(st, l)| view::<f32>(op, st, l))
+                .transpose()?;
             // SAFETY: uninitialised; the kernel writes every element (a warp per row, every
             // 16-byte vector of it).
             let y = unsafe { dev.alloc::<$t>(rows * head_dim)? };
