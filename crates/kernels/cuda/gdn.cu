@@ -408,16 +408,16 @@ __device__ void conv1d(const T* __restrict__ x, long xs, const T* __restrict__ w
 
 // conv1d for the width K = 4 with V = 16 / sizeof(T) channels a thread: one 16-byte load of x and
 // one store of y per token, the weights and the window's inputs in vectors too (the launcher
-// checks that x's rows, xs, C and w allow them). Each channel
-// runs conv_step as conv1d does, so y and st_out have its bits. Grid: x as conv1d's, y = blocks of
-// 256·V channels.
+// checks that x's rows, xs, C and w allow them). Each channel runs conv_step as conv1d does, so y
+// and st_out have its bits. Grid: x as conv1d's with tiles of CONV_VEC_TOKENS tokens, y = blocks of
+// CONV_VEC_THREADS·V channels.
 template <typename T>
 __device__ void conv1d_vec4(const T* __restrict__ x, long xs, const T* __restrict__ w, const T* __restrict__ st,
                             T* __restrict__ y, T* __restrict__ st_out, int B, int Tn, int C) {
     constexpr int V = Vec16<T>::N, K = 4, H = K - 1;
     const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c0 >= C) return;
-    const int tiles = (Tn + CONV_TT - 1) / CONV_TT;
+    const int tiles = (Tn + CONV_VEC_TOKENS - 1) / CONV_VEC_TOKENS;
     const long blk = blockIdx.x;
     if (blk >= (long)B * tiles) {
         const int b = blk - (long)B * tiles;
@@ -426,7 +426,7 @@ __device__ void conv1d_vec4(const T* __restrict__ x, long xs, const T* __restric
                 st_out[((long)b * C + c0 + e) * H + j] = from_f<T>(conv_in(x, st, b, Tn + j, c0 + e, Tn, C, H, xs));
         return;
     }
-    const int b = blk / tiles, t0 = (blk % tiles) * CONV_TT, t1 = min(t0 + CONV_TT, Tn);
+    const int b = blk / tiles, t0 = (blk % tiles) * CONV_VEC_TOKENS, t1 = min(t0 + CONV_VEC_TOKENS, Tn);
     // The V channels' K weights are K vectors; a window input past the state is a vector of x.
     Vec16<T> wv[K], xv[H];
 #pragma unroll

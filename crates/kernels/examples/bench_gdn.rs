@@ -184,7 +184,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     // Short conv of one layer at decode and prefill.
-    for (b, t) in [(1usize, 1usize), (1, 8192)] {
+    for (b, t) in [(1usize, 1usize), (1, 1024), (1, 2048), (1, 8192)] {
         if !"conv1d".contains(&filter) {
             continue;
         }
@@ -196,7 +196,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(|_| ())
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))
         })?;
-        println!("| conv1d B={b} T={t} | {:.1} µs | | | |", s * 1e6);
+        // x read once, y written once (the state's bytes are negligible).
+        let bytes = (2 * b * t * width * 2) as f64;
+        let bw = bytes / s;
+        println!(
+            "| conv1d B={b} T={t} | {:.1} µs | {:.1} MB | {:.2} TB/s | {:.0}% |",
+            s * 1e6,
+            bytes / 1e6,
+            bw / 1e12,
+            100.0 * bw / copy_bw
+        );
     }
     Ok(())
 }

@@ -504,10 +504,10 @@ fn conv1d_matches_cpu() {
             );
         }
         // A prompt's contiguous 16-byte rows take the kernel of a vector of channels a thread
-        // (against the CPU; 300 tokens: a partial tile; 4608 channels: two blocks of channels,
-        // the second partial); the same values one element off that alignment take the one of a
-        // channel a thread: equal bits.
-        let c2 = 4608;
+        // (against the CPU; 300 tokens: a partial tile; 4864 channels: blocks of channels, the
+        // last partial for each dtype's 4 or 8 channels a thread); the same values one element
+        // off that alignment take the one of a channel a thread: equal bits.
+        let c2 = 4864;
         let rand = |seed, std, shape: (usize, usize, usize)| {
             qwen36_testutil::randn(seed, std, shape, &cpu)
                 .unwrap()

@@ -1,11 +1,11 @@
-//! Launchers of the causal conv1d kernels in cuda/gdn.cu: the prefill kernels (tiles of
-//! `CONV_TOKENS` tokens per thread, one channel or, for long prompts, 16 bytes of channels a
-//! thread) and the few-token one that updates the state in place.
+//! Launchers of the causal conv1d kernels in cuda/gdn.cu: the prefill kernels (a thread takes
+//! `CONV_TOKENS` tokens of one channel or, for long prompts, `CONV_VEC_TOKENS` tokens of 16 bytes
+//! of channels) and the few-token one that updates the state in place.
 
 use candle_core::cuda::WrapErr;
 use candle_core::Tensor;
 
-use crate::consts::CONV_TOKENS;
+use crate::consts::{CONV_TOKENS, CONV_VEC_THREADS, CONV_VEC_TOKENS};
 use crate::cuda::{
     at16, device, dtype_suffix, err, for_float_dtype, in_place, row_stride, rows_view, view, with_out_buffer,
     wrap, KernelCall, LaunchConfig, GDN,
@@ -79,14 +79,18 @@ pub(crate) fn conv1d(
             for v in &dims[..if vec { 3 } else { 4 }] {
                 lb.arg(v);
             }
-            let per_thread = if vec { lanes } else { 1 };
+            let (tokens, threads, per_thread) = if vec {
+                (CONV_VEC_TOKENS, CONV_VEC_THREADS, lanes)
+            } else {
+                (CONV_TOKENS, 256, 1)
+            };
             let cfg = LaunchConfig {
                 grid_dim: (
-                    (b * t.div_ceil(CONV_TOKENS) + b) as u32,
-                    c.div_ceil(256 * per_thread) as u32,
+                    (b * t.div_ceil(tokens) + b) as u32,
+                    c.div_ceil(threads * per_thread) as u32,
                     1,
                 ),
-                block_dim: (256, 1, 1),
+                block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: arguments match `conv1d_*` (or, for k = 4 without the last i32,
@@ -94,7 +98,7 @@ pub(crate) fn conv1d(
             // exactly them; for the vector kernel rows and w 16-byte aligned, xs and c multiples of
             // its `lanes` channels, checked above), i64 xs, w [c·k], state [b·c·(k-1)] or null, fresh
             // outputs of the sizes it writes, then i32 dims; one block row per tile of
-            // CONV_TOKENS tokens of a sequence (y), then one per sequence (the new state), one
+            // `tokens` tokens of a sequence (y), then one per sequence (the new state), one
             // thread per channel (vector kernel: per `lanes` channels).
             unsafe { lb.launch(cfg) }.w()?;
             Ok((wrap(y, &dev, (b, t, c)), wrap(st_out, &dev, (b, c, k - 1))))
