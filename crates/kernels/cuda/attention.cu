@@ -594,7 +594,7 @@ __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, 
 // consecutive tiles (the merge kernels' `entries` cuts them the same way).
 __device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_BK - 1) / FA_BK + S - 1) / S, 1); }
 
-// Block (split s, bh, row tile z) takes rows 16z.. (row r is token r % t, at position len - t +
+// Block (split s and row tile z, bh) takes rows 16z.. (row r is token r % t, at position len - t +
 // r % t) and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
 // fixed by the buffer, so a recorded graph serves every length); blocks past the last tile
 // return. Warp w takes key part w (FA_BK / FA_WARPS keys) of every tile, with its own online
@@ -604,7 +604,9 @@ __device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_B
 // decode step at its position cuts them (split_tiles of its own length), so a verify whose
 // tokens straddle a change of that cut (past a multiple of S tiles) runs its split once per
 // cut, each time keeping the rows of that cut; tiles past a row's position are masked whole,
-// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged).
+// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged). The row
+// tiles of a split are neighbours in the grid (blockIdx.x = s·tiles + z), so a verify's tiles
+// (4 tokens of 6 query heads: two) read its K and V from DRAM about once, the second through L2.
 template <typename T, int HD>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
@@ -616,7 +618,8 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     T* Qs = reinterpret_cast<T*>(fa_smem);
     T* Ks = Qs + 16 * LD;
     T* Vs = Ks + FA_BK * LD;
-    const int s = blockIdx.x, bh = blockIdx.y, S = gridDim.x, r0 = 16 * blockIdx.z;
+    const int zs = (R + 15) / 16;  // row tiles
+    const int s = blockIdx.x / zs, bh = blockIdx.y, S = gridDim.x / zs, r0 = 16 * (blockIdx.x % zs);
     const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
     // The cuts of the pass's first and last rows (split_tiles grows with the length).

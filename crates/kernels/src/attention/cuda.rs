@@ -313,16 +313,17 @@ fn decode(
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
-                    grid_dim: (spans as u32, bh as u32, r.div_ceil(16) as u32),
+                    grid_dim: ((spans * r.div_ceil(16)) as u32, bh as u32, 1),
                     block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
                 // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] (row
-                // tiles of 16: the grid's z covers r), k and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks
-                // read through tables [b·maxb] u32 (block ids past the pool read block 0), len
-                // [1] or (paged) [b] u32 (clamped to cap by the kernel), scratch of
-                // bh·spans·r·(d | 2) f32 (the grid's x is spans), i32 r, cap, t, f32 scale·log2 e,
-                // the paging arguments; 128 threads and the shared memory the kernel lays out.
+                // tiles of 16: the grid's x is spans times r's tiles), k and v [bh·cap·d]
+                // contiguous or (paged) pools of `blocks` blocks read through tables [b·maxb] u32
+                // (block ids past the pool read block 0), len [1] or (paged) [b] u32 (clamped to
+                // cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32 r, cap, t, f32
+                // scale·log2 e, the paging arguments; 128 threads and the shared memory the kernel
+                // lays out.
                 unsafe { lb.launch(cfg) }.w()?;
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
