@@ -77,5 +77,48 @@ fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std
             println!("| {t} | {len} | {:.1} µs | {:.2} |", s * 1e6, bytes / s / 1e12);
         }
     }
+    paged(dev, h, kh, d)
+}
+
+/// `paged_decode_attention` as the engine runs it: 16 sequences over pools of 16-token blocks
+/// (each sequence's blocks scattered through the pool), 1 new token (a decode step) or 4 (a
+/// k = 3 verify), in TB/s of the K and V read.
+fn paged(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
+    use qwen36_kernels::attention::{paged_decode_attention, Pages};
+    let (b, bs, g) = (16usize, 16usize, h / kh);
+    println!("| sequences | new tokens | keys each | time | K+V TB/s |");
+    println!("|---|---|---|---|---|");
+    for len in [1024usize, 8192] {
+        let per = len.div_ceil(bs);
+        // Block i of sequence j is pool block (i·b + j): neighbours in a table are b blocks apart.
+        let ids: Vec<u32> = (0..b * per).map(|n| ((n % per) * b + n / per) as u32).collect();
+        let tables = Tensor::from_vec(ids, (b, per), dev)?;
+        let k = Tensor::randn(0f32, 1.0, (b * per * bs, kh, d), dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1.0, (b * per * bs, kh, d), dev)?.to_dtype(DType::BF16)?;
+        let lens = Tensor::from_vec(vec![len as u32; b], b, dev)?;
+        for t in [1usize, 4] {
+            let q = Tensor::randn(0f32, 1.0, (b, kh, g * t, d), dev)?.to_dtype(DType::BF16)?;
+            let scale = (d as f64).powf(-0.5);
+            let s = time(dev, 100, || {
+                paged_decode_attention(
+                    AttentionInputs::new(&q, &k, &v, None, scale),
+                    Pages {
+                        tables: &tables,
+                        lens: &lens,
+                        block_size: bs,
+                    },
+                    t,
+                    &KernelPolicy::from_env(),
+                )
+                .map(|_| ())
+            })?;
+            let bytes = (b * 2 * kh * len * d * 2) as f64;
+            println!(
+                "| {b} | {t} | {len} | {:.1} µs | {:.2} |",
+                s * 1e6,
+                bytes / s / 1e12
+            );
+        }
+    }
     Ok(())
 }
