@@ -5,7 +5,9 @@ use candle_core::cuda::WrapErr;
 use candle_core::{DType, Tensor};
 
 use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS, TILE_MAX_ROWS};
-use crate::cuda::{contiguous16, device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR};
+use crate::cuda::{
+    at16, contiguous16, device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR,
+};
 use crate::{KernelPolicy, Result, SkinnyPath};
 
 /// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
@@ -695,7 +697,7 @@ pub(crate) fn fp8_dequantize(
             // grid-stride).
             let out = unsafe { dev.alloc::<$t>(n * k)? };
             // Whole 16-byte vectors in one column block: a thread per vector.
-            let vec16 = k % 16 == 0 && bi % 16 == 0 && ql.start_offset() % 16 == 0;
+            let vec16 = k % 16 == 0 && bi % 16 == 0 && at16(ql, 1);
             let kind = if vec16 { "fp8_dequant16" } else { "fp8_dequant" };
             let func = LINEAR.func(&dev, &format!("{kind}_{}", dtype_suffix(op, dtype)?))?;
             let mut lb = KernelCall::new(&dev, &func, policy);
