@@ -215,11 +215,15 @@ fn warm_config(args: &Args) -> EngineConfig {
     }
 }
 
-/// The warm-up request: a prompt of `--input-len` (the kernels and cuBLAS's choices for a
-/// prompt of that length are made before the runs' first one), four tokens.
+/// The warm-up prompt: `--input-len` tokens (the kernels and cuBLAS's choices for a prompt of
+/// that length are made before the runs' first one).
+fn warm_prompt(args: &Args, vocab: usize) -> Vec<u32> {
+    (0..args.input_len as u32).map(|i| i % vocab as u32).collect()
+}
+
+/// The warm-up request: [`warm_prompt`], four tokens.
 fn warm_request(args: &Args, vocab: usize) -> Request {
-    let prompt = (0..args.input_len as u32).map(|i| i % vocab as u32).collect();
-    let mut req = Request::greedy(prompt, 4);
+    let mut req = Request::greedy(warm_prompt(args, vocab), 4);
     if args.mtp > 0 {
         req.speculation = Some(Speculation::Mtp { k: args.mtp });
     }
@@ -769,9 +773,7 @@ fn over_http(args: &Args, url: &str) -> anyhow_like::Result<()> {
     let client = reqwest::Client::new();
     let (url, key, output_len) = (url.to_string(), args.api_key.clone(), args.output_len);
     // Warm-up: one request of `--input-len`.
-    let warm = (0..args.input_len as u32)
-        .map(|i| i % cfg.vocab_size as u32)
-        .collect();
+    let warm = warm_prompt(args, cfg.vocab_size);
     runtime.block_on(one_over_http(client.clone(), url.clone(), key.clone(), warm, 4))?;
     for &conc in &args.concurrency {
         let n = args.num_prompts.unwrap_or((4 * conc).max(4));
