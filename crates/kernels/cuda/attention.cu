@@ -575,14 +575,15 @@ FLASH_PREFILL(f16, __half, 256)
 
 // ---------------------------------------------------------------------------------------------
 // Decode / verify attention on tensor cores: the partial results of attn_partial (then merged by
-// the same kernels) for bf16/f16, head dims 64/128/256 and R <= 16·MT query rows of one KV head.
+// the same kernels) for bf16/f16, head dims 64/128/256 and any number of query rows of one KV
+// head (blocks of one to three 16-row tiles).
 // Starts copying key/value positions [r0, r0 + 64) of head bh (rows found through `kv`) into a
 // shared tile of row stride HD + 8; positions at or past `limit` are zero-filled.
-template <typename T, int HD>
+template <typename T, int HD, int THREADS = FA_WARPS * 32>
 __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, const KvRows& kv, int bh, int cap,
                                              int r0, int limit) {
     constexpr int SEGS = HD * sizeof(T) / 16, E = 16 / sizeof(T);
-    for (int e = threadIdx.x; e < 64 * SEGS; e += FA_WARPS * 32) {
+    for (int e = threadIdx.x; e < 64 * SEGS; e += THREADS) {
         const int r = e / SEGS, sg = e % SEGS;
         const bool ok = r0 + r < limit;
         const long row = kv.row(bh, cap, ok ? r0 + r : 0);
@@ -594,58 +595,61 @@ __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, 
 // consecutive tiles (the merge kernels' `entries` cuts them the same way).
 __device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_BK - 1) / FA_BK + S - 1) / S, 1); }
 
-// Block (split s and row tile z, bh) takes rows 16z.. (row r is token r % t, at position len - t +
-// r % t) and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
+// Block (split s and row block z, bh) takes rows 16·NG·z.. (row r is token r % t, at position
+// len - t + r % t), NG tiles of 16 rows, and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
 // fixed by the buffer, so a recorded graph serves every length); blocks past the last tile
-// return. Warp w takes key part w (FA_BK / FA_WARPS keys) of every tile, with its own online
-// softmax; the warps' partials are merged through shared memory at the end. K and V tiles load
+// return. Warp w takes key part w % FA_WARPS (FA_BK / FA_WARPS keys) of every tile for row tile
+// w / FA_WARPS, with its own online softmax; each row tile's warps' partials are merged through
+// shared memory at the end, in warp order. The NG row tiles share each K and V tile, so the
+// block reads them once (a verify's 4 tokens of 6 query heads: 24 rows, NG = 2). K and V tiles load
 // as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone, not on
 // the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
 // decode step at its position cuts them (split_tiles of its own length), so a verify whose
 // tokens straddle a change of that cut (past a multiple of S tiles) runs its split once per
 // cut, each time keeping the rows of that cut; tiles past a row's position are masked whole,
-// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged). The row
-// tiles of a split are neighbours in the grid (blockIdx.x = s·tiles + z), so a verify's tiles
-// (4 tokens of 6 query heads: two) read its K and V from DRAM about once, the second through L2.
-template <typename T, int HD>
+// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged). A row's
+// sums do not depend on NG (its warps, key parts and merge order are the same).
+template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
                              float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
                              const KvRows kv) {
     constexpr int LD = HD + 8;
     constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile
+    constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;  // threads, rows per block
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
-    T* Ks = Qs + 16 * LD;
+    T* Ks = Qs + BR * LD;
     T* Vs = Ks + FA_BK * LD;
-    const int zs = (R + 15) / 16;  // row tiles
-    const int s = blockIdx.x / zs, bh = blockIdx.y, S = gridDim.x / zs, r0 = 16 * (blockIdx.x % zs);
+    const int zs = (R + BR - 1) / BR;  // row blocks
+    const int s = blockIdx.x / zs, bh = blockIdx.y, S = gridDim.x / zs, r0 = BR * (blockIdx.x % zs);
     const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
     // The cuts of the pass's first and last rows (split_tiles grows with the length).
     const int cut_lo = split_tiles(L - t + 1, S), cut_hi = split_tiles(L, S);
     if (s * cut_lo >= nt) return;  // past the keys under both cuts: the merge never reads it
     q += ((size_t)bh * R + r0) * HD;
-    cp_async_tile<16, HD / 8, FA_WARPS * 32>(Qs, LD, q, HD, 0, R - r0, HD / 8);
+    cp_async_tile<BR, HD / 8, NT>(Qs, LD, q, HD, 0, R - r0, HD / 8);
     cp_async_commit();
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // This warp's row tile (its first row rt of the block's) and key part.
+    const int warp = threadIdx.x / 32 % FA_WARPS, rt = 16 * (threadIdx.x / 32 / FA_WARPS), lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    const int pos_r[2] = {L - t + (r0 + g) % t, L - t + (r0 + g + 8) % t};
+    const int pos_r[2] = {L - t + (r0 + rt + g) % t, L - t + (r0 + rt + g + 8) % t};
     // The cut of row r (of the pass's rows), and whether this block's rows take cut `cut`.
     auto row_cut = [&](int r) { return split_tiles(L - t + r % t + 1, S); };
     auto takes = [&](int cut) {
         bool any = false;
-        for (int r = r0; r < min(r0 + 16, R); r++) any |= row_cut(r) == cut;
+        for (int r = r0; r < min(r0 + BR, R); r++) any |= row_cut(r) == cut;
         return any;
     };
     // The cuts of a pass's rows are consecutive (a length one longer moves a cut by at most one).
     for (int cut = cut_lo; cut <= cut_hi; cut++) {
         const int t0 = s * cut, t1 = min(t0 + cut, nt);
         if (t0 < t1 && takes(cut)) {
-            kv_load_tile<T, HD>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
+            kv_load_tile<T, HD, NT>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
             cp_async_commit();
-            kv_load_tile<T, HD>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
+            kv_load_tile<T, HD, NT>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
             cp_async_commit();
             float o[HD / 8][4];
 #pragma unroll
@@ -656,9 +660,9 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 cp_async_wait<1>();
                 __syncthreads();
                 float sc[KW / 8][4];
-                fa_scores<T, HD>(sc, Qs, Ks, LD, 0, warp * KW);
+                fa_scores<T, HD>(sc, Qs, Ks, LD, rt, warp * KW);
                 __syncthreads();
-                if (tile + 1 < t1) kv_load_tile<T, HD>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
+                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
                 cp_async_commit();
 
                 // Every key at or past L is past every row's position: masked too.
@@ -668,16 +672,19 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 __syncthreads();
                 fa_accumulate<T, HD>(o, sc, Vs, LD, warp * KW);
                 __syncthreads();
-                if (tile + 1 < t1) kv_load_tile<T, HD>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
+                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
                 cp_async_commit();
             }
             cp_async_wait<0>();
             __syncthreads();
 
-            // Merge the warps through the K/V tiles' space (4·16·HD + 4·16·2 floats fit in
-            // 2·64·(HD + 8) elements of T): Ow[w][row][HD], Ml[w][row] = (max, sum).
+            // Merge each row tile's warps through the K/V tiles' space, one tile after another
+            // (4·16·HD + 4·16·2 floats fit in 2·64·(HD + 8) elements of T): Ow[w][row][HD],
+            // Ml[w][row] = (max, sum).
             float* Ow = reinterpret_cast<float*>(Ks);
             float* Ml = Ow + FA_WARPS * 16 * HD;
+            for (int tr = 0; tr < BR; tr += 16) {
+            if (rt == tr) {
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 float sum = l[r];
@@ -694,9 +701,10 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                     Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
                 }
             }
+            }
             __syncthreads();
-            for (int idx = threadIdx.x; idx < 16 * HD; idx += FA_WARPS * 32) {
-                const int rr = idx / HD, d = idx % HD, r = r0 + rr;
+            for (int idx = threadIdx.x; idx < 16 * HD; idx += NT) {
+                const int rr = idx / HD, d = idx % HD, r = r0 + tr + rr;
                 // The rows of this cut only (the other cut's pass writes the rest).
                 if (r >= R || row_cut(r) != cut) continue;
                 float M = -INFINITY;
@@ -717,23 +725,28 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                     part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
                 }
             }
-            __syncthreads();  // before another cut's tiles overwrite Ow
+            __syncthreads();  // before another row tile's or cut's tiles overwrite Ow
+            }
         }
     }
 }
 
-#define FLASH_DECODE(SUFFIX, T, HD)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                           \
-        flash_decode_##SUFFIX##_d##HD(const T* q, const T* k, const T* v, const unsigned* len,            \
+#define FLASH_DECODE(SUFFIX, T, HD, NG)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG)                                      \
+        flash_decode_##SUFFIX##_d##HD##_g##NG(const T* q, const T* k, const T* v, const unsigned* len,    \
                                       float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
                                       const unsigned* table, int maxb, int bs, int nblocks, int H) {      \
         pdl_enter();                                                                                      \
-        flash_decode<T, HD>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, KvRows{table, maxb, bs, nblocks, H}); \
+        flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, KvRows{table, maxb, bs, nblocks, H}); \
     }
-#define FLASH_DECODE_DIMS(SUFFIX, T) \
-    FLASH_DECODE(SUFFIX, T, 64)      \
-    FLASH_DECODE(SUFFIX, T, 128)     \
-    FLASH_DECODE(SUFFIX, T, 256)
+#define FLASH_DECODE_GROUPS(SUFFIX, T, HD) \
+    FLASH_DECODE(SUFFIX, T, HD, 1)         \
+    FLASH_DECODE(SUFFIX, T, HD, 2)         \
+    FLASH_DECODE(SUFFIX, T, HD, 3)
+#define FLASH_DECODE_DIMS(SUFFIX, T)  \
+    FLASH_DECODE_GROUPS(SUFFIX, T, 64)  \
+    FLASH_DECODE_GROUPS(SUFFIX, T, 128) \
+    FLASH_DECODE_GROUPS(SUFFIX, T, 256)
 FLASH_DECODE_DIMS(bf16, __nv_bfloat16)
 FLASH_DECODE_DIMS(f16, __half)
 

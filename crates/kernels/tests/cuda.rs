@@ -1989,7 +1989,8 @@ fn paged_decode_attention_matches_cpu() {
 /// speculative verify) gets the bits that a one-token decode at its position gets, in bf16 and
 /// f16 (tensor cores) and f32, through a shared-length buffer and through paged pools in a
 /// batch with other sequences. The cases: 6 query heads per KV head (the 27B's), so a verify of
-/// 3+ tokens has more than 16 rows (more row tiles than a decode's one); and lengths whose
+/// 3+ tokens has more than 16 rows (more row tiles than a decode's one; 9 tokens, 54 rows: a
+/// block of three row tiles, then one whose last two tiles hold no row); and lengths whose
 /// tokens straddle 64 and 128 tiles of 64 keys, where the split of a row's keys into the 64
 /// splits changes from one tile each to two, and from two to three.
 #[test]
@@ -2010,7 +2011,13 @@ fn decode_attention_rows_are_batch_invariant() {
     };
     let (h, g, bs) = (2, 6, 16);
     for dt in [DType::BF16, DType::F16, DType::F32] {
-        for (t, hd, len) in [(4, 256, 4098), (3, 64, 8194), (8, 128, 300), (2, 256, 4097)] {
+        for (t, hd, len) in [
+            (4, 256, 4098),
+            (3, 64, 8194),
+            (8, 128, 300),
+            (2, 256, 4097),
+            (9, 64, 700),
+        ] {
             let cap = 8448;
             let scale = (hd as f64).powf(-0.5);
             let q = on(&randn(1.0, (1, h, g * t, hd), dt));

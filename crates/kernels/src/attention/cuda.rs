@@ -19,6 +19,10 @@ use crate::{KernelPolicy, Result};
 /// blocks (two per SM on an H200) each walking consecutive tiles.
 const FLASH_DECODE_SPLITS: usize = 64;
 
+/// Most tiles of 16 query rows a block of the tensor-core decode kernel takes (`_g1` .. `_g3`;
+/// four would cap a thread at 128 registers, and head dim 256 would spill).
+const FLASH_DECODE_GROUPS: usize = 3;
+
 /// CUDA twin of [`super::write_kv`] (shapes checked by the caller): one kernel writes the new rows of both
 /// buffers at the positions `positions` holds.
 pub(crate) fn write_kv(
@@ -303,9 +307,11 @@ fn decode(
             );
             let (unit32, s0) = (unit as i32, spans as i32);
             if tensor_cores {
-                let name = format!("flash_decode_{sfx}_d{d}");
-                // 16 Q rows, then one K and one V tile of FLASH_TILE rows.
-                let smem = (16 + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
+                // Up to FLASH_DECODE_GROUPS tiles of 16 query rows a block, sharing its K and V.
+                let groups = r.div_ceil(16).min(FLASH_DECODE_GROUPS);
+                let name = format!("flash_decode_{sfx}_d{d}_g{groups}");
+                // 16·groups Q rows, then one K and one V tile of FLASH_TILE rows.
+                let smem = (16 * groups + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -313,17 +319,17 @@ fn decode(
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
-                    grid_dim: ((spans * r.div_ceil(16)) as u32, bh as u32, 1),
-                    block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
+                    grid_dim: ((spans * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
+                    block_dim: ((FLASH_WARPS * 32 * groups) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                // SAFETY: arguments match `flash_decode_*` in cuda/attention.cu: q [bh·r·d] (row
-                // tiles of 16: the grid's x is spans times r's tiles), k and v [bh·cap·d]
+                // SAFETY: arguments match `flash_decode_*_g{groups}` in cuda/attention.cu: q
+                // [bh·r·d] (blocks of 16·groups rows: the grid's x is spans times r's blocks,
+                // 128·groups threads), k and v [bh·cap·d]
                 // contiguous or (paged) pools of `blocks` blocks read through tables [b·maxb] u32
                 // (block ids past the pool read block 0), len [1] or (paged) [b] u32 (clamped to
                 // cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32 r, cap, t, f32
-                // scale·log2 e, the paging arguments; 128 threads and the shared memory the kernel
-                // lays out.
+                // scale·log2 e, the paging arguments; the shared memory the kernel lays out.
                 unsafe { lb.launch(cfg) }.w()?;
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
