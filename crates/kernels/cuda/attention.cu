@@ -147,12 +147,20 @@ __device__ void attn_partial(const T* __restrict__ q, const T* __restrict__ k, c
 // (e+1)·per_in); the output entry g covers input entries [g·GROUP, (g+1)·GROUP).
 constexpr int GROUP = ATTENTION_GROUP;
 
+// Units per split when a row's `units` are cut into at most s0 splits of consecutive units, at
+// least min(ceil(units / cut_div), cut_max) each: a short row takes many small splits (parallel
+// work for a lone sequence), a long one fewer and longer (a block's fixed costs weigh less).
+// Grows by at most one as `units` does.
+__device__ __forceinline__ int split_units(int units, int s0, int cut_div, int cut_max) {
+    return max(max((units + s0 - 1) / s0, min((units + cut_div - 1) / cut_div, cut_max)), 1);
+}
+
 // Entries that hold keys at a merge level with `per` first-level partials per entry. The partial
 // kernel ran s0 blocks per head over the ceil(len / unit) units of `unit` keys, each block taking
-// ceil(units / s0) consecutive units (one unit each when s0 covers the buffer).
-__device__ __forceinline__ int entries(int len, int unit, int s0, int per) {
+// split_units of them (one unit each when s0 covers the buffer and cut_max is 1).
+__device__ __forceinline__ int entries(int len, int unit, int s0, int per, int cut_div, int cut_max) {
     const int units = (len + unit - 1) / unit;
-    const int upb = max((units + s0 - 1) / s0, 1);
+    const int upb = split_units(units, s0, cut_div, cut_max);
     const int parts = (units + upb - 1) / upb;
     return (parts + per - 1) / per;
 }
@@ -170,11 +178,11 @@ __device__ __forceinline__ int row_len(const unsigned* len_p, int sel, int cap, 
 __device__ void attn_merge_group(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                  const unsigned* __restrict__ len_p, float* __restrict__ out_o,
                                  float* __restrict__ out_ml, int R, int D, int S, int per_in, int unit,
-                                 int s0, int len_h, int cap, int Tn) {
+                                 int s0, int cut_div, int cut_max, int len_h, int cap, int Tn) {
     const int r = blockIdx.x, bh = blockIdx.y, g = blockIdx.z, G = gridDim.z;
     // len_h > 0: a length per sequence (paged), len[bh / len_h]; else the shared len[0].
     const int len = row_len(len_p, len_h > 0 ? bh / len_h : 0, cap, r, Tn);
-    const int n = min(entries(len, unit, s0, per_in), S) - g * GROUP;
+    const int n = min(entries(len, unit, s0, per_in, cut_div, cut_max), S) - g * GROUP;
     if (n <= 0) return;
     const float* ml = part_ml + (((size_t)bh * S + g * GROUP) * R + r) * 2;  // entry e at ml[e·R·2]
     float m[GROUP];
@@ -212,11 +220,12 @@ __device__ void attn_merge_group(const float* __restrict__ part_o, const float* 
 template <typename T>
 __device__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                            const unsigned* __restrict__ len_p, T* __restrict__ out, int R, int D, int S, int per,
-                           int unit, int s0, const T* __restrict__ gate, long gsb, long gst, long gsh, int H,
-                           int Tn, int paged, int cap) {
+                           int unit, int s0, int cut_div, int cut_max, const T* __restrict__ gate, long gsb,
+                           long gst, long gsh, int H, int Tn, int paged, int cap) {
     extern __shared__ float wts[];
     const int r = blockIdx.x, bh = blockIdx.y;
-    const int ns = min(entries(row_len(len_p, paged ? bh / H : 0, cap, r, Tn), unit, s0, per), S);
+    const int len = row_len(len_p, paged ? bh / H : 0, cap, r, Tn);
+    const int ns = min(entries(len, unit, s0, per, cut_div, cut_max), S);
     const float* ml = part_ml + ((size_t)bh * S * R + r) * 2;  // entry s at ml[s·R·2]
     float M = -INFINITY;
 #pragma unroll 8
@@ -258,21 +267,22 @@ __device__ void attn_merge(const float* __restrict__ part_o, const float* __rest
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                        \
         attn_decode_merge_##SUFFIX(const float* part_o, const float* part_ml, const unsigned* len,   \
                                    T* out, int R, int D, int S, int per, int unit, int s0,           \
-                                   const T* gate, long gsb, long gst, long gsh, int H, int Tn,       \
-                                   int paged, int cap) {                                             \
+                                   int cut_div, int cut_max, const T* gate, long gsb, long gst,      \
+                                   long gsh, int H, int Tn, int paged, int cap) {                    \
         pdl_enter();                                                                                 \
-        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, gate, gsb, gst, gsh, H, Tn,  \
-                      paged, cap);                                                                   \
+        attn_merge<T>(part_o, part_ml, len, out, R, D, S, per, unit, s0, cut_div, cut_max, gate, gsb,  \
+                      gst, gsh, H, Tn, paged, cap);                                                  \
     }
 ATTENTION_KERNELS(f32, float)
 ATTENTION_KERNELS(bf16, __nv_bfloat16)
 ATTENTION_KERNELS(f16, __half)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_decode_merge_group(const float* part_o, const float* part_ml, const unsigned* len, float* out_o,
-                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int len_h,
-                            int cap, int Tn) {
+                            float* out_ml, int R, int D, int S, int per_in, int unit, int s0, int cut_div,
+                            int cut_max, int len_h, int cap, int Tn) {
     pdl_enter();
-    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, len_h, cap, Tn);
+    attn_merge_group(part_o, part_ml, len, out_o, out_ml, R, D, S, per_in, unit, s0, cut_div, cut_max, len_h,
+                     cap, Tn);
 }
 
 // Causal scaled softmax over a prefill block's scores, the CUDA twin of `causal_softmax` in
@@ -591,9 +601,11 @@ __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, 
     }
 }
 
-// Tiles of FA_BK keys per split when a row's L keys are cut into at most S splits of
-// consecutive tiles (the merge kernels' `entries` cuts them the same way).
-__device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_BK - 1) / FA_BK + S - 1) / S, 1); }
+// Tiles of FA_BK keys per split of a row with L keys (the merge kernels' `entries` cuts them the
+// same way).
+__device__ __forceinline__ int split_tiles(int L, int S, int cut_div, int cut_max) {
+    return split_units((L + FA_BK - 1) / FA_BK, S, cut_div, cut_max);
+}
 
 // Block (split s and row block z, bh) takes rows 16·NG·z.. (row r is token r % t, at position
 // len - t + r % t), NG tiles of 16 rows, and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
@@ -605,7 +617,7 @@ __device__ __forceinline__ int split_tiles(int L, int S) { return max(((L + FA_B
 // as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone, not on
 // the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
 // decode step at its position cuts them (split_tiles of its own length), so a verify whose
-// tokens straddle a change of that cut (past a multiple of S tiles) runs its split once per
+// tokens straddle a change of that cut (where split_tiles grows) runs its split once per
 // cut, each time keeping the rows of that cut; tiles past a row's position are masked whole,
 // which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged). A row's
 // sums do not depend on NG (its warps, key parts and merge order are the same).
@@ -613,7 +625,7 @@ template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
                              float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
-                             const KvRows kv) {
+                             int cut_div, int cut_max, const KvRows kv) {
     constexpr int LD = HD + 8;
     constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile
     constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;  // threads, rows per block
@@ -626,7 +638,8 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
     // The cuts of the pass's first and last rows (split_tiles grows with the length).
-    const int cut_lo = split_tiles(L - t + 1, S), cut_hi = split_tiles(L, S);
+    const int cut_lo = split_tiles(L - t + 1, S, cut_div, cut_max);
+    const int cut_hi = split_tiles(L, S, cut_div, cut_max);
     if (s * cut_lo >= nt) return;  // past the keys under both cuts: the merge never reads it
     q += ((size_t)bh * R + r0) * HD;
     cp_async_tile<BR, HD / 8, NT>(Qs, LD, q, HD, 0, R - r0, HD / 8);
@@ -637,7 +650,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     const int g = lane / 4, c = lane % 4;
     const int pos_r[2] = {L - t + (r0 + rt + g) % t, L - t + (r0 + rt + g + 8) % t};
     // The cut of row r (of the pass's rows), and whether this block's rows take cut `cut`.
-    auto row_cut = [&](int r) { return split_tiles(L - t + r % t + 1, S); };
+    auto row_cut = [&](int r) { return split_tiles(L - t + r % t + 1, S, cut_div, cut_max); };
     auto takes = [&](int cut) {
         bool any = false;
         for (int r = r0; r < min(r0 + BR, R); r++) any |= row_cut(r) == cut;
@@ -735,9 +748,11 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG)                                      \
         flash_decode_##SUFFIX##_d##HD##_g##NG(const T* q, const T* k, const T* v, const unsigned* len,    \
                                       float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
-                                      const unsigned* table, int maxb, int bs, int nblocks, int H) {      \
+                                      int cut_div, int cut_max, const unsigned* table, int maxb, int bs,  \
+                                      int nblocks, int H) {                                               \
         pdl_enter();                                                                                      \
-        flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, KvRows{table, maxb, bs, nblocks, H}); \
+        flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, cut_div, cut_max,          \
+                                KvRows{table, maxb, bs, nblocks, H});                                     \
     }
 #define FLASH_DECODE_GROUPS(SUFFIX, T, HD) \
     FLASH_DECODE(SUFFIX, T, HD, 1)         \

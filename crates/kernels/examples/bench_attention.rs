@@ -80,15 +80,24 @@ fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std
     paged(dev, h, kh, d)
 }
 
-/// `paged_decode_attention` as the engine runs it: 16 sequences over pools of 16-token blocks
+/// `paged_decode_attention` as the engine runs it: 1, 16 or 64 sequences over pools of 16-token blocks
 /// (each sequence's blocks scattered through the pool), 1 new token (a decode step) or 4 (a
 /// k = 3 verify), in TB/s of the K and V read.
 fn paged(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
     use qwen36_kernels::attention::{paged_decode_attention, Pages};
-    let (b, bs, g) = (16usize, 16usize, h / kh);
+    let (bs, g) = (16usize, h / kh);
     println!("| sequences | new tokens | keys each | time | K+V TB/s |");
     println!("|---|---|---|---|---|");
-    for len in [1024usize, 8192] {
+    for (b, len) in [
+        (1usize, 1024usize),
+        (1, 8192),
+        (1, 32768),
+        (16, 1024),
+        (16, 8192),
+        (16, 32768),
+        (64, 1024),
+        (64, 8192),
+    ] {
         let per = len.div_ceil(bs);
         // Block i of sequence j is pool block (i·b + j): neighbours in a table are b blocks apart.
         let ids: Vec<u32> = (0..b * per).map(|n| ((n % per) * b + n / per) as u32).collect();

@@ -1991,8 +1991,8 @@ fn paged_decode_attention_matches_cpu() {
 /// batch with other sequences. The cases: 6 query heads per KV head (the 27B's), so a verify of
 /// 3+ tokens has more than 16 rows (more row tiles than a decode's one; 9 tokens, 54 rows: a
 /// block of three row tiles, then one whose last two tiles hold no row); and lengths whose
-/// tokens straddle 64 and 128 tiles of 64 keys, where the split of a row's keys into the 64
-/// splits changes from one tile each to two, and from two to three.
+/// tokens straddle 64 and 128 tiles of 64 keys, where the split of a row's keys changes from
+/// two tiles each to three, and from four to five (`split_tiles` in cuda/attention.cu).
 #[test]
 fn decode_attention_rows_are_batch_invariant() {
     use candle_core::IndexOp;

@@ -19,6 +19,13 @@ use crate::{KernelPolicy, Result};
 /// blocks (two per SM on an H200) each walking consecutive tiles.
 const FLASH_DECODE_SPLITS: usize = 64;
 
+/// A row of the tensor-core decode kernel with `n` key tiles takes splits of at least
+/// min(ceil(n / FLASH_DECODE_CUT_DIV), FLASH_DECODE_CUT_MAX) tiles: one tile a split at 1k keys
+/// (a lone sequence's work spread over the GPU), 4 at 8k, 8 from 16k (a block's fixed costs,
+/// its Q load, first tile and merge, weigh less when many sequences fill the GPU).
+const FLASH_DECODE_CUT_DIV: usize = 32;
+const FLASH_DECODE_CUT_MAX: usize = 8;
+
 /// Most tiles of 16 query rows a block of the tensor-core decode kernel takes (`_g1` .. `_g3`;
 /// four would cap a thread at 128 registers, and head dim 256 would spill).
 const FLASH_DECODE_GROUPS: usize = 3;
@@ -240,12 +247,16 @@ fn decode(
     // general one. Their partials (one per split of a KV head: `spans` of them, each over
     // `unit`-key units) go through the same merge kernels.
     let tensor_cores = matches!(dt, DType::BF16 | DType::F16) && PREFILL_HEAD_DIMS.contains(&d);
-    let (spans, unit) = if tensor_cores && paging.is_some() {
-        (FLASH_DECODE_SPLITS, FLASH_TILE)
+    // The tensor-core kernel's partials are cut by `split_tiles` (cuda/attention.cu) of FLASH_TILE
+    // keys; the general kernel's are one KEYS_PER_SPAN span each.
+    let fc = (FLASH_DECODE_CUT_DIV, FLASH_DECODE_CUT_MAX);
+    let (spans, unit, cut) = if tensor_cores && paging.is_some() {
+        (FLASH_DECODE_SPLITS, FLASH_TILE, fc)
     } else if tensor_cores {
-        (cap.div_ceil(FLASH_TILE).clamp(1, FLASH_DECODE_SPLITS), FLASH_TILE)
+        let spans = cap.div_ceil(FLASH_TILE).clamp(1, FLASH_DECODE_SPLITS);
+        (spans, FLASH_TILE, fc)
     } else {
-        (cap.div_ceil(KEYS_PER_SPAN).max(1), KEYS_PER_SPAN)
+        (cap.div_ceil(KEYS_PER_SPAN).max(1), KEYS_PER_SPAN, (1, 1))
     };
     if spans * 4 > 48 * 1024 {
         return Err(err(
@@ -306,6 +317,7 @@ fn decode(
                 scale as f32,
             );
             let (unit32, s0) = (unit as i32, spans as i32);
+            let (div32, max32) = (cut.0 as i32, cut.1 as i32);
             if tensor_cores {
                 // Up to FLASH_DECODE_GROUPS tiles of 16 query rows a block, sharing its K and V.
                 let groups = r.div_ceil(16).min(FLASH_DECODE_GROUPS);
@@ -316,7 +328,7 @@ fn decode(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
-                lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
+                lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2).arg(&div32).arg(&max32);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
                     grid_dim: ((spans * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
@@ -329,7 +341,8 @@ fn decode(
                 // contiguous or (paged) pools of `blocks` blocks read through tables [b·maxb] u32
                 // (block ids past the pool read block 0), len [1] or (paged) [b] u32 (clamped to
                 // cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32 r, cap, t, f32
-                // scale·log2 e, the paging arguments; the shared memory the kernel lays out.
+                // scale·log2 e, i32 cut_div and cut_max, the paging arguments; the shared memory
+                // the kernel lays out.
                 unsafe { lb.launch(cfg) }.w()?;
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
@@ -362,7 +375,8 @@ fn decode(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
-                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&len_h).arg(&cap32);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&div32).arg(&max32);
+                lb.arg(&len_h).arg(&cap32);
                 lb.arg(&t32);
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, bh as u32, groups as u32),
@@ -371,9 +385,10 @@ fn decode(
                 };
                 // SAFETY: arguments match `attn_decode_merge_group`: the scratch written above,
                 // len [1] or [b] u32, outputs of bh·groups·r·(d | 2) f32, i32 r, d, spans, 1 span
-                // per input entry, the partial kernel's unit and split count, the KV heads per
-                // length (0: one shared length), i32 cap (the length clamped to it, as the
-                // partial kernels clamp it), i32 t (row r is token r % t); grid (r, bh, groups).
+                // per input entry, the partial kernel's unit, split count, cut_div and cut_max,
+                // the KV heads per length (0: one shared length), i32 cap (the length clamped to
+                // it, as the partial kernels clamp it), i32 t (row r is token r % t); grid (r,
+                // bh, groups).
                 unsafe { lb.launch(cfg) }.w()?;
                 Some((o2, ml2, groups))
             } else {
@@ -395,7 +410,9 @@ fn decode(
                 .arg(&e32)
                 .arg(&per32)
                 .arg(&unit32)
-                .arg(&s0);
+                .arg(&s0)
+                .arg(&div32)
+                .arg(&max32);
             let null = 0u64;
             match &gv {
                 Some(g) => lb.arg(g),
@@ -412,9 +429,9 @@ fn decode(
             };
             // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
             // groups of ATTENTION_GROUP spans), len [1] or (paged, flag 1) [b] u32, out [bh·r·d] (written as [b, t,
-            // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit and split
-            // count, the gate [b, t, h·r/t, d] with contiguous rows (its view spans every element
-            // its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked
+            // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit, split
+            // count, cut_div and cut_max, the gate [b, t, h·r/t, d] with contiguous rows (its
+            // view spans every element its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked
             // by the caller), the paged flag and i32 cap (the merge reads only the entries of the
             // length clamped to cap, all written above); shared memory one f32 per entry (≤ 48
             // KiB: checked above).
