@@ -742,6 +742,9 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
             }
         }
     }
+    // A block whose rows all take a cut with no tile in this split ran no tile: its Q copy must
+    // land before the block's shared memory goes to another.
+    cp_async_wait<0>();
 }
 
 #define FLASH_DECODE(SUFFIX, T, HD, NG)                                                                  \

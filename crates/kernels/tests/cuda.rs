@@ -1991,8 +1991,9 @@ fn paged_decode_attention_matches_cpu() {
 /// batch with other sequences. The cases: 6 query heads per KV head (the 27B's), so a verify of
 /// 3+ tokens has more than 16 rows (more row tiles than a decode's one; 9 tokens, 54 rows: a
 /// block of three row tiles, then one whose last two tiles hold no row); and lengths whose
-/// tokens straddle 64 and 128 tiles of 64 keys, where the split of a row's keys changes from
-/// two tiles each to three, and from four to five (`split_tiles` in cuda/attention.cu).
+/// tokens straddle 64, 128, 192 and 512 tiles of 64 keys, where the split of a row's keys
+/// changes from two tiles each to three, four to five, six to seven, and eight to nine (the 64
+/// splits full: `split_tiles` in cuda/attention.cu).
 #[test]
 fn decode_attention_rows_are_batch_invariant() {
     use candle_core::IndexOp;
@@ -2017,8 +2018,10 @@ fn decode_attention_rows_are_batch_invariant() {
             (8, 128, 300),
             (2, 256, 4097),
             (9, 64, 700),
+            (2, 64, 12289),
+            (3, 64, 32770),
         ] {
-            let cap = 8448;
+            let cap = (len + 256usize).next_multiple_of(256).max(8448);
             let scale = (hd as f64).powf(-0.5);
             let q = on(&randn(1.0, (1, h, g * t, hd), dt));
             let gate = on(&randn(1.0, (1, t, h * g, hd), dt));
