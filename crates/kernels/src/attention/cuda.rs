@@ -15,8 +15,8 @@ use crate::cuda::{
 };
 use crate::{KernelPolicy, Result};
 
-/// Most splits per KV head of the tensor-core decode kernel: at one sequence and 4 KV heads, 256
-/// blocks (two per SM on an H200) each walking consecutive tiles.
+/// Most splits per KV head of the tensor-core decode kernel: one sequence's 4 KV heads at 32k keys
+/// or more fill 256 blocks (two one-tile blocks an SM), each walking consecutive tiles.
 const FLASH_DECODE_SPLITS: usize = 64;
 
 /// A row of the tensor-core decode kernel with `n` key tiles takes splits of at least
