@@ -607,20 +607,20 @@ __device__ __forceinline__ int split_tiles(int L, int S, int cut_div, int cut_ma
     return split_units((L + FA_BK - 1) / FA_BK, S, cut_div, cut_max);
 }
 
-// Block (split s and row block z, bh) takes rows 16·NG·z.. (row r is token r % t, at position
-// len - t + r % t), NG tiles of 16 rows, and the split's consecutive tiles of FA_BK keys (read from device memory: the grid is
-// fixed by the buffer, so a recorded graph serves every length); blocks past the last tile
-// return. Warp w takes key part w % FA_WARPS (FA_BK / FA_WARPS keys) of every tile for row tile
-// w / FA_WARPS, with its own online softmax; each row tile's warps' partials are merged through
-// shared memory at the end, in warp order. The NG row tiles share each K and V tile, so the
-// block reads them once (a verify's 4 tokens of 6 query heads: 24 rows, NG = 2). K and V tiles load
-// as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone, not on
-// the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
-// decode step at its position cuts them (split_tiles of its own length), so a verify whose
-// tokens straddle a change of that cut (where split_tiles grows) runs its split once per
-// cut, each time keeping the rows of that cut; tiles past a row's position are masked whole,
-// which leaves its sums exactly as they were (weights e^-inf = 0, running max unchanged). A row's
-// sums do not depend on NG (its warps, key parts and merge order are the same).
+// Block (split s and row block z, bh) takes rows 16·NG·z.. (row r is token r % t, at position len -
+// t + r % t), NG tiles of 16 rows, and the split's consecutive tiles of FA_BK keys (read from
+// device memory: the grid is fixed by the buffer, so a recorded graph serves every length); blocks
+// past the last tile return. Warp w takes key part w % FA_WARPS (FA_BK / FA_WARPS keys) of every
+// tile for row tile w / FA_WARPS, with its own online softmax; each row tile's warps' partials are
+// merged through shared memory at the end, in warp order. The NG row tiles share each K and V tile,
+// so the block reads them once (a verify's 4 tokens of 6 query heads: 24 rows, NG = 2). K and V
+// tiles load as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone,
+// not on the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
+// decode step at its position cuts them (split_tiles of its own length), so a verify whose tokens
+// straddle a change of that cut (where split_tiles grows) runs its split once per cut, each time
+// keeping the rows of that cut; tiles past a row's position are masked whole, which leaves its sums
+// exactly as they were (weights e^-inf = 0, running max unchanged). A row's sums do not depend on
+// NG (its warps, key parts and merge order are the same).
 template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
@@ -646,7 +646,8 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     cp_async_commit();
 
     // This warp's row tile (its first row rt of the block's) and key part.
-    const int warp = threadIdx.x / 32 % FA_WARPS, rt = 16 * (threadIdx.x / 32 / FA_WARPS), lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32 % FA_WARPS, rt = 16 * (threadIdx.x / 32 / FA_WARPS);
+    const int lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
     const int pos_r[2] = {L - t + (r0 + rt + g) % t, L - t + (r0 + rt + g + 8) % t};
     // The cut of row r (of the pass's rows), and whether this block's rows take cut `cut`.
@@ -697,48 +698,48 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
             float* Ow = reinterpret_cast<float*>(Ks);
             float* Ml = Ow + FA_WARPS * 16 * HD;
             for (int tr = 0; tr < BR; tr += 16) {
-            if (rt == tr) {
+                if (rt == tr) {
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float sum = l[r];
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                const int row = warp * 16 + g + 8 * r;
-                if (c == 0) {
-                    Ml[row * 2] = m[r];
-                    Ml[row * 2 + 1] = sum;
-                }
+                    for (int r = 0; r < 2; r++) {
+                        float sum = l[r];
+                        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                        const int row = warp * 16 + g + 8 * r;
+                        if (c == 0) {
+                            Ml[row * 2] = m[r];
+                            Ml[row * 2 + 1] = sum;
+                        }
 #pragma unroll
-                for (int j = 0; j < HD / 8; j++) {
-                    Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
-                    Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
+                        for (int j = 0; j < HD / 8; j++) {
+                            Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
+                            Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
+                        }
+                    }
                 }
-            }
-            }
-            __syncthreads();
-            for (int idx = threadIdx.x; idx < 16 * HD; idx += NT) {
-                const int rr = idx / HD, d = idx % HD, r = r0 + tr + rr;
-                // The rows of this cut only (the other cut's pass writes the rest).
-                if (r >= R || row_cut(r) != cut) continue;
-                float M = -INFINITY;
+                __syncthreads();
+                for (int idx = threadIdx.x; idx < 16 * HD; idx += NT) {
+                    const int rr = idx / HD, d = idx % HD, r = r0 + tr + rr;
+                    // The rows of this cut only (the other cut's pass writes the rest).
+                    if (r >= R || row_cut(r) != cut) continue;
+                    float M = -INFINITY;
 #pragma unroll
-                for (int w = 0; w < FA_WARPS; w++) M = fmaxf(M, Ml[(w * 16 + rr) * 2]);
-                float acc = 0.f, sum = 0.f;
+                    for (int w = 0; w < FA_WARPS; w++) M = fmaxf(M, Ml[(w * 16 + rr) * 2]);
+                    float acc = 0.f, sum = 0.f;
 #pragma unroll
-                for (int w = 0; w < FA_WARPS; w++) {
-                    const float mw = Ml[(w * 16 + rr) * 2];
-                    const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
-                    acc += wt * Ow[(w * 16 + rr) * HD + d];
-                    sum += wt * Ml[(w * 16 + rr) * 2 + 1];
+                    for (int w = 0; w < FA_WARPS; w++) {
+                        const float mw = Ml[(w * 16 + rr) * 2];
+                        const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
+                        acc += wt * Ow[(w * 16 + rr) * HD + d];
+                        sum += wt * Ml[(w * 16 + rr) * 2 + 1];
+                    }
+                    part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
+                    if (d == 0) {
+                        // The merge kernels weigh entries by e^(m - M): the max in natural-log units.
+                        part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
+                        part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
+                    }
                 }
-                part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
-                if (d == 0) {
-                    // The merge kernels weigh entries by e^(m - M): the max back in natural-log units.
-                    part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
-                    part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
-                }
-            }
-            __syncthreads();  // before another row tile's or cut's tiles overwrite Ow
+                __syncthreads();  // before another row tile's or cut's tiles overwrite Ow
             }
         }
     }

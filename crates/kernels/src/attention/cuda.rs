@@ -282,7 +282,10 @@ fn decode(
             let vv = view::<$t>(op, &vs, vl)?;
             let lv = view::<u32>(op, &ls, ll)?;
             let table_guard = paging.as_ref().map(|p| p.tables.storage_and_layout());
-            let table_view = table_guard.as_ref().map(|(ts, tl)| view::<u32>(op, ts, tl)).transpose()?;
+            let table_view = table_guard
+                .as_ref()
+                .map(|(ts, tl)| view::<u32>(op, ts, tl))
+                .transpose()?;
             // The paging arguments every partial kernel takes after its own: table (or null),
             // i32 maxb, block size, pool blocks, KV heads; and the merges' length selector.
             let null_table = 0u64;
@@ -300,7 +303,10 @@ fn decode(
             let paged32 = i32::from(paging.is_some());
             let len_h = paged32 * h32;
             let gate_guard = gate.as_ref().map(|g| g.storage_and_layout());
-            let gv = gate_guard.as_ref().map(|(gs, gl)| span_view::<$t>(op, gs, gl)).transpose()?;
+            let gv = gate_guard
+                .as_ref()
+                .map(|(gs, gl)| span_view::<$t>(op, gs, gl))
+                .transpose()?;
             let bh = b * h;
             // SAFETY: uninitialised scratch and output. The partial kernel writes every span below
             // the device-side length, which is all the merge reads; the merge writes every output.
@@ -328,7 +334,8 @@ fn decode(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
-                lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2).arg(&div32).arg(&max32);
+                lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
+                lb.arg(&div32).arg(&max32);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
                     grid_dim: ((spans * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
@@ -375,7 +382,8 @@ fn decode(
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let one = 1i32;
                 lb.arg(&part_o).arg(&part_ml).arg(&lv).arg(&o2).arg(&ml2);
-                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one).arg(&unit32).arg(&s0).arg(&div32).arg(&max32);
+                lb.arg(&r32).arg(&d32).arg(&s32).arg(&one);
+                lb.arg(&unit32).arg(&s0).arg(&div32).arg(&max32);
                 lb.arg(&len_h).arg(&cap32);
                 lb.arg(&t32);
                 let cfg = LaunchConfig {
@@ -428,13 +436,13 @@ fn decode(
                 shared_mem_bytes: (entries * 4) as u32,
             };
             // SAFETY: arguments match `attn_decode_merge_*`: entries written above (spans, or
-            // groups of ATTENTION_GROUP spans), len [1] or (paged, flag 1) [b] u32, out [bh·r·d] (written as [b, t,
-            // h·r/t, d]: the same elements), i32 r, d, entries, spans per entry, unit, split
-            // count, cut_div and cut_max, the gate [b, t, h·r/t, d] with contiguous rows (its
-            // view spans every element its three i64 strides address) or null and zeros, i32 h, t (r % t == 0: checked
-            // by the caller), the paged flag and i32 cap (the merge reads only the entries of the
-            // length clamped to cap, all written above); shared memory one f32 per entry (≤ 48
-            // KiB: checked above).
+            // groups of ATTENTION_GROUP spans), len [1] or (paged, flag 1) [b] u32, out [bh·r·d]
+            // (written as [b, t, h·r/t, d]: the same elements), i32 r, d, entries, spans per entry,
+            // unit, split count, cut_div and cut_max, the gate [b, t, h·r/t, d] with contiguous
+            // rows (its view spans every element its three i64 strides address) or null and zeros,
+            // i32 h, t (r % t == 0: checked by the caller), the paged flag and i32 cap (the merge
+            // reads only the entries of the length clamped to cap, all written above); shared
+            // memory one f32 per entry (≤ 48 KiB: checked above).
             unsafe { lb.launch(cfg) }.w()?;
             Ok(wrap(out, &dev, (b, t, h * r / t, d)))
         }};
