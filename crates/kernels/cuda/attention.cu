@@ -625,7 +625,7 @@ template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
                              float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
-                             int cut_div, int cut_max, const KvRows kv) {
+                             int S, int cut_div, int cut_max, const KvRows kv) {
     constexpr int LD = HD + 8;
     constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile
     constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;  // threads, rows per block
@@ -634,7 +634,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     T* Ks = Qs + BR * LD;
     T* Vs = Ks + FA_BK * LD;
     const int zs = (R + BR - 1) / BR;  // row blocks
-    const int s = blockIdx.x / zs, bh = blockIdx.y, S = gridDim.x / zs, r0 = BR * (blockIdx.x % zs);
+    const int s = blockIdx.x / zs, bh = blockIdx.y, r0 = BR * (blockIdx.x % zs);
     const int L = min(kv.len_of(len_p, bh), cap);
     const int nt = (L + FA_BK - 1) / FA_BK;
     // The cuts of the pass's first and last rows (split_tiles grows with the length).
@@ -752,10 +752,10 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG)                                      \
         flash_decode_##SUFFIX##_d##HD##_g##NG(const T* q, const T* k, const T* v, const unsigned* len,    \
                                       float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
-                                      int cut_div, int cut_max, const unsigned* table, int maxb, int bs,  \
-                                      int nblocks, int H) {                                               \
+                                      int S, int cut_div, int cut_max, const unsigned* table, int maxb,   \
+                                      int bs, int nblocks, int H) {                                       \
         pdl_enter();                                                                                      \
-        flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, cut_div, cut_max,          \
+        flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, S, cut_div, cut_max,       \
                                 KvRows{table, maxb, bs, nblocks, H});                                     \
     }
 #define FLASH_DECODE_GROUPS(SUFFIX, T, HD) \

@@ -327,6 +327,8 @@ fn decode(
             if tensor_cores {
                 // Up to FLASH_DECODE_GROUPS tiles of 16 query rows a block, sharing its K and V.
                 let groups = r.div_ceil(16).min(FLASH_DECODE_GROUPS);
+                // Only the splits a row of at most `cap` keys can take get blocks.
+                let used = super::splits_used(cap.div_ceil(FLASH_TILE), spans, cut);
                 let name = format!("flash_decode_{sfx}_d{d}_g{groups}");
                 // 16·groups Q rows, then one K and one V tile of FLASH_TILE rows.
                 let smem = (16 * groups + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
@@ -335,21 +337,21 @@ fn decode(
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
                 lb.arg(&qv).arg(&kv).arg(&vv).arg(&lv).arg(&part_o).arg(&part_ml);
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
-                lb.arg(&div32).arg(&max32);
+                lb.arg(&s0).arg(&div32).arg(&max32);
                 push_paging(&mut lb);
                 let cfg = LaunchConfig {
-                    grid_dim: ((spans * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
+                    grid_dim: ((used * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
                     block_dim: ((FLASH_WARPS * 32 * groups) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
                 // SAFETY: arguments match `flash_decode_*_g{groups}` in cuda/attention.cu: q
-                // [bh·r·d] (blocks of 16·groups rows: the grid's x is spans times r's blocks,
-                // 128·groups threads), k and v [bh·cap·d]
-                // contiguous or (paged) pools of `blocks` blocks read through tables [b·maxb] u32
-                // (block ids past the pool read block 0), len [1] or (paged) [b] u32 (clamped to
-                // cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32 r, cap, t, f32
-                // scale·log2 e, i32 cut_div and cut_max, the paging arguments; the shared memory
-                // the kernel lays out.
+                // [bh·r·d] (blocks of 16·groups rows, 128·groups threads; the grid's x is `used` ≤
+                // spans splits, every split a row of at most cap keys takes, times r's blocks), k
+                // and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks read through
+                // tables [b·maxb] u32 (block ids past the pool read block 0), len [1] or (paged)
+                // [b] u32 (clamped to cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32
+                // r, cap, t, f32 scale·log2 e, i32 spans, cut_div and cut_max, the paging
+                // arguments; the shared memory the kernel lays out.
                 unsafe { lb.launch(cfg) }.w()?;
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;

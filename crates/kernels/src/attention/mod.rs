@@ -294,6 +294,26 @@ pub fn paged_decode_attention(
 /// Head dims the CUDA tensor-core attention kernels (prefill and decode) are built for.
 pub(crate) const PREFILL_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
+/// Units per split of a row of `units` key units cut into at most `s0` splits, at least
+/// min(⌈units / cut.0⌉, cut.1) each: `split_units` in cuda/attention.cu, which cuts the rows.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn split_units(units: usize, s0: usize, cut: (usize, usize)) -> usize {
+    units.div_ceil(s0).max(units.div_ceil(cut.0).min(cut.1)).max(1)
+}
+
+/// The most splits a row of at most `units` key units takes: the width a decode launch's grid
+/// needs (past s0 · cut.1 units every row takes all s0 splits).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn splits_used(units: usize, s0: usize, cut: (usize, usize)) -> usize {
+    if units >= s0 * cut.1 {
+        return s0;
+    }
+    (1..=units)
+        .map(|n| n.div_ceil(split_units(n, s0, cut)))
+        .max()
+        .unwrap_or(1)
+}
+
 /// True when [`prefill_attention`] runs its tensor-core kernel for `head_dim` and `dtype` on
 /// `device` (CUDA, bf16 or f16, head dim 64, 128 or 256); elsewhere it is the f32 reference, slow
 /// but exact, so callers keep their own matmul path for those cases.
@@ -374,6 +394,33 @@ pub fn causal_softmax(
 
 #[cfg(test)]
 mod tests {
+    /// The grid width against every length up to the buffer's: a row at a length under the
+    /// buffer never takes more splits than the width (the widest case included).
+    #[test]
+    fn splits_used_is_the_most_any_shorter_row_takes() {
+        for (s0, cut) in [
+            (64, (32, 8)),
+            (64, (16, 8)),
+            (64, (1, 1)),
+            (16, (32, 8)),
+            (7, (3, 5)),
+        ] {
+            let mut most = 1;
+            for units in 1usize..2000 {
+                most = most.max(units.div_ceil(split_units(units, s0, cut)));
+                assert_eq!(
+                    splits_used(units, s0, cut),
+                    most,
+                    "{units} units, {s0} splits, {cut:?}"
+                );
+                assert!(most <= s0);
+            }
+        }
+        // The 27B's 8k keys: 128 tiles of at least 4 → 32 splits of the 64.
+        assert_eq!(splits_used(128, 64, (32, 8)), 32);
+        assert_eq!(splits_used(16, 64, (32, 8)), 16);
+    }
+
     use super::*;
 
     const P: &KernelPolicy = &KernelPolicy::DEFAULT;
