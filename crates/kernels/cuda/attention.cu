@@ -589,15 +589,24 @@ FLASH_PREFILL(f16, __half, 256)
 // head (blocks of one to three 16-row tiles).
 // Starts copying key/value positions [r0, r0 + 64) of head bh (rows found through `kv`) into a
 // shared tile of row stride HD + 8; positions at or past `limit` are zero-filled.
+// Each lane first finds the rows of positions r0 + lane and r0 + 32 + lane (two independent table
+// reads when paged), and a copy takes its row from the lane that holds it: one table read's latency
+// per tile instead of one per copy. The rows that a warp's 32 segments of one step cover sit in the
+// same half of the tile (64 * SEGS / THREADS steps of 32 / SEGS rows each), so a lane's choice
+// between its two rows is the one its source lane makes.
 template <typename T, int HD, int THREADS = FA_WARPS * 32>
 __device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, const KvRows& kv, int bh, int cap,
                                              int r0, int limit) {
     constexpr int SEGS = HD * sizeof(T) / 16, E = 16 / sizeof(T);
+    static_assert(32 % SEGS == 0 || SEGS % 32 == 0, "a warp's segments cover whole rows");
+    const int lane = threadIdx.x % 32;
+    const long lo = kv.row(bh, cap, r0 + lane < limit ? r0 + lane : 0);
+    const long hi = kv.row(bh, cap, r0 + 32 + lane < limit ? r0 + 32 + lane : 0);
+#pragma unroll
     for (int e = threadIdx.x; e < 64 * SEGS; e += THREADS) {
         const int r = e / SEGS, sg = e % SEGS;
-        const bool ok = r0 + r < limit;
-        const long row = kv.row(bh, cap, ok ? r0 + r : 0);
-        cp_async16_or_zero(&dst[r * (HD + 8) + E * sg], &src[row * HD + E * sg], ok);
+        const long row = __shfl_sync(0xffffffffu, r < 32 ? lo : hi, r % 32);
+        cp_async16_or_zero(&dst[r * (HD + 8) + E * sg], &src[row * HD + E * sg], r0 + r < limit);
     }
 }
 
@@ -652,15 +661,19 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     const int pos_r[2] = {L - t + (r0 + rt + g) % t, L - t + (r0 + rt + g + 8) % t};
     // The cut of row r (of the pass's rows), and whether this block's rows take cut `cut`.
     auto row_cut = [&](int r) { return split_tiles(L - t + r % t + 1, S, cut_div, cut_max); };
-    auto takes = [&](int cut) {
-        bool any = false;
-        for (int r = r0; r < min(r0 + BR, R); r++) any |= row_cut(r) == cut;
-        return any;
+    // Bit i of rows_of(cut): the block's row r0 + i takes cut (each lane finds rows lane and 32 +
+    // lane once; every warp holds the masks).
+    const int cut_a = lane < BR && r0 + lane < R ? row_cut(r0 + lane) : -1;
+    const int cut_b = 32 + lane < BR && r0 + 32 + lane < R ? row_cut(r0 + 32 + lane) : -1;
+    auto rows_of = [&](int cut) {
+        return (unsigned long long)__ballot_sync(0xffffffffu, cut_a == cut) |
+               (unsigned long long)__ballot_sync(0xffffffffu, cut_b == cut) << 32;
     };
     // The cuts of a pass's rows are consecutive (a length one longer moves a cut by at most one).
     for (int cut = cut_lo; cut <= cut_hi; cut++) {
         const int t0 = s * cut, t1 = min(t0 + cut, nt);
-        if (t0 < t1 && takes(cut)) {
+        const unsigned long long mine = rows_of(cut);
+        if (t0 < t1 && mine != 0) {
             kv_load_tile<T, HD, NT>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
             cp_async_commit();
             kv_load_tile<T, HD, NT>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
@@ -720,7 +733,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 for (int idx = threadIdx.x; idx < 16 * HD; idx += NT) {
                     const int rr = idx / HD, d = idx % HD, r = r0 + tr + rr;
                     // The rows of this cut only (the other cut's pass writes the rest).
-                    if (r >= R || row_cut(r) != cut) continue;
+                    if ((mine >> (tr + rr) & 1) == 0) continue;
                     float M = -INFINITY;
 #pragma unroll
                     for (int w = 0; w < FA_WARPS; w++) M = fmaxf(M, Ml[(w * 16 + rr) * 2]);
