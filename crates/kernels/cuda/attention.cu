@@ -587,25 +587,31 @@ FLASH_PREFILL(f16, __half, 256)
 // Decode / verify attention on tensor cores: the partial results of attn_partial (then merged by
 // the same kernels) for bf16/f16, head dims 64/128/256 and any number of query rows of one KV
 // head (blocks of one to three 16-row tiles).
-// Starts copying key/value positions [r0, r0 + 64) of head bh (rows found through `kv`) into a
-// shared tile of row stride HD + 8; positions at or past `limit` are zero-filled.
-// Each lane first finds the rows of positions r0 + lane and r0 + 32 + lane (two independent table
-// reads when paged), and a copy takes its row from the lane that holds it: one table read's latency
-// per tile instead of one per copy. The rows that a warp's 32 segments of one step cover sit in the
-// same half of the tile (64 * SEGS / THREADS steps of 32 / SEGS rows each), so a lane's choice
-// between its two rows is the one its source lane makes.
+// The cache rows of key/value positions r0 + lane and r0 + 32 + lane of head bh (found through
+// `kv`: two independent table reads when paged), positions at or past `limit` taking position 0's:
+// a 64-position tile's rows, spread over a warp's lanes.
+struct TileRows {
+    long lo, hi;
+};
+__device__ __forceinline__ TileRows kv_tile_rows(const KvRows& kv, int bh, int cap, int r0, int limit) {
+    const int lane = threadIdx.x % 32;
+    return {kv.row(bh, cap, r0 + lane < limit ? r0 + lane : 0),
+            kv.row(bh, cap, r0 + 32 + lane < limit ? r0 + 32 + lane : 0)};
+}
+// Starts copying key/value positions [r0, r0 + 64) (their rows `rows`, from kv_tile_rows) into a
+// shared tile of row stride HD + 8; positions at or past `limit` are zero-filled. A copy takes its
+// row from the lane that holds it: the rows that a warp's 32 segments of one step cover sit in the
+// same half of the tile (steps of 32 / SEGS rows), so a lane's choice between lo and hi is the one
+// its source lane makes.
 template <typename T, int HD, int THREADS = FA_WARPS * 32>
-__device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, const KvRows& kv, int bh, int cap,
-                                             int r0, int limit) {
+__device__ __forceinline__ void kv_load_tile(T* dst, const T* __restrict__ src, const TileRows& rows, int r0,
+                                             int limit) {
     constexpr int SEGS = HD * sizeof(T) / 16, E = 16 / sizeof(T);
     static_assert(32 % SEGS == 0 || SEGS % 32 == 0, "a warp's segments cover whole rows");
-    const int lane = threadIdx.x % 32;
-    const long lo = kv.row(bh, cap, r0 + lane < limit ? r0 + lane : 0);
-    const long hi = kv.row(bh, cap, r0 + 32 + lane < limit ? r0 + 32 + lane : 0);
 #pragma unroll
     for (int e = threadIdx.x; e < 64 * SEGS; e += THREADS) {
         const int r = e / SEGS, sg = e % SEGS;
-        const long row = __shfl_sync(0xffffffffu, r < 32 ? lo : hi, r % 32);
+        const long row = __shfl_sync(0xffffffffu, r < 32 ? rows.lo : rows.hi, r % 32);
         cp_async16_or_zero(&dst[r * (HD + 8) + E * sg], &src[row * HD + E * sg], r0 + r < limit);
     }
 }
@@ -674,10 +680,13 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
         const int t0 = s * cut, t1 = min(t0 + cut, nt);
         const unsigned long long mine = rows_of(cut);
         if (t0 < t1 && mine != 0) {
-            kv_load_tile<T, HD, NT>(Ks, k, kv, bh, cap, t0 * FA_BK, L);
+            // A tile's rows serve its K and V copies; the next tile's are read a tile ahead.
+            TileRows rows = kv_tile_rows(kv, bh, cap, t0 * FA_BK, L);
+            kv_load_tile<T, HD, NT>(Ks, k, rows, t0 * FA_BK, L);
             cp_async_commit();
-            kv_load_tile<T, HD, NT>(Vs, v, kv, bh, cap, t0 * FA_BK, L);
+            kv_load_tile<T, HD, NT>(Vs, v, rows, t0 * FA_BK, L);
             cp_async_commit();
+            if (t0 + 1 < t1) rows = kv_tile_rows(kv, bh, cap, (t0 + 1) * FA_BK, L);
             float o[HD / 8][4];
 #pragma unroll
             for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -689,7 +698,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 float sc[KW / 8][4];
                 fa_scores<T, HD>(sc, Qs, Ks, LD, rt, warp * KW);
                 __syncthreads();
-                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Ks, k, kv, bh, cap, (tile + 1) * FA_BK, L);
+                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Ks, k, rows, (tile + 1) * FA_BK, L);
                 cp_async_commit();
 
                 // Every key at or past L is past every row's position: masked too.
@@ -699,8 +708,9 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 __syncthreads();
                 fa_accumulate<T, HD>(o, sc, Vs, LD, warp * KW);
                 __syncthreads();
-                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Vs, v, kv, bh, cap, (tile + 1) * FA_BK, L);
+                if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Vs, v, rows, (tile + 1) * FA_BK, L);
                 cp_async_commit();
+                if (tile + 2 < t1) rows = kv_tile_rows(kv, bh, cap, (tile + 2) * FA_BK, L);
             }
             cp_async_wait<0>();
             __syncthreads();
