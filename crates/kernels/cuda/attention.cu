@@ -625,9 +625,12 @@ __device__ __forceinline__ int split_tiles(int L, int S, int cut_div, int cut_ma
 // Block (split s and row block z, bh) takes rows 16·NG·z.. (row r is token r % t, at position len -
 // t + r % t), NG tiles of 16 rows, and the split's consecutive tiles of FA_BK keys (read from
 // device memory: the grid is fixed by the buffer, so a recorded graph serves every length); blocks
-// past the last tile return. Warp w takes key part w % FA_WARPS (FA_BK / FA_WARPS keys) of every
-// tile for row tile w / FA_WARPS, with its own online softmax; each row tile's warps' partials are
-// merged through shared memory at the end, in warp order. The NG row tiles share each K and V tile,
+// past the last tile return. Warp w works for row tile w / FA_WARPS: its scores are key part
+// w % FA_WARPS (FA_BK / FA_WARPS keys) of every tile, and its outputs columns part w % FA_WARPS
+// (HD / FA_WARPS columns) over all the tile's keys. The row tile's warps share each tile's max
+// (through shared memory), so their weights form one P tile, which each warp multiplies by its
+// columns of V; a warp holds a quarter of the row tile's outputs, which is what lets two blocks of
+// two row tiles share an SM. The NG row tiles share each K and V tile,
 // so the block reads them once (a verify's 4 tokens of 6 query heads: 24 rows, NG = 2). K and V
 // tiles load as in flash_prefill. Batch-invariant: a row's sums depend on its own position alone,
 // not on the other rows of its block nor on how many tokens its pass has. Row r's keys are cut as a
@@ -635,19 +638,23 @@ __device__ __forceinline__ int split_tiles(int L, int S, int cut_div, int cut_ma
 // straddle a change of that cut (where split_tiles grows) runs its split once per cut, each time
 // keeping the rows of that cut; tiles past a row's position are masked whole, which leaves its sums
 // exactly as they were (weights e^-inf = 0, running max unchanged). A row's sums do not depend on
-// NG (its warps, key parts and merge order are the same).
+// NG (its warps, key parts, column parts and summing order are the same).
 template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* __restrict__ part_o,
                              float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
                              int S, int cut_div, int cut_max, const KvRows kv) {
-    constexpr int LD = HD + 8;
-    constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile
+    constexpr int LD = HD + 8, PLD = FA_BK + 8;
+    constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile (scores)
+    constexpr int DW = HD / FA_WARPS;     // output columns per warp (P V)
+    static_assert(DW % 16 == 0, "a warp's output columns are whole 16-column MMA pairs");
     constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;  // threads, rows per block
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
     T* Ks = Qs + BR * LD;
     T* Vs = Ks + FA_BK * LD;
+    T* Ps = Vs + FA_BK * LD;                              // [BR][PLD] a tile's weights
+    float* Mx = reinterpret_cast<float*>(Ps + BR * PLD);  // [BR][FA_WARPS] the warps' maxima (sums)
     const int zs = (R + BR - 1) / BR;  // row blocks
     const int s = blockIdx.x / zs, bh = blockIdx.y, r0 = BR * (blockIdx.x % zs);
     const int L = min(kv.len_of(len_p, bh), cap);
@@ -687,9 +694,13 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
             kv_load_tile<T, HD, NT>(Vs, v, rows, t0 * FA_BK, L);
             cp_async_commit();
             if (t0 + 1 < t1) rows = kv_tile_rows(kv, bh, cap, (t0 + 1) * FA_BK, L);
-            float o[HD / 8][4];
+            // This warp's output columns (a quarter of the head) for its row tile's rows, relative
+            // to the row's running max m, which the row tile's warps share: each tile's max is
+            // taken over all FA_BK keys through Mx. l: this lane's part of the row's sum of weights
+            // over the warp's key parts (summed over the lanes and warps at the end).
+            float o[DW / 8][4];
 #pragma unroll
-            for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+            for (int j = 0; j < DW / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
             float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
             for (int tile = t0; tile < t1; tile++) {
                 const int k0 = tile * FA_BK + warp * KW;  // this warp's first key
@@ -697,73 +708,107 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
                 __syncthreads();
                 float sc[KW / 8][4];
                 fa_scores<T, HD>(sc, Qs, Ks, LD, rt, warp * KW);
-                __syncthreads();
+                // Scaled scores (base 2), keys past a row's position masked (every key at or past
+                // L is past every row's), and the warp's max of each row into Mx.
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int j = 0; j < KW / 8; j++) {
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            float x = sc[j][2 * r + e] * scale_log2;
+                            if (k0 + 8 * j + 2 * c + e > pos_r[r]) x = -INFINITY;
+                            sc[j][2 * r + e] = x;
+                            mx = fmaxf(mx, x);
+                        }
+                    }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    if (c == 0) Mx[(rt + g + 8 * r) * FA_WARPS + warp] = mx;
+                }
+                __syncthreads();  // Mx written; every warp is done with Ks
                 if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Ks, k, rows, (tile + 1) * FA_BK, L);
                 cp_async_commit();
 
-                // Every key at or past L is past every row's position: masked too.
-                fa_online_softmax(sc, o, m, l, scale_log2, true, k0, pos_r);
+                // The tile's max over the row tile's warps (in warp order), the weights e^(x - m)
+                // of this warp's keys into Ps (rounded to T, as flash-attn does), the running sums
+                // and the output rescaled. A row with every key so far masked keeps weight 0.
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = m[r];
+#pragma unroll
+                    for (int w = 0; w < FA_WARPS; w++) mx = fmaxf(mx, Mx[(rt + g + 8 * r) * FA_WARPS + w]);
+                    const float corr = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
+                    m[r] = mx;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int j = 0; j < KW / 8; j++) {
+                        const float p0 = mx == -INFINITY ? 0.f : exp2f(sc[j][2 * r] - mx);
+                        const float p1 = mx == -INFINITY ? 0.f : exp2f(sc[j][2 * r + 1] - mx);
+                        sum += p0;
+                        sum += p1;
+                        *reinterpret_cast<uint32_t*>(&Ps[(rt + g + 8 * r) * PLD + warp * KW + 8 * j + 2 * c]) =
+                            pack2<T>(p0, p1);
+                    }
+                    l[r] = l[r] * corr + sum;
+#pragma unroll
+                    for (int j = 0; j < DW / 8; j++) {
+                        o[j][2 * r] *= corr;
+                        o[j][2 * r + 1] *= corr;
+                    }
+                }
 
                 cp_async_wait<1>();
-                __syncthreads();
-                fa_accumulate<T, HD>(o, sc, Vs, LD, warp * KW);
-                __syncthreads();
+                __syncthreads();  // V landed; Ps written
+                // o += P V over all FA_BK keys of the tile, for this warp's columns.
+#pragma unroll
+                for (int kk = 0; kk < FA_BK; kk += 16) {
+                    uint32_t a[4];
+                    load_a(a, Ps, PLD, rt, kk);
+#pragma unroll
+                    for (int j2 = 0; j2 < DW / 16; j2++) {
+                        uint32_t bf[4];
+                        load_b2(bf, Vs, LD, kk, warp * DW + 16 * j2);
+                        mma_b2<T>(o, j2, a, bf);
+                    }
+                }
+                __syncthreads();  // every warp is done with Vs and Ps
                 if (tile + 1 < t1) kv_load_tile<T, HD, NT>(Vs, v, rows, (tile + 1) * FA_BK, L);
                 cp_async_commit();
                 if (tile + 2 < t1) rows = kv_tile_rows(kv, bh, cap, (tile + 2) * FA_BK, L);
             }
             cp_async_wait<0>();
-            __syncthreads();
 
-            // Merge each row tile's warps through the K/V tiles' space, one tile after another
-            // (4·16·HD + 4·16·2 floats fit in 2·64·(HD + 8) elements of T): Ow[w][row][HD],
-            // Ml[w][row] = (max, sum).
-            float* Ow = reinterpret_cast<float*>(Ks);
-            float* Ml = Ow + FA_WARPS * 16 * HD;
-            for (int tr = 0; tr < BR; tr += 16) {
-                if (rt == tr) {
+            // Each row's sum of weights: the lanes' parts, then the warps' through Mx in warp
+            // order; the outputs of this cut's rows written where the merge kernels read them.
 #pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        float sum = l[r];
-                        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                        const int row = warp * 16 + g + 8 * r;
-                        if (c == 0) {
-                            Ml[row * 2] = m[r];
-                            Ml[row * 2 + 1] = sum;
-                        }
-#pragma unroll
-                        for (int j = 0; j < HD / 8; j++) {
-                            Ow[row * HD + 8 * j + 2 * c] = o[j][2 * r];
-                            Ow[row * HD + 8 * j + 2 * c + 1] = o[j][2 * r + 1];
-                        }
-                    }
-                }
-                __syncthreads();
-                for (int idx = threadIdx.x; idx < 16 * HD; idx += NT) {
-                    const int rr = idx / HD, d = idx % HD, r = r0 + tr + rr;
-                    // The rows of this cut only (the other cut's pass writes the rest).
-                    if ((mine >> (tr + rr) & 1) == 0) continue;
-                    float M = -INFINITY;
-#pragma unroll
-                    for (int w = 0; w < FA_WARPS; w++) M = fmaxf(M, Ml[(w * 16 + rr) * 2]);
-                    float acc = 0.f, sum = 0.f;
-#pragma unroll
-                    for (int w = 0; w < FA_WARPS; w++) {
-                        const float mw = Ml[(w * 16 + rr) * 2];
-                        const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
-                        acc += wt * Ow[(w * 16 + rr) * HD + d];
-                        sum += wt * Ml[(w * 16 + rr) * 2 + 1];
-                    }
-                    part_o[(((size_t)bh * S + s) * R + r) * HD + d] = acc;
-                    if (d == 0) {
-                        // The merge kernels weigh entries by e^(m - M): the max in natural-log units.
-                        part_ml[(((size_t)bh * S + s) * R + r) * 2] = M * 0.69314718f;
-                        part_ml[(((size_t)bh * S + s) * R + r) * 2 + 1] = sum;
-                    }
-                }
-                __syncthreads();  // before another row tile's or cut's tiles overwrite Ow
+            for (int r = 0; r < 2; r++) {
+                float sum = l[r];
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                if (c == 0) Mx[(rt + g + 8 * r) * FA_WARPS + warp] = sum;
             }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int rr = rt + g + 8 * r, row = r0 + rr;
+                // The rows of this cut only (the other cut's pass writes the rest).
+                if ((mine >> rr & 1) == 0) continue;
+                float* po = part_o + (((size_t)bh * S + s) * R + row) * HD + warp * DW + 2 * c;
+#pragma unroll
+                for (int j = 0; j < DW / 8; j++)
+                    *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+                if (warp == 0 && c == 0) {
+                    float sum = 0.f;
+#pragma unroll
+                    for (int w = 0; w < FA_WARPS; w++) sum += Mx[rr * FA_WARPS + w];
+                    // The merge kernels weigh entries by e^(m - M): the max in natural-log units.
+                    part_ml[(((size_t)bh * S + s) * R + row) * 2] = m[r] * 0.69314718f;
+                    part_ml[(((size_t)bh * S + s) * R + row) * 2 + 1] = sum;
+                }
+            }
+            __syncthreads();  // before another cut's pass writes Mx
         }
     }
     // A block whose rows all take a cut with no tile in this split ran no tile: its Q copy must
@@ -772,7 +817,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
 }
 
 #define FLASH_DECODE(SUFFIX, T, HD, NG)                                                                  \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG)                                      \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG, NG < 3 ? 2 : 1)                      \
         flash_decode_##SUFFIX##_d##HD##_g##NG(const T* q, const T* k, const T* v, const unsigned* len,    \
                                       float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
                                       int S, int cut_div, int cut_max, const unsigned* table, int maxb,   \

@@ -330,8 +330,11 @@ fn decode(
                 // Only the splits a row of at most `cap` keys can take get blocks.
                 let used = super::splits_used(cap.div_ceil(FLASH_TILE), spans, cut);
                 let name = format!("flash_decode_{sfx}_d{d}_g{groups}");
-                // 16·groups Q rows, then one K and one V tile of FLASH_TILE rows.
-                let smem = (16 * groups + 2 * FLASH_TILE) * (d + 8) * dt.size_in_bytes();
+                // 16·groups Q rows, one K and one V tile of FLASH_TILE rows, the tile's weights
+                // (16·groups rows of FLASH_TILE + 8), the warps' maxima (16·groups · FLASH_WARPS f32).
+                let rows = 16 * groups;
+                let smem = ((rows + 2 * FLASH_TILE) * (d + 8) + rows * (FLASH_TILE + 8)) * dt.size_in_bytes()
+                    + rows * FLASH_WARPS * 4;
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
