@@ -640,10 +640,10 @@ __device__ __forceinline__ int split_tiles(int L, int S, int cut_div, int cut_ma
 // exactly as they were (weights e^-inf = 0, running max unchanged). A row's sums do not depend on
 // NG (its warps, key parts, column parts and summing order are the same).
 template <typename T, int HD, int NG>
-__device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                             const unsigned* __restrict__ len_p, float* __restrict__ part_o,
-                             float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
-                             int S, int cut_div, int cut_max, const KvRows kv) {
+__device__ void flash_decode_partial(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                     const unsigned* __restrict__ len_p, float* __restrict__ part_o,
+                                     float* __restrict__ part_ml, int R, int cap, int t, float scale_log2,
+                                     int S, int cut_div, int cut_max, const KvRows kv) {
     constexpr int LD = HD + 8, PLD = FA_BK + 8;
     constexpr int KW = FA_BK / FA_WARPS;  // keys per warp per tile (scores)
     constexpr int DW = HD / FA_WARPS;     // output columns per warp (P V)
@@ -816,15 +816,173 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     cp_async_wait<0>();
 }
 
+// The merge of a row block's splits, by the last of its blocks to finish (flash_decode): rows r0 ..
+// r0 + BR - 1 (those below R) of KV head bh, each over the splits that hold its keys, as
+// attn_merge_group (groups of GROUP splits) and then attn_merge do when `grouped`, else as
+// attn_merge alone: the same operations in the same order, so the same bits, without their
+// launches or a second pass over the partials (read through L2: other blocks wrote them). The
+// rows' (max, sum) pairs are staged in shared memory first, all loads in flight together. Output,
+// gate and their layout as attn_merge's. sm: BR·(2·S + 3·⌈S / GROUP⌉ + 1) floats.
+template <typename T, int HD, int NT, int BR>
+__device__ void flash_decode_merge(const float* part_o, const float* part_ml, T* __restrict__ out,
+                                   const T* __restrict__ gate, long gsb, long gst, long gsh, int R, int S,
+                                   int cut_div, int cut_max, int t, int L, int H, int grouped, int bh, int r0,
+                                   float* sm) {
+    const int G = (S + GROUP - 1) / GROUP;
+    float* ML = sm;             // [S][BR][2] each split's (max, sum); the max becomes its weight
+    float* Mg = ML + 2 * S * BR;  // [BR][G] each group's max, sum and final weight
+    float* Lg = Mg + BR * G;
+    float* Wg = Lg + BR * G;
+    int* Ns = reinterpret_cast<int*>(Wg + BR * G);  // [BR] the final merge's entries
+    // The splits of a row with `len` keys that hold keys (the merge kernels' `entries`, one split
+    // each). The rows' lengths are L - t + 1 .. L, and a longer row can have fewer splits (its cut
+    // grows): np is the most of any.
+    auto parts = [&](int len) { return min(entries(len, FA_BK, S, 1, cut_div, cut_max), S); };
+    auto row_len = [&](int r) { return max(L - t + r % t + 1, 0); };
+    const int rows = min(BR, R - r0);
+    int np = 0;
+    for (int i = 0; i < min(t, rows); ++i) np = max(np, parts(row_len(r0 + i)));
+    for (int i = threadIdx.x; i < np * rows * 2; i += NT) {
+        const int e = i / (rows * 2), j = i % (rows * 2);
+        ML[(e * BR + j / 2) * 2 + j % 2] = __ldcg(&part_ml[(((size_t)bh * S + e) * R + r0) * 2 + j]);
+    }
+    __syncthreads();
+    auto m_at = [&](int e, int rr) -> float& { return ML[(e * BR + rr) * 2]; };
+    auto l_at = [&](int e, int rr) { return ML[(e * BR + rr) * 2 + 1]; };
+    if (grouped) {
+        // attn_merge_group: (row, group) by a thread.
+        for (int i = threadIdx.x; i < rows * G; i += NT) {
+            const int rr = i / G, g = i % G;
+            const int n = parts(row_len(r0 + rr)) - g * GROUP;
+            if (n <= 0) continue;
+            float M = -INFINITY;
+            for (int e = 0; e < GROUP; ++e) M = fmaxf(M, e < n ? m_at(g * GROUP + e, rr) : -INFINITY);
+            float l = 0.f;
+            for (int e = 0; e < min(n, GROUP); ++e) {
+                float& m = m_at(g * GROUP + e, rr);
+                const float w = m == -INFINITY ? 0.f : expf(m - M);
+                l += w * l_at(g * GROUP + e, rr);
+                m = w;
+            }
+            Mg[rr * G + g] = M;
+            Lg[rr * G + g] = l;
+        }
+        __syncthreads();
+    }
+    // attn_merge's weights: a row by a thread, over its groups or its splits.
+    for (int rr = threadIdx.x; rr < rows; rr += NT) {
+        const int len = row_len(r0 + rr);
+        const int ns = grouped ? min(entries(len, FA_BK, S, GROUP, cut_div, cut_max), G) : parts(len);
+        auto m_of = [&](int e) { return grouped ? Mg[rr * G + e] : m_at(e, rr); };
+        auto l_of = [&](int e) { return grouped ? Lg[rr * G + e] : l_at(e, rr); };
+        float M = -INFINITY;
+        for (int e = 0; e < ns; ++e) M = fmaxf(M, m_of(e));
+        float den = 0.f;
+        for (int e = 0; e < ns; ++e) {
+            const float m = m_of(e);
+            den += (m == -INFINITY ? 0.f : expf(m - M)) * l_of(e);
+        }
+        for (int e = 0; e < ns; ++e) {
+            const float m = m_of(e);
+            (grouped ? Wg[rr * G + e] : m_at(e, rr)) = (m == -INFINITY ? 0.f : expf(m - M)) / den;
+        }
+        Ns[rr] = ns;
+    }
+    __syncthreads();
+    // The outputs, four columns a thread: each group's sum of its splits, then the groups' (or
+    // the splits' alone), gated and written token-major as attn_merge writes them.
+    const int b = bh / H, Gq = R / t;
+    for (int i = threadIdx.x; i < rows * (HD / 4); i += NT) {
+        const int rr = i / (HD / 4), d = 4 * (i % (HD / 4)), r = r0 + rr;
+        const int ns = Ns[rr];
+        auto o4 = [&](int e) {
+            return __ldcg(reinterpret_cast<const float4*>(&part_o[(((size_t)bh * S + e) * R + r) * HD + d]));
+        };
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (grouped) {
+            const int n_all = parts(row_len(r));
+            for (int g = 0; g < ns; ++g) {
+                float4 ga = make_float4(0.f, 0.f, 0.f, 0.f);
+                const int n = min(n_all - g * GROUP, GROUP);
+#pragma unroll 8
+                for (int e = 0; e < n; ++e) {
+                    const float w = m_at(g * GROUP + e, rr);
+                    const float4 o = o4(g * GROUP + e);
+                    ga.x += w * o.x;
+                    ga.y += w * o.y;
+                    ga.z += w * o.z;
+                    ga.w += w * o.w;
+                }
+                const float w = Wg[rr * G + g];
+                acc.x += w * ga.x;
+                acc.y += w * ga.y;
+                acc.z += w * ga.z;
+                acc.w += w * ga.w;
+            }
+        } else {
+#pragma unroll 8
+            for (int e = 0; e < ns; ++e) {
+                const float w = m_at(e, rr);
+                const float4 o = o4(e);
+                acc.x += w * o.x;
+                acc.y += w * o.y;
+                acc.z += w * o.z;
+                acc.w += w * o.w;
+            }
+        }
+        const int token = r % t, head = (bh % H) * Gq + r / t;
+        T* orow = out + (((size_t)b * t + token) * H * Gq + head) * HD + d;
+        const T* grow = gate != nullptr ? gate + b * gsb + token * gst + head * gsh + d : nullptr;
+        const float a[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            float y = a[x];
+            if (grow != nullptr) y /= 1.f + expf(-to_f(grow[x]));
+            orow[x] = from_f<T>(y);
+        }
+    }
+}
+
+// Decode / verify attention by tensor cores, its merge included: every block computes its split's
+// partials (flash_decode_partial), and the last block of a row block to arrive (a counter per
+// (bh, row block) in `arrivals`, zero before the launch, counted to gridDim.x / row blocks, which
+// is every split's block) merges its rows' splits into `out` (flash_decode_merge).
+template <typename T, int HD, int NG>
+__device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             const unsigned* __restrict__ len_p, float* part_o, float* part_ml, int R, int cap,
+                             int t, float scale_log2, int S, int cut_div, int cut_max, const KvRows kv,
+                             unsigned* __restrict__ arrivals, T* __restrict__ out, const T* __restrict__ gate,
+                             long gsb, long gst, long gsh, int grouped) {
+    constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;
+    flash_decode_partial<T, HD, NG>(q, k, v, len_p, part_o, part_ml, R, cap, t, scale_log2, S, cut_div, cut_max,
+                                    kv);
+    const int zs = (R + BR - 1) / BR, z = blockIdx.x % zs, bh = blockIdx.y;
+    __shared__ bool last;
+    // Each thread's partials visible to the whole GPU before the block counts itself; the block
+    // that counts last then sees every other block's.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&arrivals[bh * zs + z], 1u) == gridDim.x / zs - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    flash_decode_merge<T, HD, NT, BR>(part_o, part_ml, out, gate, gsb, gst, gsh, R, S, cut_div, cut_max, t,
+                                      min(kv.len_of(len_p, bh), cap), kv.H, grouped, bh, BR * z,
+                                      reinterpret_cast<float*>(fa_smem));
+}
+
 #define FLASH_DECODE(SUFFIX, T, HD, NG)                                                                  \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32 * NG, NG < 3 ? 2 : 1)                      \
         flash_decode_##SUFFIX##_d##HD##_g##NG(const T* q, const T* k, const T* v, const unsigned* len,    \
                                       float* part_o, float* part_ml, int R, int cap, int t, float sl2,    \
                                       int S, int cut_div, int cut_max, const unsigned* table, int maxb,   \
-                                      int bs, int nblocks, int H) {                                       \
+                                      int bs, int nblocks, int H, unsigned* arrivals, T* out,             \
+                                      const T* gate, long gsb, long gst, long gsh, int grouped) {         \
         pdl_enter();                                                                                      \
         flash_decode<T, HD, NG>(q, k, v, len, part_o, part_ml, R, cap, t, sl2, S, cut_div, cut_max,       \
-                                KvRows{table, maxb, bs, nblocks, H});                                     \
+                                KvRows{table, maxb, bs, nblocks, H}, arrivals, out, gate, gsb, gst, gsh,  \
+                                grouped);                                                                 \
     }
 #define FLASH_DECODE_GROUPS(SUFFIX, T, HD) \
     FLASH_DECODE(SUFFIX, T, HD, 1)         \

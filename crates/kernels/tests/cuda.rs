@@ -1539,6 +1539,8 @@ fn decode_attention_matches_cpu() {
             (5, 64, 1500, 1100),
             (1, 128, 9000, 8500),
             (4, 256, 6000, 5000),
+            // 58 splits of 9 tiles: merged in two groups of up to 32 (the tensor-core kernel).
+            (1, 64, 40000, 33001),
         ] {
             let (b, h, g) = (2, 2, 6);
             let q = randn(1.0, (b, h, g * t, hd), dt);

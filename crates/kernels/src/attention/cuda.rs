@@ -1,5 +1,6 @@
-//! Launchers of cuda/attention.cu: the KV write, decode attention (tensor-core or split-K partials,
-//! then the merge), FlashAttention-2 prefill and the causal softmax of the matmul path.
+//! Launchers of cuda/attention.cu: the KV write, decode attention (tensor cores, the splits merged
+//! by each row block's last block, or split-K partials and the merge kernels), FlashAttention-2
+//! prefill and the causal softmax of the matmul path.
 
 use candle_core::cuda::WrapErr;
 use candle_core::{DType, Tensor};
@@ -168,8 +169,9 @@ fn gate_rows(gate: Option<&Tensor>) -> Result<(Option<Tensor>, [i64; 3])> {
     })
 }
 
-/// CUDA twin of [`super::decode_attention`] (shapes checked by the caller): the split-K partial kernel
-/// over spans of `KEYS_PER_SPAN` keys, then the merge, which writes the output token-major and
+/// CUDA twin of [`super::decode_attention`] (shapes checked by the caller): the tensor-core kernel,
+/// whose last block of each row block merges the splits, or the split-K partial kernel over spans
+/// of `KEYS_PER_SPAN` keys and then the merge kernels; the merge writes the output token-major and
 /// applies the gate. Grids cover the whole buffer (`cap`); spans past the device-side length
 /// return at once, so a recorded graph stays valid as `len` grows.
 pub(crate) fn decode_attention(
@@ -335,6 +337,14 @@ fn decode(
                 let rows = 16 * groups;
                 let smem = ((rows + 2 * FLASH_TILE) * (d + 8) + rows * (FLASH_TILE + 8)) * dt.size_in_bytes()
                     + rows * FLASH_WARPS * 4;
+                // The merge reuses it: per row, a (max, sum) per split, three per group, a count.
+                let merge_smem = rows * (2 * spans + 3 * spans.div_ceil(ATTENTION_GROUP) + 1) * 4;
+                if merge_smem > smem {
+                    return Err(err(
+                        op,
+                        format!("{spans} splits do not fit the merge's shared memory"),
+                    ));
+                }
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -342,20 +352,40 @@ fn decode(
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
                 lb.arg(&s0).arg(&div32).arg(&max32);
                 push_paging(&mut lb);
+                // The merge in the kernel (its row blocks' last blocks): their arrival counters,
+                // the output and the gate, and whether the splits merge in groups first.
+                let zs = r.div_ceil(16 * groups);
+                let arrivals = dev.alloc_zeros::<u32>(bh * zs)?;
+                lb.arg(&arrivals).arg(&out);
+                let null = 0u64;
+                match &gv {
+                    Some(g) => lb.arg(g),
+                    None => lb.arg(&null),
+                };
+                for s in &g_strides {
+                    lb.arg(s);
+                }
+                let grouped32 = i32::from(spans > ATTENTION_GROUP || paging.is_some());
+                lb.arg(&grouped32);
                 let cfg = LaunchConfig {
-                    grid_dim: ((used * r.div_ceil(16 * groups)) as u32, bh as u32, 1),
+                    grid_dim: ((used * zs) as u32, bh as u32, 1),
                     block_dim: ((FLASH_WARPS * 32 * groups) as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
                 // SAFETY: arguments match `flash_decode_*_g{groups}` in cuda/attention.cu: q
                 // [bh·r·d] (blocks of 16·groups rows, 128·groups threads; the grid's x is `used` ≤
-                // spans splits, every split a row of at most cap keys takes, times r's blocks), k
-                // and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks read through
+                // spans splits, every split a row of at most cap keys takes, times r's zs blocks),
+                // k and v [bh·cap·d] contiguous or (paged) pools of `blocks` blocks read through
                 // tables [b·maxb] u32 (block ids past the pool read block 0), len [1] or (paged)
                 // [b] u32 (clamped to cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32
                 // r, cap, t, f32 scale·log2 e, i32 spans, cut_div and cut_max, the paging
-                // arguments; the shared memory the kernel lays out.
+                // arguments, bh·zs zeroed u32 counters (one per row block, counted once by each
+                // of its `used` blocks), out [bh·r·d] (written as [b, t, h·r/t, d]), the gate [b,
+                // t, h·r/t, d] with contiguous rows (its view spans every element its three i64
+                // strides address) or null and zeros, the i32 grouped flag; the shared memory the
+                // kernel lays out (the merge's fits in it: checked above).
                 unsafe { lb.launch(cfg) }.w()?;
+                return Ok(wrap(out, &dev, (b, t, h * r / t, d)));
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
                 let mut lb = KernelCall::new(&dev, &partial, policy);
@@ -374,9 +404,10 @@ fn decode(
                 // arguments; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
                 unsafe { lb.launch(cfg) }.w()?;
             }
-            // Long buffers: merge groups of ATTENTION_GROUP spans first, in parallel, so that the
-            // final merge reads few entries. Paged launches always do, so that a sequence's sums
-            // do not depend on how long its batch's longest table is.
+            // The split-K kernel's merge. Long buffers: merge groups of ATTENTION_GROUP spans
+            // first, in parallel, so that the final merge reads few entries. Paged launches always
+            // do (the tensor-core kernel's merge too), so that a sequence's sums do not depend on
+            // how long its batch's longest table is.
             let grouped = if spans > ATTENTION_GROUP || paging.is_some() {
                 let groups = spans.div_ceil(ATTENTION_GROUP);
                 // SAFETY: uninitialised; the group kernel writes every group below the
