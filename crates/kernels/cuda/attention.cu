@@ -962,7 +962,10 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     // that counts last then sees every other block's.
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&arrivals[bh * zs + z], 1u) == gridDim.x / zs - 1;
+    if (threadIdx.x == 0) {
+        __threadfence();  // the block's writes, seen by thread 0 through the barrier, before its count
+        last = atomicAdd(&arrivals[bh * zs + z], 1u) == gridDim.x / zs - 1;
+    }
     __syncthreads();
     if (!last) return;
     __threadfence();

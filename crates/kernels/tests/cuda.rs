@@ -2022,6 +2022,8 @@ fn decode_attention_rows_are_batch_invariant() {
             (9, 64, 700),
             (2, 64, 12289),
             (3, 64, 32770),
+            // Rows of 36863..36866 keys: 64 splits of 9 tiles, then 58 of 10 (two groups).
+            (4, 64, 36866),
         ] {
             let cap = (len + 256usize).next_multiple_of(256).max(8448);
             let scale = (hd as f64).powf(-0.5);
