@@ -946,7 +946,8 @@ __device__ void flash_decode_merge(const float* part_o, const float* part_ml, T*
 // Decode / verify attention by tensor cores, its merge included: every block computes its split's
 // partials (flash_decode_partial), and the last block of a row block to arrive (a counter per
 // (bh, row block) in `arrivals`, zero before the launch, counted to gridDim.x / row blocks, which
-// is every split's block) merges its rows' splits into `out` (flash_decode_merge).
+// is every split's block) merges its rows' splits into `out` (flash_decode_merge). With null
+// `arrivals` the blocks stop after their partials, for the merge kernels.
 template <typename T, int HD, int NG>
 __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const unsigned* __restrict__ len_p, float* part_o, float* part_ml, int R, int cap,
@@ -956,6 +957,7 @@ __device__ void flash_decode(const T* __restrict__ q, const T* __restrict__ k, c
     constexpr int NT = FA_WARPS * 32 * NG, BR = 16 * NG;
     flash_decode_partial<T, HD, NG>(q, k, v, len_p, part_o, part_ml, R, cap, t, scale_log2, S, cut_div, cut_max,
                                     kv);
+    if (arrivals == nullptr) return;  // the merge kernels merge
     const int zs = (R + BR - 1) / BR, z = blockIdx.x % zs, bh = blockIdx.y;
     __shared__ bool last;
     // Each thread's partials visible to the whole GPU before the block counts itself; the block

@@ -25,7 +25,7 @@ pub mod policy;
 pub mod rope;
 
 pub use error::{Error, Result};
-pub use policy::{ChunkPath, Fp8GemmPath, KernelPolicy, SkinnyPath};
+pub use policy::{ChunkPath, DecodeMergePath, Fp8GemmPath, KernelPolicy, SkinnyPath};
 
 /// The sizes shared with the CUDA sources (src/consts.rs, compiled into them by build.rs).
 #[allow(dead_code)]

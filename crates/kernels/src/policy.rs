@@ -80,6 +80,21 @@ pub enum Fp8GemmPath {
     Dequantize,
 }
 
+/// Where the tensor-core decode attention merges its splits (the key ranges its blocks share out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeMergePath {
+    /// In the kernel from [`DECODE_MERGE_IN_KERNEL_ROW_BLOCKS`](crate::attention::DECODE_MERGE_IN_KERNEL_ROW_BLOCKS)
+    /// row blocks (KV heads × blocks of query rows: 16 sequences of the 27B), else by the merge
+    /// kernels: the one-block merge's tail outlasts two launches when few blocks share the
+    /// device (docs/BENCHMARKS.md §5). Both give the same bits.
+    #[default]
+    Auto,
+    /// The last block of each row block to finish merges its splits: no merge launches.
+    InKernel,
+    /// The merge kernels after the partial kernel (a group merge, then the final one).
+    Kernels,
+}
+
 /// The kernel variants a model's ops run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelPolicy {
@@ -89,6 +104,8 @@ pub struct KernelPolicy {
     pub skinny: SkinnyPath,
     /// FP8 layers of many rows.
     pub fp8_gemm: Fp8GemmPath,
+    /// The decode attention's merge of its splits.
+    pub decode_merge: DecodeMergePath,
     /// Programmatic dependent launch: on sm_90+ devices (with PTX built for them) a kernel may
     /// start while the one before it finishes (0.3-0.7 ms off an eager decode step of Qwen3.6-27B,
     /// nothing measurable inside a CUDA graph: docs/history/BENCHMARKS-log.md, the PDL A/B runs).
@@ -108,13 +125,16 @@ impl KernelPolicy {
         chunk: ChunkPath::Auto,
         skinny: SkinnyPath::Auto,
         fp8_gemm: Fp8GemmPath::Auto,
+        decode_merge: DecodeMergePath::Auto,
         pdl: true,
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
     /// programmatic dependent launch off, `QWEN36_SKINNY=uniform` sets [`SkinnyPath::Uniform`],
     /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
-    /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`.
+    /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`,
+    /// `QWEN36_DECODE_MERGE=in-kernel` [`DecodeMergePath::InKernel`], `=kernels`
+    /// [`DecodeMergePath::Kernels`].
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -129,6 +149,11 @@ impl KernelPolicy {
                 Some("uniform") => SkinnyPath::Uniform,
                 Some("fastest") => SkinnyPath::Fastest,
                 _ => SkinnyPath::Auto,
+            },
+            decode_merge: match var("QWEN36_DECODE_MERGE").as_deref() {
+                Some("in-kernel") => DecodeMergePath::InKernel,
+                Some("kernels") => DecodeMergePath::Kernels,
+                _ => DecodeMergePath::Auto,
             },
             ..Self::DEFAULT
         }
@@ -173,6 +198,7 @@ mod tests {
             ("QWEN36_PDL", "0"),
             ("QWEN36_FP8_GEMM", "from:9"),
             ("QWEN36_SKINNY", "uniform"),
+            ("QWEN36_DECODE_MERGE", "kernels"),
         ]);
         assert_eq!(
             all,
@@ -180,10 +206,14 @@ mod tests {
                 pdl: false,
                 fp8_gemm: Fp8GemmPath::FromRows(9),
                 skinny: SkinnyPath::Uniform,
+                decode_merge: DecodeMergePath::Kernels,
                 ..KernelPolicy::DEFAULT
             }
         );
         assert_eq!(vars(&[("QWEN36_SKINNY", "fastest")]).skinny, SkinnyPath::Fastest);
         assert!(vars(&[("QWEN36_PDL", "1")]).pdl);
+        let in_kernel = vars(&[("QWEN36_DECODE_MERGE", "in-kernel")]);
+        assert_eq!(in_kernel.decode_merge, DecodeMergePath::InKernel);
+        assert_eq!(vars(&[("QWEN36_DECODE_MERGE", "x")]), KernelPolicy::DEFAULT);
     }
 }

@@ -13,12 +13,25 @@ use qwen36_kernels::delta_rule::{
 use qwen36_kernels::linear::reference::{fp8_quantize_activations as fp8_quantize_cpu, fp8_w8a8_linear};
 use qwen36_kernels::linear::{fp8_gemm_available, fp8_gemm_min_rows, TILE_MAX_ROWS};
 use qwen36_kernels::norm::l2_norm;
-use qwen36_kernels::{ChunkPath, Fp8GemmPath, KernelPolicy, SkinnyPath};
+use qwen36_kernels::{ChunkPath, DecodeMergePath, Fp8GemmPath, KernelPolicy, SkinnyPath};
 use qwen36_testutil::max_abs_diff as max_diff;
 
 /// The default kernel policy (every call below passes its policy explicitly, so tests may run in
 /// parallel).
 const P: &KernelPolicy = &KernelPolicy::DEFAULT;
+
+/// The default policy with the decode attention's splits merged in the kernel, then by the
+/// merge kernels (the default picks one by the launch's size).
+const MERGES: [KernelPolicy; 2] = [
+    KernelPolicy {
+        decode_merge: DecodeMergePath::InKernel,
+        ..KernelPolicy::DEFAULT
+    },
+    KernelPolicy {
+        decode_merge: DecodeMergePath::Kernels,
+        ..KernelPolicy::DEFAULT
+    },
+];
 
 /// The default policy with `chunk` as the chunked delta rule's kernels.
 fn chunk_policy(chunk: ChunkPath) -> KernelPolicy {
@@ -1555,25 +1568,32 @@ fn decode_attention_matches_cpu() {
                 decode_attention(AttentionInputs::new(&q, &k, &v, gate.as_ref(), scale), &l, t, P).unwrap();
             let on = |x: &Tensor| x.to_device(&d).unwrap();
             let gate_d = gate.as_ref().map(on);
-            let got = decode_attention(
-                AttentionInputs::new(&on(&q), &on(&k), &on(&v), gate_d.as_ref(), scale),
-                &on(&l),
-                t,
-                P,
-            )
-            .unwrap();
-            assert_eq!(got.dims(), want.dims());
-            let e = max_row_rel_err(&got, &want);
             let tol = if gate.is_some() && dt != DType::F32 {
                 2.0 * tol
             } else {
                 tol
             };
-            assert!(e <= tol, "{dt:?} t {t} hd {hd} cap {cap} len {len}: {e}");
-            eprintln!(
-                "decode_attention {dt:?} t {t} hd {hd} cap {cap} len {len} gated {}: max row rel err {e:.2e}",
-                gate.is_some()
-            );
+            let [in_kernel, kernels] = MERGES.map(|policy| {
+                let got = decode_attention(
+                    AttentionInputs::new(&on(&q), &on(&k), &on(&v), gate_d.as_ref(), scale),
+                    &on(&l),
+                    t,
+                    &policy,
+                )
+                .unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let e = max_row_rel_err(&got, &want);
+                let merge = policy.decode_merge;
+                assert!(e <= tol, "{dt:?} t {t} hd {hd} cap {cap} len {len} {merge:?}: {e}");
+                eprintln!(
+                    "decode_attention {dt:?} t {t} hd {hd} cap {cap} len {len} gated {} {merge:?}: max row rel err {e:.2e}",
+                    gate.is_some()
+                );
+                got
+            });
+            // The merge in the kernel repeats the merge kernels' operations in their order.
+            let what = format!("{dt:?} t {t} hd {hd} cap {cap} len {len}");
+            assert_eq!(max_diff(&in_kernel, &kernels), 0.0, "{what}: the two merges");
         }
     }
 }
@@ -1990,7 +2010,9 @@ fn paged_decode_attention_matches_cpu() {
 /// Batch invariance of decode attention (issue 22): each token of a pass of t new tokens (a
 /// speculative verify) gets the bits that a one-token decode at its position gets, in bf16 and
 /// f16 (tensor cores) and f32, through a shared-length buffer and through paged pools in a
-/// batch with other sequences. The cases: 6 query heads per KV head (the 27B's), so a verify of
+/// batch with other sequences, whether the splits merge in the kernel or by the merge kernels
+/// (the default picks by the launch's size, so a pass and its tokens alone may take different
+/// ones). The cases: 6 query heads per KV head (the 27B's), so a verify of
 /// 3+ tokens has more than 16 rows (more row tiles than a decode's one; 9 tokens, 54 rows: a
 /// block of three row tiles, then one whose last two tiles hold no row); and lengths whose
 /// tokens straddle 64, 128, 192 and 512 tiles of 64 keys, where the split of a row's keys
@@ -2040,13 +2062,15 @@ fn decode_attention_rows_are_batch_invariant() {
             // A shared-length buffer [1, h, cap, hd].
             let k = on(&randn(1.0, (1, h, cap, hd), dt));
             let v = on(&randn(1.0, (1, h, cap, hd), dt));
-            let pass = decode_attention(
-                AttentionInputs::new(&q, &k, &v, Some(&gate), scale),
-                &lens(len),
-                t,
-                P,
-            )
-            .unwrap();
+            let pass = MERGES.map(|policy| {
+                decode_attention(
+                    AttentionInputs::new(&q, &k, &v, Some(&gate), scale),
+                    &lens(len),
+                    t,
+                    &policy,
+                )
+                .unwrap()
+            });
             // Paged: this sequence second in a batch of two, its blocks reversed in the pool.
             let blocks = cap / bs;
             let kp = on(&randn(1.0, (2 * blocks * bs, h, hd), dt));
@@ -2066,51 +2090,62 @@ fn decode_attention_rows_are_batch_invariant() {
             let q2 = Tensor::cat(&[&on(&randn(1.0, (1, h, g * t, hd), dt)), &q], 0).unwrap();
             let gate2 = Tensor::cat(&[&gate, &gate], 0).unwrap();
             let lens2 = on(&Tensor::new(&[77u32, len as u32], &Device::Cpu).unwrap());
-            let paged_pass = paged_decode_attention(
-                AttentionInputs::new(&q2, &kp, &vp, Some(&gate2), scale),
-                Pages {
-                    tables: &table2,
-                    lens: &lens2,
-                    block_size: bs,
-                },
-                t,
-                P,
-            )
-            .unwrap()
-            .i(1..2)
-            .unwrap();
+            let paged_pass = MERGES.map(|policy| {
+                paged_decode_attention(
+                    AttentionInputs::new(&q2, &kp, &vp, Some(&gate2), scale),
+                    Pages {
+                        tables: &table2,
+                        lens: &lens2,
+                        block_size: bs,
+                    },
+                    t,
+                    &policy,
+                )
+                .unwrap()
+                .i(1..2)
+                .unwrap()
+            });
+            // Each token alone, under either merge, against the pass under either merge.
             for i in 0..t {
                 let at = len - t + i + 1;
                 let (qi, gi) = (token_q(i), token_gate(i));
-                let alone = decode_attention(
-                    AttentionInputs::new(&qi, &k, &v, Some(&gi), scale),
-                    &lens(at),
-                    1,
-                    P,
-                )
-                .unwrap();
-                let what = format!("{dt:?} t {t} hd {hd} len {len} token {i}");
-                assert_eq!(
-                    bits(&alone),
-                    bits(&pass.i((.., i..i + 1)).unwrap()),
-                    "{what}: buffer"
-                );
-                let paged_alone = paged_decode_attention(
-                    AttentionInputs::new(&qi, &kp, &vp, Some(&gi), scale),
-                    Pages {
-                        tables: &table1,
-                        lens: &lens(at),
-                        block_size: bs,
-                    },
-                    1,
-                    P,
-                )
-                .unwrap();
-                assert_eq!(
-                    bits(&paged_alone),
-                    bits(&paged_pass.i((.., i..i + 1)).unwrap()),
-                    "{what}: paged"
-                );
+                for policy in &MERGES {
+                    let alone = decode_attention(
+                        AttentionInputs::new(&qi, &k, &v, Some(&gi), scale),
+                        &lens(at),
+                        1,
+                        policy,
+                    )
+                    .unwrap();
+                    let paged_alone = paged_decode_attention(
+                        AttentionInputs::new(&qi, &kp, &vp, Some(&gi), scale),
+                        Pages {
+                            tables: &table1,
+                            lens: &lens(at),
+                            block_size: bs,
+                        },
+                        1,
+                        policy,
+                    )
+                    .unwrap();
+                    let merges = MERGES.map(|p| p.decode_merge);
+                    for ((pass, paged_pass), merge) in pass.iter().zip(&paged_pass).zip(merges) {
+                        let what = format!(
+                            "{dt:?} t {t} hd {hd} len {len} token {i}, alone {:?}, pass {merge:?}",
+                            policy.decode_merge
+                        );
+                        assert_eq!(
+                            bits(&alone),
+                            bits(&pass.i((.., i..i + 1)).unwrap()),
+                            "{what}: buffer"
+                        );
+                        assert_eq!(
+                            bits(&paged_alone),
+                            bits(&paged_pass.i((.., i..i + 1)).unwrap()),
+                            "{what}: paged"
+                        );
+                    }
+                }
             }
         }
     }

@@ -1122,6 +1122,7 @@ mod tests {
             chunk: ChunkPath::CudaCores(16),
             skinny: SkinnyPath::Matmul,
             fp8_gemm: qwen36_kernels::Fp8GemmPath::Dequantize,
+            decode_merge: qwen36_kernels::DecodeMergePath::Kernels,
             pdl: false,
         };
         let w = Weights::random(LoadOptions {

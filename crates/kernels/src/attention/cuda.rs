@@ -337,9 +337,11 @@ fn decode(
                 let rows = 16 * groups;
                 let smem = ((rows + 2 * FLASH_TILE) * (d + 8) + rows * (FLASH_TILE + 8)) * dt.size_in_bytes()
                     + rows * FLASH_WARPS * 4;
+                let zs = r.div_ceil(rows);
+                let in_kernel = super::merges_in_kernel(policy.decode_merge, bh * zs);
                 // The merge reuses it: per row, a (max, sum) per split, three per group, a count.
                 let merge_smem = rows * (2 * spans + 3 * spans.div_ceil(ATTENTION_GROUP) + 1) * 4;
-                if merge_smem > smem {
+                if in_kernel && merge_smem > smem {
                     return Err(err(
                         op,
                         format!("{spans} splits do not fit the merge's shared memory"),
@@ -352,12 +354,20 @@ fn decode(
                 lb.arg(&r32).arg(&cap32).arg(&t32).arg(&sl2);
                 lb.arg(&s0).arg(&div32).arg(&max32);
                 push_paging(&mut lb);
-                // The merge in the kernel (its row blocks' last blocks): their arrival counters,
-                // the output and the gate, and whether the splits merge in groups first.
-                let zs = r.div_ceil(16 * groups);
-                let arrivals = dev.alloc_zeros::<u32>(bh * zs)?;
-                lb.arg(&arrivals).arg(&out);
+                // The merge in the kernel (its row blocks' last blocks): their arrival counters
+                // (null: the merge kernels below merge), the output and the gate, and whether the
+                // splits merge in groups first.
+                let arrivals = if in_kernel {
+                    Some(dev.alloc_zeros::<u32>(bh * zs)?)
+                } else {
+                    None
+                };
                 let null = 0u64;
+                match &arrivals {
+                    Some(a) => lb.arg(a),
+                    None => lb.arg(&null),
+                };
+                lb.arg(&out);
                 match &gv {
                     Some(g) => lb.arg(g),
                     None => lb.arg(&null),
@@ -380,12 +390,15 @@ fn decode(
                 // [b] u32 (clamped to cap by the kernel), scratch of bh·spans·r·(d | 2) f32, i32
                 // r, cap, t, f32 scale·log2 e, i32 spans, cut_div and cut_max, the paging
                 // arguments, bh·zs zeroed u32 counters (one per row block, counted once by each
-                // of its `used` blocks), out [bh·r·d] (written as [b, t, h·r/t, d]), the gate [b,
+                // of its `used` blocks) or null (the kernel then stops after the partials, out
+                // untouched), out [bh·r·d] (written as [b, t, h·r/t, d]), the gate [b,
                 // t, h·r/t, d] with contiguous rows (its view spans every element its three i64
                 // strides address) or null and zeros, the i32 grouped flag; the shared memory the
                 // kernel lays out (the merge's fits in it: checked above).
                 unsafe { lb.launch(cfg) }.w()?;
-                return Ok(wrap(out, &dev, (b, t, h * r / t, d)));
+                if in_kernel {
+                    return Ok(wrap(out, &dev, (b, t, h * r / t, d)));
+                }
             } else {
                 let partial = ATTENTION.func(&dev, &format!("attn_decode_partial_{sfx}"))?;
                 let mut lb = KernelCall::new(&dev, &partial, policy);
@@ -404,7 +417,7 @@ fn decode(
                 // arguments; shared memory r·(d + KEYS_PER_SPAN) f32 ≤ 48 KiB (checked above).
                 unsafe { lb.launch(cfg) }.w()?;
             }
-            // The split-K kernel's merge. Long buffers: merge groups of ATTENTION_GROUP spans
+            // The merge kernels. Long buffers: merge groups of ATTENTION_GROUP spans
             // first, in parallel, so that the final merge reads few entries. Paged launches always
             // do (the tensor-core kernel's merge too), so that a sequence's sums do not depend on
             // how long its batch's longest table is.

@@ -15,10 +15,14 @@ pub mod reference;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::{expect_rank, Error, KernelPolicy, Result};
+use crate::{expect_rank, DecodeMergePath, Error, KernelPolicy, Result};
 
 /// Keys per span of the CUDA split-K kernel (one per lane in its softmax step).
 pub const KEYS_PER_SPAN: usize = crate::consts::ATTENTION_KEYS_PER_SPAN;
+/// Row blocks (KV heads × blocks of 16 to 48 query rows) from which the tensor-core decode
+/// attention merges its splits in the kernel under [`DecodeMergePath::Auto`]: 64 is 16 sequences
+/// of the 27B (4 KV heads), the fewest measured to gain (docs/BENCHMARKS.md §5).
+pub const DECODE_MERGE_IN_KERNEL_ROW_BLOCKS: usize = 64;
 /// Shared memory the CUDA kernel may use per block without opting in.
 const SHARED_BYTES: usize = 48 * 1024;
 
@@ -314,6 +318,17 @@ pub(crate) fn splits_used(units: usize, s0: usize, cut: (usize, usize)) -> usize
         .unwrap_or(1)
 }
 
+/// True when a tensor-core decode launch of `row_blocks` row blocks merges its splits in the
+/// kernel under `path` rather than by the merge kernels.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn merges_in_kernel(path: DecodeMergePath, row_blocks: usize) -> bool {
+    match path {
+        DecodeMergePath::Auto => row_blocks >= DECODE_MERGE_IN_KERNEL_ROW_BLOCKS,
+        DecodeMergePath::InKernel => true,
+        DecodeMergePath::Kernels => false,
+    }
+}
+
 /// True when [`prefill_attention`] runs its tensor-core kernel for `head_dim` and `dtype` on
 /// `device` (CUDA, bf16 or f16, head dim 64, 128 or 256); elsewhere it is the f32 reference, slow
 /// but exact, so callers keep their own matmul path for those cases.
@@ -394,6 +409,16 @@ pub fn causal_softmax(
 
 #[cfg(test)]
 mod tests {
+    /// The default merges in the kernel from the threshold on; the other paths always or never.
+    #[test]
+    fn decode_merge_paths() {
+        use super::{merges_in_kernel, DecodeMergePath::*, DECODE_MERGE_IN_KERNEL_ROW_BLOCKS as T};
+        assert!(!merges_in_kernel(Auto, T - 1));
+        assert!(merges_in_kernel(Auto, T));
+        assert!(merges_in_kernel(InKernel, 1));
+        assert!(!merges_in_kernel(Kernels, 1000));
+    }
+
     /// The grid width against every length up to the buffer's: a row at a length under the
     /// buffer never takes more splits than the width (the widest case included).
     #[test]
