@@ -80,7 +80,7 @@ fn decode(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std
     paged(dev, h, kh, d)
 }
 
-/// `paged_decode_attention` as the engine runs it: 1, 16 or 64 sequences over pools of 16-token blocks
+/// `paged_decode_attention` as the engine runs it: 1 to 64 sequences over pools of 16-token blocks
 /// (each sequence's blocks scattered through the pool), 1 new token (a decode step) or 4 (a
 /// k = 3 verify), in TB/s of the K and V read.
 fn paged(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
@@ -92,6 +92,9 @@ fn paged(dev: &Device, h: usize, kh: usize, d: usize) -> Result<(), Box<dyn std:
         (1usize, 1024usize),
         (1, 8192),
         (1, 32768),
+        (4, 8192),
+        (8, 1024),
+        (8, 8192),
         (16, 1024),
         (16, 8192),
         (16, 32768),
