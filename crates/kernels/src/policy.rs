@@ -84,9 +84,9 @@ pub enum Fp8GemmPath {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeMergePath {
     /// In the kernel from [`DECODE_MERGE_IN_KERNEL_ROW_BLOCKS`](crate::attention::DECODE_MERGE_IN_KERNEL_ROW_BLOCKS)
-    /// row blocks (KV heads × blocks of query rows: 16 sequences of the 27B), else by the merge
-    /// kernels: the one-block merge's tail outlasts two launches when few blocks share the
-    /// device (docs/BENCHMARKS.md §5). Both give the same bits.
+    /// row blocks (KV heads × blocks of query rows: 4 sequences of the 27B), else by the merge
+    /// kernels: with fewer, the last blocks' merges can outlast the merge kernels' launches
+    /// (docs/BENCHMARKS.md §5). Both give the same bits.
     #[default]
     Auto,
     /// The last block of each row block to finish merges its splits: no merge launches.

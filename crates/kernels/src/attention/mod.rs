@@ -20,9 +20,10 @@ use crate::{expect_rank, DecodeMergePath, Error, KernelPolicy, Result};
 /// Keys per span of the CUDA split-K kernel (one per lane in its softmax step).
 pub const KEYS_PER_SPAN: usize = crate::consts::ATTENTION_KEYS_PER_SPAN;
 /// Row blocks (KV heads × blocks of 16 to 48 query rows) from which the tensor-core decode
-/// attention merges its splits in the kernel under [`DecodeMergePath::Auto`]: 64 is 16 sequences
-/// of the 27B (4 KV heads), the fewest measured to gain (docs/BENCHMARKS.md §5).
-pub const DECODE_MERGE_IN_KERNEL_ROW_BLOCKS: usize = 64;
+/// attention merges its splits in the kernel under [`DecodeMergePath::Auto`]: 16 is 4 sequences
+/// of the 27B (4 KV heads), from where every measured shape gains; one sequence's verify can lose
+/// (its few last blocks merge alone; docs/BENCHMARKS.md §5).
+pub const DECODE_MERGE_IN_KERNEL_ROW_BLOCKS: usize = 16;
 /// Shared memory the CUDA kernel may use per block without opting in.
 const SHARED_BYTES: usize = 48 * 1024;
 
