@@ -2,9 +2,10 @@
 # Builds a CUDA 13.0 "CUDA_ROOT" from PyPI wheels + a generated libcuda.so link stub,
 # on a machine with no GPU and no CUDA install. Idempotent. Usage:
 #   bash scripts/setup-cuda-toolkit.sh [ROOT=~/.cache/cuda13-pip]   -> writes $ROOT/env.sh
-# Needs: python3 (venv), gcc, cargo (only to locate cudarc's sources after `cargo fetch`).
+# Needs: python3 (venv), gcc, cargo (to fetch and locate cudarc's sources).
 set -euo pipefail
 ROOT=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/cuda13-pip}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$ROOT"
 cd "$ROOT"
 
@@ -32,8 +33,11 @@ ln -s lib64 "$R/lib"
 # 3. libcuda.so link stub (no PyPI/Debian-main package ships one): every cu* entry point that
 #    cudarc 0.19.10 binds, as a dummy, SONAME libcuda.so.1. Only used at link time; the real
 #    driver's libcuda.so.1 is loaded on the GPU machine.
-CUDARC_SRC=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.* 2>/dev/null | sort -V | tail -1)
-[ -n "$CUDARC_SRC" ] || { echo "cudarc sources not found: run \`cargo fetch\` in a workspace that uses candle with cuda first" >&2; exit 1; }
+cudarc_src() { ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.* 2>/dev/null | sort -V | tail -1 || true; }
+CUDARC_SRC=$(cudarc_src)
+# A fresh machine has no crate sources yet: fetch this workspace's (candle with cuda brings cudarc).
+[ -n "$CUDARC_SRC" ] || { (cd "$REPO" && cargo fetch -q) && CUDARC_SRC=$(cudarc_src); }
+[ -n "$CUDARC_SRC" ] || { echo "cudarc sources not found after \`cargo fetch\` in $REPO" >&2; exit 1; }
 grep -oh "fn cu[A-Za-z0-9_]*" "$CUDARC_SRC/src/driver/sys/mod.rs" | sed 's/^fn //' | sort -u \
   | awk '{print "int " $1 "(void){return 999;}"}' > "$ROOT/libcuda_stub.c"
 gcc -shared -fPIC -o "$R/lib64/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$ROOT/libcuda_stub.c"
