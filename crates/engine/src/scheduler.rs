@@ -1,8 +1,8 @@
 //! Continuous batching: which sequences run in the next forward and how many tokens each.
 //!
-//! By priority, then first come first served: running sequences first (decode tokens and the
-//! rest of their prompts, in that order), then waiting ones while a slot, KV blocks and the
-//! step's token budget allow; a prompt longer than the budget runs in chunks over several steps,
+//! By priority, then first come first served: running sequences first (decode tokens, their
+//! drafts and the rest of their prompts, in that order), then waiting ones while a slot, KV
+//! blocks and the step's token budget allow; a prompt longer than the budget runs in chunks over several steps,
 //! beside everyone's decode tokens. When KV blocks run out the last running sequence in that
 //! order (the newest of the lowest priority) is preempted: its slot and blocks are freed and it
 //! waits again, to be recomputed from its prompt and the tokens it already has.
@@ -227,22 +227,26 @@ impl Scheduler {
             }
         }
         self.running.sort_by_key(Sequence::order);
-        // Every running sequence's pending tokens first (in order), then drafts from what
-        // the budget leaves, so that drafts never starve another sequence's decode token.
+        // Decode tokens first (a decoding sequence's one pending token), then their drafts, then
+        // the rest of the prompts, each in order: drafts never starve another sequence's decode
+        // token, and a long prompt's chunk does not drop the drafts of the sequences decoding
+        // beside it (their verify rows cost little in a step its chunk makes compute-bound, and
+        // each accepted draft saves a whole step). While prompts wait, drafts take at most half of
+        // what the decode tokens leave, so that prompts still advance in small budgets.
         let mut budget = self.step_tokens;
-        let mut counts: Vec<usize> = self
-            .running
-            .iter()
-            .map(|s| {
-                let t = s.pending().min(budget).min(s.chunk_cap());
-                budget -= t;
-                t
-            })
-            .collect();
+        let mut counts = vec![0; self.running.len()];
+        for (s, count) in self.running.iter().zip(&mut counts) {
+            if s.pending() <= 1 {
+                *count = s.pending().min(budget).min(s.chunk_cap());
+                budget -= *count;
+            }
+        }
+        let prompts_wait = !self.waiting.is_empty() || self.running.iter().any(|s| s.pending() > 1);
+        let mut draft_budget = if prompts_wait { budget / 2 } else { budget };
         for (s, count) in self.running.iter_mut().zip(&mut counts) {
             // (Nor past a snapshot point: the state there is kept from a plain chunk's end.)
-            let drafts = if *count == s.pending() {
-                s.drafts.len().min(budget).min(s.chunk_cap() - *count)
+            let drafts = if s.pending() <= 1 && *count == s.pending() {
+                s.drafts.len().min(draft_budget).min(s.chunk_cap() - *count)
             } else {
                 0
             };
@@ -250,6 +254,13 @@ impl Scheduler {
             s.verify &= drafts > 0;
             *count += drafts;
             budget -= drafts;
+            draft_budget -= drafts;
+        }
+        for (s, count) in self.running.iter().zip(&mut counts) {
+            if s.pending() > 1 {
+                *count = s.pending().min(budget).min(s.chunk_cap());
+                budget -= *count;
+            }
         }
         let mut plan = Vec::new();
         let mut i = 0;

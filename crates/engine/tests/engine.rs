@@ -1366,6 +1366,62 @@ fn drafts_never_starve_other_sequences() {
     }
 }
 
+/// A long prompt's chunks do not drop the drafts of a sequence decoding beside it: each step
+/// verifies its drafts (all accepted here) and the prompt takes the rest of the budget. In a
+/// small budget, drafts leave prompts at least half of what the decode tokens leave.
+#[test]
+fn prompt_chunks_keep_the_drafts_beside_them() {
+    let (model, head) = model_helpers::load_bundled();
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        step_tokens: 40,
+        adaptive_k: false,
+        timing_accept_rates: Some(vec![1.0]),
+        // (No snapshot points to end chunks at.)
+        prefix_snapshots: 0,
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+    let mtp = |prompt: Vec<u32>| Request {
+        speculation: Some(Speculation::Mtp { k: 3 }),
+        ..Request::greedy(prompt, 200)
+    };
+    let a = engine.submit(mtp(vec![5])).unwrap();
+    // Its prompt, then a verify of its first drafts.
+    engine.step().unwrap();
+    engine.step().unwrap();
+    assert_eq!(collect(&a).ids.len(), 1 + 4);
+    let b = engine.submit(Request::greedy((0..200).map(|i| 7 + i % 50).collect(), 2)).unwrap();
+    // 200 prompt tokens at 36 a step, beside a verify of 4 tokens.
+    let mut left = 200;
+    while left > 0 {
+        let stats = engine.step().unwrap();
+        assert_eq!(collect(&a).ids.len(), 4, "the decoding sequence's drafts were dropped");
+        assert_eq!(stats.tokens, 4 + left.min(36), "the prompt takes what the verify leaves");
+        left -= left.min(36);
+        assert_eq!(collect(&b).ids.is_empty(), left > 0);
+    }
+
+    let cfg = EngineConfig {
+        max_seqs: 4,
+        step_tokens: 6,
+        adaptive_k: false,
+        timing_accept_rates: Some(vec![1.0]),
+        prefix_snapshots: 0,
+        ..Default::default()
+    };
+    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let decoding: Vec<RequestHandle> = [vec![5], vec![6]].map(|p| engine.submit(mtp(p)).unwrap()).into();
+    engine.step().unwrap();
+    let b = engine.submit(Request::greedy((0..20).map(|i| 7 + i).collect(), 2)).unwrap();
+    // Two decode tokens, two drafts (half of the 4 left), then two prompt tokens a step.
+    for step in 1..=10 {
+        engine.step().unwrap();
+        assert_eq!(collect(&b).ids.is_empty(), step < 10, "step {step}");
+    }
+    assert!(decoding.iter().all(|h| !collect(h).ids.is_empty()));
+}
+
 /// A byte-level test vocabulary: ids ≡ 0 (mod 5) are the lead byte of "é", ids ≡ 1 its
 /// continuation byte, the others one ASCII letter; a byte sequence that is not UTF-8 decodes as
 /// U+FFFD, as byte-level tokenizers give it.
