@@ -1391,13 +1391,23 @@ fn prompt_chunks_keep_the_drafts_beside_them() {
     engine.step().unwrap();
     engine.step().unwrap();
     assert_eq!(collect(&a).ids.len(), 1 + 4);
-    let b = engine.submit(Request::greedy((0..200).map(|i| 7 + i % 50).collect(), 2)).unwrap();
+    let b = engine
+        .submit(Request::greedy((0..200).map(|i| 7 + i % 50).collect(), 2))
+        .unwrap();
     // 200 prompt tokens at 36 a step, beside a verify of 4 tokens.
     let mut left = 200;
     while left > 0 {
         let stats = engine.step().unwrap();
-        assert_eq!(collect(&a).ids.len(), 4, "the decoding sequence's drafts were dropped");
-        assert_eq!(stats.tokens, 4 + left.min(36), "the prompt takes what the verify leaves");
+        assert_eq!(
+            collect(&a).ids.len(),
+            4,
+            "the decoding sequence's drafts were dropped"
+        );
+        assert_eq!(
+            stats.tokens,
+            4 + left.min(36),
+            "the prompt takes what the verify leaves"
+        );
         left -= left.min(36);
         assert_eq!(collect(&b).ids.is_empty(), left > 0);
     }
@@ -1413,7 +1423,9 @@ fn prompt_chunks_keep_the_drafts_beside_them() {
     let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
     let decoding: Vec<RequestHandle> = [vec![5], vec![6]].map(|p| engine.submit(mtp(p)).unwrap()).into();
     engine.step().unwrap();
-    let b = engine.submit(Request::greedy((0..20).map(|i| 7 + i).collect(), 2)).unwrap();
+    let b = engine
+        .submit(Request::greedy((0..20).map(|i| 7 + i).collect(), 2))
+        .unwrap();
     // Two decode tokens, two drafts (half of the 4 left), then two prompt tokens a step.
     for step in 1..=10 {
         engine.step().unwrap();
