@@ -1372,16 +1372,19 @@ fn drafts_never_starve_other_sequences() {
 #[test]
 fn prompt_chunks_keep_the_drafts_beside_them() {
     let (model, head) = model_helpers::load_bundled();
-    let cfg = EngineConfig {
-        max_seqs: 4,
-        step_tokens: 40,
-        adaptive_k: false,
-        timing_accept_rates: Some(vec![1.0]),
-        // (No snapshot points to end chunks at.)
-        prefix_snapshots: 0,
-        ..Default::default()
+    let engine_of = |step_tokens| {
+        let cfg = EngineConfig {
+            max_seqs: 4,
+            step_tokens,
+            adaptive_k: false,
+            timing_accept_rates: Some(vec![1.0]),
+            // (No snapshot points to end chunks at.)
+            prefix_snapshots: 0,
+            ..Default::default()
+        };
+        Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap()
     };
-    let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+    let mut engine = engine_of(40);
     let mtp = |prompt: Vec<u32>| Request {
         speculation: Some(Speculation::Mtp { k: 3 }),
         ..Request::greedy(prompt, 200)
@@ -1412,15 +1415,7 @@ fn prompt_chunks_keep_the_drafts_beside_them() {
         assert_eq!(collect(&b).ids.is_empty(), left > 0);
     }
 
-    let cfg = EngineConfig {
-        max_seqs: 4,
-        step_tokens: 6,
-        adaptive_k: false,
-        timing_accept_rates: Some(vec![1.0]),
-        prefix_snapshots: 0,
-        ..Default::default()
-    };
-    let mut engine = Engine::with_mtp_head(model, head, cfg).unwrap();
+    let mut engine = engine_of(6);
     let decoding: Vec<RequestHandle> = [vec![5], vec![6]].map(|p| engine.submit(mtp(p)).unwrap()).into();
     engine.step().unwrap();
     let b = engine
