@@ -244,12 +244,9 @@ impl Scheduler {
         let prompts_wait = !self.waiting.is_empty() || self.running.iter().any(|s| s.pending() > 1);
         let mut draft_budget = if prompts_wait { budget / 2 } else { budget };
         for (s, count) in self.running.iter_mut().zip(&mut counts) {
+            // Only decoding sequences have drafts, and one that got no token left no budget.
             // (Nor past a snapshot point: the state there is kept from a plain chunk's end.)
-            let drafts = if s.pending() <= 1 && *count == s.pending() {
-                s.drafts.len().min(draft_budget).min(s.chunk_cap() - *count)
-            } else {
-                0
-            };
+            let drafts = s.drafts.len().min(draft_budget).min(s.chunk_cap() - *count);
             s.drafts.truncate(drafts);
             s.verify &= drafts > 0;
             *count += drafts;

@@ -1418,6 +1418,8 @@ fn prompt_chunks_keep_the_drafts_beside_them() {
     let mut engine = engine_of(6);
     let decoding: Vec<RequestHandle> = [vec![5], vec![6]].map(|p| engine.submit(mtp(p)).unwrap()).into();
     engine.step().unwrap();
+    // No prompt waiting: the drafts take all the decode tokens leave.
+    assert_eq!(engine.step().unwrap().tokens, 6);
     let b = engine
         .submit(Request::greedy((0..20).map(|i| 7 + i).collect(), 2))
         .unwrap();
