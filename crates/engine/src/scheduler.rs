@@ -2,8 +2,8 @@
 //!
 //! By priority, then first come first served: running sequences first (decode tokens, their
 //! drafts and the rest of their prompts, in that order), then waiting ones while a slot, KV
-//! blocks and the step's token budget allow; a prompt longer than the budget runs in chunks over several steps,
-//! beside everyone's decode tokens. When KV blocks run out the last running sequence in that
+//! blocks and the step's token budget allow; a prompt longer than the budget runs in chunks over
+//! several steps, beside everyone's decode tokens. When KV blocks run out the last running sequence in that
 //! order (the newest of the lowest priority) is preempted: its slot and blocks are freed and it
 //! waits again, to be recomputed from its prompt and the tokens it already has.
 
@@ -111,6 +111,11 @@ impl Sequence {
     /// Tokens known but not yet run (the prompt's rest, or the last sampled token).
     pub fn pending(&self) -> usize {
         self.len() - self.computed
+    }
+
+    /// Whether it decodes (its one pending token is the last sampled) rather than runs a prompt.
+    fn decoding(&self) -> bool {
+        self.pending() <= 1
     }
 
     /// Whether sampling needs the full logits rows: not for plain greedy decoding (no
@@ -234,14 +239,19 @@ impl Scheduler {
         // each accepted draft saves a whole step). While prompts wait, drafts take at most half of
         // what the decode tokens leave, so that prompts still advance in small budgets.
         let mut budget = self.step_tokens;
+        // A sequence's pending tokens (up to its next snapshot point) from the budget.
+        let take = |s: &Sequence, budget: &mut usize| {
+            let t = s.pending().min(*budget).min(s.chunk_cap());
+            *budget -= t;
+            t
+        };
         let mut counts = vec![0; self.running.len()];
         for (s, count) in self.running.iter().zip(&mut counts) {
-            if s.pending() <= 1 {
-                *count = s.pending().min(budget).min(s.chunk_cap());
-                budget -= *count;
+            if s.decoding() {
+                *count = take(s, &mut budget);
             }
         }
-        let prompts_wait = !self.waiting.is_empty() || self.running.iter().any(|s| s.pending() > 1);
+        let prompts_wait = !self.waiting.is_empty() || self.running.iter().any(|s| !s.decoding());
         let mut draft_budget = if prompts_wait { budget / 2 } else { budget };
         for (s, count) in self.running.iter_mut().zip(&mut counts) {
             // Only decoding sequences have drafts, and one that got no token left no budget.
@@ -254,9 +264,8 @@ impl Scheduler {
             draft_budget -= drafts;
         }
         for (s, count) in self.running.iter().zip(&mut counts) {
-            if s.pending() > 1 {
-                *count = s.pending().min(budget).min(s.chunk_cap());
-                budget -= *count;
+            if !s.decoding() {
+                *count = take(s, &mut budget);
             }
         }
         let mut plan = Vec::new();
