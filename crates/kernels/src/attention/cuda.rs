@@ -309,6 +309,17 @@ fn decode(
                 .as_ref()
                 .map(|(gs, gl)| span_view::<$t>(op, gs, gl))
                 .transpose()?;
+            // Both merges take the gate (or null) and its three strides.
+            let null = 0u64;
+            let push_gate = |lb: &mut KernelCall| {
+                match &gv {
+                    Some(g) => lb.arg(g),
+                    None => lb.arg(&null),
+                };
+                for s in &g_strides {
+                    lb.arg(s);
+                }
+            };
             let bh = b * h;
             // SAFETY: uninitialised scratch and output. The partial kernel writes every span below
             // the device-side length, which is all the merge reads; the merge writes every output.
@@ -338,15 +349,9 @@ fn decode(
                 let smem = ((rows + 2 * FLASH_TILE) * (d + 8) + rows * (FLASH_TILE + 8)) * dt.size_in_bytes()
                     + rows * FLASH_WARPS * 4;
                 let zs = r.div_ceil(rows);
-                let in_kernel = super::merges_in_kernel(policy.decode_merge, bh * zs);
                 // The merge reuses it: per row, a (max, sum) per split, three per group, a count.
                 let merge_smem = rows * (2 * spans + 3 * spans.div_ceil(ATTENTION_GROUP) + 1) * 4;
-                if in_kernel && merge_smem > smem {
-                    return Err(err(
-                        op,
-                        format!("{spans} splits do not fit the merge's shared memory"),
-                    ));
-                }
+                let in_kernel = super::merges_in_kernel(policy.decode_merge, bh * zs, merge_smem <= smem)?;
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;
@@ -362,19 +367,12 @@ fn decode(
                 } else {
                     None
                 };
-                let null = 0u64;
                 match &arrivals {
                     Some(a) => lb.arg(a),
                     None => lb.arg(&null),
                 };
                 lb.arg(&out);
-                match &gv {
-                    Some(g) => lb.arg(g),
-                    None => lb.arg(&null),
-                };
-                for s in &g_strides {
-                    lb.arg(s);
-                }
+                push_gate(&mut lb);
                 let grouped32 = i32::from(spans > ATTENTION_GROUP || paging.is_some());
                 lb.arg(&grouped32);
                 let cfg = LaunchConfig {
@@ -470,14 +468,7 @@ fn decode(
                 .arg(&s0)
                 .arg(&div32)
                 .arg(&max32);
-            let null = 0u64;
-            match &gv {
-                Some(g) => lb.arg(g),
-                None => lb.arg(&null),
-            };
-            for s in &g_strides {
-                lb.arg(s);
-            }
+            push_gate(&mut lb);
             lb.arg(&h32).arg(&t32).arg(&paged32).arg(&cap32);
             let cfg = LaunchConfig {
                 grid_dim: (r as u32, bh as u32, 1),

@@ -320,13 +320,19 @@ pub(crate) fn splits_used(units: usize, s0: usize, cut: (usize, usize)) -> usize
 }
 
 /// True when a tensor-core decode launch of `row_blocks` row blocks merges its splits in the
-/// kernel under `path` rather than by the merge kernels.
+/// kernel under `path` rather than by the merge kernels. `fits`: whether the merge's staging fits
+/// the kernel's shared memory; where it does not, `Auto` takes the merge kernels and `InKernel`
+/// is an error.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn merges_in_kernel(path: DecodeMergePath, row_blocks: usize) -> bool {
+pub(crate) fn merges_in_kernel(path: DecodeMergePath, row_blocks: usize, fits: bool) -> Result<bool> {
     match path {
-        DecodeMergePath::Auto => row_blocks >= DECODE_MERGE_IN_KERNEL_ROW_BLOCKS,
-        DecodeMergePath::InKernel => true,
-        DecodeMergePath::Kernels => false,
+        DecodeMergePath::Auto => Ok(fits && row_blocks >= DECODE_MERGE_IN_KERNEL_ROW_BLOCKS),
+        DecodeMergePath::InKernel if fits => Ok(true),
+        DecodeMergePath::InKernel => Err(Error::Shape {
+            op: "decode_attention",
+            msg: "the splits do not fit the in-kernel merge's shared memory".into(),
+        }),
+        DecodeMergePath::Kernels => Ok(false),
     }
 }
 
@@ -414,10 +420,15 @@ mod tests {
     #[test]
     fn decode_merge_paths() {
         use super::{merges_in_kernel, DecodeMergePath::*, DECODE_MERGE_IN_KERNEL_ROW_BLOCKS as T};
-        assert!(!merges_in_kernel(Auto, T - 1));
-        assert!(merges_in_kernel(Auto, T));
-        assert!(merges_in_kernel(InKernel, 1));
-        assert!(!merges_in_kernel(Kernels, 1000));
+        let at = |path, blocks, fits| merges_in_kernel(path, blocks, fits).unwrap();
+        assert!(!at(Auto, T - 1, true));
+        assert!(at(Auto, T, true));
+        assert!(at(InKernel, 1, true));
+        assert!(!at(Kernels, 1000, true));
+        // Where the merge's staging does not fit: Auto falls back, InKernel is an error.
+        assert!(!at(Auto, T, false));
+        assert!(!at(Kernels, T, false));
+        assert!(merges_in_kernel(InKernel, T, false).is_err());
     }
 
     /// The grid width against every length up to the buffer's: a row at a length under the
