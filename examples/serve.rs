@@ -98,8 +98,9 @@ struct Args {
     /// Run every step eagerly (no CUDA graphs).
     #[arg(long)]
     eager: bool,
-    /// Benchmarks only: accept draft j with probability rates[j] instead of checking it (with
-    /// random weights, to time MTP at a real head's acceptance; the tokens then mean nothing).
+    /// Benchmarks only: accept draft j in a share rates[j] of the verifies (per position, as
+    /// vLLM reports them) instead of checking it (with random weights, to time MTP at a real
+    /// head's acceptance; the tokens then mean nothing).
     #[arg(long, value_delimiter = ',', value_parser = load::probability)]
     accept_rates: Option<Vec<f64>>,
     /// Always draft `--mtp` tokens (default: 0..=k per round, chosen from measured costs).

@@ -576,6 +576,13 @@ fn bad_requests_are_typed_errors() {
         let e = Engine::new(bundled(), cfg).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("[0, 1]"), "{rates:?}: {e}");
     }
+    // Nor are rising ones: a draft is accepted only with every draft before it.
+    let cfg = EngineConfig {
+        timing_accept_rates: Some(vec![0.5, 0.8]),
+        ..Default::default()
+    };
+    let e = Engine::new(bundled(), cfg).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("cannot increase"), "{e}");
     let cfg = EngineConfig {
         prefix_snapshots: usize::MAX,
         ..Default::default()
