@@ -302,6 +302,11 @@ struct Load {
     draft_graphed: usize,
     /// The finished requests' speculation counters, summed.
     spec: SpecStats,
+    /// Steps that ran prompt tokens: their count, tokens and sequences, and their wall,
+    /// forward and drafting time (ms).
+    prompt_steps: usize,
+    prompt_step_rows: [usize; 2],
+    prompt_step_ms: [f64; 3],
 }
 
 impl Load {
@@ -333,6 +338,9 @@ impl Load {
             draft_steps: 0,
             draft_graphed: 0,
             spec: SpecStats::default(),
+            prompt_steps: 0,
+            prompt_step_rows: [0; 2],
+            prompt_step_ms: [0.0; 3],
         }
     }
 
@@ -374,11 +382,25 @@ impl Load {
         Ok(())
     }
 
-    /// Counts a step that took `wall` if it ran decode tokens (and verifies) only.
+    /// Counts a step that took `wall`: apart, those that ran decode tokens (and verifies) only
+    /// and those that ran prompt tokens.
     fn stepped(&mut self, stats: &StepStats, wall: Duration) {
         self.draft_steps += stats.draft_steps;
         self.draft_graphed += stats.draft_steps_graphed;
-        if stats.sequences == 0 || stats.tokens > stats.sequences * (self.mtp + 1) {
+        if stats.sequences == 0 {
+            return;
+        }
+        if stats.tokens > stats.sequences * (self.mtp + 1) {
+            self.prompt_steps += 1;
+            self.prompt_step_rows[0] += stats.tokens;
+            self.prompt_step_rows[1] += stats.sequences;
+            for (p, d) in self
+                .prompt_step_ms
+                .iter_mut()
+                .zip([wall, stats.forward, stats.drafting])
+            {
+                *p += d.as_secs_f64() * 1e3;
+            }
             return;
         }
         self.graphed_steps += usize::from(stats.graphed);
@@ -494,6 +516,17 @@ impl Load {
             "concurrency {}: {} of {} decode steps and {} of {} MTP draft steps replayed CUDA graphs",
             self.conc, self.graphed_steps, self.decode_steps, self.draft_graphed, self.draft_steps
         );
+        if self.prompt_steps > 0 {
+            let n = self.prompt_steps as f64;
+            let [wall, forward, drafts] = self.prompt_step_ms.map(|t| t / n);
+            eprintln!(
+                "concurrency {}: {} steps ran prompt tokens: {wall:.2} ms each (forward {forward:.2}, drafts {drafts:.2}) for {:.0} tokens of {:.1} sequences",
+                self.conc,
+                self.prompt_steps,
+                self.prompt_step_rows[0] as f64 / n,
+                self.prompt_step_rows[1] as f64 / n
+            );
+        }
         if self.spec.drafted > 0 {
             eprintln!(
                 "concurrency {}: {:.3} tokens a verify (accepted length, over {} verifies)",
