@@ -1094,15 +1094,18 @@ impl Engine {
                 s.unfed = Some(held_states(hidden, unfed, rows.clone())?);
                 continue;
             }
-            // The chain writes MTP positions up to start + m + k − 2; without room, fewer drafts.
+            // The chain writes MTP positions up to start + m + k − 2: blocks only the prefix
+            // cache holds give way to them, as to the sequence's own K/V; without room, fewer
+            // drafts.
             let first = s.mtp_len;
-            let k = match s
-                .table
-                .reserve(first + m + k.saturating_sub(1), &mut self.sched.blocks)
-            {
-                Ok(()) => k,
-                Err(_) => k.min(1),
-            };
+            let end = first + m + k.saturating_sub(1);
+            let mut reserved = s.table.reserve(end, &mut self.sched.blocks);
+            if let (Err(Error::Exhausted { wanted, .. }), Some(p)) = (&reserved, self.sched.prefix.as_mut()) {
+                if p.evict(*wanted, 0, &mut self.sched.blocks, &mut self.sched.slots)? > 0 {
+                    reserved = s.table.reserve(end, &mut self.sched.blocks);
+                }
+            }
+            let k = if reserved.is_ok() { k } else { k.min(1) };
             chunks.push(SeqChunk {
                 slot: s.slot.expect("a running sequence has a slot").0,
                 start: first,

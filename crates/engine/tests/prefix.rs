@@ -555,3 +555,49 @@ fn prompt_logprobs_run_the_whole_prompt() {
     let (_, usage) = collect(&again).end.expect("it ended");
     assert_eq!(usage.cached_tokens, 32, "the prompt's last block boundary");
 }
+
+/// A pool that the cache has filled gives way to a drafting sequence's MTP K/V as it does to
+/// its own K/V: the cache's blocks are evicted, and each sequence drafts (and generates) exactly
+/// as it does alone in an empty engine, not one draft a verify wherever its MTP K/V needs a
+/// block. The pool holds two whole sequences and a block each (as `bench_serving` sizes it);
+/// the second pair of requests finds it full of the first pair's cached blocks.
+#[test]
+fn the_cache_gives_way_to_mtp_drafts() {
+    let (model, head) = model_helpers::load_bundled();
+    let (prompt_len, max_tokens, k): (usize, usize, usize) = (32, 64, 3);
+    let cfg = EngineConfig {
+        max_seqs: 2,
+        kv_blocks: Some(2 * (prompt_len + max_tokens + k).div_ceil(BS) + 2),
+        block_size: BS,
+        prefix_snapshots: 4,
+        adaptive_k: false,
+        ..Default::default()
+    };
+    let mut rng = Rng::new(61);
+    let vocab = model.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..4).map(|_| random_ids(&mut rng, vocab, prompt_len)).collect();
+    let mtp = |prompt: &Vec<u32>| Request {
+        speculation: Some(Speculation::Mtp { k }),
+        ..Request::greedy(prompt.clone(), max_tokens)
+    };
+    let outcome = |h: &RequestHandle| {
+        let o = collect(h);
+        (o.ids, o.end.unwrap().1.speculation)
+    };
+    let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg.clone()).unwrap();
+    let handles: Vec<RequestHandle> = prompts.iter().map(|p| engine.submit(mtp(p)).unwrap()).collect();
+    engine.run_to_completion().unwrap();
+    assert!(engine.prefix_stats().unwrap().evictions > 0);
+    for (p, h) in prompts.iter().zip(&handles) {
+        let mut empty = Engine::with_mtp_head(model.clone(), head.clone(), cfg.clone()).unwrap();
+        let alone = empty.submit(mtp(p)).unwrap();
+        empty.run_to_completion().unwrap();
+        let (got, want) = (outcome(h), outcome(&alone));
+        assert_eq!(
+            got.1.drafted, want.1.drafted,
+            "drafts cut: {:?} against {:?}",
+            got.1, want.1
+        );
+        assert_eq!(got, want);
+    }
+}
