@@ -457,9 +457,7 @@ impl Load {
                         history.extend(ids);
                     }
                     Event::Finished { usage, .. } => {
-                        spec.cycles += usage.speculation.cycles;
-                        spec.emitted += usage.speculation.emitted;
-                        spec.drafted += usage.speculation.drafted;
+                        add_spec(spec, &usage.speculation);
                         if t.turn + 1 < turns {
                             history.extend((0..turn_len).map(|_| next_id()));
                             ready.push_back((t.turn + 1, std::mem::take(history)));
@@ -528,12 +526,40 @@ impl Load {
             );
         }
         if self.spec.drafted > 0 {
+            let c = self.spec.cycles.max(1) as f64;
+            let shares: Vec<String> = self
+                .spec
+                .accepted_at
+                .iter()
+                .map(|&a| format!("{:.3}", a as f64 / c))
+                .collect();
             eprintln!(
-                "concurrency {}: {:.3} tokens a verify (accepted length, over {} verifies)",
+                "concurrency {}: {:.3} tokens a verify (accepted length, over {} verifies of {:.2} drafts each; accepted by position {})",
                 self.conc,
                 self.spec.accepted_len_mean(),
-                self.spec.cycles
+                self.spec.cycles,
+                self.spec.drafted as f64 / c,
+                shares.join(" / ")
             );
+        }
+    }
+}
+
+/// Adds one request's speculation counters to the run's.
+fn add_spec(sum: &mut SpecStats, one: &SpecStats) {
+    sum.cycles += one.cycles;
+    sum.drafted += one.drafted;
+    sum.accepted += one.accepted;
+    sum.emitted += one.emitted;
+    for (s, o) in [
+        (&mut sum.reached, &one.reached),
+        (&mut sum.accepted_at, &one.accepted_at),
+    ] {
+        if s.len() < o.len() {
+            s.resize(o.len(), 0);
+        }
+        for (a, b) in s.iter_mut().zip(o) {
+            *a += b;
         }
     }
 }

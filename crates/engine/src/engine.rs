@@ -1411,11 +1411,19 @@ fn context_of(model: &Qwen36Model, cfg: &EngineConfig) -> usize {
 
 /// The acceptance of [`EngineConfig::timing_accept_rates`]: draft `j` is accepted in a share
 /// `rates[j]` of the verifies, so once every draft before it passed it passes with
-/// `rates[j] / rates[j - 1]`; the next token is the target's argmax there.
-fn timed_acceptance(rates: &[f64], drafts: &[u32], argmax: &[u32], sampler: &mut Sampler) -> Acceptance {
+/// `rates[j] / rates[j - 1]`; the next token is the target's argmax there. Each request draws
+/// from its own stream (`id`), so that requests of one seed do not accept alike.
+fn timed_acceptance(
+    rates: &[f64],
+    drafts: &[u32],
+    argmax: &[u32],
+    sampler: &mut Sampler,
+    id: u64,
+) -> Acceptance {
     let step = sampler.next_step();
+    let stream = id as usize;
     let accepted = (0..drafts.len())
-        .take_while(|&j| sampler.uniform(0, step, j as u64) < passing_rate(rates, j))
+        .take_while(|&j| sampler.uniform(stream, step, j as u64) < passing_rate(rates, j))
         .count();
     Acceptance {
         accepted,
@@ -1471,16 +1479,17 @@ fn decide(s: &mut Sequence, read: Read, verify: bool, rates: Option<&[f64]>) -> 
         (read, true) => {
             let mut drafts = std::mem::take(&mut s.drafts);
             let (acc, rows) = match (read, rates) {
-                (Read::Ids(ids), Some(r)) => {
-                    (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), Vec::new())
-                }
+                (Read::Ids(ids), Some(r)) => (
+                    Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler, s.id)),
+                    Vec::new(),
+                ),
                 (Read::Ids(ids), None) => (
                     accept_greedy(&drafts, &ids).map_err(|e| e.to_string()),
                     Vec::new(),
                 ),
                 (Read::Rows(rows), Some(r)) => {
                     let ids: Vec<u32> = rows.iter().map(|row| argmax_of(row)).collect();
-                    (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler)), rows)
+                    (Ok(timed_acceptance(r, &drafts, &ids, &mut s.sampler, s.id)), rows)
                 }
                 (Read::Rows(rows), None) => {
                     // Under a constraint, acceptance reads the masked rows (the emitted
@@ -1862,7 +1871,7 @@ mod tests {
         let mut at = [0usize; 4];
         let mut emitted = 0;
         for _ in 0..n {
-            let a = timed_acceptance(&rates, &drafts, &argmax, &mut sampler);
+            let a = timed_acceptance(&rates, &drafts, &argmax, &mut sampler, 0);
             assert_eq!(a.next, argmax[a.accepted]);
             emitted += a.accepted + 1;
             for c in &mut at[..a.accepted] {
