@@ -1884,6 +1884,14 @@ mod tests {
         }
         let al = emitted as f64 / n as f64;
         assert!((al - 3.407).abs() < 0.02, "accepted length {al}");
+        // Two requests of one seed draw apart.
+        let draw = |id: u64| {
+            let mut sampler = Sampler::new(qwen36_sampling::SamplingParams::default()).unwrap();
+            (0..64)
+                .map(|_| timed_acceptance(&rates, &drafts, &argmax, &mut sampler, id).accepted)
+                .collect::<Vec<usize>>()
+        };
+        assert_ne!(draw(0), draw(1));
         // Past the rates the last ratio goes on; one rate is every position's ratio.
         assert!((passing_rate(&rates, 5) - 0.640 / 0.804).abs() < 1e-12);
         assert_eq!(passing_rate(&[0.5], 3), 0.5);
