@@ -17,7 +17,7 @@ use qwen36_sampling::{
 };
 use rayon::prelude::*;
 
-use crate::scheduler::{note_mtp, Scheduler, Sequence};
+use crate::scheduler::{note_mtp, reserve_evicting, Scheduler, Sequence};
 use crate::spec::{choose_k, SpecCosts};
 use crate::{
     BlockPool, Error, Event, PrefixCache, PrefixStats, Request, RequestHandle, Result, SlotId, SlotPool,
@@ -1099,13 +1099,16 @@ impl Engine {
             // drafts.
             let first = s.mtp_len;
             let end = first + m + k.saturating_sub(1);
-            let mut reserved = s.table.reserve(end, &mut self.sched.blocks);
-            if let (Err(Error::Exhausted { wanted, .. }), Some(p)) = (&reserved, self.sched.prefix.as_mut()) {
-                if p.evict(*wanted, 0, &mut self.sched.blocks, &mut self.sched.slots)? > 0 {
-                    reserved = s.table.reserve(end, &mut self.sched.blocks);
-                }
-            }
-            let k = if reserved.is_ok() { k } else { k.min(1) };
+            let (blocks, slots, prefix) = (
+                &mut self.sched.blocks,
+                &mut self.sched.slots,
+                self.sched.prefix.as_mut(),
+            );
+            let k = match reserve_evicting(&mut s.table, end, blocks, slots, prefix) {
+                Ok(()) => k,
+                Err(Error::Exhausted { .. }) => k.min(1),
+                Err(e) => return Err(e),
+            };
             chunks.push(SeqChunk {
                 slot: s.slot.expect("a running sequence has a slot").0,
                 start: first,

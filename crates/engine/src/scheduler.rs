@@ -213,6 +213,24 @@ pub(crate) struct Scheduler {
     pub ended: Vec<(Sequence, StopReason)>,
 }
 
+/// Grows `table` to hold `positions` positions; when the pool is short, blocks that only the
+/// prefix cache holds give way first (a sequence's own K/V and its MTP head's K/V alike).
+pub(crate) fn reserve_evicting(
+    table: &mut BlockTable,
+    positions: usize,
+    blocks: &mut BlockPool,
+    slots: &mut SlotPool,
+    prefix: Option<&mut PrefixCache>,
+) -> Result<()> {
+    let reserved = table.reserve(positions, blocks);
+    if let (Err(Error::Exhausted { wanted, .. }), Some(prefix)) = (&reserved, prefix) {
+        if prefix.evict(*wanted, 0, blocks, slots)? > 0 {
+            return table.reserve(positions, blocks);
+        }
+    }
+    reserved
+}
+
 impl Scheduler {
     /// Plans the next forward; sequences that end here go to [`Self::ended`]. On an error
     /// (a bookkeeping bug) every sequence is still in a queue or in `ended`.
@@ -278,12 +296,12 @@ impl Scheduler {
             }
             let s = &mut self.running[i];
             let needed = s.computed + tokens;
-            match s.table.reserve(needed, &mut self.blocks) {
+            let prefix = self.prefix.as_mut();
+            match reserve_evicting(&mut s.table, needed, &mut self.blocks, &mut self.slots, prefix) {
                 Ok(()) => {
                     plan.push(Scheduled { index: i, tokens });
                     i += 1;
                 }
-                Err(Error::Exhausted { wanted, .. }) if self.evict(wanted, 0)? => {}
                 // Drafts past what the pool holds are dropped (the last first) before anyone
                 // is preempted: they only speed the sequence up, and a sequence ended or
                 // preempted for them would give less, or later, than it gives alone.
@@ -322,13 +340,14 @@ impl Scheduler {
             let hit = self.restore_front()?;
             let s = self.waiting.front_mut().expect("a front");
             let tokens = s.pending().min(budget).min(s.chunk_cap());
-            let mut reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
-            if let Err(Error::Exhausted { wanted, .. }) = reserved {
-                if self.evict(wanted, 0)? {
-                    let s = self.waiting.front_mut().expect("a front");
-                    reserved = s.table.reserve(s.computed + tokens, &mut self.blocks);
-                }
-            }
+            let (table, prefix) = (&mut s.table, self.prefix.as_mut());
+            let reserved = reserve_evicting(
+                table,
+                s.computed + tokens,
+                &mut self.blocks,
+                &mut self.slots,
+                prefix,
+            );
             if reserved.is_err() {
                 self.abandon_front(hit)?;
                 if self.running.is_empty() {
