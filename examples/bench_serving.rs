@@ -457,7 +457,7 @@ impl Load {
                         history.extend(ids);
                     }
                     Event::Finished { usage, .. } => {
-                        add_spec(spec, &usage.speculation);
+                        spec.add(&usage.speculation);
                         if t.turn + 1 < turns {
                             history.extend((0..turn_len).map(|_| next_id()));
                             ready.push_back((t.turn + 1, std::mem::take(history)));
@@ -525,41 +525,24 @@ impl Load {
                 self.prompt_step_rows[1] as f64 / n
             );
         }
-        if self.spec.drafted > 0 {
-            let c = self.spec.cycles.max(1) as f64;
+        // vLLM's figures: over the verifies that had drafts, the accepted length (1 + accepted
+        // drafts a verify) and the share of them accepting each draft position.
+        let verifies = self.spec.reached.first().copied().unwrap_or(0);
+        if verifies > 0 {
+            let v = verifies as f64;
             let shares: Vec<String> = self
                 .spec
                 .accepted_at
                 .iter()
-                .map(|&a| format!("{:.3}", a as f64 / c))
+                .map(|&a| format!("{:.3}", a as f64 / v))
                 .collect();
             eprintln!(
-                "concurrency {}: {:.3} tokens a verify (accepted length, over {} verifies of {:.2} drafts each; accepted by position {})",
+                "concurrency {}: accepted length {:.3} over {verifies} verifies of {:.2} drafts each; accepted by position {}",
                 self.conc,
-                self.spec.accepted_len_mean(),
-                self.spec.cycles,
-                self.spec.drafted as f64 / c,
+                1.0 + self.spec.accepted as f64 / v,
+                self.spec.drafted as f64 / v,
                 shares.join(" / ")
             );
-        }
-    }
-}
-
-/// Adds one request's speculation counters to the run's.
-fn add_spec(sum: &mut SpecStats, one: &SpecStats) {
-    sum.cycles += one.cycles;
-    sum.drafted += one.drafted;
-    sum.accepted += one.accepted;
-    sum.emitted += one.emitted;
-    for (s, o) in [
-        (&mut sum.reached, &one.reached),
-        (&mut sum.accepted_at, &one.accepted_at),
-    ] {
-        if s.len() < o.len() {
-            s.resize(o.len(), 0);
-        }
-        for (a, b) in s.iter_mut().zip(o) {
-            *a += b;
         }
     }
 }

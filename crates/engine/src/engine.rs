@@ -1896,6 +1896,7 @@ mod tests {
         };
         assert_ne!(draw(0), draw(1));
         // Past the rates the last ratio goes on; one rate is every position's ratio.
+        assert!((passing_rate(&rates, 3) - 0.640 / 0.804).abs() < 1e-12);
         assert!((passing_rate(&rates, 5) - 0.640 / 0.804).abs() < 1e-12);
         assert_eq!(passing_rate(&[0.5], 3), 0.5);
         assert_eq!(passing_rate(&[0.5, 0.0], 4), 0.0);

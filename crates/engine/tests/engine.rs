@@ -583,6 +583,12 @@ fn bad_requests_are_typed_errors() {
     };
     let e = Engine::new(bundled(), cfg).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("cannot increase"), "{e}");
+    // Equal ones are (a later draft accepted whenever the one before it is).
+    let cfg = EngineConfig {
+        timing_accept_rates: Some(vec![0.5, 0.5]),
+        ..Default::default()
+    };
+    assert!(Engine::new(bundled(), cfg).is_ok());
     let cfg = EngineConfig {
         prefix_snapshots: usize::MAX,
         ..Default::default()

@@ -45,6 +45,26 @@ impl SpecStats {
         self.accepted_len_hist[accepted] += 1;
     }
 
+    /// Adds another run's counters to these (a server's or a benchmark's total over requests).
+    pub fn add(&mut self, other: &SpecStats) {
+        self.cycles += other.cycles;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.emitted += other.emitted;
+        for (mine, theirs) in [
+            (&mut self.reached, &other.reached),
+            (&mut self.accepted_at, &other.accepted_at),
+            (&mut self.accepted_len_hist, &other.accepted_len_hist),
+        ] {
+            if mine.len() < theirs.len() {
+                mine.resize(theirs.len(), 0);
+            }
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += t;
+            }
+        }
+    }
+
     /// Mean tokens emitted per pass (accepted drafts + 1): SGLang's "accept length" when every
     /// pass drafts; passes without drafts count as 1.
     pub fn accepted_len_mean(&self) -> f64 {
@@ -90,6 +110,26 @@ impl SpecStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Adding two runs' counters gives the counters of their passes recorded together.
+    #[test]
+    fn added_runs_count_as_one() {
+        let passes = [(3, 3, 3), (3, 1, 3), (0, 0, 3), (5, 4, 5), (2, 0, 2)];
+        let (mut a, mut b, mut all) = (SpecStats::default(), SpecStats::default(), SpecStats::default());
+        for (i, &(d, acc, k)) in passes.iter().enumerate() {
+            let part = if i < 2 { &mut a } else { &mut b };
+            part.record(d, acc, k);
+            all.record(d, acc, k);
+        }
+        a.add(&b);
+        assert_eq!(a, all);
+        // The other way round, the shorter vectors grow too.
+        let (mut b2, mut a2) = (SpecStats::default(), SpecStats::default());
+        b2.record(5, 4, 5);
+        a2.record(3, 3, 3);
+        b2.add(&a2);
+        assert_eq!(b2.reached, [2, 2, 2, 1, 1]);
+    }
 
     /// With no verify and no pseudo-counts the rate is the prior, not 0/0.
     #[test]
