@@ -351,7 +351,8 @@ fn decode(
                 let zs = r.div_ceil(rows);
                 // The merge reuses it: per row, a (max, sum) per split, three per group, a count.
                 let merge_smem = rows * (2 * spans + 3 * spans.div_ceil(ATTENTION_GROUP) + 1) * 4;
-                let in_kernel = super::merges_in_kernel(policy.decode_merge, bh * zs, merge_smem <= smem)?;
+                let in_kernel =
+                    super::merges_in_kernel(op, policy.decode_merge, bh * zs, (merge_smem, smem))?;
                 let f = ATTENTION.func_with_smem(&dev, &name, smem)?;
                 let mut lb = KernelCall::new(&dev, &f, policy);
                 let sl2 = (scale * std::f64::consts::LOG2_E) as f32;

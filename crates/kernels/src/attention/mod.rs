@@ -319,18 +319,26 @@ pub(crate) fn splits_used(units: usize, s0: usize, cut: (usize, usize)) -> usize
         .unwrap_or(1)
 }
 
-/// True when a tensor-core decode launch of `row_blocks` row blocks merges its splits in the
-/// kernel under `path` rather than by the merge kernels. `fits`: whether the merge's staging fits
-/// the kernel's shared memory; where it does not, `Auto` takes the merge kernels and `InKernel`
-/// is an error.
+/// True when a tensor-core decode launch (`op`) of `row_blocks` row blocks merges its splits in
+/// the kernel under `path` rather than by the merge kernels. `staging`: the bytes the merge stages
+/// and the kernel's shared memory; where they do not fit, `Auto` takes the merge kernels and
+/// `InKernel` is an error naming both.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn merges_in_kernel(path: DecodeMergePath, row_blocks: usize, fits: bool) -> Result<bool> {
+pub(crate) fn merges_in_kernel(
+    op: &'static str,
+    path: DecodeMergePath,
+    row_blocks: usize,
+    (merge, smem): (usize, usize),
+) -> Result<bool> {
+    let fits = merge <= smem;
     match path {
         DecodeMergePath::Auto => Ok(fits && row_blocks >= DECODE_MERGE_IN_KERNEL_ROW_BLOCKS),
         DecodeMergePath::InKernel if fits => Ok(true),
         DecodeMergePath::InKernel => Err(Error::Shape {
-            op: "decode_attention",
-            msg: "the splits do not fit the in-kernel merge's shared memory".into(),
+            op,
+            msg: format!(
+                "the in-kernel merge stages {merge} bytes, more than the kernel's {smem} bytes of shared memory"
+            ),
         }),
         DecodeMergePath::Kernels => Ok(false),
     }
@@ -420,7 +428,9 @@ mod tests {
     #[test]
     fn decode_merge_paths() {
         use super::{merges_in_kernel, DecodeMergePath::*, DECODE_MERGE_IN_KERNEL_ROW_BLOCKS as T};
-        let at = |path, blocks, fits| merges_in_kernel(path, blocks, fits).unwrap();
+        let at = |path, blocks, fits: bool| {
+            merges_in_kernel("decode", path, blocks, (if fits { 8 } else { 9 }, 8)).unwrap()
+        };
         assert!(!at(Auto, T - 1, true));
         assert!(at(Auto, T, true));
         assert!(at(InKernel, 1, true));
@@ -428,7 +438,10 @@ mod tests {
         // Where the merge's staging does not fit: Auto falls back, InKernel is an error.
         assert!(!at(Auto, T, false));
         assert!(!at(Kernels, T, false));
-        assert!(merges_in_kernel(InKernel, T, false).is_err());
+        let e = merges_in_kernel("paged_decode", InKernel, T, (9, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("paged_decode") && e.contains("9 bytes"), "{e}");
     }
 
     /// The grid width against every length up to the buffer's: a row at a length under the
