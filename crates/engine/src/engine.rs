@@ -1901,5 +1901,6 @@ mod tests {
         assert_eq!(passing_rate(&[0.5], 3), 0.5);
         assert_eq!(passing_rate(&[0.5, 0.0], 4), 0.0);
         assert_eq!(passing_rate(&[0.0, 0.0], 1), 0.0);
+        assert_eq!(passing_rate(&[], 0), 0.0);
     }
 }
