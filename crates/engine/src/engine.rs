@@ -1902,5 +1902,7 @@ mod tests {
         assert_eq!(passing_rate(&[0.5, 0.0], 4), 0.0);
         assert_eq!(passing_rate(&[0.0, 0.0], 1), 0.0);
         assert_eq!(passing_rate(&[], 0), 0.0);
+        let five = [0.9, 0.8, 0.6, 0.3, 0.2];
+        assert!((passing_rate(&five, 7) - 0.2 / 0.3).abs() < 1e-12);
     }
 }
