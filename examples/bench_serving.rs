@@ -525,22 +525,20 @@ impl Load {
                 self.prompt_step_rows[1] as f64 / n
             );
         }
-        // vLLM's figures: over the verifies that had drafts, the accepted length (1 + accepted
-        // drafts a verify) and the share of them accepting each draft position.
-        let verifies = self.spec.reached.first().copied().unwrap_or(0);
+        // vLLM's figures: over the verifies that had drafts.
+        let verifies = self.spec.verifies();
         if verifies > 0 {
-            let v = verifies as f64;
             let shares: Vec<String> = self
                 .spec
-                .accepted_at
+                .accepted_shares()
                 .iter()
-                .map(|&a| format!("{:.3}", a as f64 / v))
+                .map(|a| format!("{a:.3}"))
                 .collect();
             eprintln!(
                 "concurrency {}: accepted length {:.3} over {verifies} verifies of {:.2} drafts each; accepted by position {}",
                 self.conc,
-                1.0 + self.spec.accepted as f64 / v,
-                self.spec.drafted as f64 / v,
+                self.spec.accepted_len_per_verify(),
+                self.spec.drafted as f64 / verifies as f64,
                 shares.join(" / ")
             );
         }

@@ -3,9 +3,9 @@
 //! By priority, then first come first served: running sequences first (decode tokens, their
 //! drafts and the rest of their prompts, in that order), then waiting ones while a slot, KV
 //! blocks and the step's token budget allow; a prompt longer than the budget runs in chunks over
-//! several steps, beside everyone's decode tokens. When KV blocks run out the last running sequence in that
-//! order (the newest of the lowest priority) is preempted: its slot and blocks are freed and it
-//! waits again, to be recomputed from its prompt and the tokens it already has.
+//! several steps, beside everyone's decode tokens. When KV blocks run out the last running
+//! sequence in that order (the newest of the lowest priority) is preempted: its slot and blocks
+//! are freed and it waits again, to be recomputed from its prompt and the tokens it already has.
 
 use std::collections::VecDeque;
 use std::ops::Range;

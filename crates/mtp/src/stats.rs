@@ -75,6 +75,26 @@ impl SpecStats {
         }
     }
 
+    /// Verify passes that had drafts (vLLM's `num_drafts`).
+    pub fn verifies(&self) -> usize {
+        self.reached.first().copied().unwrap_or(0)
+    }
+
+    /// vLLM's mean acceptance length: 1 + the drafts accepted per verify that had drafts.
+    pub fn accepted_len_per_verify(&self) -> f64 {
+        match self.verifies() {
+            0 => 0.0,
+            v => 1.0 + self.accepted as f64 / v as f64,
+        }
+    }
+
+    /// vLLM's per-position acceptance rates: the share of verifies with drafts that accepted
+    /// draft j (so every draft before it too).
+    pub fn accepted_shares(&self) -> Vec<f64> {
+        let v = self.verifies().max(1) as f64;
+        self.accepted_at.iter().map(|&a| a as f64 / v).collect()
+    }
+
     /// `P(draft j accepted | drafts before j accepted)`, per draft position.
     pub fn acceptance_by_position(&self) -> Vec<f64> {
         self.reached
@@ -135,6 +155,7 @@ mod tests {
     #[test]
     fn an_unseen_position_without_weight_is_the_prior() {
         assert_eq!(SpecStats::default().rate(0, 0.5, 0.0), 0.5);
+        assert_eq!(SpecStats::default().accepted_len_per_verify(), 0.0);
         assert_eq!(SpecStats::default().rate(3, 0.25, 2.0), 0.25);
     }
 
@@ -151,6 +172,10 @@ mod tests {
         assert_eq!(c.accepted_len_hist, [2, 1, 0, 1]);
         assert_eq!((c.cycles, c.drafted, c.accepted, c.emitted), (4, 8, 4, 8));
         assert_eq!(c.accepted_len_mean(), 2.0);
+        // vLLM's figures leave out the pass without drafts.
+        assert_eq!(c.verifies(), 3);
+        assert_eq!(c.accepted_len_per_verify(), 1.0 + 4.0 / 3.0);
+        assert_eq!(c.accepted_shares(), [2.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0]);
         assert_eq!(c.rate(0, 0.5, 0.0), 2.0 / 3.0);
         assert_eq!(c.rate(5, 0.7, 4.0), 0.7, "no count: the prior");
         assert_eq!(c.rate(1, 0.0, 2.0), 0.25);
