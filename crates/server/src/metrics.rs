@@ -7,6 +7,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use qwen36::engine::{EngineLoad, EngineStatus, StepStats, Usage};
+use qwen36::mtp::SpecStats;
 
 /// A cumulative histogram (of seconds, or of counts).
 #[derive(Debug)]
@@ -60,6 +61,24 @@ impl Histogram {
     }
 }
 
+/// A counter of the verifies that accepted each draft position (0-based, label `position`;
+/// `labels` before it on every sample, or empty): vLLM's per-position acceptance, whose ratio
+/// to the verifies is each position's acceptance rate.
+fn per_position(out: &mut String, name: &str, spec: &SpecStats, labels: &str) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} Verify passes that accepted the draft at each position.\n# TYPE {name} counter"
+    );
+    let lead = if labels.is_empty() {
+        String::new()
+    } else {
+        format!("{labels},")
+    };
+    for (j, v) in spec.accepted_at.iter().enumerate() {
+        let _ = writeln!(out, "{name}{{{lead}position=\"{j}\"}} {v}");
+    }
+}
+
 const TTFT_BOUNDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
@@ -86,8 +105,8 @@ struct Inner {
     responses: BTreeMap<(&'static str, u16), u64>,
     prompt_tokens: u64,
     generation_tokens: u64,
-    drafted: u64,
-    accepted: u64,
+    /// Speculation counters of the choices that ended, summed.
+    spec: SpecStats,
     preemptions: u64,
     ttft: Histogram,
     tpot: Histogram,
@@ -111,8 +130,7 @@ impl Default for Metrics {
             responses: BTreeMap::new(),
             prompt_tokens: 0,
             generation_tokens: 0,
-            drafted: 0,
-            accepted: 0,
+            spec: SpecStats::default(),
             preemptions: 0,
             ttft: Histogram::new(TTFT_BOUNDS),
             tpot: Histogram::new(TPOT_BOUNDS),
@@ -159,8 +177,7 @@ impl Metrics {
         self.with(|m| {
             *m.finished.entry(reason).or_default() += 1;
             if let Some(u) = usage {
-                m.drafted += u.speculation.drafted as u64;
-                m.accepted += u.speculation.accepted as u64;
+                m.spec.add(&u.speculation);
                 m.preemptions += u.preemptions as u64;
                 if let Some(first) = times.first_token {
                     m.ttft.observe(first.as_secs_f64());
@@ -233,16 +250,23 @@ impl Metrics {
             );
             counter(
                 &mut out,
+                "qwen36_spec_verifies_total",
+                "Verify passes that checked drafts (speculative decoding).",
+                m.spec.verifies() as u64,
+            );
+            counter(
+                &mut out,
                 "qwen36_spec_draft_tokens_total",
                 "Draft tokens verified (speculative decoding).",
-                m.drafted,
+                m.spec.drafted as u64,
             );
             counter(
                 &mut out,
                 "qwen36_spec_accepted_tokens_total",
                 "Draft tokens accepted (speculative decoding).",
-                m.accepted,
+                m.spec.accepted as u64,
             );
+            per_position(&mut out, "qwen36_spec_accepted_tokens_per_position_total", &m.spec, "");
             counter(
                 &mut out,
                 "qwen36_preemptions_total",
@@ -424,8 +448,10 @@ impl Metrics {
             one(&mut out, "counter", "vllm:prompt_tokens_total", "Prompt tokens of the requests taken.", m.prompt_tokens as f64);
             one(&mut out, "counter", "vllm:generation_tokens_total", "Tokens generated.", m.generation_tokens as f64);
             one(&mut out, "counter", "vllm:num_preemptions_total", "Preemptions.", m.preemptions as f64);
-            one(&mut out, "counter", "vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", m.drafted as f64);
-            one(&mut out, "counter", "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", m.accepted as f64);
+            one(&mut out, "counter", "vllm:spec_decode_num_drafts_total", "Verify passes that checked drafts.", m.spec.verifies() as f64);
+            one(&mut out, "counter", "vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", m.spec.drafted as f64);
+            one(&mut out, "counter", "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", m.spec.accepted as f64);
+            per_position(&mut out, "vllm:spec_decode_num_accepted_tokens_per_pos_total", &m.spec, &labels);
             let _ = writeln!(
                 out,
                 "# HELP vllm:request_success_total Finished requests, by finish reason.\n# TYPE vllm:request_success_total counter"
@@ -473,18 +499,18 @@ mod tests {
         assert!(out.contains("x_sum{m=\"a\"} 2.65\nx_count{m=\"a\"} 4\n"), "{out}");
     }
 
-    /// A choice's usage (7 prompt and 5 output tokens, 4 drafted and 3 accepted, preempted twice)
-    /// and times (first token at 200 ms, the end at 600 ms).
+    /// A choice's usage (7 prompt and 5 output tokens; two verifies, of 3 drafts with 2 accepted
+    /// and of 1 accepted: 4 drafted and 3 accepted, drafts 0 and 1 accepted twice and once;
+    /// preempted twice) and times (first token at 200 ms, the end at 600 ms).
     fn a_choice() -> (Usage, ChoiceTimes) {
+        let mut speculation = SpecStats::default();
+        speculation.record(3, 2, 3);
+        speculation.record(1, 1, 3);
         let usage = Usage {
             prompt_tokens: 7,
             completion_tokens: 5,
             preemptions: 2,
-            speculation: qwen36::mtp::SpecStats {
-                drafted: 4,
-                accepted: 3,
-                ..Default::default()
-            },
+            speculation,
             ..Usage::default()
         };
         let times = ChoiceTimes {
@@ -523,8 +549,12 @@ mod tests {
             format!("vllm:prompt_tokens_total{{{l}}} 7"),
             format!("vllm:generation_tokens_total{{{l}}} 15"),
             format!("vllm:num_preemptions_total{{{l}}} 6"),
+            format!("vllm:spec_decode_num_drafts_total{{{l}}} 6"),
             format!("vllm:spec_decode_num_draft_tokens_total{{{l}}} 12"),
             format!("vllm:spec_decode_num_accepted_tokens_total{{{l}}} 9"),
+            format!("vllm:spec_decode_num_accepted_tokens_per_pos_total{{{l},position=\"0\"}} 6"),
+            format!("vllm:spec_decode_num_accepted_tokens_per_pos_total{{{l},position=\"1\"}} 3"),
+            format!("vllm:spec_decode_num_accepted_tokens_per_pos_total{{{l},position=\"2\"}} 0"),
             format!("vllm:request_success_total{{{l},finished_reason=\"stop\"}} 2"),
             format!("vllm:request_success_total{{{l},finished_reason=\"length\"}} 1"),
             format!("vllm:request_success_total{{{l},finished_reason=\"abort\"}} 1"),
@@ -607,8 +637,12 @@ mod tests {
             "qwen36_choices_finished_total{reason=\"abort\"} 1",
             "qwen36_prompt_tokens_total 7",
             "qwen36_generation_tokens_total 5",
+            "qwen36_spec_verifies_total 2",
             "qwen36_spec_draft_tokens_total 4",
             "qwen36_spec_accepted_tokens_total 3",
+            "qwen36_spec_accepted_tokens_per_position_total{position=\"0\"} 2",
+            "qwen36_spec_accepted_tokens_per_position_total{position=\"1\"} 1",
+            "qwen36_spec_accepted_tokens_per_position_total{position=\"2\"} 0",
             // (0.6 − 0.2) / 4 = 0.1 s per later token.
             "qwen36_time_per_output_token_seconds_sum 0.1",
             "qwen36_time_to_first_token_seconds_sum 0.2",
