@@ -45,9 +45,11 @@ impl Histogram {
     /// The histogram with `labels` (`key="value",...`, or empty) on every sample.
     fn render_labeled(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let (lead, set) = match labels {
-            "" => (String::new(), String::new()),
-            l => (format!("{l},"), format!("{{{l}}}")),
+        let lead = leading(labels);
+        let set = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
         };
         for (c, b) in self.counts.iter().zip(self.bounds) {
             let _ = writeln!(out, "{name}_bucket{{{lead}le=\"{b}\"}} {c}");
@@ -61,6 +63,16 @@ impl Histogram {
     }
 }
 
+/// `labels` (`key="value",...`) as the start of a sample's label set that names one more, or
+/// nothing when there are none.
+fn leading(labels: &str) -> String {
+    if labels.is_empty() {
+        String::new()
+    } else {
+        format!("{labels},")
+    }
+}
+
 /// A counter of the verifies that accepted each draft position (0-based, label `position`;
 /// `labels` before it on every sample, or empty): vLLM's per-position acceptance, whose ratio
 /// to the verifies is each position's acceptance rate.
@@ -69,11 +81,7 @@ fn per_position(out: &mut String, name: &str, spec: &SpecStats, labels: &str) {
         out,
         "# HELP {name} Verify passes that accepted the draft at each position.\n# TYPE {name} counter"
     );
-    let lead = if labels.is_empty() {
-        String::new()
-    } else {
-        format!("{labels},")
-    };
+    let lead = leading(labels);
     for (j, v) in spec.accepted_at.iter().enumerate() {
         let _ = writeln!(out, "{name}{{{lead}position=\"{j}\"}} {v}");
     }
