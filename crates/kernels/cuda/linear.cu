@@ -530,7 +530,10 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
 // y[m, n] = silu(gate) · up of the halves rounded to T as the two-step path rounds them (the
 // layer's output, then the SwiGLU kernel): the same bits, no intermediate in memory, one kernel
 // fewer (no residual).
-template <typename T, bool W8, int NT, int WARPS, bool SWIGLU = false>
+// PREFETCH: each warp issues its next round's weight loads before this round's products (two
+// register buffers): the same loads, products and sums in the same order, so the same bits, with
+// twice the bytes in flight.
+template <typename T, bool W8, int NT, int WARPS, bool SWIGLU = false, bool PREFETCH = false>
 __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
                             const T* __restrict__ res, T* __restrict__ y, int M, int N, int K, int bo, int bi,
                             int tile) {
@@ -558,15 +561,16 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     const float* sa = W8 ? scale + (size_t)(ra / bo) * kb : nullptr;
     const float* sb = W8 ? scale + (size_t)(rb / bo) * kb : nullptr;
     uint4 va[U][V], vb[U][V];
-    auto load = [&](int s0) {
+    uint4 pa[PREFETCH ? U : 1][V], pb[PREFETCH ? U : 1][V];
+    auto load = [&](uint4(&A)[U][V], uint4(&B)[U][V], int s0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int i = 4 * (s0 + u) + t;
             const bool in = i < kv;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                va[u][v] = in ? ld_stream256(wa + V * i + v) : make_uint4(0, 0, 0, 0);
-                vb[u][v] = in ? ld_stream256(wb + V * i + v) : make_uint4(0, 0, 0, 0);
+                A[u][v] = in ? ld_stream256(wa + V * i + v) : make_uint4(0, 0, 0, 0);
+                B[u][v] = in ? ld_stream256(wb + V * i + v) : make_uint4(0, 0, 0, 0);
             }
         }
     };
@@ -575,10 +579,14 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     pdl_launch_dependents();
     // The weights do not depend on the previous kernel: load them while it finishes.
-    load(U * warp);
+    load(va, vb, U * warp);
     pdl_wait();
     for (int s0 = U * warp; s0 < steps; s0 += 16) {
-        if (s0 != U * warp) load(s0);
+        if constexpr (PREFETCH) {
+            if (s0 + 16 < steps) load(pa, pb, s0 + 16);  // uniform in the warp
+        } else if (s0 != U * warp) {
+            load(va, vb, s0);
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int s = s0 + u;
@@ -631,6 +639,12 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
                     }
                 }
             }
+        }
+        if constexpr (PREFETCH) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int v = 0; v < V; ++v) va[u][v] = pa[u][v], vb[u][v] = pb[u][v];
         }
     }
     // One 16-byte store per lane and n-tile (scalar stores would conflict four ways on the banks).
@@ -697,6 +711,18 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     TILE_KERNELS_NT(SUFFIX, T, 6)
 TILE_KERNELS_ALL(bf16, __nv_bfloat16)
 TILE_KERNELS_ALL(f16, __half)
+
+// fp8_linear_mma_`SUFFIX`_t1_w8p: the FP8 tile kernel for 1..8 rows with 8 warps and the next
+// round prefetched (the same bits), bounded to 3 blocks an SM (77 registers, no spills on sm_90).
+// For narrow layers, whose few blocks all run at once: their loads in flight set the pace.
+#define TILE_KERNEL_PREFETCH(SUFFIX, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * 8, 3)                                          \
+        fp8_linear_mma_##SUFFIX##_t1_w8p(const T* x, const uint8_t* w, const float* scale,           \
+                                         const T* res, T* y, int M, int N, int K, int bo, int bi) {  \
+        tile_linear<T, true, 1, 8, false, true>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x);   \
+    }
+TILE_KERNEL_PREFETCH(bf16, __nv_bfloat16)
+TILE_KERNEL_PREFETCH(f16, __half)
 
 // fp8_pair_mma_`SUFFIX`: an FP8 layer (w8 [N8, K], y8 [M, N8]) and a layer of x's type (w16
 // [N16, K], y16 [M, N16]) on the same x [M, K], 1..8 rows, in one launch: blocks 0..⌈N16/16⌉ make

@@ -111,6 +111,10 @@ pub struct KernelPolicy {
     /// nothing measurable inside a CUDA graph: docs/history/BENCHMARKS-log.md, the PDL A/B runs).
     /// Ignored where unsupported.
     pub pdl: bool,
+    /// The FP8 tile kernel of narrow layers (1..8 rows) issues each warp's next round of weight
+    /// loads before this round's products: twice the bytes in flight, the same bits (on by
+    /// default: measured on an H100, docs/BENCHMARKS.md §1b).
+    pub tile_prefetch: bool,
 }
 
 impl Default for KernelPolicy {
@@ -120,13 +124,14 @@ impl Default for KernelPolicy {
 }
 
 impl KernelPolicy {
-    /// The measured defaults: every path `Auto`, PDL on (a constant, for `&KernelPolicy::DEFAULT`).
+    /// The measured defaults: every path `Auto`, PDL and the tile prefetch on (a constant, for `&KernelPolicy::DEFAULT`).
     pub const DEFAULT: Self = Self {
         chunk: ChunkPath::Auto,
         skinny: SkinnyPath::Auto,
         fp8_gemm: Fp8GemmPath::Auto,
         decode_merge: DecodeMergePath::Auto,
         pdl: true,
+        tile_prefetch: true,
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
@@ -134,7 +139,7 @@ impl KernelPolicy {
     /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
     /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`,
     /// `QWEN36_DECODE_MERGE=in-kernel` [`DecodeMergePath::InKernel`], `=kernels`
-    /// [`DecodeMergePath::Kernels`].
+    /// [`DecodeMergePath::Kernels`], `QWEN36_TILE_PREFETCH=0` clears `tile_prefetch`, `=1` sets it.
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -144,6 +149,11 @@ impl KernelPolicy {
     fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         Self {
             pdl: var("QWEN36_PDL").as_deref() != Some("0"),
+            tile_prefetch: match var("QWEN36_TILE_PREFETCH").as_deref() {
+                Some("1") => true,
+                Some("0") => false,
+                _ => Self::DEFAULT.tile_prefetch,
+            },
             fp8_gemm: fp8_gemm_from(var("QWEN36_FP8_GEMM").as_deref()),
             skinny: match var("QWEN36_SKINNY").as_deref() {
                 Some("uniform") => SkinnyPath::Uniform,
@@ -199,6 +209,7 @@ mod tests {
             ("QWEN36_FP8_GEMM", "from:9"),
             ("QWEN36_SKINNY", "uniform"),
             ("QWEN36_DECODE_MERGE", "kernels"),
+            ("QWEN36_TILE_PREFETCH", "0"),
         ]);
         assert_eq!(
             all,
@@ -207,9 +218,11 @@ mod tests {
                 fp8_gemm: Fp8GemmPath::FromRows(9),
                 skinny: SkinnyPath::Uniform,
                 decode_merge: DecodeMergePath::Kernels,
+                tile_prefetch: false,
                 ..KernelPolicy::DEFAULT
             }
         );
+        assert!(vars(&[("QWEN36_TILE_PREFETCH", "1")]).tile_prefetch);
         assert_eq!(vars(&[("QWEN36_SKINNY", "fastest")]).skinny, SkinnyPath::Fastest);
         assert!(vars(&[("QWEN36_PDL", "1")]).pdl);
         let in_kernel = vars(&[("QWEN36_DECODE_MERGE", "in-kernel")]);

@@ -1238,6 +1238,47 @@ fn tile_kernel_rows_are_batch_invariant() {
     }
 }
 
+/// The FP8 tile kernels that prefetch their next round (`KernelPolicy::tile_prefetch`, narrow
+/// layers, 1..8 rows) give the bits of those that do not, with and without a residual, bf16 and
+/// f16: the 27B's 5120-wide shape, a width not a multiple of 16 and small blocks. (Under the
+/// default, `tile_kernel_rows_are_batch_invariant` compares them with the rows past 8 too.)
+#[test]
+fn prefetching_tile_kernels_give_the_same_bits() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    let d = gpu();
+    let on = KernelPolicy {
+        tile_prefetch: true,
+        ..*P
+    };
+    let off = KernelPolicy {
+        tile_prefetch: false,
+        ..*P
+    };
+    for (k, n, block) in [
+        (6144, 5120, [128, 128]),
+        (1040, 98, [8, 64]),
+        (5120, 300, [128, 128]),
+    ] {
+        let w8 = on_gpu(&fp8_weight(n, k, block), &d);
+        let layer = |policy| Linear::from_weight(LinearWeight::Fp8(w8.clone()), None).with_policy(policy);
+        let (with, without) = (layer(on), layer(off));
+        for dt in [DType::BF16, DType::F16] {
+            for rows in [1, 2, 3, 5, 8] {
+                let x = randn(1.0, (1, rows, k), dt).to_device(&d).unwrap();
+                let res = randn(1.0, (1, rows, n), dt).to_device(&d).unwrap();
+                let run = |l: &Linear| [l.forward(&x).unwrap(), l.forward_add(&x, &res).unwrap()];
+                for (i, (got, want)) in run(&with).iter().zip(run(&without)).enumerate() {
+                    assert_eq!(
+                        max_diff(got, &want),
+                        0.0,
+                        "{dt:?} [{n}, {k}] {block:?} rows {rows} output {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Every few-row kernel policy: the default, batch-invariant tiles to 48 rows, the fastest one-row
 /// kernels, cuBLAS, the streaming kernels.
 const POLICIES: [SkinnyPath; 6] = [

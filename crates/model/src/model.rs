@@ -1124,6 +1124,7 @@ mod tests {
             fp8_gemm: qwen36_kernels::Fp8GemmPath::Dequantize,
             decode_merge: qwen36_kernels::DecodeMergePath::Kernels,
             pdl: false,
+            tile_prefetch: false,
         };
         let w = Weights::random(LoadOptions {
             kernels: policy,

@@ -219,6 +219,15 @@ fn fp8_tile_shape(m: usize, n: usize, policy: &KernelPolicy) -> (usize, usize) {
     (warps, m.div_ceil(8))
 }
 
+/// Whether the FP8 tile kernel for `n` columns in `nt` n-tiles of `warps` warps is the one that
+/// prefetches its next round: under [`KernelPolicy::tile_prefetch`], for 1..8 rows (8 warps, one
+/// n-tile) of layers of fewer than [`FEW_TILES`] tiles, whose blocks all run at once, so that the
+/// loads each keeps in flight set their pace (the 27B's 5120-wide projections 17-21% faster at
+/// 1..4 rows on an H100; wider layers up to 10% slower: docs/BENCHMARKS.md §1b).
+fn fp8_prefetches(policy: &KernelPolicy, n: usize, warps: usize, nt: usize) -> bool {
+    policy.tile_prefetch && n.div_ceil(16) < FEW_TILES && warps == 8 && nt == 1
+}
+
 /// The launch of a tile kernel (dense or FP8) over `n` columns: one block of `warps` warps per
 /// 16 columns, static shared memory only.
 fn tile_launch(n: usize, warps: usize) -> LaunchConfig {
@@ -414,7 +423,12 @@ pub(crate) fn fp8_linear(
             let y = unsafe { dev.alloc::<$t>(m * n)? };
             let sfx = dtype_suffix(op, dt)?;
             let name = if tiles {
-                format!("fp8_linear_mma_{sfx}_t{tile_nt}_w{tile_warps}")
+                let p = if fp8_prefetches(policy, n, tile_warps, tile_nt) {
+                    "p"
+                } else {
+                    ""
+                };
+                format!("fp8_linear_mma_{sfx}_t{tile_nt}_w{tile_warps}{p}")
             } else {
                 format!("fp8_linear_{sfx}_m{m}_r{columns}")
             };
