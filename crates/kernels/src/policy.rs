@@ -139,7 +139,7 @@ impl KernelPolicy {
     /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
     /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`,
     /// `QWEN36_DECODE_MERGE=in-kernel` [`DecodeMergePath::InKernel`], `=kernels`
-    /// [`DecodeMergePath::Kernels`], `QWEN36_TILE_PREFETCH=0` clears `tile_prefetch`, `=1` sets it.
+    /// [`DecodeMergePath::Kernels`], `QWEN36_TILE_PREFETCH=0` turns `tile_prefetch` off.
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -149,11 +149,7 @@ impl KernelPolicy {
     fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         Self {
             pdl: var("QWEN36_PDL").as_deref() != Some("0"),
-            tile_prefetch: match var("QWEN36_TILE_PREFETCH").as_deref() {
-                Some("1") => true,
-                Some("0") => false,
-                _ => Self::DEFAULT.tile_prefetch,
-            },
+            tile_prefetch: var("QWEN36_TILE_PREFETCH").as_deref() != Some("0"),
             fp8_gemm: fp8_gemm_from(var("QWEN36_FP8_GEMM").as_deref()),
             skinny: match var("QWEN36_SKINNY").as_deref() {
                 Some("uniform") => SkinnyPath::Uniform,
