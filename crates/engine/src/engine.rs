@@ -810,6 +810,20 @@ impl Engine {
             self.costs_to_record()
                 .record_step(plan.len(), t, started.elapsed().as_secs_f64());
         }
+        // The sequences that ended with no pairs to feed free their slots and blocks before the
+        // drafts reserve theirs (the MTP K/V of those drafting may need the blocks).
+        let (unfed, mut done): (Vec<_>, Vec<_>) = done
+            .into_iter()
+            .partition(|(i, _)| !feeds.iter().any(|f| f.0 == *i));
+        let below = |i: usize| unfed.iter().filter(|(u, _)| *u < i).count();
+        for f in &mut feeds {
+            f.0 -= below(f.0);
+        }
+        for d in &mut done {
+            d.0 -= below(d.0);
+        }
+        stats.finished += unfed.len();
+        let freed = self.end_sequences(unfed);
         let drafting = Instant::now();
         let drafted = self.mtp_draft(&feeds, &hidden, &mut stats);
         stats.drafting = drafting.elapsed();
@@ -824,9 +838,20 @@ impl Engine {
                 done.push((i, Err(format!("MTP drafting failed: {e}"))));
             }
         }
-        done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         stats.finished += done.len();
-        // Every one of them ends and is freed; the first bookkeeping error is returned.
+        let freed = freed.and(self.end_sequences(done));
+        freed.map(|()| stats)
+    }
+
+    /// Ends the running sequences `done` names (running index, its stop reason or error) and
+    /// frees them: each is removed, its blocks kept by the prefix cache where it finished, its
+    /// slot and blocks released, its last events sent. Every one of them ends; the first
+    /// bookkeeping error is returned.
+    fn end_sequences(
+        &mut self,
+        mut done: Vec<(usize, std::result::Result<StopReason, String>)>,
+    ) -> Result<()> {
+        done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         let mut freed = Ok(());
         for (index, outcome) in done {
             let mut s = self.sched.running.remove(index);
@@ -843,7 +868,7 @@ impl Engine {
             }
             freed = freed.and(kept).and(released);
         }
-        freed.map(|()| stats)
+        freed
     }
 
     /// The prefix cache's share of a step: each planned sequence whose chunk ended at a snapshot

@@ -1588,3 +1588,44 @@ fn text_streams_and_stop_strings_end_requests() {
     );
     assert_eq!(engine.pool_use(), (0, 0));
 }
+
+/// A request that ends frees its blocks before the others' MTP drafts reserve theirs: in a pool
+/// of 8 blocks of 8 (prefix cache off), a 12-token prompt that ends after 13 tokens beside a
+/// 20-token one that runs 24 (both k = 3) leaves the second its solo run's tokens and drafts, no
+/// preemption (it drafted 34 of 36 when the drafts reserved first: the step the first ended,
+/// its MTP K/V found no free block and drafted one token).
+#[test]
+fn an_ending_request_frees_its_blocks_before_the_drafts_reserve() {
+    let (model, head) = model_helpers::load_bundled();
+    let mut rng = Rng::new(5);
+    let short = echo_prompt(&model, &mut rng, 12);
+    let long = echo_prompt(&model, &mut rng, 20);
+    let mtp = |prompt: &Vec<u32>, max_tokens| Request {
+        speculation: Some(Speculation::Mtp { k: 3 }),
+        ..Request::greedy(prompt.clone(), max_tokens)
+    };
+    let run = |reqs: &[Request], kv_blocks| {
+        let cfg = EngineConfig {
+            max_seqs: 2,
+            kv_blocks,
+            prefix_snapshots: 0,
+            ..mtp_config()
+        };
+        let mut engine = Engine::with_mtp_head(model.clone(), head.clone(), cfg).unwrap();
+        let handles: Vec<RequestHandle> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        engine.run_to_completion().unwrap();
+        assert_eq!(engine.pool_use(), (0, 0));
+        handles
+            .iter()
+            .map(|h| {
+                let o = collect(h);
+                let usage = o.end.expect("every request ends").1;
+                (o.ids, usage.speculation.drafted, usage.preemptions)
+            })
+            .collect::<Vec<_>>()
+    };
+    let both = run(&[mtp(&short, 13), mtp(&long, 24)], Some(8));
+    let alone = run(&[mtp(&long, 24)], None).remove(0);
+    assert_eq!(alone.1, 36);
+    assert_eq!(both[1], alone);
+}
