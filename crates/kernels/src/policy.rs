@@ -124,7 +124,8 @@ impl Default for KernelPolicy {
 }
 
 impl KernelPolicy {
-    /// The measured defaults: every path `Auto`, PDL and the tile prefetch on (a constant, for `&KernelPolicy::DEFAULT`).
+    /// The measured defaults: every path `Auto`, PDL and the tile prefetch on (a constant, for
+    /// `&KernelPolicy::DEFAULT`).
     pub const DEFAULT: Self = Self {
         chunk: ChunkPath::Auto,
         skinny: SkinnyPath::Auto,
