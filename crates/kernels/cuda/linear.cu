@@ -583,7 +583,8 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     pdl_wait();
     for (int s0 = U * warp; s0 < steps; s0 += 16) {
         if constexpr (PREFETCH) {
-            if (s0 + 16 < steps) load(pa, pb, s0 + 16);  // uniform in the warp
+            // Past the last step, `load` fills zeros without reading memory.
+            load(pa, pb, s0 + 16);
         } else if (s0 != U * warp) {
             load(va, vb, s0);
         }
