@@ -223,7 +223,8 @@ fn fp8_tile_shape(m: usize, n: usize, policy: &KernelPolicy) -> (usize, usize) {
 /// prefetches its next round: under [`KernelPolicy::tile_prefetch`], for 1..8 rows (8 warps, one
 /// n-tile) of layers of fewer than [`FEW_TILES`] tiles, whose blocks all run at once, so that the
 /// loads each keeps in flight set their pace (the 27B's 5120-wide projections 17-21% faster at
-/// 1..4 rows on an H100; wider layers up to 10% slower: docs/BENCHMARKS.md §1b).
+/// 1..4 rows on an H100; the wider layers slower with it, at 3 or 4 blocks an SM:
+/// docs/BENCHMARKS.md §1b).
 fn fp8_prefetches(policy: &KernelPolicy, n: usize, warps: usize, nt: usize) -> bool {
     policy.tile_prefetch && n.div_ceil(16) < FEW_TILES && warps == 8 && nt == 1
 }
