@@ -528,6 +528,11 @@ impl GatedDeltaNet {
     /// The input projection of `x` (with `norm`, of `norm(x)`: the stream's own normalisation
     /// when it has one, else normalised as the projection reads it).
     fn project(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Proj> {
+        if let Some(d) = x.deferred(norm) {
+            if let Some(parts) = self.in_proj.forward_parts_deferred(d)? {
+                return Proj::new(parts);
+            }
+        }
         let (x, norm) = x.input(norm);
         Proj::new(self.in_proj.forward_parts(x, norm)?)
     }
@@ -1013,10 +1018,7 @@ mod tests {
         let xs = x.narrow(1, 8, 1)?;
         let other = next.forward(&xs)?;
         let (want, cp_plain) = l.forward_verify(&other, &mut s_plain)?;
-        let input = Stream {
-            x: xs.clone(),
-            normed: Some(other),
-        };
+        let input = Stream::with_normed(xs.clone(), other);
         let (got, cp_block) = l.forward_verify_block(&input, &norm, None, &mut s_block)?;
         let got = got.x;
         assert_eq!(max_diff(&got, &(&xs + want)?), 0.0, "verify");

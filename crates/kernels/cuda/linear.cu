@@ -533,16 +533,26 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
 // PREFETCH: each warp issues its next round's weight loads before this round's products (two
 // register buffers): the same loads, products and sums in the same order, so the same bits, with
 // twice the bytes in flight.
+// DEFERRED NORM (the residual stream's RMSNorm left to the projections that read it; both
+// optional, null pointers for neither). Out: with `ng` (the next block's norm scale, f32 [N]), a
+// block writing rows of the stream also writes yg = y·ng (rounded to T) and each row's sum of
+// squares of its 16 columns of y (as rounded), ss [M, ⌈N/16⌉] f32, summed in a fixed order. In:
+// x holds rows scaled so (yg), `ssi` [M, tiles_in] their parts' sums of squares: each row's sums
+// are multiplied by rms_inv(Σ parts in order, K, eps) before the epilogue, so the output is the
+// projection of the stream's RMSNorm, rounded at x·g where the norm kernel rounds x·inv·g.
 template <typename T, bool W8, int NT, int WARPS, bool SWIGLU = false, bool PREFETCH = false>
 __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
                             const T* __restrict__ res, T* __restrict__ y, int M, int N, int K, int bo, int bi,
-                            int tile) {
+                            int tile, const float* __restrict__ ng = nullptr, T* __restrict__ yg = nullptr,
+                            float* __restrict__ ss = nullptr, const float* __restrict__ ssi = nullptr,
+                            int tiles_in = 0, float eps = 0.f) {
     static_assert(sizeof(T) == 2 && NT >= 1 && NT <= TILE_MAX_NT, "16-bit activations, 1..8·TILE_MAX_NT rows");
     static_assert(WARPS == 4 || WARPS == 8, "16 steps per block and round");
     static_assert(WARPS * NT * 32 * 4 * 4 <= 48 * 1024, "static shared memory");
     constexpr int U = 16 / WARPS;
     constexpr int V = W8 ? 1 : 2;  // 16-byte weight vectors per lane, row and step
     __shared__ __align__(16) float part[WARPS][NT][32][4];
+    __shared__ float rinv[8 * NT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = tile * (SWIGLU ? 8 : 16);
@@ -581,6 +591,24 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
     // The weights do not depend on the previous kernel: load them while it finishes.
     load(va, vb, U * warp);
     pdl_wait();
+    if (ssi) {
+        // Row m's 1/rms from its parts' sums (warp m % WARPS): every load issued, then summed in
+        // order, then across the lanes.
+        for (int m = warp; m < M; m += WARPS) {
+            float v[NORM_PARTS_PER_LANE];
+#pragma unroll
+            for (int i = 0; i < NORM_PARTS_PER_LANE; ++i) {
+                const int p = lane + 32 * i;
+                v[i] = p < tiles_in ? ssi[(size_t)m * tiles_in + p] : 0.f;
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < NORM_PARTS_PER_LANE; ++i) sum += v[i];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) rinv[m] = rms_inv(sum, K, eps);
+        }
+    }
     for (int s0 = U * warp; s0 < steps; s0 += 16) {
         if constexpr (PREFETCH) {
             // Past the last step, `load` fills zeros without reading memory.
@@ -663,6 +691,10 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
 #pragma unroll
             for (int v = 1; v < WARPS; ++v) sum += part[v][j][lane][c];
             if constexpr (W8) sum *= F8_UNIT;
+            if (ssi) {
+                const int m = 8 * j + 2 * t + (c & 1);
+                sum *= m < M ? rinv[m] : 0.f;
+            }
             sums[c] = sum;
         }
         if constexpr (SWIGLU) {
@@ -676,29 +708,55 @@ __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w,
                 }
             }
         } else {
+            float sq[2] = {0.f, 0.f};  // rows 2t, 2t + 1: squares of this lane's two columns
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int m = 8 * j + 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
                 if (m < M && n < N) {
                     const size_t o = (size_t)m * N + n;
-                    y[o] = from_f<T>(res ? sums[c] + to_f(res[o]) : sums[c]);
+                    const T v = from_f<T>(res ? sums[c] + to_f(res[o]) : sums[c]);
+                    y[o] = v;
+                    if (ng) {
+                        const float f = to_f(v);
+                        yg[o] = from_f<T>(f * ng[n]);
+                        sq[c & 1] += f * f;
+                    }
+                }
+            }
+            if (ng) {
+                // A row's 16 columns are in the 8 lanes of its t: summed over g, in a fixed order.
+                const int tiles = (N + 15) / 16;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float v = sq[r];
+                    v += __shfl_xor_sync(0xffffffffu, v, 4);
+                    v += __shfl_xor_sync(0xffffffffu, v, 8);
+                    v += __shfl_xor_sync(0xffffffffu, v, 16);
+                    const int m = 8 * j + 2 * t + r;
+                    if (g == 0 && m < M) ss[(size_t)m * tiles + tile] = v;
                 }
             }
         }
     }
 }
+// The deferred norm's arguments of the tile kernels (tile_linear above): out (ng, yg, ss) and in
+// (ssi, tiles_in, eps), null pointers for none; the SwiGLU and pair kernels take the `in` part.
+#define NORM_ARGS(T) const float *ng, T *yg, float *ss, const float *ssi, int tiles_in, float eps
+#define NORM_PASS ng, yg, ss, ssi, tiles_in, eps
+#define NORM_IN_ARGS const float *ssi, int tiles_in, float eps
+#define NORM_IN_PASS nullptr, nullptr, nullptr, ssi, tiles_in, eps
 // fp8_linear_mma_`SUFFIX`_t`NT`_w`WARPS` (FP8 weights) and tile_linear_`SUFFIX`_t`NT`_w`WARPS`
 // (weights of x's type): M rows in NT n-tiles (M ≤ 8·NT), 4 or 8 warps per 16 columns.
 #define TILE_KERNELS(SUFFIX, T, NT, WARPS)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
         fp8_linear_mma_##SUFFIX##_t##NT##_w##WARPS(const T* x, const uint8_t* w, const float* scale, \
                                                    const T* res, T* y, int M, int N, int K, int bo,  \
-                                                   int bi) {                                         \
-        tile_linear<T, true, NT, WARPS>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x);           \
+                                                   int bi, NORM_ARGS(T)) {                           \
+        tile_linear<T, true, NT, WARPS>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x, NORM_PASS); \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) tile_linear_##SUFFIX##_t##NT##_w##WARPS( \
-        const T* x, const T* w, const T* res, T* y, int M, int N, int K) {                           \
-        tile_linear<T, false, NT, WARPS>(x, w, nullptr, res, y, M, N, K, 1, 1, blockIdx.x);          \
+        const T* x, const T* w, const T* res, T* y, int M, int N, int K, NORM_ARGS(T)) {             \
+        tile_linear<T, false, NT, WARPS>(x, w, nullptr, res, y, M, N, K, 1, 1, blockIdx.x, NORM_PASS); \
     }
 #define TILE_KERNELS_NT(SUFFIX, T, NT)                                                               \
     TILE_KERNELS(SUFFIX, T, NT, 4)                                                                   \
@@ -719,8 +777,10 @@ TILE_KERNELS_ALL(f16, __half)
 #define TILE_KERNEL_PREFETCH(SUFFIX, T)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * 8, 3)                                          \
         fp8_linear_mma_##SUFFIX##_t1_w8p(const T* x, const uint8_t* w, const float* scale,           \
-                                         const T* res, T* y, int M, int N, int K, int bo, int bi) {  \
-        tile_linear<T, true, 1, 8, false, true>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x);   \
+                                         const T* res, T* y, int M, int N, int K, int bo, int bi,    \
+                                         NORM_ARGS(T)) {                                             \
+        tile_linear<T, true, 1, 8, false, true>(x, w, scale, res, y, M, N, K, bo, bi, blockIdx.x,    \
+                                                NORM_PASS);                                          \
     }
 TILE_KERNEL_PREFETCH(bf16, __nv_bfloat16)
 TILE_KERNEL_PREFETCH(f16, __half)
@@ -734,13 +794,14 @@ TILE_KERNEL_PREFETCH(f16, __half)
 #define PAIR_KERNEL(SUFFIX, T)                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * 8)                                             \
         fp8_pair_mma_##SUFFIX(const T* x, const uint8_t* w8, const float* scale, T* y8, int N8, int bo, \
-                              int bi, const T* w16, T* y16, int N16, int M, int K) {                 \
+                              int bi, const T* w16, T* y16, int N16, int M, int K, NORM_IN_ARGS) {   \
         const int dense_tiles = (N16 + 15) / 16;                                                     \
         if ((int)blockIdx.x < dense_tiles)                                                           \
-            tile_linear<T, false, 1, 8>(x, w16, nullptr, nullptr, y16, M, N16, K, 1, 1, blockIdx.x); \
+            tile_linear<T, false, 1, 8>(x, w16, nullptr, nullptr, y16, M, N16, K, 1, 1, blockIdx.x,  \
+                                        NORM_IN_PASS);                                               \
         else                                                                                         \
             tile_linear<T, true, 1, 8>(x, w8, scale, nullptr, y8, M, N8, K, bo, bi,                  \
-                                       blockIdx.x - dense_tiles);                                    \
+                                       blockIdx.x - dense_tiles, NORM_IN_PASS);                      \
     }
 PAIR_KERNEL(bf16, __nv_bfloat16)
 PAIR_KERNEL(f16, __half)
@@ -750,16 +811,19 @@ PAIR_KERNEL(f16, __half)
 // (one n-tile), y [M, N] from a weight of 2N rows; one block per 8 output columns.
 #define SWIGLU_TILE_KERNEL(SUFFIX, T, WARPS)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                         \
-        tile_swiglu_##SUFFIX##_w##WARPS(const T* x, const T* w, T* y, int M, int N, int K) {         \
-        tile_linear<T, false, 1, WARPS, true>(x, w, nullptr, nullptr, y, M, N, K, 1, 1, blockIdx.x); \
+        tile_swiglu_##SUFFIX##_w##WARPS(const T* x, const T* w, T* y, int M, int N, int K,           \
+                                        NORM_IN_ARGS) {                                              \
+        tile_linear<T, false, 1, WARPS, true>(x, w, nullptr, nullptr, y, M, N, K, 1, 1, blockIdx.x,  \
+                                              NORM_IN_PASS);                                         \
     }
 #define SWIGLU_TILE_KERNELS(SUFFIX, T)                                                               \
     SWIGLU_TILE_KERNEL(SUFFIX, T, 4)                                                                 \
     SWIGLU_TILE_KERNEL(SUFFIX, T, 8)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * 8)                                             \
         fp8_swiglu_mma_##SUFFIX##_w8(const T* x, const uint8_t* w, const float* scale, T* y, int M,  \
-                                     int N, int K, int bo, int bi) {                                 \
-        tile_linear<T, true, 1, 8, true>(x, w, scale, nullptr, y, M, N, K, bo, bi, blockIdx.x);      \
+                                     int N, int K, int bo, int bi, NORM_IN_ARGS) {                   \
+        tile_linear<T, true, 1, 8, true>(x, w, scale, nullptr, y, M, N, K, bo, bi, blockIdx.x,       \
+                                         NORM_IN_PASS);                                              \
     }
 SWIGLU_TILE_KERNELS(bf16, __nv_bfloat16)
 SWIGLU_TILE_KERNELS(f16, __half)

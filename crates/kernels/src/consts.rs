@@ -65,6 +65,9 @@ kernel_consts! {
     // (FP8 layers run the FP8 GEMM from 9 or 17 rows where it takes them: docs/BENCHMARKS.md §4b).
     TILE_MAX_NT = 6;
     TILE_MAX_ROWS = 8 * TILE_MAX_NT;
+    // A deferred norm (tile kernels): the 16-column parts' sums of squares a lane of the reading
+    // kernel loads at once, so rows of up to 32 · 16 · this many elements (8192) defer theirs.
+    NORM_PARTS_PER_LANE = 16;
     // FP8 activations for the FP8 tensor-core GEMM (more rows than the tile kernels take):
     // elements per quantization group of a row, one scale each (cuBLASLt's 1×128 blocks).
     FP8_ACT_GROUP = 128;

@@ -115,6 +115,10 @@ pub struct KernelPolicy {
     /// loads before this round's products: twice the bytes in flight, the same bits (on by
     /// default: measured on an H100, docs/BENCHMARKS.md §1b).
     pub tile_prefetch: bool,
+    /// A residual stream of 1..8 rows written by a tile kernel leaves the next block's RMSNorm
+    /// to the tile kernels that read it (one norm launch fewer a block: see
+    /// [`crate::norm::DeferredNorm`]).
+    pub defer_norm: bool,
 }
 
 impl Default for KernelPolicy {
@@ -133,6 +137,7 @@ impl KernelPolicy {
         decode_merge: DecodeMergePath::Auto,
         pdl: true,
         tile_prefetch: true,
+        defer_norm: true,
     };
 
     /// The default with what the environment asks for A/B benchmarks: `QWEN36_PDL=0` turns
@@ -140,7 +145,8 @@ impl KernelPolicy {
     /// `QWEN36_SKINNY=fastest` [`SkinnyPath::Fastest`], `QWEN36_FP8_GEMM=dequantize`
     /// [`Fp8GemmPath::Dequantize`], `QWEN36_FP8_GEMM=from:N` [`Fp8GemmPath::FromRows`]`(N)`,
     /// `QWEN36_DECODE_MERGE=in-kernel` [`DecodeMergePath::InKernel`], `=kernels`
-    /// [`DecodeMergePath::Kernels`], `QWEN36_TILE_PREFETCH=0` turns `tile_prefetch` off.
+    /// [`DecodeMergePath::Kernels`], `QWEN36_TILE_PREFETCH=0` turns `tile_prefetch` off,
+    /// `QWEN36_DEFER_NORM=0` `defer_norm`.
     /// Read when called (at load), never during a launch.
     pub fn from_env() -> Self {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -151,6 +157,7 @@ impl KernelPolicy {
         Self {
             pdl: var("QWEN36_PDL").as_deref() != Some("0"),
             tile_prefetch: var("QWEN36_TILE_PREFETCH").as_deref() != Some("0"),
+            defer_norm: var("QWEN36_DEFER_NORM").as_deref() != Some("0"),
             fp8_gemm: fp8_gemm_from(var("QWEN36_FP8_GEMM").as_deref()),
             skinny: match var("QWEN36_SKINNY").as_deref() {
                 Some("uniform") => SkinnyPath::Uniform,
@@ -207,6 +214,7 @@ mod tests {
             ("QWEN36_SKINNY", "uniform"),
             ("QWEN36_DECODE_MERGE", "kernels"),
             ("QWEN36_TILE_PREFETCH", "0"),
+            ("QWEN36_DEFER_NORM", "0"),
         ]);
         assert_eq!(
             all,
@@ -216,10 +224,12 @@ mod tests {
                 skinny: SkinnyPath::Uniform,
                 decode_merge: DecodeMergePath::Kernels,
                 tile_prefetch: false,
+                defer_norm: false,
                 ..KernelPolicy::DEFAULT
             }
         );
         assert!(vars(&[("QWEN36_TILE_PREFETCH", "1")]).tile_prefetch);
+        assert!(vars(&[("QWEN36_DEFER_NORM", "1")]).defer_norm);
         assert_eq!(vars(&[("QWEN36_SKINNY", "fastest")]).skinny, SkinnyPath::Fastest);
         assert!(vars(&[("QWEN36_PDL", "1")]).pdl);
         let in_kernel = vars(&[("QWEN36_DECODE_MERGE", "in-kernel")]);

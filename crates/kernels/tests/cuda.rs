@@ -1469,6 +1469,121 @@ fn residual_closed_into_the_next_norm_equals_the_two_steps() {
     }
 }
 
+/// A residual stream written by the tile kernels leaves the next block's norm deferred
+/// (`KernelPolicy::defer_norm`), and the block's tile kernels that read it (dense, FP8, the SwiGLU
+/// epilogue, a mixed layer's pair) give the projection of the stream's RMSNorm: within one
+/// rounding of the f32 product of the rows they read (`x·g` rounded, each row's sums times
+/// 1/rms), and within two of the f32 product of the exact normalisation (the rounding moved from
+/// `x·g/rms` to `x·g`). The stream itself keeps the bits of `forward_add`; a row's outputs are
+/// the same bits alone and among 8 (the sums of squares and 1/rms are per row). Stream widths of
+/// 320 and 65 16-column parts (a partial last lane of the parts' sum); producers dense and FP8.
+#[test]
+fn deferred_norm_projections_match_the_norm_then_projection() {
+    use qwen36_kernels::linear::{Linear, LinearWeight};
+    use qwen36_kernels::norm::{RmsNorm, Stream};
+    use qwen36_testutil::max_row_rel_err;
+    let d = gpu();
+    let rows_of = |t: &Tensor, r: usize| t.narrow(1, 0, r).unwrap().contiguous().unwrap();
+    for (hidden, k_in, n, block) in [(5120, 1024, 640, [128, 128]), (1040, 512, 96, [8, 64])] {
+        for (dt, tol) in [(DType::BF16, 1.0 / 128.0), (DType::F16, 1.0 / 1024.0)] {
+            let g = qwen36_testutil::randn(519, 0.3, hidden, &d).unwrap();
+            let norm = RmsNorm::zero_centred(&g, 1e-6).unwrap();
+            let scale = (g.to_device(&Device::Cpu).unwrap() + 1.0).unwrap();
+            let dense_in = Linear::new(weight(hidden, k_in, dt).to_device(&d).unwrap(), None).with_policy(*P);
+            let fp8_in = Linear::from_weight(
+                LinearWeight::Fp8(on_gpu(&fp8_weight(hidden, k_in, block), &d)),
+                None,
+            )
+            .with_policy(*P);
+            let wd = weight(n, hidden, dt);
+            let w8 = fp8_weight(n, hidden, block);
+            let dense = Linear::new(wd.to_device(&d).unwrap(), None).with_policy(*P);
+            let fp8 = Linear::from_weight(LinearWeight::Fp8(on_gpu(&w8, &d)), None).with_policy(*P);
+            let pair = Linear::fused(vec![fp8.clone(), dense.clone()]).unwrap();
+            let outs = |s: &Stream| -> Vec<Tensor> {
+                let d_ = s.deferred(Some(&norm)).expect("a deferred norm");
+                let mut v = vec![
+                    dense.forward_deferred(d_).unwrap().expect("dense tiles"),
+                    fp8.forward_deferred(d_).unwrap().expect("FP8 tiles"),
+                    dense.forward_swiglu_deferred(d_).unwrap().expect("SwiGLU tiles"),
+                ];
+                let parts = pair.forward_parts_deferred(d_).unwrap().expect("the pair");
+                assert_eq!(max_diff(&parts[0], &v[1]), 0.0, "the pair's FP8 part");
+                assert_eq!(max_diff(&parts[1], &v[0]), 0.0, "the pair's dense part");
+                v.push(parts[0].clone());
+                v
+            };
+            for (what, producer) in [("dense", &dense_in), ("fp8", &fp8_in)] {
+                let x8 = randn(1.0, (1, 8, k_in), dt).to_device(&d).unwrap();
+                let res8 = randn(1.0, (1, 8, hidden), dt).to_device(&d).unwrap();
+                let mut alone = None;
+                for rows in [1, 3, 8] {
+                    let (x, res) = (rows_of(&x8, rows), rows_of(&res8, rows));
+                    let s = producer.forward_add_norm(&x, &res, Some(&norm)).unwrap();
+                    let at = format!("{dt:?} {what} [{hidden}] rows {rows}");
+                    assert!(s.normed.is_none(), "{at}");
+                    assert_eq!(
+                        max_diff(&s.x, &producer.forward_add(&x, &res).unwrap()),
+                        0.0,
+                        "{at}: sum"
+                    );
+                    // The rows as the kernels read them, and the exact normalisation, in f32.
+                    let y =
+                        s.x.squeeze(0)
+                            .unwrap()
+                            .to_device(&Device::Cpu)
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap();
+                    let inv = (y.sqr().unwrap().mean_keepdim(1).unwrap() + 1e-6)
+                        .unwrap()
+                        .sqrt()
+                        .unwrap()
+                        .recip()
+                        .unwrap();
+                    let scaled = y
+                        .broadcast_mul(&scale)
+                        .unwrap()
+                        .to_dtype(dt)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap();
+                    let exact = y.broadcast_mul(&inv).unwrap().broadcast_mul(&scale).unwrap();
+                    let got = outs(&s);
+                    let wf = [
+                        wd.to_dtype(DType::F32).unwrap(),
+                        w8.dequantize(DType::F32).unwrap(),
+                    ];
+                    for (i, w) in wf.iter().enumerate() {
+                        let got = got[i].squeeze(0).unwrap();
+                        let read = f32_product(&scaled, w).broadcast_mul(&inv).unwrap();
+                        let e = max_row_rel_err(&got, &read);
+                        assert!(e <= tol, "{at} consumer {i}: {e} from the rows read");
+                        let e = max_row_rel_err(&got, &f32_product(&exact, w));
+                        assert!(e <= 2.0 * tol, "{at} consumer {i}: {e} from the exact norm");
+                    }
+                    // The SwiGLU epilogue: the dense projection's halves (checked above), then
+                    // the activation, bit for bit.
+                    let want = qwen36_kernels::activation::swiglu(&got[0], P).unwrap();
+                    assert_eq!(max_diff(&got[2], &want), 0.0, "{at} SwiGLU");
+                    match &alone {
+                        None => alone = Some(got),
+                        Some(first) => {
+                            for (i, (a, b)) in first.iter().zip(&got).enumerate() {
+                                assert_eq!(
+                                    max_diff(a, &rows_of(b, 1)),
+                                    0.0,
+                                    "{at} consumer {i}: row 0 alone"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The in-place state updates (decode and verify passes of a model whose states live in fixed
 /// buffers) against the fresh-state ops on the same GPU: the recurrent kernel is the same code
 /// reading and writing one buffer, and the in-place conv kernel sums the same products in the

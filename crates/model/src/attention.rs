@@ -369,9 +369,14 @@ impl GatedAttention {
     fn project(&self, x: &Stream, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
         let (b, t, _) = x.x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let qkv = match x.input(block) {
-            (x, Some(norm)) => self.qkv_proj.forward_normed(x, norm)?,
-            (x, None) => self.qkv_proj.forward(x)?,
+        let deferred = match x.deferred(block) {
+            Some(d) => self.qkv_proj.forward_deferred(d)?,
+            None => None,
+        };
+        let qkv = match (deferred, x.input(block)) {
+            (Some(qkv), _) => qkv,
+            (None, (x, Some(norm))) => self.qkv_proj.forward_normed(x, norm)?,
+            (None, (x, None)) => self.qkv_proj.forward(x)?,
         };
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat; the
@@ -586,10 +591,7 @@ mod tests {
             // The second pass's input comes normalised by another norm, which it must take.
             let input = match then {
                 None => Stream::new(xs.clone()),
-                Some(n) => Stream {
-                    x: xs.clone(),
-                    normed: Some(n.forward(&xs)?),
-                },
+                Some(n) => Stream::with_normed(xs.clone(), n.forward(&xs)?),
             };
             let normed = input.normed_by(&norm)?;
             let want = (&xs + attn.forward_step(&normed, &step, &mut a)?)?;

@@ -60,9 +60,14 @@ impl Mlp {
     /// it and the down projection adds `x` as it writes, where the kernels allow (CUDA: one row;
     /// the residual add for a few rows too); otherwise separate passes, the add in `next`'s.
     pub fn forward_block(&self, x: &Stream, norm: &RmsNorm, next: Option<&RmsNorm>) -> Result<Stream> {
-        let h = match x.input(Some(norm)) {
-            (x, Some(norm)) => self.gate_up.forward_swiglu_normed(x, norm)?,
-            (x, None) => self.gate_up.forward_swiglu(x)?,
+        let deferred = match x.deferred(Some(norm)) {
+            Some(d) => self.gate_up.forward_swiglu_deferred(d)?,
+            None => None,
+        };
+        let h = match (deferred, x.input(Some(norm))) {
+            (Some(h), _) => h,
+            (None, (x, Some(norm))) => self.gate_up.forward_swiglu_normed(x, norm)?,
+            (None, (x, None)) => self.gate_up.forward_swiglu(x)?,
         };
         Ok(self.down.forward_add_norm(&h, &x.x, next)?)
     }
@@ -1101,10 +1106,7 @@ mod tests {
         let next = RmsNorm::zero_centred(&qwen36_testutil::randn(705, 0.3, h, &dev)?, 1e-6)?;
         let other = next.forward(&x)?;
         let want = (&x + mlp.forward(&other)?)?;
-        let input = Stream {
-            x: x.clone(),
-            normed: Some(other),
-        };
+        let input = Stream::with_normed(x.clone(), other);
         let got = mlp.forward_block(&input, &norm, Some(&next))?;
         assert_eq!(qwen36_testutil::max_abs_diff(&got.x, &want), 0.0);
         let normed = got.normed.expect("the next norm's pass adds the residual");
@@ -1125,6 +1127,7 @@ mod tests {
             decode_merge: qwen36_kernels::DecodeMergePath::Kernels,
             pdl: false,
             tile_prefetch: false,
+            defer_norm: false,
         };
         let w = Weights::random(LoadOptions {
             kernels: policy,

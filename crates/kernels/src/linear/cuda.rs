@@ -4,11 +4,91 @@
 use candle_core::cuda::WrapErr;
 use candle_core::{DType, Tensor};
 
-use crate::consts::{LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_THREADS, NORM_VECS, TILE_MAX_ROWS};
+use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+use candle_core::cuda::CudaDType;
+use candle_core::CudaDevice;
+
+use crate::consts::{
+    LINEAR_MAX_ROWS, LINEAR_THREADS, NORM_PARTS_PER_LANE, NORM_THREADS, NORM_VECS, TILE_MAX_ROWS,
+};
 use crate::cuda::{
     at16, contiguous16, device, dtype_suffix, err, view, wrap, KernelCall, LaunchConfig, LINEAR,
 };
 use crate::{KernelPolicy, Result, SkinnyPath};
+
+/// A tile kernel's part in a deferred RMSNorm ([`crate::norm::DeferredNorm`]; `tile_linear` in
+/// cuda/linear.cu).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct NormIo<'a> {
+    /// Writing the stream: the next block's norm scale (f32 `[n]`); the kernel also returns the
+    /// output times it and the rows' sums of squares by 16-column part ([`NormOut`]).
+    pub(crate) out: Option<&'a Tensor>,
+    /// Reading it: `x` holds rows of a stream times its norm's scale; their parts' sums of
+    /// squares (f32 `[m, ⌈k/16⌉]`) and the norm's eps.
+    pub(crate) input: Option<(&'a Tensor, f64)>,
+}
+
+/// What a kernel writing a stream gives for its deferred norm: the output times the norm's scale
+/// `[m, n]` (x's dtype) and the sums of squares `[m, ⌈n/16⌉]` f32.
+pub(crate) type NormOut = (Tensor, Tensor);
+
+/// The deferred norm's buffers and argument words for a tile kernel of `m` rows, `k` inputs and
+/// `n` outputs: the six words (`ng, yg, ss, ssi, tiles_in, eps`; zeros for the part `io` leaves
+/// out) and the output buffers it allocated. Checks the shapes (an error names the mismatch).
+#[allow(clippy::type_complexity)]
+fn norm_words<T: CudaDType + DeviceRepr>(
+    op: &'static str,
+    dev: &CudaDevice,
+    io: NormIo,
+    (m, k, n): (usize, usize, usize),
+) -> Result<([u64; 6], Option<(CudaSlice<T>, CudaSlice<f32>)>)> {
+    let stream = dev.cuda_stream();
+    let mut words = [0u64; 6];
+    let mut bufs = None;
+    if let Some(g) = io.out {
+        if g.dims() != [n] || g.dtype() != DType::F32 || !g.is_contiguous() {
+            return Err(err(
+                op,
+                format!("norm scale {:?} {:?} for {n} outputs", g.dims(), g.dtype()),
+            ));
+        }
+        let (gs, gl) = g.storage_and_layout();
+        words[0] = view::<f32>(op, &gs, gl)?.device_ptr(&stream).0;
+        // SAFETY: uninitialised; the kernel writes every element of both (each block its 16
+        // columns of every row, and that part's sum of squares).
+        let (yg, ss) = unsafe { (dev.alloc::<T>(m * n)?, dev.alloc::<f32>(m * n.div_ceil(16))?) };
+        words[1] = yg.device_ptr(&stream).0;
+        words[2] = ss.device_ptr(&stream).0;
+        bufs = Some((yg, ss));
+    }
+    if let Some((ss, eps)) = io.input {
+        let parts = k.div_ceil(16);
+        if ss.dims() != [m, parts] || ss.dtype() != DType::F32 || !ss.is_contiguous() {
+            return Err(err(
+                op,
+                format!(
+                    "sums of squares {:?} {:?} for [{m}, {parts}] f32",
+                    ss.dims(),
+                    ss.dtype()
+                ),
+            ));
+        }
+        if parts > 32 * NORM_PARTS_PER_LANE {
+            return Err(err(
+                op,
+                format!(
+                    "a deferred norm over rows of {k} (at most {})",
+                    32 * 16 * NORM_PARTS_PER_LANE
+                ),
+            ));
+        }
+        let (ssg, ssl) = ss.storage_and_layout();
+        words[3] = view::<f32>(op, &ssg, ssl)?.device_ptr(&stream).0;
+        words[4] = parts as u64;
+        words[5] = (eps as f32).to_bits() as u64;
+    }
+    Ok((words, bufs))
+}
 
 /// What the skinny kernel writes: `x·wᵀ (+ res)` with `columns` ∈ {1, 2, 4} outputs per warp,
 /// or, for `w = [gate; up]`, the MLP activation `silu(x·gateᵀ) · (x·upᵀ)` (one row).
@@ -241,15 +321,17 @@ fn tile_launch(n: usize, warps: usize) -> LaunchConfig {
 
 /// CUDA `x·wᵀ (+ res)` on tensor cores for `x: [m, k]` (contiguous, 1 ≤ m ≤ `TILE_MAX_ROWS`) and `w: [n, k]`,
 /// both bf16 or both f16, with `res: [m, n]` added as the output is written: the tile kernel, whose
-/// rows are batch-invariant (each row the same bits whatever `m`). `None` when it cannot take the
-/// operands (f32, `k` not a multiple of 16, a strided or misaligned operand); an error when the
-/// shapes or dtypes do not match.
+/// rows are batch-invariant (each row the same bits whatever `m`), with its part in a deferred
+/// norm (`io`; the output's, returned beside it). `None` when it cannot take the operands (f32,
+/// `k` not a multiple of 16, a strided or misaligned operand); an error when the shapes or dtypes
+/// do not match.
 pub(crate) fn tile_linear(
     x: &Tensor,
     w: &Tensor,
     res: Option<&Tensor>,
+    io: NormIo,
     policy: &KernelPolicy,
-) -> Result<Option<Tensor>> {
+) -> Result<Option<(Tensor, Option<NormOut>)>> {
     let op = "tile_linear";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
@@ -306,16 +388,23 @@ pub(crate) fn tile_linear(
                 None => lb.arg(&null),
             };
             lb.arg(&y).arg(&m32).arg(&n32).arg(&k32);
+            let (words, bufs) = norm_words::<$t>(op, &dev, io, (m, k, n))?;
+            for word in &words {
+                lb.arg(word);
+            }
             let cfg = tile_launch(n, warps);
             if n > 0 {
                 // SAFETY: arguments match `tile_linear_{sfx}_t{nt}_w{warps}` in cuda/linear.cu:
                 // x [m·k] and w [n·k] of T, contiguous and 16-byte aligned with k a multiple of 16
                 // (checked above), res [m·n] contiguous or a null pointer (0u64), y [m·n], i32 m
-                // (at most 8 per n-tile: nt ≥ ⌈m/8⌉), n and k; one block of `warps` warps per 16
-                // columns (static shared memory).
+                // (at most 8 per n-tile: nt ≥ ⌈m/8⌉), n and k, then the deferred norm's ng [n],
+                // yg [m·n], ss [m·⌈n/16⌉], ssi [m·⌈k/16⌉] (null pointers or tensors alive through
+                // this call, shapes checked by `norm_words`), i32 tiles_in, f32 eps; one block of
+                // `warps` warps per 16 columns (static shared memory).
                 unsafe { lb.launch(cfg) }.w()?;
             }
-            Ok(Some(wrap(y, &dev, (m, n))))
+            let out = bufs.map(|(yg, ss)| (wrap(yg, &dev, (m, n)), wrap(ss, &dev, (m, n.div_ceil(16)))));
+            Ok(Some((wrap(y, &dev, (m, n)), out)))
         }};
     }
     match dt {
@@ -360,15 +449,17 @@ fn fp8_rows_for(tiles: bool) -> usize {
 
 /// CUDA `x·(e4m3(w)·scale)ᵀ (+ res)` for `x: [m, k]` (contiguous, 1 ≤ m ≤ [`fp8_max_rows`],
 /// f32/bf16/f16) and an FP8 weight `[n, k]`, streaming the weight bytes once (half of bf16's), with
-/// `res: [m, n]` (x's dtype) added as the output is written. `None` when the kernel cannot take the
-/// operands (`k` or the column block not multiples of 16, a strided or misaligned operand): the
-/// caller dequantizes and multiplies.
+/// `res: [m, n]` (x's dtype) added as the output is written, and the tile kernel's part in a
+/// deferred norm (`io`, as [`tile_linear`]'s). `None` when the kernel cannot take the operands
+/// (`k` or the column block not multiples of 16, a strided or misaligned operand, a deferred norm
+/// outside the tile kernel): the caller dequantizes and multiplies.
 pub(crate) fn fp8_linear(
     x: &Tensor,
     w: &super::Fp8Weight,
     res: Option<&Tensor>,
+    io: NormIo,
     policy: &KernelPolicy,
-) -> Result<Option<Tensor>> {
+) -> Result<Option<(Tensor, Option<NormOut>)>> {
     let op = "fp8_linear";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
@@ -397,6 +488,7 @@ pub(crate) fn fp8_linear(
         || !contiguous16(w.q().layout(), 1)
         || res.is_some_and(|r| !r.is_contiguous())
         || !matches!(dt, DType::F32 | DType::BF16 | DType::F16)
+        || (!tiles && (io.out.is_some() || io.input.is_some()))
     {
         return Ok(None);
     }
@@ -446,6 +538,12 @@ pub(crate) fn fp8_linear(
                 lb.arg(&m32);
             }
             lb.arg(&n32).arg(&k32).arg(&bo32).arg(&bi32);
+            let (words, bufs) = norm_words::<$t>(op, &dev, io, (m, k, n))?;
+            if tiles {
+                for word in &words {
+                    lb.arg(word);
+                }
+            }
             let cfg = if tiles {
                 tile_launch(n, tile_warps)
             } else {
@@ -462,12 +560,15 @@ pub(crate) fn fp8_linear(
                 // contiguous (checked above), res [m·n] contiguous or a null pointer (0u64),
                 // y [m·n], m at most 8 (the tile kernel: at most 8 per n-tile, `fp8_tile_shape`),
                 // i32 n, k, bo, bi with bi a multiple of 16 (for the tile kernel, with x 16-bit,
-                // of 64 and k·bi below 2³², `fp8_tensor`); one warp per
-                // `columns` columns, or one block of `tile_warps` warps per 16 columns for the
-                // tile kernel (its shared memory is static).
+                // of 64 and k·bi below 2³², `fp8_tensor`), then for the tile kernel the deferred
+                // norm's six (as `tile_linear`'s, checked by `norm_words`; none elsewhere, which
+                // `io` then leaves empty, checked above); one warp per `columns` columns, or one
+                // block of `tile_warps` warps per 16 columns for the tile kernel (its shared
+                // memory is static).
                 unsafe { lb.launch(cfg) }.w()?;
             }
-            Ok(Some(wrap(y, &dev, (m, n))))
+            let out = bufs.map(|(yg, ss)| (wrap(yg, &dev, (m, n)), wrap(ss, &dev, (m, n.div_ceil(16)))));
+            Ok(Some((wrap(y, &dev, (m, n)), out)))
         }};
     }
     match dt {
@@ -489,9 +590,14 @@ pub(crate) enum SwiGluWeight<'a> {
 /// CUDA `silu(x·gateᵀ) · (x·upᵀ)`, `[m, i]`, for `x: [m, k]` (contiguous, bf16 or f16, 1 ≤ m ≤ 8)
 /// and a `[gate; up]` weight of `2·i` rows, in one launch of the tile kernel with the SwiGLU in
 /// its epilogue: the bits of the layer's tile kernel ([`tile_linear`] or [`fp8_linear`], with
-/// the warps it would take) followed by the SwiGLU kernel. `None` when that kernel cannot take the
-/// operands (the caller then runs the two steps).
-pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) -> Result<Option<Tensor>> {
+/// the warps it would take, reading a deferred norm's rows with `norm`) followed by the SwiGLU
+/// kernel. `None` when that kernel cannot take the operands (the caller then runs the two steps).
+pub(crate) fn tile_swiglu(
+    x: &Tensor,
+    w: SwiGluWeight,
+    norm: Option<(&Tensor, f64)>,
+    policy: &KernelPolicy,
+) -> Result<Option<Tensor>> {
     let op = "tile_swiglu";
     let dt = x.dtype();
     let (m, k) = x.dims2()?;
@@ -541,6 +647,11 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
             let y = unsafe { dev.alloc::<$t>(m * n)? };
             let sfx = dtype_suffix(op, dt)?;
             let (m32, n32, k32) = (m as i32, n as i32, k as i32);
+            let input = NormIo {
+                out: None,
+                input: norm,
+            };
+            let (words, _) = norm_words::<$t>(op, &dev, input, (m, k, 2 * n))?;
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(8) as u32, 1, 1),
                 block_dim: (32 * warps as u32, 1, 1),
@@ -553,12 +664,16 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
                     let func = LINEAR.func(&dev, &format!("tile_swiglu_{sfx}_w{warps}"))?;
                     let mut lb = KernelCall::new(&dev, &func, policy);
                     lb.arg(&xv).arg(&wv).arg(&y).arg(&m32).arg(&n32).arg(&k32);
+                    for word in &words[3..] {
+                        lb.arg(word);
+                    }
                     if n > 0 {
                         // SAFETY: arguments match `tile_swiglu_{sfx}_w{warps}` in cuda/linear.cu:
                         // x [m·k] and w [2n·k] of T, contiguous and 16-byte aligned with k a
                         // multiple of 16 (checked above), y [m·n], i32 m (1..=8: one n-tile), n,
-                        // k; one block of `warps` (4 or 8) warps per 8 output columns (static
-                        // shared memory).
+                        // k, then a deferred norm's ssi [m·⌈k/16⌉] (null or checked by
+                        // `norm_words`), i32 tiles_in, f32 eps; one block of `warps` (4 or 8)
+                        // warps per 8 output columns (static shared memory).
                         unsafe { lb.launch(cfg) }.w()?;
                     }
                 }
@@ -579,13 +694,17 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
                         .arg(&n32)
                         .arg(&k32);
                     lb.arg(&bo32).arg(&bi32);
+                    for word in &words[3..] {
+                        lb.arg(word);
+                    }
                     if n > 0 {
                         // SAFETY: arguments match `fp8_swiglu_mma_{sfx}_w{warps}` in
                         // cuda/linear.cu: x [m·k] of T (16-byte aligned), w [2n·k] bytes (16-byte
                         // aligned, k a multiple of 16) and scale [⌈2n/bo⌉·⌈k/bi⌉] f32, contiguous,
                         // bi a multiple of 64 with k·bi below 2³² (`fp8_fits`, `fp8_tensor`,
-                        // checked above), y [m·n], i32 m (1..=8), n, k, bo, bi; one block of
-                        // `warps` warps per 8 output columns (static shared memory).
+                        // checked above), y [m·n], i32 m (1..=8), n, k, bo, bi, then the deferred
+                        // norm's three (as above); one block of `warps` warps per 8 output
+                        // columns (static shared memory).
                         unsafe { lb.launch(cfg) }.w()?;
                     }
                 }
@@ -602,12 +721,14 @@ pub(crate) fn tile_swiglu(x: &Tensor, w: SwiGluWeight, policy: &KernelPolicy) ->
 /// The FP8 layer `w8` and the dense layer `w16` (x's dtype, no biases) on the same `x: [m, k]`
 /// (contiguous, bf16 or f16, 1 ≤ m ≤ 8) in one launch of the tile kernels (`fp8_pair_mma_*`):
 /// `(x·(e4m3(w8)·scale)ᵀ, x·w16ᵀ)`, each the bits of its own launch ([`fp8_linear`],
-/// [`tile_linear`]), which the pair repeats: 8 warps per 16 columns, the FP8 tile path.
-/// `None` when one of them would not take that path (then the caller runs them apart).
+/// [`tile_linear`]), which the pair repeats: 8 warps per 16 columns, the FP8 tile path; with
+/// `norm`, both reading a deferred norm's rows. `None` when one of them would not take that path
+/// (then the caller runs them apart).
 pub(crate) fn fp8_dense_pair(
     x: &Tensor,
     w8: &super::Fp8Weight,
     w16: &Tensor,
+    norm: Option<(&Tensor, f64)>,
     policy: &KernelPolicy,
 ) -> Result<Option<(Tensor, Tensor)>> {
     let op = "fp8_dense_pair";
@@ -666,14 +787,24 @@ pub(crate) fn fp8_dense_pair(
                 .arg(&bo32)
                 .arg(&bi32);
             lb.arg(&wv).arg(&y16).arg(&n16_32).arg(&m32).arg(&k32);
+            let input = NormIo {
+                out: None,
+                input: norm,
+            };
+            let (words, _) = norm_words::<$t>(op, &dev, input, (m, k, n8 + n16))?;
+            for word in &words[3..] {
+                lb.arg(word);
+            }
             let cfg = tile_launch(n8.div_ceil(16) * 16 + n16.div_ceil(16) * 16, 8);
             if n8 + n16 > 0 {
                 // SAFETY: arguments match `fp8_pair_mma_{sfx}` in cuda/linear.cu: x [m·k] of T,
                 // w8 [n8·k] bytes and w16 [n16·k] of T, contiguous and 16-byte aligned, with
                 // scale [⌈n8/bo⌉·⌈k/bi⌉] f32 contiguous, k a multiple of 16, bi of 64 and k·bi
                 // below 2³² (`fp8_fits`, `fp8_tensor`, checked above), y8 [m·n8] and y16 [m·n16], i32
-                // n8, bo, bi, n16, m (1..=8: one n-tile) and k; one block of 8 warps per 16
-                // columns of either layer, the dense layer's first (static shared memory).
+                // n8, bo, bi, n16, m (1..=8: one n-tile) and k, then a deferred norm's ssi
+                // [m·⌈k/16⌉] (null or checked by `norm_words`), i32 tiles_in, f32 eps; one block
+                // of 8 warps per 16 columns of either layer, the dense layer's first (static
+                // shared memory).
                 unsafe { lb.launch(cfg) }.w()?;
             }
             Ok(Some((wrap(y8, &dev, (m, n8)), wrap(y16, &dev, (m, n16)))))

@@ -50,7 +50,7 @@ pub fn fp8_quantize_activations(x: &Tensor, policy: &KernelPolicy) -> Result<(Te
 
 use candle_core::{Module, Tensor};
 
-use crate::norm::{RmsNorm, Stream};
+use crate::norm::{DeferredNorm, RmsNorm, Stream};
 use crate::policy::SkinnyPath;
 use crate::{Error, KernelPolicy, Result};
 
@@ -169,10 +169,7 @@ fn add_norm(y: Tensor, added: bool, residual: &Tensor, next: Option<&RmsNorm>) -
         (false, None) => Stream::new((residual + y)?),
         (false, Some(norm)) => {
             let (normed, sum) = norm.forward_residual(&y, residual)?;
-            Stream {
-                x: sum,
-                normed: Some(normed),
-            }
+            Stream::with_normed(sum, normed)
         }
     })
 }
@@ -424,7 +421,7 @@ impl Linear {
                 let normed = norm.map(|n| n.forward(x)).transpose()?;
                 let x = normed.as_ref().unwrap_or(x);
                 #[cfg(feature = "cuda")]
-                if let Some(outs) = Self::forward_pair(parts, x)? {
+                if let Some(outs) = Self::forward_pair(parts, x, None)? {
                     return Ok(outs);
                 }
                 parts.iter().map(|p| p.forward(x)).collect()
@@ -456,7 +453,7 @@ impl Linear {
     /// pass); otherwise the two steps.
     pub fn forward_swiglu(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(y) = self.forward_tile_swiglu(x)? {
+        if let Some(y) = self.forward_tile_swiglu(x, None)? {
             return Ok(y);
         }
         #[cfg(feature = "cuda")]
@@ -531,11 +528,16 @@ impl Linear {
     /// residual is added by a pass of its own (the matmul path, the FP8 GEMM, a layer with a
     /// bias, the CPU), that pass is `next`'s kernel, which writes the sum and its normalisation
     /// (the same bits as the add, then the norm), so the block needs no norm pass; where the
-    /// few-row kernels add the residual as they write, or `next` is `None`, the stream comes
-    /// without its normalisation.
+    /// tile kernels add it (1..8 rows, [`KernelPolicy::defer_norm`]), they also leave `next`'s
+    /// norm deferred ([`DeferredNorm`]) for the block's tile kernels; where the other few-row
+    /// kernels add it, or `next` is `None`, the stream comes without its normalisation.
     pub fn forward_add_norm(&self, x: &Tensor, residual: &Tensor, next: Option<&RmsNorm>) -> Result<Stream> {
         if !self.adds_residual {
             return Ok(Stream::new(self.forward(x)?));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = self.forward_add_deferred(x, residual, next)? {
+            return Ok(stream);
         }
         #[cfg(feature = "cuda")]
         if let Some((y, added)) = self.forward_tiles(x, Some(residual))? {
@@ -598,7 +600,8 @@ impl Linear {
         let dims = out_dims(x, n);
         let r2 = residual_rows(residual, &dims, rows)?.filter(|_| self.bias().is_none());
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        let Some(y) = cuda::tile_linear(&x2, w, r2.as_ref(), &self.policy)? else {
+        let Some((y, _)) = cuda::tile_linear(&x2, w, r2.as_ref(), cuda::NormIo::default(), &self.policy)?
+        else {
             return Ok(None);
         };
         let y = y.reshape(dims)?;
@@ -644,6 +647,125 @@ impl Linear {
 }
 
 impl Linear {
+    /// `self.forward(norm(x))` for a stream `x` whose `norm` was deferred (`d`): through the
+    /// tile kernels that read it, `None` where they do not take its rows (the caller normalises
+    /// and takes another path).
+    pub fn forward_deferred(&self, d: &DeferredNorm) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        {
+            let x = &d.scaled;
+            let k = x.dim(candle_core::D::Minus1)?;
+            let rows = x.elem_count() / k.max(1);
+            let x2 = x.reshape((rows, k))?;
+            let io = cuda::NormIo {
+                out: None,
+                input: Some((&d.sumsq, d.eps)),
+            };
+            let y = match &self.kind {
+                Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
+                    Some(w) => cuda::tile_linear(&x2, w, None, io, &self.policy)?,
+                    None => None,
+                },
+                Kind::Fp8 { w, .. } if rows <= SKINNY_MAX_ROWS && self.fp8_tiles(w, x)? => {
+                    cuda::fp8_linear(&x2, w, None, io, &self.policy)?
+                }
+                _ => None,
+            };
+            if let Some((y, _)) = y {
+                let y = y.reshape(out_dims(x, self.out_features()))?;
+                return Ok(Some(match self.bias() {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                }));
+            }
+        }
+        let _ = d;
+        Ok(None)
+    }
+
+    /// [`Self::forward_deferred`] as [`Self::forward_parts`] gives it (a fused layer of mixed
+    /// weights in one launch where its parts allow).
+    pub fn forward_parts_deferred(&self, d: &DeferredNorm) -> Result<Option<Vec<Tensor>>> {
+        match &self.kind {
+            Kind::Parts(parts) => {
+                #[cfg(feature = "cuda")]
+                if let Some(outs) = Self::forward_pair(parts, &d.scaled, Some((&d.sumsq, d.eps)))? {
+                    return Ok(Some(outs));
+                }
+                parts.iter().map(|p| p.forward_deferred(d)).collect()
+            }
+            _ => Ok(self.forward_deferred(d)?.map(|y| vec![y])),
+        }
+    }
+
+    /// `self.forward_swiglu(norm(x))` for a stream whose `norm` was deferred (`d`), as
+    /// [`Self::forward_deferred`].
+    pub fn forward_swiglu_deferred(&self, d: &DeferredNorm) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.forward_tile_swiglu(&d.scaled, Some((&d.sumsq, d.eps)))? {
+            return Ok(Some(y));
+        }
+        let _ = d;
+        Ok(None)
+    }
+
+    /// The residual connection through the tile kernel (1..=[`SKINNY_MAX_ROWS`] rows, no bias,
+    /// [`KernelPolicy::defer_norm`]), which also leaves `next`'s norm deferred for the block it
+    /// opens; `None` for the other paths.
+    #[cfg(feature = "cuda")]
+    fn forward_add_deferred(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        next: Option<&RmsNorm>,
+    ) -> Result<Option<Stream>> {
+        let Some(norm) = next.filter(|_| self.policy.defer_norm) else {
+            return Ok(None);
+        };
+        if self.bias().is_some() || !x.device().is_cuda() || x.rank() == 0 {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        if rows == 0 || rows > SKINNY_MAX_ROWS {
+            return Ok(None);
+        }
+        let dims = out_dims(x, self.out_features());
+        let Some(r2) = residual_rows(Some(residual), &dims, rows)? else {
+            return Ok(None);
+        };
+        let (g, eps) = norm.parts();
+        let io = cuda::NormIo {
+            out: Some(g),
+            input: None,
+        };
+        let x2 = x.contiguous()?.reshape((rows, k))?;
+        let got = match &self.kind {
+            Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
+                Some(w) => cuda::tile_linear(&x2, w, Some(&r2), io, &self.policy)?,
+                None => None,
+            },
+            Kind::Fp8 { w, bias: None } if self.fp8_tiles(w, x)? => {
+                cuda::fp8_linear(&x2, w, Some(&r2), io, &self.policy)?
+            }
+            _ => None,
+        };
+        let Some((y, Some((scaled, sumsq)))) = got else {
+            return Ok(None);
+        };
+        Ok(Some(Stream {
+            x: y.reshape(dims.as_slice())?,
+            normed: None,
+            deferred: Some(DeferredNorm {
+                scaled: scaled.reshape(dims)?,
+                sumsq,
+                eps,
+            }),
+        }))
+    }
+}
+
+impl Linear {
     /// The CUDA FP8 kernels for 1..=[`TILE_MAX_ROWS`] rows with 16-bit activations, 1..=
     /// [`SKINNY_MAX_ROWS`] else (weights read as e4m3, scaled per block in registers), adding
     /// `residual` as it writes when given; `None` for the dequantize-then-matmul path. Callers try
@@ -669,10 +791,12 @@ impl Linear {
         let dims = out_dims(x, n);
         let r2 = residual_rows(residual, &dims, rows)?;
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        Ok(match cuda::fp8_linear(&x2, w, r2.as_ref(), &self.policy)? {
-            Some(y) => Some(y.reshape(dims)?),
-            None => None,
-        })
+        Ok(
+            match cuda::fp8_linear(&x2, w, r2.as_ref(), cuda::NormIo::default(), &self.policy)? {
+                Some((y, _)) => Some(y.reshape(dims)?),
+                None => None,
+            },
+        )
     }
 }
 
@@ -693,9 +817,10 @@ impl Linear {
 
     /// `forward_swiglu` in one launch of the tile kernel with the SwiGLU in its epilogue, where
     /// the layer (no bias) would run `x` through its tile kernel (dense, or FP8 short of the FP8
-    /// GEMM): the bits of the two steps; `None` for the two steps.
+    /// GEMM): the bits of the two steps; `None` for the two steps. With `norm`, `x` holds a
+    /// deferred norm's rows and `norm` their sums of squares and eps.
     #[cfg(feature = "cuda")]
-    fn forward_tile_swiglu(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    fn forward_tile_swiglu(&self, x: &Tensor, norm: Option<(&Tensor, f64)>) -> Result<Option<Tensor>> {
         if self.bias().is_some() || x.rank() == 0 || !x.device().is_cuda() {
             return Ok(None);
         }
@@ -710,7 +835,7 @@ impl Linear {
             _ => return Ok(None),
         };
         let x2 = x.contiguous()?.reshape((rows, k))?;
-        Ok(match cuda::tile_swiglu(&x2, w, &self.policy)? {
+        Ok(match cuda::tile_swiglu(&x2, w, norm, &self.policy)? {
             Some(y) => Some(y.reshape(out_dims(x, self.out_features() / 2))?),
             None => None,
         })
@@ -721,9 +846,13 @@ impl Linear {
     /// The two parts of a mixed layer, one FP8 and one dense (neither with a bias), in one launch
     /// of their tile kernels where each part would run its tile kernel alone (the same bits: one
     /// launch fewer, and the small dense part no longer waits for its own): their outputs in
-    /// order; `None` for one launch a part.
+    /// order; `None` for one launch a part. With `norm`, as [`Self::forward_tile_swiglu`].
     #[cfg(feature = "cuda")]
-    fn forward_pair(parts: &[Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    fn forward_pair(
+        parts: &[Linear],
+        x: &Tensor,
+        norm: Option<(&Tensor, f64)>,
+    ) -> Result<Option<Vec<Tensor>>> {
         let (fp8_first, fp8_layer, dense) = match parts {
             [a, b] if matches!(b.kind, Kind::Dense(_)) => (true, a, b),
             [a, b] if matches!(a.kind, Kind::Dense(_)) => (false, b, a),
@@ -737,7 +866,7 @@ impl Linear {
         }
         let k = x.dim(candle_core::D::Minus1)?;
         let x2 = x.contiguous()?.reshape((x.elem_count() / k.max(1), k))?;
-        let Some((y8, y16)) = cuda::fp8_dense_pair(&x2, fp8, w16, &fp8_layer.policy)? else {
+        let Some((y8, y16)) = cuda::fp8_dense_pair(&x2, fp8, w16, norm, &fp8_layer.policy)? else {
             return Ok(None);
         };
         let y8 = y8.reshape(out_dims(x, fp8.dims().0))?;

@@ -81,12 +81,48 @@ pub struct Stream {
     pub x: Tensor,
     /// `x` normalised by the norm of the block it enters, when already computed.
     pub normed: Option<Tensor>,
+    /// That normalisation left to the CUDA tile kernels of the block's first projection, when
+    /// the kernel that wrote `x` prepared it.
+    pub deferred: Option<DeferredNorm>,
+}
+
+/// A residual stream's RMSNorm left to the tile kernels that read it (CUDA, 1..8 rows): the
+/// kernel writing the stream `x: [rows, d]` also wrote `scaled = x ⊙ g` (g the norm's scale,
+/// rounded to x's dtype) and each row's sums of squares of x by 16-column part, `sumsq: [rows,
+/// ⌈d/16⌉]` f32; a projection reading `scaled` multiplies each row's sums by `1 / rms(x)` (the
+/// parts summed in order). That is `norm(x)`'s projection with one rounding moved (at `x·g`
+/// instead of `x·g/rms`), the same for every row count, and no norm launch.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct DeferredNorm {
+    pub(crate) scaled: Tensor,
+    pub(crate) sumsq: Tensor,
+    pub(crate) eps: f64,
 }
 
 impl Stream {
     /// A stream whose normalisation is still to be computed.
     pub fn new(x: Tensor) -> Self {
-        Self { x, normed: None }
+        Self {
+            x,
+            normed: None,
+            deferred: None,
+        }
+    }
+
+    /// A stream with its normalisation by the norm of the block it enters.
+    pub fn with_normed(x: Tensor, normed: Tensor) -> Self {
+        Self {
+            x,
+            normed: Some(normed),
+            deferred: None,
+        }
+    }
+
+    /// The deferred normalisation, for a block that opens with `norm` (which must be the norm it
+    /// was prepared with, as for `normed`); `None` without one.
+    pub fn deferred(&self, norm: Option<&RmsNorm>) -> Option<&DeferredNorm> {
+        norm.and(self.deferred.as_ref())
     }
 
     /// What a block's first projection reads, with the norm it must still apply: with the block's
