@@ -538,7 +538,8 @@ __device__ __forceinline__ uint4 ld_stream256(const uint4* p) {
 // block writing rows of the stream also writes yg = y·ng (rounded to T) and each row's sum of
 // squares of its 16 columns of y (as rounded), ss [M, ⌈N/16⌉] f32, summed in a fixed order. In:
 // x holds rows scaled so (yg), `ssi` [M, tiles_in] their parts' sums of squares: each row's sums
-// are multiplied by rms_inv(Σ parts in order, K, eps) before the epilogue, so the output is the
+// are multiplied by rms_inv(Σ parts, K, eps) before the epilogue (each lane sums the parts
+// p ≡ lane mod 32 in order, then the lanes a fixed butterfly: one order whatever M), so the output is the
 // projection of the stream's RMSNorm, rounded at x·g where the norm kernel rounds x·inv·g.
 template <typename T, bool W8, int NT, int WARPS, bool SWIGLU = false, bool PREFETCH = false>
 __device__ void tile_linear(const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,

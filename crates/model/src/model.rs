@@ -614,6 +614,24 @@ impl Qwen36Model {
         Ok(x.normed_by(&self.norm)?.squeeze(0)?)
     }
 
+    /// Whether layer `i` passes the next block's norm along with its output in a pass of `t`
+    /// tokens: on CUDA not into or out of a layer that a graphed pass runs outside its graphs
+    /// (`DecoderLayer::graph_safe`), whose segments pass the stream alone, so that a graphed and
+    /// an eager pass give the same bits (a deferred norm rounds where the norm kernel does not).
+    fn joins(&self, i: usize, t: usize) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            let safe = |l: usize| {
+                self.layers
+                    .get(l)
+                    .is_none_or(|layer| layer.graph_safe(t, self.dtype, &self.device))
+            };
+            return safe(i) && safe(i + 1);
+        }
+        let _ = (i, t);
+        true
+    }
+
     /// The norm that opens the block after layer `i`: the next layer's input norm, or the final
     /// norm after the last.
     fn norm_after(&self, i: usize) -> &RmsNorm {
@@ -869,7 +887,7 @@ impl Qwen36Model {
                 ),
                 _ => None,
             };
-            let next = Some(self.norm_after(i));
+            let next = Some(self.norm_after(i)).filter(|_| self.joins(i, t));
             let (y, cp) = layer.forward(&x, next, lc, &step, checkpoints.is_some())?;
             #[cfg(feature = "fault-injection")]
             if let (Some(old), LayerCache::Gdn(s)) = (stale, &mut *lc) {

@@ -709,9 +709,12 @@ impl Linear {
         Ok(None)
     }
 
-    /// The residual connection through the tile kernel (1..=[`SKINNY_MAX_ROWS`] rows, no bias,
-    /// [`KernelPolicy::defer_norm`]), which also leaves `next`'s norm deferred for the block it
-    /// opens; `None` for the other paths.
+    /// The residual connection through the tile kernel (1..=[`SKINNY_MAX_ROWS`] bf16 rows, no
+    /// bias, [`KernelPolicy::defer_norm`] under [`SkinnyPath::Auto`]), which also leaves `next`'s
+    /// norm deferred for the block it opens; `None` for the other paths. Only bf16: an f16
+    /// stream times the norm's scale could overflow where its normalisation would not. Not
+    /// under `Uniform`, whose tile kernels take rows past 8 (with the norm kernel) and must give
+    /// each row the bits it has among 8.
     #[cfg(feature = "cuda")]
     fn forward_add_deferred(
         &self,
@@ -719,10 +722,19 @@ impl Linear {
         residual: &Tensor,
         next: Option<&RmsNorm>,
     ) -> Result<Option<Stream>> {
-        let Some(norm) = next.filter(|_| self.policy.defer_norm) else {
+        let Some(norm) = next.filter(|_| self.policy.defer_norm && self.policy.skinny == SkinnyPath::Auto)
+        else {
             return Ok(None);
         };
-        if self.bias().is_some() || !x.device().is_cuda() || x.rank() == 0 {
+        if self.bias().is_some()
+            || !x.device().is_cuda()
+            || x.rank() == 0
+            || x.dtype() != candle_core::DType::BF16
+        {
+            return Ok(None);
+        }
+        // The reading kernels sum at most this many parts a row.
+        if self.out_features().div_ceil(16) > 32 * crate::consts::NORM_PARTS_PER_LANE {
             return Ok(None);
         }
         let k = x.dim(candle_core::D::Minus1)?;

@@ -90,7 +90,7 @@ pub struct Stream {
 /// kernel writing the stream `x: [rows, d]` also wrote `scaled = x ⊙ g` (g the norm's scale,
 /// rounded to x's dtype) and each row's sums of squares of x by 16-column part, `sumsq: [rows,
 /// ⌈d/16⌉]` f32; a projection reading `scaled` multiplies each row's sums by `1 / rms(x)` (the
-/// parts summed in order). That is `norm(x)`'s projection with one rounding moved (at `x·g`
+/// parts summed in one fixed order). That is `norm(x)`'s projection with one rounding moved (at `x·g`
 /// instead of `x·g/rms`), the same for every row count, and no norm launch.
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
