@@ -528,13 +528,7 @@ impl GatedDeltaNet {
     /// The input projection of `x` (with `norm`, of `norm(x)`: the stream's own normalisation
     /// when it has one, else normalised as the projection reads it).
     fn project(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Proj> {
-        if let Some(d) = x.deferred(norm) {
-            if let Some(parts) = self.in_proj.forward_parts_deferred(d)? {
-                return Proj::new(parts);
-            }
-        }
-        let (x, norm) = x.input(norm);
-        Proj::new(self.in_proj.forward_parts(x, norm)?)
+        Proj::new(self.in_proj.forward_parts_stream(x, norm)?)
     }
 
     /// The conv and the delta rule of `proj: [batch, len, qkv|z|b|a]` (the input projection's

@@ -369,15 +369,7 @@ impl GatedAttention {
     fn project(&self, x: &Stream, block: Option<&RmsNorm>, cos: &Tensor, sin: &Tensor) -> Result<Heads> {
         let (b, t, _) = x.x.dims3()?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let deferred = match x.deferred(block) {
-            Some(d) => self.qkv_proj.forward_deferred(d)?,
-            None => None,
-        };
-        let qkv = match (deferred, x.input(block)) {
-            (Some(qkv), _) => qkv,
-            (None, (x, Some(norm))) => self.qkv_proj.forward_normed(x, norm)?,
-            (None, (x, None)) => self.qkv_proj.forward(x)?,
-        };
+        let qkv = self.qkv_proj.forward_stream(x, block)?;
         let (qd, kd) = (2 * nh * hd, nkv * hd);
         // q_proj rows are [q_h0 | gate_h0 | q_h1 | gate_h1 | ...]: split per head, not flat; the
         // gates are a strided view [b, t, nh, hd] (no copy).

@@ -60,15 +60,7 @@ impl Mlp {
     /// it and the down projection adds `x` as it writes, where the kernels allow (CUDA: one row;
     /// the residual add for a few rows too); otherwise separate passes, the add in `next`'s.
     pub fn forward_block(&self, x: &Stream, norm: &RmsNorm, next: Option<&RmsNorm>) -> Result<Stream> {
-        let deferred = match x.deferred(Some(norm)) {
-            Some(d) => self.gate_up.forward_swiglu_deferred(d)?,
-            None => None,
-        };
-        let h = match (deferred, x.input(Some(norm))) {
-            (Some(h), _) => h,
-            (None, (x, Some(norm))) => self.gate_up.forward_swiglu_normed(x, norm)?,
-            (None, (x, None)) => self.gate_up.forward_swiglu(x)?,
-        };
+        let h = self.gate_up.forward_swiglu_stream(x, Some(norm))?;
         Ok(self.down.forward_add_norm(&h, &x.x, next)?)
     }
 }

@@ -647,32 +647,69 @@ impl Linear {
 }
 
 impl Linear {
+    /// `self.forward(block(x))` for the residual stream `x` entering the block opened by `norm`
+    /// (`None`: a layer outside a block, `x` as it is): from the rows of its deferred norm where
+    /// the tile kernels take them, else its normalisation when it comes with one, else
+    /// normalising as the layer reads it ([`Self::forward_normed`]).
+    pub fn forward_stream(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Tensor> {
+        if let Some(d) = x.deferred(norm) {
+            if let Some(y) = self.forward_deferred(d)? {
+                return Ok(y);
+            }
+        }
+        match x.input(norm) {
+            (x, Some(norm)) => self.forward_normed(x, norm),
+            (x, None) => self.forward(x),
+        }
+    }
+
+    /// [`Self::forward_stream`] as [`Self::forward_parts`] gives it: a fused layer of mixed
+    /// weights in one launch where its parts allow, else each part from the stream as
+    /// [`Self::forward_stream`] reads it (a part the deferred rows' kernels do not take normalises
+    /// the stream itself; the others' launches stand).
+    pub fn forward_parts_stream(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Vec<Tensor>> {
+        match (&self.kind, x.deferred(norm)) {
+            (Kind::Parts(parts), Some(d)) => {
+                #[cfg(feature = "cuda")]
+                if let Some(outs) = Self::forward_pair(parts, &d.scaled, Some((&d.sumsq, d.eps)))? {
+                    return Ok(outs);
+                }
+                let _ = d;
+                parts.iter().map(|p| p.forward_stream(x, norm)).collect()
+            }
+            (Kind::Parts(_), None) => {
+                let (x, norm) = x.input(norm);
+                self.forward_parts(x, norm)
+            }
+            _ => Ok(vec![self.forward_stream(x, norm)?]),
+        }
+    }
+
+    /// `self.forward_swiglu(block(x))` for the stream `x` entering the block opened by `norm`,
+    /// read as [`Self::forward_stream`] reads it.
+    pub fn forward_swiglu_stream(&self, x: &Stream, norm: Option<&RmsNorm>) -> Result<Tensor> {
+        if let Some(d) = x.deferred(norm) {
+            if let Some(y) = self.forward_swiglu_deferred(d)? {
+                return Ok(y);
+            }
+        }
+        match x.input(norm) {
+            (x, Some(norm)) => self.forward_swiglu_normed(x, norm),
+            (x, None) => self.forward_swiglu(x),
+        }
+    }
+
     /// `self.forward(norm(x))` for a stream `x` whose `norm` was deferred (`d`): through the
-    /// tile kernels that read it, `None` where they do not take its rows (the caller normalises
-    /// and takes another path).
+    /// tile kernels that read it, `None` where they do not take its rows.
     pub fn forward_deferred(&self, d: &DeferredNorm) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         {
-            let x = &d.scaled;
-            let k = x.dim(candle_core::D::Minus1)?;
-            let rows = x.elem_count() / k.max(1);
-            let x2 = x.reshape((rows, k))?;
             let io = cuda::NormIo {
                 out: None,
                 input: Some((&d.sumsq, d.eps)),
             };
-            let y = match &self.kind {
-                Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
-                    Some(w) => cuda::tile_linear(&x2, w, None, io, &self.policy)?,
-                    None => None,
-                },
-                Kind::Fp8 { w, .. } if rows <= SKINNY_MAX_ROWS && self.fp8_tiles(w, x)? => {
-                    cuda::fp8_linear(&x2, w, None, io, &self.policy)?
-                }
-                _ => None,
-            };
-            if let Some((y, _)) = y {
-                let y = y.reshape(out_dims(x, self.out_features()))?;
+            if let Some((y, _)) = self.tile_launch(&d.scaled, None, io)? {
+                let y = y.reshape(out_dims(&d.scaled, self.out_features()))?;
                 return Ok(Some(match self.bias() {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,
@@ -681,21 +718,6 @@ impl Linear {
         }
         let _ = d;
         Ok(None)
-    }
-
-    /// [`Self::forward_deferred`] as [`Self::forward_parts`] gives it (a fused layer of mixed
-    /// weights in one launch where its parts allow).
-    pub fn forward_parts_deferred(&self, d: &DeferredNorm) -> Result<Option<Vec<Tensor>>> {
-        match &self.kind {
-            Kind::Parts(parts) => {
-                #[cfg(feature = "cuda")]
-                if let Some(outs) = Self::forward_pair(parts, &d.scaled, Some((&d.sumsq, d.eps)))? {
-                    return Ok(Some(outs));
-                }
-                parts.iter().map(|p| p.forward_deferred(d)).collect()
-            }
-            _ => Ok(self.forward_deferred(d)?.map(|y| vec![y])),
-        }
     }
 
     /// `self.forward_swiglu(norm(x))` for a stream whose `norm` was deferred (`d`), as
@@ -707,6 +729,36 @@ impl Linear {
         }
         let _ = d;
         Ok(None)
+    }
+
+    /// The layer's tile kernel (dense, or FP8 short of the FP8 GEMM) for the rows of `x`, adding
+    /// `residual` (`[rows, out]`) as it writes, with its part `io` in a deferred norm: the output
+    /// `[rows, out]` and what `io.out` asked for; `None` where the layer would not run `x`
+    /// through its tile kernel (or the launcher declines the operands).
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::type_complexity)]
+    fn tile_launch(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        io: cuda::NormIo,
+    ) -> Result<Option<(Tensor, Option<cuda::NormOut>)>> {
+        if x.rank() == 0 {
+            return Ok(None);
+        }
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        let x2 = || x.contiguous()?.reshape((rows, k));
+        match &self.kind {
+            Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
+                Some(w) => cuda::tile_linear(&x2()?, w, residual, io, &self.policy),
+                None => Ok(None),
+            },
+            Kind::Fp8 { w, .. } if rows <= SKINNY_MAX_ROWS && self.fp8_tiles(w, x)? => {
+                cuda::fp8_linear(&x2()?, w, residual, io, &self.policy)
+            }
+            _ => Ok(None),
+        }
     }
 
     /// The residual connection through the tile kernel (1..=[`SKINNY_MAX_ROWS`] bf16 rows, no
@@ -751,17 +803,7 @@ impl Linear {
             out: Some(g),
             input: None,
         };
-        let x2 = x.contiguous()?.reshape((rows, k))?;
-        let got = match &self.kind {
-            Kind::Dense(_) if self.tiles(x)? => match self.dense_weight() {
-                Some(w) => cuda::tile_linear(&x2, w, Some(&r2), io, &self.policy)?,
-                None => None,
-            },
-            Kind::Fp8 { w, bias: None } if self.fp8_tiles(w, x)? => {
-                cuda::fp8_linear(&x2, w, Some(&r2), io, &self.policy)?
-            }
-            _ => None,
-        };
+        let got = self.tile_launch(x, Some(&r2), io)?;
         let Some((y, Some((scaled, sumsq)))) = got else {
             return Ok(None);
         };
@@ -1138,6 +1180,19 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(diff < 1e-5, "part at {at}: {diff}");
             at += part.out_features();
+        }
+        // From a stream: one output a part (callers narrow them without a copy), those of
+        // forward_parts, of the stream as it is or normalised.
+        let norm = RmsNorm::zero_centred(&qwen36_testutil::randn(426, 0.3, 40, &dev)?, 1e-6)?;
+        let stream = Stream::new(x.clone());
+        for block in [None, Some(&norm)] {
+            let got = fused.forward_parts_stream(&stream, block)?;
+            let want = fused.forward_parts(&x, block)?;
+            assert_eq!(got.len(), 3, "{}", block.is_some());
+            for (g, w) in got.iter().zip(&want) {
+                let diff = (g - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{}", block.is_some());
+            }
         }
         // A partial block before others: no stacking.
         let Kind::Parts(p) = Linear::fused(vec![fp8(420, 20)?, fp8(422, 32)?])?.kind else {
