@@ -1,6 +1,9 @@
-//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation}.cu to PTX with nvcc (from $NVCC or PATH) for
-//! compute capability $CUDA_COMPUTE_CAP (default 80: the PTX then also JIT-compiles for Hopper),
-//! with the sizes of src/consts.rs as `qwen36_consts.cuh` (the crate includes the same table).
+//! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation}.cu with nvcc
+//! (from $NVCC or PATH) for compute capability $CUDA_COMPUTE_CAP (default 80) into fat binaries
+//! holding that capability's machine code and its PTX: GPUs of that major version load the
+//! machine code at once; newer ones JIT-compile the PTX (tens of seconds for these modules, and
+//! again wherever the driver's cache is empty). The sizes of src/consts.rs go to
+//! `qwen36_consts.cuh` (the crate includes the same table).
 use std::{env, fmt::Write, path::PathBuf, process::Command};
 
 /// Evaluates src/consts.rs into `TABLE`: each entry's name and value.
@@ -30,7 +33,7 @@ fn consts_header() -> String {
     h
 }
 
-/// The kernel sources, each compiled to `<name>.ptx`.
+/// The kernel sources, each compiled to `<name>.fatbin`.
 const KERNELS: [&str; 6] = ["gdn", "norm", "linear", "attention", "argmax", "activation"];
 
 fn main() {
@@ -48,16 +51,18 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     std::fs::write(out_dir.join("qwen36_consts.cuh"), consts_header()).expect("OUT_DIR is writable");
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
-    // The launcher sets the programmatic-dependent-launch attribute only for sm_90+ PTX.
+    // The launcher sets the programmatic-dependent-launch attribute only for sm_90+ builds.
     println!("cargo:rustc-env=QWEN36_PTX_CAP={cap}");
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for name in KERNELS {
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-I"])
+            .args(["--fatbin", "-O3", "-std=c++17", "-I"])
             .arg(&out_dir)
-            .arg(format!("-arch=compute_{cap}"))
+            .arg(format!(
+                "-gencode=arch=compute_{cap},code=[sm_{cap},compute_{cap}]"
+            ))
             .arg("-o")
-            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(out_dir.join(format!("{name}.fatbin")))
             .arg(format!("cuda/{name}.cu"))
             .status()
             .unwrap_or_else(|e| panic!("cannot run {nvcc} (the cuda feature needs a CUDA toolkit): {e}"));

@@ -1,13 +1,16 @@
-//! What the ops' CUDA launchers share, and nothing op-specific: the PTX modules build.rs makes,
+//! What the ops' CUDA launchers share, and nothing op-specific: the kernel modules build.rs makes,
 //! device views of tensors, fresh outputs, in-place updates of a caller's buffer, and the launch
 //! itself ([`KernelCall`], with programmatic dependent launch on Hopper). No op is imported here;
 //! each op's `cuda.rs` builds on these.
 
+use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::CudaFunction;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use candle_core::cuda::cudarc::driver::{CudaModule, CudaSlice, CudaView, CudaViewMut};
+use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -18,41 +21,73 @@ pub(crate) use launch::{device_setup, KernelCall};
 
 use crate::{Error, Result};
 
-/// A PTX module that build.rs compiled from `cuda/<file>.cu`, loaded into a device at its first use
-/// (the modules are statics, so each PTX text is in the binary once whichever ops use it).
-pub(crate) struct Ptx {
+/// A module that build.rs compiled from `cuda/<file>.cu`: a fat binary with the machine code of
+/// the build's compute capability and its PTX, loaded into a CUDA context at its first use (the
+/// modules are statics, so each image is in the binary once whichever ops use it).
+pub(crate) struct Module {
     name: &'static str,
-    code: &'static str,
+    image: &'static [u8],
 }
 
-macro_rules! ptx {
+macro_rules! module {
     ($file:literal) => {
-        Ptx {
-            name: concat!("qwen36_", $file),
-            code: include_str!(concat!(env!("OUT_DIR"), "/", $file, ".ptx")),
+        Module {
+            name: $file,
+            image: include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".fatbin")),
         }
     };
 }
 
 /// cuda/gdn.cu: the delta rule (recurrent, fused, chunked) and the causal conv1d.
-pub(crate) static GDN: Ptx = ptx!("gdn");
+pub(crate) static GDN: Module = module!("gdn");
 /// cuda/norm.cu: the RMSNorm variants and the fused q/k norm + RoPE.
-pub(crate) static NORM: Ptx = ptx!("norm");
+pub(crate) static NORM: Module = module!("norm");
 /// cuda/linear.cu: the weight-streaming GEMV kernels.
-pub(crate) static LINEAR: Ptx = ptx!("linear");
+pub(crate) static LINEAR: Module = module!("linear");
 /// cuda/attention.cu: decode and prefill attention, the KV write, the causal softmax.
-pub(crate) static ATTENTION: Ptx = ptx!("attention");
+pub(crate) static ATTENTION: Module = module!("attention");
 /// cuda/argmax.cu.
-pub(crate) static ARGMAX: Ptx = ptx!("argmax");
+pub(crate) static ARGMAX: Module = module!("argmax");
 /// cuda/activation.cu: SwiGLU.
-pub(crate) static ACTIVATION: Ptx = ptx!("activation");
+pub(crate) static ACTIVATION: Module = module!("activation");
 
-impl Ptx {
+/// The modules loaded so far, by CUDA context (its handle) and name. Every `CudaDevice` of a GPU
+/// shares that GPU's primary context, so a module loads once per GPU; the entry's module holds
+/// the context, so the handle stays that context's for the life of the process.
+type Loaded = HashMap<(usize, &'static str), Arc<CudaModule>>;
+static LOADED: LazyLock<RwLock<Loaded>> = LazyLock::new(RwLock::default);
+
+impl Module {
+    /// This module in `dev`'s context, loaded there at the first call.
+    fn loaded(&self, dev: &CudaDevice) -> Result<Arc<CudaModule>> {
+        let stream = dev.cuda_stream();
+        let ctx = stream.context();
+        let key = (ctx.cu_ctx() as usize, self.name);
+        if let Some(module) = LOADED.read().unwrap_or_else(PoisonError::into_inner).get(&key) {
+            return Ok(module.clone());
+        }
+        let mut loaded = LOADED.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(module) = loaded.get(&key) {
+            return Ok(module.clone());
+        }
+        // The driver reads a fat binary's headers as 8-byte words. A copy on the heap is so
+        // aligned by the system allocator (16 bytes on the platforms CUDA supports); checked.
+        let image = self.image.to_vec();
+        if image.as_ptr().align_offset(8) != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "the {} kernels' image is not 8-byte aligned in host memory",
+                self.name
+            ))
+            .into());
+        }
+        let module = ctx.load_module(Ptx::from_binary(image)).w()?;
+        loaded.insert(key, module.clone());
+        Ok(module)
+    }
+
     /// Kernel `name` of this module on `dev`.
     pub(crate) fn func(&self, dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-        Ok(dev
-            .get_or_load_custom_func(name, self.name, self.code)?
-            .into_cuda_function())
+        Ok(self.loaded(dev)?.load_function(name).w()?)
     }
 
     /// Kernel `name`, allowed `smem` bytes of dynamic shared memory (past the default 48 KiB).
