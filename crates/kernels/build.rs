@@ -1,8 +1,9 @@
 //! With the `cuda` feature: compiles cuda/{gdn,norm,linear,attention,argmax,activation}.cu with nvcc
 //! (from $NVCC or PATH) for compute capability $CUDA_COMPUTE_CAP (default 80) into fat binaries
-//! holding that capability's machine code and its PTX: GPUs of that major version load the
-//! machine code at once; newer ones JIT-compile the PTX (tens of seconds for these modules, and
-//! again wherever the driver's cache is empty). The sizes of src/consts.rs go to
+//! holding that capability's machine code and its PTX: GPUs of the same major version and an
+//! equal or higher minor one load the machine code at once; newer ones JIT-compile the PTX (tens
+//! of seconds for these modules, again wherever the driver's cache is empty; not at all from an
+//! architecture-specific `90a`). The sizes of src/consts.rs go to
 //! `qwen36_consts.cuh` (the crate includes the same table).
 use std::{env, fmt::Write, path::PathBuf, process::Command};
 
@@ -52,7 +53,7 @@ fn main() {
     std::fs::write(out_dir.join("qwen36_consts.cuh"), consts_header()).expect("OUT_DIR is writable");
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     // The launcher sets the programmatic-dependent-launch attribute only for sm_90+ builds.
-    println!("cargo:rustc-env=QWEN36_PTX_CAP={cap}");
+    println!("cargo:rustc-env=QWEN36_CUDA_CAP={cap}");
     let nvcc = env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for name in KERNELS {
         let status = Command::new(&nvcc)

@@ -11,8 +11,8 @@
 //!
 //! Every kernel in `cuda/*.cu` calls `pdl_wait()` (common.cuh) before it reads or writes global
 //! memory that another kernel touches; that is what makes the attribute safe for all of them. The
-//! attribute is set where the [`KernelPolicy`] asks for it, the device is sm_90+ and the PTX was
-//! built for it (on older PTX the wait compiles to nothing).
+//! attribute is set where the [`KernelPolicy`] asks for it, the device is sm_90+ and the kernels
+//! were built for it (in an older build the wait compiles to nothing).
 //!
 //! cudarc's `LaunchArgs` cannot pass launch attributes, so this replaces it for our kernels. What
 //! it leaves out is cudarc's per-buffer events, which only act when a context runs several
@@ -33,8 +33,8 @@ use candle_core::CudaDevice;
 
 use crate::KernelPolicy;
 
-/// Compute capability the PTX was built for (build.rs).
-const PTX_CAP: &str = env!("QWEN36_PTX_CAP");
+/// Compute capability the kernels were built for (build.rs's `CUDA_COMPUTE_CAP`, e.g. `90` or `90a`).
+const BUILD_CAP: &str = env!("QWEN36_CUDA_CAP");
 /// Most arguments of any kernel in `cuda/*.cu` (the recurrent GDN kernels: 28).
 const MAX_ARGS: usize = 32;
 
@@ -154,7 +154,7 @@ impl<'a> KernelCall<'a> {
 /// What one device supports of our launches.
 #[derive(Clone, Copy)]
 pub(crate) struct DeviceSetup {
-    /// Launches may carry the PDL attribute (an sm_90+ device and PTX built for it).
+    /// Launches may carry the PDL attribute (an sm_90+ device and kernels built for it).
     pdl: bool,
     /// The device's compute capability major version (0 where it could not be read).
     pub(crate) major: u8,
@@ -168,9 +168,13 @@ pub(crate) fn device_setup(stream: &CudaStream) -> DeviceSetup {
     static CACHE: [AtomicU8; 16] = [const { AtomicU8::new(0) }; 16];
     let ctx = stream.context();
     let slot = CACHE.get(ctx.ordinal());
-    let ptx_cap: u32 = PTX_CAP.parse().unwrap_or(0);
+    // The number before any feature suffix (`90a`: 90).
+    let build_cap: u32 = BUILD_CAP
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .parse()
+        .unwrap_or(0);
     let setup = |major: u8| DeviceSetup {
-        pdl: major >= 9 && ptx_cap >= 90,
+        pdl: major >= 9 && build_cap >= 90,
         major,
     };
     if let Some(cached) = slot.map(|s| s.load(Ordering::Relaxed)).filter(|&c| c > 0) {
