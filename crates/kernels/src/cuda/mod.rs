@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, LazyLock, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::CudaFunction;
@@ -51,15 +51,14 @@ pub(crate) static ARGMAX: Module = module!("argmax");
 /// cuda/activation.cu: SwiGLU.
 pub(crate) static ACTIVATION: Module = module!("activation");
 
-/// The modules loaded so far, by CUDA context (its handle) and name, each in a slot of its own
-/// so that one module's load (a JIT compile of the PTX where the build's machine code does not
-/// fit the GPU: tens of seconds) holds up neither another GPU's nor another module's, while the
-/// threads that want the same one wait for it rather than compile it again. Every `CudaDevice`
-/// of a GPU shares that GPU's primary context, so a module loads once per GPU. A loaded module
-/// holds its context, so the handle names that context for the life of the process: a GPU's
-/// primary context, once a kernel ran there, is kept until the process exits.
-type Slot = Arc<Mutex<Option<Arc<CudaModule>>>>;
-static LOADED: LazyLock<RwLock<HashMap<(usize, &'static str), Slot>>> = LazyLock::new(RwLock::default);
+/// The modules loaded so far, by CUDA context (its handle) and name. Every `CudaDevice` of a GPU
+/// shares that GPU's primary context, so a module loads once per GPU. A loaded module holds its
+/// context, so the handle names that context for the life of the process: a GPU's primary
+/// context, once a kernel ran there, is kept until the process exits. A load holds the lock: the
+/// threads that want a module wait for its one load (a JIT compile of the PTX, tens of seconds,
+/// where the build's machine code does not fit the GPU).
+type Loaded = HashMap<(usize, &'static str), Arc<CudaModule>>;
+static LOADED: LazyLock<RwLock<Loaded>> = LazyLock::new(RwLock::default);
 
 impl Module {
     /// This module in `dev`'s context, loaded there at the first call.
@@ -67,22 +66,11 @@ impl Module {
         let stream = dev.cuda_stream();
         let ctx = stream.context();
         let key = (ctx.cu_ctx() as usize, self.name);
-        let known = LOADED
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&key)
-            .cloned();
-        let slot = match known {
-            Some(slot) => slot,
-            None => LOADED
-                .write()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(key)
-                .or_default()
-                .clone(),
-        };
-        let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(module) = slot.as_ref() {
+        if let Some(module) = LOADED.read().unwrap_or_else(PoisonError::into_inner).get(&key) {
+            return Ok(module.clone());
+        }
+        let mut loaded = LOADED.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(module) = loaded.get(&key) {
             return Ok(module.clone());
         }
         // The driver reads a fat binary's headers as 8-byte words. A copy on the heap is so
@@ -96,7 +84,7 @@ impl Module {
             .into());
         }
         let module = ctx.load_module(Ptx::from_binary(image)).w()?;
-        *slot = Some(module.clone());
+        loaded.insert(key, module.clone());
         Ok(module)
     }
 
